@@ -1,0 +1,46 @@
+"""Per-step attention metadata, built once by the runner and passed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class LayerHooks(Protocol):
+    """Connector hooks around each attention layer (wait for a remote load, save a layer)."""
+
+    def before_layer(self, layer_idx: int) -> None: ...
+
+    def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None: ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch of prefill chunks and decode tokens.
+
+    Sequences are ordered as in the batch; sequence i owns query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` whose absolute positions end at
+    ``seq_lens[i] - 1``. K/V of every new token is written at ``slot_mapping``
+    (``block_id * block_size + offset``) before attention reads the cache.
+    """
+
+    slot_mapping: torch.Tensor      # [num_tokens] int64
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    seq_lens: torch.Tensor          # [num_seqs] int32: cached + new tokens after this step
+    block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc_cpu: list[int]  # host copies, so reference paths need no device sync
+    seq_lens_cpu: list[int]
+    layer_hooks: LayerHooks | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]

@@ -1,0 +1,133 @@
+"""msgpack encoding of message dataclasses with a type tag, a version and field validation.
+
+Every socket in pdserve speaks through a ``MessageCodec`` built with the message types it
+accepts. Decoding checks the tag, the version, that every required field is present and
+that each value has its annotated type; anything else raises ``MessageDecodeError`` so the
+receiver can log it, count it and carry on. Never pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Union
+
+import msgpack
+
+from engine_core.errors import MessageDecodeError
+
+PROTOCOL_VERSION = 1
+_NONE_TYPE = type(None)
+
+
+def _check(value: Any, hint: Any, path: str) -> Any:
+    """Validate ``value`` against a type hint; rebuild nested dataclasses; return the value."""
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _check(value, option, path)
+            except MessageDecodeError as exc:
+                errors.append(str(exc))
+        raise MessageDecodeError(f"{path}: {value!r:.80} matches none of {hint}")
+    if hint is _NONE_TYPE or hint is None:
+        if value is not None:
+            raise MessageDecodeError(f"{path}: expected null")
+        return None
+    if origin in (list, tuple, set, frozenset):
+        if not isinstance(value, (list, tuple)):
+            raise MessageDecodeError(f"{path}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(hint)
+        inner = args[0] if args else Any
+        items = [_check(item, inner, f"{path}[{i}]") for i, item in enumerate(value)]
+        return origin(items) if origin is not tuple else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MessageDecodeError(f"{path}: expected a map, got {type(value).__name__}")
+        key_hint, value_hint = typing.get_args(hint) or (Any, Any)
+        return {_check(k, key_hint, f"{path}.key"): _check(v, value_hint, f"{path}[{k!r}]")
+                for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise MessageDecodeError(f"{path}: expected a map for {hint.__name__}")
+        return _build(hint, value, path)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MessageDecodeError(f"{path}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MessageDecodeError(f"{path}: expected an integer, got {type(value).__name__}")
+        return value
+    if hint in (str, bytes, bool):
+        if not isinstance(value, hint):
+            raise MessageDecodeError(f"{path}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    raise MessageDecodeError(f"{path}: unsupported field type {hint}")
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in data:
+            kwargs[f.name] = _check(data[f.name], hints[f.name], f"{path}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MessageDecodeError(f"{path}: missing field {f.name!r}")
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise MessageDecodeError(f"{path}: unknown fields {sorted(unknown)}")
+    return cls(**kwargs)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+class MessageCodec:
+    """Encodes and decodes a fixed set of message dataclasses."""
+
+    def __init__(self, message_types: typing.Iterable[type], version: int = PROTOCOL_VERSION,
+                 max_bytes: int = 64 << 20) -> None:
+        self._types = {t.__name__: t for t in message_types}
+        self._version = version
+        self._max_bytes = max_bytes
+
+    def encode(self, message: Any) -> bytes:
+        name = type(message).__name__
+        if name not in self._types:
+            raise TypeError(f"{name} is not a message type of this codec")
+        return msgpack.packb({"t": name, "v": self._version, "d": _to_plain(message)},
+                             use_bin_type=True)
+
+    def decode(self, payload: bytes) -> Any:
+        """Decode and validate; raise MessageDecodeError on anything unexpected."""
+        if len(payload) > self._max_bytes:
+            raise MessageDecodeError(f"message of {len(payload)} bytes exceeds {self._max_bytes}")
+        try:
+            envelope = msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                                       max_bin_len=self._max_bytes, max_str_len=self._max_bytes)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise MessageDecodeError(f"not msgpack: {exc}") from None
+        if not isinstance(envelope, dict) or set(envelope) != {"t", "v", "d"}:
+            raise MessageDecodeError("envelope must be {t, v, d}")
+        if envelope["v"] != self._version:
+            raise MessageDecodeError(f"version {envelope['v']!r} != {self._version}")
+        cls = self._types.get(envelope["t"]) if isinstance(envelope["t"], str) else None
+        if cls is None:
+            raise MessageDecodeError(f"unknown message type {envelope['t']!r}")
+        if not isinstance(envelope["d"], dict):
+            raise MessageDecodeError("message body must be a map")
+        return _build(cls, envelope["d"], cls.__name__)

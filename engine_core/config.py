@@ -1,0 +1,262 @@
+"""Frozen engine configuration, built once at the edge (CLI or ``LLM(...)``) and passed in.
+
+Nothing below the entry points reads environment variables; every knob lives here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from engine_core.errors import ConfigError
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+HASH_ALGOS = ("sha256", "xxhash")
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how to load it."""
+
+    model: str
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("--max-model-len must be >= 1")
+
+    @property
+    def name(self) -> str:
+        """The model name clients use (``--served-model-name`` or the path)."""
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache size and prefix-caching policy."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    # Cluster-wide seed of the block-hash chain: prefill, decode and proxy must agree.
+    prefix_hash_seed: str = "pdserve-v1"
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ConfigError(f"--prefix-caching-hash-algo must be one of {HASH_ALGOS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError("--num-gpu-blocks-override must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits of one engine step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-batched-tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the engine runs: ``auto`` picks CUDA when present, else CPU."""
+
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    def resolve(self) -> str:
+        """The concrete torch device string."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _as_int(value: Any, key: str) -> int:
+    """vLLM's seed examples pass numbers as strings ("21001", "1e1"); accept both."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv-transfer-config: {key} must be a number, got {value!r}") from None
+    if number != int(number):
+        raise ConfigError(f"kv-transfer-config: {key} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _as_float(value: Any, key: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv-transfer-config: {key} must be a number, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``--kv-transfer-config``: vLLM's JSON keys, with values normalised to their types."""
+
+    kv_connector: str = "P2pNcclConnector"
+    kv_role: str = "kv_both"
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    # vLLM's P2P connector reads this as GB of GPU receive buffer ("1e1" = 10 GB).
+    kv_buffer_size: float = 1e9
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    proxy_ip: str | None = None
+    proxy_port: int | None = None
+    http_ip: str | None = None
+    http_port: int | None = None
+    send_type: str = "PUT_ASYNC"
+    nccl_num_channels: int | None = None
+    kv_load_failure_policy: str = "recompute"
+    transfer_timeout_s: float = 30.0
+    get_lease_s: float = 60.0
+    orphan_ttl_s: float = 60.0
+    transport: str = "auto"  # auto | nccl | cpu
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in ("P2pNcclConnector", "PdserveConnector"):
+            raise ConfigError(
+                f"kv_connector {self.kv_connector!r} is not supported (use P2pNcclConnector)")
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.send_type not in SEND_TYPES:
+            raise ConfigError(f"send_type must be one of {SEND_TYPES}, got {self.send_type!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ConfigError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}")
+        if self.transport not in ("auto", "nccl", "cpu"):
+            raise ConfigError("transport must be auto, nccl or cpu")
+        if not 0 < self.kv_port < 65536:
+            raise ConfigError(f"kv_port out of range: {self.kv_port}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def kv_buffer_bytes(self) -> int:
+        """Receive-buffer bound in bytes: values under 1e4 are GB (vLLM's convention)."""
+        if self.kv_buffer_size < 1e4:
+            return int(self.kv_buffer_size * 1e9)
+        return int(self.kv_buffer_size)
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> KVTransferConfig:
+        """Parse vLLM-style JSON; unknown top-level keys are an error, extra-config keys kept."""
+        try:
+            data = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("--kv-transfer-config must be a JSON object")
+        extra = data.pop("kv_connector_extra_config", {}) or {}
+        if not isinstance(extra, dict):
+            raise ConfigError("kv_connector_extra_config must be a JSON object")
+        known_top = {"kv_connector", "kv_role", "kv_rank", "kv_parallel_size",
+                     "kv_buffer_size", "kv_ip", "kv_port", "kv_buffer_device",
+                     "kv_load_failure_policy", "engine_id", "kv_connector_module_path"}
+        unknown = set(data) - known_top
+        if unknown:
+            raise ConfigError(f"--kv-transfer-config: unknown keys {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for key in ("kv_connector", "kv_role", "kv_ip", "kv_load_failure_policy"):
+            if key in data:
+                kwargs[key] = str(data[key])
+        for key in ("kv_rank", "kv_parallel_size", "kv_port"):
+            if data.get(key) is not None:
+                kwargs[key] = _as_int(data[key], key)
+        if "kv_buffer_size" in data:
+            kwargs["kv_buffer_size"] = _as_float(data["kv_buffer_size"], "kv_buffer_size")
+        for key in ("proxy_ip", "http_ip", "send_type", "transport"):
+            if key in extra:
+                kwargs[key] = str(extra[key])
+        for key in ("proxy_port", "http_port", "nccl_num_channels"):
+            if extra.get(key) is not None:
+                kwargs[key] = _as_int(extra[key], key)
+        for key in ("transfer_timeout_s", "get_lease_s", "orphan_ttl_s"):
+            if key in extra:
+                kwargs[key] = _as_float(extra[key], key)
+        if "kv_load_failure_policy" in extra:
+            kwargs["kv_load_failure_policy"] = str(extra["kv_load_failure_policy"])
+        kwargs["extra"] = dict(extra)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine-core needs; the single object passed down from the edge."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    kv_transfer: KVTransferConfig | None = None
+
+    def with_changes(self, **sections: Any) -> EngineConfig:
+        """A copy with whole sections replaced (configs are frozen)."""
+        return replace(self, **sections)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from flat vLLM-style keyword names (``max_num_seqs=...``), as ``LLM`` takes them."""
+        sections: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
+                                               "scheduler": {}, "device": {}}
+        owners = {
+            "model": ModelConfig, "cache": CacheConfig,
+            "scheduler": SchedulerConfig, "device": DeviceConfig,
+        }
+        kv_transfer = kwargs.pop("kv_transfer_config", None)
+        for key, value in kwargs.items():
+            for section, klass in owners.items():
+                if key in {f.name for f in fields(klass)}:
+                    sections[section][key] = value
+                    break
+            else:
+                raise ConfigError(f"unknown engine argument {key!r}")
+        if isinstance(kv_transfer, (str, dict)):
+            kv_transfer = KVTransferConfig.from_json(kv_transfer)
+        return cls(
+            model=ModelConfig(**sections["model"]),
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            device=DeviceConfig(**sections["device"]),
+            kv_transfer=kv_transfer,
+        )

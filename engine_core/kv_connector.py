@@ -1,0 +1,159 @@
+"""The KV connector interface the engine core calls at fixed points, and the no-op connector.
+
+A connector is two objects, not one with a role flag:
+
+* ``ConnectorScheduler`` lives beside the scheduler. It is pure decision logic: how many of a
+  request's tokens will arrive from outside, what to do once blocks are allocated, what the
+  runner must do this step (metadata placed in ``SchedulerOutput.kv_connector_metadata``),
+  and whether a finished request's blocks must be held until a send completes.
+* ``ConnectorWorker`` lives beside the model runner. It moves bytes: starts loads, waits per
+  layer, saves per layer, and reports finished and failed transfers in the runner output.
+
+The engine core never branches on whether a connector exists: a colocated engine gets the
+``NullConnectorScheduler`` / ``NullConnectorWorker`` pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine_core.attention.metadata import AttentionMetadata
+    from engine_core.request import Request
+    from engine_core.sched.outputs import SchedulerOutput
+
+
+@dataclass
+class ExternalMatch:
+    """Answer of ``get_num_new_matched_tokens``.
+
+    ``num_tokens`` prompt tokens (beyond the local prefix hit) will come from outside; when
+    ``is_async`` the request parks in WAITING_FOR_REMOTE_KV until the worker reports them.
+    """
+
+    num_tokens: int = 0
+    is_async: bool = False
+
+
+@dataclass
+class FinishedTransfers:
+    """What the worker side reports after a step."""
+
+    sending: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+class ConnectorScheduler(Protocol):
+    """Scheduler-side half: decisions only, no devices, sockets or threads."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        """How many tokens after the local prefix hit a remote peer will supply."""
+        ...
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_local_computed_tokens: int, num_external_tokens: int) -> None:
+        """Blocks for the request exist now; remember where remote KV must land."""
+        ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """The metadata the worker side needs for this step (loads to start, layers to save)."""
+        ...
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Return (hold_blocks, kv_transfer_params for the response) for a finished request."""
+        ...
+
+    def update_finished(self, finished: FinishedTransfers) -> None:
+        """The worker reported these transfers done; forget their state."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters for /metrics (pending sends, buffer bytes, ...)."""
+        ...
+
+
+class ConnectorWorker(Protocol):
+    """Worker-side half: owns transports and moves KV bytes."""
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None: ...
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """Begin (or poll) receives for this step's requests."""
+        ...
+
+    def bind_step(self, metadata: Any, attn_metadata: AttentionMetadata) -> None:
+        """Remember this step's metadata so the per-layer hooks know what to save."""
+        ...
+
+    def before_layer(self, layer_idx: int) -> None:
+        """Block until this layer's remote KV has landed (layer-wise loading)."""
+        ...
+
+    def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        """This layer's KV for the step is in the cache: gather and send what is due."""
+        ...
+
+    def wait_for_save(self) -> None:
+        """End of step: synchronous send types complete here."""
+        ...
+
+    def get_finished(self) -> FinishedTransfers:
+        """Transfers completed or failed since the last call."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class NullConnectorScheduler:
+    """Colocated engines: nothing comes from outside and nothing is held."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        return ExternalMatch()
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_local_computed_tokens: int, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        return None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def update_finished(self, finished: FinishedTransfers) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class NullConnectorWorker:
+    """Colocated engines: every hook is a no-op."""
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        return None
+
+    def start_load_kv(self, metadata: Any) -> None:
+        return None
+
+    def bind_step(self, metadata: Any, attn_metadata: AttentionMetadata) -> None:
+        return None
+
+    def before_layer(self, layer_idx: int) -> None:
+        return None
+
+    def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self) -> FinishedTransfers:
+        return FinishedTransfers()
+
+    def shutdown(self) -> None:
+        return None

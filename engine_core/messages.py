@@ -1,0 +1,112 @@
+"""Messages between an API process and its engine-core process (ZMQ + msgpack)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_core.codec import MessageCodec
+
+
+@dataclass
+class AddRequest:
+    """Start generating for a tokenized prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    arrival_time: float
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class AbortRequests:
+    """Stop these requests and free their blocks (client gone, stop string hit)."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class UtilityCall:
+    """An out-of-band call: reset_prefix_cache, get_stats, check_health, shutdown."""
+
+    call_id: int
+    method: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class RequestTimings:
+    """Engine-side timestamps (monotonic seconds) for per-request latency breakdowns."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one request since the last output, and its end when finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None     # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id, when one ended it
+    new_logprobs: list[TokenLogprob] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+    timings: RequestTimings | None = None
+
+
+@dataclass
+class EngineStats:
+    """Snapshot of scheduler and cache state for /metrics and heartbeats."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kv: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_computed_prompt_tokens_total: int
+    rejected_messages: int = 0
+    connector: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutputs:
+    """One batch of outputs pushed from the engine to the API process."""
+
+    outputs: list[EngineOutput]
+    stats: EngineStats | None = None
+
+
+ENGINE_INPUT_CODEC = MessageCodec([AddRequest, AbortRequests, UtilityCall])
+ENGINE_OUTPUT_CODEC = MessageCodec([EngineOutputs, UtilityResult])

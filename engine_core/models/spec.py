@@ -1,0 +1,75 @@
+"""The shape of a model, read from an HF config.json; configuration as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_core.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the engine needs to know about a decoder-only transformer's shape."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool       # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool              # Qwen3: RMSNorm on q and k per head
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
+        """Parse a config.json dict; raise ModelLoadError for an unsupported architecture."""
+        architectures = config.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {architectures}; supported: {SUPPORTED_ARCHITECTURES}")
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            eos = config.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return cls(
+                architecture=arch,
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(config.get("rope_theta")
+                                 or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                rope_scaling=config.get("rope_scaling"),
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+                eos_token_ids=eos_ids,
+                bos_token_id=config.get("bos_token_id"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json lacks required key {exc}") from None
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """KV cache bytes one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size

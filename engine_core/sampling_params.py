@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, validated once at creation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_core.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop; mirrors vLLM's fields and defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0  # vLLM accepts -1 and 0 for "off"
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the offending parameter."""
+        if self.n != 1:
+            raise InvalidRequestError("n > 1 is not supported; send n requests instead", "n")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", "min_p")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise InvalidRequestError("presence_penalty must be in [-2, 2]", "presence_penalty")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise InvalidRequestError("frequency_penalty must be in [-2, 2]", "frequency_penalty")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty must be > 0", "repetition_penalty")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1", "max_tokens")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs must be in [0, 20]", "logprobs")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be non-empty strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameters {sorted(unknown)}")
+        return cls(**data)

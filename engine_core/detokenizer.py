@@ -1,0 +1,121 @@
+"""Incremental detokenization with stop strings, shared by the offline ``LLM`` and the server.
+
+Tokens arrive a few at a time. Decoding each new token alone is wrong for byte-level BPE
+(one character may span several tokens) and for tokenizers that drop a leading space, so
+we decode a small sliding window (``prefix_offset:``) and emit only the text past what the
+window's older part (``prefix_offset:read_offset``) already produced. A window whose text
+ends in U+FFFD is an incomplete character: we wait for the next token.
+
+Stop strings are searched in the text only near its new end. While streaming, the longest
+suffix that could still grow into a stop string is held back, so an excluded stop string
+is never sent to a client and then taken back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Prompt tokens kept as decoding context, so the first output token gets its leading space.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DetokenizerUpdate:
+    """Text released by one ``update``: ``text`` is new, ``stop_str`` set when one matched."""
+
+    text: str
+    stop_str: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text, applying stop strings."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = [s for s in stop if s]
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._include_stop = include_stop_str_in_output
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._window_ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.output_text = ""
+        self._num_released = 0
+        self.stop_str: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string matched; later tokens are ignored."""
+        return self.stop_str is not None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
+
+    def _decode_next(self, flush: bool) -> str:
+        """Text of the window past the already-read part; '' while a character is incomplete."""
+        if self._read_offset >= len(self._window_ids) and not flush:
+            return ""
+        prefix_text = self._decode(self._window_ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._window_ids[self._prefix_offset:])
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(_REPLACEMENT_CHAR) and not flush:
+            return ""
+        new_text = full_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._window_ids)
+        return new_text
+
+    def _check_stop(self, num_new_chars: int) -> None:
+        """Truncate ``output_text`` at the earliest stop string touching the new text."""
+        if not self._stop or num_new_chars == 0:
+            return
+        start = max(0, len(self.output_text) - num_new_chars - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            index = self.output_text.find(stop, start)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return
+        index, stop = best
+        self.output_text = self.output_text[:index + len(stop) if self._include_stop else index]
+        self.stop_str = stop
+
+    def _holdback(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        if not self._stop:
+            return 0
+        text = self.output_text
+        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            suffix = text[-length:]
+            if any(stop.startswith(suffix) for stop in self._stop):
+                return length
+        return 0
+
+    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> DetokenizerUpdate:
+        """Add tokens; return the text now safe to release (all of it when ``finished``)."""
+        if not self.stopped:
+            self._window_ids.extend(new_token_ids)
+            new_text = self._decode_next(flush=finished)
+            self.output_text += new_text
+            self._check_stop(len(new_text))
+            # Keep the window short: decoding cost must not grow with the output length.
+            if self._prefix_offset > 64:
+                drop = self._prefix_offset
+                self._window_ids = self._window_ids[drop:]
+                self._prefix_offset -= drop
+                self._read_offset -= drop
+        end = len(self.output_text)
+        if not (finished or self.stopped):
+            end -= self._holdback()
+        released = self.output_text[self._num_released:end] if end > self._num_released else ""
+        self._num_released = max(self._num_released, end)
+        return DetokenizerUpdate(text=released, stop_str=self.stop_str)

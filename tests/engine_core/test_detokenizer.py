@@ -1,0 +1,114 @@
+"""Incremental detokenizer and front-end output state: multi-byte chars, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core.detokenizer import IncrementalDetokenizer
+from engine_core.messages import EngineOutput, TokenLogprob
+from engine_core.output_processor import OutputProcessor, RequestState
+from engine_core.sampling_params import SamplingParams
+
+CORPUS = ["hello world, the quick brown fox jumps over the lazy dog. STOP here.",
+          "naïve café, 日本語のテキスト, emoji 🎉🚀 and more text. END of line"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A small byte-level BPE tokenizer: multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    pieces = []
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        update = detok.update(ids[i:i + chunk], finished=last)
+        pieces.append(update.text)
+        if update.stop_str is not None:
+            break
+    return pieces
+
+
+@pytest.mark.parametrize("text", ["日本語のテキスト 🎉🚀", "naïve café", "hello world", "ünïcödé ✓"])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_multibyte_characters_split_across_tokens(tokenizer, text, chunk):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids) or text.isascii()
+    pieces = _stream(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True), ids, chunk)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_prompt_context_and_special_tokens(tokenizer):
+    prompt = tokenizer.encode("hello", add_special_tokens=False)
+    ids = tokenizer.encode(" world", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert "".join(_stream(IncrementalDetokenizer(tokenizer, prompt), ids)) == " world"
+    keep = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False)
+    assert "".join(_stream(keep, ids)) == " world<eos>"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_stop_string_spanning_tokens_excluded(tokenizer, chunk):
+    ids = tokenizer.encode("the quick brown fox jumps", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["k bro"])
+    pieces = _stream(detok, ids, chunk)
+    assert "".join(pieces) == "the quic"
+    assert detok.stop_str == "k bro"
+
+
+def test_stop_string_included(tokenizer):
+    ids = tokenizer.encode("the quick brown fox jumps", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["brown", "fox"],
+                                   include_stop_str_in_output=True)
+    assert "".join(_stream(detok, ids)) == "the quick brown"
+    assert detok.stop_str == "brown"
+
+
+def test_earliest_stop_wins_and_holdback_releases(tokenizer):
+    ids = tokenizer.encode("the lazy dog. STOP here.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP", "dog. X"])
+    pieces = _stream(detok, ids)
+    assert "".join(pieces) == "the lazy dog. "
+    # Text that only looked like the start of "dog. X" is released once it cannot match.
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["dog. X"])
+    assert "".join(_stream(detok, ids)) == "the lazy dog. STOP here."
+    assert detok.stop_str is None
+
+
+def test_request_state_stop_string_asks_engine_abort(tokenizer):
+    params = SamplingParams(stop=["fox"], logprobs=1, max_tokens=50)
+    state = RequestState.create("r1", [1, 2], params, tokenizer)
+    ids = tokenizer.encode("the quick brown fox jumps", add_special_tokens=False)
+    deltas = []
+    for tid in ids:
+        lp = TokenLogprob(token_id=tid, logprob=-0.5, rank=1, top_token_ids=[tid], top_logprobs=[-0.5])
+        delta = state.process(EngineOutput("r1", [tid], 2, 0, new_logprobs=[lp]))
+        if delta is None:
+            break
+        deltas.append(delta)
+    assert deltas[-1].finished and deltas[-1].needs_engine_abort
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "fox"
+    assert state.output_text == "the quick brown "
+    assert deltas[0].logprobs[0].token == tokenizer.decode([ids[0]])
+
+
+def test_output_processor_engine_finish(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    proc.add_request("a", [1], SamplingParams(max_tokens=len(ids)))
+    deltas, aborts = proc.process_outputs([EngineOutput("a", ids[:-1], 1, 0)])
+    assert not aborts and not deltas[0].finished
+    deltas, _ = proc.process_outputs([EngineOutput("a", ids[-1:], 1, 0, finish_reason="length")])
+    assert deltas[0].finished and deltas[0].finish_reason == "length"
+    assert deltas[0].num_output_tokens == len(ids)
+    assert not proc.has_unfinished()

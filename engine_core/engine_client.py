@@ -1,0 +1,301 @@
+"""``AsyncEngineClient``: the API process's handle on its engine-core child process.
+
+It spawns the engine (``multiprocessing`` "spawn" context, a picklable ``engine_factory``),
+binds the two ZMQ sockets, waits for the ready handshake, then routes engine outputs to
+per-request queues. A dead engine process fails every in-flight request and utility call
+with ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine_core import errors
+from engine_core.config import EngineConfig
+from engine_core.engine_process import READY_CALL_ID, EngineFactory, run_engine_core
+from engine_core.errors import EngineDeadError, InvalidRequestError, MessageDecodeError, PdserveError
+from engine_core.messages import (
+    ENGINE_INPUT_CODEC,
+    ENGINE_OUTPUT_CODEC,
+    AbortRequests,
+    AddRequest,
+    EngineOutput,
+    EngineOutputs,
+    EngineStats,
+    UtilityCall,
+    UtilityResult,
+)
+from engine_core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine reported at startup."""
+
+    tokenizer_path: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    num_total_blocks: int
+    num_free_blocks: int
+
+
+def request_error(message: str | None) -> PdserveError:
+    """Rebuild the exception an engine reported as ``"TypeName: message"``."""
+    text = message or "request failed in the engine"
+    name, _, detail = text.partition(": ")
+    klass = getattr(errors, name, None)
+    if isinstance(klass, type) and issubclass(klass, PdserveError) and detail:
+        return klass(detail)
+    return PdserveError(text)
+
+
+class AsyncEngineClient:
+    """Talks to one engine-core process over ZMQ; use ``await AsyncEngineClient.start(...)``."""
+
+    def __init__(self, process: Any, info: EngineInfo, input_socket: zmq.Socket,
+                 output_socket: zmq.asyncio.Socket, contexts: tuple[zmq.Context, ...],
+                 socket_dir: str | None) -> None:
+        self._process = process
+        self.info = info
+        self._input = input_socket
+        self._output = output_socket
+        self._contexts = contexts
+        self._socket_dir = socket_dir
+        self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(READY_CALL_ID + 1)
+        self._dead: EngineDeadError | None = None
+        self._closed = False
+        self.latest_stats: EngineStats | None = None
+        self.num_rejected_messages = 0
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_outputs())
+        loop.add_reader(process.sentinel, self._on_process_exit)
+
+    @classmethod
+    async def start(cls, config: EngineConfig, engine_factory: EngineFactory | None = None, *,
+                    input_address: str | None = None, output_address: str | None = None,
+                    startup_timeout_s: float = 600.0, log_level: int | None = None,
+                    stats_interval_s: float = 1.0) -> AsyncEngineClient:
+        """Spawn the engine process, wait for its handshake, and return a connected client."""
+        socket_dir = None
+        if input_address is None or output_address is None:
+            socket_dir = tempfile.mkdtemp(prefix="pdserve-engine-")
+            input_address = input_address or f"ipc://{socket_dir}/input"
+            output_address = output_address or f"ipc://{socket_dir}/output"
+        sync_context = zmq.Context()
+        async_context = zmq.asyncio.Context()
+        input_socket = sync_context.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.LINGER, 0)
+        input_socket.setsockopt(zmq.SNDHWM, 0)
+        input_socket.bind(input_address)
+        output_socket = async_context.socket(zmq.PULL)
+        output_socket.setsockopt(zmq.LINGER, 0)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        output_socket.bind(output_address)
+        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="pdserve-engine-core", daemon=True,
+            args=(config, input_address, output_address, engine_factory, os.getpid(), level,
+                  stats_interval_s))
+        process.start()
+
+        def cleanup() -> None:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+            input_socket.close()
+            output_socket.close()
+            sync_context.term()
+            async_context.term()
+            if socket_dir:
+                shutil.rmtree(socket_dir, ignore_errors=True)
+
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            while True:
+                if await output_socket.poll(200):
+                    message = ENGINE_OUTPUT_CODEC.decode(await output_socket.recv())
+                    if isinstance(message, UtilityResult) and message.call_id == READY_CALL_ID:
+                        break
+                    continue
+                if not process.is_alive():
+                    raise EngineDeadError(
+                        f"engine process exited during startup (code {process.exitcode})")
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"engine did not start within {startup_timeout_s}s")
+        except BaseException:
+            cleanup()
+            raise
+        if not message.ok:
+            cleanup()
+            raise EngineDeadError(f"engine failed to start: {message.error}")
+        data = message.result
+        info = EngineInfo(tokenizer_path=data["tokenizer_path"],
+                          max_model_len=data["max_model_len"],
+                          eos_token_ids=tuple(data["eos_token_ids"]),
+                          vocab_size=data["vocab_size"],
+                          num_total_blocks=data["num_total_blocks"],
+                          num_free_blocks=data["num_free_blocks"])
+        return cls(process, info, input_socket, output_socket,
+                   (sync_context, async_context), socket_dir)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._closed
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def _send(self, message: Any) -> None:
+        """Queue a message for the engine; never blocks (unbounded send queue)."""
+        if self._dead is not None:
+            raise self._dead
+        self._input.send(ENGINE_INPUT_CODEC.encode(message), flags=zmq.NOBLOCK)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+
+    def _on_process_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._process.join(0)
+        if not self._closed:
+            logger.error("engine core process died (exit code %s); failing %d requests",
+                         self._process.exitcode, len(self._queues))
+        self._fail_all(EngineDeadError(
+            f"engine core process exited (code {self._process.exitcode})"))
+
+    async def _read_outputs(self) -> None:
+        while True:
+            payload = await self._output.recv()
+            try:
+                message = ENGINE_OUTPUT_CODEC.decode(payload)
+            except MessageDecodeError as exc:
+                self.num_rejected_messages += 1
+                logger.warning("dropped malformed engine output: %s", exc)
+                continue
+            if isinstance(message, EngineOutputs):
+                if message.stats is not None:
+                    self.latest_stats = message.stats
+                for output in message.outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif isinstance(message, UtilityResult):
+                future = self._calls.pop(message.call_id, None)
+                if future is None or future.done():
+                    continue
+                if message.ok:
+                    future.set_result(message.result)
+                else:
+                    future.set_exception(PdserveError(message.error or "utility call failed"))
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling_params: SamplingParams,
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       ) -> AsyncIterator[EngineOutput]:
+        """Stream the engine's outputs for one request; abort it if the caller stops early."""
+        if self._dead is not None:
+            raise self._dead
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                                  sampling_params=sampling_params.to_dict(),
+                                  arrival_time=time.monotonic(),
+                                  kv_transfer_params=kv_transfer_params))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason == "error":
+                    finished = True
+                    raise request_error(item.error)
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self._dead is None and not self._closed:
+                self._send(AbortRequests(request_ids=[request_id]))
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests in the engine; their blocks are freed."""
+        if request_ids and self._dead is None and not self._closed:
+            self._send(AbortRequests(request_ids=list(request_ids)))
+
+    async def call(self, method: str, timeout_s: float = 30.0, **args: Any) -> Any:
+        """Run a utility method in the engine (reset_prefix_cache, get_stats, check_health)."""
+        if self._dead is not None:
+            raise self._dead
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(UtilityCall(call_id=call_id, method=method, args=dict(args)))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def get_stats(self) -> EngineStats:
+        """A fresh stats snapshot from the engine."""
+        return EngineStats(**await self.call("get_stats"))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine process (gracefully, then by force) and release the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead is None and self._process.is_alive():
+            with contextlib.suppress(Exception):
+                self._input.send(ENGINE_INPUT_CODEC.encode(
+                    UtilityCall(call_id=next(self._call_ids), method="shutdown")))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._process.join, timeout_s)
+        if self._process.is_alive():
+            self._process.terminate()
+            await loop.run_in_executor(None, self._process.join, 5)
+        if self._process.is_alive():
+            self._process.kill()
+            await loop.run_in_executor(None, self._process.join, 5)
+        with contextlib.suppress(Exception):
+            loop.remove_reader(self._process.sentinel)
+        self._fail_all(EngineDeadError("engine client shut down"))
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+        self._input.close()
+        self._output.close()
+        for context in self._contexts:
+            context.term()
+        if self._socket_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)

@@ -1,0 +1,227 @@
+"""The engine-core process: an ``EngineCore`` driven by messages on two ZMQ sockets.
+
+The API process binds a PUSH socket (inputs) and a PULL socket (outputs); this process
+connects a PULL to the first and a PUSH to the second. It busy-steps while the engine has
+work and blocks on its input socket (with a poll timeout) when idle. Malformed messages are
+logged, counted and dropped. Stats ride along with outputs at most every
+``stats_interval_s`` and once more whenever the engine goes idle.
+
+Startup handshake: once the engine is built, the process sends ``UtilityResult`` with
+``call_id == READY_CALL_ID`` whose result describes the engine (``engine_info``); if
+building fails it sends ``ok=False`` with the error and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from engine_core.config import EngineConfig
+from engine_core.errors import InvalidRequestError, MessageDecodeError
+from engine_core.messages import (
+    ENGINE_INPUT_CODEC,
+    ENGINE_OUTPUT_CODEC,
+    AbortRequests,
+    AddRequest,
+    EngineOutput,
+    EngineOutputs,
+    UtilityCall,
+    UtilityResult,
+)
+
+if TYPE_CHECKING:
+    from engine_core.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+READY_CALL_ID = 0
+UTILITY_METHODS = ("reset_prefix_cache", "get_stats", "check_health", "shutdown")
+_IDLE_POLL_MS = 100
+
+EngineFactory = Callable[[EngineConfig], "EngineCore"]
+
+
+def default_engine_factory(config: EngineConfig) -> EngineCore:
+    """A colocated engine: ``EngineCore(config)`` with the null connector."""
+    from engine_core.engine_core import EngineCore
+
+    return EngineCore(config)
+
+
+def engine_info(engine: EngineCore) -> dict[str, Any]:
+    """What the API process needs to know about the engine it talks to."""
+    stats = engine.get_stats()
+    return {
+        "tokenizer_path": str(engine.tokenizer_path),
+        "max_model_len": int(engine.max_model_len),
+        "eos_token_ids": [int(t) for t in engine.eos_token_ids],
+        "vocab_size": int(engine.vocab_size),
+        "num_total_blocks": int(stats.num_total_blocks),
+        "num_free_blocks": int(stats.num_free_blocks),
+    }
+
+
+class EngineCoreProc:
+    """The loop around one engine: read inputs, step, push outputs."""
+
+    def __init__(self, engine: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 parent_pid: int | None = None, stats_interval_s: float = 1.0) -> None:
+        self._engine = engine
+        self._input = input_socket
+        self._output = output_socket
+        self._parent_pid = parent_pid
+        self._stats_interval_s = stats_interval_s
+        self._last_stats_time = 0.0
+        self._was_busy = False
+        self.num_rejected_messages = 0
+        self.running = True
+
+    def stop(self) -> None:
+        """Ask the loop to exit after the current iteration (signal-safe)."""
+        self.running = False
+
+    def _send(self, message: Any) -> None:
+        self._output.send(ENGINE_OUTPUT_CODEC.encode(message), copy=False)
+
+    def _stats(self) -> Any:
+        stats = self._engine.get_stats()
+        return dataclasses.replace(stats, rejected_messages=self.num_rejected_messages)
+
+    def _parent_alive(self) -> bool:
+        return self._parent_pid is None or os.getppid() == self._parent_pid
+
+    def _handle(self, payload: bytes) -> None:
+        try:
+            message = ENGINE_INPUT_CODEC.decode(payload)
+        except MessageDecodeError as exc:
+            self.num_rejected_messages += 1
+            logger.warning("dropped malformed engine input (%d so far): %s",
+                           self.num_rejected_messages, exc)
+            return
+        if isinstance(message, AddRequest):
+            self._add_request(message)
+        elif isinstance(message, AbortRequests):
+            self._engine.abort_requests(list(message.request_ids))
+        elif isinstance(message, UtilityCall):
+            self._utility(message)
+
+    def _add_request(self, message: AddRequest) -> None:
+        try:
+            self._engine.add_request(message)
+        except Exception as exc:  # the request fails, the engine lives on
+            if not isinstance(exc, InvalidRequestError):
+                logger.exception("request %s failed to start", message.request_id)
+            error = f"{type(exc).__name__}: {exc}"
+            self._send(EngineOutputs(outputs=[EngineOutput(
+                request_id=message.request_id, new_token_ids=[],
+                num_prompt_tokens=len(message.prompt_token_ids), num_cached_tokens=0,
+                finish_reason="error", error=error)]))
+
+    def _utility(self, call: UtilityCall) -> None:
+        try:
+            if call.method == "reset_prefix_cache":
+                result: Any = bool(self._engine.reset_prefix_cache())
+            elif call.method == "get_stats":
+                result = dataclasses.asdict(self._stats())
+            elif call.method == "check_health":
+                result = True
+            elif call.method == "shutdown":
+                result = True
+                self.stop()
+            else:
+                raise ValueError(f"unknown utility method {call.method!r}; "
+                                 f"expected one of {UTILITY_METHODS}")
+            self._send(UtilityResult(call_id=call.call_id, ok=True, result=result))
+        except Exception as exc:
+            self._send(UtilityResult(call_id=call.call_id, ok=False,
+                                     error=f"{type(exc).__name__}: {exc}"))
+
+    def _drain_inputs(self, timeout_ms: int) -> None:
+        """Handle every queued input; wait up to ``timeout_ms`` for the first one."""
+        if timeout_ms and not self._input.poll(timeout_ms):
+            return
+        while True:
+            try:
+                payload = self._input.recv(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle(payload)
+
+    def run(self) -> None:
+        """Serve until stopped, the parent dies, or a step raises (fatal)."""
+        while self.running:
+            busy = self._engine.has_work()
+            self._drain_inputs(0 if busy else _IDLE_POLL_MS)
+            if not self._parent_alive():
+                logger.warning("parent process is gone; engine core exits")
+                return
+            if not self.running:
+                return
+            if self._engine.has_work():
+                outputs = self._engine.step()
+                now = time.monotonic()
+                stats = None
+                if now - self._last_stats_time >= self._stats_interval_s:
+                    stats, self._last_stats_time = self._stats(), now
+                if outputs or stats is not None:
+                    self._send(EngineOutputs(outputs=outputs, stats=stats))
+                self._was_busy = True
+            elif self._was_busy:
+                # Going idle: let the API process see the final (all blocks free) state.
+                self._was_busy = False
+                self._last_stats_time = time.monotonic()
+                self._send(EngineOutputs(outputs=[], stats=self._stats()))
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    engine_factory: EngineFactory | None = None, parent_pid: int | None = None,
+                    log_level: int = logging.INFO, stats_interval_s: float = 1.0) -> None:
+    """Entry point of the spawned engine-core process."""
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and stops us
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.LINGER, 0)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.connect(output_address)
+    engine = None
+    try:
+        started = time.monotonic()
+        try:
+            engine = (engine_factory or default_engine_factory)(config)
+            info = engine_info(engine)
+        except Exception as exc:
+            logger.exception("engine core failed to start")
+            output_socket.send(ENGINE_OUTPUT_CODEC.encode(UtilityResult(
+                call_id=READY_CALL_ID, ok=False, error=f"{type(exc).__name__}: {exc}",
+                result=traceback.format_exc())))
+            return
+        logger.info("engine core ready in %.2fs (%d KV blocks)",
+                    time.monotonic() - started, info["num_total_blocks"])
+        proc = EngineCoreProc(engine, input_socket, output_socket, parent_pid, stats_interval_s)
+        signal.signal(signal.SIGTERM, lambda *_: proc.stop())
+        output_socket.send(ENGINE_OUTPUT_CODEC.encode(
+            UtilityResult(call_id=READY_CALL_ID, ok=True, result=info)))
+        proc.run()
+        logger.info("engine core stopping")
+    finally:
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+        input_socket.close()
+        output_socket.close()
+        context.term()

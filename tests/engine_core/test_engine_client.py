@@ -1,0 +1,179 @@
+"""Engine-core process and AsyncEngineClient over real ZMQ sockets, with a scripted engine.
+
+The real-engine path is covered by tests/server; here a small fake engine (built in the
+spawned child by a picklable factory) makes the protocol and failure paths fast to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+from engine_core.config import EngineConfig, ModelConfig
+from engine_core.engine_client import AsyncEngineClient
+from engine_core.errors import EngineDeadError, InvalidRequestError
+from engine_core.messages import AddRequest, EngineOutput, EngineStats
+from engine_core.sampling_params import SamplingParams
+
+TOTAL_BLOCKS = 64
+
+
+class FakeEngine:
+    """Emits token 7 once per step until max_tokens; holds 2 blocks per running request."""
+
+    tokenizer_path = "/nonexistent"
+    max_model_len = 32
+    eos_token_ids = (0,)
+    vocab_size = 100
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.requests: dict[str, list[int]] = {}  # id -> [generated, max_tokens, prompt_len]
+        self.crash_on_step = config.model.model == "crash"
+
+    def add_request(self, msg: AddRequest) -> None:
+        if len(msg.prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError("prompt too long", "prompt")
+        self.requests[msg.request_id] = [0, msg.sampling_params["max_tokens"],
+                                         len(msg.prompt_token_ids)]
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineOutput]:
+        if self.crash_on_step:
+            os._exit(3)
+        time.sleep(0.002)
+        outputs = []
+        for rid, state in list(self.requests.items()):
+            state[0] += 1
+            done = state[0] >= state[1]
+            outputs.append(EngineOutput(rid, [7], state[2], 0,
+                                        finish_reason="length" if done else None))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        used = 2 * len(self.requests)
+        return EngineStats(num_running=len(self.requests), num_waiting=0,
+                           num_waiting_for_remote_kv=0, kv_cache_usage=used / TOTAL_BLOCKS,
+                           num_free_blocks=TOTAL_BLOCKS - used, num_total_blocks=TOTAL_BLOCKS,
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                           prompt_tokens_total=0, generation_tokens_total=0,
+                           num_computed_prompt_tokens_total=0)
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def fake_factory(config: EngineConfig) -> FakeEngine:
+    return FakeEngine(config)
+
+
+def failing_factory(config: EngineConfig) -> FakeEngine:
+    raise RuntimeError("no such model")
+
+
+def _config(name: str = "fake") -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=name))
+
+
+async def _collect(client: AsyncEngineClient, rid: str, max_tokens: int) -> list[EngineOutput]:
+    return [o async for o in client.generate(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))]
+
+
+async def test_generate_abort_utilities_and_shutdown():
+    client = await AsyncEngineClient.start(_config(), fake_factory)
+    try:
+        assert client.info.num_total_blocks == TOTAL_BLOCKS and client.info.max_model_len == 32
+        results = await asyncio.gather(*[_collect(client, f"r{i}", 5 + i) for i in range(20)])
+        for i, outs in enumerate(results):
+            assert sum(len(o.new_token_ids) for o in outs) == 5 + i
+            assert outs[-1].finish_reason == "length"
+        # Early exit aborts the request in the engine.
+        agen = client.generate("early", [1], SamplingParams(max_tokens=10_000))
+        await agen.__anext__()
+        await agen.aclose()
+        deadline = time.monotonic() + 5
+        while (await client.get_stats()).num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert (await client.get_stats()).num_free_blocks == TOTAL_BLOCKS
+        with pytest.raises(InvalidRequestError, match="prompt too long"):
+            async for _ in client.generate("long", list(range(40)), SamplingParams()):
+                pass
+        assert await client.call("check_health") is True
+        assert await client.call("reset_prefix_cache") is True
+        with pytest.raises(Exception, match="unknown utility"):
+            await client.call("nope")
+        # Malformed input is counted and dropped; the engine keeps serving.
+        client._input.send(b"\x93garbage")
+        client._input.send(b"\x00")
+        stats = await client.get_stats()
+        assert stats.rejected_messages == 2
+        assert len(await _collect(client, "after", 3)) == 3
+        assert client.latest_stats is not None
+    finally:
+        pid = client.pid
+        await client.shutdown()
+    assert not client.is_alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def test_tcp_addresses():
+    ctx = zmq.Context()
+    ports = []
+    for _ in range(2):
+        s = ctx.socket(zmq.PULL)
+        ports.append(s.bind_to_random_port("tcp://127.0.0.1"))
+        s.close()
+    ctx.term()
+    client = await AsyncEngineClient.start(
+        _config(), fake_factory, input_address=f"tcp://127.0.0.1:{ports[0]}",
+        output_address=f"tcp://127.0.0.1:{ports[1]}")
+    try:
+        assert len(await _collect(client, "t", 4)) == 4
+    finally:
+        await client.shutdown()
+
+
+async def test_startup_failure_is_reported():
+    with pytest.raises(EngineDeadError, match="no such model"):
+        await AsyncEngineClient.start(_config(), failing_factory)
+
+
+async def test_engine_death_fails_in_flight_requests():
+    client = await AsyncEngineClient.start(_config("crash"), fake_factory)
+    try:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(client, "x", 5), 10)
+        assert not client.is_alive
+        with pytest.raises(EngineDeadError):
+            await client.call("check_health")
+    finally:
+        await client.shutdown()
+
+
+async def test_sigterm_stops_engine_cleanly():
+    client = await AsyncEngineClient.start(_config(), fake_factory)
+    try:
+        os.kill(client.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while client.is_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not client.is_alive
+        assert client._process.exitcode == 0
+    finally:
+        await client.shutdown()

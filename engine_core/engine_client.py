@@ -27,7 +27,12 @@ import zmq.asyncio
 from engine_core import errors
 from engine_core.config import EngineConfig
 from engine_core.engine_process import READY_CALL_ID, EngineFactory, run_engine_core
-from engine_core.errors import EngineDeadError, InvalidRequestError, MessageDecodeError, PdserveError
+from engine_core.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    MessageDecodeError,
+    PdserveError,
+)
 from engine_core.messages import (
     ENGINE_INPUT_CODEC,
     ENGINE_OUTPUT_CODEC,

@@ -32,6 +32,7 @@ class ModelSpec:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    mlp_bias: bool = False     # Llama's optional bias on gate/up/down
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
@@ -56,16 +57,18 @@ class ModelSpec:
                 num_key_value_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta")
-                                 or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-                rope_scaling=config.get("rope_scaling"),
+                rope_theta=_rope_theta(config),
+                rope_scaling=_rope_scaling(config),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                # Qwen2 always has q/k/v biases; its config.json usually does not say so.
+                attention_bias=(arch == "Qwen2ForCausalLM"
+                                or bool(config.get("attention_bias", False))),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 torch_dtype=config.get("torch_dtype") or config.get("dtype"),
                 eos_token_ids=eos_ids,
                 bos_token_id=config.get("bos_token_id"),
+                mlp_bias=bool(config.get("mlp_bias", False)),
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks required key {exc}") from None
@@ -73,3 +76,30 @@ class ModelSpec:
     def kv_bytes_per_token(self, element_size: int) -> int:
         """KV cache bytes one token occupies across all layers."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    """transformers <5 writes top-level ``rope_theta``; 5.x nests it in ``rope_parameters``."""
+    params = config.get("rope_parameters") or {}
+    theta = params.get("rope_theta") or config.get("rope_theta") or 10000.0
+    return float(theta)
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The scaling dict with a ``rope_type`` key, or None for plain RoPE.
+
+    Accepts the old ``rope_scaling`` ({"type"|"rope_type", "factor", ...}) and the 5.x
+    ``rope_parameters`` ({"rope_type", "rope_theta", ...}) spellings.
+    """
+    raw = config.get("rope_scaling") or config.get("rope_parameters")
+    if not raw:
+        return None
+    scaling = {k: v for k, v in dict(raw).items() if k not in ("rope_theta", "type")}
+    rope_type = raw.get("rope_type") or raw.get("type") or "default"
+    if rope_type == "default":
+        return None
+    scaling["rope_type"] = rope_type
+    if rope_type == "llama3":
+        scaling.setdefault("original_max_position_embeddings",
+                           config.get("max_position_embeddings", 4096))
+    return scaling

@@ -1,0 +1,145 @@
+"""Llama decoder (also the base of Qwen2 and Qwen3, which differ only in flags).
+
+Parameter names equal the HF checkpoint's tensor names, so loading is a name match.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_core.attention.backend import AttentionBackend
+from engine_core.attention.metadata import AttentionMetadata
+from engine_core.layers.activation import SiluAndMul
+from engine_core.layers.embedding import LMHead, VocabEmbedding
+from engine_core.layers.linear import Linear
+from engine_core.layers.norm import RMSNorm
+from engine_core.layers.rotary import RotaryEmbedding
+from engine_core.models.spec import ModelSpec
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention: project, (optionally) per-head q/k RMSNorm, RoPE, paged attention."""
+
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = spec.num_attention_heads
+        self.num_kv_heads = spec.num_key_value_heads
+        self.head_dim = spec.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.attn_backend = attn_backend
+        hidden = spec.hidden_size
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        hooks = attn_metadata.layer_hooks
+        if hooks is not None:
+            hooks.before_layer(self.layer_idx)
+        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        if hooks is not None and kv_cache is not None:
+            hooks.after_layer(self.layer_idx, kv_cache)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        hidden, inter = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = Linear(hidden, inter, bias=spec.mlp_bias)
+        self.up_proj = Linear(hidden, inter, bias=spec.mlp_bias)
+        self.down_proj = Linear(inter, hidden, bias=spec.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin,
+                                         attn_metadata, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, attn_backend, i, qkv_bias, o_bias, qk_norm)
+            for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            kv_cache = kv_caches[i] if kv_caches else None
+            hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model contract: ``forward`` -> hidden ``[T, hidden]``; ``compute_logits`` -> float32."""
+
+    # Bias layout and q/k norm are what distinguishes the families built on this class.
+    qkv_bias_always = False
+    o_bias_follows_attention_bias = True
+    qk_norm = False
+
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        qkv_bias = self.qkv_bias_always or spec.attention_bias
+        o_bias = self.o_bias_follows_attention_bias and spec.attention_bias
+        self.model = LlamaModel(spec, attn_backend, qkv_bias, o_bias, self.qk_norm)
+        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` float32 for the hidden rows that need sampling."""
+        return self.lm_head(hidden)

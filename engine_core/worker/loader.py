@@ -1,0 +1,168 @@
+"""Build a model from a local HF checkpoint directory (safetensors) or with dummy weights.
+
+The module is first built on the meta device, then each parameter is allocated once,
+directly in the target dtype and device, so a checkpoint never needs two copies in memory.
+Checkpoint tensors are read shard by shard and copied into parameters by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine_core.attention.backend import AttentionBackend
+from engine_core.config import ModelConfig
+from engine_core.errors import ModelLoadError
+from engine_core.models.registry import get_model_class
+from engine_core.models.spec import ModelSpec
+
+logger = logging.getLogger("pdserve.loader")
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+# Checkpoint tensors that are derived state, never parameters (old Llama exports).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MAX_NAMES_IN_ERROR = 5
+
+
+def read_model_spec(model_dir: str | Path) -> ModelSpec:
+    """Read ``config.json`` of a checkpoint directory into a ModelSpec."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise ModelLoadError(f"model directory {str(directory)!r} does not exist "
+                             "(only local checkpoint directories are supported)")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{str(directory)!r} has no config.json; is it an HF checkpoint?")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from None
+    return ModelSpec.from_hf_config(config)
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
+    """The parameter dtype: an explicit ``--dtype`` wins; ``auto`` follows the checkpoint.
+
+    Like vLLM, ``auto`` uses the checkpoint's dtype (float32 when it names none), except on
+    CPU, where half-precision checkpoints run in float32: CPU half matmuls are slow and
+    have no fused kernels, and float32 makes outputs match the HF reference.
+    """
+    if dtype != "auto":
+        if dtype not in _DTYPE_NAMES:
+            raise ModelLoadError(f"unknown dtype {dtype!r}")
+        return _DTYPE_NAMES[dtype]
+    resolved = _DTYPE_NAMES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
+    if device.startswith("cpu") and resolved in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return resolved
+
+
+def load_model(model_config: ModelConfig, spec: ModelSpec, device: str, dtype: torch.dtype,
+               attn_backend: AttentionBackend) -> nn.Module:
+    """Build ``spec``'s model on ``device`` in ``dtype`` with its weights, in eval mode."""
+    model_class = get_model_class(spec.architecture)
+    with torch.device("meta"):
+        model = model_class(spec, attn_backend)
+    _materialize(model, device, dtype)
+    if model_config.load_format == "dummy":
+        _init_dummy_weights(model, model_config.seed)
+    else:
+        _load_safetensors(model, Path(model_config.model), spec)
+    return model.eval()
+
+
+def _materialize(model: nn.Module, device: str, dtype: torch.dtype) -> None:
+    """Replace meta parameters with real, uninitialised ones (tied ones stay tied).
+
+    Buffers (RoPE frequencies) were built on CPU in float32 on purpose and keep their dtype.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Small uniform values with real shapes (benchmarks); norms at 1 so activations stay sane."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.uniform_(-1e-3, 1e-3, generator=generator)
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: index-listed shards or the single file."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: "
+                                 f"{missing[:_MAX_NAMES_IN_ERROR]}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights "
+                             "(use --load-format dummy for random weights)")
+    return files
+
+
+def _load_safetensors(model: nn.Module, model_dir: Path, spec: ModelSpec) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name, shard by shard."""
+    from safetensors import safe_open
+
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    files = _shard_files(model_dir)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for shard_idx, file in enumerate(files, start=1):
+        num_bytes = 0
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    if not (spec.tie_word_embeddings and name == "lm_head.weight"):
+                        unexpected.append(name)
+                    continue
+                tensor = shard.get_tensor(name)
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ModelLoadError(
+                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(param.shape)}")
+                param.data.copy_(tensor)  # casts to the parameter's dtype and device
+                loaded.add(name)
+                num_bytes += tensor.numel() * tensor.element_size()
+        logger.info("loaded shard %d/%d %s (%.1f MiB)", shard_idx, len(files), file.name,
+                    num_bytes / 2**20)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(
+            f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. "
+            f"{missing[:_MAX_NAMES_IN_ERROR]}")
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensor(s) the model does not use, e.g. %s",
+                       len(unexpected), unexpected[:_MAX_NAMES_IN_ERROR])

@@ -1,0 +1,203 @@
+"""EngineCore: one engine's schedule -> execute -> update loop, driven step by step.
+
+It owns the scheduler, the KV cache manager, the model runner and the two halves of the
+KV connector. The engine-core process (engine_process.py) and the offline LLM both drive
+it through ``add_request`` / ``abort_requests`` / ``step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from engine_core.config import EngineConfig
+from engine_core.errors import InvalidRequestError, ModelLoadError
+from engine_core.kv_connector import (
+    ConnectorScheduler,
+    ConnectorWorker,
+    NullConnectorScheduler,
+    NullConnectorWorker,
+)
+from engine_core.messages import AddRequest, EngineOutput, EngineStats
+from engine_core.request import Request, RequestStatus
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.block_hash import BlockHasher
+from engine_core.sched.block_pool import BlockPool
+from engine_core.sched.kv_cache_manager import KVCacheManager
+from engine_core.sched.scheduler import Scheduler
+from engine_core.worker import kv_cache
+from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
+from engine_core.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pdserve.engine")
+
+ConnectorPair = tuple[ConnectorScheduler, ConnectorWorker]
+
+
+class EngineCore:
+    """A complete engine for one model on one device."""
+
+    def __init__(self, config: EngineConfig, connector: ConnectorPair | None = None) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        model_dir = Path(config.model.model)
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+        self.device = config.device.resolve()
+        self.spec = read_model_spec(model_dir)
+        self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
+        self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
+        self.eos_token_ids = self.spec.eos_token_ids
+        self.vocab_size = self.spec.vocab_size
+        self.tokenizer_path = config.model.tokenizer or str(model_dir)
+
+        from engine_core.attention.backend import get_attention_backend
+
+        cache_dtype = kv_cache.kv_cache_dtype(config.cache, self.dtype)
+        backend = get_attention_backend(self.device, cache_dtype)
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(config.model, self.spec, self.device, self.dtype, backend)
+        t1 = time.perf_counter()
+        logger.info("Model loading took %.2f s (%s, %s, %s)", t1 - t0,
+                    self.spec.architecture, self.dtype, self.device)
+
+        shape = kv_cache.plan_kv_cache(
+            self.spec, config.cache, cache_dtype, self.device, self.max_model_len,
+            config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes)
+        self.kv_caches = kv_cache.allocate_kv_caches(shape, self.device)
+        self.num_blocks = shape.num_blocks
+        logger.info("KV cache allocation took %.2f s", time.perf_counter() - t1)
+
+        connector_scheduler, connector_worker = connector or (
+            NullConnectorScheduler(), NullConnectorWorker())
+        self.connector_worker = connector_worker
+        connector_worker.register_kv_caches(self.kv_caches)
+        enable_caching = config.cache.enable_prefix_caching
+        self.hasher = BlockHasher(config.cache.block_size, config.cache.prefix_caching_hash_algo,
+                                  config.cache.prefix_hash_seed)
+        self.kv_manager = KVCacheManager(BlockPool(shape.num_blocks, enable_caching),
+                                         config.cache.block_size, self.hasher, enable_caching)
+        policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager,
+                                   connector_scheduler, self.max_model_len, policy)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
+                                  torch.device(self.device), self.eos_token_ids, connector_worker)
+        self.rejected_messages = 0
+
+    def _profile_peak_bytes(self) -> int:
+        """GPU memory a worst-case step needs beyond weights: one max-size prefill forward."""
+        device = torch.device(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        block_size = self.config.cache.block_size
+        num_blocks = -(-num_tokens // block_size)
+        shape = kv_cache.KVCacheShape(self.spec.num_hidden_layers, num_blocks, block_size,
+                                      self.spec.num_key_value_heads, self.spec.head_dim,
+                                      kv_cache.kv_cache_dtype(self.config.cache, self.dtype))
+        caches = kv_cache.allocate_kv_caches(shape, self.device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
+                             NullConnectorWorker())
+        from engine_core.sched.outputs import NewRequestData, SchedulerOutput
+
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        request = NewRequestData("profile", [0] * num_tokens, num_tokens, params,
+                                 list(range(num_blocks)), 0)
+        runner.execute(SchedulerOutput([request], [], {"profile": num_tokens}, num_tokens))
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        # Sampling a full batch of logits needs vocab * max_num_seqs floats a few times over.
+        peak += 4 * 4 * self.vocab_size * self.config.scheduler.max_num_seqs
+        del caches, runner
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def validate(self, msg: AddRequest) -> SamplingParams:
+        """Check a request against this engine's limits; raise InvalidRequestError."""
+        if msg.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
+        prompt = msg.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        params = SamplingParams.from_dict(msg.sampling_params)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(prompt)} tokens, leaving no room for output.", "prompt")
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
+                f"prompt, {params.max_tokens} for the completion).", "max_tokens")
+        return params
+
+    def add_request(self, msg: AddRequest) -> None:
+        params = self.validate(msg)
+        self.scheduler.add_request(Request(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=msg.arrival_time,
+            kv_transfer_params=msg.kv_transfer_params,
+        ))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        """True while any request is queued, running, awaiting remote KV or being sent."""
+        return self.scheduler.has_unfinished()
+
+    def has_runnable(self) -> bool:
+        """True when the next step would compute something (else poll, do not spin)."""
+        return self.scheduler.has_runnable()
+
+    def step(self) -> list[EngineOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    # ---- state ------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        counters = scheduler.counters
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=scheduler.num_waiting,
+            num_waiting_for_remote_kv=len(scheduler.parked),
+            kv_cache_usage=self.kv_manager.usage,
+            num_free_blocks=self.kv_manager.num_free_blocks,
+            num_total_blocks=self.kv_manager.num_total_blocks,
+            prefix_cache_queries=self.kv_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_manager.prefix_cache_hits,
+            num_preemptions=counters.num_preemptions,
+            prompt_tokens_total=counters.prompt_tokens,
+            generation_tokens_total=counters.generation_tokens,
+            num_computed_prompt_tokens_total=counters.computed_prompt_tokens,
+            rejected_messages=self.rejected_messages,
+            connector=dict(scheduler.connector.stats()),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.status
+
+    def shutdown(self) -> None:
+        self.connector_worker.shutdown()

@@ -1,0 +1,360 @@
+"""Continuous-batching scheduler: decides each step's batch as a plain SchedulerOutput.
+
+Order of business each step: running requests first (decodes and unfinished prefill chunks,
+in arrival order), preempting the newest running request by recompute when blocks run
+out; then waiting requests FCFS within the token budget and ``max_num_seqs``. Requests
+whose prompt KV comes from a remote worker are parked in WAITING_FOR_REMOTE_KV without
+blocking anyone; finished requests whose KV is still being sent keep their blocks until
+the connector reports the send done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
+from engine_core.messages import EngineOutput, RequestTimings, TokenLogprob
+from engine_core.request import Request, RequestStatus
+from engine_core.sched.kv_cache_manager import KVCacheManager
+from engine_core.sched.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger("pdserve.scheduler")
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative counters exported as metrics."""
+
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    computed_prompt_tokens: int = 0
+
+
+class Scheduler:
+    """Owns request queues and decides what runs; no devices, sockets or threads."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_cache_manager: KVCacheManager, connector: ConnectorScheduler,
+                 max_model_len: int, load_failure_policy: str = "recompute") -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv = kv_cache_manager
+        self.connector = connector
+        self.max_model_len = max_model_len
+        self.load_failure_policy = load_failure_policy
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}
+        # Finished requests whose blocks stay allocated until the connector sent them.
+        self.held: dict[str, Request] = {}
+        # Parked request id -> the number of computed tokens once its remote KV has landed.
+        self._num_tokens_after_load: dict[str, int] = {}
+        self._forget: set[str] = set()
+        # Outputs produced outside a model step (aborts, failed loads) wait here.
+        self._pending_outputs: list[EngineOutput] = []
+        self.counters = SchedulerCounters()
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.counters.prompt_tokens += request.num_prompt_tokens
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish these requests as aborted wherever they are; unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            self._remove_from_queues(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(self._make_output(request, []))
+
+    def _remove_from_queues(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.parked.pop(request.request_id, None)
+            self._num_tokens_after_load.pop(request.request_id, None)
+        else:
+            self.waiting.remove(request)
+
+    def has_runnable(self) -> bool:
+        """True when a step would schedule tokens (or flush pending outputs)."""
+        return bool(self.running or self.waiting or self._pending_outputs)
+
+    def has_unfinished(self) -> bool:
+        """True while any request holds engine state, including remote waits and held sends."""
+        return self.has_runnable() or bool(self.parked or self.held)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_any = False
+        now = time.monotonic()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
+                                                 request.num_computed_tokens))
+            budget -= num_new
+            index += 1
+
+        # Newly admitted requests must not take the blocks a preemption just freed from an
+        # older running request: skip admissions on a step that preempted.
+        while (self.waiting and budget > 0 and not preempted_any
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_local = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_local = self.kv.get_computed_blocks(request)
+                match = self.connector.get_num_new_matched_tokens(request, num_local)
+                if match.num_tokens > 0 and match.is_async:
+                    if not self._park(request, hit_blocks, num_local, match.num_tokens):
+                        break
+                    continue
+            num_computed = request.num_computed_tokens + num_local
+            num_new = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_local
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(NewRequestData(
+                request_id=request.request_id,
+                token_ids=list(request.token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_computed,
+            ))
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._forget,
+        )
+        self._forget = set()
+        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def _park(self, request: Request, hit_blocks: list, num_local: int, num_external: int) -> bool:
+        """Allocate blocks for a request whose prompt KV arrives from a remote worker."""
+        if self.kv.allocate_slots(request, 0, hit_blocks, num_external_tokens=num_external) is None:
+            return False
+        self.waiting.popleft()
+        request.num_cached_tokens = num_local
+        request.num_computed_tokens = num_local
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.parked[request.request_id] = request
+        self.connector.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id), num_local, num_external)
+        self._num_tokens_after_load[request.request_id] = num_local + num_external
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks; it restarts from scratch (recompute)."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.kv_transfer_params = _without_remote_prefill(request.kv_transfer_params)
+        self.counters.num_preemptions += 1
+        self._forget.add(request.request_id)
+        self.waiting.appendleft(request)
+        logger.warning(
+            "Sequence group %s is preempted by PreemptionMode.RECOMPUTE mode because there is "
+            "not enough KV cache space. This can affect the end-to-end performance. Increase "
+            "gpu_memory_utilization or tensor_parallel_size to provide more KV cache memory. "
+            "total_num_cumulative_preemption=%d",
+            request.request_id, self.counters.num_preemptions)
+
+    # ---- update after a step ----------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineOutput]:
+        """Advance progress, append sampled tokens, finish requests; return client outputs."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                was_prefill = request.num_computed_tokens < request.num_prompt_tokens
+                request.num_computed_tokens += num_tokens
+                if was_prefill:
+                    computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
+                    self.counters.computed_prompt_tokens += computed_prompt - (
+                        request.num_computed_tokens - num_tokens)
+        now = time.monotonic()
+        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        for request_id, sampled, lp in zip(runner_output.req_ids,
+                                           runner_output.sampled_token_ids, logprobs):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING or not sampled:
+                continue
+            new_tokens: list[int] = []
+            for token in sampled:
+                request.append_token(token)
+                new_tokens.append(token)
+                self.counters.generation_tokens += 1
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            if request.first_token_time is None:
+                request.first_token_time = now
+            token_logprobs = None
+            if lp is not None:
+                token_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
+                                               lp.top_token_ids, lp.top_logprobs)]
+            outputs.append(self._make_output(request, new_tokens, token_logprobs))
+        outputs.extend(self._apply_finished_transfers(FinishedTransfers(
+            sending=runner_output.finished_sending,
+            recving=runner_output.finished_recving,
+            failed_recving=runner_output.failed_recving,
+        )))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _apply_finished_transfers(self, finished: FinishedTransfers) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        self.connector.update_finished(finished)
+        for request_id in finished.sending:
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+                self.requests.pop(request_id, None)
+        for request_id in finished.recving:
+            request = self.parked.pop(request_id, None)
+            num_loaded = self._num_tokens_after_load.pop(request_id, None)
+            if request is None or num_loaded is None:
+                continue
+            request.num_computed_tokens = num_loaded
+            self.kv.cache_blocks(request, num_loaded)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        for request_id in finished.failed_recving:
+            request = self.parked.pop(request_id, None)
+            self._num_tokens_after_load.pop(request_id, None)
+            if request is None:
+                continue
+            if self.load_failure_policy == "fail":
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._make_output(
+                    request, [], error=f"KV transfer for {request_id} failed"))
+                continue
+            logger.warning("KV load for %s failed; recomputing the prompt locally", request_id)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.kv_transfer_params = _without_remote_prefill(request.kv_transfer_params)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release (or hold, for a pending send) the request's blocks."""
+        request.status = status
+        self._forget.add(request.request_id)
+        block_ids = self.kv.get_block_ids(request.request_id)
+        hold, params = self.connector.request_finished(request, block_ids)
+        request.kv_transfer_params = params
+        if hold:
+            self.held[request.request_id] = request
+            return
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def _make_output(self, request: Request, new_tokens: list[int],
+                     logprobs: list[TokenLogprob] | None = None,
+                     error: str | None = None) -> EngineOutput:
+        finished = request.is_finished
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            finish_reason=request.status.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            new_logprobs=logprobs,
+            kv_transfer_params=request.kv_transfer_params if finished else None,
+            error=error,
+            timings=RequestTimings(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finished_time=time.monotonic() if finished else None,
+            ) if finished else None,
+        )
+
+
+def _without_remote_prefill(params: dict | None) -> dict | None:
+    """A consumer request that must recompute locally no longer waits for remote KV."""
+    if not params or not params.get("do_remote_prefill"):
+        return params
+    return {k: v for k, v in params.items() if k != "do_remote_prefill"}

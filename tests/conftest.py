@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny HF checkpoints, HF reference generation, the gpu marker skip."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests where CUDA is absent (CI deselects them with -m "not gpu")."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY_SHAPES = {
+    "llama": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                  intermediate_size=128, vocab_size=1024, max_position_embeddings=1024),
+    "qwen3": dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                  intermediate_size=128, vocab_size=1024, max_position_embeddings=1024,
+                  tie_word_embeddings=True),
+    "qwen2": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1,
+                  intermediate_size=96, vocab_size=1024, max_position_embeddings=1024),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """Return a builder: arch name -> path of a cached tiny float32 checkpoint."""
+    from engine_core.demo_model import build_checkpoint
+
+    @functools.cache
+    def build(arch: str) -> Path:
+        path = tmp_path_factory.mktemp(f"tiny-{arch}")
+        return Path(build_checkpoint(path, arch=arch, seed=1234, dtype="float32",
+                                     **TINY_SHAPES[arch]))
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """Return ``f(checkpoint_dir, prompts, max_new_tokens) -> list[list[int]]`` from HF generate.
+
+    EOS does not stop HF here, matching engine requests sent with ignore_eos=True.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    models: dict[str, torch.nn.Module] = {}
+
+    @functools.cache
+    def run(checkpoint: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int
+            ) -> list[list[int]]:
+        key = str(checkpoint)
+        if key not in models:
+            models[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        model = models[key]
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                  min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+        outputs = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     generation_config=config)
+                outputs.append(out[0, len(prompt):].tolist())
+        return outputs
+
+    def call(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return run(Path(checkpoint), tuple(tuple(p) for p in prompts), max_new_tokens)
+
+    return call

@@ -1,0 +1,82 @@
+"""Sampler: greedy, top-k/top-p/min-p masks, penalties, seeded reproducibility, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+from engine_core.worker.sampler import Sampler, SamplingRow
+
+
+def rows(*params: SamplingParams, outputs: list[int] | None = None) -> list[SamplingRow]:
+    return [SamplingRow(p, [1, 2, 3], list(outputs or []), (0,)) for p in params]
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    tokens, _ = Sampler()(logits, rows(*[SamplingParams(temperature=0.0)] * 4))
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_equals_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
+    tokens, _ = Sampler()(logits, rows(*[SamplingParams(temperature=1.3, top_k=1)] * 8))
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_reproducible_and_batch_independent():
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    first, _ = Sampler()(logits, rows(seeded, seeded, SamplingParams(temperature=1.0)))
+    alone, _ = Sampler()(logits[1:2], rows(seeded))
+    assert first[0] == Sampler()(logits[0:1], rows(seeded))[0][0]
+    assert first[1] == alone[0]
+    # A different output position draws different noise.
+    draws = {Sampler()(logits[0:1], rows(seeded, outputs=[5] * k))[0][0] for k in range(30)}
+    assert len(draws) > 1
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.tensor([[10.0, 9.0, -5.0, -5.0, -5.0]])
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    seen = {Sampler()(logits, rows(params))[0][0] for _ in range(50)}
+    assert seen == {0}
+
+
+def test_min_p_and_top_k_mask_tail():
+    logits = torch.tensor([[5.0, 4.9, 0.0, 0.0, 0.0, 0.0]])
+    for params in (SamplingParams(temperature=1.0, min_p=0.5),
+                   SamplingParams(temperature=1.0, top_k=2)):
+        seen = {Sampler()(logits, rows(params))[0][0] for _ in range(100)}
+        assert seen <= {0, 1}
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.full((1, 10), -10.0)
+    logits[0, 0] = 10.0   # eos
+    logits[0, 7] = 9.0    # stop token
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    tokens, _ = Sampler()(logits, rows(params, outputs=[4]))
+    assert tokens[0] not in (0, 7)
+    tokens, _ = Sampler()(logits, rows(params, outputs=[4, 4]))
+    assert tokens[0] == 0
+
+
+def test_penalties_push_away_repeated_tokens():
+    # Tokens 1-3 are the prompt; 0 and 4 are not.
+    logits = torch.tensor([[3.0, 0.0, 0.0, 0.0, 2.9]])
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    assert Sampler()(logits, rows(params, outputs=[0]))[0] == [4]
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert Sampler()(logits, rows(params, outputs=[0]))[0] == [4]
+    assert Sampler()(logits, rows(SamplingParams(temperature=0.0)))[0] == [0]
+
+
+def test_logprobs_of_sampled_token_and_top_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    _, lps = Sampler()(logits, rows(SamplingParams(temperature=0.0, logprobs=2)))
+    expected = torch.log_softmax(logits, -1)[0]
+    lp = lps[0]
+    assert lp.token_id == 1 and lp.rank == 1
+    assert abs(lp.logprob - expected[1].item()) < 1e-6
+    assert lp.top_token_ids == [1, 2]

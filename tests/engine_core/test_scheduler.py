@@ -1,0 +1,210 @@
+"""Scheduler decisions with a fake runner: pure logic, no model, milliseconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.kv_connector import ExternalMatch, FinishedTransfers, NullConnectorScheduler
+from engine_core.request import Request, RequestStatus
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.block_hash import BlockHasher
+from engine_core.sched.block_pool import BlockPool
+from engine_core.sched.kv_cache_manager import KVCacheManager
+from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
+from engine_core.sched.scheduler import Scheduler
+
+BLOCK = 4
+
+
+class FakeRunner:
+    """Mimics the runner's bookkeeping; the "model" emits a token derived from the length."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.finished = FinishedTransfers()
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.tokens.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.request_id] = list(new.token_ids)
+            self.computed[new.request_id] = new.num_computed_tokens
+        for cached in out.scheduled_cached_reqs:
+            self.computed[cached.request_id] = cached.num_computed_tokens
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            tokens = self.tokens[rid]
+            if self.computed[rid] + n == len(tokens):
+                token = 3 + len(tokens) % 50
+                tokens.append(token)
+                req_ids.append(rid)
+                sampled.append([token])
+        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        result.finished_sending = self.finished.sending
+        result.finished_recving = self.finished.recving
+        result.failed_recving = self.finished.failed_recving
+        self.finished = FinishedTransfers()
+        return result
+
+
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, connector=None, caching=True,
+                   policy="recompute") -> Scheduler:
+    hasher = BlockHasher(BLOCK)
+    manager = KVCacheManager(BlockPool(num_blocks, caching), BLOCK, hasher, caching)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+                     CacheConfig(block_size=BLOCK, enable_prefix_caching=caching), manager,
+                     connector or NullConnectorScheduler(), max_model_len=256,
+                     load_failure_policy=policy)
+
+
+def make_request(rid: str, n: int, max_tokens: int = 4, start: int = 10, **extra: Any) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(range(start, start + n)), params, **extra)
+
+
+def run_until_idle(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 500) -> list:
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return outputs
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+        outputs.extend(scheduler.update_from_output(out, runner.execute(out)))
+    raise AssertionError("scheduler did not become idle")
+
+
+def assert_all_free(scheduler: Scheduler) -> None:
+    scheduler.kv.check_integrity()
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_total_blocks
+
+
+def test_decodes_are_scheduled_before_new_prefills():
+    scheduler, runner = make_scheduler(budget=8), FakeRunner()
+    scheduler.add_request(make_request("a", 6))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner.execute(out))
+    scheduler.add_request(make_request("b", 30))
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["a", "b"]
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+
+
+def test_long_prompt_is_chunked_within_budget():
+    scheduler, runner = make_scheduler(budget=8), FakeRunner()
+    scheduler.add_request(make_request("a", 21, max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        out = scheduler.schedule()
+        chunks.append(out.num_scheduled_tokens["a"])
+        outputs = scheduler.update_from_output(out, runner.execute(out))
+        assert bool(outputs) == (sum(chunks) == 21)
+    assert chunks == [8, 8, 5]
+    run_until_idle(scheduler, runner)
+    assert_all_free(scheduler)
+
+
+def test_max_num_seqs_limits_running():
+    scheduler = make_scheduler(max_seqs=2, budget=100)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", 3))
+    out = scheduler.schedule()
+    assert len(out.num_scheduled_tokens) == 2
+
+
+def test_preemption_recomputes_latest_and_everything_finishes():
+    scheduler, runner = make_scheduler(num_blocks=6, budget=64), FakeRunner()
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 7, max_tokens=6, start=10 * i))
+    outputs = run_until_idle(scheduler, runner)
+    assert scheduler.counters.num_preemptions > 0
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+    assert finished == {"r0": "length", "r1": "length", "r2": "length"}
+    tokens = {}
+    for o in outputs:
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert all(len(t) == 6 for t in tokens.values())
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("abort_after_steps", [0, 1, 2, 4])
+def test_abort_at_any_point_frees_blocks(abort_after_steps):
+    scheduler, runner = make_scheduler(budget=8), FakeRunner()
+    scheduler.add_request(make_request("a", 20, max_tokens=10))
+    scheduler.add_request(make_request("b", 3, max_tokens=10))
+    for _ in range(abort_after_steps):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner.execute(out))
+    scheduler.abort_requests(["a", "b", "unknown"])
+    outputs = run_until_idle(scheduler, runner)
+    assert {o.request_id for o in outputs if o.finish_reason == "abort"} == {"a", "b"}
+    assert_all_free(scheduler)
+
+
+class RemoteConnector(NullConnectorScheduler):
+    """Says every prompt but its last token arrives from a remote worker."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.allocated: dict[str, list[int]] = {}
+        self.hold = hold
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if not (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            return ExternalMatch()
+        return ExternalMatch(request.num_prompt_tokens - 1 - num_computed_tokens, True)
+
+    def update_state_after_alloc(self, request, block_ids, num_local, num_external):
+        self.allocated[request.request_id] = list(block_ids)
+
+    def request_finished(self, request, block_ids):
+        return self.hold, {"done": True}
+
+
+def test_remote_kv_request_parks_without_blocking_others():
+    connector = RemoteConnector()
+    scheduler, runner = make_scheduler(connector=connector), FakeRunner()
+    scheduler.add_request(make_request("remote", 10, kv_transfer_params={"do_remote_prefill": True}))
+    scheduler.add_request(make_request("local", 5))
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["local"]
+    assert scheduler.parked["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert len(connector.allocated["remote"]) == 3  # 9 tokens over blocks of 4
+    scheduler.update_from_output(out, runner.execute(out))
+    runner.finished.recving = {"remote"}
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner.execute(out))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["remote"] == 1  # only the last prompt token is computed
+    outputs = scheduler.update_from_output(out, runner.execute(out))
+    outputs += run_until_idle(scheduler, runner)
+    assert any(o.request_id == "remote" and o.finish_reason == "length" for o in outputs)
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_remote_load(policy):
+    scheduler, runner = make_scheduler(connector=RemoteConnector(), policy=policy), FakeRunner()
+    scheduler.add_request(make_request("remote", 10, kv_transfer_params={"do_remote_prefill": True}))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner.execute(out))
+    runner.finished.failed_recving = {"remote"}
+    outputs = run_until_idle(scheduler, runner)
+    reasons = [o.finish_reason for o in outputs if o.finish_reason]
+    assert reasons == (["length"] if policy == "recompute" else ["error"])
+    assert_all_free(scheduler)
+
+
+def test_finished_request_blocks_held_until_sent():
+    scheduler, runner = make_scheduler(connector=RemoteConnector(hold=True)), FakeRunner()
+    scheduler.add_request(make_request("p", 9, max_tokens=1))
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, runner.execute(out))
+    assert outputs[0].finish_reason == "length"
+    assert outputs[0].kv_transfer_params == {"done": True}
+    assert scheduler.kv.num_free_blocks < scheduler.kv.num_total_blocks
+    runner.finished.sending = {"p"}
+    run_until_idle(scheduler, runner)
+    assert_all_free(scheduler)

@@ -52,27 +52,30 @@ def hf_greedy():
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    models: dict[str, torch.nn.Module] = {}
+    models: dict[tuple[str, str, torch.dtype], torch.nn.Module] = {}
 
     @functools.cache
-    def run(checkpoint: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int
-            ) -> list[list[int]]:
-        key = str(checkpoint)
+    def run(checkpoint: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int,
+            device: str, dtype: torch.dtype) -> list[list[int]]:
+        key = (str(checkpoint), device, dtype)
         if key not in models:
-            models[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+            models[key] = AutoModelForCausalLM.from_pretrained(
+                str(checkpoint), dtype=dtype).to(device).eval()
         model = models[key]
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=0, eos_token_id=None, pad_token_id=0)
         outputs = []
         with torch.no_grad():
             for prompt in prompts:
-                ids = torch.tensor([prompt])
+                ids = torch.tensor([prompt], device=device)
                 out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                      generation_config=config)
                 outputs.append(out[0, len(prompt):].tolist())
         return outputs
 
-    def call(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return run(Path(checkpoint), tuple(tuple(p) for p in prompts), max_new_tokens)
+    def call(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int,
+             device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[list[int]]:
+        return run(Path(checkpoint), tuple(tuple(p) for p in prompts), max_new_tokens,
+                   device, dtype)
 
     return call

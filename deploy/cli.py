@@ -1,0 +1,107 @@
+"""The ``pdserve`` command line: the only place that reads environment variables.
+
+Subcommands are a table: each row names a module and the two functions in it that add the
+subcommand's flags and run it, so a new subcommand is one more row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger("pdserve.cli")
+
+# name -> (help, "module:add_arguments", "module:run"); run(args) returns the exit code.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": ("serve one model with the OpenAI-compatible API (colocated prefill+decode)",
+              "deploy.cli:add_serve_arguments", "deploy.cli:run_serve"),
+}
+
+DEMO_MODEL_NAME = "pdserve-demo"
+
+
+def _resolve(target: str) -> Callable:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``pdserve serve``: vLLM's names."""
+    from engine_core.arg_utils import add_engine_args
+
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF checkpoint directory (omit, or --demo, for the demo model)")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the embedded demo model (built and cached on first use)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (or VLLM_API_KEY)")
+    parser.add_argument("--enable-admin-endpoints", action="store_true",
+                        help="expose /reset_prefix_cache (or VLLM_SERVER_DEV_MODE=1)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
+                        help="largest accepted request body")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between throughput log lines (0 disables)")
+    add_engine_args(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``pdserve serve``: resolve the model, then run the API server until stopped."""
+    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.errors import PdserveError
+    from engine_core.server.api_server import ServerOptions, run_server
+
+    if args.demo or args.model is None:
+        if args.model is not None:
+            raise SystemExit("pdserve serve: give either MODEL or --demo, not both")
+        from engine_core.demo_model import demo_model_path
+
+        started = time.monotonic()
+        args.model = str(demo_model_path())
+        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
+        logger.info("Demo model ready in %.2fs at %s", time.monotonic() - started, args.model)
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    options = ServerOptions(
+        host=args.host, port=args.port, api_key=api_key,
+        enable_admin_endpoints=args.enable_admin_endpoints or _env_flag("VLLM_SERVER_DEV_MODE"),
+        client_max_size=args.max_request_body_bytes,
+        log_stats_interval_s=args.log_stats_interval)
+    try:
+        config = engine_config_from_args(args)
+        run_server(config, options)
+    except PdserveError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        _resolve(add_arguments)(command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point."""
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(_resolve(SUBCOMMANDS[args.command][2])(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Engine command-line flags with vLLM's names, and the ``EngineConfig`` they build."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine_core.config import (
+    DTYPES,
+    HASH_ALGOS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags (defaults from the config dataclasses) to ``parser``."""
+    cache, sched = CacheConfig(), SchedulerConfig()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="weight and activation dtype (auto: the checkpoint's)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's)")
+    group.add_argument("--gpu-memory-utilization", type=float,
+                       default=cache.gpu_memory_utilization,
+                       help="fraction of GPU memory for weights, activations and KV cache")
+    group.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
+                       help="most requests in one step")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       default=sched.max_num_batched_tokens, help="most tokens in one step")
+    group.add_argument("--block-size", type=int, default=cache.block_size,
+                       help="tokens per KV cache block")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=cache.enable_prefix_caching, help="automatic prefix caching")
+    group.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
+                       default=cache.prefix_caching_hash_algo, help="block hash function")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=cache.kv_cache_dtype,
+                       help="KV cache element type")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="KV cache size in bytes (overrides --gpu-memory-utilization)")
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="exact number of KV cache blocks")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=sched.enable_chunked_prefill, help="split long prefills")
+    group.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                       help="weights from the checkpoint, or dummy random weights")
+    group.add_argument("--seed", type=int, default=0, help="random seed")
+    group.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: the model path)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
+    group.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    group.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    group.add_argument("--kv-transfer-config", default=None,
+                       help="vLLM-style JSON for the KV connector (disaggregated serving)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM compatibility; only built-in models run")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the frozen ``EngineConfig`` from parsed flags (``args.model`` names the model)."""
+    served = args.served_model_name
+    if isinstance(served, list):
+        served = served[0] if served else None
+    return EngineConfig(
+        model=ModelConfig(model=str(args.model), dtype=args.dtype, load_format=args.load_format,
+                          max_model_len=args.max_model_len, served_model_name=served,
+                          tokenizer=args.tokenizer, seed=args.seed,
+                          trust_remote_code=args.trust_remote_code),
+        cache=CacheConfig(block_size=args.block_size,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          num_gpu_blocks_override=args.num_gpu_blocks_override,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+                          kv_cache_dtype=args.kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=args.enable_chunked_prefill),
+        device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager),
+        kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
+                     if args.kv_transfer_config else None),
+    )

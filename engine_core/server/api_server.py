@@ -1,0 +1,267 @@
+"""The worker's OpenAI-compatible HTTP server (aiohttp) in front of an engine-core process.
+
+``build_app`` wires routes over an already started ``AsyncEngineClient``; ``serve`` starts
+the engine, loads the tokenizer, listens, and shuts everything down on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine_core.config import EngineConfig
+from engine_core.engine_client import AsyncEngineClient
+from engine_core.engine_process import EngineFactory
+from engine_core.errors import EngineDeadError
+from engine_core.server import protocol
+from engine_core.server.http_errors import AuthenticationError, error_middleware
+from engine_core.server.metrics import ServerMetrics
+from engine_core.server.serving import OpenAIServing, request_id_of
+from engine_core.server.tokenization import TokenizerService
+
+logger = logging.getLogger("pdserve.server")
+
+SERVING_KEY = web.AppKey("serving", OpenAIServing)
+
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """HTTP-side settings of one API server (the engine's are in ``EngineConfig``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    enable_admin_endpoints: bool = False
+    client_max_size: int = 32 << 20
+    log_stats_interval_s: float = 10.0
+
+
+OPTIONS_KEY = web.AppKey("options", ServerOptions)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _auth_middleware(api_key: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key and request.path.startswith("/v1"):
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                     api_key.encode()):
+                raise AuthenticationError("invalid or missing API key")
+        return await handler(request)
+
+    return check
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    request["request_id"] = request_id_of(request)
+    return protocol.parse_json(await request.read())
+
+
+class _Routes:
+    """Request handlers bound to one ``OpenAIServing``."""
+
+    def __init__(self, serving: OpenAIServing, options: ServerOptions, model_path: str) -> None:
+        self.serving = serving
+        self.options = options
+        self.model_path = model_path
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        return await self.serving.completions(request, body)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        return await self.serving.chat(request, body)
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+             "root": self.model_path, "parent": None,
+             "max_model_len": self.serving.tokenizer.max_model_len}
+            for name in self.serving.model_names]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.serving.client.is_alive:
+            raise EngineDeadError("engine core is not running")
+        await self.serving.client.call("check_health", timeout_s=10.0)
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _version()})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        model, prompt, is_chat, add_special = protocol.parse_tokenize_request(body)
+        self.serving.check_model(model)
+        tokenizer = self.serving.tokenizer
+        if is_chat:
+            ids = tokenizer.encode_chat(prompt, body.get("add_generation_prompt") is not False)
+        else:
+            ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+        return web.json_response({"tokens": ids, "count": len(ids),
+                                  "max_model_len": tokenizer.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        model, tokens = protocol.parse_detokenize_request(body)
+        self.serving.check_model(model)
+        return web.json_response({"prompt": self.serving.tokenizer.decode(tokens)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        client = self.serving.client
+        with contextlib.suppress(Exception):
+            client.latest_stats = await client.get_stats()
+        self.serving.metrics.engine_stats = client.latest_stats
+        return web.Response(body=self.serving.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        ok = await self.serving.client.call("reset_prefix_cache")
+        return web.json_response({"success": bool(ok)}, status=200 if ok else 409)
+
+
+async def _log_stats_periodically(client: AsyncEngineClient, interval_s: float) -> None:
+    """vLLM-style throughput / KV-usage lines while the engine is busy."""
+    last = None
+    last_time = time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        stats, now = client.latest_stats, time.monotonic()
+        if stats is None or not client.is_alive:
+            continue
+        if last is not None and (stats.num_running or stats.num_waiting
+                                 or stats != last):
+            elapsed = max(now - last_time, 1e-6)
+            prompt_tps = (stats.prompt_tokens_total - last.prompt_tokens_total) / elapsed
+            gen_tps = (stats.generation_tokens_total - last.generation_tokens_total) / elapsed
+            queries = stats.prefix_cache_queries - last.prefix_cache_queries
+            hits = stats.prefix_cache_hits - last.prefix_cache_hits
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, stats.num_running,
+                stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hits / max(queries, 1))
+        last, last_time = stats, now
+
+
+def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: EngineConfig,
+              options: ServerOptions) -> web.Application:
+    """The aiohttp application over a started engine client."""
+    names = [config.model.name]
+    metrics = ServerMetrics(names[0])
+    serving = OpenAIServing(client, tokenizer, names, metrics)
+    app = web.Application(client_max_size=options.client_max_size,
+                          middlewares=[error_middleware, _auth_middleware(options.api_key)])
+    app[SERVING_KEY] = serving
+    app[OPTIONS_KEY] = options
+    routes = _Routes(serving, options, config.model.model)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/version", routes.version)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
+    app.router.add_get("/metrics", routes.metrics)
+    if options.enable_admin_endpoints:
+        app.router.add_post("/reset_prefix_cache", routes.reset_prefix_cache)
+
+    async def stats_logger(app: web.Application) -> Any:
+        task = None
+        if options.log_stats_interval_s > 0:
+            task = asyncio.create_task(_log_stats_periodically(client,
+                                                               options.log_stats_interval_s))
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app.cleanup_ctx.append(stats_logger)
+    return app
+
+
+async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
+                               engine_factory: EngineFactory | None = None
+                               ) -> tuple[AsyncEngineClient, web.Application]:
+    """Start the engine process, load the tokenizer, build the app; logs each stage."""
+    started = time.monotonic()
+    client = await AsyncEngineClient.start(config, engine_factory)
+    info = client.info
+    logger.info("Engine core started in %.2fs: %d KV blocks of %d tokens, max_model_len %d",
+                time.monotonic() - started, info.num_total_blocks, config.cache.block_size,
+                info.max_model_len)
+    try:
+        stage = time.monotonic()
+        tokenizer = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: TokenizerService.load(info.tokenizer_path, info.max_model_len,
+                                                info.vocab_size, config.model.trust_remote_code))
+        logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
+                    info.tokenizer_path)
+        return client, build_app(client, tokenizer, config, options)
+    except BaseException:
+        await client.shutdown()
+        raise
+
+
+async def serve(config: EngineConfig, options: ServerOptions,
+                engine_factory: EngineFactory | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM or the engine dies."""
+    started = time.monotonic()
+    client, app = await start_engine_and_app(config, options, engine_factory)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        stage = time.monotonic()
+        await runner.setup()
+        await web.TCPSite(runner, options.host, options.port).start()
+        logger.info("HTTP server listening on http://%s:%d in %.2fs (total startup %.2fs)",
+                    options.host, options.port, time.monotonic() - stage,
+                    time.monotonic() - started)
+        while not stop.is_set() and client.is_alive:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        if not client.is_alive:
+            logger.error("engine core died; shutting down the server")
+    finally:
+        logger.info("Shutting down")
+        await runner.cleanup()
+        await client.shutdown()
+
+
+def run_server(config: EngineConfig, options: ServerOptions,
+               engine_factory: EngineFactory | None = None) -> None:
+    """Blocking entry point; uses uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, options, engine_factory))
+    else:
+        uvloop.run(serve(config, options, engine_factory))

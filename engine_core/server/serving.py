@@ -1,0 +1,337 @@
+"""The /v1/completions and /v1/chat/completions handlers over an ``AsyncEngineClient``.
+
+Each prompt becomes one engine request, pumped by its own task into a shared queue, so a
+batch of prompts streams interleaved. Leaving a handler early (client gone, error) cancels
+the pumps, and cancelling a pump aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine_core.engine_client import AsyncEngineClient
+from engine_core.errors import InvalidRequestError, ModelNotFoundError
+from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
+from engine_core.sampling_params import SamplingParams
+from engine_core.server import protocol, streaming
+from engine_core.server.http_errors import exception_body
+from engine_core.server.metrics import ServerMetrics
+from engine_core.server.tokenization import TokenizerService
+
+logger = logging.getLogger("pdserve.server")
+
+_MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass
+class _Job:
+    """One engine request of an HTTP request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class _ChoiceResult:
+    """Everything one choice accumulated, for non-streaming responses and usage."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or [])
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's ``X-Request-Id`` when given (the proxy's transfer id), else a fresh one."""
+    given = request.headers.get("X-Request-Id", "").strip()
+    if not given:
+        return uuid.uuid4().hex
+    if len(given) > _MAX_REQUEST_ID_LEN or not given.isprintable():
+        raise InvalidRequestError("X-Request-Id must be printable and at most "
+                                  f"{_MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
+    return given
+
+
+def _usage(choices: list[_ChoiceResult]) -> dict[str, Any]:
+    prompt = sum(c.num_prompt_tokens for c in choices)
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices)}}
+
+
+def _completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs; ``offset`` is the text offset of the first."""
+    text_offset = []
+    for entry in entries:
+        text_offset.append(offset)
+        offset += len(entry.token)
+    top = []
+    for entry in entries:
+        alternatives = {t.token: t.logprob for t in entry.top}
+        alternatives.setdefault(entry.token, entry.logprob)
+        top.append(alternatives)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": top, "text_offset": text_offset}
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)}
+                          for t in e.top]}
+        for e in entries]}
+
+
+class OpenAIServing:
+    """Turns validated OpenAI requests into engine requests and responses."""
+
+    def __init__(self, client: AsyncEngineClient, tokenizer: TokenizerService,
+                 model_names: list[str], metrics: ServerMetrics) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.metrics = metrics
+        self._token_texts = TokenTextCache(tokenizer.tokenizer)
+
+    def check_model(self, model: str | None) -> str:
+        """The served name a request addresses (the default when it names none)."""
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        return model
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def _generate(self, job: _Job, params: SamplingParams,
+                        kv_transfer_params: dict[str, Any] | None) -> AsyncIterator[RequestDelta]:
+        """Deltas of one engine request, with metrics; stops the engine on a stop string."""
+        state = RequestState.create(job.request_id, job.prompt_token_ids, params,
+                                    self.tokenizer.tokenizer, self._token_texts)
+        arrival = time.monotonic()
+        last_token_time: float | None = None
+        finish_reason, num_output = None, 0
+        try:
+            outputs = self.client.generate(job.request_id, job.prompt_token_ids, params,
+                                           kv_transfer_params)
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    delta = state.process(output)
+                    if delta is None:
+                        continue
+                    now = time.monotonic()
+                    if delta.token_ids:
+                        if last_token_time is None:
+                            self.metrics.observe_first_token(now - arrival)
+                        else:
+                            self.metrics.observe_inter_token(now - last_token_time)
+                        last_token_time = now
+                    num_output = delta.num_output_tokens
+                    if delta.finished:
+                        finish_reason = delta.finish_reason
+                    yield delta
+                    if delta.finished:
+                        # A stop string ended it here: closing the stream aborts it in the engine.
+                        break
+        finally:
+            self.metrics.observe_finished(time.monotonic() - arrival, finish_reason,
+                                          len(job.prompt_token_ids), num_output)
+
+    async def _run_jobs(self, jobs: list[_Job], params: SamplingParams,
+                        kv_transfer_params: dict[str, Any] | None
+                        ) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(choice index, delta) of all jobs, interleaved as they arrive."""
+        queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, job: _Job) -> None:
+            try:
+                async for delta in self._generate(job, params, kv_transfer_params):
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, None))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[_Job]:
+        for ids in prompts:
+            self.tokenizer.check_length(len(ids), params.max_tokens)
+        if len(prompts) == 1:
+            return [_Job(request_id, prompts[0])]
+        return [_Job(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
+
+    # ---- /v1/completions ----------------------------------------------------------------
+
+    async def completions(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        parsed = protocol.parse_completion_request(body)
+        model = self.check_model(parsed.model)
+        request_id = request["request_id"]
+        prompts = [self.tokenizer.encode_prompt(p) for p in parsed.prompts]
+        jobs = self._jobs(request_id, prompts, parsed.sampling_params)
+        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params)
+        head = {"id": f"cmpl-{request_id}", "object": "text_completion",
+                "created": int(time.time()), "model": model}
+        headers = {"X-Request-Id": request_id}
+        want_logprobs = parsed.sampling_params.logprobs is not None
+        choices = [_ChoiceResult() for _ in jobs]
+        async with contextlib.aclosing(events):
+            if not parsed.stream:
+                async for index, delta in events:
+                    choices[index].add(delta)
+                response = {**head, "choices": [
+                    {"index": i, "text": c.text,
+                     "logprobs": _completion_logprobs(c.logprobs, 0) if want_logprobs else None,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    for i, c in enumerate(choices)], "usage": _usage(choices)}
+                self._add_kv_transfer_params(response, choices)
+                return web.json_response(response, headers=headers)
+            # Wait for the first delta before sending headers: early errors keep their status.
+            first = await anext(events, None)
+            sse = await streaming.start_sse(request, headers)
+            try:
+                pending = [first] if first is not None else []
+                while True:
+                    for index, delta in pending:
+                        choice = choices[index]
+                        offset = len(choice.text)
+                        choice.add(delta)
+                        if not (delta.text or delta.finished or delta.logprobs):
+                            continue
+                        chunk = {**head, "choices": [{
+                            "index": index, "text": delta.text,
+                            "logprobs": (_completion_logprobs(delta.logprobs or [], offset)
+                                         if want_logprobs else None),
+                            "finish_reason": delta.finish_reason if delta.finished else None,
+                            "stop_reason": delta.stop_reason if delta.finished else None}]}
+                        if delta.finished:
+                            self._add_kv_transfer_params(chunk, [choice])
+                        await streaming.send_event(sse, chunk)
+                    item = await anext(events, None)
+                    if item is None:
+                        break
+                    pending = [item]
+                if parsed.include_usage:
+                    await streaming.send_event(sse, {**head, "choices": [],
+                                                     "usage": _usage(choices)})
+            except Exception as exc:
+                await self._stream_error(sse, request_id, exc)
+            await streaming.send_done(sse)
+            return sse
+
+    # ---- /v1/chat/completions -----------------------------------------------------------
+
+    async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        parsed = protocol.parse_chat_request(body)
+        model = self.check_model(parsed.model)
+        request_id = request["request_id"]
+        prompt = self.tokenizer.encode_chat(parsed.messages, parsed.add_generation_prompt)
+        jobs = self._jobs(request_id, [prompt], parsed.sampling_params)
+        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params)
+        head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
+        headers = {"X-Request-Id": request_id}
+        want_logprobs = parsed.sampling_params.logprobs is not None
+        choice = _ChoiceResult()
+        async with contextlib.aclosing(events):
+            if not parsed.stream:
+                async for _, delta in events:
+                    choice.add(delta)
+                response = {**head, "object": "chat.completion", "choices": [{
+                    "index": 0, "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": _chat_logprobs(choice.logprobs) if want_logprobs else None,
+                    "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}],
+                    "usage": _usage([choice])}
+                self._add_kv_transfer_params(response, [choice])
+                return web.json_response(response, headers=headers)
+            first = await anext(events, None)
+            sse = await streaming.start_sse(request, headers)
+            head = {**head, "object": "chat.completion.chunk"}
+            try:
+                await streaming.send_event(sse, {**head, "choices": [{
+                    "index": 0, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]})
+                item = first
+                while item is not None:
+                    _, delta = item
+                    choice.add(delta)
+                    if delta.text or delta.finished or delta.logprobs:
+                        chunk = {**head, "choices": [{
+                            "index": 0, "delta": {"content": delta.text} if delta.text else {},
+                            "logprobs": (_chat_logprobs(delta.logprobs or [])
+                                         if want_logprobs else None),
+                            "finish_reason": delta.finish_reason if delta.finished else None,
+                            "stop_reason": delta.stop_reason if delta.finished else None}]}
+                        if delta.finished:
+                            self._add_kv_transfer_params(chunk, [choice])
+                        await streaming.send_event(sse, chunk)
+                    item = await anext(events, None)
+                if parsed.include_usage:
+                    await streaming.send_event(sse, {**head, "choices": [],
+                                                     "usage": _usage([choice])})
+            except Exception as exc:
+                await self._stream_error(sse, request_id, exc)
+            await streaming.send_done(sse)
+            return sse
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _add_kv_transfer_params(response: dict[str, Any], choices: list[_ChoiceResult]) -> None:
+        params = next((c.kv_transfer_params for c in choices if c.kv_transfer_params), None)
+        if params is not None:
+            response["kv_transfer_params"] = params
+
+    @staticmethod
+    async def _stream_error(sse: web.StreamResponse, request_id: str, exc: Exception) -> None:
+        """After the first byte an error can only be an SSE event."""
+        if isinstance(exc, ConnectionError):
+            raise exc
+        status, body = exception_body(exc)
+        log = logger.exception if status >= 500 else logger.info
+        log("request %s failed mid-stream: %s", request_id, exc)
+        await streaming.send_event(sse, body)

@@ -1,0 +1,71 @@
+"""The API process's tokenizer: prompts and chat messages to token ids, and back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_core.errors import InvalidRequestError
+from engine_core.server.protocol import Prompt
+
+
+class TokenizerService:
+    """Wraps the HF tokenizer the engine names (``EngineInfo.tokenizer_path``)."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def load(cls, path: str, max_model_len: int, vocab_size: int,
+             trust_remote_code: bool = False) -> TokenizerService:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return cls(tokenizer, max_model_len, vocab_size)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a completion prompt, checked against the vocabulary and context."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization", "prompt")
+        if max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"token ids must be below the vocabulary size "
+                                      f"{self.vocab_size}", "prompt")
+        self.check_length(len(ids))
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+                    ) -> list[int]:
+        """Token ids of the chat template applied to ``messages``."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; "
+                                      "use /v1/completions", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise InvalidRequestError(f"chat template failed: {exc}", "messages") from None
+        ids = self.encode(text, add_special_tokens=False)
+        self.check_length(len(ids))
+        return ids
+
+    def check_length(self, num_tokens: int, max_tokens: int | None = None) -> None:
+        """Reject prompts that leave no room for output, or output beyond the context."""
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {num_tokens} tokens, leaving no room for output.", "prompt")
+        if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_tokens + max_tokens} tokens ({num_tokens} in the prompt, "
+                f"{max_tokens} for the completion).", "max_tokens")
+
+    def decode(self, token_ids: list[int]) -> str:
+        if token_ids and max(token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"token ids must be below {self.vocab_size}", "tokens")
+        return self.tokenizer.decode(token_ids)

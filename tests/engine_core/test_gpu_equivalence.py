@@ -35,4 +35,20 @@ def test_bfloat16_close_to_hf_on_cuda(tiny_checkpoint, hf_greedy, arch):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     equal = sum(g == e for g, e in zip(got, expected))
-    assert equal >= len(prompts) - 2, f"only {equal}/{len(prompts)} prompts equal"
+    assert equal >= len(prompts) * 3 // 4, f"only {equal}/{len(prompts)} prompts equal"
+    # Random tiny weights give flat logits, so bf16 rounding can flip near-ties. Every
+    # divergence must be such a tie: under fp32 logits of the shared prefix, the two
+    # candidate tokens differ by less than bf16 noise.
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda()
+    for prompt, g, e in zip(prompts, got, expected):
+        if g == e:
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(g, e)) if a != b)
+        ids = torch.tensor([prompt + e[:k]], device="cuda")
+        with torch.no_grad():
+            logits = reference(ids).logits[0, -1].float()
+        gap = (logits[e[k]] - logits[g[k]]).abs().item()
+        spread = (logits.max() - logits.min()).item()
+        assert gap < 0.02 * spread, f"divergence at step {k} is not a near-tie ({gap=:.4f})"

@@ -1,0 +1,78 @@
+"""`pdserve proxy` / `python -m proxy`: the disaggregated prefill/decode OpenAI proxy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+from proxy.routing import POLICIES
+
+logger = logging.getLogger("proxy")
+
+
+def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the proxy's flags to ``parser`` (used by ``pdserve proxy``)."""
+    d = ProxyConfig()
+    parser.add_argument("--host", default=d.host, help="HTTP bind address")
+    parser.add_argument("--port", type=int, default=d.port, help="HTTP port of the OpenAI API")
+    parser.add_argument("--registration-host", default=None,
+                        help="bind address of the ZMQ registration socket (default: --host)")
+    parser.add_argument("--registration-port", "--proxy-port", dest="registration_port",
+                        type=int, default=d.registration_port,
+                        help="ZMQ port workers heartbeat to (their proxy_port)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
+                        help="drop a worker after this many seconds without a heartbeat")
+    parser.add_argument("--routing", choices=sorted(POLICIES), default=d.routing,
+                        help="how P, D and colocated workers are picked")
+    parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                        help="client requests in flight before answering 429")
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="largest request body accepted (413 beyond)")
+    parser.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s,
+                        help="seconds for the whole prefill leg before it is retried elsewhere")
+    parser.add_argument("--decode-timeout", type=float, default=d.decode_timeout_s,
+                        help="seconds D (or a colocated worker) may go without sending a byte")
+    parser.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s,
+                        help="seconds to connect to a worker")
+    parser.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                        help="attempts per request (retries on prefill or connect failures)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The frozen ProxyConfig of parsed flags."""
+    return ProxyConfig(
+        host=args.host, port=args.port, registration_host=args.registration_host,
+        registration_port=args.registration_port, heartbeat_timeout_s=args.heartbeat_timeout,
+        routing=args.routing, max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
+        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
+        connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts)
+
+
+def run_proxy(args: argparse.Namespace) -> None:
+    """Run the proxy until SIGINT/SIGTERM."""
+    config = config_from_args(args)
+    app = create_app(config)
+    logger.info("pdserve proxy: http://%s:%d (registration tcp://%s:%s, routing %s)",
+                config.host, config.port, config.registration_bind_host,
+                config.registration_port, config.routing)
+    # Handler cancellation makes a client disconnect cancel the handler, which closes both
+    # upstream legs so the workers abort the request and free its KV.
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
+                access_log=None, print=None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m proxy``."""
+    parser = add_proxy_args(argparse.ArgumentParser(prog="pdserve proxy", description=__doc__))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_proxy(args)
+
+
+if __name__ == "__main__":
+    main()

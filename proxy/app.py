@@ -1,0 +1,97 @@
+"""The proxy's aiohttp application factory.
+
+State lives on the app under the AppKeys of ``proxy.keys``; the upstream ClientSession (and
+the ``Dispatcher`` that uses it), the heartbeat-expiry task and the registration server
+are started and stopped by ``cleanup_ctx`` entries, so a test server gets exactly the
+same lifecycle as ``pdserve proxy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from proxy import keys
+from proxy.config import ProxyConfig
+from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.forwarding import LegTimeouts, create_upstream_session
+from proxy.handlers import add_routes
+from proxy.metrics import ProxyMetrics
+from proxy.registration import RegistrationServer
+from proxy.registry import Clock, InstanceRegistry
+from proxy.routing import make_policy
+
+logger = logging.getLogger(__name__)
+
+
+def new_request_id() -> str:
+    """A fresh unique id (32 hex characters)."""
+    return uuid.uuid4().hex
+
+
+def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
+               id_factory: Callable[[], str] = new_request_id,
+               registry: InstanceRegistry | None = None) -> web.Application:
+    """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
+    app = web.Application(client_max_size=config.max_body_bytes + 1)
+    registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
+    app[keys.CONFIG] = config
+    app[keys.CLOCK] = clock
+    app[keys.ID_FACTORY] = id_factory
+    app[keys.REGISTRY] = registry
+    app[keys.POLICY] = make_policy(config.routing)
+    app[keys.LIMITER] = InflightLimiter(config.max_inflight)
+    server = None
+    if config.registration_port is not None:
+        server = RegistrationServer(registry, config.registration_bind_host,
+                                    config.registration_port)
+        app[keys.REGISTRATION_SERVER] = server
+        app.cleanup_ctx.append(_registration_ctx)
+    app[keys.METRICS] = ProxyMetrics(registry, (lambda: server.stats) if server else (lambda: (0, 0)))
+    app.cleanup_ctx.append(_upstream_ctx)
+    app.cleanup_ctx.append(_expiry_ctx)
+    add_routes(app)
+    return app
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[keys.CONFIG]
+    session = create_upstream_session()
+    app[keys.DISPATCHER] = Dispatcher(
+        registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
+        session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,
+        max_response_bytes=config.max_response_bytes,
+        timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
+                             decode_s=config.decode_timeout_s,
+                             connect_s=config.connect_timeout_s))
+    yield
+    await session.close()
+
+
+async def _expiry_loop(registry: InstanceRegistry, period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        for worker_id in registry.expire():
+            logger.warning("worker %s missed its heartbeats for %.1fs: dropped", worker_id,
+                           registry.heartbeat_timeout_s)
+
+
+async def _expiry_ctx(app: web.Application) -> AsyncIterator[None]:
+    registry = app[keys.REGISTRY]
+    period_s = min(1.0, registry.heartbeat_timeout_s / 4)
+    task = asyncio.create_task(_expiry_loop(registry, period_s), name="proxy-expiry")
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _registration_ctx(app: web.Application) -> AsyncIterator[None]:
+    server = app[keys.REGISTRATION_SERVER]
+    await server.start()
+    yield
+    await server.stop()

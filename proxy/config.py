@@ -1,0 +1,48 @@
+"""ProxyConfig: every proxy knob, frozen, built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.errors import ConfigError
+from proxy.routing import POLICIES
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Settings of one proxy process (flag names in ``proxy.__main__``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 10001
+    registration_host: str | None = None  # None: same as host
+    registration_port: int | None = 30001  # None: no registration server (tests)
+    heartbeat_timeout_s: float = 10.0
+    routing: str = "round_robin"
+    max_inflight: int = 1024
+    max_body_bytes: int = 16 << 20
+    max_response_bytes: int = 64 << 20
+    prefill_timeout_s: float = 120.0
+    decode_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    max_attempts: int = 3
+    suspect_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.routing not in POLICIES:
+            raise ConfigError(f"--routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
+        for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+                     "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        for name in ("port", "registration_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ConfigError(f"{name} out of range: {value}")
+
+    @property
+    def registration_bind_host(self) -> str:
+        """Where the registration server binds."""
+        return self.registration_host or self.host

@@ -1,0 +1,344 @@
+"""Dispatcher: one client request -> route -> legs -> the client's response.
+
+Disaggregated attempt: both legs leave at once; P's answer (one token, no stream) is awaited
+first while D's early refusal is watched; then D's answer is relayed. Failure rules:
+
+- P fails (connect, disconnect, timeout, 5xx) before any byte reached the client: D's leg
+  is aborted and the request is tried again without that P, which becomes decode-only on
+  D when no other P is left (``routing.plan_route``). Each retry gets the transfer id
+  ``T-retryN`` so a late KV transfer of an aborted attempt can never match the new one.
+- D (or a colocated worker) cannot be connected to: tried again without it.
+- A worker's 4xx is forwarded unchanged; D's 5xx, timeout or an empty answer before any
+  byte went out is a 502/504 with an OpenAI error body, never a 200 with an empty body.
+- After bytes went out, an upstream failure (or a stream ending without ``[DONE]``) ends the
+  stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
+- Cancellation (client gone; the server runs with handler cancellation) closes every leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from engine_core.errors import NoWorkerError
+from proxy import forwarding as fw
+from proxy.errors import UpstreamError, UpstreamTimeoutError, sse_error_event
+from proxy.metrics import ProxyMetrics
+from proxy.registry import Clock, InstanceRegistry, WorkerState
+from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestTimer:
+    """Per-request timestamps on the proxy's clock (seconds)."""
+
+    arrival: float
+    mode: str | None = None              # route mode of the latest attempt
+    dispatched: float | None = None      # first leg sent
+    prefill_done: float | None = None    # P answered (successful attempt)
+    prefill_sent: float | None = None    # that attempt's legs sent
+    first_byte: float | None = None      # first byte from D / colocated
+    upstream_done: float | None = None   # last byte needed from a worker
+
+
+class _Retry(Exception):
+    """An attempt failed before any byte went out; try again without ``worker``."""
+
+    def __init__(self, worker: WorkerState, error: UpstreamError, reason: str) -> None:
+        super().__init__(str(error))
+        self.worker = worker
+        self.error = error
+        self.reason = reason
+
+
+class _Leg:
+    """Book-keeping for one leg: registry in-flight count and per-worker metrics."""
+
+    def __init__(self, dispatcher: Dispatcher, worker: WorkerState, role: str) -> None:
+        self._d = dispatcher
+        self.worker = worker
+        self.role = role
+        self.started = dispatcher.clock()
+        self._finished = False
+        dispatcher.registry.leg_started(worker.worker_id)
+        dispatcher.metrics.worker_requests.labels(worker.worker_id, role).inc()
+
+    def finish(self, error: UpstreamError | None = None, aborted: bool = False) -> None:
+        """Record the leg's end once: ok, failed with ``error``, or aborted by the proxy."""
+        if self._finished:
+            return
+        self._finished = True
+        wid = self.worker.worker_id
+        self._d.registry.leg_finished(wid, ok=error is None,
+                                      connection_failed=error is not None and error.connect_failed)
+        if error is not None:
+            self._d.metrics.worker_errors.labels(wid, self.role, error.kind).inc()
+        elif not aborted:
+            self._d.metrics.worker_latency.labels(wid, self.role).observe(
+                self._d.clock() - self.started)
+
+
+class InflightLimiter:
+    """Counts client requests in flight and refuses beyond ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def try_acquire(self) -> bool:
+        """Take a slot; False when all are taken."""
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def release(self) -> None:
+        self.count = max(0, self.count - 1)
+
+
+class Dispatcher:
+    """Routes requests and runs their legs; holds no per-request state between calls."""
+
+    def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
+                 metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
+                 clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.session = session
+        self.timeouts = timeouts
+        self.clock = clock
+        self.max_attempts = max_attempts
+        self.max_response_bytes = max_response_bytes
+
+    async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
+                       transfer_id: str, timer: RequestTimer) -> web.StreamResponse:
+        """Serve one validated request body; raise a PdserveError for an error status."""
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        excluded: set[str] = set()
+        last_error: UpstreamError | None = None
+        for attempt in range(self.max_attempts):
+            attempt_id = transfer_id if attempt == 0 else f"{transfer_id}-retry{attempt}"
+            try:
+                route = plan_route(self.registry, self.policy, model, excluded)
+            except NoWorkerError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            self.metrics.routing_decisions.labels(
+                route.mode, route.prefill.worker_id if route.prefill else "",
+                route.decode.worker_id).inc()
+            timer.mode = route.mode
+            if timer.dispatched is None:
+                timer.dispatched = self.clock()
+            try:
+                if route.mode == MODE_PD:
+                    return await self._run_pd(request, path, body, route, attempt_id, timer)
+                return await self._run_whole(request, path, body, route, attempt_id, timer)
+            except _Retry as retry:
+                logger.warning("request %s: %s failed (%s); retrying without %s", attempt_id,
+                               route.describe(), retry.error, retry.worker.worker_id)
+                self.metrics.retries.labels(retry.reason).inc()
+                excluded.add(retry.worker.worker_id)
+                last_error = retry.error
+        assert last_error is not None
+        raise last_error
+
+    async def _run_pd(self, request: web.Request, path: str, body: dict[str, Any], route: Route,
+                      attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
+        prefill, decode = route.prefill, route.decode
+        assert prefill is not None and prefill.zmq_address and decode.zmq_address
+        headers = fw.leg_headers(request.headers, attempt_id)
+        p_leg, d_leg = _Leg(self, prefill, "prefill"), _Leg(self, decode, "decode")
+        timer.prefill_sent = self.clock()
+        p_task = asyncio.create_task(self._prefill(
+            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address), headers))
+        d_task = asyncio.create_task(fw.open_leg(
+            self.session, decode.url + path, fw.decode_body(body, attempt_id, prefill.zmq_address),
+            headers, self.timeouts.decode()))
+        try:
+            pending: set[asyncio.Task[Any]] = {p_task, d_task}
+            while not p_task.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if d_task in done and not p_task.done():
+                    d_response = await self._decode_response(d_task, d_leg)
+                    if not 200 <= d_response.status < 300:  # D refused: its answer stands
+                        return await self._forward_refusal(d_response, d_leg, attempt_id)
+            try:
+                p_status, p_type, p_data = p_task.result()
+            except UpstreamError as err:
+                p_leg.finish(err)
+                raise _Retry(prefill, err, f"prefill_{err.kind}") from None
+            if p_status >= 500:
+                err = UpstreamError(f"prefill worker {prefill.worker_id} answered {p_status}",
+                                    kind="status", status=p_status)
+                p_leg.finish(err)
+                raise _Retry(prefill, err, "prefill_status")
+            p_leg.finish()
+            if p_status >= 300:  # the worker judged the request: pass its verdict on
+                return web.Response(status=p_status, body=p_data, content_type=p_type,
+                                    headers={"X-Request-Id": attempt_id})
+            timer.prefill_done = self.clock()
+            d_response = await self._decode_response(d_task, d_leg)
+            if not 200 <= d_response.status < 300:
+                return await self._forward_refusal(d_response, d_leg, attempt_id)
+            return await self._relay(request, d_response, d_leg, attempt_id, timer, MODE_PD)
+        finally:
+            p_leg.finish(aborted=True)
+            d_leg.finish(aborted=True)
+            await _abort(p_task, d_task)
+
+    async def _run_whole(self, request: web.Request, path: str, body: dict[str, Any],
+                         route: Route, attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
+        """Colocated or decode-only: one worker gets the whole request."""
+        worker = route.decode
+        leg = _Leg(self, worker, route.mode)
+        task = asyncio.create_task(fw.open_leg(
+            self.session, worker.url + path, fw.decode_body(body, attempt_id, None),
+            fw.leg_headers(request.headers, attempt_id), self.timeouts.decode()))
+        try:
+            response = await self._decode_response(task, leg)
+            if not 200 <= response.status < 300:
+                return await self._forward_refusal(response, leg, attempt_id)
+            return await self._relay(request, response, leg, attempt_id, timer, route.mode)
+        finally:
+            leg.finish(aborted=True)
+            await _abort(task)
+
+    async def _prefill(self, url: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> tuple[int, str, bytes]:
+        """The whole prefill leg under its deadline: (status, content type, body)."""
+
+        async def run() -> tuple[int, str, bytes]:
+            response = await fw.open_leg(self.session, url, body, headers, self.timeouts.prefill())
+            try:
+                data = await fw.read_body(response, self.max_response_bytes)
+            finally:
+                response.close()
+            return response.status, response.content_type, data
+
+        try:
+            return await asyncio.wait_for(run(), self.timeouts.prefill_s)
+        except asyncio.TimeoutError as exc:
+            raise UpstreamTimeoutError(f"prefill leg to {url} exceeded "
+                                       f"{self.timeouts.prefill_s}s") from exc
+
+    async def _decode_response(self, task: asyncio.Task[aiohttp.ClientResponse],
+                               leg: _Leg) -> aiohttp.ClientResponse:
+        """D's (or a colocated worker's) response headers; retry when it was unreachable."""
+        try:
+            return await task
+        except UpstreamError as err:
+            leg.finish(err)
+            if err.connect_failed:
+                raise _Retry(leg.worker, err, f"{leg.role}_connect") from None
+            raise
+
+    async def _forward_refusal(self, response: aiohttp.ClientResponse, leg: _Leg,
+                               attempt_id: str) -> web.StreamResponse:
+        """Pass a worker's 4xx on unchanged; turn its 5xx into a 502 with an error body."""
+        data = await fw.read_body(response, self.max_response_bytes)
+        if response.status < 500:
+            leg.finish()
+            return web.Response(status=response.status, body=data,
+                                content_type=response.content_type,
+                                headers={"X-Request-Id": attempt_id})
+        err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} answered "
+                            f"{response.status}: {data[:500].decode(errors='replace')}",
+                            kind="status", status=response.status)
+        leg.finish(err)
+        raise err
+
+    async def _relay(self, request: web.Request, response: aiohttp.ClientResponse, leg: _Leg,
+                     attempt_id: str, timer: RequestTimer, mode: str) -> web.StreamResponse:
+        if not fw.is_event_stream(response):
+            try:
+                data = await fw.read_body(response, self.max_response_bytes)
+            except UpstreamError as err:
+                leg.finish(err)
+                raise
+            timer.first_byte = timer.upstream_done = self.clock()
+            if not data:
+                err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} answered an "
+                                    "empty body", kind="empty")
+                leg.finish(err)
+                raise err
+            leg.finish()
+            headers = {"X-Request-Id": attempt_id, **self._timing_headers(timer)}
+            return web.Response(status=response.status, body=data,
+                                content_type=response.content_type, headers=headers)
+        first = b""
+        try:
+            first = await fw.read_chunk(response)
+        except UpstreamError as err:
+            leg.finish(err)
+            raise
+        if not first:
+            err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} ended its stream "
+                                "before any event", kind="empty")
+            leg.finish(err)
+            raise err
+        timer.first_byte = self.clock()
+        out = web.StreamResponse(status=response.status, headers={
+            "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
+            "X-Request-Id": attempt_id})
+        await out.prepare(request)
+        tracker = fw.SSETracker()
+        chunk = first
+        try:
+            while chunk:
+                await out.write(chunk)
+                tracker.feed(chunk)
+                chunk = await fw.read_chunk(response)
+            timer.upstream_done = self.clock()
+            if not tracker.done_seen:
+                raise UpstreamError(f"{leg.role} worker {leg.worker.worker_id} ended its "
+                                    "stream without [DONE]", kind="disconnect")
+            leg.finish()
+        except UpstreamError as err:
+            leg.finish(err)
+            logger.warning("request %s: stream from %s failed after bytes went out: %s",
+                           attempt_id, leg.worker.worker_id, err)
+            try:
+                await out.write((b"" if tracker.at_event_boundary else b"\n\n")
+                                + sse_error_event(err))
+            except ConnectionResetError:
+                return out
+        except ConnectionResetError:  # the client went away: the finally aborts the legs
+            return out
+        await out.write_eof()
+        return out
+
+    def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if timer.prefill_done is not None and timer.prefill_sent is not None:
+            headers["X-Pdserve-Prefill-Ms"] = f"{(timer.prefill_done - timer.prefill_sent) * 1e3:.3f}"
+        overhead = proxy_overhead(timer, self.clock())
+        if overhead is not None:
+            headers["X-Pdserve-Proxy-Overhead-Ms"] = f"{overhead * 1e3:.3f}"
+        return headers
+
+
+def proxy_overhead(timer: RequestTimer, now: float) -> float | None:
+    """The proxy's own time so far: total minus the span spent waiting on workers."""
+    if timer.dispatched is None or timer.upstream_done is None:
+        return None
+    return max(0.0, (now - timer.arrival) - (timer.upstream_done - timer.dispatched))
+
+
+async def _abort(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel unfinished legs and close responses nobody consumed, closing their connections."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for result in results:
+        if isinstance(result, aiohttp.ClientResponse):
+            result.close()  # no-op when already released after a complete read

@@ -1,0 +1,158 @@
+"""Upstream legs: request bodies for P and D, sending with deadlines, reading and relaying.
+
+Everything here talks to one worker at a time and turns aiohttp's many failure types into
+``UpstreamError`` / ``UpstreamTimeoutError``; the choice of what to do about a failure
+(retry, decode-only, 502, SSE error event) belongs to ``proxy.dispatcher``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from proxy.errors import UpstreamError, UpstreamTimeoutError
+
+# Client headers worth passing on to workers; the rest (Host, Content-Length, ...) are the
+# proxy's own business.
+FORWARDED_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "User-Agent")
+SSE_CONTENT_TYPE = "text/event-stream"
+_PREFILL_ONLY_FIELDS = ("stream_options", "min_tokens")
+
+
+@dataclass(frozen=True)
+class LegTimeouts:
+    """Per-leg deadlines in seconds.
+
+    ``prefill_s`` bounds the whole prefill leg. ``decode_s`` bounds each wait for bytes from
+    D (first byte included, which covers the KV transfer), so a long stream that keeps
+    producing never times out but a stalled one does. ``connect_s`` bounds connecting.
+    """
+
+    prefill_s: float = 60.0
+    decode_s: float = 600.0
+    connect_s: float = 5.0
+
+    def prefill(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.prefill_s, sock_connect=self.connect_s)
+
+    def decode(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s,
+                                     sock_read=self.decode_s)
+
+
+def create_upstream_session() -> aiohttp.ClientSession:
+    """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                 auto_decompress=False)
+
+
+def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:
+    # The proxy owns kv_transfer_params; a client's own value never reaches a worker.
+    out = copy.copy(body)
+    out.pop("kv_transfer_params", None)
+    return out
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str) -> dict[str, Any]:
+    """P's request: one token, no streaming, KV sent to D."""
+    out = _without_transfer_fields(body)
+    for key in _PREFILL_ONLY_FIELDS:
+        out.pop(key, None)
+    out["max_tokens"] = 1
+    out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
+                                 "remote_kv_address": decode_kv_address}
+    return out
+
+
+def decode_body(body: dict[str, Any], transfer_id: str,
+                prefill_kv_address: str | None) -> dict[str, Any]:
+    """D's request: the original body, plus transfer params naming P unless decode-only."""
+    out = _without_transfer_fields(body)
+    if prefill_kv_address is not None:
+        out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_prefill": True,
+                                     "remote_kv_address": prefill_kv_address}
+    return out
+
+
+def leg_headers(client_headers: Any, transfer_id: str) -> dict[str, str]:
+    """Headers for a worker leg: the forwarded client headers plus X-Request-Id."""
+    headers = {name: client_headers[name] for name in FORWARDED_HEADERS if name in client_headers}
+    headers["X-Request-Id"] = transfer_id
+    return headers
+
+
+def _upstream_error(exc: BaseException, url: str) -> UpstreamError:
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's timeouts subclass it
+        return UpstreamTimeoutError(f"worker {url} did not answer in time")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamError(f"cannot connect to worker {url}: {exc.os_error}", kind="connect",
+                             connect_failed=True)
+    return UpstreamError(f"worker {url} failed: {type(exc).__name__}: {exc}", kind="disconnect")
+
+
+async def open_leg(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                   headers: dict[str, str], timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    """POST and return the response once its headers arrived; the caller must close it."""
+    try:
+        return await session.post(url, json=body, headers=headers, timeout=timeout)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise _upstream_error(exc, url) from exc
+
+
+async def read_body(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """Read a whole response body (bounded) or raise UpstreamError."""
+    url = str(response.url)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while chunk := await response.content.readany():
+            size += len(chunk)
+            if size > max_bytes:
+                raise UpstreamError(f"worker {url} answered more than {max_bytes} bytes",
+                                    kind="status")
+            chunks.append(chunk)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise _upstream_error(exc, url) from exc
+    return b"".join(chunks)
+
+
+async def read_chunk(response: aiohttp.ClientResponse) -> bytes:
+    """The next bytes of a streamed body, b"" at its end, or UpstreamError."""
+    try:
+        return await response.content.readany()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise _upstream_error(exc, str(response.url)) from exc
+
+
+def is_event_stream(response: aiohttp.ClientResponse) -> bool:
+    """Whether the worker answered with server-sent events."""
+    return response.content_type == SSE_CONTENT_TYPE
+
+
+class SSETracker:
+    """Watches relayed SSE bytes: are we between events, and did ``data: [DONE]`` pass?"""
+
+    _DONE = b"data: [DONE]"
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.done_seen = False
+
+    def feed(self, chunk: bytes) -> None:
+        """Account for bytes just written to the client."""
+        window = self._tail + chunk
+        if self._DONE in window:
+            self.done_seen = True
+        self._tail = window[-(len(self._DONE) + 2):]
+
+    @property
+    def at_event_boundary(self) -> bool:
+        """True when the bytes so far end with a blank line (or nothing was sent)."""
+        return not self._tail or self._tail.endswith((b"\n\n", b"\r\n\r\n"))

@@ -1,0 +1,165 @@
+"""HTTP routes of the proxy: OpenAI endpoints, /v1/models, /health, /metrics, /instances."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
+from proxy import keys
+from proxy.dispatcher import RequestTimer, proxy_overhead
+from proxy.errors import RequestTooLargeError, to_http
+from proxy.messages import ROLES
+from proxy.metrics import ProxyMetrics
+
+logger = logging.getLogger(__name__)
+
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+MAX_CLIENT_ID_CHARS = 64
+
+
+def make_transfer_id(client_request_id: str | None, new_id: Callable[[], str]) -> str:
+    """The request's transfer id: the client's X-Request-Id (sanitized) as base, made unique."""
+    unique = new_id()
+    if client_request_id:
+        base = _UNSAFE_ID_CHARS.sub("_", client_request_id.strip())[:MAX_CLIENT_ID_CHARS]
+        if base:
+            return f"{base}-{unique}"
+    return unique
+
+
+async def read_json_object(request: web.Request, max_bytes: int) -> dict:
+    """The request body as a JSON object, at most ``max_bytes``; the worker validates the rest."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise RequestTooLargeError(f"request body of {request.content_length} bytes exceeds "
+                                   f"the limit of {max_bytes} bytes")
+    data = bytearray()
+    while chunk := await request.content.readany():
+        data += chunk
+        if len(data) > max_bytes:
+            raise RequestTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
+    try:
+        body = json.loads(data)
+    except ValueError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    return body
+
+
+def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
+    """An OpenAI-style error response for an exception."""
+    status, payload = to_http(exc)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.json_response(payload, status=status, headers=headers)
+
+
+_REJECT_REASONS = {413: "too_large", 429: "overloaded", 400: "invalid", 404: "model_not_found",
+                   503: "no_worker"}
+
+
+async def _serve(request: web.Request, path: str) -> web.StreamResponse:
+    app = request.app
+    clock, metrics, limiter = app[keys.CLOCK], app[keys.METRICS], app[keys.LIMITER]
+    timer = RequestTimer(arrival=clock())
+    transfer_id = make_transfer_id(request.headers.get("X-Request-Id"), app[keys.ID_FACTORY])
+    status = 500
+    acquired = False
+    try:
+        config = app[keys.CONFIG]
+        if request.content_length is not None and request.content_length > config.max_body_bytes:
+            raise RequestTooLargeError(f"request body of {request.content_length} bytes exceeds "
+                                       f"the limit of {config.max_body_bytes} bytes")
+        if not limiter.try_acquire():
+            raise OverloadedError(f"too many requests in flight (limit {limiter.limit}); "
+                                  "retry later")
+        acquired = True
+        metrics.in_flight.inc()
+        body = await read_json_object(request, config.max_body_bytes)
+        response = await app[keys.DISPATCHER].dispatch(request, path, body, transfer_id, timer)
+        status = response.status
+        return response
+    except PdserveError as exc:
+        response = error_response(exc, transfer_id)
+        status = response.status
+        if status in _REJECT_REASONS and timer.dispatched is None:
+            metrics.rejected.labels(_REJECT_REASONS[status]).inc()
+        return response
+    finally:
+        if acquired:
+            limiter.release()
+            metrics.in_flight.dec()
+        metrics.requests.labels(path, str(status)).inc()
+        _observe_timings(metrics, timer, clock())
+
+
+def _observe_timings(metrics: ProxyMetrics, timer: RequestTimer, now: float) -> None:
+    if timer.dispatched is None or timer.mode is None:
+        return
+    mode = timer.mode
+    metrics.queue_time.observe(timer.dispatched - timer.arrival)
+    if timer.prefill_done is not None and timer.prefill_sent is not None:
+        metrics.prefill_leg.observe(timer.prefill_done - timer.prefill_sent)
+    if timer.first_byte is not None:
+        metrics.time_to_first_byte.labels(mode).observe(timer.first_byte - timer.arrival)
+    metrics.request_time.labels(mode).observe(now - timer.arrival)
+    overhead = proxy_overhead(timer, now)
+    if overhead is not None:
+        metrics.overhead.labels(mode).observe(overhead)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    return await _serve(request, "/v1/completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    return await _serve(request, "/v1/chat/completions")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: the union of the registered workers' models."""
+    created = int(time.time())
+    data = [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
+            for model in request.app[keys.REGISTRY].models()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: the proxy is up (200 even with no workers; see /instances for those)."""
+    registry = request.app[keys.REGISTRY]
+    counts = {role: len(registry.workers(role)) for role in ROLES}
+    return web.json_response({"status": "ok", "workers": counts})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text."""
+    body = request.app[keys.METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def instances(request: web.Request) -> web.Response:
+    """GET /instances: registered workers and their state."""
+    app = request.app
+    return web.json_response({
+        "heartbeat_timeout_s": app[keys.REGISTRY].heartbeat_timeout_s,
+        "routing": app[keys.POLICY].name,
+        "in_flight": app[keys.LIMITER].count,
+        "workers": app[keys.REGISTRY].snapshot(),
+    })
+
+
+def add_routes(app: web.Application) -> None:
+    """Register every route on the app."""
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/instances", instances)

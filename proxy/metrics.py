@@ -1,0 +1,104 @@
+"""Proxy Prometheus metrics in the app's own CollectorRegistry (no process-global state).
+
+Counters and histograms are updated on the request path; per-worker gauges (in-flight,
+heartbeat load, registration counts) are read from the registry at scrape time by a
+collector, so a worker that expires simply disappears from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.messages import ROLES
+from proxy.registry import InstanceRegistry
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.5, 1.0)
+P = "pdserve:proxy_"
+
+
+class _RegistryCollector(Collector):
+    """Scrape-time view of registered workers and registration-socket counters."""
+
+    def __init__(self, registry: InstanceRegistry,
+                 registration_stats: Callable[[], tuple[int, int]]) -> None:
+        self._registry = registry
+        self._registration_stats = registration_stats
+
+    def collect(self) -> Iterable[Metric]:
+        workers = self._registry.workers()
+        registered = GaugeMetricFamily(P + "registered_workers", "Registered workers by role",
+                                       labels=["role"])
+        for role in ROLES:
+            registered.add_metric([role], sum(1 for w in workers if w.role == role))
+        labels = ["worker", "role"]
+        in_flight = GaugeMetricFamily(P + "worker_in_flight", "Legs in flight per worker", labels=labels)
+        running = GaugeMetricFamily(P + "worker_num_requests_running",
+                                    "Running requests (last heartbeat)", labels=labels)
+        waiting = GaugeMetricFamily(P + "worker_num_requests_waiting",
+                                    "Waiting requests (last heartbeat)", labels=labels)
+        kv_usage = GaugeMetricFamily(P + "worker_kv_cache_usage_perc",
+                                     "KV cache usage 0..1 (last heartbeat)", labels=labels)
+        for w in workers:
+            key = [w.worker_id, w.role]
+            in_flight.add_metric(key, w.in_flight)
+            running.add_metric(key, w.load.num_running)
+            waiting.add_metric(key, w.load.num_waiting)
+            kv_usage.add_metric(key, w.load.kv_cache_usage)
+        received, bad = self._registration_stats()
+        messages = CounterMetricFamily(P + "registration_messages", "Registration messages received")
+        messages.add_metric([], received)
+        bad_messages = CounterMetricFamily(P + "registration_bad_messages",
+                                           "Registration messages dropped as malformed")
+        bad_messages.add_metric([], bad)
+        return [registered, in_flight, running, waiting, kv_usage, messages, bad_messages]
+
+
+class ProxyMetrics:
+    """Every metric the proxy exports; ``render`` gives the /metrics text."""
+
+    def __init__(self, registry: InstanceRegistry,
+                 registration_stats: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        self.collector_registry = CollectorRegistry(auto_describe=True)
+        r = self.collector_registry
+        self.requests = Counter(P + "requests", "Client requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.rejected = Counter(P + "rejected_requests", "Requests refused before routing",
+                                ["reason"], registry=r)
+        self.in_flight = Gauge(P + "in_flight_requests", "Client requests in flight", registry=r)
+        self.routing_decisions = Counter(P + "routing_decisions", "Routing decisions",
+                                         ["mode", "prefill", "decode"], registry=r)
+        self.retries = Counter(P + "retries", "Request attempts retried", ["reason"], registry=r)
+        self.worker_requests = Counter(P + "worker_requests", "Legs sent per worker",
+                                       ["worker", "role"], registry=r)
+        self.worker_errors = Counter(P + "worker_errors", "Failed legs per worker",
+                                     ["worker", "role", "kind"], registry=r)
+        self.worker_latency = Histogram(P + "worker_leg_latency_seconds",
+                                        "Leg latency per worker (prefill: whole leg; "
+                                        "decode/colocated: until the last byte)",
+                                        ["worker", "role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "queue_time_seconds",
+                                    "Arrival to legs dispatched (body read, admission, routing)",
+                                    buckets=OVERHEAD_BUCKETS, registry=r)
+        self.prefill_leg = Histogram(P + "prefill_leg_seconds",
+                                     "Prefill leg latency, dispatch to P's answer",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.time_to_first_byte = Histogram(P + "time_to_first_byte_seconds",
+                                            "Arrival to the first byte from D (or colocated)",
+                                            ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.request_time = Histogram(P + "request_seconds", "Arrival to the response's end",
+                                      ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.overhead = Histogram(P + "overhead_seconds",
+                                  "Proxy's own time: request total minus time waiting on workers",
+                                  ["mode"], buckets=OVERHEAD_BUCKETS, registry=r)
+        r.register(_RegistryCollector(registry, registration_stats))
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of every metric."""
+        return generate_latest(self.collector_registry)

@@ -1,0 +1,170 @@
+"""InstanceRegistry: the workers the proxy knows, their heartbeats, load and in-flight counts.
+
+Pure: no sockets, no tasks. The registration server feeds it heartbeats, a periodic task
+calls ``expire``, and the request path reads candidates and counts legs in and out. Time
+comes from an injected clock so expiry is testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.messages import Heartbeat, WorkerLoad
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class WorkerState:
+    """One registered worker: what it announced plus what the proxy observed."""
+
+    role: str
+    http_address: str
+    model: str
+    zmq_address: str | None
+    version: str
+    load: WorkerLoad
+    registered_at: float
+    last_heartbeat: float
+    in_flight: int = 0
+    num_requests: int = 0
+    num_errors: int = 0
+    # After a connection failure the worker is avoided until this time (or its next
+    # heartbeat), so requests stop bouncing off a dead worker before it expires.
+    suspect_until: float | None = None
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's identity in the registry: its HTTP address."""
+        return self.http_address
+
+    @property
+    def url(self) -> str:
+        """Base URL of the worker's OpenAI server."""
+        return f"http://{self.http_address}"
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        """A JSON-ready view for ``/instances``."""
+        return {
+            "role": self.role,
+            "http_address": self.http_address,
+            "zmq_address": self.zmq_address,
+            "model": self.model,
+            "version": self.version,
+            "load": {
+                "num_running": self.load.num_running,
+                "num_waiting": self.load.num_waiting,
+                "kv_cache_usage": self.load.kv_cache_usage,
+                "num_waiting_for_remote_kv": self.load.num_waiting_for_remote_kv,
+            },
+            "in_flight": self.in_flight,
+            "num_requests": self.num_requests,
+            "num_errors": self.num_errors,
+            "seconds_since_heartbeat": round(now - self.last_heartbeat, 3),
+            "registered_seconds_ago": round(now - self.registered_at, 3),
+            "suspect": self.suspect_until is not None and now < self.suspect_until,
+        }
+
+
+@dataclass
+class RegistryEvents:
+    """What one ``expire`` or ``heartbeat`` call changed (for logs and metrics)."""
+
+    joined: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+
+
+class InstanceRegistry:
+    """Workers keyed by HTTP address, dropped when they miss heartbeats for ``heartbeat_timeout_s``."""
+
+    def __init__(self, heartbeat_timeout_s: float = 10.0, suspect_s: float = 5.0,
+                 clock: Clock = time.monotonic) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be > 0")
+        self._timeout_s = heartbeat_timeout_s
+        self._suspect_s = suspect_s
+        self._clock = clock
+        self._workers: dict[str, WorkerState] = {}
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self._timeout_s
+
+    def heartbeat(self, message: Heartbeat) -> bool:
+        """Add or refresh a worker; return True when it is new (or changed role/model)."""
+        now = self._clock()
+        existing = self._workers.get(message.http_address)
+        if existing is not None and existing.role == message.role \
+                and existing.model == message.model and existing.zmq_address == message.zmq_address:
+            existing.load = message.load
+            existing.version = message.version
+            existing.last_heartbeat = now
+            existing.suspect_until = None  # it is alive again
+            return False
+        self._workers[message.http_address] = WorkerState(
+            role=message.role, http_address=message.http_address, model=message.model,
+            zmq_address=message.zmq_address, version=message.version, load=message.load,
+            registered_at=now, last_heartbeat=now)
+        return True
+
+    def remove(self, http_address: str) -> bool:
+        """Drop a worker now (clean deregistration); return whether it was known."""
+        return self._workers.pop(http_address, None) is not None
+
+    def expire(self) -> list[str]:
+        """Drop workers whose last heartbeat is older than the timeout; return their ids."""
+        deadline = self._clock() - self._timeout_s
+        gone = [wid for wid, w in self._workers.items() if w.last_heartbeat < deadline]
+        for wid in gone:
+            del self._workers[wid]
+        return gone
+
+    def get(self, http_address: str) -> WorkerState | None:
+        """The worker registered at this address, if any."""
+        return self._workers.get(http_address)
+
+    def workers(self, role: str | None = None, model: str | None = None) -> list[WorkerState]:
+        """Registered workers, optionally of one role and serving one model, in join order."""
+        return [w for w in self._workers.values()
+                if (role is None or w.role == role) and (model is None or w.model == model)]
+
+    def candidates(self, role: str, model: str | None = None,
+                   exclude: frozenset[str] | set[str] = frozenset()) -> list[WorkerState]:
+        """Routable workers of a role: not excluded, and not suspect unless all are."""
+        pool = [w for w in self.workers(role, model) if w.worker_id not in exclude]
+        now = self._clock()
+        healthy = [w for w in pool if w.suspect_until is None or now >= w.suspect_until]
+        return healthy or pool
+
+    def models(self) -> list[str]:
+        """The union of served model names, sorted."""
+        return sorted({w.model for w in self._workers.values()})
+
+    def leg_started(self, http_address: str) -> None:
+        """Count a request leg sent to a worker."""
+        worker = self._workers.get(http_address)
+        if worker is not None:
+            worker.in_flight += 1
+            worker.num_requests += 1
+
+    def leg_finished(self, http_address: str, ok: bool, connection_failed: bool = False) -> None:
+        """Count a leg's end; a connection failure also marks the worker suspect for a while."""
+        worker = self._workers.get(http_address)
+        if worker is None:
+            return
+        worker.in_flight = max(0, worker.in_flight - 1)
+        if not ok:
+            worker.num_errors += 1
+        if connection_failed:
+            worker.suspect_until = self._clock() + self._suspect_s
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """JSON-ready list of every worker's state."""
+        now = self._clock()
+        return [w.to_json(now) for w in self._workers.values()]
+
+    def __len__(self) -> int:
+        return len(self._workers)

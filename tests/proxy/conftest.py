@@ -1,0 +1,173 @@
+"""Fixtures for proxy tests: fake P/D/colocated workers and a proxy in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+from proxy.messages import Heartbeat
+from proxy.registry import InstanceRegistry
+
+MODEL = "tiny"
+
+
+class FakeClock:
+    """A clock tests move by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeWorker:
+    """A small aiohttp app that mimics a pdserve worker of one role.
+
+    ``mode``: ok | error500 | error400 | hang | empty | fail_mid (D: two events then the
+    connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
+    50 ms for a long time).
+    """
+
+    role: str
+    kv_port: int
+    mode: str = "ok"
+    received: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    server: TestServer | None = None
+
+    @property
+    def http_address(self) -> str:
+        assert self.server is not None
+        return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        return f"127.0.0.1:{self.kv_port}"
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(role=self.role, http_address=self.http_address, model=MODEL,
+                         zmq_address=None if self.role == "colocated" else self.zmq_address)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        request_id = request.headers.get("X-Request-Id", "")
+        self.received.append({"path": request.path, "body": body, "request_id": request_id})
+        try:
+            return await self._answer(request, body, request_id)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+    async def _answer(self, request: web.Request, body: dict[str, Any],
+                      request_id: str) -> web.StreamResponse:
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if self.mode == "error500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "error400":
+            return web.json_response({"error": {"message": f"{self.role} says bad",
+                                                "type": "BadRequestError", "param": "n",
+                                                "code": 400}}, status=400)
+        if self.mode == "empty":
+            return web.Response(status=200, body=b"", content_type="application/json")
+        if not body.get("stream"):
+            n = 1 if self.role == "P" else 3
+            return web.json_response({
+                "id": f"cmpl-{request_id}", "object": "text_completion", "model": MODEL,
+                "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
+                "served_by": self.role,
+            })
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        count = 100 if self.mode == "slow" else 3
+        for i in range(count):
+            event = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": f"t{i}"}]}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            if self.mode == "slow":
+                await asyncio.sleep(0.05)
+            if self.mode == "fail_mid" and i == 1:
+                assert request.transport is not None
+                await asyncio.sleep(0.05)  # let the events reach the proxy first
+                request.transport.abort()
+                return response
+        if self.mode != "no_done":
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
+    """Start fake workers on 127.0.0.1 ephemeral ports; all stop at the test's end."""
+    servers: list[TestServer] = []
+
+    async def factory(role: str, mode: str = "ok") -> FakeWorker:
+        worker = FakeWorker(role=role, kv_port=20000 + len(servers), mode=mode)
+        app = web.Application()
+        app.router.add_post("/v1/completions", worker.handle)
+        app.router.add_post("/v1/chat/completions", worker.handle)
+        worker.server = TestServer(app)
+        await worker.server.start_server()
+        servers.append(worker.server)
+        return worker
+
+    yield factory
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
+    """Start a proxy app (no ZMQ registration) with the given workers registered."""
+    clients: list[TestClient] = []
+
+    async def factory(*workers: FakeWorker, **overrides: Any) -> TestClient:
+        config = ProxyConfig(**{"registration_port": None, **overrides})
+        registry = InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s)
+        for worker in workers:
+            registry.heartbeat(worker.heartbeat())
+        counter = iter(range(1, 1_000_000))
+        app = create_app(config, registry=registry, id_factory=lambda: f"id{next(counter)}")
+        client = TestClient(TestServer(app))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        await client.close()
+
+
+async def _wait_until(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., Awaitable[None]]:
+    """Poll a predicate until it holds (or fail the test after ``timeout_s``)."""
+    return _wait_until
+
+
+@pytest.fixture
+def proxy_clock() -> FakeClock:
+    """A hand-driven clock for registry and routing tests."""
+    return FakeClock()

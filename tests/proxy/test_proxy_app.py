@@ -1,0 +1,281 @@
+"""The proxy app in front of fake P, D and colocated workers (aiohttp on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+MODEL = "tiny"
+PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def test_both_legs_get_transfer_params(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    body = {**PROMPT, "stream_options": {"include_usage": True},
+            "kv_transfer_params": {"transfer_id": "spoofed"}, "min_tokens": 4}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    data = await resp.json()
+    assert data["served_by"] == "D"
+    assert data["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    transfer_id = resp.headers["X-Request-Id"]
+    assert transfer_id == "id1"
+    assert float(resp.headers["X-Pdserve-Prefill-Ms"]) >= 0
+    assert float(resp.headers["X-Pdserve-Proxy-Overhead-Ms"]) >= 0
+    (p_req,), (d_req,) = p.received, d.received
+    assert p_req["path"] == d_req["path"] == "/v1/completions"
+    assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["max_completion_tokens"] == 1
+    assert p_req["body"]["stream"] is False
+    assert "stream_options" not in p_req["body"] and "min_tokens" not in p_req["body"]
+    assert p_req["body"]["kv_transfer_params"] == {
+        "transfer_id": transfer_id, "do_remote_decode": True, "remote_kv_address": d.zmq_address}
+    assert d_req["body"] == {**body, "kv_transfer_params": {
+        "transfer_id": transfer_id, "do_remote_prefill": True, "remote_kv_address": p.zmq_address}}
+    assert p_req["request_id"] == d_req["request_id"] == transfer_id
+
+
+async def test_streaming_passthrough(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    resp = await client.post("/v1/chat/completions",
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                   "stream": True})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2"]
+    assert d.received[0]["path"] == "/v1/chat/completions"
+    assert d.received[0]["body"]["stream"] is True and p.received[0]["body"]["stream"] is False
+
+
+async def test_x_request_id_honoured_as_base(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    ids = []
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json=PROMPT,
+                                 headers={"X-Request-Id": "client req/1"})
+        assert resp.status == 200
+        ids.append(resp.headers["X-Request-Id"])
+    assert ids[0].startswith("client_req_1-") and ids[0] != ids[1]
+    assert d.received[0]["body"]["kv_transfer_params"]["transfer_id"] == ids[0]
+
+
+async def test_prefill_failure_retries_on_other_prefill(make_worker, make_proxy) -> None:
+    bad, good, d = await make_worker("P", "error500"), await make_worker("P"), await make_worker("D")
+    client = await make_proxy(bad, good, d)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 200 and (await resp.json())["served_by"] == "D"
+    assert len(bad.received) == 1 and len(good.received) == 1
+    retry_id = good.received[0]["body"]["kv_transfer_params"]["transfer_id"]
+    assert retry_id == "id1-retry1"
+    assert d.received[-1]["body"]["kv_transfer_params"] == {
+        "transfer_id": retry_id, "do_remote_prefill": True, "remote_kv_address": good.zmq_address}
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_retries_total{reason="prefill_status"} 1.0' in metrics
+
+
+async def test_prefill_unreachable_with_single_prefill_goes_decode_only(make_worker,
+                                                                       make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    await p.server.close()  # registered but dead: connection refused
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status == 200
+    assert sse_events(await resp.text())[-1] == "[DONE]"
+    assert len(d.received) == 2
+    assert "kv_transfer_params" not in d.received[-1]["body"]  # decode-only: D prefills itself
+    assert d.received[-1]["body"]["stream"] is True
+
+
+async def test_prefill_timeout_goes_decode_only_and_aborts_d(make_worker, make_proxy,
+                                                              wait_until) -> None:
+    p, d = await make_worker("P", "hang"), await make_worker("D")
+    client = await make_proxy(p, d, prefill_timeout_s=0.2)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 200
+    assert "kv_transfer_params" not in d.received[-1]["body"]
+    await wait_until(lambda: p.cancelled == ["id1"])
+
+
+async def test_decode_failure_mid_stream_ends_with_error_event(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D", "fail_mid")
+    client = await make_proxy(p, d)
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status == 200
+    events = sse_events(await resp.text())
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
+    error = json.loads(events[2])["error"]
+    assert error["type"] == "upstream_error" and set(error) == {"message", "type", "param", "code"}
+    assert events[3:] == ["[DONE]"]
+
+
+async def test_stream_without_done_is_reported(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D", "no_done")
+    client = await make_proxy(p, d)
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    events = sse_events(await resp.text())
+    assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
+
+
+async def test_decode_failure_before_bytes_is_502(make_worker, make_proxy) -> None:
+    for mode in ("error500", "empty"):
+        p, d = await make_worker("P"), await make_worker("D", mode)
+        client = await make_proxy(p, d)
+        for stream in (False, True):
+            resp = await client.post("/v1/completions", json={**PROMPT, "stream": stream})
+            assert resp.status == 502, mode
+            error = (await resp.json())["error"]
+            assert error["type"] == "upstream_error" and error["code"] == "bad_gateway"
+
+
+async def test_decode_unreachable_is_502_after_retries(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    await d.server.close()
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 502
+    assert "cannot connect" in (await resp.json())["error"]["message"]
+
+
+async def test_client_disconnect_aborts_both_legs(make_worker, make_proxy, wait_until) -> None:
+    p, d = await make_worker("P", "hang"), await make_worker("D", "hang")
+    client = await make_proxy(p, d)
+    request = asyncio.ensure_future(client.post("/v1/completions", json=PROMPT))
+    await wait_until(lambda: len(p.received) == 1 and len(d.received) == 1)
+    request.cancel()  # the client goes away while both legs are in flight
+    await asyncio.gather(request, return_exceptions=True)
+    await wait_until(lambda: p.cancelled == ["id1"] and d.cancelled == ["id1"])
+    await wait_until(lambda: all(w["in_flight"] == 0 for w in _instances_now(client)))
+
+
+def _instances_now(client) -> list[dict]:
+    registry = client.server.app[__import__("proxy.keys", fromlist=["REGISTRY"]).REGISTRY]
+    return registry.snapshot()
+
+
+async def test_client_disconnect_mid_stream_aborts_decode(make_worker, make_proxy,
+                                                          wait_until) -> None:
+    p, d = await make_worker("P"), await make_worker("D", "slow")
+    client = await make_proxy(p, d)
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status == 200
+    await resp.content.readany()
+    resp.close()
+    await wait_until(lambda: d.cancelled == ["id1"])
+
+
+async def test_no_workers_is_503(make_proxy) -> None:
+    client = await make_proxy()
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 503
+    error = (await resp.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "No worker" in error["message"]
+
+
+async def test_over_max_inflight_is_429(make_worker, make_proxy, wait_until) -> None:
+    p, d = await make_worker("P", "hang"), await make_worker("D")
+    client = await make_proxy(p, d, max_inflight=1)
+    first = asyncio.ensure_future(client.post("/v1/completions", json=PROMPT))
+    await wait_until(lambda: len(p.received) == 1)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 429
+    assert (await resp.json())["error"]["type"] == "rate_limit_error"
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_oversized_body_is_413(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d, max_body_bytes=1000)
+    resp = await client.post("/v1/completions", json={**PROMPT, "prompt": "x" * 5000})
+    assert resp.status == 413
+    assert (await resp.json())["error"]["code"] == "request_too_large"
+    assert p.received == [] and d.received == []
+
+
+async def test_invalid_json_is_400(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    for payload in (b"{not json", b"[1, 2]"):
+        resp = await client.post("/v1/completions", data=payload,
+                                 headers={"Content-Type": "application/json"})
+        assert resp.status == 400
+        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_worker_400_forwarded_unchanged(make_worker, make_proxy) -> None:
+    for bad_role in ("P", "D"):
+        p = await make_worker("P", "error400" if bad_role == "P" else "ok")
+        d = await make_worker("D", "error400" if bad_role == "D" else "ok")
+        client = await make_proxy(p, d)
+        resp = await client.post("/v1/completions", json={**PROMPT, "n": -1})
+        assert resp.status == 400
+        assert (await resp.json()) == {"error": {"message": f"{bad_role} says bad",
+                                                 "type": "BadRequestError", "param": "n",
+                                                 "code": 400}}
+
+
+async def test_unknown_model_is_404(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    resp = await client.post("/v1/completions", json={**PROMPT, "model": "other"})
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_colocated_gets_whole_request(make_worker, make_proxy) -> None:
+    c = await make_worker("colocated")
+    client = await make_proxy(c)
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status == 200 and sse_events(await resp.text())[-1] == "[DONE]"
+    assert c.received[0]["body"] == {**PROMPT, "stream": True}
+
+
+async def test_models_health_instances_metrics(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    assert (await client.post("/v1/completions", json=PROMPT)).status == 200
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    health = await (await client.get("/health")).json()
+    assert health == {"status": "ok", "workers": {"P": 1, "D": 1, "colocated": 0}}
+    instances = await (await client.get("/instances")).json()
+    assert {w["role"] for w in instances["workers"]} == {"P", "D"}
+    assert all(w["num_requests"] == 1 and w["in_flight"] == 0 for w in instances["workers"])
+    text = await (await client.get("/metrics")).text()
+    for needle in ('pdserve:proxy_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+                   f'pdserve:proxy_worker_requests_total{{role="prefill",worker="{p.http_address}"}} 1.0',
+                   'pdserve:proxy_routing_decisions_total{decode="',
+                   'pdserve:proxy_prefill_leg_seconds_count 1.0',
+                   'pdserve:proxy_time_to_first_byte_seconds_count{mode="pd"} 1.0',
+                   'pdserve:proxy_overhead_seconds_count{mode="pd"} 1.0',
+                   'pdserve:proxy_queue_time_seconds_count 1.0',
+                   'pdserve:proxy_registered_workers{role="P"} 1.0',
+                   'pdserve:proxy_in_flight_requests 0.0'):
+        assert needle in text, needle
+
+
+async def test_openai_client_through_proxy(make_worker, make_proxy) -> None:
+    import openai
+
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        completion = await api.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert completion.choices[0].text == "xxx"
+        stream = await api.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True)
+        assert [chunk.choices[0].text async for chunk in stream] == ["t0", "t1", "t2"]
+    finally:
+        await api.close()
+    assert isinstance(aiohttp.__version__, str)

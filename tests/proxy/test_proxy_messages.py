@@ -1,0 +1,59 @@
+"""Registration message codec: round trip and validation of bad messages."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engine_core.errors import MessageDecodeError
+from proxy.messages import (
+    REGISTRATION_CODEC,
+    Deregister,
+    Heartbeat,
+    WorkerLoad,
+    decode_registration,
+)
+
+
+def test_round_trip() -> None:
+    message = Heartbeat(role="D", http_address="10.0.0.2:8200", model="m",
+                        zmq_address="10.0.0.2:14580", version="0.1.0",
+                        load=WorkerLoad(num_running=3, num_waiting=1, kv_cache_usage=0.25))
+    assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
+    leave = Deregister("10.0.0.2:8200")
+    assert decode_registration(REGISTRATION_CODEC.encode(leave)) == leave
+
+
+def test_colocated_needs_no_kv_address() -> None:
+    message = Heartbeat(role="colocated", http_address="h:8000", model="m")
+    assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
+
+
+@pytest.mark.parametrize("message, match", [
+    (Heartbeat(role="X", http_address="h:1", model="m", zmq_address="h:2"), "role"),
+    (Heartbeat(role="P", http_address="h:1", model="m"), "zmq_address"),
+    (Heartbeat(role="P", http_address="nope", model="m", zmq_address="h:2"), "http_address"),
+    (Heartbeat(role="P", http_address="h:1", model="m", zmq_address="h:99999"), "zmq_address"),
+    (Heartbeat(role="D", http_address="h:1", model="", zmq_address="h:2"), "model"),
+    (Heartbeat(role="D", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(kv_cache_usage=1.5)), "kv_cache_usage"),
+    (Heartbeat(role="D", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(num_waiting=-1)), "load counts"),
+])
+def test_invalid_values(message: Heartbeat, match: str) -> None:
+    with pytest.raises(MessageDecodeError, match=match):
+        decode_registration(REGISTRATION_CODEC.encode(message))
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1garbage",
+    msgpack.packb([1, 2, 3]),
+    msgpack.packb({"t": "Heartbeat", "v": 99, "d": {}}),
+    msgpack.packb({"t": "Pickle", "v": 1, "d": {}}),
+    msgpack.packb({"t": "Heartbeat", "v": 1, "d": {"role": "P"}}),
+    msgpack.packb({"t": "Heartbeat", "v": 1, "d": {"role": 1, "http_address": "h:1", "model": "m"}}),
+    msgpack.packb({"t": "WorkerLoad", "v": 1, "d": {}}),
+])
+def test_malformed_payloads(payload: bytes) -> None:
+    with pytest.raises(MessageDecodeError):
+        decode_registration(payload)

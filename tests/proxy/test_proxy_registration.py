@@ -1,0 +1,94 @@
+"""Registration server and client over real ZMQ sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from proxy.messages import WorkerLoad
+from proxy.registration import RegistrationClient, RegistrationServer
+from proxy.registry import InstanceRegistry
+
+
+async def test_client_registers_heartbeats_and_deregisters(wait_until) -> None:
+    registry = InstanceRegistry(heartbeat_timeout_s=5)
+    server = RegistrationServer(registry, "127.0.0.1", port=0)
+    await server.start()
+    loads = iter(range(1000))
+
+    async def load() -> WorkerLoad:
+        return WorkerLoad(num_running=next(loads))
+
+    client = RegistrationClient(f"127.0.0.1:{server.port}", role="D", http_address="127.0.0.1:8200",
+                                model="m", zmq_address="127.0.0.1:14580", version="test",
+                                load_provider=load, interval_s=0.05)
+    try:
+        client.start()
+        await wait_until(lambda: len(registry) == 1)
+        (worker,) = registry.workers("D")
+        assert (worker.zmq_address, worker.model, worker.version) == ("127.0.0.1:14580", "m", "test")
+        first = worker.last_heartbeat
+        await wait_until(lambda: worker.last_heartbeat > first and worker.load.num_running > 0)
+        await client.stop()
+        await wait_until(lambda: len(registry) == 0)
+        assert server.num_bad_messages == 0 and client.num_sent >= 2
+    finally:
+        await client.stop()
+        await server.stop()
+
+
+async def test_bad_messages_counted_not_fatal(wait_until) -> None:
+    registry = InstanceRegistry()
+    server = RegistrationServer(registry, "127.0.0.1", port=0)
+    await server.start()
+    context = zmq.asyncio.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        await dealer.send(b"not msgpack")
+        await dealer.send_multipart([b"two", b"frames"])
+        await wait_until(lambda: server.num_bad_messages == 2)
+        client = RegistrationClient(f"127.0.0.1:{server.port}", role="colocated",
+                                    http_address="127.0.0.1:8000", model="m", interval_s=0.05)
+        client.start()
+        await wait_until(lambda: len(registry) == 1)  # the server still serves
+        await client.stop(deregister=False)
+        assert len(registry) == 1
+    finally:
+        dealer.close(linger=0)
+        context.term()
+        await server.stop()
+
+
+async def test_client_without_proxy_never_blocks() -> None:
+    # Nothing listens on this port: heartbeats are dropped, never queued or blocking.
+    client = RegistrationClient("127.0.0.1:1", role="P", http_address="127.0.0.1:8100",
+                                model="m", zmq_address="127.0.0.1:14579", interval_s=0.01)
+    client.start()
+    await asyncio.sleep(0.1)
+    started = asyncio.get_running_loop().time()
+    await client.stop()
+    assert asyncio.get_running_loop().time() - started < 0.5
+    assert client.num_sent == 0 and client.num_dropped > 0
+
+
+async def test_load_provider_failure_still_heartbeats(wait_until) -> None:
+    registry = InstanceRegistry()
+    server = RegistrationServer(registry, "127.0.0.1", port=0)
+    await server.start()
+
+    def broken() -> WorkerLoad:
+        raise RuntimeError("engine busy")
+
+    client = RegistrationClient(f"127.0.0.1:{server.port}", role="P", http_address="127.0.0.1:8100",
+                                model="m", zmq_address="127.0.0.1:14579", load_provider=broken,
+                                interval_s=0.05)
+    try:
+        client.start()
+        await wait_until(lambda: len(registry) == 1)
+    finally:
+        await client.stop()
+        await server.stop()

@@ -1,0 +1,107 @@
+"""InstanceRegistry: join, refresh, expiry with a fake clock, load stats, in-flight counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.messages import Heartbeat, WorkerLoad
+from proxy.registry import InstanceRegistry
+
+
+def beat(address: str = "127.0.0.1:8100", role: str = "P", model: str = "m",
+         **load: float) -> Heartbeat:
+    return Heartbeat(role=role, http_address=address, model=model,
+                     zmq_address="127.0.0.1:14579", load=WorkerLoad(**load))
+
+
+def test_join_and_refresh(proxy_clock) -> None:
+    registry = InstanceRegistry(heartbeat_timeout_s=10, clock=proxy_clock)
+    assert registry.heartbeat(beat()) is True
+    proxy_clock.advance(3)
+    assert registry.heartbeat(beat(num_running=2, num_waiting=1, kv_cache_usage=0.5)) is False
+    (worker,) = registry.workers("P")
+    assert worker.last_heartbeat == proxy_clock.now
+    assert worker.registered_at == proxy_clock.now - 3
+    assert (worker.load.num_running, worker.load.num_waiting, worker.load.kv_cache_usage) == (2, 1, 0.5)
+    assert registry.workers("D") == []
+
+
+def test_role_change_replaces_worker(proxy_clock) -> None:
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat(role="P"))
+    assert registry.heartbeat(beat(role="D")) is True
+    assert [w.role for w in registry.workers()] == ["D"]
+
+
+def test_expiry_after_missed_heartbeats(proxy_clock) -> None:
+    registry = InstanceRegistry(heartbeat_timeout_s=10, clock=proxy_clock)
+    registry.heartbeat(beat("127.0.0.1:1"))
+    registry.heartbeat(beat("127.0.0.1:2", role="D"))
+    proxy_clock.advance(6)
+    registry.heartbeat(beat("127.0.0.1:2", role="D"))
+    proxy_clock.advance(5)
+    assert registry.expire() == ["127.0.0.1:1"]
+    assert [w.worker_id for w in registry.workers()] == ["127.0.0.1:2"]
+    proxy_clock.advance(5)
+    assert registry.expire() == []  # exactly at the timeout it is still alive
+    proxy_clock.advance(0.1)
+    assert registry.expire() == ["127.0.0.1:2"]
+    assert len(registry) == 0
+
+
+def test_remove_and_models(proxy_clock) -> None:
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat("127.0.0.1:1", model="b"))
+    registry.heartbeat(beat("127.0.0.1:2", model="a"))
+    registry.heartbeat(beat("127.0.0.1:3", model="a"))
+    assert registry.models() == ["a", "b"]
+    assert registry.remove("127.0.0.1:1") is True
+    assert registry.remove("127.0.0.1:1") is False
+    assert registry.models() == ["a"]
+    assert len(registry.workers(model="a")) == 2
+
+
+def test_in_flight_counts_and_suspects(proxy_clock) -> None:
+    registry = InstanceRegistry(suspect_s=5, clock=proxy_clock)
+    registry.heartbeat(beat("127.0.0.1:1"))
+    registry.heartbeat(beat("127.0.0.1:2"))
+    registry.leg_started("127.0.0.1:1")
+    registry.leg_started("127.0.0.1:1")
+    worker = registry.get("127.0.0.1:1")
+    assert worker is not None and worker.in_flight == 2 and worker.num_requests == 2
+    registry.leg_finished("127.0.0.1:1", ok=True)
+    registry.leg_finished("127.0.0.1:1", ok=False, connection_failed=True)
+    assert (worker.in_flight, worker.num_errors) == (0, 1)
+    # a suspect worker is avoided while another is healthy, and used when it is the only one
+    assert [w.worker_id for w in registry.candidates("P")] == ["127.0.0.1:2"]
+    assert [w.worker_id for w in registry.candidates("P", exclude={"127.0.0.1:2"})] == ["127.0.0.1:1"]
+    proxy_clock.advance(5)
+    assert len(registry.candidates("P")) == 2
+    # unknown workers (expired while a leg ran) are ignored
+    registry.leg_finished("127.0.0.1:9", ok=False)
+
+
+def test_heartbeat_clears_suspicion(proxy_clock) -> None:
+    registry = InstanceRegistry(suspect_s=60, clock=proxy_clock)
+    registry.heartbeat(beat("127.0.0.1:1"))
+    registry.heartbeat(beat("127.0.0.1:2"))
+    registry.leg_started("127.0.0.1:1")
+    registry.leg_finished("127.0.0.1:1", ok=False, connection_failed=True)
+    assert len(registry.candidates("P")) == 1
+    registry.heartbeat(beat("127.0.0.1:1"))
+    assert len(registry.candidates("P")) == 2
+
+
+def test_snapshot_is_json_ready(proxy_clock) -> None:
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat(num_waiting=4))
+    proxy_clock.advance(2)
+    (entry,) = registry.snapshot()
+    assert entry["role"] == "P" and entry["load"]["num_waiting"] == 4
+    assert entry["seconds_since_heartbeat"] == 2.0
+    assert entry["suspect"] is False
+
+
+def test_invalid_timeout() -> None:
+    with pytest.raises(ValueError):
+        InstanceRegistry(heartbeat_timeout_s=0)

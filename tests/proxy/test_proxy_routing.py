@@ -1,0 +1,91 @@
+"""Routing policies and the cluster rule of plan_route."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core.errors import ModelNotFoundError, NoWorkerError
+from proxy.messages import Heartbeat, WorkerLoad
+from proxy.registry import InstanceRegistry
+from proxy.routing import (
+    MODE_COLOCATED,
+    MODE_DECODE_ONLY,
+    MODE_PD,
+    LeastLoadPolicy,
+    RoundRobinPolicy,
+    make_policy,
+    plan_route,
+)
+
+
+def registry_with(*workers: tuple[str, str], clock=None, **load: float) -> InstanceRegistry:
+    registry = InstanceRegistry(clock=clock) if clock else InstanceRegistry()
+    for role, address in workers:
+        registry.heartbeat(Heartbeat(role=role, http_address=address, model="m",
+                                     zmq_address=None if role == "colocated" else "h:1",
+                                     load=WorkerLoad(**load)))
+    return registry
+
+
+def test_round_robin_cycles_per_role() -> None:
+    registry = registry_with(("P", "p:1"), ("P", "p:2"), ("D", "d:1"))
+    policy = RoundRobinPolicy()
+    picks = [plan_route(registry, policy, "m") for _ in range(4)]
+    assert [r.prefill.worker_id for r in picks] == ["p:1", "p:2", "p:1", "p:2"]
+    assert {r.decode.worker_id for r in picks} == {"d:1"}
+    assert all(r.mode == MODE_PD for r in picks)
+
+
+def test_least_load_uses_in_flight_and_heartbeat_stats() -> None:
+    registry = registry_with(("D", "d:1"), ("D", "d:2"), ("D", "d:3"))
+    policy = LeastLoadPolicy(kv_weight=4.0)
+    registry.get("d:1").load = WorkerLoad(num_waiting=3)
+    registry.get("d:2").load = WorkerLoad(kv_cache_usage=0.5)  # score 2
+    registry.leg_started("d:3")
+    registry.leg_started("d:3")
+    registry.leg_started("d:3")  # score 3
+    assert policy.choose("D", registry.workers("D")).worker_id == "d:2"
+    registry.leg_started("d:2")  # score 3: now d:2, d:3 tie... d:1 is 3 too
+    chosen = {policy.choose("D", registry.workers("D")).worker_id for _ in range(3)}
+    assert chosen == {"d:1", "d:2", "d:3"}  # ties rotate
+
+
+def test_least_load_prefers_idle_worker() -> None:
+    registry = registry_with(("P", "p:1"), ("P", "p:2"), ("D", "d:1"))
+    policy = make_policy("least_load")
+    registry.leg_started("p:1")
+    for _ in range(3):
+        assert plan_route(registry, policy, "m").prefill.worker_id == "p:2"
+
+
+def test_colocated_when_no_pair() -> None:
+    registry = registry_with(("colocated", "c:1"), ("D", "d:1"))
+    route = plan_route(registry, RoundRobinPolicy(), "m")
+    assert route.mode == MODE_COLOCATED and route.decode.worker_id == "c:1"
+    assert route.prefill is None
+
+
+def test_pair_preferred_over_colocated() -> None:
+    registry = registry_with(("colocated", "c:1"), ("D", "d:1"), ("P", "p:1"))
+    assert plan_route(registry, RoundRobinPolicy(), None).mode == MODE_PD
+
+
+def test_decode_only_when_prefill_excluded_or_missing() -> None:
+    registry = registry_with(("P", "p:1"), ("D", "d:1"))
+    route = plan_route(registry, RoundRobinPolicy(), "m", exclude={"p:1"})
+    assert route.mode == MODE_DECODE_ONLY and route.decode.worker_id == "d:1"
+    assert plan_route(registry_with(("D", "d:1")), RoundRobinPolicy(), "m").mode == MODE_DECODE_ONLY
+
+
+def test_no_worker_and_unknown_model() -> None:
+    with pytest.raises(NoWorkerError, match="No worker is registered"):
+        plan_route(InstanceRegistry(), RoundRobinPolicy(), "m")
+    with pytest.raises(NoWorkerError, match="No decode or colocated"):
+        plan_route(registry_with(("P", "p:1")), RoundRobinPolicy(), "m")
+    with pytest.raises(ModelNotFoundError, match="other"):
+        plan_route(registry_with(("P", "p:1"), ("D", "d:1")), RoundRobinPolicy(), "other")
+
+
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")

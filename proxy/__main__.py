@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 
+from engine_core.errors import ConfigError
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.routing import POLICIES
@@ -53,9 +54,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts)
 
 
-def run_proxy(args: argparse.Namespace) -> None:
-    """Run the proxy until SIGINT/SIGTERM."""
-    config = config_from_args(args)
+def run_proxy(args: argparse.Namespace) -> int:
+    """Run the proxy until SIGINT/SIGTERM; return the exit code."""
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
     app = create_app(config)
     logger.info("pdserve proxy: http://%s:%d (registration tcp://%s:%s, routing %s)",
                 config.host, config.port, config.registration_bind_host,
@@ -64,6 +69,7 @@ def run_proxy(args: argparse.Namespace) -> None:
     # upstream legs so the workers abort the request and free its KV.
     web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
                 access_log=None, print=None)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = add_proxy_args(argparse.ArgumentParser(prog="pdserve proxy", description=__doc__))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_proxy(args)
+    raise SystemExit(run_proxy(args))
 
 
 if __name__ == "__main__":

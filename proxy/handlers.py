@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 _UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_CLIENT_ID_CHARS = 64
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away (metrics only)
 
 
 def make_transfer_id(client_request_id: str | None, new_id: Callable[[], str]) -> str:
@@ -90,6 +92,12 @@ async def _serve(request: web.Request, path: str) -> web.StreamResponse:
         if status in _REJECT_REASONS and timer.dispatched is None:
             metrics.rejected.labels(_REJECT_REASONS[status]).inc()
         return response
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED_REQUEST
+        raise
+    except Exception as exc:  # a proxy bug must still answer with an error body
+        logger.exception("request %s failed inside the proxy", transfer_id)
+        return error_response(exc, transfer_id)
     finally:
         if acquired:
             limiter.release()

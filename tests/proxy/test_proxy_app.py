@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
+from proxy import keys
 
 MODEL = "tiny"
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
@@ -158,8 +158,7 @@ async def test_client_disconnect_aborts_both_legs(make_worker, make_proxy, wait_
 
 
 def _instances_now(client) -> list[dict]:
-    registry = client.server.app[__import__("proxy.keys", fromlist=["REGISTRY"]).REGISTRY]
-    return registry.snapshot()
+    return client.server.app[keys.REGISTRY].snapshot()
 
 
 async def test_client_disconnect_mid_stream_aborts_decode(make_worker, make_proxy,
@@ -278,4 +277,21 @@ async def test_openai_client_through_proxy(make_worker, make_proxy) -> None:
         assert [chunk.choices[0].text async for chunk in stream] == ["t0", "t1", "t2"]
     finally:
         await api.close()
-    assert isinstance(aiohttp.__version__, str)
+
+
+async def test_decode_timeout_is_504(make_worker, make_proxy, wait_until) -> None:
+    p, d = await make_worker("P"), await make_worker("D", "hang")
+    client = await make_proxy(p, d, decode_timeout_s=0.2)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 504
+    assert (await resp.json())["error"]["code"] == "upstream_timeout"
+    await wait_until(lambda: d.cancelled == ["id1"])
+
+
+async def test_least_load_spreads_over_decode_workers(make_worker, make_proxy) -> None:
+    p = await make_worker("P")
+    d1, d2 = await make_worker("D"), await make_worker("D")
+    client = await make_proxy(p, d1, d2, routing="least_load")
+    results = await asyncio.gather(*[client.post("/v1/completions", json=PROMPT) for _ in range(6)])
+    assert all(r.status == 200 for r in results)
+    assert len(d1.received) + len(d2.received) == 6 and d1.received and d2.received

@@ -92,3 +92,36 @@ async def test_load_provider_failure_still_heartbeats(wait_until) -> None:
     finally:
         await client.stop()
         await server.stop()
+
+
+async def test_proxy_app_registers_over_zmq_and_expires(make_worker, wait_until) -> None:
+    from aiohttp import test_utils
+
+    from proxy import keys
+    from proxy.app import create_app
+    from proxy.config import ProxyConfig
+
+    app = create_app(ProxyConfig(registration_port=0, heartbeat_timeout_s=0.3))
+    client = test_utils.TestClient(test_utils.TestServer(app))
+    await client.start_server()
+    p, d = await make_worker("P"), await make_worker("D")
+    port = app[keys.REGISTRATION_SERVER].port
+    heartbeats = [RegistrationClient(f"127.0.0.1:{port}", role=w.role, http_address=w.http_address,
+                                     model="tiny", zmq_address=w.zmq_address, interval_s=0.05)
+                  for w in (p, d)]
+    try:
+        for heartbeat in heartbeats:
+            heartbeat.start()
+        await wait_until(lambda: len(app[keys.REGISTRY]) == 2)
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert resp.status == 200
+        await heartbeats[1].stop(deregister=False)  # D dies silently: dropped by expiry
+        await wait_until(lambda: len(app[keys.REGISTRY]) == 1)
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert resp.status == 503
+        instances = await (await client.get("/instances")).json()
+        assert [w["role"] for w in instances["workers"]] == ["P"]
+    finally:
+        for heartbeat in heartbeats:
+            await heartbeat.stop()
+        await client.close()

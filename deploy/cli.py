@@ -20,6 +20,8 @@ logger = logging.getLogger("pdserve.cli")
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("serve one model with the OpenAI-compatible API (colocated prefill+decode)",
               "deploy.cli:add_serve_arguments", "deploy.cli:run_serve"),
+    "proxy": ("run the prefill/decode proxy (OpenAI API, ZMQ worker registration)",
+              "proxy.__main__:add_proxy_args", "proxy.__main__:run_proxy"),
 }
 
 DEMO_MODEL_NAME = "pdserve-demo"

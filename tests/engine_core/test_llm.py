@@ -83,3 +83,26 @@ def test_invalid_requests_are_rejected(llm):
         SamplingParams(n=2)
     with pytest.raises(InvalidRequestError):
         llm.generate([[]], greedy())
+
+
+@pytest.mark.parametrize("steps_before_abort", [0, 1, 3, 8])
+def test_abort_mid_prefill_or_decode_frees_every_block(tiny_checkpoint, steps_before_abort):
+    """Aborts at any point (queued, mid-prefill chunk, mid-decode) leave the pool whole."""
+    import time
+
+    from engine_core.messages import AddRequest
+
+    llm = LLM(str(tiny_checkpoint("llama")), max_num_batched_tokens=32)
+    engine = llm.engine
+    params = greedy(max_tokens=30).to_dict()
+    for i, length in enumerate((100, 40, 5)):
+        engine.add_request(AddRequest(f"r{i}", list(range(10, 10 + length)), params,
+                                      time.monotonic()))
+    for _ in range(steps_before_abort):
+        engine.step()
+    engine.abort_requests(["r0", "r1", "r2"])
+    finished = {o.request_id: o.finish_reason for o in engine.step() if o.finish_reason}
+    assert finished == {"r0": "abort", "r1": "abort", "r2": "abort"}
+    assert not engine.has_work()
+    engine.kv_manager.check_integrity()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks

@@ -12,7 +12,7 @@ import hmac
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from engine_core.engine_client import AsyncEngineClient
 from engine_core.engine_process import EngineFactory
 from engine_core.errors import EngineDeadError
 from engine_core.server import protocol
-from engine_core.server.http_errors import AuthenticationError, error_middleware
+from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
@@ -31,6 +31,11 @@ from engine_core.server.tokenization import TokenizerService
 logger = logging.getLogger("pdserve.server")
 
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
+
+# Called once the server listens; may return an async cleanup run at shutdown (before the
+# engine stops). Workers use it to start their proxy registration heartbeat.
+StartupHook = Callable[[AsyncEngineClient, "ServerOptions"],
+                       Awaitable[Callable[[], Awaitable[None]] | None]]
 
 
 
@@ -76,7 +81,7 @@ def _auth_middleware(api_key: str | None) -> Any:
 
 
 async def _read_json(request: web.Request) -> dict[str, Any]:
-    request["request_id"] = request_id_of(request)
+    request[REQUEST_ID_KEY] = request_id_of(request)
     return protocol.parse_json(await request.read())
 
 
@@ -229,7 +234,8 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
 
 
 async def serve(config: EngineConfig, options: ServerOptions,
-                engine_factory: EngineFactory | None = None) -> None:
+                engine_factory: EngineFactory | None = None,
+                on_startup: Sequence[StartupHook] = ()) -> None:
     """Run the server until SIGINT/SIGTERM or the engine dies."""
     started = time.monotonic()
     client, app = await start_engine_and_app(config, options, engine_factory)
@@ -238,6 +244,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
         stage = time.monotonic()
         await runner.setup()
@@ -245,6 +252,10 @@ async def serve(config: EngineConfig, options: ServerOptions,
         logger.info("HTTP server listening on http://%s:%d in %.2fs (total startup %.2fs)",
                     options.host, options.port, time.monotonic() - stage,
                     time.monotonic() - started)
+        for hook in on_startup:
+            cleanup = await hook(client, options)
+            if cleanup is not None:
+                cleanups.append(cleanup)
         while not stop.is_set() and client.is_alive:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -252,16 +263,22 @@ async def serve(config: EngineConfig, options: ServerOptions,
             logger.error("engine core died; shutting down the server")
     finally:
         logger.info("Shutting down")
+        for cleanup in reversed(cleanups):
+            try:
+                await cleanup()
+            except Exception:
+                logger.exception("shutdown hook failed")
         await runner.cleanup()
         await client.shutdown()
 
 
 def run_server(config: EngineConfig, options: ServerOptions,
-               engine_factory: EngineFactory | None = None) -> None:
+               engine_factory: EngineFactory | None = None,
+               on_startup: Sequence[StartupHook] = ()) -> None:
     """Blocking entry point; uses uvloop when it is installed."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, options, engine_factory))
+        asyncio.run(serve(config, options, engine_factory, on_startup))
     else:
-        uvloop.run(serve(config, options, engine_factory))
+        uvloop.run(serve(config, options, engine_factory, on_startup))

@@ -31,6 +31,9 @@ _STATUS_TYPES = {
 }
 
 
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+
+
 class AuthenticationError(Exception):
     """Missing or wrong API key (HTTP 401)."""
 
@@ -92,7 +95,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         return error_response(exc)
     except Exception as exc:
-        request_id = request.get("request_id", "-")
+        request_id = request.get(REQUEST_ID_KEY, "-")
         if error_status(exc) >= 500:
             logger.exception("request %s failed", request_id)
         else:

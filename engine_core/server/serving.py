@@ -23,7 +23,7 @@ from engine_core.errors import InvalidRequestError, ModelNotFoundError
 from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol, streaming
-from engine_core.server.http_errors import exception_body
+from engine_core.server.http_errors import REQUEST_ID_KEY, exception_body
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.tokenization import TokenizerService
 
@@ -211,7 +211,7 @@ class OpenAIServing:
     async def completions(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         parsed = protocol.parse_completion_request(body)
         model = self.check_model(parsed.model)
-        request_id = request["request_id"]
+        request_id = request[REQUEST_ID_KEY]
         prompts = [self.tokenizer.encode_prompt(p) for p in parsed.prompts]
         jobs = self._jobs(request_id, prompts, parsed.sampling_params)
         events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params)
@@ -269,7 +269,7 @@ class OpenAIServing:
     async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         parsed = protocol.parse_chat_request(body)
         model = self.check_model(parsed.model)
-        request_id = request["request_id"]
+        request_id = request[REQUEST_ID_KEY]
         prompt = self.tokenizer.encode_chat(parsed.messages, parsed.add_generation_prompt)
         jobs = self._jobs(request_id, [prompt], parsed.sampling_params)
         events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params)

@@ -1,0 +1,114 @@
+"""Malformed requests get the right status and an OpenAI-style error body, never a crash."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from tests.server.conftest import API_KEY, BODY_LIMIT, MAX_MODEL_LEN, MODEL_NAME
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_MSG = [{"role": "user", "content": "hi"}]
+LONG_PROMPT = list(range(10, 10 + MAX_MODEL_LEN + 5))
+
+CASES = [
+    ("malformed json", C, b"{not json", 400),
+    ("json array body", C, [1, 2], 400),
+    ("json string body", C, "prompt", 400),
+    ("missing prompt", C, {"model": MODEL_NAME}, 400),
+    ("empty prompt", C, {"prompt": ""}, 400),
+    ("empty prompt list", C, {"prompt": []}, 400),
+    ("prompt wrong type", C, {"prompt": 5}, 400),
+    ("negative token id", C, {"prompt": [1, -2]}, 400),
+    ("token id beyond vocab", C, {"prompt": [1, 10_000_000]}, 400),
+    ("prompt longer than context", C, {"prompt": LONG_PROMPT}, 400),
+    ("max_tokens zero", C, {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens beyond context", C, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400),
+    ("max_tokens wrong type", C, {"prompt": "hi", "max_tokens": "ten"}, 400),
+    ("temperature negative", C, {"prompt": "hi", "temperature": -0.5}, 400),
+    ("temperature wrong type", C, {"prompt": "hi", "temperature": "hot"}, 400),
+    ("top_p zero", C, {"prompt": "hi", "top_p": 0}, 400),
+    ("top_p above one", C, {"prompt": "hi", "top_p": 1.5}, 400),
+    ("unknown model", C, {"prompt": "hi", "model": "gpt-9"}, 404),
+    ("n greater than one", C, {"prompt": "hi", "n": 2}, 400),
+    ("logprobs too many", C, {"prompt": "hi", "logprobs": 50}, 400),
+    ("logprobs wrong type", C, {"prompt": "hi", "logprobs": "yes"}, 400),
+    ("stream wrong type", C, {"prompt": "hi", "stream": "yes"}, 400),
+    ("stream_options without stream", C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("unsupported parameter", C, {"prompt": "hi", "frobnicate": 1}, 400),
+    ("best_of", C, {"prompt": "hi", "best_of": 3}, 400),
+    ("echo", C, {"prompt": "hi", "echo": True}, 400),
+    ("stop wrong type", C, {"prompt": "hi", "stop": 3}, 400),
+    ("presence_penalty out of range", C, {"prompt": "hi", "presence_penalty": 5}, 400),
+    ("kv_transfer_params wrong type", C, {"prompt": "hi", "kv_transfer_params": "x"}, 400),
+    ("chat missing messages", CHAT, {"model": MODEL_NAME}, 400),
+    ("chat empty messages", CHAT, {"messages": []}, 400),
+    ("chat unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("chat message not object", CHAT, {"messages": ["hi"]}, 400),
+    ("chat content wrong type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("chat image part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
+    ("chat top_logprobs without logprobs", CHAT, {"messages": OK_MSG, "top_logprobs": 2}, 400),
+    ("chat logprobs wrong type", CHAT, {"messages": OK_MSG, "logprobs": 3}, 400),
+    ("chat tools", CHAT, {"messages": OK_MSG, "tools": [{"type": "function"}]}, 400),
+    ("chat max_completion_tokens negative", CHAT, {"messages": OK_MSG, "max_completion_tokens": -1}, 400),
+    ("chat unknown model", CHAT, {"messages": OK_MSG, "model": "nope"}, 404),
+    ("unknown route", "/v1/nothing", {}, 404),
+    ("tokenize missing prompt", "/tokenize", {}, 400),
+    ("detokenize bad tokens", "/detokenize", {"tokens": ["a"]}, 400),
+]
+
+
+def _check_error_body(body: dict, status: int) -> None:
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["code"] == status
+
+
+@pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
+async def test_bad_request(server, auth, name, path, body, status):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + path, data=data, headers=auth) as response:
+            assert response.status == status, await response.text()
+            _check_error_body(await response.json(), status)
+
+
+async def test_auth_size_method_and_health(server, auth):
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    async with aiohttp.ClientSession() as session:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            async with session.post(server.url + C, data=body, headers=headers) as response:
+                assert response.status == 401
+                _check_error_body(await response.json(), 401)
+        big = json.dumps({"prompt": "x" * (BODY_LIMIT + 10)}).encode()
+        async with session.post(server.url + C, data=big, headers=auth) as response:
+            assert response.status == 413
+            _check_error_body(await response.json(), 413)
+        async with session.get(server.url + C, headers=auth) as response:
+            assert response.status == 405
+            _check_error_body(await response.json(), 405)
+        # Admin endpoints do not exist unless enabled.
+        async with session.post(server.url + "/reset_prefix_cache") as response:
+            assert response.status == 404
+        async with session.get(server.url + "/health") as response:
+            assert response.status == 200
+        async with session.get(server.url + "/version") as response:
+            assert "version" in await response.json()
+        async with session.post(server.url + "/tokenize", json={"prompt": "hello"}) as response:
+            tokens = (await response.json())["tokens"]
+            assert tokens
+        async with session.post(server.url + "/detokenize", json={"tokens": tokens}) as response:
+            assert (await response.json())["prompt"] == "hello"
+        async with session.post(server.url + C, data=body, headers=auth) as response:
+            assert response.status == 200
+
+
+def test_no_block_leaked_after_bad_input(server):
+    stats = server.wait_idle()
+    assert stats.num_free_blocks == server.initial_free_blocks
+    assert stats.num_running == 0 and stats.num_waiting == 0

@@ -1,0 +1,46 @@
+"""/metrics is Prometheus text with vLLM's names, and its counters move."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if "finished_reason" in sample.labels:
+                key += "{" + sample.labels["finished_reason"] + "}"
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def test_metrics_parse_and_counters_move(server):
+    before = _scrape(server.url)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
+        assert name in before, name
+    request = urllib.request.Request(
+        server.url + "/v1/completions", method="POST",
+        data=b'{"prompt": "metrics please", "max_tokens": 5, "ignore_eos": true}',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=60).read()
+    after = _scrape(server.url)
+    assert after["vllm:request_success_total{length}"] == before.get(
+        "vllm:request_success_total{length}", 0) + 1
+    assert after["vllm:generation_tokens_total"] == before.get("vllm:generation_tokens_total", 0) + 5
+    assert after["vllm:prompt_tokens_total"] > before.get("vllm:prompt_tokens_total", 0)
+    assert after["vllm:time_to_first_token_seconds_count"] == before.get(
+        "vllm:time_to_first_token_seconds_count", 0) + 1
+    assert after["vllm:inter_token_latency_seconds_count"] >= before.get(
+        "vllm:inter_token_latency_seconds_count", 0) + 4
+    assert after["vllm:e2e_request_latency_seconds_count"] == before.get(
+        "vllm:e2e_request_latency_seconds_count", 0) + 1
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]

@@ -1,0 +1,127 @@
+"""The official openai client against a real server; outputs equal offline LLM.generate."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine_core.sampling_params import SamplingParams
+from tests.server.conftest import API_KEY, MODEL_NAME
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "日本語 and emoji 🎉 in a prompt"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _offline(llm, prompts, **params):
+    return llm.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, **params)
+                                  for _ in prompts])
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 42}])
+def test_completions_match_offline(oai, offline_llm, params):
+    expected = _offline(offline_llm, PROMPTS, **params)
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        got = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                     **params)
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == "length"
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == MAX_TOKENS
+        assert got.usage.total_tokens == len(want.prompt_token_ids) + MAX_TOKENS
+        assert got.usage.prompt_tokens_details.cached_tokens >= 0
+        stream = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                        stream=True, stream_options={"include_usage": True},
+                                        **params)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_completions_batch_and_token_ids(oai, offline_llm):
+    expected = _offline(offline_llm, PROMPTS, temperature=0.0)
+    got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS,
+                                 temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [e.text for e in expected]
+    assert got.usage.completion_tokens == MAX_TOKENS * len(PROMPTS)
+    ids = expected[0].prompt_token_ids
+    by_ids = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=MAX_TOKENS,
+                                    temperature=0)
+    assert by_ids.choices[0].text == expected[0].text
+    # A repeated prompt hits the prefix cache for its full blocks and says so.
+    long_ids = (ids * 20)[:40]
+    oai.completions.create(model=MODEL_NAME, prompt=long_ids, max_tokens=2, temperature=0)
+    again = oai.completions.create(model=MODEL_NAME, prompt=long_ids, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}])
+def test_chat_matches_offline(oai, offline_llm, params):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say something."}]
+    prompt_ids = offline_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=False)
+    prompt_ids = offline_llm.tokenizer.encode(prompt_ids, add_special_tokens=False)
+    want = _offline(offline_llm, [prompt_ids], ignore_eos=True, **params)[0]
+    got = oai.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                      max_completion_tokens=MAX_TOKENS,
+                                      extra_body={"ignore_eos": True}, **params)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(prompt_ids)
+    assert got.usage.completion_tokens == MAX_TOKENS
+    stream = oai.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                         max_completion_tokens=MAX_TOKENS, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}, **params)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.total_tokens == len(prompt_ids) + MAX_TOKENS
+
+
+def test_logprobs_shapes(oai, offline_llm):
+    want = _offline(offline_llm, PROMPTS[:1], temperature=0.0, logprobs=3)[0]
+    got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                 temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == MAX_TOKENS
+    assert all(len(top) >= 3 for top in lp.top_logprobs)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    chat = oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+def test_stop_string_finishes_with_stop(oai, offline_llm):
+    full = _offline(offline_llm, PROMPTS[:1], temperature=0.0)[0].text
+    stop = full[3:6]
+    want = offline_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                            stop=[stop]))[0]
+    got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                 temperature=0, stop=[stop])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == want.text
+    assert stop not in got.choices[0].text
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=[stop],
+        stream=True))
+    assert streamed == want.text
+
+
+def test_models_and_auth(oai, server):
+    assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="x", max_tokens=1)

@@ -1,0 +1,143 @@
+"""Control messages of the P2P KV connector, encoded with ``engine_core.codec``.
+
+Flow per request (one control round trip, then data):
+  D -> P ``KVPullRequest``   D allocated blocks: the blocks it lacks, its cache geometry.
+  P -> D ``KVSendHeader``    P is about to send: validated by D before it posts receives.
+  P -> D ``KVLayerData``     CPU transport only: one message (plus a bytes frame) per layer.
+  P -> D ``KVSendAbort``     P cannot send (bad geometry, allocation failure, deadline).
+  P -> D ``NcclHello``       NCCL transport only: the unique id of a new pair communicator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.codec import MessageCodec
+
+# Cache dtypes the wire may carry (names as in torch, without the ``torch.`` prefix).
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "uint8")
+MAX_LAYERS = 1024
+MAX_BLOCKS = 1 << 20
+
+
+@dataclass
+class KVPullRequest:
+    """D asks P for blocks ``[first_block, first_block + num_blocks)`` of a transfer.
+
+    ``num_blocks == 0`` means D needs nothing (its prefix cache holds the whole prompt):
+    P releases whatever it keeps for the transfer.
+    """
+
+    transfer_id: str
+    consumer_address: str
+    first_block: int
+    num_blocks: int
+    num_layers: int
+    dtype: str
+    block_shape: list[int]  # [block_size, num_kv_heads, head_dim]
+    timeout_s: float
+
+
+@dataclass
+class KVSendHeader:
+    """P announces a transfer; D checks it against its pull request before receiving."""
+
+    transfer_id: str
+    producer_address: str
+    producer_epoch: str
+    seq: int
+    first_block: int
+    num_blocks: int
+    num_layers: int
+    dtype: str
+    block_shape: list[int]
+
+
+@dataclass
+class KVLayerData:
+    """One layer of a transfer over the CPU transport; the tensor bytes follow as a frame."""
+
+    transfer_id: str
+    producer_epoch: str
+    seq: int
+    layer: int
+    nbytes: int
+
+
+@dataclass
+class KVSendAbort:
+    """P gives up on a transfer; D fails it at once instead of waiting for its deadline."""
+
+    transfer_id: str
+    producer_address: str
+    reason: str
+
+
+@dataclass
+class NcclHello:
+    """P opens (or rebuilds) the 2-rank NCCL communicator of a (P, D) pair; P is rank 0."""
+
+    producer_address: str
+    producer_epoch: str
+    unique_id: bytes
+
+
+CONTROL_MESSAGES = (KVPullRequest, KVSendHeader, KVLayerData, KVSendAbort, NcclHello)
+
+
+def make_codec() -> MessageCodec:
+    """The codec every control socket of the connector uses."""
+    return MessageCodec(CONTROL_MESSAGES)
+
+
+def layer_nbytes(num_blocks: int, block_shape: list[int], element_size: int) -> int:
+    """Bytes of one layer's K and V for ``num_blocks`` blocks."""
+    size = 2 * num_blocks * element_size
+    for dim in block_shape:
+        size *= dim
+    return size
+
+
+def check_geometry(num_layers: int, num_blocks: int, dtype: str, block_shape: list[int]) -> str | None:
+    """Why these fields cannot describe a transfer, or None when they can."""
+    if not 0 < num_layers <= MAX_LAYERS:
+        return f"num_layers {num_layers} out of range"
+    if not 0 <= num_blocks <= MAX_BLOCKS:
+        return f"num_blocks {num_blocks} out of range"
+    if dtype not in WIRE_DTYPES:
+        return f"dtype {dtype!r} not supported"
+    if len(block_shape) != 3 or any(d < 1 or d > 65536 for d in block_shape):
+        return f"block_shape {block_shape} invalid"
+    return None
+
+
+def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: list[int]) -> str | None:
+    """Validate a pull request against this producer's cache geometry."""
+    reason = check_geometry(pull.num_layers, pull.num_blocks, pull.dtype, pull.block_shape)
+    if reason:
+        return reason
+    if pull.first_block < 0:
+        return "negative first_block"
+    if (pull.num_layers, pull.dtype, list(pull.block_shape)) != (num_layers, dtype, list(block_shape)):
+        return (f"geometry mismatch: peer has {pull.num_layers} layers {pull.dtype} "
+                f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
+    if not pull.transfer_id:
+        return "empty transfer id"
+    return None
+
+
+def check_header(header: KVSendHeader, pull: KVPullRequest, last_seq: int | None) -> str | None:
+    """Validate a send header against the pull request it answers, before posting receives."""
+    reason = check_geometry(header.num_layers, header.num_blocks, header.dtype, header.block_shape)
+    if reason:
+        return reason
+    if header.transfer_id != pull.transfer_id:
+        return "transfer id mismatch"
+    if last_seq is not None and header.seq <= last_seq:
+        return f"sequence number {header.seq} not after {last_seq}"
+    expected = (pull.first_block, pull.num_blocks, pull.num_layers, pull.dtype, list(pull.block_shape))
+    got = (header.first_block, header.num_blocks, header.num_layers, header.dtype,
+           list(header.block_shape))
+    if got != expected:
+        return f"header {got} does not match request {expected}"
+    return None

@@ -1,0 +1,53 @@
+"""Per-step connector metadata: what the scheduler side tells the worker side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadSpec:
+    """Consumer: receive ``block_ids`` (the request's blocks ``first_block...``) from a producer."""
+
+    request_id: str
+    transfer_id: str
+    peer_address: str
+    block_ids: list[int]
+    first_block: int
+    num_tokens: int
+
+
+@dataclass
+class SaveSpec:
+    """Producer: this step computes the request's final prompt chunk; ``block_ids`` cover the
+    ``prompt_len - 1`` tokens a consumer may need (it sends those the consumer lacks)."""
+
+    request_id: str
+    transfer_id: str
+    peer_address: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PeerNotice:
+    """A transfer id to tell a peer about: a release (consumer needs nothing) or an abandon
+    (producer will never send)."""
+
+    transfer_id: str
+    peer_address: str
+
+
+@dataclass
+class P2pConnectorMetadata:
+    """Everything the worker side must do this step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    releases: list[PeerNotice] = field(default_factory=list)
+    abandons: list[PeerNotice] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # consumer request ids no longer wanted
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.releases or self.abandons or self.cancels)

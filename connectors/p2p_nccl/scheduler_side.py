@@ -1,0 +1,195 @@
+"""Scheduler side of the P2P connector: pure decisions, no devices, sockets or threads.
+
+Consumer (D): a new request with ``do_remote_prefill`` gets ``prompt_len - 1 - local_hit``
+tokens from its producer (D computes the last prompt token itself to get logits); once
+blocks exist, a ``LoadSpec`` goes to the worker. Producer (P): a request with
+``do_remote_decode`` gets a ``SaveSpec`` in the step that computes its final prompt chunk,
+and its blocks are held after it finishes until the worker reports the send done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
+from engine_core.config import KVTransferConfig
+from engine_core.kv_connector import ExternalMatch, FinishedTransfers
+from engine_core.request import Request
+from engine_core.sched.outputs import SchedulerOutput
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _ProducerRequest:
+    transfer_id: str
+    peer_address: str
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    saved: bool = False
+    num_send_blocks: int = 0
+
+
+def _remote_params(request: Request, flag: str) -> tuple[str, str] | None:
+    """(transfer_id, remote_kv_address) when the request's params carry ``flag``."""
+    params = request.kv_transfer_params
+    if not isinstance(params, dict) or not params.get(flag):
+        return None
+    transfer_id = params.get("transfer_id")
+    address = params.get("remote_kv_address")
+    if not isinstance(transfer_id, str) or not transfer_id or not isinstance(address, str):
+        return None
+    return transfer_id, address
+
+
+class P2pConnectorScheduler:
+    """Decides which requests load remote KV (consumer) and which send it (producer)."""
+
+    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+        self._own_address = f"{config.kv_ip}:{config.kv_port}"
+        # consumer
+        self._new_loads: dict[str, LoadSpec] = {}
+        self._loading: dict[str, LoadSpec] = {}
+        self._loaded: set[str] = set()  # loaded or failed once: later schedules compute locally
+        self._releases: list[PeerNotice] = []
+        self._cancels: list[str] = []
+        # producer
+        self._producing: dict[str, _ProducerRequest] = {}
+        self._holding: set[str] = set()
+        self._sent_early: set[str] = set()
+        self._abandons: list[PeerNotice] = []
+        self._invalid_params = 0
+
+    # ---- ConnectorScheduler -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        """Consumer: prompt tokens after the local hit, minus the last one; producer: 0."""
+        if self._config.is_consumer and request.request_id not in self._loaded:
+            remote = _remote_params(request, "do_remote_prefill")
+            if remote is not None:
+                num_external = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
+                if num_external == 0:
+                    # The local cache holds everything: tell P to drop what it keeps for us.
+                    self._loaded.add(request.request_id)
+                    self._releases.append(PeerNotice(remote[0], remote[1]))
+                    return ExternalMatch(0, False)
+                return ExternalMatch(num_external, True)
+            if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+                self._invalid_params += 1
+        if self._config.is_producer:
+            remote = _remote_params(request, "do_remote_decode")
+            if remote is not None:
+                state = self._producing.get(request.request_id)
+                if state is None:
+                    self._producing[request.request_id] = _ProducerRequest(
+                        remote[0], remote[1], request.num_prompt_tokens)
+                else:  # rescheduled after preemption: its blocks come anew
+                    state.block_ids = []
+        return ExternalMatch(0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_local_computed_tokens: int, num_external_tokens: int) -> None:
+        """Remember which of the request's blocks the producer must fill."""
+        if num_external_tokens <= 0 or not self._config.is_consumer:
+            return
+        remote = _remote_params(request, "do_remote_prefill")
+        if remote is None:
+            return
+        first_block = num_local_computed_tokens // self._block_size
+        end_block = _cdiv(num_local_computed_tokens + num_external_tokens, self._block_size)
+        self._new_loads[request.request_id] = LoadSpec(
+            request_id=request.request_id, transfer_id=remote[0], peer_address=remote[1],
+            block_ids=list(block_ids[first_block:end_block]), first_block=first_block,
+            num_tokens=num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
+        """Loads to start, saves due this step, notices for peers, cancelled loads."""
+        meta = P2pConnectorMetadata(loads=list(self._new_loads.values()), releases=self._releases,
+                                    abandons=self._abandons, cancels=self._cancels)
+        self._loading.update(self._new_loads)
+        self._new_loads = {}
+        self._releases, self._abandons, self._cancels = [], [], []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._producing.get(new.request_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids)
+                self._maybe_save(new.request_id, state, new.num_computed_tokens,
+                                 scheduled.get(new.request_id, 0), meta)
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self._producing.get(cached.request_id)
+            if state is not None:
+                state.block_ids.extend(cached.new_block_ids)
+                self._maybe_save(cached.request_id, state, cached.num_computed_tokens,
+                                 scheduled.get(cached.request_id, 0), meta)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Producer: hold the blocks while a send is due or running; consumer: cancel loads."""
+        request_id = request.request_id
+        self._loaded.discard(request_id)
+        if self._new_loads.pop(request_id, None) is not None or self._loading.pop(request_id, None):
+            self._cancels.append(request_id)
+        state = self._producing.pop(request_id, None)
+        if state is None:
+            return False, None
+        params = {"transfer_id": state.transfer_id, "remote_kv_address": self._own_address,
+                  "num_kv_blocks": state.num_send_blocks}
+        sent = request_id in self._sent_early
+        self._sent_early.discard(request_id)
+        if not state.saved:
+            self._abandons.append(PeerNotice(state.transfer_id, state.peer_address))
+            return False, params
+        hold = state.num_send_blocks > 0 and not sent
+        if hold:
+            self._holding.add(request_id)
+        return hold, params
+
+    def update_finished(self, finished: FinishedTransfers) -> None:
+        """Forget finished loads; release held producer blocks whose send is done."""
+        for request_id in finished.recving | finished.failed_recving:
+            if self._loading.pop(request_id, None) is not None:
+                self._loaded.add(request_id)
+        for request_id in finished.sending:
+            if request_id in self._holding:
+                self._holding.discard(request_id)
+            elif request_id in self._producing:
+                self._sent_early.add(request_id)
+
+    def stats(self) -> dict[str, float]:
+        """Gauges of the scheduler side (all zero when idle)."""
+        return {
+            "loads_pending": float(len(self._new_loads) + len(self._loading)),
+            "producer_requests": float(len(self._producing)),
+            "held_requests": float(len(self._holding)),
+            "invalid_transfer_params": float(self._invalid_params),
+        }
+
+    def is_idle(self) -> bool:
+        """True when no request state is kept (tests assert this after every run)."""
+        return not (self._new_loads or self._loading or self._producing or self._holding
+                    or self._sent_early or self._loaded or self._releases or self._abandons
+                    or self._cancels)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _maybe_save(self, request_id: str, state: _ProducerRequest, num_computed: int,
+                    num_scheduled: int, meta: P2pConnectorMetadata) -> None:
+        if state.saved or num_computed + num_scheduled < state.num_prompt_tokens:
+            return
+        state.saved = True
+        num_blocks = _cdiv(state.num_prompt_tokens - 1, self._block_size)
+        if num_blocks == 0 or len(state.block_ids) < num_blocks:
+            # A 1-token prompt: nothing to send; drop a consumer's release if one arrives.
+            meta.abandons.append(PeerNotice(state.transfer_id, state.peer_address))
+            return
+        state.num_send_blocks = num_blocks
+        meta.saves.append(SaveSpec(request_id=request_id, transfer_id=state.transfer_id,
+                                   peer_address=state.peer_address,
+                                   block_ids=state.block_ids[:num_blocks],
+                                   num_tokens=state.num_prompt_tokens - 1))

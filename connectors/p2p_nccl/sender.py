@@ -1,0 +1,206 @@
+"""Producer send jobs and the per-peer sender thread (ordered, with deadlines).
+
+A ``SendJob`` is one request's transfer to one consumer: a header, then one data call per
+layer. Its layers come either from ``after_layer`` (push: gathered on the step's stream
+while the model computes the next layer) or, for GET and late pull requests, from the held
+paged blocks at send time. One ``PeerSender`` thread per consumer issues the jobs in order,
+so both sides post data operations on the pair in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connectors.p2p_nccl.handshake import ControlClient
+from connectors.p2p_nccl.messages import KVSendAbort, KVSendHeader
+from engine_core.codec import MessageCodec
+from engine_core.errors import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+LayerSource = Callable[[int], tuple[torch.Tensor, Any]]
+
+
+class LayerSlots:
+    """Layer buffers handed from the runner thread (``after_layer``) to a sender thread."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._buffers: list[tuple[torch.Tensor, Any] | None] = [None] * num_layers
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of gathered layers not yet taken by the sender."""
+        with self._cond:
+            return sum(b[0].nbytes for b in self._buffers if b is not None)
+
+    def put(self, layer: int, buffer: torch.Tensor, event: Any) -> None:
+        with self._cond:
+            self._buffers[layer] = (buffer, event)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def take(self, layer: int, deadline: float) -> tuple[torch.Tensor, Any]:
+        """Wait for layer ``layer`` until ``deadline``; the slot is emptied (buffer freed later)."""
+        with self._cond:
+            while self._buffers[layer] is None:
+                if self._error is not None:
+                    raise KVTransferError(f"layer gather failed: {self._error}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise KVTransferError(f"layer {layer} not computed before the deadline")
+                self._cond.wait(min(remaining, 0.5))
+            item = self._buffers[layer]
+            self._buffers[layer] = None
+            assert item is not None
+            return item
+
+    def clear(self) -> int:
+        """Drop every buffer still queued; returns their bytes."""
+        with self._cond:
+            nbytes = sum(b[0].nbytes for b in self._buffers if b is not None)
+            self._buffers = [None] * len(self._buffers)
+            return nbytes
+
+
+@dataclass
+class SendJob:
+    """One transfer (or, with ``abort_reason``, one abort notice) to one consumer."""
+
+    transfer_id: str
+    request_id: str | None
+    peer_address: str
+    first_block: int
+    num_blocks: int
+    num_layers: int
+    dtype: str
+    block_shape: list[int]
+    deadline: float
+    layer_source: LayerSource | None = None
+    slots: LayerSlots | None = None
+    abort_reason: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class PeerSender:
+    """One thread that sends jobs to one consumer in submission order."""
+
+    def __init__(self, peer_address: str, own_address: str, epoch: str, codec: MessageCodec,
+                 transport: Any, on_done: Callable[[SendJob], None],
+                 send_timeout_s: float) -> None:
+        self.peer_address = peer_address
+        self._own_address = own_address
+        self._epoch = epoch
+        self._codec = codec
+        self._transport = transport
+        self._on_done = on_done
+        self._send_timeout_s = send_timeout_s
+        self._queue: queue.Queue[SendJob | None] = queue.Queue()
+        self._client: ControlClient | None = None
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name=f"kv-sender-{peer_address}",
+                                        daemon=True)
+        self._stopping = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: SendJob) -> None:
+        """Queue a job; it runs after every job submitted before it."""
+        self._queue.put(job)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Fail queued jobs, stop the thread, close the socket."""
+        self._stopping = True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                job = self._queue.get()
+                if job is None:
+                    break
+                if self._stopping:
+                    job.error = "connector shutting down"
+                    self._finish(job)
+                    continue
+                self._process(job)
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def _client_for(self) -> ControlClient:
+        if self._client is None:
+            self._client = ControlClient(self.peer_address, self._codec,
+                                         send_timeout_s=self._send_timeout_s, high_water_mark=64)
+        return self._client
+
+    def _process(self, job: SendJob) -> None:
+        header_sent = False
+        try:
+            if job.abort_reason is not None:
+                self._send_abort(job, job.abort_reason)
+                return
+            if time.monotonic() > job.deadline:
+                raise KVTransferError("deadline passed before the send started")
+            client = self._client_for()
+            self._transport.open_pair(client, self.peer_address, job.deadline)
+            self._seq += 1
+            header = KVSendHeader(
+                transfer_id=job.transfer_id, producer_address=self._own_address,
+                producer_epoch=self._epoch, seq=self._seq, first_block=job.first_block,
+                num_blocks=job.num_blocks, num_layers=job.num_layers, dtype=job.dtype,
+                block_shape=list(job.block_shape))
+            client.send(header)
+            header_sent = True
+            for layer in range(job.num_layers):
+                if job.slots is not None:
+                    buffer, event = job.slots.take(layer, job.deadline)
+                else:
+                    assert job.layer_source is not None
+                    buffer, event = job.layer_source(layer)
+                self._transport.send_layer(client, header, layer, buffer, event, job.deadline)
+                del buffer
+            self._transport.finish_sends(self.peer_address, job.deadline)
+        except Exception as exc:  # any failure fails this job only, never the thread
+            job.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("kv send %s to %s failed: %s", job.transfer_id, self.peer_address,
+                           job.error)
+            self._transport.abort(self.peer_address)
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            if header_sent or job.abort_reason is None:
+                self._send_abort(job, job.error)
+        finally:
+            self._finish(job)
+
+    def _send_abort(self, job: SendJob, reason: str) -> None:
+        try:
+            self._client_for().send(KVSendAbort(job.transfer_id, self._own_address, reason[:200]))
+        except Exception as exc:  # best effort: the consumer's deadline covers a lost abort
+            logger.info("abort notice for %s not sent: %s", job.transfer_id, exc)
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def _finish(self, job: SendJob) -> None:
+        try:
+            self._on_done(job)
+        finally:
+            job.done.set()

@@ -1,0 +1,666 @@
+"""Worker side of the P2P connector: moves KV bytes and reports finished transfers.
+
+Producer (P): ``bind_step`` turns each ``SaveSpec`` into a push job when the consumer's pull
+request is already here (PUT, PUT_ASYNC) or into a pending entry that is sent from the held
+blocks when the pull arrives (GET, or a late pull), under a lease. ``after_layer`` gathers
+the layer's blocks into one contiguous buffer and hands it to the peer's sender thread.
+
+Consumer (D): ``start_load_kv`` reserves receive-buffer bytes for each new load, sends the
+pull request (push back: no reservation, no pull), scatters completed transfers into the
+paged cache and fails the ones past their deadline. The control thread validates headers
+and (CPU transport) copies layer bytes in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from connectors.p2p_nccl.block_copy import block_ids_tensor, gather_blocks, scatter_blocks
+from connectors.p2p_nccl.handshake import ControlClient, ControlServer
+from connectors.p2p_nccl.messages import (
+    KVLayerData,
+    KVPullRequest,
+    KVSendAbort,
+    KVSendHeader,
+    NcclHello,
+    check_header,
+    check_pull,
+    layer_nbytes,
+    make_codec,
+)
+from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connectors.p2p_nccl.recv_buffer import RecvBuffer
+from connectors.p2p_nccl.sender import LayerSlots, PeerSender, SendJob
+from engine_core.attention.metadata import AttentionMetadata
+from engine_core.config import KVTransferConfig
+from engine_core.errors import KVTransferError
+from engine_core.kv_connector import FinishedTransfers
+
+logger = logging.getLogger(__name__)
+
+WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requested", "receiving", "done", "failed"
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    pull: KVPullRequest
+    nbytes: int
+    deadline: float
+    state: str = WAITING_BUFFER
+    buffer: torch.Tensor | None = None
+    producer_epoch: str = ""
+    seq: int = -1
+    layers_received: int = 0
+    recv_poll: Callable[[], bool] | None = None
+    cancelled: bool = False
+    reason: str = ""
+    timed_out: bool = False
+
+
+@dataclass
+class _Pending:
+    save: SaveSpec
+    lease_deadline: float
+    ready: bool = False
+    ready_event: Any = None
+
+
+def make_transport(config: KVTransferConfig, device: str) -> Any:
+    """The data plane: NCCL for CUDA engines, tensor bytes over ZMQ for CPU engines."""
+    kind = config.transport
+    if kind == "auto":
+        kind = "nccl" if str(device).startswith("cuda") else "cpu"
+    if kind == "nccl":
+        from connectors.p2p_nccl.transport import NcclPairTransport  # imports cupy lazily
+
+        return NcclPairTransport(device, config)
+    from connectors.cpu_transport import CpuTransport
+
+    return CpuTransport()
+
+
+class P2pConnectorWorker:
+    """Producer and/or consumer worker half; explicit ``start``/``shutdown``."""
+
+    def __init__(self, config: KVTransferConfig, device: str, transport: Any | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._device = torch.device(device)
+        self._clock = clock
+        self._own_address = f"{config.kv_ip}:{config.kv_port}"
+        self._epoch = uuid.uuid4().hex
+        self._codec = make_codec()
+        self._transport = transport if transport is not None else make_transport(config, device)
+        self._server = ControlServer(self._own_address, self._codec, self._on_message)
+        self._recv_buffer = RecvBuffer(config.kv_buffer_bytes)
+        self._lock = threading.Lock()
+        self._kv_caches: list[torch.Tensor] = []
+        self._geometry: tuple[int, str, list[int], int] | None = None
+        self._started = False
+        self._counters = {name: 0 for name in (
+            "control_messages_sent", "bytes_sent", "bytes_received", "transfers_sent",
+            "transfers_received", "sends_failed", "transfers_failed", "transfers_timed_out",
+            "messages_rejected", "leases_expired", "registrations_expired",
+            "loads_pushed_back")}
+        # producer
+        self._registrations: dict[str, tuple[KVPullRequest, float]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._in_flight: dict[str, SendJob] = {}
+        self._senders: dict[str, PeerSender] = {}
+        self._step_push: list[tuple[SendJob, torch.Tensor]] = []
+        self._step_deferred: list[str] = []
+        self._finished_sending: set[str] = set()
+        # Transfers this producer will never send (abandoned, lease expired): a late pull for
+        # one is answered with an abort at once. Bounded; holds no bytes.
+        self._tombstones: dict[str, float] = {}
+        # consumer
+        self._loads: dict[str, _Load] = {}
+        self._waiting: deque[str] = deque()
+        self._clients: dict[str, ControlClient] = {}
+        self._last_seq: dict[tuple[str, str], int] = {}
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return self._own_address
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Record the paged caches (``[2, num_blocks, block_size, heads, head_dim]``) and start."""
+        first = kv_caches[0]
+        if first.dim() != 5 or first.shape[0] != 2:
+            raise KVTransferError(f"unexpected kv cache shape {tuple(first.shape)}")
+        self._kv_caches = list(kv_caches)
+        dtype = str(first.dtype).removeprefix("torch.")
+        block_shape = [int(d) for d in first.shape[2:]]
+        self._geometry = (len(kv_caches), dtype, block_shape, first.element_size())
+        self.start()
+
+    def start(self) -> None:
+        """Bind the control socket and start its thread (idempotent)."""
+        if not self._started:
+            self._server.start()
+            self._started = True
+
+    def shutdown(self) -> None:
+        """Stop every thread and close every socket; pending transfers are dropped."""
+        for sender in list(self._senders.values()):
+            sender.stop()
+        self._senders.clear()
+        self._server.stop()
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        self._transport.close()
+        self._started = False
+
+    # ---- runner hooks -------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: P2pConnectorMetadata | None) -> None:
+        """Consumer: start new loads, retry pushed-back ones, land finished ones, expire late ones."""
+        now = self._clock()
+        if metadata is not None:
+            for request_id in metadata.cancels:
+                self._cancel_load(request_id)
+            for spec in metadata.loads:
+                self._add_load(spec, now)
+            for notice in metadata.releases:
+                self._send_pull(notice.peer_address, self._make_pull(notice.transfer_id, 0, 0))
+            for notice in metadata.abandons:
+                self._abandon(notice.transfer_id, notice.peer_address)
+        self._admit_waiting()
+        self._land_and_expire(now)
+
+    def bind_step(self, metadata: P2pConnectorMetadata | None, attn_metadata: AttentionMetadata | None) -> None:
+        """Producer: decide, once per save, whether it is pushed layer by layer or deferred."""
+        self._step_push = []
+        self._step_deferred = []
+        if metadata is not None:
+            for save in metadata.saves:
+                self._bind_save(save)
+
+    def before_layer(self, layer_idx: int) -> None:
+        """No wait: a consumer request is scheduled only after all of its KV has landed."""
+        return None
+
+    def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        """Producer: gather this layer's blocks of each pushed request into one buffer."""
+        for job, index in self._step_push:
+            if job.done.is_set():
+                continue
+            assert job.slots is not None
+            try:
+                buffer = gather_blocks(kv_cache, index)
+                job.slots.put(layer_idx, buffer, self._record_event())
+            except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
+                job.slots.fail(exc)
+
+    def wait_for_save(self) -> None:
+        """End of step: deferred saves become sendable; PUT waits for this step's sends."""
+        event = self._record_event()
+        now = self._clock()
+        to_start: list[tuple[_Pending, KVPullRequest]] = []
+        with self._lock:
+            for transfer_id in self._step_deferred:
+                pending = self._pending.get(transfer_id)
+                if pending is None:
+                    continue
+                pending.ready, pending.ready_event = True, event
+                registration = self._registrations.pop(transfer_id, None)
+                if registration is not None:
+                    del self._pending[transfer_id]
+                    to_start.append((pending, registration[0]))
+        for pending, pull in to_start:
+            self._start_deferred(pending, pull)
+        if self._config.send_type == "PUT":
+            for job, _ in self._step_push:
+                job.done.wait(max(0.0, job.deadline - now))
+        self._step_push = []
+        self._step_deferred = []
+
+    def get_finished(self) -> FinishedTransfers:
+        """Transfers finished or failed since the last call; also expires leases and orphans."""
+        now = self._clock()
+        with self._lock:
+            for transfer_id, pending in list(self._pending.items()):
+                if now > pending.lease_deadline:
+                    del self._pending[transfer_id]
+                    self._finished_sending.add(pending.save.request_id)
+                    self._counters["leases_expired"] += 1
+                    self._tombstone(transfer_id, now)
+            for transfer_id, expiry in list(self._tombstones.items()):
+                if now > expiry:
+                    del self._tombstones[transfer_id]
+            for transfer_id, (_, arrived) in list(self._registrations.items()):
+                if now - arrived > self._config.orphan_ttl_s:
+                    del self._registrations[transfer_id]
+                    self._counters["registrations_expired"] += 1
+            finished = FinishedTransfers(sending=self._finished_sending,
+                                         recving=self._finished_recving,
+                                         failed_recving=self._failed_recving)
+            self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return finished
+
+    # ---- stats --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges; every gauge is 0 when the worker is idle."""
+        with self._lock:
+            send_bytes = sum(job.slots.queued_bytes for job in self._in_flight.values()
+                             if job.slots is not None)
+            out = {name: float(value) for name, value in self._counters.items()}
+            out.update({
+                "data_calls": float(self._transport.data_calls),
+                "control_messages_received": float(self._server.messages_received),
+                "control_messages_rejected": float(self._server.messages_rejected),
+                "recv_buffer_bytes_in_use": float(self._recv_buffer.in_use_bytes),
+                "send_buffer_bytes_in_use": float(send_bytes),
+                "pinned_bytes_in_use": 0.0,  # push back, never spill: see recv_buffer.py
+                "loads_in_flight": float(len(self._loads)),
+                "loads_waiting_for_buffer": float(len(self._waiting)),
+                "sends_in_flight": float(len(self._in_flight)),
+                "sends_pending_pull": float(len(self._pending)),
+                "pull_requests_waiting": float(len(self._registrations)),
+            })
+        return out
+
+    def is_idle(self) -> bool:
+        """True when no transfer state or buffer byte is held."""
+        with self._lock:
+            return not (self._loads or self._waiting or self._pending or self._in_flight
+                        or self._registrations or self._recv_buffer.in_use_bytes
+                        or self._finished_sending or self._finished_recving or self._failed_recving)
+
+    # ---- consumer -----------------------------------------------------------------------
+
+    def _make_pull(self, transfer_id: str, first_block: int, num_blocks: int) -> KVPullRequest:
+        num_layers, dtype, block_shape, _ = self._require_geometry()
+        return KVPullRequest(transfer_id=transfer_id, consumer_address=self._own_address,
+                             first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
+                             dtype=dtype, block_shape=list(block_shape),
+                             timeout_s=self._config.transfer_timeout_s)
+
+    def _add_load(self, spec: LoadSpec, now: float) -> None:
+        num_layers, _, block_shape, element_size = self._require_geometry()
+        pull = self._make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids))
+        nbytes = num_layers * layer_nbytes(len(spec.block_ids), block_shape, element_size)
+        load = _Load(spec=spec, pull=pull, nbytes=nbytes,
+                     deadline=now + self._config.transfer_timeout_s)
+        with self._lock:
+            if spec.transfer_id in self._loads:
+                self._counters["messages_rejected"] += 1
+                self._failed_recving.add(spec.request_id)
+                return
+            self._loads[spec.transfer_id] = load
+            if not self._recv_buffer.fits_ever(nbytes):
+                load.state, load.reason = FAILED, f"{nbytes} bytes exceed kv_buffer_size"
+                return
+            self._waiting.append(spec.transfer_id)
+
+    def _admit_waiting(self) -> None:
+        """Push back: a load sends its pull request only once its bytes are reserved (FIFO)."""
+        num_layers, _, block_shape, _ = self._require_geometry() if self._waiting else (0, "", [], 0)
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                load = self._loads.get(self._waiting[0])
+                if load is None or load.state != WAITING_BUFFER:
+                    self._waiting.popleft()
+                    continue
+                if not self._recv_buffer.try_reserve(load.spec.transfer_id, load.nbytes):
+                    self._counters["loads_pushed_back"] += 1
+                    return
+                self._waiting.popleft()
+            try:
+                buffer = torch.empty((num_layers, len(load.spec.block_ids), 2, *block_shape),
+                                     dtype=self._kv_caches[0].dtype, device=self._device)
+            except RuntimeError as exc:  # allocation failure fails this transfer only
+                with self._lock:
+                    load.state, load.reason = FAILED, f"buffer allocation failed: {exc}"
+                continue
+            with self._lock:
+                load.buffer, load.state = buffer, REQUESTED
+            if not self._send_pull(load.spec.peer_address, load.pull):
+                with self._lock:
+                    if load.state == REQUESTED:
+                        load.state, load.reason = FAILED, "pull request not sent"
+
+    def _send_pull(self, peer_address: str, pull: KVPullRequest) -> bool:
+        client = self._clients.get(peer_address)
+        try:
+            if client is None:
+                client = self._clients[peer_address] = ControlClient(
+                    peer_address, self._codec, send_timeout_s=0.5)
+            client.send(pull)
+        except KVTransferError as exc:
+            logger.warning("pull request %s to %s failed: %s", pull.transfer_id, peer_address, exc)
+            if client is not None:
+                client.close()
+            self._clients.pop(peer_address, None)
+            return False
+        with self._lock:
+            self._counters["control_messages_sent"] += 1
+        return True
+
+    def _cancel_load(self, request_id: str) -> None:
+        with self._lock:
+            for load in self._loads.values():
+                if load.spec.request_id == request_id:
+                    load.cancelled = True
+
+    def _land_and_expire(self, now: float) -> None:
+        """Scatter completed loads, report failed and late ones, free what they held."""
+        with self._lock:
+            loads = list(self._loads.values())
+        for load in loads:
+            if load.state == RECEIVING and load.recv_poll is not None:
+                try:
+                    if load.recv_poll():
+                        with self._lock:
+                            if load.state == RECEIVING:
+                                load.state = DONE
+                except Exception as exc:
+                    with self._lock:
+                        load.state, load.reason = FAILED, f"receive failed: {exc}"
+        for load in loads:
+            with self._lock:
+                state = load.state
+                if state in (WAITING_BUFFER, REQUESTED, RECEIVING):
+                    if load.cancelled and state == WAITING_BUFFER:
+                        state = load.state = FAILED
+                    elif now > load.deadline:
+                        was_receiving = state == RECEIVING
+                        state, load.state, load.timed_out = FAILED, FAILED, True
+                        load.reason = "transfer timed out"
+                        if was_receiving and not self._transport.uses_data_messages:
+                            # Receives are posted into this buffer: abort the pair before freeing it.
+                            self._transport.abort(load.spec.peer_address)
+                if state not in (DONE, FAILED):
+                    continue
+                del self._loads[load.spec.transfer_id]
+            if state == DONE and not load.cancelled:
+                self._scatter(load)
+            self._recv_buffer.release(load.spec.transfer_id)
+            load.buffer = None
+            with self._lock:
+                if load.cancelled:
+                    continue
+                if state == DONE:
+                    self._finished_recving.add(load.spec.request_id)
+                    self._counters["transfers_received"] += 1
+                else:
+                    logger.warning("kv load %s failed: %s", load.spec.transfer_id, load.reason)
+                    self._failed_recving.add(load.spec.request_id)
+                    self._counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
+
+    def _scatter(self, load: _Load) -> None:
+        assert load.buffer is not None
+        index = block_ids_tensor(load.spec.block_ids, self._device)
+        for layer, kv_cache in enumerate(self._kv_caches):
+            scatter_blocks(kv_cache, index, load.buffer[layer])
+
+    # ---- producer -----------------------------------------------------------------------
+
+    def _bind_save(self, save: SaveSpec) -> None:
+        with self._lock:
+            registration = self._registrations.pop(save.transfer_id, None)
+        if registration is not None and self._config.send_type != "GET":
+            pull = registration[0]
+            if pull.num_blocks == 0:
+                self._finish_send(save.request_id)
+                return
+            if not self._range_ok(pull, save):
+                return
+            index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
+            job = self._make_job(save, pull, slots=LayerSlots(len(self._kv_caches)))
+            self._step_push.append((job, index))
+            self._submit(job)
+            return
+        with self._lock:
+            self._pending[save.transfer_id] = _Pending(
+                save, lease_deadline=self._clock() + self._config.get_lease_s)
+            if registration is not None:
+                self._registrations[save.transfer_id] = registration
+        self._step_deferred.append(save.transfer_id)
+
+    def _start_deferred(self, pending: _Pending, pull: KVPullRequest) -> None:
+        save = pending.save
+        if pull.num_blocks == 0:
+            self._finish_send(save.request_id)
+            return
+        if not self._range_ok(pull, save):
+            return
+        index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
+        event = pending.ready_event
+        peer = pull.consumer_address
+
+        def gather_layer(layer: int) -> tuple[torch.Tensor, Any]:
+            # The blocks are held by the scheduler until this send reports done.
+            with self._transport.gather_context(peer, event):
+                return gather_blocks(self._kv_caches[layer], index), None
+
+        self._submit(self._make_job(save, pull, layer_source=gather_layer))
+
+    def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
+        if pull.first_block + pull.num_blocks == len(save.block_ids):
+            return True
+        reason = (f"consumer asks blocks [{pull.first_block}, {pull.first_block + pull.num_blocks})"
+                  f" but the prompt has {len(save.block_ids)}")
+        with self._lock:
+            self._counters["messages_rejected"] += 1
+        self._submit_abort(save.transfer_id, pull.consumer_address, reason)
+        self._finish_send(save.request_id)
+        return False
+
+    def _make_job(self, save: SaveSpec, pull: KVPullRequest, **source: Any) -> SendJob:
+        num_layers, dtype, block_shape, _ = self._require_geometry()
+        return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
+                       peer_address=pull.consumer_address, first_block=pull.first_block,
+                       num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
+                       block_shape=list(block_shape),
+                       deadline=self._clock() + self._config.transfer_timeout_s, **source)
+
+    def _submit(self, job: SendJob) -> None:
+        with self._lock:
+            self._in_flight[job.transfer_id] = job
+            sender = self._senders.get(job.peer_address)
+            if sender is None:
+                sender = self._senders[job.peer_address] = PeerSender(
+                    job.peer_address, self._own_address, self._epoch, self._codec,
+                    self._transport, self._on_send_done,
+                    send_timeout_s=min(5.0, self._config.transfer_timeout_s))
+                sender.start()
+        sender.submit(job)
+
+    def _submit_abort(self, transfer_id: str, peer_address: str, reason: str) -> None:
+        job = SendJob(transfer_id=transfer_id, request_id=None, peer_address=peer_address,
+                      first_block=0, num_blocks=0, num_layers=0, dtype="", block_shape=[],
+                      deadline=self._clock() + self._config.transfer_timeout_s,
+                      abort_reason=reason)
+        with self._lock:
+            sender = self._senders.get(peer_address)
+            if sender is None:
+                sender = self._senders[peer_address] = PeerSender(
+                    peer_address, self._own_address, self._epoch, self._codec, self._transport,
+                    self._on_send_done, send_timeout_s=min(5.0, self._config.transfer_timeout_s))
+                sender.start()
+        sender.submit(job)
+
+    def _abandon(self, transfer_id: str, peer_address: str) -> None:
+        """This producer will never send the transfer: tell a waiting consumer, drop a release."""
+        with self._lock:
+            registration = self._registrations.pop(transfer_id, None)
+            if registration is None:
+                self._tombstone(transfer_id, self._clock())
+        if registration is not None and registration[0].num_blocks > 0:
+            self._submit_abort(transfer_id, registration[0].consumer_address, "producer request ended")
+
+    def _tombstone(self, transfer_id: str, now: float) -> None:
+        """Remember a dead transfer id for ``orphan_ttl_s`` (caller holds the lock)."""
+        self._tombstones[transfer_id] = now + self._config.orphan_ttl_s
+        while len(self._tombstones) > 65536:
+            del self._tombstones[next(iter(self._tombstones))]
+
+    def _on_send_done(self, job: SendJob) -> None:
+        with self._lock:
+            if job.abort_reason is not None:
+                self._counters["control_messages_sent"] += 1
+                return
+            self._in_flight.pop(job.transfer_id, None)
+            if job.slots is not None:
+                job.slots.clear()
+            if job.request_id is not None:
+                self._finished_sending.add(job.request_id)
+            if job.error is None:
+                self._counters["transfers_sent"] += 1
+                self._counters["control_messages_sent"] += 1
+                _, _, block_shape, element_size = self._require_geometry()
+                self._counters["bytes_sent"] += job.num_layers * layer_nbytes(
+                    job.num_blocks, block_shape, element_size)
+            else:
+                self._counters["sends_failed"] += 1
+
+    def _finish_send(self, request_id: str) -> None:
+        with self._lock:
+            self._finished_sending.add(request_id)
+
+    # ---- control messages (control thread) ----------------------------------------------
+
+    def _on_message(self, message: Any, frames: list[Any]) -> None:
+        if isinstance(message, KVPullRequest):
+            self._on_pull(message)
+        elif isinstance(message, KVSendHeader):
+            self._on_header(message)
+        elif isinstance(message, KVLayerData):
+            self._on_layer_data(message, frames)
+        elif isinstance(message, KVSendAbort):
+            self._on_abort(message)
+        elif isinstance(message, NcclHello):
+            self._transport.on_hello(message)
+
+    def _reject(self, what: str, reason: str) -> None:
+        logger.warning("rejected kv %s: %s", what, reason)
+        with self._lock:
+            self._counters["messages_rejected"] += 1
+
+    def _on_pull(self, pull: KVPullRequest) -> None:
+        if self._geometry is None or not self._config.is_producer:
+            self._reject("pull request", "this engine does not produce KV")
+            return
+        num_layers, dtype, block_shape, _ = self._geometry
+        reason = check_pull(pull, num_layers, dtype, block_shape)
+        if reason is not None:
+            self._reject("pull request", reason)
+            if pull.num_blocks > 0:
+                self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
+            return
+        with self._lock:
+            if pull.transfer_id in self._tombstones:
+                dead = True
+            elif pull.transfer_id in self._in_flight:
+                self._counters["messages_rejected"] += 1
+                return
+            else:
+                dead = False
+        if dead:
+            if pull.num_blocks > 0:
+                self._submit_abort(pull.transfer_id, pull.consumer_address, "transfer released")
+            return
+        with self._lock:
+            pending = self._pending.get(pull.transfer_id)
+            if pending is None or not pending.ready:
+                self._registrations[pull.transfer_id] = (pull, self._clock())
+                return
+            del self._pending[pull.transfer_id]
+        self._start_deferred(pending, pull)
+
+    def _on_header(self, header: KVSendHeader) -> None:
+        key = (header.producer_address, header.producer_epoch)
+        with self._lock:
+            load = self._loads.get(header.transfer_id)
+            if load is None or load.state != REQUESTED:
+                reason = "no load is waiting for this transfer"
+            else:
+                reason = check_header(header, load.pull, self._last_seq.get(key))
+            if reason is None and load is not None:
+                self._last_seq[key] = header.seq
+                load.state, load.producer_epoch, load.seq = RECEIVING, header.producer_epoch, header.seq
+                buffer = load.buffer
+            else:
+                self._counters["messages_rejected"] += 1
+                if load is not None and load.state == REQUESTED:
+                    load.state, load.reason = FAILED, f"bad header: {reason}"
+        if reason is not None:
+            logger.warning("rejected kv header %s: %s", header.transfer_id, reason)
+            if not self._transport.uses_data_messages:
+                # The producer's sends would never be matched: abort so they fail fast.
+                self._transport.abort(header.producer_address)
+            return
+        assert buffer is not None
+        poll = self._transport.post_recv(header.producer_address, list(buffer.unbind(0)))
+        with self._lock:
+            load.recv_poll = poll
+            if poll is not None:
+                self._counters["bytes_received"] += load.nbytes
+
+    def _on_layer_data(self, message: KVLayerData, frames: list[Any]) -> None:
+        with self._lock:
+            load = self._loads.get(message.transfer_id)
+            expected = load.nbytes // load.pull.num_layers if load is not None else -1
+            ok = (load is not None and load.state == RECEIVING
+                  and message.producer_epoch == load.producer_epoch and message.seq == load.seq
+                  and message.layer == load.layers_received and message.nbytes == expected
+                  and len(frames) == 1 and len(frames[0]) == expected)
+            if not ok:
+                self._counters["messages_rejected"] += 1
+                if load is not None and load.state == RECEIVING:
+                    load.state, load.reason = FAILED, "malformed layer data"
+                return
+            destination = load.buffer[message.layer]
+        target = destination.view(torch.uint8).reshape(-1).numpy()
+        target[:] = np.frombuffer(frames[0].buffer, dtype=np.uint8)
+        self._transport.count_recv_call()
+        with self._lock:
+            if load.state == RECEIVING and load.seq == message.seq:
+                load.layers_received += 1
+                self._counters["bytes_received"] += expected
+                if load.layers_received == load.pull.num_layers:
+                    load.state = DONE
+
+    def _on_abort(self, message: KVSendAbort) -> None:
+        with self._lock:
+            load = self._loads.get(message.transfer_id)
+            if load is None or load.state not in (REQUESTED, RECEIVING):
+                return
+            was_receiving = load.state == RECEIVING
+            load.state, load.reason = FAILED, f"producer aborted: {message.reason}"
+        if was_receiving and not self._transport.uses_data_messages:
+            self._transport.abort(message.producer_address)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _require_geometry(self) -> tuple[int, str, list[int], int]:
+        if self._geometry is None:
+            raise KVTransferError("register_kv_caches was not called")
+        return self._geometry
+
+    def _record_event(self) -> Any:
+        if self._device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event

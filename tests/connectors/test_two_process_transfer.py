@@ -1,0 +1,173 @@
+"""Two processes, real sockets: a producer and a consumer move KV with the CPU transport.
+
+The consumer checks every transferred block bit for bit; both sides must end idle (blocks,
+buffers and connector state back to their idle values).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import random
+import time
+from typing import Any
+
+import pytest
+
+from tests.connectors.kv_harness import (
+    BLOCK_SIZE,
+    free_port,
+    make_config,
+    run_consumer,
+    run_producer,
+)
+
+MAX_PROMPT = 64  # the harness's "max_model_len"
+
+
+def _specs(count: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    edge = [1, 2, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1,
+            MAX_PROMPT - 1, MAX_PROMPT]
+    specs = []
+    for i in range(count):
+        length = edge[i] if i < len(edge) else rng.randint(1, MAX_PROMPT)
+        shared = rng.random() < 0.3  # a common prefix, as prefix hits would see it
+        prompt = ([7] * min(length, 12) if shared else []) + [rng.randint(0, 999) for _ in range(length)]
+        prompt = prompt[:length]
+        max_hit = (length - 1) // BLOCK_SIZE
+        specs.append({
+            "request_id": f"req-{seed}-{i}", "transfer_id": f"tx-{seed}-{i}", "prompt": prompt,
+            "p_hit_blocks": rng.choice([0, 0, rng.randint(0, max_hit)]),
+            "d_hit_blocks": rng.choice([0, 0, max_hit, rng.randint(0, max_hit)]),
+            # 1..4 tokens per step: many prompts end with a chunk that adds no new block.
+            "chunk": rng.choice([1, 3, BLOCK_SIZE, 7, 64]),
+            "preempt_after_load": rng.random() < 0.1,
+        })
+    return specs
+
+
+def _run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32",
+              consumer_extra: dict[str, Any] | None = None, seed: int = 0,
+              layer_delay_s: float = 0.0, kill_producer_after_s: float | None = None,
+              timeout_s: float = 5.0) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
+    ctx = mp.get_context("spawn")
+    p_port, d_port = free_port(), free_port()
+    p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
+    p_config = make_config("kv_producer", p_port, send_type, transfer_timeout_s=timeout_s,
+                           get_lease_s=timeout_s * 2, orphan_ttl_s=timeout_s * 2)
+    d_config = make_config("kv_consumer", d_port, send_type, transfer_timeout_s=timeout_s,
+                           **(consumer_extra or {}))
+    p_in, d_in, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=run_producer, args=(p_config, p_in, out, d_addr, dtype, layer_delay_s))
+    consumer = ctx.Process(target=run_consumer, args=(d_config, d_in, out, p_addr, dtype))
+    producer.start()
+    consumer.start()
+    rng = random.Random(seed)
+    try:
+        # Both legs arrive concurrently, in either order.
+        for spec in specs:
+            first, second = (p_in, d_in) if rng.random() < 0.5 else (d_in, p_in)
+            first.put(spec)
+            if rng.random() < 0.2:
+                time.sleep(0.01)
+            second.put(spec)
+        killed_at = None
+        if kill_producer_after_s is not None:
+            time.sleep(kill_producer_after_s)
+            producer.kill()
+            killed_at = time.monotonic()
+        results: dict[str, str] = {}
+        reports: dict[str, Any] = {}
+        deadline = time.monotonic() + 120
+        while len(results) < len(specs) and time.monotonic() < deadline:
+            try:
+                item = out.get(timeout=1)
+            except queue.Empty:
+                continue
+            if item[0] == "result":
+                results[item[1]] = item[2]
+        last_result_at = time.monotonic()
+        d_in.put(None)
+        if kill_producer_after_s is None:
+            p_in.put(None)
+        wanted = {"consumer_idle"} if kill_producer_after_s is not None else {"consumer_idle", "producer_idle"}
+        while wanted - set(reports) and time.monotonic() < deadline:
+            try:
+                item = out.get(timeout=1)
+            except queue.Empty:
+                continue
+            if item[0] in wanted:
+                reports[item[0]] = item[1]
+        elapsed = last_result_at - killed_at if killed_at is not None else 0.0
+        return results, reports["consumer_idle"], reports.get("producer_idle"), elapsed
+    finally:
+        for proc in (producer, consumer):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _assert_idle(report: dict[str, Any]) -> None:
+    assert report["free_blocks"] == report["num_blocks"], report
+    assert report["scheduler_idle"] and report["worker_idle"], str(report["worker_stats"])
+    stats = report["worker_stats"]
+    assert stats["recv_buffer_bytes_in_use"] == 0
+    assert stats["send_buffer_bytes_in_use"] == 0
+    assert stats["pinned_bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("send_type,dtype,extra", [
+    ("PUT_ASYNC", "float32", {}),
+    ("PUT", "bfloat16", {}),
+    ("GET", "float32", {}),
+    # A receive buffer for about four requests: loads are pushed back, none is lost.
+    ("PUT_ASYNC", "float16", {"kv_buffer_size": 40_000}),
+])
+def test_transfer_bit_exact(send_type: str, dtype: str, extra: dict[str, Any]) -> None:
+    specs = _specs(110, seed=len(send_type) + len(dtype))
+    results, consumer, producer, _ = _run_pair(send_type, specs, dtype=dtype, consumer_extra=extra)
+    bad = {k: v for k, v in results.items() if v not in ("ok", "local")}
+    assert not bad, bad
+    assert len(results) == len(specs)
+    transferred = sum(v == "ok" for v in results.values())
+    assert transferred >= 80
+    _assert_idle(consumer)
+    assert producer is not None
+    _assert_idle(producer)
+    p_stats, d_stats = producer["worker_stats"], consumer["worker_stats"]
+    assert p_stats["transfers_sent"] == d_stats["transfers_received"] == transferred
+    # One data call per layer per request on each side.
+    assert p_stats["data_calls"] == d_stats["data_calls"] == 3 * transferred
+    assert p_stats["bytes_sent"] == d_stats["bytes_received"]
+    assert d_stats["transfers_failed"] == d_stats["transfers_timed_out"] == 0
+    assert d_stats["messages_rejected"] == 0 and p_stats["messages_rejected"] == 0
+    if extra:
+        assert d_stats["loads_pushed_back"] > 0
+
+
+def test_producer_killed_mid_transfer() -> None:
+    specs = _specs(12, seed=99)
+    for spec in specs:  # every request needs a transfer
+        spec.update(prompt=list(range(1, 41)), d_hit_blocks=0, preempt_after_load=False)
+    timeout_s = 2.0
+    results, consumer, _, after_kill = _run_pair(
+        "PUT_ASYNC", specs, layer_delay_s=0.3, kill_producer_after_s=1.5, timeout_s=timeout_s)
+    assert len(results) == len(specs)
+    assert "failed" in results.values()
+    assert set(results.values()) <= {"ok", "failed"}
+    assert after_kill < timeout_s + 2.0
+    _assert_idle(consumer)
+    assert consumer["worker_stats"]["transfers_timed_out"] >= 1
+
+
+def test_consumer_abort_while_waiting() -> None:
+    specs = _specs(6, seed=5)
+    for spec in specs:
+        spec.update(prompt=list(range(3, 30)), d_hit_blocks=0, preempt_after_load=False,
+                    abort_after_s=0.05)
+    results, consumer, producer, _ = _run_pair("PUT_ASYNC", specs, layer_delay_s=0.2, timeout_s=3.0)
+    assert set(results.values()) <= {"aborted", "ok"}
+    _assert_idle(consumer)
+    assert producer is not None
+    _assert_idle(producer)

@@ -1,0 +1,93 @@
+"""`pdserve serve --demo` as a real subprocess answers requests; bad flags get clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from deploy.cli import build_parser
+
+
+def _command() -> list[str]:
+    exe = shutil.which("pdserve")
+    return [exe] if exe else [sys.executable, "-m", "deploy.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unknown_flag_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--demo", "--no-such-flag"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_vllm_flags_parse_into_config():
+    from engine_core.arg_utils import engine_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "/models/x", "--dtype", "bfloat16", "--max-model-len", "1024",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--block-size", "32",
+        "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--seed", "3",
+        "--served-model-name", "m", "--no-enable-chunked-prefill", "--load-format", "dummy",
+        "--kv-transfer-config", '{"kv_connector":"P2pNcclConnector","kv_role":"kv_producer",'
+        '"kv_port":"21001","kv_connector_extra_config":{"send_type":"PUT"}}'])
+    config = engine_config_from_args(args)
+    assert config.model.name == "m" and config.model.max_model_len == 1024
+    assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
+    assert config.scheduler.max_num_seqs == 8 and not config.scheduler.enable_chunked_prefill
+    assert config.kv_transfer.kv_port == 21001 and config.kv_transfer.send_type == "PUT"
+
+
+@pytest.mark.slow
+def test_pdserve_serve_demo_subprocess():
+    port = _free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k"}
+    proc = subprocess.Popen(
+        _command() + ["serve", "--demo", "--port", str(port), "--num-gpu-blocks-override", "256",
+                      "--max-model-len", "512"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        request = urllib.request.Request(
+            url + "/v1/completions", method="POST",
+            data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
+            headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
+        body = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert body["model"] == "pdserve-demo"
+        assert body["usage"]["completion_tokens"] == 4
+        reset = urllib.request.Request(url + "/reset_prefix_cache", method="POST", data=b"")
+        assert urllib.request.urlopen(reset, timeout=30).status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+    assert proc.returncode == 0, output
+    assert "listening on" in output and "Engine core started" in output

@@ -20,6 +20,9 @@ logger = logging.getLogger("pdserve.cli")
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("serve one model with the OpenAI-compatible API (colocated prefill+decode)",
               "deploy.cli:add_serve_arguments", "deploy.cli:run_serve"),
+    "prefill": ("one prefill worker (kv_producer)", "prefill.worker:add_worker_arguments", "prefill.worker:run"),
+    "decode": ("one decode worker (kv_consumer)", "decode.worker:add_worker_arguments", "decode.worker:run"),
+    "launch": ("proxy + N prefill + M decode workers on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
     "proxy": ("run the prefill/decode proxy (OpenAI API, ZMQ worker registration)",
               "proxy.__main__:add_proxy_args", "proxy.__main__:run_proxy"),
 }

@@ -1,0 +1,268 @@
+"""``pdserve launch``: the proxy plus N prefill and M decode workers on this host.
+
+Each worker is a subprocess (``python -m prefill|decode``) with its own free HTTP and KV
+ports, one GPU each (``CUDA_VISIBLE_DEVICES``) or all on CPU. The launcher waits until
+every worker is registered with the proxy and healthy, prints the endpoint, watches the
+children (reports a death, restarts it with ``--restart``) and on SIGINT/SIGTERM stops
+everything: terminate, then kill after a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger("pdserve.launch")
+HOST = "127.0.0.1"
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--model", default=None, help="HF checkpoint (default: demo model)")
+    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
+    parser.add_argument("--port", type=int, default=10001, help="proxy HTTP port")
+    parser.add_argument("--registration-port", type=int, default=None,
+                        help="proxy registration port (default: a free one)")
+    parser.add_argument("--gpus", default=None,
+                        help="comma-separated GPU ids (default: CUDA_VISIBLE_DEVICES or all)")
+    parser.add_argument("--restart", action="store_true", help="restart workers that die")
+    parser.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--stop-timeout", type=float, default=15.0,
+                        help="seconds between SIGTERM and SIGKILL at shutdown")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
+    from engine_core.arg_utils import add_engine_args
+
+    add_engine_args(parser)  # passed on to every worker (--kv-transfer-config is per worker)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user changed, as argv for the workers."""
+    from engine_core.arg_utils import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest == "kv_transfer_config" or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:
+            argv.append(flag)
+        else:
+            argv += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return argv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def detect_gpus(spec: str | None) -> list[str]:
+    if spec:
+        return [g.strip() for g in spec.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        return []
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    http_address: str | None = None
+    proc: subprocess.Popen | None = None
+    log: IO[bytes] | None = field(default=None, repr=False)
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        logger.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
+
+
+def _get_json(url: str, timeout: float = 2.0) -> object:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read() or b"null")
+
+
+def _healthy(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=2.0) as response:
+            return response.status == 200
+    except Exception:
+        return False
+
+
+def _registered(proxy_url: str) -> set[str]:
+    try:
+        data = _get_json(f"{proxy_url}/instances")
+    except Exception:
+        return set()
+    items = data.get("workers", []) if isinstance(data, dict) else data
+    if isinstance(items, dict):  # address -> info
+        items = list(items.values())
+    return {str(x.get("http_address")) for x in items or [] if isinstance(x, dict)}
+
+
+def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
+                   ) -> tuple[Child, list[Child], str]:
+    base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    reg_port = args.registration_port or free_port()
+    proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
+                            str(args.port), "--registration-port", str(reg_port)],
+                  base_env, log_dir / "proxy.log")
+    gpus = detect_gpus(args.gpus)
+    total = args.prefill + args.decode
+    if gpus and len(gpus) < total:
+        raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
+    workers = []
+    for i in range(total):
+        module, index = ("prefill", i) if i < args.prefill else ("decode", i - args.prefill)
+        http_port, kv_port = free_port(), free_port()
+        role = "kv_producer" if module == "prefill" else "kv_consumer"
+        kv = {"kv_connector": "P2pNcclConnector", "kv_role": role, "kv_rank": i,
+              "kv_buffer_size": "1e9", "kv_ip": HOST, "kv_port": kv_port,
+              "kv_connector_extra_config": {"proxy_ip": HOST, "proxy_port": reg_port,
+                                            "http_port": http_port, "send_type": "PUT_ASYNC"}}
+        env = dict(base_env)
+        device_args: list[str] = []
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        else:
+            device_args = ["--device", "cpu"]
+        argv = [sys.executable, "-m", module, args.model, "--host", HOST, "--port",
+                str(http_port), "--kv-transfer-config", json.dumps(kv),
+                "--heartbeat-interval", str(args.heartbeat_interval),
+                *device_args, *engine_args]
+        workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
+                             http_address=f"{HOST}:{http_port}"))
+    return proxy, workers, f"http://{HOST}:{args.port}"
+
+
+def stop_all(children: list[Child], timeout_s: float) -> None:
+    live = [c for c in children if c.proc is not None and c.proc.poll() is None]
+    for child in live:
+        child.proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for child in live:
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0fs; killing it", child.name, timeout_s)
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+    for child in children:
+        if child.log is not None:
+            child.log.close()
+
+
+def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -> int:
+    engine_args = engine_argv(args) + list(engine_args or [])
+    if args.model is None or args.demo:
+        from engine_core.demo_model import demo_model_path
+
+        args.model = args.model or str(demo_model_path())  # built once, before the workers
+        if "--served-model-name" not in engine_args:
+            engine_args += ["--served-model-name", "pdserve-demo"]
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"pdserve launch: logs in {log_dir}", flush=True)
+    proxy, workers, url = build_children(args, engine_args, log_dir)
+    children = [proxy, *workers]
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for child in children:
+            child.start()
+        deadline = time.monotonic() + args.startup_timeout
+        expected = {w.http_address for w in workers}
+        while not stopping:
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                for c in dead:
+                    print(f"pdserve launch: {c.name} exited with {c.proc.returncode} "
+                          f"during startup; see {c.log_path}", flush=True)
+                return 1
+            if expected <= _registered(url) and all(_healthy(w.http_address) for w in workers):
+                break
+            if time.monotonic() > deadline:
+                print(f"pdserve launch: not ready after {args.startup_timeout:.0f}s; "
+                      f"see {log_dir}", flush=True)
+                return 1
+            time.sleep(0.5)
+        if stopping:
+            return 0
+        model = next((engine_args[i + 1] for i, a in enumerate(engine_args[:-1])
+                      if a == "--served-model-name"), args.model)
+        print(f"pdserve launch: ready: {args.prefill}P{args.decode}D at {url}\n"
+              f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+              flush=True)
+        reported: set[str] = set()
+        while not stopping:
+            for child in children:
+                code = child.proc.poll()
+                if code is None or child.name in reported:
+                    continue
+                print(f"pdserve launch: {child.name} (pid {child.proc.pid}) died with {code}; "
+                      f"log {child.log_path}", flush=True)
+                if args.restart:
+                    child.restarts += 1
+                    child.log.close()
+                    child.start()
+                elif child is proxy:
+                    return 1
+                else:
+                    reported.add(child.name)
+            time.sleep(0.5)
+        return 0
+    finally:
+        print("pdserve launch: stopping", flush=True)
+        stop_all([proxy, *workers], args.stop_timeout)
+        print("pdserve launch: stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
+    add_launch_arguments(parser)
+    return run_launch(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The prefill worker: engine-core + producer connector + API server + proxy heartbeat.
+
+``run_worker`` is shared with ``decode.worker`` (role ``kv_consumer``); a worker is the
+colocated API server with a connector and a ``RegistrationClient`` started in its loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from engine_core.config import EngineConfig, KVTransferConfig
+from engine_core.engine_core import EngineCore
+
+logger = logging.getLogger("pdserve.worker")
+
+ROLE_LETTER = {"kv_producer": "P", "kv_consumer": "D"}
+DEFAULT_PROXY = ("127.0.0.1", 30001)
+
+
+def engine_factory(config: EngineConfig) -> EngineCore:
+    """Runs in the engine process: the engine with this config's connector pair."""
+    try:
+        from connectors import create_connector
+    except ImportError:  # connector not built: D recomputes the prompt, same tokens
+        logger.warning("connectors.create_connector unavailable; running without KV transfer")
+        return EngineCore(config)
+    return EngineCore(config, connector=create_connector(config, config.device.resolve()))
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
+    from engine_core.arg_utils import add_engine_args
+
+    parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
+    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
+    parser.add_argument("--proxy-address", default=None,
+                        help="proxy registration HOST:PORT (overrides proxy_ip/proxy_port)")
+    parser.add_argument("--heartbeat-interval", type=float, default=3.0, help="seconds")
+    add_engine_args(parser)
+
+
+def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Namespace
+                     ) -> KVTransferConfig:
+    """The worker's transfer config: the given JSON (role checked) or the 1P1D default."""
+    if kv is None:
+        kv = KVTransferConfig(kv_role=role, proxy_ip=DEFAULT_PROXY[0], proxy_port=DEFAULT_PROXY[1])
+    if kv.kv_role not in (role, "kv_both"):
+        raise SystemExit(f"--kv-transfer-config kv_role is {kv.kv_role!r}; this worker is {role}")
+    changes: dict[str, Any] = {"kv_role": role, "http_port": args.port}
+    if args.kv_port is not None:
+        changes["kv_port"] = args.kv_port
+    if args.proxy_address:
+        ip, _, port = args.proxy_address.rpartition(":")
+        changes.update(proxy_ip=ip, proxy_port=int(port))
+    return dataclasses.replace(kv, **changes)
+
+
+def registration_hook(config: EngineConfig, interval_s: float) -> Any:
+    """A startup hook for ``run_server`` that heartbeats to the proxy until shutdown."""
+    kv = config.kv_transfer
+    assert kv is not None
+
+    async def start(client: Any, options: Any) -> Any:
+        from proxy.messages import WorkerLoad
+        from proxy.registration import RegistrationClient
+
+        if kv.proxy_ip is None or kv.proxy_port is None:
+            logger.info("no proxy_ip/proxy_port: not registering with a proxy")
+            return None
+        host = kv.http_ip or (options.host if options.host not in ("", "0.0.0.0", "::")
+                              else kv.kv_ip)
+
+        def load() -> WorkerLoad:
+            s = client.latest_stats
+            return WorkerLoad() if s is None else WorkerLoad(
+                s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv)
+
+        registration = RegistrationClient(
+            f"{kv.proxy_ip}:{kv.proxy_port}", role=ROLE_LETTER[kv.kv_role],
+            http_address=f"{host}:{options.port}", model=config.model.name,
+            zmq_address=f"{kv.kv_ip}:{kv.kv_port}", load_provider=load, interval_s=interval_s)
+        registration.start()
+        logger.info("registering as %s with proxy %s:%s", ROLE_LETTER[kv.kv_role],
+                    kv.proxy_ip, kv.proxy_port)
+        return registration.stop
+
+    return start
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
+    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.errors import PdserveError
+    from engine_core.server.api_server import ServerOptions, run_server
+
+    if args.model is None or args.demo:
+        from engine_core.demo_model import demo_model_path
+
+        args.model = args.model or str(demo_model_path())
+        args.served_model_name = args.served_model_name or "pdserve-demo"
+    try:
+        config = engine_config_from_args(args)
+        config = dataclasses.replace(
+            config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))
+        logger.info("%s worker, kv config %s", role, json.dumps(dataclasses.asdict(
+            config.kv_transfer), default=str))
+        run_server(config, ServerOptions(host=args.host, port=args.port), engine_factory,
+                   on_startup=[registration_hook(config, args.heartbeat_interval)])
+    except PdserveError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pdserve prefill``."""
+    return run_worker(args, "kv_producer")

@@ -1,0 +1,293 @@
+"""Unit tests: control messages, receive-buffer accounting, block copy, control channel,
+scheduler-side decisions."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from connectors import create_connector
+from connectors.p2p_nccl.block_copy import block_ids_tensor, gather_blocks, scatter_blocks
+from connectors.p2p_nccl.handshake import ControlClient, ControlServer
+from connectors.p2p_nccl.messages import (
+    KVPullRequest,
+    KVSendHeader,
+    check_header,
+    check_pull,
+    make_codec,
+)
+from connectors.p2p_nccl.recv_buffer import RecvBuffer
+from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
+from engine_core.config import EngineConfig, KVTransferConfig, ModelConfig
+from engine_core.errors import MessageDecodeError
+from engine_core.kv_connector import FinishedTransfers, NullConnectorScheduler
+from engine_core.request import Request
+from engine_core.sampling_params import SamplingParams
+from engine_core.sched.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.connectors.kv_harness import free_port
+
+BS = 4
+
+
+def _pull(**kw: object) -> KVPullRequest:
+    base = dict(transfer_id="t", consumer_address="127.0.0.1:1", first_block=1, num_blocks=3,
+                num_layers=2, dtype="bfloat16", block_shape=[4, 2, 8], timeout_s=5.0)
+    base.update(kw)
+    return KVPullRequest(**base)  # type: ignore[arg-type]
+
+
+def _header(**kw: object) -> KVSendHeader:
+    base = dict(transfer_id="t", producer_address="p:1", producer_epoch="e", seq=1, first_block=1,
+                num_blocks=3, num_layers=2, dtype="bfloat16", block_shape=[4, 2, 8])
+    base.update(kw)
+    return KVSendHeader(**base)  # type: ignore[arg-type]
+
+
+# ---- messages ---------------------------------------------------------------------------
+
+def test_codec_round_trip_and_rejects() -> None:
+    codec = make_codec()
+    pull = _pull()
+    assert codec.decode(codec.encode(pull)) == pull
+    bad = codec.encode(pull).replace(b"bfloat16", b"bfloat1X")
+    assert codec.decode(bad).dtype == "bfloat1X"  # schema-valid, caught by check_pull
+    with pytest.raises(MessageDecodeError):
+        codec.decode(b"\x93garbage")
+
+
+def test_check_pull_and_header() -> None:
+    assert check_pull(_pull(), 2, "bfloat16", [4, 2, 8]) is None
+    assert "mismatch" in check_pull(_pull(), 3, "bfloat16", [4, 2, 8])
+    assert check_pull(_pull(dtype="int7"), 2, "bfloat16", [4, 2, 8])
+    assert check_pull(_pull(first_block=-1), 2, "bfloat16", [4, 2, 8])
+    assert check_pull(_pull(block_shape=[4, 2]), 2, "bfloat16", [4, 2, 8])
+    pull = _pull()
+    assert check_header(_header(), pull, None) is None
+    assert check_header(_header(seq=5), pull, 4) is None
+    assert "sequence" in check_header(_header(seq=4), pull, 4)
+    assert check_header(_header(num_blocks=4), pull, None)
+    assert check_header(_header(transfer_id="u"), pull, None)
+    assert check_header(_header(num_layers=0), pull, None)
+
+
+# ---- receive buffer ---------------------------------------------------------------------
+
+def test_recv_buffer_exact_accounting() -> None:
+    buf = RecvBuffer(100)
+    assert buf.try_reserve("a", 60)
+    assert not buf.try_reserve("b", 41)
+    assert buf.in_use_bytes == 60
+    assert buf.try_reserve("b", 40)
+    assert buf.in_use_bytes == 100
+    with pytest.raises(KeyError):
+        buf.try_reserve("a", 0)
+    assert buf.release("a") == 60 and buf.release("a") == 0
+    assert not buf.fits_ever(101)
+    assert buf.release("b") == 40 and buf.in_use_bytes == 0 and buf.holders() == []
+
+
+def test_recv_buffer_threads() -> None:
+    buf = RecvBuffer(1000)
+
+    def churn(prefix: str) -> None:
+        for i in range(500):
+            if buf.try_reserve(f"{prefix}{i}", 7):
+                buf.release(f"{prefix}{i}")
+
+    threads = [threading.Thread(target=churn, args=(str(k),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert buf.in_use_bytes == 0
+
+
+# ---- block copy -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gather_scatter_bit_exact(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    source = torch.randn(2, 37, 4, 2, 8, generator=gen).to(dtype)
+    target = torch.randn(2, 53, 4, 2, 8, generator=gen).to(dtype)
+    before = target.clone()
+    src_ids, dst_ids = [36, 0, 5, 17, 18, 3], [52, 1, 9, 0, 30, 2]
+    buffer = gather_blocks(source, block_ids_tensor(src_ids, "cpu"))
+    assert buffer.shape == (6, 2, 4, 2, 8) and buffer.is_contiguous()
+    scatter_blocks(target, block_ids_tensor(dst_ids, "cpu"), buffer)
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(target[:, d].view(torch.uint8), source[:, s].view(torch.uint8))
+    untouched = sorted(set(range(53)) - set(dst_ids))
+    assert torch.equal(target[:, untouched], before[:, untouched])
+    # Skipping leading blocks the consumer has is a contiguous slice of the same buffer.
+    assert buffer[2:].is_contiguous()
+    out = torch.empty_like(buffer)
+    gather_blocks(source, block_ids_tensor(src_ids, "cpu"), out=out)
+    assert torch.equal(out, buffer)
+
+
+# ---- control channel --------------------------------------------------------------------
+
+def test_control_channel_round_trip_and_malformed() -> None:
+    codec = make_codec()
+    got: list[tuple[object, int]] = []
+    event = threading.Event()
+
+    def handler(message: object, frames: list) -> None:
+        got.append((message, len(frames)))
+        if len(got) == 2:
+            event.set()
+
+    address = f"127.0.0.1:{free_port()}"
+    server = ControlServer(address, codec, handler, poll_interval_s=0.01)
+    server.start()
+    client = ControlClient(address, codec, send_timeout_s=1.0)
+    try:
+        client.send(_pull())
+        client._socket.send_multipart([b"not msgpack"])  # counted and dropped
+        client.send(_header(), [b"x" * 10])
+        assert event.wait(5)
+        assert got[0] == (_pull(), 0) and got[1] == (_header(), 1)
+        assert server.messages_rejected == 1 and server.messages_received == 2
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_control_client_to_dead_peer_never_blocks() -> None:
+    client = ControlClient(f"127.0.0.1:{free_port()}", make_codec(), send_timeout_s=0.2)
+    start = time.monotonic()
+    client.send(_pull())  # queued while connecting; closing drops it at once (linger 0)
+    client.close()
+    assert time.monotonic() - start < 1.0
+
+
+# ---- scheduler side ---------------------------------------------------------------------
+
+def _req(request_id: str, length: int, flag: str | None, transfer_id: str = "T") -> Request:
+    params = {"transfer_id": transfer_id, flag: True, "remote_kv_address": "h:1"} if flag else None
+    return Request(request_id=request_id, prompt_token_ids=list(range(length)),
+                   sampling_params=SamplingParams(max_tokens=1), kv_transfer_params=params)
+
+
+def _sched(role: str) -> P2pConnectorScheduler:
+    return P2pConnectorScheduler(KVTransferConfig(kv_role=role), BS)
+
+
+def _out(new: list[NewRequestData] = (), cached: list[CachedRequestData] = (),
+         scheduled: dict[str, int] | None = None) -> SchedulerOutput:
+    scheduled = scheduled or {}
+    return SchedulerOutput(list(new), list(cached), scheduled, sum(scheduled.values()))
+
+
+def test_create_connector_null_and_p2p() -> None:
+    plain = EngineConfig(model=ModelConfig(model="m"))
+    sched, _ = create_connector(plain, "cpu")
+    assert isinstance(sched, NullConnectorScheduler)
+    sched, worker = create_connector(plain.with_changes(kv_transfer=KVTransferConfig()), "cpu")
+    assert isinstance(sched, P2pConnectorScheduler)
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("length,local,expected", [
+    (1, 0, 0), (2, 0, 1), (BS - 1, 0, BS - 2), (BS, 0, BS - 1), (BS + 1, 0, BS),
+    (BS + 1, BS, 0), (3 * BS, BS, 2 * BS - 1), (3 * BS + 1, 3 * BS, 0),
+])
+def test_consumer_matched_tokens(length: int, local: int, expected: int) -> None:
+    sched = _sched("kv_consumer")
+    match = sched.get_num_new_matched_tokens(_req("r", length, "do_remote_prefill"), local)
+    assert match.num_tokens == expected and match.is_async == (expected > 0)
+    meta = sched.build_connector_meta(_out())
+    assert len(meta.releases) == (1 if expected == 0 else 0)
+
+
+def test_consumer_load_lifecycle_and_preemption() -> None:
+    sched = _sched("kv_consumer")
+    req = _req("r", 3 * BS + 2, "do_remote_prefill")
+    match = sched.get_num_new_matched_tokens(req, BS)
+    assert match.num_tokens == 2 * BS + 1
+    sched.update_state_after_alloc(req, [7, 8, 9, 10], BS, match.num_tokens)
+    meta = sched.build_connector_meta(_out())
+    (load,) = meta.loads
+    assert load.block_ids == [8, 9, 10] and load.first_block == 1 and load.transfer_id == "T"
+    assert not sched.build_connector_meta(_out()).loads
+    sched.update_finished(FinishedTransfers(recving={"r"}))
+    # Preempted after its KV arrived: rescheduled from scratch, it computes locally.
+    assert sched.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    assert sched.request_finished(req, [1]) == (False, None)
+    assert sched.is_idle()
+
+
+def test_consumer_abort_while_loading_cancels() -> None:
+    sched = _sched("kv_consumer")
+    req = _req("r", 10, "do_remote_prefill")
+    sched.update_state_after_alloc(req, [1, 2, 3], 0, 9)
+    sched.build_connector_meta(_out())
+    assert sched.request_finished(req, [1, 2, 3]) == (False, None)
+    assert sched.build_connector_meta(_out()).cancels == ["r"]
+    assert sched.is_idle()
+
+
+def test_consumer_failed_load_then_recompute() -> None:
+    sched = _sched("kv_consumer")
+    req = _req("r", 10, "do_remote_prefill")
+    sched.update_state_after_alloc(req, [1, 2, 3], 0, 9)
+    sched.build_connector_meta(_out())
+    sched.update_finished(FinishedTransfers(failed_recving={"r"}))
+    assert sched.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    sched.request_finished(req, [])
+    assert sched.is_idle()
+
+
+def test_producer_saves_on_final_chunk_and_holds() -> None:
+    sched = _sched("kv_producer")
+    req = _req("p", 2 * BS + 1, "do_remote_decode")  # 9 tokens: send 8 = 2 blocks
+    assert sched.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    new = NewRequestData("p", req.prompt_token_ids, 9, req.sampling_params, [4, 5], 0)
+    assert not sched.build_connector_meta(_out([new], scheduled={"p": 8})).saves
+    # The final chunk (1 token) adds a block; it is still the save step.
+    cached = CachedRequestData("p", [6], 8)
+    (save,) = sched.build_connector_meta(_out(cached=[cached], scheduled={"p": 1})).saves
+    assert save.block_ids == [4, 5] and save.num_tokens == 8 and save.transfer_id == "T"
+    hold, params = sched.request_finished(req, [4, 5, 6])
+    assert hold and params["transfer_id"] == "T"
+    assert sched.stats()["held_requests"] == 1
+    sched.update_finished(FinishedTransfers(sending={"p"}))
+    assert sched.is_idle()
+
+
+def test_producer_send_done_before_request_finished() -> None:
+    sched = _sched("kv_producer")
+    req = _req("p", BS + 1, "do_remote_decode")
+    sched.get_num_new_matched_tokens(req, BS)  # prefix hit on P
+    new = NewRequestData("p", req.prompt_token_ids, BS + 1, req.sampling_params, [3, 4], BS)
+    assert sched.build_connector_meta(_out([new], scheduled={"p": 1})).saves
+    sched.update_finished(FinishedTransfers(sending={"p"}))
+    assert sched.request_finished(req, [3, 4])[0] is False
+    assert sched.is_idle()
+
+
+def test_producer_one_token_prompt_and_abort_before_save() -> None:
+    sched = _sched("kv_producer")
+    one = _req("one", 1, "do_remote_decode", "T1")
+    sched.get_num_new_matched_tokens(one, 0)
+    new = NewRequestData("one", [0], 1, one.sampling_params, [2], 0)
+    meta = sched.build_connector_meta(_out([new], scheduled={"one": 1}))
+    assert not meta.saves and [n.transfer_id for n in meta.abandons] == ["T1"]
+    assert sched.request_finished(one, [2])[0] is False
+    aborted = _req("ab", 20, "do_remote_decode", "T2")
+    sched.get_num_new_matched_tokens(aborted, 0)
+    assert sched.request_finished(aborted, [])[0] is False
+    assert [n.transfer_id for n in sched.build_connector_meta(_out()).abandons] == ["T2"]
+    assert sched.is_idle()
+
+
+def test_colocated_requests_ignored() -> None:
+    sched = _sched("kv_both")
+    req = _req("c", 20, None)
+    assert sched.get_num_new_matched_tokens(req, 0).num_tokens == 0
+    assert sched.request_finished(req, [1]) == (False, None)
+    assert sched.build_connector_meta(_out()).is_empty
+    assert sched.is_idle()

@@ -85,11 +85,15 @@ class _Live:
 class FakeEngine:
     """Block pool + connector pair + paged caches, stepping like the real engine."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, dtype: torch.dtype) -> None:
-        self.scheduler, self.worker = create_connector(config, "cpu")
+    def __init__(self, config: EngineConfig, num_blocks: int, dtype: torch.dtype,
+                 device: str = "cpu") -> None:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        self.device = device
+        self.scheduler, self.worker = create_connector(config, device)
         gen = torch.Generator().manual_seed(1234)
         self.kv_caches = [torch.randn(2, num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_DIM,
-                                      generator=gen).to(dtype) for _ in range(NUM_LAYERS)]
+                                      generator=gen).to(dtype).to(device) for _ in range(NUM_LAYERS)]
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.free_blocks = list(range(num_blocks))
@@ -108,8 +112,8 @@ class FakeEngine:
         """A local prefix hit: these tokens' KV is already in the cache."""
         if num_tokens == 0:
             return
-        values = kv_values(prompt[:num_tokens], self.dtype)
-        slots = slots_of(block_ids, 0, num_tokens)
+        values = kv_values(prompt[:num_tokens], self.dtype).to(self.device)
+        slots = slots_of(block_ids, 0, num_tokens).to(self.device)
         for layer, kv in enumerate(self.kv_caches):
             write_kv(kv, layer, values, slots)
 
@@ -126,10 +130,10 @@ def _request(spec: dict[str, Any], flag: str, peer: str) -> Request:
 
 
 def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype_name: str,
-                 layer_delay_s: float = 0.0) -> None:
+                 layer_delay_s: float = 0.0, device: str = "cpu") -> None:
     """Producer process: chunked prefill of the requests it is sent, hooks as the runner calls them."""
     logging.basicConfig(level=logging.WARNING, format="producer %(name)s: %(message)s")
-    engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name))
+    engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name), device=device)
     running: dict[str, _Live] = {}
     held: dict[str, list[int]] = {}
     stopping = False
@@ -177,8 +181,8 @@ def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
             for live in batch:
                 req = live.request
                 start, end = req.num_computed_tokens, req.num_computed_tokens + num_scheduled[req.request_id]
-                writes.append((kv_values(list(req.prompt_token_ids[:end]), engine.dtype)[start:end],
-                               slots_of(live.block_ids, start, end)))
+                writes.append((kv_values(list(req.prompt_token_ids[:end]), engine.dtype)[start:end].to(device),
+                               slots_of(live.block_ids, start, end).to(device)))
             for layer, kv in enumerate(engine.kv_caches):
                 engine.worker.before_layer(layer)
                 for values, slots in writes:
@@ -215,10 +219,11 @@ def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
         engine.worker.shutdown()
 
 
-def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype_name: str) -> None:
+def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype_name: str,
+                 device: str = "cpu") -> None:
     """Consumer process: allocate, park, check every landed request bit for bit."""
     logging.basicConfig(level=logging.WARNING, format="consumer %(name)s: %(message)s")
-    engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name))
+    engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name), device=device)
     waiting: dict[str, _Live] = {}
     stopping = False
     try:
@@ -303,7 +308,7 @@ def _check_blocks(engine: FakeEngine, live: _Live) -> str:
     prompt = live.spec["prompt"]
     num_tokens = len(prompt) - 1
     expected = kv_values(prompt[:num_tokens], engine.dtype)
-    got = read_kv(engine.kv_caches, slots_of(live.block_ids, 0, num_tokens))
+    got = read_kv(engine.kv_caches, slots_of(live.block_ids, 0, num_tokens).to(engine.device)).cpu()
     if not torch.equal(expected.view(torch.uint8), got.contiguous().view(torch.uint8)):
         return "mismatch"
     return "ok"

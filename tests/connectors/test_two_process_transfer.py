@@ -25,7 +25,7 @@ from tests.connectors.kv_harness import (
 MAX_PROMPT = 64  # the harness's "max_model_len"
 
 
-def _specs(count: int, seed: int) -> list[dict[str, Any]]:
+def make_specs(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     edge = [1, 2, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1,
             MAX_PROMPT - 1, MAX_PROMPT]
@@ -47,10 +47,10 @@ def _specs(count: int, seed: int) -> list[dict[str, Any]]:
     return specs
 
 
-def _run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32",
+def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32",
               consumer_extra: dict[str, Any] | None = None, seed: int = 0,
               layer_delay_s: float = 0.0, kill_producer_after_s: float | None = None,
-              timeout_s: float = 5.0) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
+              timeout_s: float = 5.0, devices: tuple[str, str] = ("cpu", "cpu")) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
     ctx = mp.get_context("spawn")
     p_port, d_port = free_port(), free_port()
     p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
@@ -59,8 +59,9 @@ def _run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32
     d_config = make_config("kv_consumer", d_port, send_type, transfer_timeout_s=timeout_s,
                            **(consumer_extra or {}))
     p_in, d_in, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    producer = ctx.Process(target=run_producer, args=(p_config, p_in, out, d_addr, dtype, layer_delay_s))
-    consumer = ctx.Process(target=run_consumer, args=(d_config, d_in, out, p_addr, dtype))
+    producer = ctx.Process(target=run_producer, args=(p_config, p_in, out, d_addr, dtype, layer_delay_s,
+                                                             devices[0]))
+    consumer = ctx.Process(target=run_consumer, args=(d_config, d_in, out, p_addr, dtype, devices[1]))
     producer.start()
     consumer.start()
     rng = random.Random(seed)
@@ -108,7 +109,7 @@ def _run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32
                 proc.kill()
 
 
-def _assert_idle(report: dict[str, Any]) -> None:
+def assert_idle(report: dict[str, Any]) -> None:
     assert report["free_blocks"] == report["num_blocks"], report
     assert report["scheduler_idle"] and report["worker_idle"], str(report["worker_stats"])
     stats = report["worker_stats"]
@@ -125,16 +126,16 @@ def _assert_idle(report: dict[str, Any]) -> None:
     ("PUT_ASYNC", "float16", {"kv_buffer_size": 40_000}),
 ])
 def test_transfer_bit_exact(send_type: str, dtype: str, extra: dict[str, Any]) -> None:
-    specs = _specs(110, seed=len(send_type) + len(dtype))
-    results, consumer, producer, _ = _run_pair(send_type, specs, dtype=dtype, consumer_extra=extra)
+    specs = make_specs(110, seed=len(send_type) + len(dtype))
+    results, consumer, producer, _ = run_pair(send_type, specs, dtype=dtype, consumer_extra=extra)
     bad = {k: v for k, v in results.items() if v not in ("ok", "local")}
     assert not bad, bad
     assert len(results) == len(specs)
     transferred = sum(v == "ok" for v in results.values())
     assert transferred >= 80
-    _assert_idle(consumer)
+    assert_idle(consumer)
     assert producer is not None
-    _assert_idle(producer)
+    assert_idle(producer)
     p_stats, d_stats = producer["worker_stats"], consumer["worker_stats"]
     assert p_stats["transfers_sent"] == d_stats["transfers_received"] == transferred
     # One data call per layer per request on each side.
@@ -147,27 +148,27 @@ def test_transfer_bit_exact(send_type: str, dtype: str, extra: dict[str, Any]) -
 
 
 def test_producer_killed_mid_transfer() -> None:
-    specs = _specs(12, seed=99)
+    specs = make_specs(12, seed=99)
     for spec in specs:  # every request needs a transfer
         spec.update(prompt=list(range(1, 41)), d_hit_blocks=0, preempt_after_load=False)
     timeout_s = 2.0
-    results, consumer, _, after_kill = _run_pair(
+    results, consumer, _, after_kill = run_pair(
         "PUT_ASYNC", specs, layer_delay_s=0.3, kill_producer_after_s=1.5, timeout_s=timeout_s)
     assert len(results) == len(specs)
     assert "failed" in results.values()
     assert set(results.values()) <= {"ok", "failed"}
     assert after_kill < timeout_s + 2.0
-    _assert_idle(consumer)
+    assert_idle(consumer)
     assert consumer["worker_stats"]["transfers_timed_out"] >= 1
 
 
 def test_consumer_abort_while_waiting() -> None:
-    specs = _specs(6, seed=5)
+    specs = make_specs(6, seed=5)
     for spec in specs:
         spec.update(prompt=list(range(3, 30)), d_hit_blocks=0, preempt_after_load=False,
                     abort_after_s=0.05)
-    results, consumer, producer, _ = _run_pair("PUT_ASYNC", specs, layer_delay_s=0.2, timeout_s=3.0)
+    results, consumer, producer, _ = run_pair("PUT_ASYNC", specs, layer_delay_s=0.2, timeout_s=3.0)
     assert set(results.values()) <= {"aborted", "ok"}
-    _assert_idle(consumer)
+    assert_idle(consumer)
     assert producer is not None
-    _assert_idle(producer)
+    assert_idle(producer)

@@ -1,0 +1,265 @@
+"""NCCL data plane: one 2-rank communicator per (producer, consumer) pair.
+
+The producer (rank 0) creates the unique id on first contact and sends it in a
+``NcclHello`` over the ZMQ control channel; the consumer (rank 1) joins on a helper thread.
+Each pair has its own CUDA stream. Every data call runs under a deadline watched by a
+watchdog thread, which aborts the communicator of a late pair (so no call blocks forever);
+an aborted pair is rebuilt on the next contact. cupy is imported lazily: CPU engines and
+the CPU test suite never need it.
+
+UNTESTED ON GPU at the time of writing (no GPU on the development machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connectors.p2p_nccl.handshake import ControlClient
+from connectors.p2p_nccl.messages import KVSendHeader, NcclHello
+from engine_core.config import KVTransferConfig
+from engine_core.errors import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+INIT_TIMEOUT_S = 30.0
+
+
+def _nccl() -> Any:
+    from cupy.cuda import nccl  # lazy: only GPU engines import cupy
+
+    return nccl
+
+
+def unique_id_to_bytes(unique_id: tuple[int, ...]) -> bytes:
+    """cupy's unique id (a tuple of signed chars) as bytes for the wire."""
+    return bytes(b % 256 for b in unique_id)
+
+
+def unique_id_from_bytes(data: bytes) -> tuple[int, ...]:
+    return tuple(b - 256 if b > 127 else b for b in data)
+
+
+@dataclass
+class _Pair:
+    peer_address: str
+    rank: int
+    stream: torch.cuda.Stream
+    comm: Any = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    aborted: bool = False
+    op_deadline: float | None = None  # set while a data call is outstanding (watchdog)
+
+
+class NcclPairTransport:
+    """Pair communicators keyed by (direction, peer address), with a watchdog."""
+
+    name = "nccl"
+    uses_data_messages = False
+
+    def __init__(self, device: str, config: KVTransferConfig, watchdog_interval_s: float = 0.2) -> None:
+        self._device = torch.device(device)
+        if self._device.type != "cuda":
+            raise KVTransferError("the NCCL transport needs a CUDA device")
+        self._device_index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        self._own_address = f"{config.kv_ip}:{config.kv_port}"
+        self._epoch = uuid.uuid4().hex
+        self._pairs: dict[tuple[str, str], _Pair] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = watchdog_interval_s
+        self._watchdog = threading.Thread(target=self._watch, name="kv-nccl-watchdog", daemon=True)
+        self._watchdog.start()
+        self.data_calls = 0
+
+    # ---- producer (rank 0) --------------------------------------------------------------
+
+    def open_pair(self, client: ControlClient, peer_address: str, deadline: float) -> None:
+        """Create the pair on first contact (or after an abort); no-op when it is healthy."""
+        key = ("send", peer_address)
+        with self._lock:
+            pair = self._pairs.get(key)
+            if pair is not None and pair.ready.is_set() and pair.error is None and not pair.aborted:
+                return
+        nccl = _nccl()
+        with torch.cuda.device(self._device_index):
+            unique_id = nccl.get_unique_id()
+            pair = _Pair(peer_address, 0, torch.cuda.Stream(self._device))
+        with self._lock:
+            self._pairs[key] = pair
+        client.send(NcclHello(self._own_address, self._epoch, unique_id_to_bytes(unique_id)))
+        self._init_async(pair, unique_id)
+        if not pair.ready.wait(max(0.0, min(deadline, time.monotonic() + INIT_TIMEOUT_S) - time.monotonic())):
+            pair.error = "communicator init timed out"
+        if pair.error is not None:
+            raise KVTransferError(f"NCCL pair with {peer_address}: {pair.error}")
+
+    def send_layer(self, client: ControlClient, header: KVSendHeader, layer: int,
+                   buffer: torch.Tensor, event: Any, deadline: float) -> None:
+        """One ncclSend of the layer's contiguous buffer (bytes), on the pair's stream."""
+        pair = self._live_pair("send", client.address)
+        nccl = _nccl()
+        with torch.cuda.stream(pair.stream):
+            if event is not None:
+                pair.stream.wait_event(event)
+            buffer.record_stream(pair.stream)
+            pair.op_deadline = deadline
+            pair.comm.send(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+                           nccl.NCCL_UINT8, 1, pair.stream.cuda_stream)
+        self.data_calls += 1
+
+    def finish_sends(self, peer_address: str, deadline: float) -> None:
+        """Wait (polling, under the deadline) until the pair's posted sends completed."""
+        pair = self._live_pair("send", peer_address)
+        done = torch.cuda.Event()
+        done.record(pair.stream)
+        self._wait(pair, done, deadline)
+        pair.op_deadline = None
+
+    @contextlib.contextmanager
+    def gather_context(self, peer_address: str, event: Any) -> Iterator[None]:
+        """Run a deferred gather on the pair's stream, after the step that wrote the blocks."""
+        pair = self._live_pair("send", peer_address)
+        with torch.cuda.stream(pair.stream):
+            if event is not None:
+                pair.stream.wait_event(event)
+            yield
+
+    # ---- consumer (rank 1) --------------------------------------------------------------
+
+    def on_hello(self, hello: NcclHello) -> None:
+        """A producer (re)opens our pair: drop any old communicator and join the new one."""
+        key = ("recv", hello.producer_address)
+        with self._lock:
+            old = self._pairs.pop(key, None)
+        if old is not None:
+            self._abort_pair(old)
+        with torch.cuda.device(self._device_index):
+            pair = _Pair(hello.producer_address, 1, torch.cuda.Stream(self._device))
+        with self._lock:
+            self._pairs[key] = pair
+        self._init_async(pair, unique_id_from_bytes(hello.unique_id))
+
+    def post_recv(self, peer_address: str, buffers: list[torch.Tensor]) -> Callable[[], bool]:
+        """Post one ncclRecv per layer on the pair's stream; returns a non-blocking poll."""
+        with self._lock:
+            pair = self._pairs.get(("recv", peer_address))
+        if pair is None or not pair.ready.wait(5.0) or pair.error is not None or pair.aborted:
+            raise KVTransferError(f"no NCCL pair with {peer_address}")
+        nccl = _nccl()
+        deadline = time.monotonic() + INIT_TIMEOUT_S
+        with torch.cuda.stream(pair.stream):
+            pair.op_deadline = deadline
+            for buffer in buffers:
+                buffer.record_stream(pair.stream)
+                pair.comm.recv(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+                               nccl.NCCL_UINT8, 0, pair.stream.cuda_stream)
+                self.data_calls += 1
+            done = torch.cuda.Event()
+            done.record(pair.stream)
+
+        def poll() -> bool:
+            if pair.aborted or pair.error is not None:
+                raise KVTransferError(f"NCCL pair with {peer_address} failed: {pair.error}")
+            if done.query():
+                pair.op_deadline = None
+                return True
+            return False
+
+        return poll
+
+    def count_recv_call(self) -> None:
+        return None
+
+    # ---- failure handling ---------------------------------------------------------------
+
+    def abort(self, peer_address: str) -> None:
+        """Abort every pair with this peer; the next contact rebuilds them."""
+        with self._lock:
+            pairs = [self._pairs.pop(key) for key in list(self._pairs) if key[1] == peer_address]
+        for pair in pairs:
+            self._abort_pair(pair)
+
+    def close(self) -> None:
+        """Stop the watchdog and abort every communicator."""
+        self._stop.set()
+        self._watchdog.join(5.0)
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            self._abort_pair(pair)
+
+    def _init_async(self, pair: _Pair, unique_id: tuple[int, ...]) -> None:
+        """ncclCommInitRank blocks until both ranks join: run it off the calling thread."""
+        def init() -> None:
+            try:
+                import cupy
+
+                with cupy.cuda.Device(self._device_index):
+                    comm = _nccl().NcclCommunicator(2, unique_id, pair.rank)
+                if pair.aborted or pair.error is not None:
+                    comm.abort()  # given up on while joining
+                    return
+                pair.comm = comm
+            except Exception as exc:
+                pair.error = f"init failed: {exc}"
+            finally:
+                pair.ready.set()
+
+        threading.Thread(target=init, name=f"kv-nccl-init-{pair.peer_address}", daemon=True).start()
+
+    def _live_pair(self, direction: str, peer_address: str) -> _Pair:
+        with self._lock:
+            pair = self._pairs.get((direction, peer_address))
+        if pair is None or pair.comm is None or pair.aborted:
+            raise KVTransferError(f"NCCL pair with {peer_address} is not open")
+        return pair
+
+    def _wait(self, pair: _Pair, event: torch.cuda.Event, deadline: float) -> None:
+        while not event.query():
+            if pair.aborted or pair.error is not None:
+                raise KVTransferError(f"NCCL pair with {pair.peer_address} failed: {pair.error}")
+            if time.monotonic() > deadline:
+                raise KVTransferError(f"NCCL transfer with {pair.peer_address} timed out")
+            time.sleep(0.0002)
+
+    def _abort_pair(self, pair: _Pair) -> None:
+        if pair.aborted:
+            return
+        pair.aborted = True
+        pair.error = pair.error or "aborted"
+        if pair.comm is not None:
+            try:
+                pair.comm.abort()
+            except Exception as exc:  # abort is best effort; the pair is dropped either way
+                logger.warning("NCCL abort of pair with %s failed: %s", pair.peer_address, exc)
+
+    def _watch(self) -> None:
+        """Abort pairs whose outstanding call passed its deadline or reported an async error."""
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            with self._lock:
+                pairs = list(self._pairs.items())
+            for key, pair in pairs:
+                late = pair.op_deadline is not None and now > pair.op_deadline
+                failed = False
+                if pair.comm is not None and not pair.aborted:
+                    try:
+                        pair.comm.check_async_error()
+                    except Exception as exc:
+                        pair.error, failed = f"async error: {exc}", True
+                if late or failed:
+                    logger.warning("aborting NCCL pair %s: %s", key, "deadline" if late else pair.error)
+                    with self._lock:
+                        if self._pairs.get(key) is pair:
+                            del self._pairs[key]
+                    self._abort_pair(pair)

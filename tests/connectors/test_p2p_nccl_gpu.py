@@ -1,0 +1,51 @@
+"""Two GPUs, two processes, NCCL data plane: bit-exact transfers for every send type.
+
+Producer on cuda:0, consumer on cuda:1. Run on the GPU machine:
+``source .device/env.sh && python3 -m pytest -m gpu tests/connectors/test_p2p_nccl_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.connectors.test_two_process_transfer import assert_idle, make_specs, run_pair
+
+pytestmark = pytest.mark.gpu
+
+
+def _two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    pytest.importorskip("cupy")
+
+
+@pytest.mark.parametrize("send_type,dtype", [("PUT", "bfloat16"), ("GET", "float16"),
+                                             ("PUT_ASYNC", "bfloat16")])
+def test_nccl_transfer_bit_exact(send_type: str, dtype: str) -> None:
+    _two_gpus()
+    specs = make_specs(110, seed=7)
+    results, consumer, producer, _ = run_pair(send_type, specs, dtype=dtype, timeout_s=30.0,
+                                              devices=("cuda:0", "cuda:1"))
+    bad = {k: v for k, v in results.items() if v not in ("ok", "local")}
+    assert not bad, bad
+    transferred = sum(v == "ok" for v in results.values())
+    assert_idle(consumer)
+    assert producer is not None
+    assert_idle(producer)
+    p_stats, d_stats = producer["worker_stats"], consumer["worker_stats"]
+    assert p_stats["transfers_sent"] == d_stats["transfers_received"] == transferred
+    assert p_stats["data_calls"] == d_stats["data_calls"] == 3 * transferred
+
+
+def test_nccl_producer_killed_mid_transfer() -> None:
+    _two_gpus()
+    specs = make_specs(8, seed=3)
+    for spec in specs:
+        spec.update(prompt=list(range(1, 41)), d_hit_blocks=0, preempt_after_load=False)
+    results, consumer, _, after_kill = run_pair(
+        "PUT_ASYNC", specs, layer_delay_s=0.3, kill_producer_after_s=3.0, timeout_s=4.0,
+        devices=("cuda:0", "cuda:1"))
+    assert set(results.values()) <= {"ok", "failed"}
+    assert after_kill < 4.0 + 3.0
+    assert_idle(consumer)

@@ -152,6 +152,13 @@ class AsyncEngineClient:
         if not message.ok:
             cleanup()
             raise EngineDeadError(f"engine failed to start: {message.error}")
+        # A bound PUSH has no pipe until the engine's connect completes (tcp can lag the ready
+        # message). Wait until it is writable, so a later EAGAIN can only mean a dead engine.
+        while not input_socket.poll(50, zmq.POLLOUT):
+            if not process.is_alive() or time.monotonic() > deadline:
+                cleanup()
+                raise EngineDeadError("engine input socket never connected")
+            await asyncio.sleep(0.01)
         data = message.result
         info = EngineInfo(tokenizer_path=data["tokenizer_path"],
                           max_model_len=data["max_model_len"],
@@ -174,7 +181,13 @@ class AsyncEngineClient:
         """Queue a message for the engine; never blocks (unbounded send queue)."""
         if self._dead is not None:
             raise self._dead
-        self._input.send(ENGINE_INPUT_CODEC.encode(message), flags=zmq.NOBLOCK)
+        try:
+            self._input.send(ENGINE_INPUT_CODEC.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # After start() the engine is connected; a PUSH with no peer means it is gone.
+            error = EngineDeadError("the engine process is not accepting input (it exited)")
+            self._fail_all(error)
+            raise error from None
 
     def _fail_all(self, error: EngineDeadError) -> None:
         if self._dead is None:
@@ -251,7 +264,8 @@ class AsyncEngineClient:
         finally:
             self._queues.pop(request_id, None)
             if not finished and self._dead is None and not self._closed:
-                self._send(AbortRequests(request_ids=[request_id]))
+                with contextlib.suppress(EngineDeadError):
+                    self._send(AbortRequests(request_ids=[request_id]))
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests in the engine; their blocks are freed."""

@@ -18,8 +18,9 @@ from engine_core.models.spec import ModelSpec
 
 logger = logging.getLogger("pdserve.kv_cache")
 
-# On CPU with no explicit size, take at most this much memory for KV (vLLM's CPU default).
-DEFAULT_CPU_KV_BYTES = 4 << 30
+# On CPU with no explicit size, take at most this much memory for KV (1 GiB: zeroing more
+# makes a CPU demo start slowly; --kv-cache-memory-bytes raises it).
+DEFAULT_CPU_KV_BYTES = 1 << 30
 
 _FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                "fp8_e5m2": torch.float8_e5m2}

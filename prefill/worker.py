@@ -82,10 +82,13 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
             return WorkerLoad() if s is None else WorkerLoad(
                 s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv)
 
+        from engine_core.server.api_server import _version
+
         registration = RegistrationClient(
             f"{kv.proxy_ip}:{kv.proxy_port}", role=ROLE_LETTER[kv.kv_role],
             http_address=f"{host}:{options.port}", model=config.model.name,
-            zmq_address=f"{kv.kv_ip}:{kv.kv_port}", load_provider=load, interval_s=interval_s)
+            zmq_address=f"{kv.kv_ip}:{kv.kv_port}", version=_version(), load_provider=load,
+            interval_s=interval_s)
         registration.start()
         logger.info("registering as %s with proxy %s:%s", ROLE_LETTER[kv.kv_role],
                     kv.proxy_ip, kv.proxy_port)

@@ -64,7 +64,9 @@ def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str)
     for key in _PREFILL_ONLY_FIELDS:
         out.pop(key, None)
     out["max_tokens"] = 1
-    out["max_completion_tokens"] = 1
+    # Chat's newer limit: clamp it when the client used it (completions do not accept it).
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
     out["stream"] = False
     out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
                                  "remote_kv_address": decode_kv_address}

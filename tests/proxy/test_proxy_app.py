@@ -31,7 +31,9 @@ async def test_both_legs_get_transfer_params(make_worker, make_proxy) -> None:
     assert float(resp.headers["X-Pdserve-Proxy-Overhead-Ms"]) >= 0
     (p_req,), (d_req,) = p.received, d.received
     assert p_req["path"] == d_req["path"] == "/v1/completions"
-    assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["max_completion_tokens"] == 1
+    assert p_req["body"]["max_tokens"] == 1
+    # Completions do not accept max_completion_tokens: it is only clamped when the client sent it.
+    assert "max_completion_tokens" not in p_req["body"]
     assert p_req["body"]["stream"] is False
     assert "stream_options" not in p_req["body"] and "min_tokens" not in p_req["body"]
     assert p_req["body"]["kv_transfer_params"] == {
@@ -295,3 +297,14 @@ async def test_least_load_spreads_over_decode_workers(make_worker, make_proxy) -
     results = await asyncio.gather(*[client.post("/v1/completions", json=PROMPT) for _ in range(6)])
     assert all(r.status == 200 for r in results)
     assert len(d1.received) + len(d2.received) == 6 and d1.received and d2.received
+
+
+def test_prefill_body_clamps_only_the_limits_the_client_used() -> None:
+    from proxy.forwarding import prefill_body
+
+    chat = prefill_body({"model": MODEL, "messages": [], "max_completion_tokens": 50,
+                         "stream": True}, "t1", "d:1")
+    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
+    assert chat["stream"] is False
+    completion = prefill_body(dict(PROMPT), "t2", "d:1")
+    assert completion["max_tokens"] == 1 and "max_completion_tokens" not in completion

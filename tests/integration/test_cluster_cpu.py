@@ -19,10 +19,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 150.0
-# The proxy's prefill leg sends max_completion_tokens=1 on /v1/completions too (the
-# documented contract); until the worker's /v1/completions accepts that field the proxy
-# answers 400 with this message, and the completions half of the test is an expected gap.
-KNOWN_GAP = "unsupported parameter(s): max_completion_tokens"
 MODEL = "tiny-1p1d"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes".split()
 
@@ -90,8 +86,6 @@ def _requests() -> list[tuple[str, bool, dict]]:
 async def _one(session: aiohttp.ClientSession, base: str, path: str, stream: bool,
                body: dict) -> tuple[str, dict]:
     async with session.post(base + path, json=body) as response:
-        if response.status == 400 and KNOWN_GAP in await response.text():
-            return KNOWN_GAP, {}
         assert response.status == 200, await response.text()
         if not stream:
             data = await response.json()
@@ -148,18 +142,18 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
 
         got = asyncio.run(_run_all(f"http://127.0.0.1:{proxy_port}"))
         want = asyncio.run(_run_all(f"http://127.0.0.1:{serve_port}"))
-        gaps = 0
         for (path, _, body), (text, usage), (ref_text, ref_usage) in zip(
                 _requests(), got, want, strict=True):
-            assert ref_text != KNOWN_GAP
-            if text == KNOWN_GAP and path == "/v1/completions":
-                gaps += 1
-                continue
             assert text == ref_text, (path, body)
             assert usage["prompt_tokens"] == ref_usage["prompt_tokens"], (path, body)
             assert usage["completion_tokens"] == ref_usage["completion_tokens"] == body["max_tokens"]
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
             assert text, (path, body)
+
+        # The KV came over the connector: D never fell back to recomputing a prompt.
+        decode_log = (tmp_path / "logs" / "decode0.log").read_text()
+        assert "recomputing the prompt locally" not in decode_log, decode_log[-4000:]
+        assert "kv load" not in decode_log, decode_log[-4000:]
 
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", launch_log.read_text())]
         assert len(pids) == 3, launch_log.read_text()
@@ -173,8 +167,6 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert not [p for p in pids if _alive(p)], launch_log.read_text()[-4000:]
         assert "stopped" in launch_log.read_text()
-        if gaps:
-            pytest.xfail(f"{gaps} /v1/completions requests: proxy/worker {KNOWN_GAP!r}")
     finally:
         for proc in (launcher, colocated):
             if proc.poll() is None:

@@ -39,13 +39,20 @@ def _nccl() -> Any:
     return nccl
 
 
-def unique_id_to_bytes(unique_id: tuple[int, ...]) -> bytes:
-    """cupy's unique id (a tuple of signed chars) as bytes for the wire."""
+def unique_id_to_bytes(unique_id: bytes | tuple[int, ...]) -> bytes:
+    """cupy's unique id as bytes for the wire (cupy 14 returns bytes, older ones a tuple)."""
+    if isinstance(unique_id, bytes):
+        return unique_id
     return bytes(b % 256 for b in unique_id)
 
 
-def unique_id_from_bytes(data: bytes) -> tuple[int, ...]:
-    return tuple(b - 256 if b > 127 else b for b in data)
+def _new_communicator(data: bytes, rank: int) -> Any:
+    """Join a 2-rank communicator; cupy 14 takes the id as bytes, older ones as signed chars."""
+    nccl = _nccl()
+    try:
+        return nccl.NcclCommunicator(2, data, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in data), rank)
 
 
 @dataclass
@@ -97,7 +104,7 @@ class NcclPairTransport:
         with self._lock:
             self._pairs[key] = pair
         client.send(NcclHello(self._own_address, self._epoch, unique_id_to_bytes(unique_id)))
-        self._init_async(pair, unique_id)
+        self._init_async(pair, unique_id_to_bytes(unique_id))
         if not pair.ready.wait(max(0.0, min(deadline, time.monotonic() + INIT_TIMEOUT_S) - time.monotonic())):
             pair.error = "communicator init timed out"
         if pair.error is not None:
@@ -147,7 +154,7 @@ class NcclPairTransport:
             pair = _Pair(hello.producer_address, 1, torch.cuda.Stream(self._device))
         with self._lock:
             self._pairs[key] = pair
-        self._init_async(pair, unique_id_from_bytes(hello.unique_id))
+        self._init_async(pair, hello.unique_id)
 
     def post_recv(self, peer_address: str, buffers: list[torch.Tensor]) -> Callable[[], bool]:
         """Post one ncclRecv per layer on the pair's stream; returns a non-blocking poll."""
@@ -198,14 +205,14 @@ class NcclPairTransport:
         for pair in pairs:
             self._abort_pair(pair)
 
-    def _init_async(self, pair: _Pair, unique_id: tuple[int, ...]) -> None:
+    def _init_async(self, pair: _Pair, unique_id: bytes) -> None:
         """ncclCommInitRank blocks until both ranks join: run it off the calling thread."""
         def init() -> None:
             try:
                 import cupy
 
                 with cupy.cuda.Device(self._device_index):
-                    comm = _nccl().NcclCommunicator(2, unique_id, pair.rank)
+                    comm = _new_communicator(unique_id, pair.rank)
                 if pair.aborted or pair.error is not None:
                     comm.abort()  # given up on while joining
                     return

@@ -90,6 +90,16 @@ def detect_gpus(spec: str | None) -> list[str]:
         return []
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 @dataclass
 class Child:
     name: str
@@ -104,7 +114,8 @@ class Child:
     def start(self) -> None:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         logger.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
 

@@ -71,8 +71,8 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
         from proxy.messages import WorkerLoad
         from proxy.registration import RegistrationClient
 
-        if kv.proxy_ip is None or kv.proxy_port is None:
-            logger.info("no proxy_ip/proxy_port: not registering with a proxy")
+        if kv.proxy_ip is None or kv.proxy_port is None or kv.kv_role not in ROLE_LETTER:
+            logger.info("no proxy_ip/proxy_port or role %s: not registering", kv.kv_role)
             return None
         host = kv.http_ip or (options.host if options.host not in ("", "0.0.0.0", "::")
                               else kv.kv_ip)
@@ -97,11 +97,22 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
     return start
 
 
+def serve_worker(config: EngineConfig, options: Any, heartbeat_interval_s: float = 3.0) -> None:
+    """Serve ``config`` (its kv_transfer names the role) as a P or D worker until stopped.
+
+    ``pdserve serve --kv-transfer-config '{"kv_role": "kv_producer", ...}'`` calls this.
+    """
+    from engine_core.server.api_server import run_server
+
+    run_server(config, options, engine_factory,
+               on_startup=[registration_hook(config, heartbeat_interval_s)])
+
+
 def run_worker(args: argparse.Namespace, role: str) -> int:
     """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
     from engine_core.arg_utils import engine_config_from_args
     from engine_core.errors import PdserveError
-    from engine_core.server.api_server import ServerOptions, run_server
+    from engine_core.server.api_server import ServerOptions
 
     if args.model is None or args.demo:
         from engine_core.demo_model import demo_model_path
@@ -114,8 +125,8 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))
         logger.info("%s worker, kv config %s", role, json.dumps(dataclasses.asdict(
             config.kv_transfer), default=str))
-        run_server(config, ServerOptions(host=args.host, port=args.port), engine_factory,
-                   on_startup=[registration_hook(config, args.heartbeat_interval)])
+        serve_worker(config, ServerOptions(host=args.host, port=args.port),
+                     args.heartbeat_interval)
     except PdserveError as exc:
         logger.error("%s", exc)
         return 1

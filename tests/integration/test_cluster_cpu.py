@@ -112,6 +112,16 @@ async def _run_all(base: str) -> list[tuple[str, dict]]:
         return await asyncio.gather(*(_one(session, base, p, s, b) for p, s, b in _requests()))
 
 
+def _check(got: list[tuple[str, dict]], want: list[tuple[str, dict]]) -> None:
+    for (path, _, body), (text, usage), (ref_text, ref_usage) in zip(
+            _requests(), got, want, strict=True):
+        assert text == ref_text, (path, body)
+        assert text, (path, body)
+        assert usage["prompt_tokens"] == ref_usage["prompt_tokens"], (path, body)
+        assert usage["completion_tokens"] == ref_usage["completion_tokens"] == body["max_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
@@ -127,7 +137,7 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
              "--model", str(ckpt), "--port", str(proxy_port), "--log-dir", str(tmp_path / "logs"),
-             "--heartbeat-interval", "1", "--stop-timeout", "10", *engine],
+             "--heartbeat-interval", "1", "--stop-timeout", "10", "--restart", *engine],
             cwd=ROOT, env=env, stdout=out1, stderr=subprocess.STDOUT)
         colocated = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
@@ -140,15 +150,26 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, launch_log.read_text()[-4000:]
             time.sleep(0.5)
 
-        got = asyncio.run(_run_all(f"http://127.0.0.1:{proxy_port}"))
+        proxy = f"http://127.0.0.1:{proxy_port}"
         want = asyncio.run(_run_all(f"http://127.0.0.1:{serve_port}"))
-        for (path, _, body), (text, usage), (ref_text, ref_usage) in zip(
-                _requests(), got, want, strict=True):
-            assert text == ref_text, (path, body)
-            assert usage["prompt_tokens"] == ref_usage["prompt_tokens"], (path, body)
-            assert usage["completion_tokens"] == ref_usage["completion_tokens"] == body["max_tokens"]
-            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-            assert text, (path, body)
+        _check(asyncio.run(_run_all(proxy)), want)
+
+        # A decode worker that dies is reported and restarted, and serves again.
+        first_pid = int(re.findall(r"decode0 \(pid (\d+)\)", launch_log.read_text())[0])
+        orphans = _children(first_pid)  # its engine process must notice and exit too
+        assert orphans
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + STARTUP_S
+        while len(re.findall(r"started decode0 \(pid (\d+)\)", launch_log.read_text())) < 2:
+            assert time.monotonic() < deadline, launch_log.read_text()[-4000:]
+            time.sleep(0.5)
+        assert f"decode0 (pid {first_pid}) died" in launch_log.read_text()
+        decode = [w["http_address"] for w in json.load(urllib.request.urlopen(
+            f"{proxy}/instances", timeout=5))["workers"] if w["role"] == "D"]
+        assert len(decode) == 1, decode
+        _wait_http(f"http://{decode[0]}/health", deadline, [launcher], [launch_log])
+        time.sleep(1.5)  # one heartbeat: the proxy has seen the restarted worker
+        _check(asyncio.run(_run_all(proxy)), want)
 
         # The KV came over the connector: D never fell back to recomputing a prompt.
         decode_log = (tmp_path / "logs" / "decode0.log").read_text()
@@ -156,9 +177,11 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
         assert "kv load" not in decode_log, decode_log[-4000:]
 
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", launch_log.read_text())]
+        pids = [p for p in pids if _alive(p)]
         assert len(pids) == 3, launch_log.read_text()
         pids += [c for pid in pids for c in _children(pid)]  # the workers' engine processes
         assert len(pids) >= 5, pids
+        pids += orphans
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=40)
         assert launcher.returncode == 0, launch_log.read_text()[-4000:]
@@ -168,8 +191,12 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
         assert not [p for p in pids if _alive(p)], launch_log.read_text()[-4000:]
         assert "stopped" in launch_log.read_text()
     finally:
-        for proc in (launcher, colocated):
+        for proc in (launcher, colocated):  # SIGTERM first: the launcher stops its children
             if proc.poll() is None:
+                proc.terminate()
+        for proc in (launcher, colocated):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        colocated.wait(timeout=30)

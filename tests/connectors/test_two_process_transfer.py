@@ -50,7 +50,7 @@ def make_specs(count: int, seed: int) -> list[dict[str, Any]]:
 def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32",
               consumer_extra: dict[str, Any] | None = None, seed: int = 0,
               layer_delay_s: float = 0.0, kill_producer_after_s: float | None = None,
-              timeout_s: float = 5.0, devices: tuple[str, str] = ("cpu", "cpu")) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
+              timeout_s: float = 30.0, devices: tuple[str, str] = ("cpu", "cpu")) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
     ctx = mp.get_context("spawn")
     p_port, d_port = free_port(), free_port()
     p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"

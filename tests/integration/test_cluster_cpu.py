@@ -1,4 +1,4 @@
-"""A real 1P1D cluster on CPU (`python -m deploy.launch`) gives a colocated server's greedy output."""
+"""Real 1P1D and 2P2D clusters on CPU (`python -m deploy.launch`) give colocated greedy output."""
 
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def _check(got: list[tuple[str, dict]], want: list[tuple[str, dict]]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
+def test_cluster_matches_colocated(tmp_path: Path, num_prefill: int, num_decode: int) -> None:
     from engine_core.demo_model import build_checkpoint
 
     ckpt = build_checkpoint(tmp_path / "ckpt", num_layers=2, hidden_size=64, vocab_size=1024)
@@ -135,7 +136,8 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
     launch_log, serve_log = tmp_path / "launch.log", tmp_path / "serve.log"
     with open(launch_log, "wb") as out1, open(serve_log, "wb") as out2:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
+            [sys.executable, "-m", "deploy.launch", "--prefill", str(num_prefill),
+             "--decode", str(num_decode),
              "--model", str(ckpt), "--port", str(proxy_port), "--log-dir", str(tmp_path / "logs"),
              "--heartbeat-interval", "1", "--stop-timeout", "10", "--restart", *engine],
             cwd=ROOT, env=env, stdout=out1, stderr=subprocess.STDOUT)
@@ -145,7 +147,7 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + STARTUP_S
         _wait_http(f"http://127.0.0.1:{serve_port}/health", deadline, [colocated], [serve_log])
-        while "ready: 1P1D" not in launch_log.read_text():
+        while f"ready: {num_prefill}P{num_decode}D" not in launch_log.read_text():
             assert launcher.poll() is None, launch_log.read_text()[-4000:]
             assert time.monotonic() < deadline, launch_log.read_text()[-4000:]
             time.sleep(0.5)
@@ -166,21 +168,23 @@ def test_1p1d_cluster_matches_colocated(tmp_path: Path) -> None:
         assert f"decode0 (pid {first_pid}) died" in launch_log.read_text()
         decode = [w["http_address"] for w in json.load(urllib.request.urlopen(
             f"{proxy}/instances", timeout=5))["workers"] if w["role"] == "D"]
-        assert len(decode) == 1, decode
-        _wait_http(f"http://{decode[0]}/health", deadline, [launcher], [launch_log])
+        assert len(decode) == num_decode, decode
+        for address in decode:
+            _wait_http(f"http://{address}/health", deadline, [launcher], [launch_log])
         time.sleep(1.5)  # one heartbeat: the proxy has seen the restarted worker
         _check(asyncio.run(_run_all(proxy)), want)
 
-        # The KV came over the connector: D never fell back to recomputing a prompt.
-        decode_log = (tmp_path / "logs" / "decode0.log").read_text()
-        assert "recomputing the prompt locally" not in decode_log, decode_log[-4000:]
-        assert "kv load" not in decode_log, decode_log[-4000:]
+        # The KV came over the connector: no D ever fell back to recomputing a prompt.
+        for index in range(num_decode):
+            decode_log = (tmp_path / "logs" / f"decode{index}.log").read_text()
+            assert "recomputing the prompt locally" not in decode_log, decode_log[-4000:]
+            assert "kv load" not in decode_log, decode_log[-4000:]
 
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", launch_log.read_text())]
         pids = [p for p in pids if _alive(p)]
-        assert len(pids) == 3, launch_log.read_text()
+        assert len(pids) == 1 + num_prefill + num_decode, launch_log.read_text()
         pids += [c for pid in pids for c in _children(pid)]  # the workers' engine processes
-        assert len(pids) >= 5, pids
+        assert len(pids) >= 1 + 2 * (num_prefill + num_decode), pids
         pids += orphans
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=40)

@@ -1,0 +1,78 @@
+"""`pdserve launch` wiring without processes: GPUs, ports, kv-transfer JSON, env, engine flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import build_parser
+from deploy.launch import build_children, engine_argv
+from prefill.worker import worker_kv_config
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["launch", "--model", "/m", *argv])
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_gpus_one_per_worker_and_env_passes_through(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    args = _parse("--prefill", "2", "--decode", "1", "--gpus", "4,5,6", "--port", "12345")
+    proxy, workers, url = build_children(args, engine_argv(args), tmp_path)
+    assert url == "http://127.0.0.1:12345"
+    assert _flag(proxy.argv, "--port") == "12345"
+    reg_port = int(_flag(proxy.argv, "--registration-port"))
+    assert [w.name for w in workers] == ["prefill0", "prefill1", "decode0"]
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["4", "5", "6"]
+    ports = set()
+    for worker in workers:
+        assert worker.env["NCCL_SOCKET_IFNAME"] == "lo"
+        assert "--device" not in worker.argv
+        kv = json.loads(_flag(worker.argv, "--kv-transfer-config"))
+        assert kv["kv_role"] == ("kv_producer" if worker.name.startswith("prefill")
+                                 else "kv_consumer")
+        extra = kv["kv_connector_extra_config"]
+        assert (extra["proxy_ip"], extra["proxy_port"]) == ("127.0.0.1", reg_port)
+        assert extra["http_port"] == int(_flag(worker.argv, "--port"))
+        assert worker.http_address == f"127.0.0.1:{extra['http_port']}"
+        ports |= {extra["http_port"], kv["kv_port"]}
+    assert len(ports) == 6
+    assert len({w.log_path for w in workers}) == 3
+
+
+def test_too_few_gpus(tmp_path: Path) -> None:
+    args = _parse("--gpus", "0")
+    with pytest.raises(SystemExit, match="need 2 GPUs"):
+        build_children(args, [], tmp_path)
+
+
+def test_cpu_workers_get_device_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _, workers, _ = build_children(_parse(), [], tmp_path)
+    assert all(_flag(w.argv, "--device") == "cpu" for w in workers)
+    assert all(w.env.get("CUDA_VISIBLE_DEVICES") == "" for w in workers)
+
+
+def test_engine_flags_forwarded() -> None:
+    args = _parse("--max-model-len", "256", "--no-enable-prefix-caching", "--enforce-eager",
+                  "--kv-transfer-config", "{}")
+    assert engine_argv(args) == ["--max-model-len", "256", "--no-enable-prefix-caching",
+                                 "--enforce-eager"]
+
+
+def test_worker_kv_config_role() -> None:
+    from engine_core.config import KVTransferConfig
+
+    ns = argparse.Namespace(port=9000, kv_port=None, proxy_address="10.0.0.1:30002")
+    kv = worker_kv_config(None, "kv_consumer", ns)
+    assert (kv.kv_role, kv.http_port, kv.proxy_ip, kv.proxy_port) == (
+        "kv_consumer", 9000, "10.0.0.1", 30002)
+    with pytest.raises(SystemExit, match="kv_producer"):
+        worker_kv_config(KVTransferConfig(kv_role="kv_producer"), "kv_consumer", ns)

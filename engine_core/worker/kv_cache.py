@@ -63,10 +63,15 @@ def plan_kv_cache(spec: ModelSpec, cache_config: CacheConfig, dtype: torch.dtype
     elif cache_config.kv_cache_memory_bytes is not None:
         num_blocks = cache_config.kv_cache_memory_bytes // per_block
     elif device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info(torch.device(device))
+        cuda = torch.device(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(cuda)
         peak = profile_peak_bytes() if profile_peak_bytes is not None else 0
-        used_by_others = total - free - torch.cuda.memory_allocated(torch.device(device))
-        budget = total * cache_config.gpu_memory_utilization - peak - max(used_by_others, 0)
+        # This instance's share is a fraction of the whole card, less what it already holds
+        # (weights) and its worst-case step; never more than is actually free (other
+        # processes), keeping a small margin for the CUDA context and allocator slack.
+        share = total * cache_config.gpu_memory_utilization - torch.cuda.memory_allocated(cuda)
+        budget = min(share, free - (256 << 20)) - peak
         num_blocks = int(budget // per_block)
     else:
         # CPU: the fixed default, but never more than every sequence at full length needs.

@@ -11,6 +11,16 @@ from tests.engine_core.test_engine_vs_hf import VARIANTS, mixed_prompts
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each test's engine takes a share of the card; give it back before the next one."""
+    yield
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("variant", ["default", "all_chunked", "preemption"])
 def test_float32_greedy_matches_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, variant):

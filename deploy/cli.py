@@ -83,7 +83,14 @@ def run_serve(args: argparse.Namespace) -> int:
         log_stats_interval_s=args.log_stats_interval)
     try:
         config = engine_config_from_args(args)
-        run_server(config, options)
+        kv = config.kv_transfer
+        if kv is not None and kv.kv_role in ("kv_producer", "kv_consumer"):
+            # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker.
+            from prefill.worker import serve_worker
+
+            serve_worker(config, options)
+        else:
+            run_server(config, options)
     except PdserveError as exc:
         logger.error("%s", exc)
         return 1

@@ -157,7 +157,9 @@ def test_producer_killed_mid_transfer() -> None:
     assert len(results) == len(specs)
     assert "failed" in results.values()
     assert set(results.values()) <= {"ok", "failed"}
-    assert after_kill < timeout_s + 2.0
+    # Every load resolves once its deadline passes; the slack covers a loaded 2-core machine
+    # (polling and process scheduling), far below the 30 s a hang would take.
+    assert after_kill < timeout_s + 8.0
     assert_idle(consumer)
     assert consumer["worker_stats"]["transfers_timed_out"] >= 1
 

@@ -14,22 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import time
 from typing import Any
 
 import torch
 
+from deploy.launch import free_port
+
 NUM_LAYERS = 32
 BLOCK_SIZE = 16
 NUM_HEADS = 8
 HEAD_DIM = 128
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _blocks_for(size_mb: int) -> int:
@@ -135,7 +130,7 @@ def main() -> None:
     while not out.empty():
         kind, size_mb, gbps = out.get()
         result["raw_gbps"][size_mb] = round(gbps, 1)
-    p_port, d_port = _port(), _port()
+    p_port, d_port = free_port(), free_port()
     handoff = ctx.Queue()
     procs = [ctx.Process(target=_connector, args=("kv_consumer", d_port, p_port, handoff, out, args.sizes_mb)),
              ctx.Process(target=_connector, args=("kv_producer", p_port, d_port, handoff, out, args.sizes_mb))]

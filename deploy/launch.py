@@ -71,6 +71,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def free_port() -> int:
+    """An ephemeral TCP port on the launch host that was free a moment ago."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from connectors import create_connector
+from deploy.launch import free_port  # noqa: F401  (re-exported for the connector tests)
 from engine_core.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
@@ -27,13 +27,6 @@ NUM_LAYERS = 3
 NUM_HEADS = 2
 HEAD_DIM = 4
 BLOCK_SIZE = 4
-
-
-def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kv_values(prompt: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from deploy.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 150.0
 MODEL = "tiny-1p1d"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly pack boxes".split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -132,7 +127,7 @@ def test_cluster_matches_colocated(tmp_path: Path, num_prefill: int, num_decode:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     engine = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "256",
               "--num-gpu-blocks-override", "256"]
-    proxy_port, serve_port = _free_port(), _free_port()
+    proxy_port, serve_port = free_port(), free_port()
     launch_log, serve_log = tmp_path / "launch.log", tmp_path / "serve.log"
     with open(launch_log, "wb") as out1, open(serve_log, "wb") as out2:
         launcher = subprocess.Popen(

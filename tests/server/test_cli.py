@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ import urllib.request
 import pytest
 
 from deploy.cli import build_parser
+from deploy.launch import free_port
 
 
 def _command() -> list[str]:
     exe = shutil.which("pdserve")
     return [exe] if exe else [sys.executable, "-m", "deploy.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_unknown_flag_is_a_clear_error(capsys):
@@ -55,7 +49,7 @@ def test_vllm_flags_parse_into_config():
 
 @pytest.mark.slow
 def test_pdserve_serve_demo_subprocess():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k"}
     proc = subprocess.Popen(
         _command() + ["serve", "--demo", "--port", str(port), "--num-gpu-blocks-override", "256",

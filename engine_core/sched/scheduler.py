@@ -231,12 +231,10 @@ class Scheduler:
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
-                was_prefill = request.num_computed_tokens < request.num_prompt_tokens
+                before = request.num_computed_tokens
                 request.num_computed_tokens += num_tokens
-                if was_prefill:
-                    computed_prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
-                    self.counters.computed_prompt_tokens += computed_prompt - (
-                        request.num_computed_tokens - num_tokens)
+                self.counters.computed_prompt_tokens += max(
+                    0, min(request.num_computed_tokens, request.num_prompt_tokens) - before)
         now = time.monotonic()
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
         for request_id, sampled, lp in zip(runner_output.req_ids,

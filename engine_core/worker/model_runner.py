@@ -95,9 +95,8 @@ class ModelRunner:
         ends = attn_metadata.query_start_loc_cpu
         logits_indices = torch.tensor([ends[i + 1] - 1 for i in sample_rows], device=self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
-        rows = [SamplingRow(params=states[i].sampling_params,
-                            prompt_token_ids=states[i].token_ids[:states[i].num_prompt_tokens],
-                            output_token_ids=states[i].token_ids[states[i].num_prompt_tokens:],
+        rows = [SamplingRow(params=states[i].sampling_params, token_ids=states[i].token_ids,
+                            num_prompt_tokens=states[i].num_prompt_tokens,
                             eos_token_ids=self.eos_token_ids)
                 for i in sample_rows]
         tokens, logprobs = self.sampler(logits, rows)

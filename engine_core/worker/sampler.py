@@ -20,12 +20,28 @@ _MASK = float("-inf")
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs to know about one request at this step."""
+    """What the sampler needs to know about one request at this step.
+
+    ``token_ids`` is the runner's own list (prompt + output), not a copy: the prompt and
+    output slices are only taken when penalties need them.
+    """
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 class Sampler:
@@ -52,7 +68,7 @@ class Sampler:
         blocked_rows: list[int] = []
         blocked_tokens: list[int] = []
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) < row.params.min_tokens:
+            if row.num_output_tokens < row.params.min_tokens:
                 stops = set(row.params.stop_token_ids)
                 if not row.params.ignore_eos:
                     stops.update(row.eos_token_ids)
@@ -72,7 +88,7 @@ class Sampler:
         counts = torch.zeros(num_rows, vocab, device=device)
         seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
         for i, row in enumerate(rows):
-            if row.output_token_ids:
+            if row.num_output_tokens:
                 out = torch.tensor(row.output_token_ids, device=device)
                 counts[i].index_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
             if row.params.repetition_penalty != 1.0 and row.prompt_token_ids:
@@ -113,7 +129,7 @@ class Sampler:
             seed = row.params.seed
             if seed is not None and not row.params.is_greedy:
                 generator = torch.Generator(device=device)
-                generator.manual_seed(_step_seed(seed, len(row.output_token_ids)))
+                generator.manual_seed(_step_seed(seed, row.num_output_tokens))
                 noise[i].exponential_(generator=generator)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race form of Gumbel-max).
         return (probs / noise).argmax(dim=-1)

@@ -9,7 +9,7 @@ from engine_core.worker.sampler import Sampler, SamplingRow
 
 
 def rows(*params: SamplingParams, outputs: list[int] | None = None) -> list[SamplingRow]:
-    return [SamplingRow(p, [1, 2, 3], list(outputs or []), (0,)) for p in params]
+    return [SamplingRow(p, [1, 2, 3] + list(outputs or []), 3, (0,)) for p in params]
 
 
 def test_greedy_is_argmax():

@@ -1,19 +1,34 @@
-"""Raw NCCL send/recv GB/s vs the connector's effective GB/s for one request's KV.
+"""KV transfer bandwidth: the P2P connector against raw NCCL send/recv, same run, two GPUs.
 
-Two processes on two GPUs (producer cuda:0, consumer cuda:1). For each size (1, 16, 64,
-256 MB of KV per request) it measures (a) raw: one ncclSend/ncclRecv of that many bytes on
-a fresh 2-rank communicator, (b) connector: gather + per-layer send + receive + scatter
-through the P2P connector (PUT_ASYNC), timed from the producer's after_layer of layer 0 to
-the consumer's finished_recving. Prints JSON. UNTESTED ON GPU at the time of writing.
+Producer on cuda:0, consumer on cuda:1, KV geometry of Qwen3-8B (36 layers, 8 KV heads,
+head dim 128, bfloat16, block size 16: 2.25 MiB per block over all layers). For each
+request size (rounded to whole blocks; the exact bytes are reported) it measures:
 
-    source .device/env.sh && python3 benchmarks/kv_transfer.py --sizes-mb 1 16 64 256
+raw        one ncclSend/ncclRecv of the request's bytes, GPU-timed on the receiver from
+           the end of a 1-byte rendezvous transfer to the end of the big one (no host or
+           launch skew); median of ``--raw-iters``. ``raw_stream_gbps``: the same message
+           size sent back to back (the link's steady state).
+connector  one request through the connector (PUT_ASYNC): pull request, header, gathers of
+           every layer into the staging buffer, the data calls, scatter into the consumer's
+           paged cache. ``e2e``: wall time from the producer's ``bind_step`` to the consumer
+           reporting the request landed (includes the ZMQ header and the consumer's poll).
+           ``data``: the consumer's GPU time from posting its receives to their completion
+           (``recv_gpu_seconds``), the part that raw NCCL is the limit of.
+
+Each ``--min-call-bytes`` value runs in a fresh producer/consumer pair (0 = one NCCL call
+per layer). Prints JSON and writes it to ``--out``.
+
+    source .device/env.sh && python3 benchmarks/kv_transfer.py --out benchmarks/results/kv_transfer.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import math
 import multiprocessing as mp
+import statistics
 import time
 from typing import Any
 
@@ -21,72 +36,96 @@ import torch
 
 from deploy.launch import free_port
 
-NUM_LAYERS = 32
+NUM_LAYERS = 36
 BLOCK_SIZE = 16
-NUM_HEADS = 8
+NUM_KV_HEADS = 8
 HEAD_DIM = 128
+BYTES_PER_BLOCK = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2  # bf16
 
 
-def _blocks_for(size_mb: int) -> int:
-    per_block = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_HEADS * HEAD_DIM * 2  # bf16
-    return max(1, size_mb * (1 << 20) // per_block)
+def blocks_for(size_mb: float) -> int:
+    """Whole blocks closest to ``size_mb`` MiB of KV (at least one)."""
+    return max(1, round(size_mb * (1 << 20) / BYTES_PER_BLOCK))
 
 
 def _raw(rank: int, uid_queue: Any, out: Any, sizes: list[int], iters: int) -> None:
     import cupy
     from cupy.cuda import nccl
 
+    from connectors.p2p_nccl.transport import _new_communicator, unique_id_to_bytes
+
     torch.cuda.set_device(rank)
     if rank == 0:
-        uid = nccl.get_unique_id()
+        uid = unique_id_to_bytes(nccl.get_unique_id())
         uid_queue.put(uid)
     else:
         uid = uid_queue.get()
     with cupy.cuda.Device(rank):
-        comm = nccl.NcclCommunicator(2, uid, rank)
+        comm = _new_communicator(uid, rank)
     stream = torch.cuda.Stream()
-    for size_mb in sizes:
-        nbytes = size_mb << 20
+    tick = torch.zeros(1, dtype=torch.uint8, device=f"cuda:{rank}")
+
+    def op(buf: torch.Tensor) -> None:
+        if rank == 0:
+            comm.send(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, 1, stream.cuda_stream)
+        else:
+            comm.recv(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, 0, stream.cuda_stream)
+
+    for nbytes in sizes:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{rank}")
-        timings = []
-        for i in range(iters + 2):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            if rank == 0:
-                comm.send(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, 1, stream.cuda_stream)
-            else:
-                comm.recv(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, 0, stream.cuda_stream)
+        single: list[float] = []
+        with torch.cuda.stream(stream):
+            for i in range(iters + 2):
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                op(tick)  # rendezvous: both ranks are here
+                start.record(stream)
+                op(buf)
+                end.record(stream)
+                stream.synchronize()
+                if i >= 2:
+                    single.append(start.elapsed_time(end) / 1e3)
+            repeats = max(8, min(200, math.ceil((2 << 30) / nbytes)))
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            op(tick)
+            start.record(stream)
+            for _ in range(repeats):
+                op(buf)
+            end.record(stream)
             stream.synchronize()
-            if i >= 2:
-                timings.append(time.perf_counter() - start)
         if rank == 1:
-            out.put(("raw", size_mb, nbytes / min(timings) / 1e9))
+            out.put(("raw", nbytes, nbytes / statistics.median(single) / 1e9,
+                     nbytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9))
+        del buf
     comm.destroy()
 
 
-def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes: list[int]) -> None:
+def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes: list[int],
+               trials: int, min_call_bytes: int) -> None:
     from connectors import create_connector
     from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
     from engine_core.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 
     device = "cuda:0" if role == "kv_producer" else "cuda:1"
     torch.cuda.set_device(device)
-    config = EngineConfig(model=ModelConfig(model="bench"), cache=CacheConfig(block_size=BLOCK_SIZE),
-                          kv_transfer=KVTransferConfig(kv_role=role, kv_port=port,
-                                                       kv_buffer_size=8e9, send_type="PUT_ASYNC"))
+    config = EngineConfig(
+        model=ModelConfig(model="bench"), cache=CacheConfig(block_size=BLOCK_SIZE),
+        kv_transfer=KVTransferConfig(kv_role=role, kv_port=port, kv_buffer_size=8e9,
+                                     send_type="PUT_ASYNC", min_call_bytes=min_call_bytes))
     _, worker = create_connector(config, device)
-    num_blocks = _blocks_for(max(sizes)) + 8
-    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, device=device,
+    num_blocks = max(sizes) + 8
+    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device,
                           dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
     worker.register_kv_caches(caches)
     peer = f"127.0.0.1:{peer_port}"
     try:
-        for size_mb in sizes:
-            blocks = list(range(_blocks_for(size_mb)))
-            for trial in range(4):
-                tid = f"bench-{size_mb}-{trial}"
+        for blocks in sizes:
+            block_ids = list(range(blocks))
+            tokens = blocks * BLOCK_SIZE
+            for trial in range(trials + 1):  # trial 0 opens the pair: not timed
+                tid = f"bench-{blocks}-{trial}"
                 if role == "kv_consumer":
-                    meta = P2pConnectorMetadata(loads=[LoadSpec("r", tid, peer, blocks, 0, len(blocks) * BLOCK_SIZE)])
+                    before = worker.stats()
+                    meta = P2pConnectorMetadata(loads=[LoadSpec("r", tid, peer, block_ids, 0, tokens)])
                     worker.start_load_kv(meta)
                     inbox.put(("pulled", tid))
                     while True:
@@ -94,70 +133,127 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                         finished = worker.get_finished()
                         if finished.recving or finished.failed_recving:
                             break
+                        time.sleep(0.00005)
                     torch.cuda.synchronize()
-                    out.put(("done", size_mb, trial, time.time(), bool(finished.recving)))
+                    done = time.monotonic()
+                    after = worker.stats()
+                    out.put(("done", blocks, trial, done, bool(finished.recving),
+                             after["recv_gpu_seconds"] - before["recv_gpu_seconds"],
+                             after["data_calls"] - before["data_calls"]))
                 else:
-                    assert inbox.get(timeout=60)[0] == "pulled"
-                    time.sleep(0.2)  # let the pull request land
-                    meta = P2pConnectorMetadata(saves=[SaveSpec("r", tid, peer, blocks, len(blocks) * BLOCK_SIZE)])
-                    worker.start_load_kv(meta)
+                    assert inbox.get(timeout=120)[1] == tid
+                    time.sleep(0.2)  # the pull request lands first, as when D asks early
+                    meta = P2pConnectorMetadata(saves=[SaveSpec("r", tid, peer, block_ids, tokens)])
                     torch.cuda.synchronize()
-                    out.put(("start", size_mb, trial, time.time()))
+                    start = time.monotonic()
+                    worker.start_load_kv(meta)
                     worker.bind_step(meta, None)
                     for layer, cache in enumerate(caches):
                         worker.after_layer(layer, cache)
                     worker.wait_for_save()
+                    out.put(("start", blocks, trial, start))
                     while not worker.get_finished().sending:
-                        time.sleep(0.0005)
+                        time.sleep(0.0002)
         out.put(("stats", role, worker.stats()))
     finally:
         worker.shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
-    ctx = mp.get_context("spawn")
+def run_raw(ctx: Any, sizes_bytes: list[int], iters: int) -> dict[int, tuple[float, float]]:
     out, uid_queue = ctx.Queue(), ctx.Queue()
-    raw = [ctx.Process(target=_raw, args=(r, uid_queue, out, args.sizes_mb, args.iters)) for r in (0, 1)]
-    for p in raw:
+    procs = [ctx.Process(target=_raw, args=(r, uid_queue, out, sizes_bytes, iters)) for r in (0, 1)]
+    for p in procs:
         p.start()
-    for p in raw:
-        p.join(300)
-    result: dict[str, Any] = {"sizes_mb": args.sizes_mb, "raw_gbps": {}, "connector_gbps": {}}
-    while not out.empty():
-        kind, size_mb, gbps = out.get()
-        result["raw_gbps"][size_mb] = round(gbps, 1)
+    raw: dict[int, tuple[float, float]] = {}
+    while len(raw) < len(sizes_bytes):
+        _, nbytes, single, streamed = out.get(timeout=300)
+        raw[nbytes] = (single, streamed)
+    for p in procs:
+        p.join(60)
+    return raw
+
+
+def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes: int) -> dict[str, Any]:
+    out, handoff = ctx.Queue(), ctx.Queue()
     p_port, d_port = free_port(), free_port()
-    handoff = ctx.Queue()
-    procs = [ctx.Process(target=_connector, args=("kv_consumer", d_port, p_port, handoff, out, args.sizes_mb)),
-             ctx.Process(target=_connector, args=("kv_producer", p_port, d_port, handoff, out, args.sizes_mb))]
+    procs = [ctx.Process(target=_connector, args=("kv_consumer", d_port, p_port, handoff, out,
+                                                  sizes_blocks, trials, min_call_bytes)),
+             ctx.Process(target=_connector, args=("kv_producer", p_port, d_port, handoff, out,
+                                                  sizes_blocks, trials, min_call_bytes))]
     for p in procs:
         p.start()
     starts: dict[tuple[int, int], float] = {}
-    best: dict[int, float] = {}
-    result["stats"] = {}
-    pending = len(args.sizes_mb) * 4
-    while pending or len(result["stats"]) < 2:
+    done: dict[tuple[int, int], tuple[float, bool, float, float]] = {}
+    stats: dict[str, Any] = {}
+    expected = len(sizes_blocks) * (trials + 1)
+    while len(done) < expected or len(starts) < expected or len(stats) < 2:
         item = out.get(timeout=300)
         if item[0] == "start":
             starts[(item[1], item[2])] = item[3]
         elif item[0] == "done":
-            pending -= 1
-            size_mb, trial, end, ok = item[1:]
-            if ok and (size_mb, trial) in starts and trial > 0:
-                nbytes = _blocks_for(size_mb) * NUM_LAYERS * 2 * BLOCK_SIZE * NUM_HEADS * HEAD_DIM * 2
-                best[size_mb] = max(best.get(size_mb, 0.0), nbytes / (end - starts[(size_mb, trial)]) / 1e9)
-        elif item[0] == "stats":
-            result["stats"][item[1]] = item[2]
+            done[(item[1], item[2])] = tuple(item[3:])
+        else:
+            stats[item[1]] = item[2]
     for p in procs:
         p.join(60)
-    result["connector_gbps"] = {k: round(v, 1) for k, v in best.items()}
-    result["ratio"] = {k: round(best[k] / result["raw_gbps"][k], 3)
-                       for k in best if result["raw_gbps"].get(k)}
-    print(json.dumps(result, indent=2))
+    result: dict[str, Any] = {}
+    for blocks in sizes_blocks:
+        nbytes = blocks * BYTES_PER_BLOCK
+        e2e, data, calls, failed = [], [], [], 0
+        for trial in range(1, trials + 1):
+            end, ok, gpu_s, n_calls = done[(blocks, trial)]
+            if not ok:
+                failed += 1
+                continue
+            e2e.append(end - starts[(blocks, trial)])
+            data.append(gpu_s)
+            calls.append(n_calls)
+        result[str(nbytes)] = {
+            "e2e_ms_median": round(statistics.median(e2e) * 1e3, 4),
+            "e2e_gbps": round(nbytes / statistics.median(e2e) / 1e9, 1),
+            "data_ms_median": round(statistics.median(data) * 1e3, 4),
+            "data_gbps": round(nbytes / statistics.median(data) / 1e9, 1),
+            "nccl_calls_per_request": statistics.median(calls),
+            "failed": failed,
+        }
+    result["stats"] = stats
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--min-call-bytes", type=int, nargs="+", default=[0, 32 << 20])
+    parser.add_argument("--raw-iters", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    blocks = [blocks_for(s) for s in args.sizes_mb]
+    sizes_bytes = [b * BYTES_PER_BLOCK for b in blocks]
+    raw = run_raw(ctx, sizes_bytes, args.raw_iters)
+    result: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(0) + " x2",
+        "geometry": {"layers": NUM_LAYERS, "block_size": BLOCK_SIZE, "kv_heads": NUM_KV_HEADS,
+                     "head_dim": HEAD_DIM, "dtype": "bfloat16", "bytes_per_block": BYTES_PER_BLOCK},
+        "sizes": [{"requested_mb": mb, "blocks": b, "bytes": n, "mib": round(n / (1 << 20), 2),
+                   "raw_gbps": round(raw[n][0], 1), "raw_stream_gbps": round(raw[n][1], 1)}
+                  for mb, b, n in zip(args.sizes_mb, blocks, sizes_bytes)],
+        "connector": {},
+    }
+    for min_call in args.min_call_bytes:
+        measured = run_connector(ctx, blocks, args.trials, min_call)
+        for row in result["sizes"]:
+            entry = measured[str(row["bytes"])]
+            entry["data_vs_raw"] = round(entry["data_gbps"] / row["raw_gbps"], 3)
+            entry["e2e_vs_raw"] = round(entry["e2e_gbps"] / row["raw_gbps"], 3)
+        result["connector"][str(min_call)] = measured
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

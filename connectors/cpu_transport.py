@@ -1,7 +1,7 @@
 """CPU data plane of the P2P connector: tensor bytes over the ZMQ control channel.
 
 The same protocol as NCCL (pull request, header validated before receiving, one data call
-per layer, aborts, deadlines); only the bytes travel as a ZMQ frame after a
+per group of layers, aborts, deadlines); only the bytes travel as a ZMQ frame after a
 ``KVLayerData`` message instead of an NCCL send. Chosen when the engine runs on CPU, so
 the whole protocol runs in CI.
 """
@@ -20,7 +20,7 @@ from connectors.p2p_nccl.messages import KVLayerData, KVSendHeader, NcclHello
 
 
 class CpuTransport:
-    """Sends each layer as one ZMQ message; the receiver's control thread copies it in."""
+    """Sends each data call as one ZMQ message; the receiver's control thread copies it in."""
 
     name = "cpu"
     uses_data_messages = True
@@ -33,12 +33,12 @@ class CpuTransport:
         """Nothing to set up: the DEALER connects (and reconnects) by itself."""
         return None
 
-    def send_layer(self, client: ControlClient, header: KVSendHeader, layer: int,
+    def send_call(self, client: ControlClient, header: KVSendHeader, first_layer: int,
                    buffer: torch.Tensor, event: Any, deadline: float) -> None:
-        """One message per layer: K and V of every block, block-major."""
+        """One message per call: K and V of every block of layers from ``first_layer``."""
         payload = buffer.contiguous().view(torch.uint8).reshape(-1).numpy()
         client.send(KVLayerData(transfer_id=header.transfer_id, producer_epoch=header.producer_epoch,
-                                seq=header.seq, layer=layer, nbytes=int(payload.nbytes)),
+                                seq=header.seq, layer=first_layer, nbytes=int(payload.nbytes)),
                     [memoryview(payload)])
         with self._lock:
             self.data_calls += 1

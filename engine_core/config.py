@@ -18,6 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
+ATTENTION_BACKENDS = ("auto", "triton", "torch_ref")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,13 @@ class DeviceConfig:
 
     device: str = "auto"
     enforce_eager: bool = False
+    # auto: Triton kernels on CUDA when available, else the torch reference.
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, "
+                              f"got {self.attention_backend!r}")
 
     def resolve(self) -> str:
         """The concrete torch device string."""
@@ -141,6 +149,9 @@ class KVTransferConfig:
     http_port: int | None = None
     send_type: str = "PUT_ASYNC"
     nccl_num_channels: int | None = None
+    # Data calls carry at least this many bytes (consecutive layers grouped): see
+    # connectors/p2p_nccl/messages.py plan_layers_per_call. 0 = one call per layer.
+    min_call_bytes: int = 32 << 20
     kv_load_failure_policy: str = "recompute"
     transfer_timeout_s: float = 30.0
     get_lease_s: float = 60.0
@@ -162,6 +173,10 @@ class KVTransferConfig:
             raise ConfigError("transport must be auto, nccl or cpu")
         if not 0 < self.kv_port < 65536:
             raise ConfigError(f"kv_port out of range: {self.kv_port}")
+        if self.min_call_bytes < 0:
+            raise ConfigError("min_call_bytes must be >= 0")
+        if self.nccl_num_channels is not None and not 1 <= self.nccl_num_channels <= 64:
+            raise ConfigError(f"nccl_num_channels must be in [1, 64], got {self.nccl_num_channels}")
 
     @property
     def is_producer(self) -> bool:
@@ -208,7 +223,7 @@ class KVTransferConfig:
         for key in ("proxy_ip", "http_ip", "send_type", "transport"):
             if key in extra:
                 kwargs[key] = str(extra[key])
-        for key in ("proxy_port", "http_port", "nccl_num_channels"):
+        for key in ("proxy_port", "http_port", "nccl_num_channels", "min_call_bytes"):
             if extra.get(key) is not None:
                 kwargs[key] = _as_int(extra[key], key)
         for key in ("transfer_timeout_s", "get_lease_s", "orphan_ttl_s"):

@@ -1,9 +1,10 @@
 """Producer send jobs and the per-peer sender thread (ordered, with deadlines).
 
 A ``SendJob`` is one request's transfer to one consumer: a header, then one data call per
-layer. Its layers come either from ``after_layer`` (push: gathered on the step's stream
-while the model computes the next layer) or, for GET and late pull requests, from the held
-paged blocks at send time. One ``PeerSender`` thread per consumer issues the jobs in order,
+group of ``layers_per_call`` consecutive layers. Its layers come either from
+``after_layer`` (push: gathered into the job's contiguous staging buffer on the step's
+stream while the model computes the next layer) or, for GET and late pull requests, from
+the held paged blocks at send time. One ``PeerSender`` thread per consumer issues the jobs in order,
 so both sides post data operations on the pair in the same order.
 """
 
@@ -20,32 +21,41 @@ from typing import Any
 import torch
 
 from connectors.p2p_nccl.handshake import ControlClient
-from connectors.p2p_nccl.messages import KVSendAbort, KVSendHeader
+from connectors.p2p_nccl.messages import KVSendAbort, KVSendHeader, call_ranges
 from engine_core.codec import MessageCodec
 from engine_core.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
 
-LayerSource = Callable[[int], tuple[torch.Tensor, Any]]
+# (first_layer, end_layer) -> (contiguous buffer of those layers, event to wait for)
+CallSource = Callable[[int, int], tuple[torch.Tensor, Any]]
 
 
 class LayerSlots:
-    """Layer buffers handed from the runner thread (``after_layer``) to a sender thread."""
+    """Readiness of each layer in a job's staging buffer, from ``after_layer`` to the sender.
 
-    def __init__(self, num_layers: int) -> None:
-        self._buffers: list[tuple[torch.Tensor, Any] | None] = [None] * num_layers
+    ``staging`` is ``[num_layers, num_blocks, 2, block_size, heads, head_dim]``: layer i is
+    gathered into ``staging[i]``, so any run of consecutive layers is one contiguous slice.
+    """
+
+    def __init__(self, staging: torch.Tensor) -> None:
+        self.staging: torch.Tensor | None = staging
+        self._buffers: list[tuple[torch.Tensor, Any] | None] = [None] * staging.shape[0]
         self._error: BaseException | None = None
         self._cond = threading.Condition()
 
     @property
-    def queued_bytes(self) -> int:
-        """Bytes of gathered layers not yet taken by the sender."""
+    def held_bytes(self) -> int:
+        """Bytes of the staging buffer (held until the job finishes)."""
         with self._cond:
-            return sum(b[0].nbytes for b in self._buffers if b is not None)
+            return self.staging.nbytes if self.staging is not None else 0
 
-    def put(self, layer: int, buffer: torch.Tensor, event: Any) -> None:
+    def put(self, layer: int, event: Any) -> None:
+        """Layer ``layer`` of the staging buffer is gathered once ``event`` completes."""
         with self._cond:
-            self._buffers[layer] = (buffer, event)
+            if self.staging is None:  # the job already ended (failed or aborted)
+                return
+            self._buffers[layer] = (self.staging[layer], event)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -68,10 +78,25 @@ class LayerSlots:
             assert item is not None
             return item
 
-    def clear(self) -> int:
-        """Drop every buffer still queued; returns their bytes."""
+    def take_range(self, first: int, end: int, deadline: float) -> tuple[torch.Tensor, Any]:
+        """Wait for layers ``[first, end)``; returns their staging slice and the last event.
+
+        Gathers are recorded on one stream in layer order, so the last layer's event covers
+        the earlier ones.
+        """
+        event = None
+        for layer in range(first, end):
+            _, event = self.take(layer, deadline)
         with self._cond:
-            nbytes = sum(b[0].nbytes for b in self._buffers if b is not None)
+            if self.staging is None:
+                raise KVTransferError("staging buffer released")
+            return self.staging[first:end], event
+
+    def clear(self) -> int:
+        """Drop the staging buffer; returns its bytes."""
+        with self._cond:
+            nbytes = self.staging.nbytes if self.staging is not None else 0
+            self.staging = None
             self._buffers = [None] * len(self._buffers)
             return nbytes
 
@@ -89,7 +114,8 @@ class SendJob:
     dtype: str
     block_shape: list[int]
     deadline: float
-    layer_source: LayerSource | None = None
+    layers_per_call: int = 1
+    call_source: CallSource | None = None
     slots: LayerSlots | None = None
     abort_reason: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -165,16 +191,16 @@ class PeerSender:
                 transfer_id=job.transfer_id, producer_address=self._own_address,
                 producer_epoch=self._epoch, seq=self._seq, first_block=job.first_block,
                 num_blocks=job.num_blocks, num_layers=job.num_layers, dtype=job.dtype,
-                block_shape=list(job.block_shape))
+                block_shape=list(job.block_shape), layers_per_call=job.layers_per_call)
             client.send(header)
             header_sent = True
-            for layer in range(job.num_layers):
+            for first, end in call_ranges(job.num_layers, job.layers_per_call):
                 if job.slots is not None:
-                    buffer, event = job.slots.take(layer, job.deadline)
+                    buffer, event = job.slots.take_range(first, end, job.deadline)
                 else:
-                    assert job.layer_source is not None
-                    buffer, event = job.layer_source(layer)
-                self._transport.send_layer(client, header, layer, buffer, event, job.deadline)
+                    assert job.call_source is not None
+                    buffer, event = job.call_source(first, end)
+                self._transport.send_call(client, header, first, buffer, event, job.deadline)
                 del buffer
             self._transport.finish_sends(self.peer_address, job.deadline)
         except Exception as exc:  # any failure fails this job only, never the thread

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -55,6 +56,20 @@ def _new_communicator(data: bytes, rank: int) -> Any:
         return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in data), rank)
 
 
+def set_nccl_channels(num_channels: int) -> None:
+    """Apply ``nccl_num_channels`` the way NCCL reads it: from the environment at comm init.
+
+    NCCL has no per-call channel count; it reads NCCL_MIN/MAX_NCHANNELS when a communicator
+    is created. This transport creates every communicator of the engine process, so setting
+    them here (before the first pair) scopes the choice to the KV connector's process.
+    """
+    for name in ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"):
+        previous = os.environ.get(name)
+        if previous not in (None, str(num_channels)):
+            logger.warning("nccl_num_channels=%d overrides %s=%s", num_channels, name, previous)
+        os.environ[name] = str(num_channels)
+
+
 @dataclass
 class _Pair:
     peer_address: str
@@ -87,6 +102,9 @@ class NcclPairTransport:
         self._watchdog = threading.Thread(target=self._watch, name="kv-nccl-watchdog", daemon=True)
         self._watchdog.start()
         self.data_calls = 0
+        self.recv_gpu_seconds = 0.0  # GPU time from posting a transfer's receives to their end
+        if config.nccl_num_channels is not None:
+            set_nccl_channels(config.nccl_num_channels)
 
     # ---- producer (rank 0) --------------------------------------------------------------
 
@@ -110,9 +128,9 @@ class NcclPairTransport:
         if pair.error is not None:
             raise KVTransferError(f"NCCL pair with {peer_address}: {pair.error}")
 
-    def send_layer(self, client: ControlClient, header: KVSendHeader, layer: int,
+    def send_call(self, client: ControlClient, header: KVSendHeader, first_layer: int,
                    buffer: torch.Tensor, event: Any, deadline: float) -> None:
-        """One ncclSend of the layer's contiguous buffer (bytes), on the pair's stream."""
+        """One ncclSend of a contiguous run of layers (bytes), on the pair's stream."""
         pair = self._live_pair("send", client.address)
         nccl = _nccl()
         with torch.cuda.stream(pair.stream):
@@ -166,12 +184,14 @@ class NcclPairTransport:
         deadline = time.monotonic() + INIT_TIMEOUT_S
         with torch.cuda.stream(pair.stream):
             pair.op_deadline = deadline
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(pair.stream)
             for buffer in buffers:
                 buffer.record_stream(pair.stream)
                 pair.comm.recv(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                nccl.NCCL_UINT8, 0, pair.stream.cuda_stream)
                 self.data_calls += 1
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(pair.stream)
 
         def poll() -> bool:
@@ -179,6 +199,7 @@ class NcclPairTransport:
                 raise KVTransferError(f"NCCL pair with {peer_address} failed: {pair.error}")
             if done.query():
                 pair.op_deadline = None
+                self.recv_gpu_seconds += start.elapsed_time(done) / 1e3
                 return True
             return False
 

@@ -3,7 +3,8 @@
 Producer (P): ``bind_step`` turns each ``SaveSpec`` into a push job when the consumer's pull
 request is already here (PUT, PUT_ASYNC) or into a pending entry that is sent from the held
 blocks when the pull arrives (GET, or a late pull), under a lease. ``after_layer`` gathers
-the layer's blocks into one contiguous buffer and hands it to the peer's sender thread.
+the layer's blocks into the job's contiguous staging buffer and tells the peer's sender
+thread, which sends consecutive layers in calls of ``layers_per_call``.
 
 Consumer (D): ``start_load_kv`` reserves receive-buffer bytes for each new load, sends the
 pull request (push back: no reservation, no pull), scatters completed transfers into the
@@ -33,10 +34,12 @@ from connectors.p2p_nccl.messages import (
     KVSendAbort,
     KVSendHeader,
     NcclHello,
+    call_ranges,
     check_header,
     check_pull,
     layer_nbytes,
     make_codec,
+    plan_layers_per_call,
 )
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
@@ -62,6 +65,7 @@ class _Load:
     producer_epoch: str = ""
     seq: int = -1
     layers_received: int = 0
+    layers_per_call: int = 1
     recv_poll: Callable[[], bool] | None = None
     cancelled: bool = False
     reason: str = ""
@@ -203,8 +207,11 @@ class P2pConnectorWorker:
                 continue
             assert job.slots is not None
             try:
-                buffer = gather_blocks(kv_cache, index)
-                job.slots.put(layer_idx, buffer, self._record_event())
+                staging = job.slots.staging
+                if staging is None:
+                    continue
+                gather_blocks(kv_cache, index, out=staging[layer_idx])
+                job.slots.put(layer_idx, self._record_event())
             except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
                 job.slots.fail(exc)
 
@@ -259,11 +266,12 @@ class P2pConnectorWorker:
     def stats(self) -> dict[str, float]:
         """Counters and gauges; every gauge is 0 when the worker is idle."""
         with self._lock:
-            send_bytes = sum(job.slots.queued_bytes for job in self._in_flight.values()
+            send_bytes = sum(job.slots.held_bytes for job in self._in_flight.values()
                              if job.slots is not None)
             out = {name: float(value) for name, value in self._counters.items()}
             out.update({
                 "data_calls": float(self._transport.data_calls),
+                "recv_gpu_seconds": float(getattr(self._transport, "recv_gpu_seconds", 0.0)),
                 "control_messages_received": float(self._server.messages_received),
                 "control_messages_rejected": float(self._server.messages_rejected),
                 "recv_buffer_bytes_in_use": float(self._recv_buffer.in_use_bytes),
@@ -426,7 +434,16 @@ class P2pConnectorWorker:
             if not self._range_ok(pull, save):
                 return
             index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
-            job = self._make_job(save, pull, slots=LayerSlots(len(self._kv_caches)))
+            num_layers, _, block_shape, _ = self._require_geometry()
+            try:
+                staging = torch.empty((num_layers, pull.num_blocks, 2, *block_shape),
+                                      dtype=self._kv_caches[0].dtype, device=self._device)
+            except RuntimeError as exc:  # allocation failure fails this transfer only
+                job = self._make_job(save, pull, slots=LayerSlots(torch.empty(num_layers, 0)))
+                job.slots.fail(exc)
+                self._submit(job)
+                return
+            job = self._make_job(save, pull, slots=LayerSlots(staging))
             self._step_push.append((job, index))
             self._submit(job)
             return
@@ -448,12 +465,17 @@ class P2pConnectorWorker:
         event = pending.ready_event
         peer = pull.consumer_address
 
-        def gather_layer(layer: int) -> tuple[torch.Tensor, Any]:
+        def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
             # The blocks are held by the scheduler until this send reports done.
             with self._transport.gather_context(peer, event):
-                return gather_blocks(self._kv_caches[layer], index), None
+                source = self._kv_caches[first]
+                out = torch.empty((end - first, len(index), 2, *source.shape[2:]),
+                                  dtype=source.dtype, device=source.device)
+                for layer in range(first, end):
+                    gather_blocks(self._kv_caches[layer], index, out=out[layer - first])
+                return out, None
 
-        self._submit(self._make_job(save, pull, layer_source=gather_layer))
+        self._submit(self._make_job(save, pull, call_source=gather_call))
 
     def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
         if pull.first_block + pull.num_blocks == len(save.block_ids):
@@ -467,12 +489,16 @@ class P2pConnectorWorker:
         return False
 
     def _make_job(self, save: SaveSpec, pull: KVPullRequest, **source: Any) -> SendJob:
-        num_layers, dtype, block_shape, _ = self._require_geometry()
+        num_layers, dtype, block_shape, element_size = self._require_geometry()
+        per_layer = layer_nbytes(pull.num_blocks, block_shape, element_size)
         return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
                        peer_address=pull.consumer_address, first_block=pull.first_block,
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
                        block_shape=list(block_shape),
-                       deadline=self._clock() + self._config.transfer_timeout_s, **source)
+                       deadline=self._clock() + self._config.transfer_timeout_s,
+                       layers_per_call=plan_layers_per_call(num_layers, per_layer,
+                                                            self._config.min_call_bytes),
+                       **source)
 
     def _submit(self, job: SendJob) -> None:
         with self._lock:
@@ -599,6 +625,7 @@ class P2pConnectorWorker:
             if reason is None and load is not None:
                 self._last_seq[key] = header.seq
                 load.state, load.producer_epoch, load.seq = RECEIVING, header.producer_epoch, header.seq
+                load.layers_per_call = header.layers_per_call
                 buffer = load.buffer
             else:
                 self._counters["messages_rejected"] += 1
@@ -611,7 +638,9 @@ class P2pConnectorWorker:
                 self._transport.abort(header.producer_address)
             return
         assert buffer is not None
-        poll = self._transport.post_recv(header.producer_address, list(buffer.unbind(0)))
+        calls = call_ranges(header.num_layers, header.layers_per_call)
+        poll = self._transport.post_recv(header.producer_address,
+                                         [buffer[first:end] for first, end in calls])
         with self._lock:
             load.recv_poll = poll
             if poll is not None:
@@ -620,7 +649,11 @@ class P2pConnectorWorker:
     def _on_layer_data(self, message: KVLayerData, frames: list[Any]) -> None:
         with self._lock:
             load = self._loads.get(message.transfer_id)
-            expected = load.nbytes // load.pull.num_layers if load is not None else -1
+            end, expected = -1, -1
+            if load is not None:
+                num_layers = load.pull.num_layers
+                end = min(load.layers_received + load.layers_per_call, num_layers)
+                expected = load.nbytes // num_layers * (end - load.layers_received)
             ok = (load is not None and load.state == RECEIVING
                   and message.producer_epoch == load.producer_epoch and message.seq == load.seq
                   and message.layer == load.layers_received and message.nbytes == expected
@@ -630,13 +663,13 @@ class P2pConnectorWorker:
                 if load is not None and load.state == RECEIVING:
                     load.state, load.reason = FAILED, "malformed layer data"
                 return
-            destination = load.buffer[message.layer]
+            destination = load.buffer[message.layer:end]
         target = destination.view(torch.uint8).reshape(-1).numpy()
         target[:] = np.frombuffer(frames[0].buffer, dtype=np.uint8)
         self._transport.count_recv_call()
         with self._lock:
             if load.state == RECEIVING and load.seq == message.seq:
-                load.layers_received += 1
+                load.layers_received = end
                 self._counters["bytes_received"] += expected
                 if load.layers_received == load.pull.num_layers:
                     load.state = DONE

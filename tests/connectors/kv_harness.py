@@ -207,6 +207,11 @@ def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
                     engine.free(held.pop(request_id))
             if not batch:
                 time.sleep(0.002)
+        # Orphaned pull requests (e.g. queued for a producer that died) expire by TTL.
+        drain_until = time.monotonic() + config.kv_transfer.orphan_ttl_s + 2.0
+        while not engine.worker.is_idle() and time.monotonic() < drain_until:
+            engine.worker.get_finished()
+            time.sleep(0.05)
         outbox.put(("producer_idle", engine.idle_report()))
     finally:
         engine.worker.shutdown()

@@ -20,13 +20,15 @@ def _two_gpus() -> None:
     pytest.importorskip("cupy")
 
 
-@pytest.mark.parametrize("send_type,dtype", [("PUT", "bfloat16"), ("GET", "float16"),
-                                             ("PUT_ASYNC", "bfloat16")])
-def test_nccl_transfer_bit_exact(send_type: str, dtype: str) -> None:
+@pytest.mark.parametrize("send_type,dtype,min_call_bytes", [
+    ("PUT", "bfloat16", 0), ("GET", "float16", 32 << 20), ("PUT_ASYNC", "bfloat16", 32 << 20),
+    ("PUT_ASYNC", "float16", 0)])
+def test_nccl_transfer_bit_exact(send_type: str, dtype: str, min_call_bytes: int) -> None:
     _two_gpus()
     specs = make_specs(110, seed=7)
     results, consumer, producer, _ = run_pair(send_type, specs, dtype=dtype, timeout_s=30.0,
-                                              devices=("cuda:0", "cuda:1"))
+                                              devices=("cuda:0", "cuda:1"),
+                                              min_call_bytes=min_call_bytes)
     bad = {k: v for k, v in results.items() if v not in ("ok", "local")}
     assert not bad, bad
     transferred = sum(v == "ok" for v in results.values())
@@ -35,7 +37,9 @@ def test_nccl_transfer_bit_exact(send_type: str, dtype: str) -> None:
     assert_idle(producer)
     p_stats, d_stats = producer["worker_stats"], consumer["worker_stats"]
     assert p_stats["transfers_sent"] == d_stats["transfers_received"] == transferred
-    assert p_stats["data_calls"] == d_stats["data_calls"] == 3 * transferred
+    calls_per_transfer = 3 if min_call_bytes == 0 else 1
+    assert p_stats["data_calls"] == d_stats["data_calls"] == calls_per_transfer * transferred
+    assert d_stats["recv_gpu_seconds"] > 0
 
 
 def test_nccl_producer_killed_mid_transfer() -> None:
@@ -49,3 +53,21 @@ def test_nccl_producer_killed_mid_transfer() -> None:
     assert set(results.values()) <= {"ok", "failed"}
     assert after_kill < 4.0 + 3.0
     assert_idle(consumer)
+
+
+def test_nccl_pair_rebuilt_after_producer_restart() -> None:
+    """Kill P mid-transfer (D aborts the pair), restart P at the same address: the pair is
+    rebuilt on first contact and the new transfers are bit-exact."""
+    _two_gpus()
+    specs = make_specs(8, seed=11)
+    for spec in specs:
+        spec.update(prompt=list(range(1, 41)), d_hit_blocks=0, preempt_after_load=False)
+    again = make_specs(40, seed=12)
+    results, consumer, producer, _ = run_pair(
+        "PUT_ASYNC", specs, layer_delay_s=0.3, kill_producer_after_s=3.0, timeout_s=4.0,
+        devices=("cuda:0", "cuda:1"), after_restart=again)
+    assert {results[s["request_id"]] for s in again} <= {"ok", "local"}
+    assert "ok" in {results[s["request_id"]] for s in again}
+    assert_idle(consumer)
+    assert producer is not None
+    assert_idle(producer)

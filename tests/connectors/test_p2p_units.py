@@ -15,9 +15,11 @@ from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
     KVPullRequest,
     KVSendHeader,
+    call_ranges,
     check_header,
     check_pull,
     make_codec,
+    plan_layers_per_call,
 )
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
@@ -41,7 +43,8 @@ def _pull(**kw: object) -> KVPullRequest:
 
 def _header(**kw: object) -> KVSendHeader:
     base = dict(transfer_id="t", producer_address="p:1", producer_epoch="e", seq=1, first_block=1,
-                num_blocks=3, num_layers=2, dtype="bfloat16", block_shape=[4, 2, 8])
+                num_blocks=3, num_layers=2, dtype="bfloat16", block_shape=[4, 2, 8],
+                layers_per_call=1)
     base.update(kw)
     return KVSendHeader(**base)  # type: ignore[arg-type]
 
@@ -71,6 +74,20 @@ def test_check_pull_and_header() -> None:
     assert check_header(_header(num_blocks=4), pull, None)
     assert check_header(_header(transfer_id="u"), pull, None)
     assert check_header(_header(num_layers=0), pull, None)
+    assert check_header(_header(layers_per_call=2), pull, None) is None
+    assert "layers_per_call" in check_header(_header(layers_per_call=0), pull, None)
+    assert "layers_per_call" in check_header(_header(layers_per_call=3), pull, None)
+
+
+def test_plan_layers_per_call() -> None:
+    mb = 1 << 20
+    assert plan_layers_per_call(36, 8 * mb, 0) == 1          # 0: one call per layer
+    assert plan_layers_per_call(36, 8 * mb, 8 * mb) == 1     # a layer fills a call alone
+    assert plan_layers_per_call(36, mb // 2, 32 * mb) == 36  # 18 MB in all: one call
+    assert plan_layers_per_call(36, 2 * mb, 32 * mb) == 18   # 72 MB: two calls of 36 MB
+    assert plan_layers_per_call(1, mb, 32 * mb) == 1
+    assert call_ranges(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert call_ranges(3, 3) == [(0, 3)]
 
 
 # ---- receive buffer ---------------------------------------------------------------------

@@ -50,12 +50,21 @@ def make_specs(count: int, seed: int) -> list[dict[str, Any]]:
 def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32",
               consumer_extra: dict[str, Any] | None = None, seed: int = 0,
               layer_delay_s: float = 0.0, kill_producer_after_s: float | None = None,
-              timeout_s: float = 30.0, devices: tuple[str, str] = ("cpu", "cpu")) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
+              timeout_s: float = 30.0, devices: tuple[str, str] = ("cpu", "cpu"),
+              min_call_bytes: int = 0, after_restart: list[dict[str, Any]] | None = None,
+              ) -> tuple[dict[str, str], dict[str, Any], dict[str, Any] | None, float]:
+    """Run ``specs`` through a producer and a consumer process; results and idle reports.
+
+    With ``kill_producer_after_s`` the producer is killed mid-transfer; with
+    ``after_restart`` a new producer then starts at the same address (new epoch) and those
+    specs run too, so the consumer must rebuild its pair with the new process.
+    """
     ctx = mp.get_context("spawn")
     p_port, d_port = free_port(), free_port()
     p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
     p_config = make_config("kv_producer", p_port, send_type, transfer_timeout_s=timeout_s,
-                           get_lease_s=timeout_s * 2, orphan_ttl_s=timeout_s * 2)
+                           get_lease_s=timeout_s * 2, orphan_ttl_s=timeout_s * 2,
+                           min_call_bytes=min_call_bytes)
     d_config = make_config("kv_consumer", d_port, send_type, transfer_timeout_s=timeout_s,
                            **(consumer_extra or {}))
     p_in, d_in, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -64,15 +73,20 @@ def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32"
     consumer = ctx.Process(target=run_consumer, args=(d_config, d_in, out, p_addr, dtype, devices[1]))
     producer.start()
     consumer.start()
+    processes = [producer, consumer]
     rng = random.Random(seed)
-    try:
+
+    def feed(batch: list[dict[str, Any]], p_inbox: Any) -> None:
         # Both legs arrive concurrently, in either order.
-        for spec in specs:
-            first, second = (p_in, d_in) if rng.random() < 0.5 else (d_in, p_in)
+        for spec in batch:
+            first, second = (p_inbox, d_in) if rng.random() < 0.5 else (d_in, p_inbox)
             first.put(spec)
             if rng.random() < 0.2:
                 time.sleep(0.01)
             second.put(spec)
+
+    try:
+        feed(specs, p_in)
         killed_at = None
         if kill_producer_after_s is not None:
             time.sleep(kill_producer_after_s)
@@ -89,10 +103,25 @@ def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32"
             if item[0] == "result":
                 results[item[1]] = item[2]
         last_result_at = time.monotonic()
+        if after_restart is not None:
+            p_in = ctx.Queue()
+            producer = ctx.Process(target=run_producer, args=(p_config, p_in, out, d_addr, dtype,
+                                                              0.0, devices[0]))
+            producer.start()
+            processes.append(producer)
+            feed(after_restart, p_in)
+            while len(results) < len(specs) + len(after_restart) and time.monotonic() < deadline:
+                try:
+                    item = out.get(timeout=1)
+                except queue.Empty:
+                    continue
+                if item[0] == "result":
+                    results[item[1]] = item[2]
         d_in.put(None)
-        if kill_producer_after_s is None:
+        producer_alive = kill_producer_after_s is None or after_restart is not None
+        if producer_alive:
             p_in.put(None)
-        wanted = {"consumer_idle"} if kill_producer_after_s is not None else {"consumer_idle", "producer_idle"}
+        wanted = {"consumer_idle", "producer_idle"} if producer_alive else {"consumer_idle"}
         while wanted - set(reports) and time.monotonic() < deadline:
             try:
                 item = out.get(timeout=1)
@@ -103,7 +132,7 @@ def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32"
         elapsed = last_result_at - killed_at if killed_at is not None else 0.0
         return results, reports["consumer_idle"], reports.get("producer_idle"), elapsed
     finally:
-        for proc in (producer, consumer):
+        for proc in processes:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
@@ -118,16 +147,19 @@ def assert_idle(report: dict[str, Any]) -> None:
     assert stats["pinned_bytes_in_use"] == 0
 
 
-@pytest.mark.parametrize("send_type,dtype,extra", [
-    ("PUT_ASYNC", "float32", {}),
-    ("PUT", "bfloat16", {}),
-    ("GET", "float32", {}),
+# min_call_bytes 0: one data call per layer; 32 MiB: these small requests go in one call.
+@pytest.mark.parametrize("send_type,dtype,extra,min_call_bytes", [
+    ("PUT_ASYNC", "float32", {}, 0),
+    ("PUT", "bfloat16", {}, 32 << 20),
+    ("GET", "float32", {}, 32 << 20),
     # A receive buffer for about four requests: loads are pushed back, none is lost.
-    ("PUT_ASYNC", "float16", {"kv_buffer_size": 40_000}),
+    ("PUT_ASYNC", "float16", {"kv_buffer_size": 40_000}, 0),
 ])
-def test_transfer_bit_exact(send_type: str, dtype: str, extra: dict[str, Any]) -> None:
+def test_transfer_bit_exact(send_type: str, dtype: str, extra: dict[str, Any],
+                            min_call_bytes: int) -> None:
     specs = make_specs(110, seed=len(send_type) + len(dtype))
-    results, consumer, producer, _ = run_pair(send_type, specs, dtype=dtype, consumer_extra=extra)
+    results, consumer, producer, _ = run_pair(send_type, specs, dtype=dtype, consumer_extra=extra,
+                                              min_call_bytes=min_call_bytes)
     bad = {k: v for k, v in results.items() if v not in ("ok", "local")}
     assert not bad, bad
     assert len(results) == len(specs)
@@ -138,8 +170,9 @@ def test_transfer_bit_exact(send_type: str, dtype: str, extra: dict[str, Any]) -
     assert_idle(producer)
     p_stats, d_stats = producer["worker_stats"], consumer["worker_stats"]
     assert p_stats["transfers_sent"] == d_stats["transfers_received"] == transferred
-    # One data call per layer per request on each side.
-    assert p_stats["data_calls"] == d_stats["data_calls"] == 3 * transferred
+    # Three layers: one data call per layer, or all three in one call, on each side.
+    calls_per_transfer = 3 if min_call_bytes == 0 else 1
+    assert p_stats["data_calls"] == d_stats["data_calls"] == calls_per_transfer * transferred
     assert p_stats["bytes_sent"] == d_stats["bytes_received"]
     assert d_stats["transfers_failed"] == d_stats["transfers_timed_out"] == 0
     assert d_stats["messages_rejected"] == 0 and p_stats["messages_rejected"] == 0
@@ -174,3 +207,21 @@ def test_consumer_abort_while_waiting() -> None:
     assert_idle(consumer)
     assert producer is not None
     assert_idle(producer)
+
+
+def test_producer_restarted_at_same_address() -> None:
+    """A new producer process (new epoch, sequence numbers from 1 again) is served at once."""
+    specs = make_specs(8, seed=41)
+    for spec in specs:
+        spec.update(prompt=list(range(1, 41)), d_hit_blocks=0, preempt_after_load=False)
+    again = make_specs(20, seed=42)
+    results, consumer, producer, _ = run_pair(
+        "PUT_ASYNC", specs, layer_delay_s=0.3, kill_producer_after_s=1.0, timeout_s=2.0,
+        after_restart=again)
+    assert {results[s["request_id"]] for s in again} <= {"ok", "local"}
+    assert "ok" in {results[s["request_id"]] for s in again}
+    assert_idle(consumer)
+    assert producer is not None
+    assert_idle(producer)
+    # Pulls queued for the dead process reached the new one: they are orphans, freed by TTL.
+    assert producer["worker_stats"]["registrations_expired"] >= 1

@@ -1,0 +1,125 @@
+"""`pdserve launch --prefill 1 --decode 1` on two GPUs, KV over NCCL (run on the GPU machine).
+
+1. A checkpoint served by the 1P1D cluster (prefill on GPU0, decode on GPU1) gives the same
+   greedy text and usage as one colocated `pdserve serve` of it (float32: exact kernels).
+2. Qwen3-0.6B- and Qwen3-8B-shaped dummy models serve 200 mixed requests through the
+   cluster without an error, every one with its full completion.
+
+    source .device/env.sh && python3 -m pytest -m gpu -q tests/integration/test_cluster_gpu.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.model_shapes import write_model_dir
+from deploy.launch import free_port
+from tests.integration.cluster_harness import (
+    MODEL,
+    ROOT,
+    build_tiny_checkpoint,
+    check_matches,
+    child_env,
+    get_json,
+    mixed_requests,
+    run_all,
+    scrape,
+    wait_http,
+)
+
+pytestmark = pytest.mark.gpu
+STARTUP_S = 600.0
+
+
+def _two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    pytest.importorskip("cupy")
+
+
+def _start_cluster(tmp_path: Path, model: Path, engine: list[str]) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
+             "--model", str(model), "--gpus", "0,1", "--port", str(port),
+             "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1", *engine],
+            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + STARTUP_S
+    while "ready: 1P1D" not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _decode_bytes_received(proxy: str) -> float:
+    workers = get_json(f"{proxy}/instances")["workers"]
+    decode = [w["http_address"] for w in workers if w["role"] == "D"]
+    assert len(decode) == 1, workers
+    return scrape(decode[0]).get("pdserve:kv_transfer_bytes_received", 0.0)
+
+
+@pytest.mark.timeout(1200)
+def test_gpu_1p1d_matches_colocated(tmp_path: Path) -> None:
+    _two_gpus()
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
+    reqs = mixed_requests(64)
+    serve_port = free_port()
+    with open(tmp_path / "serve.log", "wb") as out:
+        colocated = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
+             *engine], cwd=ROOT, env=dict(child_env(), CUDA_VISIBLE_DEVICES="0"),
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
+                  [colocated], [tmp_path / "serve.log"])
+        want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
+    finally:
+        _stop(colocated)
+    cluster, proxy, log = _start_cluster(tmp_path, ckpt, engine)
+    try:
+        check_matches(reqs, run_all(proxy, reqs), want)
+        assert _decode_bytes_received(proxy) > 0, "no KV went over the connector"
+    finally:
+        _stop(cluster)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b"])
+def test_gpu_dummy_shapes_serve_200(tmp_path: Path, shape: str) -> None:
+    _two_gpus()
+    model = write_model_dir(shape, tmp_path / shape)
+    engine = ["--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16",
+              "--max-model-len", "4096"]
+    # Prompts of 3..~300 words; completions of 4..63 tokens; 32 in flight at once.
+    reqs = mixed_requests(200, max_words=300, max_tokens=64)
+    cluster, proxy, _ = _start_cluster(tmp_path, model, engine)
+    try:
+        started = time.monotonic()
+        got = run_all(proxy, reqs, concurrency=32, timeout_s=600.0)
+        elapsed = time.monotonic() - started
+        failed = [(r.body, o) for r, o in zip(reqs, got) if not o.ok]
+        assert not failed, failed[:3]
+        for req, out in zip(reqs, got):
+            assert out.usage is not None and out.usage["completion_tokens"] == req.limit, (req, out)
+        assert _decode_bytes_received(proxy) > 0
+        print(f"{shape}: 200 requests in {elapsed:.1f} s")
+    finally:
+        _stop(cluster)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine_core.config import (
+    ATTENTION_BACKENDS,
     DTYPES,
     HASH_ALGOS,
     KV_CACHE_DTYPES,
@@ -55,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
     group.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     group.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="auto: Triton kernels on CUDA (attention, RMSNorm, RoPE) when "
+                            "triton is installed, else the torch reference")
     group.add_argument("--kv-transfer-config", default=None,
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -82,7 +86,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
-        device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager),
+        device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
+                            attention_backend=args.attention_backend),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
     )

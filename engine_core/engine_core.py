@@ -57,7 +57,9 @@ class EngineCore:
         from engine_core.attention.backend import get_attention_backend
 
         cache_dtype = kv_cache.kv_cache_dtype(config.cache, self.dtype)
-        backend = get_attention_backend(self.device, cache_dtype)
+        backend = get_attention_backend(self.device, cache_dtype,
+                                        config.device.attention_backend)
+        self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend)
         t1 = time.perf_counter()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 
 import torch
 
 from engine_core.attention.metadata import AttentionMetadata
+from engine_core.errors import ConfigError
+
+logger = logging.getLogger("pdserve.attention")
 
 
 class AttentionBackend(ABC):
@@ -19,6 +23,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether the model should use the fused Triton RMSNorm / RoPE kernels as well.
+    triton_layers: bool = False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -27,14 +33,41 @@ class AttentionBackend(ABC):
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``."""
 
 
-def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None = None
-                          ) -> AttentionBackend:
-    """Pick the backend for a device and cache dtype.
+def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None = None,
+                          name: str = "auto") -> AttentionBackend:
+    """Pick the backend for ``--attention-backend`` (auto | triton | torch_ref).
 
-    Only the torch reference exists today; it serves CPU and GPU and every cache dtype.
-    A Triton backend for CUDA slots in here.
+    ``auto`` takes Triton on CUDA when triton is installed and the GPU can run the cache
+    dtype, else the torch reference (which runs everywhere and defines correct results).
+    ``triton`` where it cannot run is a ConfigError rather than a silent fallback.
     """
     from engine_core.attention.torch_ref import TorchRefAttentionBackend
 
-    del device, kv_cache_dtype  # the reference handles all of them
+    if name == "torch_ref":
+        return TorchRefAttentionBackend()
+    problem = _triton_problem(device, kv_cache_dtype)
+    if problem is None:
+        from engine_core.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "triton":
+        raise ConfigError(f"--attention-backend triton: {problem}")
+    if torch.device(device).type == "cuda":
+        logger.warning("attention backend torch_ref: %s", problem)
     return TorchRefAttentionBackend()
+
+
+def _triton_problem(device: str, kv_cache_dtype: str | torch.dtype | None) -> str | None:
+    """Why the Triton backend cannot run here, or None when it can."""
+    from engine_core.kernels import triton_available
+
+    torch_device = torch.device(device)
+    if torch_device.type != "cuda":
+        return f"needs a CUDA device, not {device!r}"
+    if not triton_available():
+        return "triton is not installed"
+    if kv_cache_dtype in (torch.float8_e4m3fn, "fp8", "fp8_e4m3"):
+        capability = torch.cuda.get_device_capability(torch_device)
+        if capability < (8, 9):
+            return f"an fp8 e4m3 cache needs compute capability 8.9+, this GPU has {capability}"
+    return None

@@ -1,0 +1,61 @@
+"""Paged attention with the Triton kernels in engine_core/kernels (CUDA).
+
+Per layer: one kernel writes the new K/V at their slots, then
+
+- a decode-only step (``max_query_len == 1``) runs the split-KV decode kernel alone; it
+  reads only device tensors, so a CUDA graph of a decode batch replays it as is;
+- any other step runs the prefill kernel over the sequences with more than one new token
+  and the decode kernel over those with exactly one. Both are launched over the whole
+  batch and each skips the other's rows on the device, so no host-side partition of the
+  batch is built. We split rather than send everything through the prefill kernel because
+  in a chunked-prefill batch the decodes are the majority, and they need split-KV (one
+  prefill program per sequence would walk a long context alone) and the GQA-packed
+  decode tile.
+
+The backend also tells the model to use the fused RMSNorm and RoPE kernels
+(``triton_layers``): one switch, ``--attention-backend``, picks the whole fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.attention.backend import AttentionBackend
+from engine_core.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton KV write, prefill and split-KV decode kernels; any cache dtype, fp8 included."""
+
+    name = "triton"
+    triton_layers = True
+
+    def __init__(self, num_decode_splits: int | None = None) -> None:
+        # None: choose_num_splits decides from shapes; tests force a count to cover merges.
+        self.num_decode_splits = num_decode_splits
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        from engine_core.kernels.kv_write import write_kv
+        from engine_core.kernels.paged_decode import paged_decode_attention
+        from engine_core.kernels.paged_prefill import paged_prefill_attention
+
+        meta = attn_metadata
+        out = torch.empty_like(q)
+        if kv_cache is None:
+            paged_prefill_attention(q, k, v, out, None, None, meta.query_start_loc,
+                                    meta.max_query_len, meta.block_size, scale)
+            return out
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        decode_only = meta.max_query_len == 1
+        if not decode_only:
+            paged_prefill_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.max_query_len,
+                                    meta.block_size, scale,
+                                    skip_single_token_rows=meta.has_single_token_seqs)
+        if decode_only or meta.has_single_token_seqs:
+            paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale, self.num_decode_splits)
+        return out

@@ -7,14 +7,26 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension (Llama, Qwen2, Qwen3 q/k norms)."""
+    """Root-mean-square norm over the last dimension (Llama, Qwen2, Qwen3 q/k norms).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    ``use_triton`` (set when the Triton attention backend is chosen) runs the fused kernel
+    for CUDA tensors; it rounds where this module's torch code rounds.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.use_triton = use_triton
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
+    def _triton(self, x: torch.Tensor) -> bool:
+        return self.use_triton and x.is_cuda
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._triton(x):
+            from engine_core.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -22,5 +34,17 @@ class RMSNorm(nn.Module):
         # HF casts back before the weight multiply; doing the same keeps bf16 outputs identical.
         return self.weight * x32.to(input_dtype)
 
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the pre-norm block's residual step, fused."""
+        if self._triton(x):
+            from engine_core.kernels.rms_norm import rms_norm
+
+            out, summed = rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        summed = x + residual
+        return self.forward(summed), summed
+
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, use_triton={self.use_triton}"

@@ -35,9 +35,10 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.use_triton = attn_backend.triton_layers
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -51,8 +52,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, self.use_triton)
         hooks = attn_metadata.layer_hooks
         if hooks is not None:
             hooks.before_layer(self.layer_idx)
@@ -78,21 +78,34 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    The residual stream is carried apart from the block output so that each residual add
+    fuses with the norm that follows it (``add_and_norm``); the sums and their rounding
+    are the same as ``x + f(norm(x))``.
+    """
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
+        use_triton = attn_backend.triton_layers
         self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm)
         self.mlp = LlamaMLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin,
-                                         attn_metadata, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block output, residual stream); the first layer gets ``residual=None``."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, attn_metadata, kv_cache)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,17 +118,20 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, attn_backend, i, qkv_bias, o_bias, qk_norm)
             for i in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, attn_backend.triton_layers)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
-            hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata, kv_cache)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,72 @@
+"""Fused RMSNorm (optionally after the residual add), one program per row.
+
+Unfused, torch runs about eight elementwise and reduction kernels per norm (plus the
+residual add), each a round trip through memory; on a decode step those launches are
+most of the norm's cost. The arithmetic follows the torch layer step by step, with the
+same roundings, so float32 outputs match to the last bits of the mean and bf16 outputs
+match the reference's bf16 roundings:
+``sum = round(x + residual)``; ``y = round(sum * rsqrt(mean(sum^2) + eps))``;
+``out = round(weight * y)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_core.kernels import next_power_of_2
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, 0) / n_cols
+    y = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D ``[rows, cols]`` view with unit column stride (copying if needed)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight * norm(x + residual), x + residual)``; without a residual the second is None.
+
+    The sum is rounded to ``x``'s dtype before the norm, as ``x + residual`` in torch is.
+    """
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    residual_out = None
+    r2 = ro2 = x2  # placeholders when there is no residual
+    if residual is not None:
+        r2 = _rows(residual)
+        residual_out = torch.empty_like(x2)
+        ro2 = residual_out
+    block = next_power_of_2(n_cols)
+    if x2.shape[0] > 0:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, ro2, x2.stride(0), r2.stride(0), out.stride(0),
+            ro2.stride(0), n_cols, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+    out = out.view(*x.shape[:-1], n_cols)
+    if residual_out is not None:
+        residual_out = residual_out.view(x.shape)
+    return out, residual_out

@@ -1,0 +1,79 @@
+"""Neox-style (half-split) RoPE of q and k in one launch, one program per token.
+
+torch needs about six kernels per tensor (two multiplies, the half swap, the negation, the
+add) and runs them for q and for k in every layer. The kernel takes the step's cos/sin
+from ``RotaryEmbedding.cos_sin`` unchanged, so every frequency schedule (default, linear,
+llama3, dynamic) keeps its exact semantics, and rounds where torch rounds:
+``out1 = round(round(x1*cos) + round(-x2*sin))``, ``out2 = round(round(x2*cos) +
+round(x1*sin))`` in the model dtype, with FMA contraction off so float32 matches too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_core.kernels import next_power_of_2
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh,
+                  cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    mask = (heads < NUM_HEADS)[:, None] & (dims < HALF)[None, :]
+    src = x_ptr + token * stride_xt + heads[:, None] * stride_xh + dims[None, :]
+    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    dtype = out_ptr.dtype.element_ty
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(dst, out1.to(dtype), mask=mask)
+    tl.store(dst + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct, stride_st,
+                 NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    # cos/sin rows are cat(freqs, freqs): the first half serves both halves.
+    cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + token * stride_st + dims, mask=dims < HALF, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, stride_qot, stride_qoh,
+                  cos, sin, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, stride_kot, stride_koh,
+                  cos, sin, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by cos/sin ``[T, 1, D]`` (new tensors)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert head_dim % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert cos.dtype == q.dtype == k.dtype, "cos/sin come in the model dtype, as in HF"
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        q, k, q_out, k_out, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), sin.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
+        BLOCK_QH=next_power_of_2(num_q_heads), BLOCK_KH=next_power_of_2(num_k_heads),
+        BLOCK_HALF=next_power_of_2(half),
+        num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False)
+    return q_out, k_out

@@ -29,6 +29,7 @@ def test_float32_greedy_matches_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, var
     expected = hf_greedy(path, prompts, 10, device="cuda", dtype=torch.float32)
     llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.3,
               **VARIANTS[variant])
+    assert llm.engine.attn_backend.name == "triton", "the fast path must serve CUDA"
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
@@ -42,6 +43,7 @@ def test_bfloat16_close_to_hf_on_cuda(tiny_checkpoint, hf_greedy, arch):
     prompts = mixed_prompts()
     expected = hf_greedy(path, prompts, 16, device="cuda", dtype=torch.bfloat16)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    assert llm.engine.attn_backend.name == "triton", "the fast path must serve CUDA"
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     equal = sum(g == e for g, e in zip(got, expected))

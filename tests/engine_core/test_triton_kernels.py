@@ -1,0 +1,490 @@
+"""Triton kernels against the torch reference, on fresh random inputs.
+
+Every test runs on two devices: ``cuda`` (marked ``gpu``: the real acceptance, with the
+full case lists) and ``interpret`` (CPU tensors under ``TRITON_INTERPRET=1``, small cases;
+test_triton_interpret.py runs this module that way in a subprocess). Kernel modules are
+imported inside the tests, so collecting this module never imports triton.
+
+References are computed in float32 from exactly what the kernels see (the cache contents
+as stored, fp8 included), so tolerances measure the kernels' arithmetic alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine_core.attention.metadata import AttentionMetadata
+from engine_core.attention.torch_ref import (
+    TorchRefAttentionBackend,
+    causal_attention,
+    gather_sequence_kv,
+    write_to_paged_cache,
+)
+from engine_core.kernels import triton_available
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if INTERPRETING and triton_available():
+    from tests.engine_core import triton_interpreter_fixes
+
+    triton_interpreter_fixes.apply()
+_interpret_only = pytest.mark.skipif(
+    not (INTERPRETING and triton_available()),
+    reason="interpreter cases run under TRITON_INTERPRET=1 (see test_triton_interpret.py)")
+# The Triton 3.6 interpreter rounds fp8 downcasts wrongly (it drops the carry into the
+# exponent: 1.99 -> 1.0); GPUs convert in hardware. Writes into an fp8 cache are therefore
+# checked on CUDA only; fp8 *reads* are checked in both modes.
+_FP8_WRITE_SKIP = "interpreter fp8 downcast is wrong in triton 3.6 (GPU only)"
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TOLERANCE = {FP32: dict(atol=1e-4, rtol=1e-4), FP16: dict(atol=4e-3, rtol=4e-3),
+             BF16: dict(atol=1.5e-2, rtol=1.5e-2)}
+
+
+def params(cuda_cases: list, interpret_cases: list) -> list:
+    """(device, case) params: full lists on CUDA, small ones under the interpreter."""
+    return ([pytest.param("cuda", c, marks=pytest.mark.gpu, id=f"cuda-{c}")
+             for c in cuda_cases]
+            + [pytest.param("cpu", c, marks=_interpret_only, id=f"interpret-{c}")
+               for c in interpret_cases])
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 1 and dtype.is_floating_point
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(got).all(), "non-finite values in the kernel output"
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
+
+
+# ---- attention batches ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """One batch: sequence i has ``cached[i]`` tokens in the cache and adds ``new[i]``."""
+
+    dtype: torch.dtype
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    cached: tuple[int, ...]
+    new: tuple[int, ...]
+    cache_dtype: torch.dtype | None = None
+    block_size: int = 16
+    num_splits: int | None = None
+    pad_rows: int = 0  # CUDA-graph padding: rows with one token, seq_len 0, slot -1
+
+    def __str__(self) -> str:
+        cache = str(self.cache_dtype).removeprefix("torch.") if self.cache_dtype else "same"
+        return (f"{str(self.dtype).removeprefix('torch.')}-kv{cache}-h{self.num_kv_heads}"
+                f"x{self.group}-d{self.head_dim}-bs{self.block_size}"
+                f"-c{'_'.join(map(str, self.cached))}-n{'_'.join(map(str, self.new))}"
+                f"-s{self.num_splits}-p{self.pad_rows}")
+
+    @property
+    def storage(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor          # new tokens' K/V [T, Hkv, D]
+    v: torch.Tensor
+    kv_cache: torch.Tensor   # holds the cached prefixes only (new tokens not written yet)
+    metadata: AttentionMetadata
+    scale: float
+
+
+def random_tables(seq_lens: list[int], block_size: int,
+                  gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Disjoint shuffled blocks per sequence, in a table wider than needed (as a fixed-width
+    CUDA-graph table would be; the tail holds 0), and the number of blocks used."""
+    counts = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(counts) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(counts + [1]) + 2, dtype=torch.int32)
+    for i, count in enumerate(counts):
+        tables[i, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    return tables, num_blocks
+
+
+def build_metadata(cached: list[int], new: list[int], tables: torch.Tensor, block_size: int,
+                   pad_rows: int, device: str) -> AttentionMetadata:
+    """Metadata of one step, plus ``pad_rows`` CUDA-graph pad rows (one token, seq_len 0,
+    slot -1, a zero block-table row) after the real sequences."""
+    slots = []
+    for i, (c, n) in enumerate(zip(cached, new)):
+        positions = torch.arange(c, c + n)
+        slots.append(tables[i, positions // block_size].long() * block_size
+                     + positions % block_size)
+    slots.append(torch.full((pad_rows,), -1, dtype=torch.long))
+    tables = torch.cat([tables[:len(new)], torch.zeros(pad_rows, tables.shape[1],
+                                                       dtype=torch.int32)])
+    query_lens = list(new) + [1] * pad_rows
+    seq_lens = [c + n for c, n in zip(cached, new)] + [0] * pad_rows
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_size=block_size,
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+
+
+def make_batch(case: AttnCase, device: str, seed: int = 0) -> Batch:
+    """Random batch whose cache holds the cached prefixes; unwritten slots hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = case.block_size
+    seq_lens = [c + n for c, n in zip(case.cached, case.new)]
+    tables, num_blocks = random_tables(seq_lens, bs, gen)
+    hq, hkv, d = case.num_kv_heads * case.group, case.num_kv_heads, case.head_dim
+    kv_cache = torch.full((2, num_blocks, bs, hkv, d), float("nan")).to(case.storage)
+    q_list, k_list, v_list = [], [], []
+    for i, (c, n) in enumerate(zip(case.cached, case.new)):
+        positions = torch.arange(c)
+        k_seq = torch.randn(c + n, hkv, d, generator=gen).to(case.dtype)
+        v_seq = torch.randn(c + n, hkv, d, generator=gen).to(case.dtype)
+        write_to_paged_cache(k_seq[:c], v_seq[:c], kv_cache,
+                             tables[i, positions // bs].long() * bs + positions % bs)
+        k_list.append(k_seq[c:])
+        v_list.append(v_seq[c:])
+        q_list.append(torch.randn(n, hq, d, generator=gen).to(case.dtype))
+    for parts, heads in ((q_list, hq), (k_list, hkv), (v_list, hkv)):
+        parts.append(torch.randn(case.pad_rows, heads, d, generator=gen).to(case.dtype))
+    metadata = build_metadata(list(case.cached), list(case.new), tables, bs, case.pad_rows,
+                              device)
+    return Batch(torch.cat(q_list).to(device), torch.cat(k_list).to(device),
+                 torch.cat(v_list).to(device), kv_cache.to(device), metadata, d ** -0.5)
+
+
+def reference_attention(q: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """float32 paged attention over ``kv_cache`` (which must hold the new tokens too);
+    rows of sequences with ``seq_len`` 0 are zeros."""
+    q32 = q.float()
+    out = torch.zeros_like(q32)
+    starts = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo or seq_len == 0:
+            continue
+        k, v = gather_sequence_kv(kv_cache, meta.block_tables[i], seq_len, torch.float32)
+        out[lo:hi] = causal_attention(q32[lo:hi], k, v, scale)
+    return out
+
+
+def write_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """The torch reference write, skipping slot -1 (pad rows) as the kernel does."""
+    keep = slot_mapping >= 0
+    write_to_paged_cache(k[keep], v[keep], kv_cache, slot_mapping[keep])
+
+
+def cache_with_new_tokens(batch: Batch) -> torch.Tensor:
+    """The batch's cache after the reference write of this step's K/V."""
+    kv_cache = batch.kv_cache.clone()
+    write_reference(batch.k, batch.v, kv_cache, batch.metadata.slot_mapping)
+    return kv_cache
+
+
+def expected_output(batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+    return reference_attention(batch.q, batch.metadata, kv_cache, batch.scale)
+
+
+# ---- KV write ---------------------------------------------------------------------------
+
+WRITE_CASES_CUDA = [AttnCase(dt, hkv, 1, d, (0, 5, 40), (23, 17, 1), cache, pad_rows=2)
+                    for dt in (BF16, FP16, FP32) for cache in (None, E4M3, E5M2)
+                    for hkv, d in ((1, 64), (8, 128), (3, 96))]
+WRITE_CASES_INTERPRET = [AttnCase(FP32, 2, 1, 32, (0, 3), (9, 17), pad_rows=1),
+                         AttnCase(BF16, 1, 1, 16, (4,), (13,)),
+                         AttnCase(FP16, 3, 1, 24, (0,), (5,), E4M3)]
+
+
+@pytest.mark.parametrize(("device", "case"), params(WRITE_CASES_CUDA, WRITE_CASES_INTERPRET))
+def test_write_kv_matches_reference_bytes(device: str, case: AttnCase) -> None:
+    from engine_core.kernels.kv_write import write_kv
+
+    if device == "cpu" and is_fp8(case.storage):
+        pytest.skip(_FP8_WRITE_SKIP)
+    batch = make_batch(case, device)
+    expected = cache_with_new_tokens(batch)
+    got = batch.kv_cache.clone()
+    write_kv(batch.k, batch.v, got, batch.metadata.slot_mapping)
+    # Byte equality: the same casts, and slot -1 rows and untouched slots (NaN) unchanged.
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+# ---- prefill / chunked prefill -----------------------------------------------------------
+
+_PREFILL_SHAPE = ((0, 37, 5, 130), (45, 19, 2, 77))  # first prefill, chunk after prefix, ...
+PREFILL_CASES_CUDA = (
+    [AttnCase(dt, 2, g, d, *_PREFILL_SHAPE) for dt in (BF16, FP16, FP32)
+     for g in (1, 4, 8) for d in (64, 128)]
+    + [AttnCase(dt, 2, 4, 128, *_PREFILL_SHAPE, cache_dtype=c) for dt in (BF16, FP32)
+       for c in (E4M3, E5M2)]
+    + [AttnCase(BF16, 4, 2, 16, *_PREFILL_SHAPE), AttnCase(FP32, 2, 2, 32, *_PREFILL_SHAPE),
+       AttnCase(BF16, 2, 3, 96, *_PREFILL_SHAPE, block_size=32),
+       AttnCase(BF16, 8, 8, 128, (1000, 0), (300, 1500), block_size=32),
+       AttnCase(FP16, 1, 6, 64, (3, 0, 64), (1, 1, 1))]
+)
+PREFILL_CASES_INTERPRET = [
+    AttnCase(FP32, 2, 1, 16, (0, 21, 3), (19, 6, 1), block_size=4),
+    AttnCase(BF16, 1, 4, 32, (0, 9), (14, 5), block_size=8),
+    AttnCase(FP16, 2, 2, 16, (17, 0), (3, 12), cache_dtype=E5M2, block_size=4),
+    AttnCase(FP32, 1, 3, 24, (6,), (11,), cache_dtype=E4M3, block_size=8),
+]
+
+
+@pytest.mark.parametrize(("device", "case"), params(PREFILL_CASES_CUDA, PREFILL_CASES_INTERPRET))
+def test_prefill_matches_reference(device: str, case: AttnCase) -> None:
+    from engine_core.kernels.paged_prefill import paged_prefill_attention
+
+    batch = make_batch(case, device)
+    kv_cache = cache_with_new_tokens(batch)
+    meta = batch.metadata
+    out = torch.zeros_like(batch.q)
+    paged_prefill_attention(batch.q, kv_cache[0], kv_cache[1], out, meta.block_tables,
+                            meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                            meta.block_size, batch.scale)
+    assert_close(out, expected_output(batch, kv_cache), case.dtype)
+
+
+NO_CACHE_CASES_CUDA = [AttnCase(dt, 2, g, d, (0, 0, 0), (200, 1, 67))
+                       for dt in (BF16, FP32) for g in (1, 8) for d in (64, 128)]
+NO_CACHE_CASES_INTERPRET = [AttnCase(FP32, 2, 2, 16, (0, 0), (13, 4))]
+
+
+@pytest.mark.parametrize(("device", "case"), params(NO_CACHE_CASES_CUDA, NO_CACHE_CASES_INTERPRET))
+def test_profile_run_without_cache(device: str, case: AttnCase) -> None:
+    from engine_core.attention.triton_backend import TritonAttentionBackend
+
+    batch = make_batch(case, device)
+    out = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, None, batch.metadata,
+                                           batch.scale)
+    expected = TorchRefAttentionBackend().forward(batch.q.float(), batch.k.float(),
+                                                  batch.v.float(), None, batch.metadata,
+                                                  batch.scale)
+    assert_close(out, expected, case.dtype)
+
+
+# ---- decode ------------------------------------------------------------------------------
+
+_LONG = (0, 16, 300, 2047, 4100)  # cached tokens before the decode token
+DECODE_CASES_CUDA = (
+    [AttnCase(dt, 2, g, d, _LONG, (1,) * 5, num_splits=s, pad_rows=2)
+     for dt in (BF16, FP16, FP32) for g in (1, 4, 8) for d in (64, 128) for s in (None, 1, 7)]
+    + [AttnCase(dt, 2, 4, 128, _LONG, (1,) * 5, cache_dtype=c, num_splits=s)
+       for dt in (BF16, FP32) for c in (E4M3, E5M2) for s in (None, 5)]
+    + [AttnCase(BF16, 4, 2, 16, (7, 33), (1, 1), num_splits=3),
+       AttnCase(BF16, 2, 5, 96, (95, 1500), (1, 1), block_size=32, num_splits=4),
+       AttnCase(BF16, 8, 8, 128, (16000,), (1,)),
+       AttnCase(BF16, 8, 4, 128, tuple(range(0, 6000, 97)), (1,) * 62, block_size=32)]
+)
+DECODE_CASES_INTERPRET = [
+    AttnCase(FP32, 2, 4, 16, (0, 5, 70), (1, 1, 1), num_splits=1, pad_rows=1, block_size=4),
+    AttnCase(FP32, 1, 2, 32, (3, 150), (1, 1), num_splits=4, pad_rows=1, block_size=8),
+    AttnCase(BF16, 2, 8, 16, (40,), (1,), num_splits=3, block_size=4),
+    AttnCase(FP16, 1, 1, 16, (33, 8), (1, 1), cache_dtype=E4M3, num_splits=2, block_size=4),
+]
+
+
+@pytest.mark.parametrize(("device", "case"), params(DECODE_CASES_CUDA, DECODE_CASES_INTERPRET))
+def test_decode_matches_reference(device: str, case: AttnCase) -> None:
+    from engine_core.kernels.paged_decode import paged_decode_attention
+
+    batch = make_batch(case, device)
+    kv_cache = cache_with_new_tokens(batch)
+    meta = batch.metadata
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(batch.q, kv_cache[0], kv_cache[1], out, meta.block_tables,
+                           meta.seq_lens, meta.query_start_loc, batch.scale, case.num_splits)
+    # Padding rows (one token, seq_len 0) come out as zeros, never NaN.
+    assert_close(out, expected_output(batch, kv_cache), case.dtype)
+
+
+def test_split_choice_depends_on_shapes_only() -> None:
+    from engine_core.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from engine_core.kernels.paged_decode import MAX_SPLITS, choose_num_splits
+
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1, 8, 1, 16, cpu) == 1           # 16 tokens: never split
+    assert choose_num_splits(1, 1, 4096, 16, cpu) == MAX_SPLITS
+    assert choose_num_splits(512, 8, 4096, 16, cpu) == 1      # the batch fills the GPU
+
+
+# ---- the backend: write + attention, two steps, mixed batches ---------------------------
+
+BACKEND_CASES_CUDA = [
+    AttnCase(dt, 2, g, d, (0, 0, 0, 0), (1, 50, 300, 33), cache_dtype=c)
+    for dt in (BF16, FP32) for g in (1, 4, 8) for d in (64, 128) for c in (None, E4M3)
+]
+BACKEND_CASES_INTERPRET = [AttnCase(FP32, 2, 2, 16, (0, 0, 0), (1, 9, 23), block_size=4),
+                           AttnCase(BF16, 1, 4, 32, (0, 0), (6, 3), block_size=8)]
+
+
+@pytest.mark.parametrize(("device", "case"), params(BACKEND_CASES_CUDA, BACKEND_CASES_INTERPRET))
+def test_backend_two_steps_with_mixed_batch(device: str, case: AttnCase) -> None:
+    """Step 1 prefills part of each prompt; step 2 mixes decodes, chunks and a pad row."""
+    from engine_core.attention.triton_backend import TritonAttentionBackend
+
+    if device == "cpu" and is_fp8(case.storage):
+        pytest.skip(_FP8_WRITE_SKIP)
+    gen = torch.Generator().manual_seed(3)
+    final = [n + 12 for n in case.new]
+    step1 = [max(n // 2, 1) for n in case.new]
+    step2 = [1 if i % 2 == 0 else f - s for i, (f, s) in enumerate(zip(final, step1))]
+    tables, num_blocks = random_tables(final, case.block_size, gen)
+    hq, hkv, d = case.num_kv_heads * case.group, case.num_kv_heads, case.head_dim
+    q_all, k_all, v_all = (torch.randn(sum(final), h, d, generator=gen).to(case.dtype)
+                           for h in (hq, hkv, hkv))
+    triton_cache = torch.full((2, num_blocks, case.block_size, hkv, d),
+                              float("nan")).to(case.storage).to(device)
+    ref_cache = triton_cache.clone()
+    offsets = [sum(final[:i]) for i in range(len(final))]
+    backend = TritonAttentionBackend()
+    for pad_rows, done, todo in ((0, [0] * len(final), step1), (1, step1, step2)):
+        meta = build_metadata(done, todo, tables, case.block_size, pad_rows, device)
+        rows = torch.cat([torch.arange(o + c, o + c + n) for o, c, n in zip(offsets, done, todo)])
+        q, k, v = (torch.cat([t[rows], torch.randn(pad_rows, *t.shape[1:], generator=gen)
+                              .to(case.dtype)]).to(device) for t in (q_all, k_all, v_all))
+        out = backend.forward(q, k, v, triton_cache, meta, d ** -0.5)
+        write_reference(k, v, ref_cache, meta.slot_mapping)
+        assert_close(out, reference_attention(q, meta, ref_cache, d ** -0.5), case.dtype)
+    assert torch.equal(triton_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+# ---- RMSNorm and RoPE ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormCase:
+    dtype: torch.dtype
+    rows: int
+    hidden: int
+    residual: bool
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}-{self.rows}x{self.hidden}-r{int(self.residual)}"
+
+
+NORM_CASES_CUDA = [NormCase(dt, rows, hidden, res) for dt in (BF16, FP16, FP32)
+                   for rows, hidden in ((1, 4096), (37, 896), (300, 128), (5, 8192))
+                   for res in (False, True)]
+NORM_CASES_INTERPRET = [NormCase(FP32, 5, 96, True), NormCase(BF16, 3, 64, False),
+                        NormCase(BF16, 4, 48, True), NormCase(FP16, 2, 32, True)]
+
+
+@pytest.mark.parametrize(("device", "case"), params(NORM_CASES_CUDA, NORM_CASES_INTERPRET))
+def test_rms_norm_matches_layer(device: str, case: NormCase) -> None:
+    from engine_core.kernels.rms_norm import rms_norm
+    from engine_core.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    layer = RMSNorm(case.hidden, eps=1e-5).to(device=device, dtype=case.dtype)
+    layer.weight.copy_(torch.rand(case.hidden, generator=gen) + 0.5)
+    x = (torch.randn(case.rows, case.hidden, generator=gen) * 3).to(device, case.dtype)
+    residual = torch.randn(case.rows, case.hidden, generator=gen).to(device, case.dtype)
+    if case.residual:
+        expected, expected_sum = layer.add_and_norm(x, residual)  # the layer's torch path
+        out, summed = rms_norm(x, layer.weight, layer.eps, residual)
+        assert summed is not None and torch.equal(summed, expected_sum)
+    else:
+        expected = layer(x)
+        out, summed = rms_norm(x, layer.weight, layer.eps)
+        assert summed is None
+    # Same roundings; only the order of the mean's float32 sum differs (a last-bit flip).
+    ulp = {FP32: 1e-6, FP16: 2 ** -10, BF16: 2 ** -7}[case.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=ulp, rtol=ulp)
+
+
+@dataclass(frozen=True)
+class RopeCase:
+    dtype: torch.dtype
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: str
+
+    def __str__(self) -> str:
+        return (f"{str(self.dtype).removeprefix('torch.')}-q{self.num_q_heads}"
+                f"k{self.num_kv_heads}-d{self.head_dim}-{self.scaling}")
+
+
+_SCALINGS = {"default": None, "linear": {"rope_type": "linear", "factor": 2.0},
+             "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+ROPE_CASES_CUDA = [RopeCase(dt, hq, hkv, d, s) for dt in (BF16, FP16, FP32)
+                   for hq, hkv, d in ((32, 8, 128), (14, 2, 64), (4, 4, 16)) for s in _SCALINGS]
+ROPE_CASES_INTERPRET = [RopeCase(FP32, 4, 2, 16, "llama3"), RopeCase(BF16, 3, 1, 32, "default"),
+                        RopeCase(FP16, 2, 2, 12, "linear")]
+
+
+@pytest.mark.parametrize(("device", "case"), params(ROPE_CASES_CUDA, ROPE_CASES_INTERPRET))
+def test_rope_matches_reference_exactly(device: str, case: RopeCase) -> None:
+    from engine_core.kernels.rotary import apply_rope
+    from engine_core.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(case.head_dim, 10000.0, _SCALINGS[case.scaling]).to(device)
+    positions = torch.cat([torch.arange(0, 7), torch.arange(40, 61), torch.tensor([5000])])
+    cos, sin = rope.cos_sin(positions.to(device), case.dtype)
+    t = positions.shape[0]
+    q = torch.randn(t, case.num_q_heads, case.head_dim, generator=gen).to(device, case.dtype)
+    k = torch.randn(t, case.num_kv_heads, case.head_dim, generator=gen).to(device, case.dtype)
+    q_out, k_out = apply_rope(q, k, cos, sin)
+    # Bit-exact: the kernel rounds where torch rounds.
+    assert torch.equal(q_out, RotaryEmbedding.apply(q, cos, sin))
+    assert torch.equal(k_out, RotaryEmbedding.apply(k, cos, sin))
+
+
+# ---- CUDA only: capture and replay ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_cuda_graph() -> None:
+    """Write + decode captured once, replayed on new lengths, tables and values in place."""
+    from engine_core.attention.triton_backend import TritonAttentionBackend
+
+    case = AttnCase(BF16, 2, 4, 128, (100, 5000, 0, 17), (1, 1, 1, 1), pad_rows=2)
+    batch = make_batch(case, "cuda")
+    backend = TritonAttentionBackend()
+    meta = batch.metadata
+    q, k, v, kv_cache = batch.q.clone(), batch.k.clone(), batch.v.clone(), batch.kv_cache
+    backend.forward(q, k, v, kv_cache.clone(), meta, batch.scale)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, kv_cache, meta, batch.scale)
+    for seed, cached in ((5, (2500, 7, 64, 1)), (6, (31, 1, 4000, 250))):
+        fresh = make_batch(AttnCase(BF16, 2, 4, 128, cached, (1, 1, 1, 1), pad_rows=2),
+                           "cuda", seed=seed)
+        width = fresh.metadata.block_tables.shape[1]
+        assert width <= meta.block_tables.shape[1] and fresh.kv_cache.shape[1] <= kv_cache.shape[1]
+        for static, new in ((q, fresh.q), (k, fresh.k), (v, fresh.v),
+                            (meta.slot_mapping, fresh.metadata.slot_mapping),
+                            (meta.seq_lens, fresh.metadata.seq_lens)):
+            static.copy_(new)
+        meta.block_tables.zero_()
+        meta.block_tables[:, :width] = fresh.metadata.block_tables
+        kv_cache.fill_(float("nan"))
+        kv_cache[:, :fresh.kv_cache.shape[1]] = fresh.kv_cache
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, expected_output(fresh, cache_with_new_tokens(fresh)), BF16)

@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": ("proxy + N prefill + M decode workers on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
     "proxy": ("run the prefill/decode proxy (OpenAI API, ZMQ worker registration)",
               "proxy.__main__:add_proxy_args", "proxy.__main__:run_proxy"),
+    "bench": ("benchmarks: `bench serve` measures an OpenAI server (vLLM's bench serve flags)",
+              "benchmarks.serve.cli:add_bench_arguments", "benchmarks.serve.cli:run_bench"),
 }
 
 DEMO_MODEL_NAME = "pdserve-demo"
@@ -57,6 +59,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between throughput log lines (0 disables)")
+    parser.add_argument("--proxy-address", default=None,
+                        help="register with this proxy (registration HOST:PORT) as a colocated "
+                             "worker: it sends whole requests here")
+    parser.add_argument("--heartbeat-interval", type=float, default=3.0,
+                        help="seconds between heartbeats to the proxy")
     add_engine_args(parser)
 
 
@@ -88,7 +95,12 @@ def run_serve(args: argparse.Namespace) -> int:
             # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker.
             from prefill.worker import serve_worker
 
-            serve_worker(config, options)
+            serve_worker(config, options, args.heartbeat_interval)
+        elif args.proxy_address:
+            from prefill.worker import colocated_hook
+
+            run_server(config, options, on_startup=[
+                colocated_hook(config, args.proxy_address, args.heartbeat_interval)])
         else:
             run_server(config, options)
     except PdserveError as exc:

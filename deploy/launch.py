@@ -31,6 +31,9 @@ HOST = "127.0.0.1"
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--colocated", type=int, default=0,
+                        help="number of colocated workers (pdserve serve; whole requests go to "
+                             "them when no P/D pair serves the model)")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: demo model)")
     parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
     parser.add_argument("--port", type=int, default=10001, help="proxy HTTP port")
@@ -152,11 +155,12 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                             str(args.port), "--registration-port", str(reg_port)],
                   base_env, log_dir / "proxy.log")
     gpus = detect_gpus(args.gpus)
-    total = args.prefill + args.decode
+    num_colocated = args.colocated
+    total = args.prefill + args.decode + num_colocated
     if gpus and len(gpus) < total:
         raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
     workers = []
-    for i in range(total):
+    for i in range(args.prefill + args.decode):
         module, index = ("prefill", i) if i < args.prefill else ("decode", i - args.prefill)
         http_port, kv_port = free_port(), free_port()
         role = "kv_producer" if module == "prefill" else "kv_consumer"
@@ -175,6 +179,16 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                 "--heartbeat-interval", str(args.heartbeat_interval),
                 *device_args, *engine_args]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
+                             http_address=f"{HOST}:{http_port}"))
+    for index in range(num_colocated):
+        gpu_env = {"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {}
+        http_port = free_port()
+        argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
+                "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
+                "--heartbeat-interval", str(args.heartbeat_interval),
+                *([] if gpus else ["--device", "cpu"]), *engine_args]
+        workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env},
+                             log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     return proxy, workers, f"http://{HOST}:{args.port}"
 
@@ -240,7 +254,8 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
             return 0
         model = next((engine_args[i + 1] for i, a in enumerate(engine_args[:-1])
                       if a == "--served-model-name"), args.model)
-        print(f"pdserve launch: ready: {args.prefill}P{args.decode}D at {url}\n"
+        colocated = f" + {args.colocated} colocated" if args.colocated else ""
+        print(f"pdserve launch: ready: {args.prefill}P{args.decode}D{colocated} at {url}\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
               flush=True)

@@ -56,12 +56,19 @@ class TokenLogprob:
 
 @dataclass
 class RequestTimings:
-    """Engine-side timestamps (monotonic seconds) for per-request latency breakdowns."""
+    """Engine-side timestamps (monotonic seconds) for per-request latency breakdowns.
+
+    ``first_scheduled_time`` is when the scheduler first took the request (a decode worker
+    parks it there to wait for remote KV); ``compute_start_time`` is when it first ran on
+    this engine, after ``remote_kv_ready_time`` when its prompt KV came from a peer.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    compute_start_time: float | None = None
+    remote_kv_ready_time: float | None = None
 
 
 @dataclass

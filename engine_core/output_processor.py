@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.detokenizer import IncrementalDetokenizer
-from engine_core.messages import EngineOutput, TokenLogprob
+from engine_core.messages import EngineOutput, RequestTimings, TokenLogprob
 from engine_core.sampling_params import SamplingParams
 
 
@@ -53,6 +53,7 @@ class RequestDelta:
     error: str | None = None
     # A stop string ended the request here: the engine still runs it until aborted.
     needs_engine_abort: bool = False
+    timings: RequestTimings | None = None  # the engine's, on its final output only
 
 
 class TokenTextCache:
@@ -130,7 +131,8 @@ class RequestState:
             num_output_tokens=len(self.output_token_ids),
             finished=self.finished, finish_reason=finish_reason, stop_reason=stop_reason,
             kv_transfer_params=output.kv_transfer_params, error=output.error,
-            needs_engine_abort=stopped_here and not engine_finished)
+            needs_engine_abort=stopped_here and not engine_finished,
+            timings=output.timings)
 
 
 class OutputProcessor:

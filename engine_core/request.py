@@ -61,6 +61,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
     first_scheduled_time: float | None = None
+    # First admitted to compute (after its remote KV landed, for a decode worker).
+    compute_start_time: float | None = None
+    remote_kv_ready_time: float | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

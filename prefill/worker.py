@@ -62,39 +62,58 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
     return dataclasses.replace(kv, **changes)
 
 
-def registration_hook(config: EngineConfig, interval_s: float) -> Any:
-    """A startup hook for ``run_server`` that heartbeats to the proxy until shutdown."""
-    kv = config.kv_transfer
-    assert kv is not None
+def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str | None,
+                   interval_s: float, http_ip: str | None = None,
+                   fallback_host: str = "127.0.0.1") -> Any:
+    """A startup hook for ``run_server`` that heartbeats ``role`` to the proxy until shutdown.
+
+    The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
+    ``fallback_host``.
+    """
 
     async def start(client: Any, options: Any) -> Any:
+        from engine_core.server.api_server import _version
         from proxy.messages import WorkerLoad
         from proxy.registration import RegistrationClient
 
-        if kv.proxy_ip is None or kv.proxy_port is None or kv.kv_role not in ROLE_LETTER:
-            logger.info("no proxy_ip/proxy_port or role %s: not registering", kv.kv_role)
-            return None
-        host = kv.http_ip or (options.host if options.host not in ("", "0.0.0.0", "::")
-                              else kv.kv_ip)
+        host = http_ip or (options.host if options.host not in ("", "0.0.0.0", "::")
+                           else fallback_host)
 
         def load() -> WorkerLoad:
             s = client.latest_stats
             return WorkerLoad() if s is None else WorkerLoad(
                 s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv)
 
-        from engine_core.server.api_server import _version
-
         registration = RegistrationClient(
-            f"{kv.proxy_ip}:{kv.proxy_port}", role=ROLE_LETTER[kv.kv_role],
-            http_address=f"{host}:{options.port}", model=config.model.name,
-            zmq_address=f"{kv.kv_ip}:{kv.kv_port}", version=_version(), load_provider=load,
+            proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
+            zmq_address=zmq_address, version=_version(), load_provider=load,
             interval_s=interval_s)
         registration.start()
-        logger.info("registering as %s with proxy %s:%s", ROLE_LETTER[kv.kv_role],
-                    kv.proxy_ip, kv.proxy_port)
+        logger.info("registering as %s with proxy %s", role, proxy_address)
         return registration.stop
 
     return start
+
+
+def registration_hook(config: EngineConfig, interval_s: float) -> Any:
+    """The P/D worker's heartbeat hook, from its kv-transfer config."""
+    kv = config.kv_transfer
+    assert kv is not None
+    if kv.proxy_ip is None or kv.proxy_port is None or kv.kv_role not in ROLE_LETTER:
+        async def skip(client: Any, options: Any) -> None:
+            logger.info("no proxy_ip/proxy_port or role %s: not registering", kv.kv_role)
+
+        return skip
+    return heartbeat_hook(ROLE_LETTER[kv.kv_role], f"{kv.proxy_ip}:{kv.proxy_port}",
+                          config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
+                          http_ip=kv.http_ip, fallback_host=kv.kv_ip)
+
+
+def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float) -> Any:
+    """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole requests."""
+    from proxy.messages import ROLE_COLOCATED
+
+    return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s)
 
 
 def serve_worker(config: EngineConfig, options: Any, heartbeat_interval_s: float = 3.0) -> None:

@@ -18,6 +18,7 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ class RequestTimer:
     prefill_sent: float | None = None    # that attempt's legs sent
     first_byte: float | None = None      # first byte from D / colocated
     upstream_done: float | None = None   # last byte needed from a worker
+    prefill_timings: dict[str, Any] | None = None  # P's ``pdserve_timings``, when it sent them
 
 
 class _Retry(Exception):
@@ -186,6 +188,7 @@ class Dispatcher:
                 return web.Response(status=p_status, body=p_data, content_type=p_type,
                                     headers={"X-Request-Id": attempt_id})
             timer.prefill_done = self.clock()
+            timer.prefill_timings = _server_timings(p_data)
             d_response = await self._decode_response(d_task, d_leg)
             if not 200 <= d_response.status < 300:
                 return await self._forward_refusal(d_response, d_leg, attempt_id)
@@ -288,7 +291,7 @@ class Dispatcher:
         timer.first_byte = self.clock()
         out = web.StreamResponse(status=response.status, headers={
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
-            "X-Request-Id": attempt_id})
+            "X-Request-Id": attempt_id, **breakdown_headers(timer)})
         await out.prepare(request)
         tracker = fw.SSETracker()
         chunk = first
@@ -317,13 +320,37 @@ class Dispatcher:
         return out
 
     def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
-        headers: dict[str, str] = {}
+        headers = breakdown_headers(timer)
         if timer.prefill_done is not None and timer.prefill_sent is not None:
             headers["X-Pdserve-Prefill-Ms"] = f"{(timer.prefill_done - timer.prefill_sent) * 1e3:.3f}"
         overhead = proxy_overhead(timer, self.clock())
         if overhead is not None:
             headers["X-Pdserve-Proxy-Overhead-Ms"] = f"{overhead * 1e3:.3f}"
         return headers
+
+
+def breakdown_headers(timer: RequestTimer) -> dict[str, str]:
+    """Known before the first byte: the proxy's queueing and P's server-side timings.
+
+    Headers, so D's body passes through unchanged; a benchmark joins them with the
+    ``pdserve_timings`` D puts in its final chunk.
+    """
+    headers: dict[str, str] = {}
+    if timer.dispatched is not None:
+        headers["X-Pdserve-Queue-Ms"] = f"{(timer.dispatched - timer.arrival) * 1e3:.3f}"
+    if timer.prefill_timings:
+        headers["X-Pdserve-Prefill-Timings"] = json.dumps(timer.prefill_timings,
+                                                          separators=(",", ":"))
+    return headers
+
+
+def _server_timings(body: bytes) -> dict[str, Any] | None:
+    """The ``pdserve_timings`` object of a worker's JSON answer, if it has one."""
+    try:
+        value = json.loads(body).get("pdserve_timings")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def proxy_overhead(timer: RequestTimer, now: float) -> float | None:

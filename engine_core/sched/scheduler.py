@@ -166,6 +166,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            if request.compute_start_time is None:
+                request.compute_start_time = now
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(NewRequestData(
@@ -294,6 +296,7 @@ class Scheduler:
             if request is None or num_loaded is None:
                 continue
             request.num_computed_tokens = num_loaded
+            request.remote_kv_ready_time = time.monotonic()
             self.kv.cache_blocks(request, num_loaded)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
@@ -347,6 +350,8 @@ class Scheduler:
                 first_scheduled_time=request.first_scheduled_time,
                 first_token_time=request.first_token_time,
                 finished_time=time.monotonic() if finished else None,
+                compute_start_time=request.compute_start_time,
+                remote_kv_ready_time=request.remote_kv_ready_time,
             ) if finished else None,
         )
 

@@ -20,6 +20,37 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
+# pdserve_timings key -> (metric, help); vLLM's names where vLLM has the metric.
+_BREAKDOWN_METRICS = {
+    "queue_ms": ("vllm:request_queue_time_seconds",
+                 "Histogram of time spent in WAITING phase for request."),
+    "prefill_ms": ("vllm:request_prefill_time_seconds",
+                   "Histogram of time spent in PREFILL phase for request."),
+    "kv_wait_ms": ("pdserve:request_kv_wait_seconds",
+                   "Decode worker: parked until the remote prompt KV landed."),
+    "decode_queue_ms": ("pdserve:request_decode_queue_seconds",
+                        "Decode worker: remote KV landed until the first compute step."),
+    "first_step_ms": ("pdserve:request_first_decode_step_seconds",
+                      "Decode worker: first compute step until the first token."),
+}
+
+# KV connector gauges (``EngineStats.connector`` keys of both halves), exported as
+# ``pdserve:kv_transfer_<key>``. Each reads 0 on an idle worker, so a soak run can assert
+# that no transfer state or buffer byte leaked. Colocated workers have none of them.
+CONNECTOR_GAUGES = {
+    "recv_buffer_bytes_in_use": "Receive-buffer bytes reserved for KV loads in flight (D).",
+    "send_buffer_bytes_in_use": "Bytes gathered for KV sends not yet completed (P).",
+    "pinned_bytes_in_use": "Pinned host bytes holding KV (0: D pushes back, never spills).",
+    "loads_pending": "Requests whose remote KV load is scheduled and not finished (D).",
+    "loads_in_flight": "KV loads with a pull request sent and data not yet landed (D).",
+    "loads_waiting_for_buffer": "KV loads waiting for receive-buffer room (D).",
+    "sends_in_flight": "KV sends queued or running on a sender thread (P).",
+    "sends_pending_pull": "Computed KV held for a decode worker's pull (P).",
+    "pull_requests_waiting": "Pull requests that arrived before their request (P).",
+    "producer_requests": "Prefill requests whose KV is still to be saved (P).",
+    "held_requests": "Finished prefill requests whose blocks are held until sent (P).",
+}
+
 
 class _EngineStatsCollector(Collector):
     """Yields engine gauges and counters from the stats snapshot held by ``ServerMetrics``."""
@@ -39,6 +70,9 @@ class _EngineStatsCollector(Collector):
             "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
                                          stats.kv_cache_usage),
         }
+        for key, doc in CONNECTOR_GAUGES.items():
+            if key in stats.connector:
+                gauges[f"pdserve:kv_transfer_{key}"] = (doc, stats.connector[key])
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(labels, value)
@@ -80,6 +114,10 @@ class ServerMetrics:
         self.request_success = Counter("vllm:request_success",
                                        "Count of successfully processed requests.",
                                        labels + ["finished_reason"], registry=self.registry)
+        # Server-side breakdown of each request (engine_core.server.timings), by key.
+        self.breakdown = {
+            key: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+            for key, (name, doc) in _BREAKDOWN_METRICS.items()}
         self.registry.register(_EngineStatsCollector(self))
 
     def observe_first_token(self, seconds: float) -> None:
@@ -96,6 +134,13 @@ class ServerMetrics:
         if finish_reason in ("stop", "length"):
             self.e2e.labels(self.model_name).observe(e2e_seconds)
             self.request_success.labels(self.model_name, finish_reason).inc()
+
+    def observe_breakdown(self, timings: dict[str, float]) -> None:
+        """One finished request's ``pdserve_timings`` (milliseconds) into the histograms."""
+        for key, histogram in self.breakdown.items():
+            value = timings.get(key)
+            if value is not None:
+                histogram.labels(self.model_name).observe(max(0.0, value) / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,11 +20,13 @@ from aiohttp import web
 
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
+from engine_core.messages import RequestTimings
 from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol, streaming
 from engine_core.server.http_errors import REQUEST_ID_KEY, exception_body
 from engine_core.server.metrics import ServerMetrics
+from engine_core.server.timings import breakdown
 from engine_core.server.tokenization import TokenizerService
 
 logger = logging.getLogger("pdserve.server")
@@ -53,6 +55,7 @@ class _ChoiceResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    timings: RequestTimings | None = None
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.text
@@ -63,6 +66,8 @@ class _ChoiceResult:
         self.num_output_tokens = delta.num_output_tokens
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params = delta.kv_transfer_params
+        if delta.timings is not None:
+            self.timings = delta.timings
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -114,6 +119,17 @@ def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
         for e in entries]}
 
 
+def _add_server_timings(response: dict[str, Any], choices: list[_ChoiceResult]) -> None:
+    """``pdserve_timings``: a dict for one choice, a list (by index) for several."""
+    now_monotonic, now_unix = time.monotonic(), time.time()
+    found = [None if c.timings is None else breakdown(c.timings, now_monotonic, now_unix)
+             for c in choices]
+    if len(found) == 1 and found[0] is not None:
+        response["pdserve_timings"] = found[0]
+    elif len(found) > 1 and any(t is not None for t in found):
+        response["pdserve_timings"] = found
+
+
 class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and responses."""
 
@@ -161,6 +177,9 @@ class OpenAIServing:
                     num_output = delta.num_output_tokens
                     if delta.finished:
                         finish_reason = delta.finish_reason
+                    if delta.timings is not None:
+                        self.metrics.observe_breakdown(breakdown(
+                            delta.timings, time.monotonic(), time.time()))
                     yield delta
                     if delta.finished:
                         # A stop string ended it here: closing the stream aborts it in the engine.
@@ -230,6 +249,7 @@ class OpenAIServing:
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": _usage(choices)}
                 self._add_kv_transfer_params(response, choices)
+                _add_server_timings(response, choices)
                 return web.json_response(response, headers=headers)
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
@@ -251,6 +271,7 @@ class OpenAIServing:
                             "stop_reason": delta.stop_reason if delta.finished else None}]}
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
+                            _add_server_timings(chunk, [choice])
                         await streaming.send_event(sse, chunk)
                     item = await anext(events, None)
                     if item is None:
@@ -287,6 +308,7 @@ class OpenAIServing:
                     "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}],
                     "usage": _usage([choice])}
                 self._add_kv_transfer_params(response, [choice])
+                _add_server_timings(response, [choice])
                 return web.json_response(response, headers=headers)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
@@ -308,6 +330,7 @@ class OpenAIServing:
                             "stop_reason": delta.stop_reason if delta.finished else None}]}
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
+                            _add_server_timings(chunk, [choice])
                         await streaming.send_event(sse, chunk)
                     item = await anext(events, None)
                 if parsed.include_usage:

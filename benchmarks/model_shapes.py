@@ -6,7 +6,12 @@ the weights with random values. The model's vocabulary is the real one; the toke
 knows the demo's 1000 entries, so prompts are given as token ids or as demo-tokenizer text,
 and generated ids past the tokenizer decode to nothing (benchmarks use ``ignore_eos``).
 
-    python3 -m benchmarks.model_shapes qwen3-8b /tmp/qwen3-8b
+``--tokenizer words`` writes instead a word-level tokenizer covering the whole vocabulary
+(token ``i`` is the word ``t{i}``; Qwen's special tokens keep their ids): every id a dummy
+model samples then decodes to visible text, so streamed responses carry content and a
+serving benchmark can time the first token, and decode-then-encode gives back the same ids.
+
+    python3 -m benchmarks.model_shapes qwen3-8b /tmp/qwen3-8b [--tokenizer words]
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine_core.demo_model import save_tokenizer
+from engine_core.demo_model import CHATML_TEMPLATE, save_tokenizer
+
+TOKENIZERS = ("demo", "words")
+# Qwen's special-token ids; in a smaller vocabulary they take its last three ids.
+QWEN_SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 
 # Published Qwen3 shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-8B).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -35,15 +44,43 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def write_model_dir(shape: str, path: Path | str) -> Path:
-    """Write ``config.json`` and the demo tokenizer for ``shape`` into ``path``."""
+def save_word_tokenizer(path: Path, vocab_size: int) -> Any:
+    """A word-level tokenizer whose ``vocab_size`` ids are the words ``t{i}`` (and specials)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    top = max(QWEN_SPECIAL_TOKENS)
+    special = (QWEN_SPECIAL_TOKENS if vocab_size > top else
+               {vocab_size - 3 + i: n for i, n in enumerate(QWEN_SPECIAL_TOKENS.values())})
+    vocab = {f"t{i}": i for i in range(vocab_size) if i not in special}
+    vocab.update({name: i for i, name in special.items()})
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, eos_token="<|endoftext|>", unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHATML_TEMPLATE, model_max_length=1 << 20)
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def write_model_dir(shape: str, path: Path | str, tokenizer: str = "demo",
+                    **overrides: Any) -> Path:
+    """Write ``config.json`` and a tokenizer (``demo`` or ``words``) for ``shape`` into ``path``.
+
+    ``overrides`` replace config keys (a smaller ``vocab_size`` for CPU tests, say).
+    """
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = save_tokenizer(path)
-    eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = {**_COMMON, **SHAPES[shape], "eos_token_id": eos_id, "pad_token_id": eos_id}
+    config = {**_COMMON, **SHAPES[shape], **overrides}
+    saved = (save_word_tokenizer(path, config["vocab_size"]) if tokenizer == "words"
+             else save_tokenizer(path))
+    eos_id = saved.convert_tokens_to_ids("<|endoftext|>")
+    config.update(eos_token_id=eos_id, pad_token_id=eos_id)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 
@@ -52,8 +89,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("path")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="demo",
+                        help="demo: the demo BPE (1000 ids); words: one word per vocabulary id")
     args = parser.parse_args()
-    print(write_model_dir(args.shape, args.path))
+    print(write_model_dir(args.shape, args.path, args.tokenizer))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ connector  one request through the connector (PUT_ASYNC): pull request, header, 
            paged cache. ``e2e``: wall time from the producer's ``bind_step`` to the consumer
            reporting the request landed (includes the ZMQ header and the consumer's poll).
            ``data``: the consumer's GPU time from posting its receives to their completion
-           (``recv_gpu_seconds``), the part that raw NCCL is the limit of.
+           (``recv_gpu_seconds``, includes waiting for the producer's data), and
+           ``data``: the producer's GPU time from its first send (data gathered, receives
+           already posted) to the last send's end (``send_gpu_seconds``): the part raw
+           NCCL is the limit of.
 
 Each ``--min-call-bytes`` value runs in a fresh producer/consumer pair (0 = one NCCL call
 per layer). Prints JSON and writes it to ``--out``.
@@ -100,11 +103,14 @@ def _raw(rank: int, uid_queue: Any, out: Any, sizes: list[int], iters: int) -> N
 
 
 def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes: list[int],
-               trials: int, min_call_bytes: int) -> None:
+               trials: int, min_call_bytes: int, switch_interval: float) -> None:
+    import sys
+
     from connectors import create_connector
     from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
     from engine_core.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 
+    sys.setswitchinterval(switch_interval)
     device = "cuda:0" if role == "kv_producer" else "cuda:1"
     torch.cuda.set_device(device)
     config = EngineConfig(
@@ -145,15 +151,21 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                     time.sleep(0.2)  # the pull request lands first, as when D asks early
                     meta = P2pConnectorMetadata(saves=[SaveSpec("r", tid, peer, block_ids, tokens)])
                     torch.cuda.synchronize()
+                    before = worker.stats()
                     start = time.monotonic()
                     worker.start_load_kv(meta)
                     worker.bind_step(meta, None)
                     for layer, cache in enumerate(caches):
                         worker.after_layer(layer, cache)
                     worker.wait_for_save()
+                    hooks_done = time.monotonic()
                     out.put(("start", blocks, trial, start))
                     while not worker.get_finished().sending:
                         time.sleep(0.0002)
+                    sent = time.monotonic()
+                    after = worker.stats()
+                    out.put(("sent", blocks, trial, hooks_done - start, sent - start,
+                             after["send_gpu_seconds"] - before["send_gpu_seconds"]))
         out.put(("stats", role, worker.stats()))
     finally:
         worker.shutdown()
@@ -173,23 +185,29 @@ def run_raw(ctx: Any, sizes_bytes: list[int], iters: int) -> dict[int, tuple[flo
     return raw
 
 
-def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes: int) -> dict[str, Any]:
+def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes: int,
+                  switch_interval: float) -> dict[str, Any]:
     out, handoff = ctx.Queue(), ctx.Queue()
     p_port, d_port = free_port(), free_port()
     procs = [ctx.Process(target=_connector, args=("kv_consumer", d_port, p_port, handoff, out,
-                                                  sizes_blocks, trials, min_call_bytes)),
+                                                  sizes_blocks, trials, min_call_bytes,
+                                                  switch_interval)),
              ctx.Process(target=_connector, args=("kv_producer", p_port, d_port, handoff, out,
-                                                  sizes_blocks, trials, min_call_bytes))]
+                                                  sizes_blocks, trials, min_call_bytes,
+                                                  switch_interval))]
     for p in procs:
         p.start()
     starts: dict[tuple[int, int], float] = {}
     done: dict[tuple[int, int], tuple[float, bool, float, float]] = {}
+    sent: dict[tuple[int, int], tuple[float, float, float]] = {}
     stats: dict[str, Any] = {}
     expected = len(sizes_blocks) * (trials + 1)
-    while len(done) < expected or len(starts) < expected or len(stats) < 2:
+    while len(done) < expected or len(sent) < expected or len(stats) < 2:
         item = out.get(timeout=300)
         if item[0] == "start":
             starts[(item[1], item[2])] = item[3]
+        elif item[0] == "sent":
+            sent[(item[1], item[2])] = tuple(item[3:])
         elif item[0] == "done":
             done[(item[1], item[2])] = tuple(item[3:])
         else:
@@ -199,20 +217,31 @@ def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes
     result: dict[str, Any] = {}
     for blocks in sizes_blocks:
         nbytes = blocks * BYTES_PER_BLOCK
-        e2e, data, calls, failed = [], [], [], 0
+        e2e, data, recv, hooks, send_wall, calls, failed = [], [], [], [], [], [], 0
         for trial in range(1, trials + 1):
-            end, ok, gpu_s, n_calls = done[(blocks, trial)]
+            end, ok, recv_s, n_calls = done[(blocks, trial)]
+            hooks_s, sent_s, send_gpu_s = sent[(blocks, trial)]
             if not ok:
                 failed += 1
                 continue
             e2e.append(end - starts[(blocks, trial)])
-            data.append(gpu_s)
+            data.append(send_gpu_s)
+            recv.append(recv_s)
+            hooks.append(hooks_s)
+            send_wall.append(sent_s)
             calls.append(n_calls)
+
+        def ms(values: list[float]) -> float:
+            return round(statistics.median(values) * 1e3, 4)
+
         result[str(nbytes)] = {
-            "e2e_ms_median": round(statistics.median(e2e) * 1e3, 4),
+            "e2e_ms_median": ms(e2e),
             "e2e_gbps": round(nbytes / statistics.median(e2e) / 1e9, 1),
-            "data_ms_median": round(statistics.median(data) * 1e3, 4),
+            "data_ms_median": ms(data),
             "data_gbps": round(nbytes / statistics.median(data) / 1e9, 1),
+            "consumer_recv_ms_median": ms(recv),
+            "producer_hooks_ms_median": ms(hooks),
+            "producer_send_done_ms_median": ms(send_wall),
             "nccl_calls_per_request": statistics.median(calls),
             "failed": failed,
         }
@@ -226,6 +255,8 @@ def main() -> None:
     parser.add_argument("--min-call-bytes", type=int, nargs="+", default=[0, 32 << 20])
     parser.add_argument("--raw-iters", type=int, default=10)
     parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
+                        help="sys.setswitchinterval values to run the connector under")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -242,13 +273,14 @@ def main() -> None:
                   for mb, b, n in zip(args.sizes_mb, blocks, sizes_bytes)],
         "connector": {},
     }
-    for min_call in args.min_call_bytes:
-        measured = run_connector(ctx, blocks, args.trials, min_call)
-        for row in result["sizes"]:
-            entry = measured[str(row["bytes"])]
-            entry["data_vs_raw"] = round(entry["data_gbps"] / row["raw_gbps"], 3)
-            entry["e2e_vs_raw"] = round(entry["e2e_gbps"] / row["raw_gbps"], 3)
-        result["connector"][str(min_call)] = measured
+    for switch_interval in args.switch_intervals:
+        for min_call in args.min_call_bytes:
+            measured = run_connector(ctx, blocks, args.trials, min_call, switch_interval)
+            for row in result["sizes"]:
+                entry = measured[str(row["bytes"])]
+                entry["data_vs_raw"] = round(entry["data_gbps"] / row["raw_gbps"], 3)
+                entry["e2e_vs_raw"] = round(entry["e2e_gbps"] / row["raw_gbps"], 3)
+            result["connector"][f"min_call_bytes={min_call},switch_interval={switch_interval}"] = measured
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

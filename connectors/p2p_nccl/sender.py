@@ -207,7 +207,9 @@ class PeerSender:
             job.error = f"{type(exc).__name__}: {exc}"
             logger.warning("kv send %s to %s failed: %s", job.transfer_id, self.peer_address,
                            job.error)
-            self._transport.abort(self.peer_address)
+            if header_sent:
+                # Data calls may be posted: abort the pair so neither side waits on them.
+                self._transport.abort(self.peer_address)
             if self._client is not None:
                 self._client.close()
                 self._client = None

@@ -76,10 +76,12 @@ class _Pair:
     rank: int
     stream: torch.cuda.Stream
     comm: Any = None
+    init_deadline: float = 0.0  # a pair still joining after this is given up and replaced
     ready: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     aborted: bool = False
     op_deadline: float | None = None  # set while a data call is outstanding (watchdog)
+    send_start: Any = None  # timing event before the current transfer's first send
 
 
 class NcclPairTransport:
@@ -103,28 +105,43 @@ class NcclPairTransport:
         self._watchdog.start()
         self.data_calls = 0
         self.recv_gpu_seconds = 0.0  # GPU time from posting a transfer's receives to their end
+        self.send_gpu_seconds = 0.0  # GPU time from a transfer's first send (data ready) to its end
         if config.nccl_num_channels is not None:
             set_nccl_channels(config.nccl_num_channels)
 
     # ---- producer (rank 0) --------------------------------------------------------------
 
     def open_pair(self, client: ControlClient, peer_address: str, deadline: float) -> None:
-        """Create the pair on first contact (or after an abort); no-op when it is healthy."""
+        """Create the pair on first contact (or after an abort); no-op when it is healthy.
+
+        A pair still joining is waited for, not replaced: its init (first NCCL use of a
+        fresh process takes seconds) outlives the deadline of the transfer that started it,
+        and replacing it per transfer would never let one finish. Only a pair still joining
+        after ``INIT_TIMEOUT_S`` is given up.
+        """
         key = ("send", peer_address)
+        now = time.monotonic()
         with self._lock:
             pair = self._pairs.get(key)
-            if pair is not None and pair.ready.is_set() and pair.error is None and not pair.aborted:
-                return
-        nccl = _nccl()
-        with torch.cuda.device(self._device_index):
-            unique_id = nccl.get_unique_id()
-            pair = _Pair(peer_address, 0, torch.cuda.Stream(self._device))
-        with self._lock:
-            self._pairs[key] = pair
-        client.send(NcclHello(self._own_address, self._epoch, unique_id_to_bytes(unique_id)))
-        self._init_async(pair, unique_id_to_bytes(unique_id))
-        if not pair.ready.wait(max(0.0, min(deadline, time.monotonic() + INIT_TIMEOUT_S) - time.monotonic())):
-            pair.error = "communicator init timed out"
+        if pair is not None and pair.ready.is_set() and pair.error is None and not pair.aborted:
+            return
+        joining = (pair is not None and not pair.ready.is_set() and not pair.aborted
+                   and pair.error is None and now < pair.init_deadline)
+        if not joining:
+            if pair is not None:
+                self.abort(peer_address)
+            nccl = _nccl()
+            with torch.cuda.device(self._device_index):
+                unique_id = unique_id_to_bytes(nccl.get_unique_id())
+                pair = _Pair(peer_address, 0, torch.cuda.Stream(self._device),
+                             init_deadline=now + INIT_TIMEOUT_S)
+            with self._lock:
+                self._pairs[key] = pair
+            client.send(NcclHello(self._own_address, self._epoch, unique_id))
+            self._init_async(pair, unique_id)
+        assert pair is not None
+        if not pair.ready.wait(max(0.0, min(deadline, pair.init_deadline) - time.monotonic())):
+            raise KVTransferError(f"NCCL pair with {peer_address} still joining at the deadline")
         if pair.error is not None:
             raise KVTransferError(f"NCCL pair with {peer_address}: {pair.error}")
 
@@ -136,6 +153,9 @@ class NcclPairTransport:
         with torch.cuda.stream(pair.stream):
             if event is not None:
                 pair.stream.wait_event(event)
+            if pair.send_start is None:
+                pair.send_start = torch.cuda.Event(enable_timing=True)
+                pair.send_start.record(pair.stream)
             buffer.record_stream(pair.stream)
             pair.op_deadline = deadline
             pair.comm.send(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
@@ -145,10 +165,13 @@ class NcclPairTransport:
     def finish_sends(self, peer_address: str, deadline: float) -> None:
         """Wait (polling, under the deadline) until the pair's posted sends completed."""
         pair = self._live_pair("send", peer_address)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record(pair.stream)
         self._wait(pair, done, deadline)
         pair.op_deadline = None
+        if pair.send_start is not None:
+            self.send_gpu_seconds += pair.send_start.elapsed_time(done) / 1e3
+            pair.send_start = None
 
     @contextlib.contextmanager
     def gather_context(self, peer_address: str, event: Any) -> Iterator[None]:

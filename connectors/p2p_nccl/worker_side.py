@@ -272,6 +272,7 @@ class P2pConnectorWorker:
             out.update({
                 "data_calls": float(self._transport.data_calls),
                 "recv_gpu_seconds": float(getattr(self._transport, "recv_gpu_seconds", 0.0)),
+                "send_gpu_seconds": float(getattr(self._transport, "send_gpu_seconds", 0.0)),
                 "control_messages_received": float(self._server.messages_received),
                 "control_messages_rejected": float(self._server.messages_rejected),
                 "recv_buffer_bytes_in_use": float(self._recv_buffer.in_use_bytes),

@@ -27,7 +27,9 @@ from engine_core.kernels.paged_prefill import LOG2E, dot_precision
 
 # A split below this many tokens costs more in the merge than it gains in parallelism.
 MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 16
+# H200 sweep (32 q / 8 KV heads, d 128, bf16): one 32k-token sequence ran 0.14 ms with 16
+# splits and 0.09 ms with 33 (the occupancy bound below); batches gained nothing from more.
+MAX_SPLITS = 64
 _ROW_MAX_START = tl.constexpr(-1.0e30)
 
 
@@ -146,7 +148,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            out: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                           scale: float, num_splits: int | None = None) -> None:
+                           scale: float, num_splits: int | None = None,
+                           block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -164,7 +168,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
     block_d = next_power_of_2(head_dim)
-    block_n = 32 if q.dtype == torch.float32 or block_d > 128 else 64
+    if block_n is None:
+        block_n = 32 if q.dtype == torch.float32 or block_d > 128 else 64
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_q_heads, num_splits, block_d,
                                dtype=torch.float32, device=q.device)
@@ -179,7 +185,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), num_warps=4)
+        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        **extra)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),

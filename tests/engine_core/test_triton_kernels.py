@@ -321,11 +321,12 @@ def test_split_choice_depends_on_shapes_only() -> None:
 
     if not triton_available():
         pytest.skip("triton is not installed")
-    from engine_core.kernels.paged_decode import MAX_SPLITS, choose_num_splits
+    from engine_core.kernels.paged_decode import choose_num_splits
 
-    cpu = torch.device("cpu")
+    cpu = torch.device("cpu")  # counted as 8 SMs
     assert choose_num_splits(1, 8, 1, 16, cpu) == 1           # 16 tokens: never split
-    assert choose_num_splits(1, 1, 4096, 16, cpu) == MAX_SPLITS
+    assert choose_num_splits(1, 1, 24, 16, cpu) == 2          # 384 tokens: >= 256 a split
+    assert choose_num_splits(1, 1, 4096, 16, cpu) == 16       # 2 programs per SM
     assert choose_num_splits(512, 8, 4096, 16, cpu) == 1      # the batch fills the GPU
 
 

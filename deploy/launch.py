@@ -94,7 +94,7 @@ def detect_gpus(spec: str | None) -> list[str]:
         return []
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
     try:
         import ctypes
@@ -119,7 +119,7 @@ class Child:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         logger.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
 

@@ -1,0 +1,159 @@
+"""Run a report plan: launch each topology once, run its benchmarks, save one JSON per run.
+
+A run whose JSON already exists is skipped (unless ``force``), so an interrupted report
+resumes where it stopped and a long report can be run in pieces. Around each run the
+workers' and the proxy's ``/metrics`` are scraped, and the deltas that the summary needs
+(prefix-cache counters, the proxy's own overhead histogram) are stored with the result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.disagg.cluster import Cluster, ClusterError, ClusterSpec
+from benchmarks.disagg.plan import PROXY, BenchRun, Scale, TopologyPlan
+from benchmarks.serve import prometheus
+from benchmarks.serve.config import METRICS, BenchConfig
+from benchmarks.serve.datasets import load_tokenizer
+from benchmarks.serve.runner import BenchmarkError, run_benchmark
+
+logger = logging.getLogger("pdserve.report")
+
+PERCENTILES = (50.0, 90.0, 99.0)
+STARTUP_ESTIMATE_S = 120.0
+PROXY_HISTOGRAMS = {"overhead": "pdserve:proxy_overhead_seconds",
+                    "queue": "pdserve:proxy_queue_time_seconds"}
+
+
+@dataclass(frozen=True)
+class ExecuteOptions:
+    """Everything ``run_plan`` needs besides the plan."""
+
+    results_dir: Path
+    spec: ClusterSpec
+    tokenizer_path: str
+    scale: Scale
+    force: bool = False
+    disable_tqdm: bool = False
+    deadline: float | None = None  # time.monotonic() by which the last run must be done
+
+    @property
+    def raw_dir(self) -> Path:
+        return self.results_dir / "raw"
+
+
+def _scrape_all(cluster: Cluster) -> dict[str, prometheus.Samples]:
+    pages = {}
+    for url in [cluster.url, *cluster.worker_urls()]:
+        try:
+            pages[url] = prometheus.scrape(url)
+        except Exception as exc:  # metrics are extra information; the run still counts
+            logger.warning("could not scrape %s/metrics: %s", url, exc)
+    return pages
+
+
+def scraped_deltas(cluster: Cluster, before: dict[str, prometheus.Samples],
+                   after: dict[str, prometheus.Samples]) -> dict[str, Any]:
+    """Per worker prefix-cache counters and the proxy's histograms, over one run."""
+    out: dict[str, Any] = {"workers": [], "proxy": {}}
+    for worker in cluster.workers:
+        url = f"http://{worker['http_address']}"
+        if url not in before or url not in after:
+            continue
+        d = prometheus.delta(before[url], after[url])
+        out["workers"].append({
+            "role": worker["role"], "http_address": worker["http_address"],
+            "prefix_cache_queries": prometheus.counter(d, "vllm:prefix_cache_queries"),
+            "prefix_cache_hits": prometheus.counter(d, "vllm:prefix_cache_hits")})
+    if cluster.url in before and cluster.url in after:
+        d = prometheus.delta(before[cluster.url], after[cluster.url])
+        for key, name in PROXY_HISTOGRAMS.items():
+            stats = {"mean_ms": prometheus.histogram_mean(d, name)}
+            for q in (0.5, 0.99):
+                stats[f"p{int(q * 100)}_ms"] = prometheus.histogram_quantile(d, name, q)
+            out["proxy"][key] = {k: (None if v is None else v * 1e3) for k, v in stats.items()}
+    return out
+
+
+def bench_config(run: BenchRun, url: str, options: ExecuteOptions) -> BenchConfig:
+    """The ``bench serve`` settings of one run."""
+    scale = options.scale
+    return BenchConfig(
+        base_url=url, model=options.spec.served_model_name, tokenizer=options.tokenizer_path,
+        dataset=run.dataset, request_rates=(run.rate,),
+        goodput={"ttft": scale.slo_ttft_ms, "tpot": scale.slo_tpot_ms}, ignore_eos=True,
+        percentile_metrics=METRICS, metric_percentiles=PERCENTILES,
+        num_warmups=scale.warmups, request_id_prefix=f"{run.name}-", label=run.variant,
+        metadata={"experiment": run.experiment, "run": run.name, "target": run.target},
+        disable_tqdm=options.disable_tqdm)
+
+
+def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
+                 tokenizer: Any) -> Path:
+    if run.target == PROXY:
+        url = cluster.url
+    else:
+        urls = cluster.worker_urls(run.target)
+        if not urls:
+            raise BenchmarkError(f"{cluster.topology.name} has no {run.target} worker")
+        url = urls[0]
+    logger.info("run %s: %s at %s req/s on %s", run.name, run.variant, run.rate, url)
+    before = _scrape_all(cluster)
+    (result,) = run_benchmark(bench_config(run, url, options), tokenizer)
+    result["topology"] = cluster.topology.name
+    result["scraped"] = scraped_deltas(cluster, before, _scrape_all(cluster))
+    path = options.raw_dir / f"{run.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    logger.info("run %s: %d ok, %d failed, p50 TTFT %.1f ms -> %s", run.name,
+                result["completed"], result["failed"], result["p50_ttft_ms"] or float("nan"),
+                path)
+    return path
+
+
+@dataclass
+class PlanOutcome:
+    """What ``run_plan`` did: failures, and the runs left for lack of time."""
+
+    problems: list[str]
+    left: list[str]
+
+
+def _fits(options: ExecuteOptions, seconds: float) -> bool:
+    return options.deadline is None or time.monotonic() + seconds <= options.deadline
+
+
+def run_plan(plan: list[TopologyPlan], options: ExecuteOptions) -> PlanOutcome:
+    """Run every pending run of the plan that fits before the deadline."""
+    tokenizer = None
+    outcome = PlanOutcome([], [])
+    for item in plan:
+        pending = [r for r in item.runs
+                   if options.force or not (options.raw_dir / f"{r.name}.json").is_file()]
+        if not pending:
+            logger.info("%s: every run already has results; skipped", item.topology.name)
+            continue
+        if not _fits(options, STARTUP_ESTIMATE_S + pending[0].estimated_seconds):
+            outcome.left += [r.name for r in pending]
+            continue
+        tokenizer = tokenizer or load_tokenizer(options.tokenizer_path)
+        try:
+            with Cluster(options.spec, item.topology) as cluster:
+                for index, run in enumerate(pending):
+                    if not _fits(options, run.estimated_seconds):
+                        outcome.left += [r.name for r in pending[index:]]
+                        break
+                    try:
+                        _execute_run(cluster, run, options, tokenizer)
+                    except BenchmarkError as exc:
+                        outcome.problems.append(f"{run.name}: {exc}")
+                        logger.error("run %s failed: %s", run.name, exc)
+        except ClusterError as exc:
+            outcome.problems.append(f"{item.topology.name}: {exc}")
+            logger.error("%s", exc)
+    return outcome

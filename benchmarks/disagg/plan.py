@@ -1,0 +1,196 @@
+"""What the report runs: topologies to launch and the benchmark runs on each. Pure data.
+
+Experiments (issue #7):
+
+- ``ttft_overhead``: low load, 1P1D minus one colocated instance (hit directly, and
+  through the proxy), same prompts.
+- ``goodput_2k`` / ``goodput_8k``: Poisson sweeps, 1P1D against two colocated replicas
+  behind the same proxy (round robin), same prompts at each rate.
+- ``prefix_cache``: the prefix_repetition workload with prefix caching on and off, on one
+  colocated instance and on 1P1D.
+- ``proxy_overhead``: a high rate of short requests to one colocated worker, directly and
+  through the proxy.
+
+Each topology is launched once and serves every run planned on it. Runs on the same
+server get different seeds (no accidental prefix hits); runs compared across servers share
+their seed (same prompts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from benchmarks.serve.config import DatasetConfig
+
+EXPERIMENTS = ("ttft_overhead", "goodput_2k", "goodput_8k", "prefix_cache", "proxy_overhead")
+PROXY = "proxy"  # a run's target: the proxy, or a worker role hit directly
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One ``pdserve launch`` layout; every worker gets its own GPU (or all share the CPU)."""
+
+    name: str
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+    prefix_caching: bool = True
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+
+COLO1 = Topology("colo1", colocated=1)
+COLO1_NOCACHE = Topology("colo1_nocache", colocated=1, prefix_caching=False)
+PD = Topology("pd", prefill=1, decode=1)
+PD_NOCACHE = Topology("pd_nocache", prefill=1, decode=1, prefix_caching=False)
+COLO2 = Topology("colo2", colocated=2)
+TOPOLOGY_ORDER = (COLO1, COLO1_NOCACHE, PD, PD_NOCACHE, COLO2)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A random-prompt Poisson sweep: lengths and rates."""
+
+    input_len: int
+    output_len: int
+    rates: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Sizes of one report: the GPU defaults or the CPU smoke run."""
+
+    low_load_rate: float = 1.0
+    low_load_prompts: int = 80
+    low_load_input: int = 2048
+    low_load_output: int = 128
+    sweep_2k: Sweep = Sweep(2048, 256, (1, 2, 4, 6, 8, 10, 12, 16))
+    sweep_8k: Sweep = Sweep(8192, 256, (0.5, 1, 1.5, 2, 2.5, 3, 4))
+    point_seconds: float = 30.0
+    min_point_prompts: int = 30
+    max_point_prompts: int = 400
+    prefix_len: int = 2048
+    suffix_len: int = 256
+    num_prefixes: int = 8
+    prefix_output: int = 128
+    prefix_rate: float = 4.0
+    prefix_prompts: int = 160
+    proxy_rate: float = 200.0
+    proxy_prompts: int = 2000
+    proxy_input: int = 128
+    proxy_output: int = 16
+    warmups: int = 8
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 40.0
+
+    def point_prompts(self, rate: float) -> int:
+        """Prompts at one sweep point: ``point_seconds`` of traffic, within the bounds."""
+        wanted = math.ceil(rate * self.point_seconds)
+        return max(self.min_point_prompts, min(self.max_point_prompts, wanted))
+
+
+GPU_SCALE = Scale()
+SMOKE_SCALE = Scale(
+    low_load_rate=4.0, low_load_prompts=4, low_load_input=64, low_load_output=8,
+    sweep_2k=Sweep(96, 8, (2.0, 8.0)), sweep_8k=Sweep(192, 8, (2.0,)), point_seconds=1.0,
+    min_point_prompts=3, max_point_prompts=6, prefix_len=64, suffix_len=16, num_prefixes=2,
+    prefix_output=4, prefix_rate=8.0, prefix_prompts=6, proxy_rate=200.0, proxy_prompts=20,
+    proxy_input=16, proxy_output=2, warmups=1, slo_ttft_ms=5000.0, slo_tpot_ms=1000.0)
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One ``bench serve`` run; ``name`` is its results file stem."""
+
+    name: str
+    experiment: str
+    variant: str            # legend text
+    target: str             # PROXY or a worker role hit directly ("colocated")
+    dataset: DatasetConfig
+    rate: float
+
+    @property
+    def estimated_seconds(self) -> float:
+        """A generous guess of its wall time (arrivals, an overloaded drain, warm-up)."""
+        sending = 0.0 if math.isinf(self.rate) else self.dataset.num_prompts / self.rate
+        return 1.5 * sending + 20.0
+
+
+@dataclass(frozen=True)
+class TopologyPlan:
+    """A topology and the runs made on it, in order."""
+
+    topology: Topology
+    runs: tuple[BenchRun, ...] = field(default_factory=tuple)
+
+
+def _random(n: int, input_len: int, output_len: int, seed: int) -> DatasetConfig:
+    return DatasetConfig(name="random", num_prompts=n, seed=seed, random_input_len=input_len,
+                         random_output_len=output_len)
+
+
+def rate_tag(rate: float) -> str:
+    """File-name text of a rate: ``2``, ``0.5``, ``inf``."""
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[BenchRun]]:
+    runs: dict[Topology, list[BenchRun]] = {}
+
+    def add(topology: Topology, run: BenchRun) -> None:
+        runs.setdefault(topology, []).append(run)
+
+    if experiment == "ttft_overhead":
+        low = _random(scale.low_load_prompts, scale.low_load_input, scale.low_load_output,
+                      seed + 100)
+        rate = scale.low_load_rate
+        add(COLO1, BenchRun(f"{experiment}__colocated_direct", experiment,
+                            "colocated (direct)", "colocated", low, rate))
+        add(COLO1, BenchRun(f"{experiment}__colocated_proxy", experiment,
+                            "colocated (via proxy)", PROXY, replace(low, seed=seed + 101), rate))
+        add(PD, BenchRun(f"{experiment}__pd", experiment, "1P1D", PROXY, low, rate))
+    elif experiment in ("goodput_2k", "goodput_8k"):
+        sweep = scale.sweep_2k if experiment == "goodput_2k" else scale.sweep_8k
+        base = seed + (200 if experiment == "goodput_2k" else 300)
+        for index, rate in enumerate(sweep.rates):
+            data = _random(scale.point_prompts(rate), sweep.input_len, sweep.output_len,
+                           base + index)
+            tag = rate_tag(rate)
+            add(PD, BenchRun(f"{experiment}__pd__r{tag}", experiment, "1P1D", PROXY, data, rate))
+            add(COLO2, BenchRun(f"{experiment}__colo2__r{tag}", experiment,
+                                "2x colocated (round robin)", PROXY, data, rate))
+    elif experiment == "prefix_cache":
+        data = DatasetConfig(name="prefix_repetition", num_prompts=scale.prefix_prompts,
+                             seed=seed + 400, prefix_len=scale.prefix_len,
+                             suffix_len=scale.suffix_len, num_prefixes=scale.num_prefixes,
+                             prefix_output_len=scale.prefix_output)
+        rate = scale.prefix_rate
+        for topology, target, what in ((COLO1, "colocated", "colocated"),
+                                       (COLO1_NOCACHE, "colocated", "colocated"),
+                                       (PD, PROXY, "1P1D"), (PD_NOCACHE, PROXY, "1P1D")):
+            state = "on" if topology.prefix_caching else "off"
+            add(topology, BenchRun(f"{experiment}__{topology.name.split('_')[0]}_{state}",
+                                   experiment, f"{what}, caching {state}", target, data, rate))
+    elif experiment == "proxy_overhead":
+        short = _random(scale.proxy_prompts, scale.proxy_input, scale.proxy_output, seed + 500)
+        rate = scale.proxy_rate
+        add(COLO1, BenchRun(f"{experiment}__direct", experiment, "worker (direct)",
+                            "colocated", short, rate))
+        add(COLO1, BenchRun(f"{experiment}__proxy", experiment, "through the proxy", PROXY,
+                            replace(short, seed=seed + 501), rate))
+    else:
+        raise ValueError(f"unknown experiment {experiment!r}; choose from {EXPERIMENTS}")
+    return runs
+
+
+def build_plan(scale: Scale, experiments: tuple[str, ...] = EXPERIMENTS, seed: int = 0
+               ) -> list[TopologyPlan]:
+    """Topologies in launch order, each with its runs (experiments in the given order)."""
+    collected: dict[Topology, list[BenchRun]] = {}
+    for experiment in experiments:
+        for topology, runs in _runs(scale, experiment, seed).items():
+            collected.setdefault(topology, []).extend(runs)
+    return [TopologyPlan(t, tuple(collected[t])) for t in TOPOLOGY_ORDER if t in collected]

@@ -1,0 +1,284 @@
+"""The report's markdown summary, key figures and plots, from the saved per-run JSON.
+
+Differences of percentiles (1P1D p99 minus colocated p99) compare two distributions; they
+are not percentiles of per-request differences. "Max goodput" is the highest goodput seen
+over a sweep; "rate at 90% SLO" is the highest swept rate at which at least 90% of the
+requests met both SLOs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve.breakdown import STAGES
+from benchmarks.serve.plots import plot_latency_cdfs, plot_vs_rate
+
+Results = Mapping[str, Mapping[str, Any]]  # run name -> bench result
+GOALS = {"ttft_overhead_p50_ms": 3.0, "ttft_overhead_p99_ms": 10.0, "goodput_ratio": 1.5,
+         "proxy_overhead_p50_ms": 1.0}
+ATTAINMENT_TARGET = 0.9
+
+
+def load_results(raw_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every saved run, by name."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(raw_dir.glob("*.json"))}
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _verdict(value: float | None, goal: float, lower_is_better: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    met = value <= goal if lower_is_better else value >= goal
+    if met:
+        return "met"
+    gap = value - goal if lower_is_better else goal - value
+    return f"missed by {gap:.2f}"
+
+
+def _breakdown_table(results: Results, names: list[str]) -> list[str]:
+    present = [n for n in names if results.get(n, {}).get("server_breakdown")]
+    if not present:
+        return []
+    lines = ["", "Server-side breakdown, mean / p99 (ms):", "",
+             "| stage | " + " | ".join(results[n]["label"] for n in present) + " |",
+             "|---|" + "---|" * len(present)]
+    for stage in STAGES:
+        cells = []
+        for name in present:
+            s = results[name]["server_breakdown"].get(stage)
+            cells.append("" if s is None else f"{s['mean_ms']:.2f} / {s['p99_ms']:.2f}")
+        if any(cells):
+            lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _latency_rows(results: Results, names: list[str]) -> list[str]:
+    lines = ["| setup | p50 TTFT | p99 TTFT | mean TTFT | p50 TPOT | p99 TPOT | ok | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        r = results.get(name)
+        if r is None:
+            continue
+        lines.append(f"| {r['label']} | {_f(r['p50_ttft_ms'])} | {_f(r['p99_ttft_ms'])} | "
+                     f"{_f(r['mean_ttft_ms'])} | {_f(r['p50_tpot_ms'])} | "
+                     f"{_f(r['p99_tpot_ms'])} | {r['completed']} | {r['failed']} |")
+    return lines
+
+
+def ttft_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
+    names = ["ttft_overhead__colocated_direct", "ttft_overhead__colocated_proxy",
+             "ttft_overhead__pd"]
+    if not any(n in results for n in names):
+        return []
+    first = next(results[n] for n in names if n in results)
+    lines = ["## 1. TTFT overhead of disaggregation at low load", "",
+             f"random {first['total_input_tokens'] // max(first['completed'], 1)}-token prompts, "
+             f"{first['output_lens'][0] if first['output_lens'] else '?'} output tokens, "
+             f"Poisson {first['request_rate']} req/s, {first['num_prompts']} requests per setup "
+             "(1P1D and the direct colocated run send the same prompts).", ""]
+    lines += _latency_rows(results, names)
+    pd = results.get("ttft_overhead__pd")
+    section: dict[str, Any] = {}
+    for base, what in (("ttft_overhead__colocated_direct", "colocated hit directly"),
+                       ("ttft_overhead__colocated_proxy", "colocated through the proxy")):
+        if pd is None or base not in results:
+            continue
+        p50 = _diff(pd["p50_ttft_ms"], results[base]["p50_ttft_ms"])
+        p99 = _diff(pd["p99_ttft_ms"], results[base]["p99_ttft_ms"])
+        key = "vs_direct" if base.endswith("direct") else "vs_proxy"
+        section[key] = {"p50_ms": p50, "p99_ms": p99}
+        lines += ["", f"1P1D minus {what}: p50 **{_f(p50, 2)} ms** "
+                  f"(goal <= {GOALS['ttft_overhead_p50_ms']:g}: "
+                  f"{_verdict(p50, GOALS['ttft_overhead_p50_ms'])}), p99 **{_f(p99, 2)} ms** "
+                  f"(goal <= {GOALS['ttft_overhead_p99_ms']:g}: "
+                  f"{_verdict(p99, GOALS['ttft_overhead_p99_ms'])})."]
+    figures["ttft_overhead"] = section
+    lines += _breakdown_table(results, names)
+    return lines + [""]
+
+
+def _sweep(results: Results, experiment: str, topology: str) -> list[Mapping[str, Any]]:
+    runs = [r for n, r in results.items() if n.startswith(f"{experiment}__{topology}__r")]
+    return sorted(runs, key=lambda r: float(r["request_rate"]))
+
+
+def _sweep_figures(runs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    good = [r for r in runs if r.get("slo_attainment", 0) >= ATTAINMENT_TARGET]
+    return {"max_goodput": max((r.get("request_goodput", 0.0) for r in runs), default=None),
+            "rate_at_90pct_slo": max((float(r["request_rate"]) for r in good), default=None)}
+
+
+def goodput(results: Results, figures: dict[str, Any], experiment: str) -> list[str]:
+    pd, colo = _sweep(results, experiment, "pd"), _sweep(results, experiment, "colo2")
+    if not pd and not colo:
+        return []
+    sample = (pd or colo)[0]
+    slos = " and ".join(f"{k.upper()} <= {v:g} ms" for k, v in sample["goodput_slos_ms"].items())
+    input_len = sample["total_input_tokens"] // max(sample["completed"], 1)
+    output_len = sample["output_lens"][0] if sample["output_lens"] else "?"
+    lines = [f"## 2. Goodput at SLO: random {input_len}/{output_len}, Poisson ({slos})", "",
+             "| rate | 1P1D goodput | attain. | p99 TTFT | p99 TPOT | 2x colocated goodput | "
+             "attain. | p99 TTFT | p99 TPOT |", "|---|---|---|---|---|---|---|---|---|"]
+    by_rate: dict[float, dict[str, Mapping[str, Any]]] = {}
+    for topology, runs in (("pd", pd), ("colo2", colo)):
+        for r in runs:
+            by_rate.setdefault(float(r["request_rate"]), {})[topology] = r
+
+    def cells(r: Mapping[str, Any] | None) -> str:
+        if r is None:
+            return " | | | "
+        return (f"{_f(r.get('request_goodput'), 2)} | {_f(r.get('slo_attainment'), 2)} | "
+                f"{_f(r['p99_ttft_ms'])} | {_f(r['p99_tpot_ms'])}")
+
+    lower_tpot = 0
+    for rate in sorted(by_rate):
+        row = by_rate[rate]
+        lines.append(f"| {rate:g} | {cells(row.get('pd'))} | {cells(row.get('colo2'))} |")
+        a, b = row.get("pd"), row.get("colo2")
+        if a and b and a["p99_tpot_ms"] is not None and b["p99_tpot_ms"] is not None:
+            lower_tpot += a["p99_tpot_ms"] < b["p99_tpot_ms"]
+    section = {"pd": _sweep_figures(pd), "colo2": _sweep_figures(colo),
+               "pd_lower_p99_tpot_points": lower_tpot,
+               "points_compared": sum(1 for v in by_rate.values() if len(v) == 2)}
+    a, b = section["pd"]["max_goodput"], section["colo2"]["max_goodput"]
+    section["goodput_ratio"] = a / b if a is not None and b else None
+    lines += ["", f"Max goodput: 1P1D {_f(a, 2)} req/s, 2x colocated {_f(b, 2)} req/s, ratio "
+              f"**{_f(section['goodput_ratio'], 2)}x** (goal >= {GOALS['goodput_ratio']:g}x: "
+              f"{_verdict(section['goodput_ratio'], GOALS['goodput_ratio'], False)}). "
+              f"Highest rate with >= {ATTAINMENT_TARGET:.0%} SLO attainment: 1P1D "
+              f"{_f(section['pd']['rate_at_90pct_slo'], 2)}, 2x colocated "
+              f"{_f(section['colo2']['rate_at_90pct_slo'], 2)} req/s. 1P1D p99 TPOT lower at "
+              f"{lower_tpot} of {section['points_compared']} rates."]
+    figures[experiment] = section
+    return lines + [""]
+
+
+def _hit_rates(result: Mapping[str, Any]) -> str:
+    parts = []
+    for w in result.get("scraped", {}).get("workers", []):
+        if w["prefix_cache_queries"] > 0:
+            parts.append(f"{w['role']} {w['prefix_cache_hits'] / w['prefix_cache_queries']:.1%}")
+    return ", ".join(parts) or "n/a"
+
+
+def prefix_cache(results: Results, figures: dict[str, Any]) -> list[str]:
+    names = ["prefix_cache__colo1_on", "prefix_cache__colo1_off", "prefix_cache__pd_on",
+             "prefix_cache__pd_off"]
+    present = [n for n in names if n in results]
+    if not present:
+        return []
+    lines = ["## 3. Prefix caching on the prefix_repetition workload", "",
+             "| setup | hit rate (engine counters) | cached tokens / prompt tokens | p50 TTFT | "
+             "p99 TTFT | mean TTFT | p50 E2EL |", "|---|---|---|---|---|---|---|"]
+    section = {}
+    for name in present:
+        r = results[name]
+        section[name.split("__")[1]] = {"p50_ttft_ms": r["p50_ttft_ms"],
+                                        "usage_hit_rate": r.get("prefix_cache_hit_rate"),
+                                        "workers": r.get("scraped", {}).get("workers", [])}
+        lines.append(f"| {r['label']} | {_hit_rates(r)} | "
+                     f"{_f(r.get('prefix_cache_hit_rate'), 3)} | {_f(r['p50_ttft_ms'])} | "
+                     f"{_f(r['p99_ttft_ms'])} | {_f(r['mean_ttft_ms'])} | "
+                     f"{_f(r['p50_e2el_ms'])} |")
+    lines += ["", "Engine counters are `vllm:prefix_cache_hits / vllm:prefix_cache_queries` "
+              "(tokens) over the run, per worker; on 1P1D the decode worker's usage reports "
+              "only its own local hits, so the prefill worker's counter is the one to read."]
+    figures["prefix_cache"] = section
+    return lines + [""]
+
+
+def proxy_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
+    direct, proxied = (results.get(f"proxy_overhead__{k}") for k in ("direct", "proxy"))
+    if direct is None and proxied is None:
+        return []
+    lines = ["## 4. Proxy overhead", "",
+             "| target | achieved req/s | p50 TTFT | p99 TTFT | p50 E2EL | p99 E2EL | failed |",
+             "|---|---|---|---|---|---|---|"]
+    for r in (direct, proxied):
+        if r is not None:
+            lines.append(f"| {r['label']} | {_f(r['request_throughput'])} | "
+                         f"{_f(r['p50_ttft_ms'], 2)} | {_f(r['p99_ttft_ms'], 2)} | "
+                         f"{_f(r['p50_e2el_ms'], 2)} | {_f(r['p99_e2el_ms'], 2)} | "
+                         f"{r['failed']} |")
+    section: dict[str, Any] = {}
+    if direct is not None and proxied is not None:
+        section["ttft_p50_added_ms"] = _diff(proxied["p50_ttft_ms"], direct["p50_ttft_ms"])
+        section["ttft_p99_added_ms"] = _diff(proxied["p99_ttft_ms"], direct["p99_ttft_ms"])
+        section["e2el_p50_added_ms"] = _diff(proxied["p50_e2el_ms"], direct["p50_e2el_ms"])
+        lines += ["", f"Added by the proxy (via proxy minus direct, offered "
+                  f"{proxied['request_rate']} req/s): p50 TTFT {_f(section['ttft_p50_added_ms'], 2)} "
+                  f"ms, p99 TTFT {_f(section['ttft_p99_added_ms'], 2)} ms, p50 E2EL "
+                  f"{_f(section['e2el_p50_added_ms'], 2)} ms."]
+    own = (proxied or {}).get("scraped", {}).get("proxy", {}).get("overhead")
+    if own:
+        section["own_overhead_ms"] = own
+        lines += [f"The proxy's own time per request (`pdserve:proxy_overhead_seconds`, "
+                  f"bucket-interpolated): mean {_f(own['mean_ms'], 3)} ms, p50 "
+                  f"**{_f(own['p50_ms'], 3)} ms** (goal <= {GOALS['proxy_overhead_p50_ms']:g}: "
+                  f"{_verdict(own['p50_ms'], GOALS['proxy_overhead_p50_ms'])}), p99 "
+                  f"{_f(own['p99_ms'], 3)} ms."]
+    figures["proxy_overhead"] = section
+    return lines + [""]
+
+
+def build_summary(results: Results, header: list[str]) -> tuple[str, dict[str, Any]]:
+    """The markdown report and its key figures."""
+    figures: dict[str, Any] = {}
+    sections: list[Callable[[Results, dict[str, Any]], list[str]]] = [
+        ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k"),
+        lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead]
+    lines = list(header)
+    for section in sections:
+        lines += section(results, figures)
+    if len(lines) == len(header):
+        lines.append("No results yet.")
+    return "\n".join(lines) + "\n", figures
+
+
+def make_plots(results: Results, out_dir: Path) -> list[Path]:
+    """The report's PNGs (none without matplotlib)."""
+    written: list[Path | None] = []
+
+    def runs(*names: str) -> list[Mapping[str, Any]]:
+        return [results[n] for n in names if n in results]
+
+    low = runs("ttft_overhead__colocated_direct", "ttft_overhead__colocated_proxy",
+               "ttft_overhead__pd")
+    if low:
+        written.append(plot_latency_cdfs(low, out_dir / "ttft_overhead_cdf.png",
+                                         "Low load: colocated vs 1P1D"))
+    for experiment in ("goodput_2k", "goodput_8k"):
+        sweeps = {label: _sweep(results, experiment, topology)
+                  for topology, label in (("pd", "1P1D"), ("colo2", "2x colocated"))}
+        if not any(sweeps.values()):
+            continue
+        for key, ylabel, suffix in (("slo_attainment", "SLO attainment", "slo_attainment"),
+                                    ("request_goodput", "goodput (req/s)", "goodput"),
+                                    ("p99_tpot_ms", "p99 TPOT (ms)", "p99_tpot"),
+                                    ("p99_ttft_ms", "p99 TTFT (ms)", "p99_ttft")):
+            series = {label: [(float(r["request_rate"]), r[key]) for r in runs_
+                              if r.get(key) is not None]
+                      for label, runs_ in sweeps.items() if runs_}
+            written.append(plot_vs_rate(
+                series, ylabel, out_dir / f"{experiment}_{suffix}.png", title=experiment,
+                hline=ATTAINMENT_TARGET if key == "slo_attainment" else None))
+    prefix = runs("prefix_cache__colo1_on", "prefix_cache__colo1_off", "prefix_cache__pd_on",
+                  "prefix_cache__pd_off")
+    if prefix:
+        written.append(plot_latency_cdfs(prefix, out_dir / "prefix_cache_cdf.png",
+                                         "prefix_repetition: caching on/off"))
+    proxy = runs("proxy_overhead__direct", "proxy_overhead__proxy")
+    if proxy:
+        written.append(plot_latency_cdfs(proxy, out_dir / "proxy_overhead_cdf.png",
+                                         "Worker direct vs through the proxy"))
+    return [p for p in written if p is not None]

@@ -1,0 +1,238 @@
+"""The disaggregation report (issue #7) in one go: launch, benchmark, summarise.
+
+On two GPUs with dummy Qwen3-8B weights (the default):
+
+    source .device/env.sh && python3 -m benchmarks.disagg_report --gpus 0,1 \\
+        --results-dir benchmarks/results/serve
+
+It writes a config-only Qwen3-8B directory (word-level tokenizer over the whole
+vocabulary), launches each topology once with ``pdserve launch`` (one colocated worker,
+1P1D, two colocated replicas behind the proxy, caching on and off), runs ``bench serve``
+for every experiment, and saves ``raw/<run>.json``, PNGs, ``summary.md`` (printed) and
+``summary.json`` under ``--results-dir``. Finished runs are skipped when it is started again,
+so ``--only EXPERIMENT`` pieces (or a rerun after an interruption) add up to one report;
+``--summary-only`` rebuilds the summary from what is saved. ``--smoke`` runs everything at
+tiny scale on CPU with the demo model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from benchmarks.disagg.cluster import ClusterSpec
+from benchmarks.disagg.execute import ExecuteOptions, PlanOutcome, run_plan
+from benchmarks.disagg.plan import EXPERIMENTS, GPU_SCALE, SMOKE_SCALE, Scale, Sweep, build_plan
+from benchmarks.disagg.summary import build_summary, load_results, make_plots
+from benchmarks.model_shapes import SHAPES, write_model_dir
+from benchmarks.serve.config import parse_rates
+
+logger = logging.getLogger("pdserve.report")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model and devices")
+    model.add_argument("--model", default=None,
+                       help="checkpoint or config-only directory (default: --shape's, written "
+                            "under --results-dir; the demo model with --smoke)")
+    model.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b",
+                       help="published shape for the config-only directory (dummy weights)")
+    model.add_argument("--load-format", default=None,
+                       help="engine --load-format (default: dummy for --shape, else auto)")
+    model.add_argument("--dtype", default=None, help="engine --dtype (default: bfloat16 on GPU)")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="engine --max-model-len (default 10240 on GPU: 8k prompts + 256)")
+    model.add_argument("--served-model-name", default=None)
+    model.add_argument("--gpus", default=None,
+                       help="comma-separated GPU ids, one per worker (default 0,1; none with "
+                            "--smoke)")
+    model.add_argument("--engine-args", default="",
+                       help="more engine flags for every worker, e.g. '--max-num-seqs 128'")
+    model.add_argument("--startup-timeout", type=float, default=900.0,
+                       help="seconds for a topology to come up")
+    run = parser.add_argument_group("what to run")
+    run.add_argument("--smoke", action="store_true",
+                     help="tiny counts on CPU with the demo model (checks the pipeline)")
+    run.add_argument("--only", default=",".join(EXPERIMENTS),
+                     help=f"comma-separated subset of {','.join(EXPERIMENTS)}")
+    run.add_argument("--results-dir", default=None,
+                     help="default benchmarks/results/serve (smoke: a temp dir)")
+    run.add_argument("--force", action="store_true", help="rerun runs that have results")
+    run.add_argument("--summary-only", action="store_true",
+                     help="rebuild summary and plots from saved results")
+    run.add_argument("--time-budget", type=float, default=None,
+                     help="seconds: start no topology or run that would end later (exit 3: "
+                          "run the same command again to continue)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--slo-ttft-ms", type=float, default=None, help="default 1000")
+    run.add_argument("--slo-tpot-ms", type=float, default=None, help="default 40")
+    run.add_argument("--rates-2k", type=parse_rates, default=None,
+                     help="goodput_2k sweep (default 1,2,4,6,8,10,12,16)")
+    run.add_argument("--rates-8k", type=parse_rates, default=None,
+                     help="goodput_8k sweep (default 0.5,1,1.5,2,2.5,3,4)")
+    run.add_argument("--point-seconds", type=float, default=None,
+                     help="seconds of traffic per sweep point (default 30)")
+    run.add_argument("--low-load-prompts", type=int, default=None,
+                     help="requests per ttft_overhead setup (default 80)")
+    run.add_argument("--disable-tqdm", action="store_true")
+
+
+def _scale(args: argparse.Namespace) -> Scale:
+    scale = SMOKE_SCALE if args.smoke else GPU_SCALE
+    changes: dict = {}
+    if args.slo_ttft_ms is not None:
+        changes["slo_ttft_ms"] = args.slo_ttft_ms
+    if args.slo_tpot_ms is not None:
+        changes["slo_tpot_ms"] = args.slo_tpot_ms
+    if args.rates_2k:
+        changes["sweep_2k"] = Sweep(scale.sweep_2k.input_len, scale.sweep_2k.output_len,
+                                    args.rates_2k)
+    if args.rates_8k:
+        changes["sweep_8k"] = Sweep(scale.sweep_8k.input_len, scale.sweep_8k.output_len,
+                                    args.rates_8k)
+    if args.point_seconds is not None:
+        changes["point_seconds"] = args.point_seconds
+    if args.low_load_prompts is not None:
+        changes["low_load_prompts"] = args.low_load_prompts
+    return dataclasses.replace(scale, **changes)
+
+
+def _model(args: argparse.Namespace, results_dir: Path) -> tuple[str, bool]:
+    """(model directory, whether it is a config-only shape directory)."""
+    if args.model:
+        return args.model, False
+    if args.smoke:
+        from engine_core.demo_model import demo_model_path
+
+        return str(demo_model_path()), False
+    path = results_dir / f"model-{args.shape}"
+    if not (path / "config.json").is_file():
+        write_model_dir(args.shape, path, tokenizer="words")
+    return str(path), True
+
+
+def _engine_args(args: argparse.Namespace, shape_dir: bool) -> tuple[str, ...]:
+    gpu = not args.smoke
+    load_format = args.load_format or ("dummy" if shape_dir else None)
+    dtype = args.dtype or ("bfloat16" if gpu else None)
+    max_model_len = args.max_model_len or (10240 if gpu else 1024)
+    out = ["--max-model-len", str(max_model_len)]
+    if load_format:
+        out += ["--load-format", load_format]
+    if dtype:
+        out += ["--dtype", dtype]
+    return (*out, *shlex.split(args.engine_args))
+
+
+def _run(command: list[str]) -> str | None:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30,
+                              cwd=REPO_ROOT).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(spec: ClusterSpec, smoke: bool) -> dict:
+    """Device, software and command of this report."""
+    import torch
+
+    gpus = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                 "--format=csv,noheader"])
+    return {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(), "python": platform.python_version(),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "devices": gpus.splitlines() if gpus else [f"CPU: {platform.processor() or 'unknown'}"],
+        "gpus_used": list(spec.gpus), "git_commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+        "model": spec.model, "served_model_name": spec.served_model_name,
+        "engine_args": list(spec.engine_args), "smoke": smoke,
+        "command": " ".join(shlex.quote(a) for a in ["python3", "-m", "benchmarks.disagg_report",
+                                                     *sys.argv[1:]]),
+    }
+
+
+def _header(env: dict, scale: Scale) -> list[str]:
+    lines = ["# pdserve disaggregation report", "",
+             f"- date: {env['date']}; devices: {'; '.join(env['devices'])}; GPUs used: "
+             f"{','.join(env['gpus_used']) or 'none (CPU)'}",
+             f"- model: `{env['model']}` ({env['served_model_name']}); engine flags: "
+             f"`{' '.join(env['engine_args'])}`",
+             f"- software: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), "
+             f"commit {env['git_commit']}",
+             f"- command: `{env['command']}`",
+             f"- SLOs: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms; "
+             "every request uses ignore_eos; percentiles are of per-request values", ""]
+    if env["smoke"]:
+        lines += ["> Smoke run on CPU with the demo model and tiny counts: it checks the "
+                  "pipeline; the numbers mean nothing.", ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.disagg_report",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    experiments = tuple(e.strip() for e in args.only.split(",") if e.strip())
+    unknown = sorted(set(experiments) - set(EXPERIMENTS))
+    if unknown:
+        parser.error(f"--only: unknown {unknown}; choose from {EXPERIMENTS}")
+    results_dir = Path(args.results_dir or (Path(tempfile.gettempdir()) / "pdserve-report-smoke"
+                                            if args.smoke else REPO_ROOT / "benchmarks" /
+                                            "results" / "serve"))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    model, shape_dir = _model(args, results_dir)
+    served = args.served_model_name or ("pdserve-demo" if args.smoke else Path(model).name)
+    gpus = args.gpus if args.gpus is not None else ("" if args.smoke else "0,1")
+    spec = ClusterSpec(model=model, served_model_name=served,
+                       engine_args=_engine_args(args, shape_dir),
+                       gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
+                       log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout)
+    scale = _scale(args)
+    outcome = PlanOutcome([], [])
+    if not args.summary_only:
+        plan = build_plan(scale, experiments, args.seed)
+        deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
+        options = ExecuteOptions(results_dir=results_dir, spec=spec, tokenizer_path=model,
+                                 scale=scale, force=args.force, disable_tqdm=args.disable_tqdm,
+                                 deadline=deadline)
+        outcome = run_plan(plan, options)
+    problems = outcome.problems
+    env = environment(spec, args.smoke)
+    (results_dir / "env.json").write_text(json.dumps(env, indent=2))
+    results = load_results(results_dir / "raw")
+    markdown, figures = build_summary(results, _header(env, scale))
+    plots = make_plots(results, results_dir)
+    markdown += "\n## Files\n\n" + "\n".join(
+        f"- `{p.relative_to(results_dir)}`" for p in
+        [*plots, *sorted((results_dir / "raw").glob("*.json"))]) + "\n"
+    if problems:
+        markdown += "\n## Problems\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
+    if outcome.left:
+        markdown += (f"\n## Not run yet (time budget)\n\n{len(outcome.left)} runs left: "
+                     f"{', '.join(outcome.left)}. Run the same command again to continue.\n")
+    (results_dir / "summary.md").write_text(markdown)
+    (results_dir / "summary.json").write_text(json.dumps(
+        {"environment": env, "figures": figures, "problems": problems, "left": outcome.left},
+        indent=2))
+    print(markdown, flush=True)
+    print(f"results in {results_dir}", flush=True)
+    return 1 if problems else (3 if outcome.left else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

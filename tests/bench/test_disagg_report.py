@@ -1,0 +1,131 @@
+"""The disaggregation report's plan, launch command lines, time budget and summary (no processes)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.disagg.cluster import Cluster, ClusterError, ClusterSpec
+from benchmarks.disagg.execute import ExecuteOptions, run_plan
+from benchmarks.disagg.plan import (
+    COLO1,
+    COLO2,
+    EXPERIMENTS,
+    GPU_SCALE,
+    PD,
+    PD_NOCACHE,
+    PROXY,
+    SMOKE_SCALE,
+    build_plan,
+)
+from benchmarks.disagg.summary import build_summary
+
+
+def _runs_by_name(scale=GPU_SCALE) -> dict:
+    return {run.name: (item.topology, run) for item in build_plan(scale) for run in item.runs}
+
+
+def test_plan_launches_each_topology_once_in_order() -> None:
+    plan = build_plan(GPU_SCALE)
+    assert [p.topology.name for p in plan] == ["colo1", "colo1_nocache", "pd", "pd_nocache",
+                                               "colo2"]
+    names = [run.name for item in plan for run in item.runs]
+    assert len(names) == len(set(names))
+    assert {run.experiment for item in plan for run in item.runs} == set(EXPERIMENTS)
+    assert [p.topology.name for p in build_plan(GPU_SCALE, ("proxy_overhead",))] == ["colo1"]
+
+
+def test_compared_runs_share_prompts_and_same_server_runs_do_not() -> None:
+    runs = _runs_by_name()
+    direct, proxied, pd = (runs[f"ttft_overhead__{n}"][1]
+                           for n in ("colocated_direct", "colocated_proxy", "pd"))
+    assert direct.dataset == pd.dataset and direct.target == "colocated" and pd.target == PROXY
+    assert proxied.dataset.seed != direct.dataset.seed  # same server as direct: fresh prompts
+    assert direct.dataset.random_input_len == 2048 and direct.dataset.random_output_len == 128
+    assert direct.rate == 1.0
+    for rate in GPU_SCALE.sweep_8k.rates:
+        tag = f"{rate:g}"
+        (t1, a), (t2, b) = runs[f"goodput_8k__pd__r{tag}"], runs[f"goodput_8k__colo2__r{tag}"]
+        assert (t1, t2) == (PD, COLO2) and a.dataset == b.dataset and a.rate == rate
+        assert a.dataset.random_input_len == 8192
+    seeds = [runs[f"goodput_2k__pd__r{r:g}"][1].dataset.seed for r in GPU_SCALE.sweep_2k.rates]
+    assert len(set(seeds)) == len(seeds)
+    on, off = runs["prefix_cache__pd_on"], runs["prefix_cache__pd_off"]
+    assert (on[0], off[0]) == (PD, PD_NOCACHE) and on[1].dataset == off[1].dataset
+    assert on[1].dataset.name == "prefix_repetition"
+    assert runs["proxy_overhead__proxy"][1].rate == 200.0
+    assert runs["proxy_overhead__direct"][0] == COLO1
+
+
+def test_sweep_point_sizes() -> None:
+    assert GPU_SCALE.point_prompts(0.5) == GPU_SCALE.min_point_prompts
+    assert GPU_SCALE.point_prompts(4) == 120
+    assert GPU_SCALE.point_prompts(1000) == GPU_SCALE.max_point_prompts
+
+
+def test_launch_argv(tmp_path: Path) -> None:
+    spec = ClusterSpec(model="/m", served_model_name="m", engine_args=("--dtype", "bfloat16"),
+                       gpus=("3", "5"), log_dir=tmp_path)
+    argv = Cluster(spec, PD_NOCACHE, port=1234).argv()
+    assert argv[1:3] == ["-m", "deploy.launch"]
+    def flag(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert (flag("--prefill"), flag("--decode"), flag("--colocated")) == ("1", "1", "0")
+    assert flag("--gpus") == "3,5" and flag("--port") == "1234"
+    assert "--no-enable-prefix-caching" in argv and argv[-2:] == ["--gpus", "3,5"]
+    assert Cluster(spec, COLO1).argv()[-1] == "3"
+    with pytest.raises(ClusterError, match="needs 2 GPUs"):
+        Cluster(ClusterSpec("/m", "m", gpus=("0",)), COLO2).argv()
+    cpu = Cluster(ClusterSpec("/m", "m"), COLO2).argv()
+    assert "--gpus" not in cpu and "--enable-prefix-caching" in cpu
+
+
+def test_time_budget_leaves_runs_for_the_next_invocation(tmp_path: Path) -> None:
+    plan = build_plan(SMOKE_SCALE, ("ttft_overhead",))
+    options = ExecuteOptions(results_dir=tmp_path, spec=ClusterSpec("/m", "m"),
+                             tokenizer_path="/no/tokenizer", scale=SMOKE_SCALE,
+                             deadline=time.monotonic())
+    outcome = run_plan(plan, options)
+    assert outcome.problems == []
+    assert sorted(outcome.left) == ["ttft_overhead__colocated_direct",
+                                    "ttft_overhead__colocated_proxy", "ttft_overhead__pd"]
+
+
+def _result(label: str, rate: float, **values: float) -> dict:
+    base = {"label": label, "request_rate": rate, "completed": 10, "failed": 0,
+            "num_prompts": 10, "total_input_tokens": 20480, "output_lens": [128] * 10,
+            "goodput_slos_ms": {"ttft": 1000.0, "tpot": 40.0}, "server_breakdown": {},
+            "request_throughput": rate}
+    for metric in ("ttft", "tpot", "e2el"):
+        for stat in ("p50", "p99", "mean"):
+            base.setdefault(f"{stat}_{metric}_ms", 1.0)
+    return {**base, **values}
+
+
+def test_summary_figures() -> None:
+    results = {
+        "ttft_overhead__colocated_direct": _result("colocated", 1, p50_ttft_ms=100.0,
+                                                   p99_ttft_ms=120.0),
+        "ttft_overhead__pd": _result("1P1D", 1, p50_ttft_ms=102.5, p99_ttft_ms=135.0),
+        "goodput_2k__pd__r2": _result("1P1D", 2, request_goodput=2.0, slo_attainment=1.0,
+                                      p99_tpot_ms=20.0),
+        "goodput_2k__pd__r4": _result("1P1D", 4, request_goodput=3.6, slo_attainment=0.9,
+                                      p99_tpot_ms=30.0),
+        "goodput_2k__colo2__r2": _result("2x", 2, request_goodput=2.0, slo_attainment=1.0,
+                                         p99_tpot_ms=35.0),
+        "goodput_2k__colo2__r4": _result("2x", 4, request_goodput=2.0, slo_attainment=0.5,
+                                         p99_tpot_ms=80.0),
+    }
+    markdown, figures = build_summary(results, ["# report"])
+    overhead = figures["ttft_overhead"]["vs_direct"]
+    assert overhead == pytest.approx({"p50_ms": 2.5, "p99_ms": 15.0})
+    assert "missed by 5.00" in markdown  # p99 goal 10 ms
+    g = figures["goodput_2k"]
+    assert g["pd"] == {"max_goodput": 3.6, "rate_at_90pct_slo": 4.0}
+    assert g["colo2"] == {"max_goodput": 2.0, "rate_at_90pct_slo": 2.0}
+    assert g["goodput_ratio"] == pytest.approx(1.8)
+    assert g["pd_lower_p99_tpot_points"] == 2 and g["points_compared"] == 2
+    assert "goodput_8k" not in figures

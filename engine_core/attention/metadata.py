@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,12 +44,3 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
-
-    @functools.cached_property
-    def has_single_token_seqs(self) -> bool:
-        """Whether some sequence adds exactly one token (a decode), from the host copies.
-
-        Computed once per step; backends that treat decodes apart ask it in every layer.
-        """
-        starts = self.query_start_loc_cpu
-        return any(starts[i + 1] - starts[i] == 1 for i in range(len(starts) - 1))

@@ -7,10 +7,10 @@ Per layer: one kernel writes the new K/V at their slots, then
 - any other step runs the prefill kernel over the sequences with more than one new token
   and the decode kernel over those with exactly one. Both are launched over the whole
   batch and each skips the other's rows on the device, so no host-side partition of the
-  batch is built. We split rather than send everything through the prefill kernel because
-  in a chunked-prefill batch the decodes are the majority, and they need split-KV (one
-  prefill program per sequence would walk a long context alone) and the GQA-packed
-  decode tile.
+  batch is built (a pure prefill step pays one decode launch whose programs exit at
+  once). We split rather than send everything through the prefill kernel because in a
+  chunked-prefill batch the decodes are the majority, and they need split-KV (one prefill
+  program per sequence would walk a long context alone) and the GQA-packed decode tile.
 
 The backend also tells the model to use the fused RMSNorm and RoPE kernels
 (``triton_layers``): one switch, ``--attention-backend``, picks the whole fast path.
@@ -49,13 +49,10 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         write_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        decode_only = meta.max_query_len == 1
-        if not decode_only:
+        if meta.max_query_len > 1:
             paged_prefill_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len,
-                                    meta.block_size, scale,
-                                    skip_single_token_rows=meta.has_single_token_seqs)
-        if decode_only or meta.has_single_token_seqs:
-            paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, scale, self.num_decode_splits)
+                                    meta.block_size, scale, skip_single_token_rows=True)
+        paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, scale, self.num_decode_splits)
         return out

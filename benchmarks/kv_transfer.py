@@ -7,7 +7,9 @@ request size (rounded to whole blocks; the exact bytes are reported) it measures
 raw        one ncclSend/ncclRecv of the request's bytes, GPU-timed on the receiver from
            the end of a 1-byte rendezvous transfer to the end of the big one (no host or
            launch skew); median of ``--raw-iters``. ``raw_stream_gbps``: the same message
-           size sent back to back (the link's steady state).
+           size sent back to back (the link's steady state). ``raw_idle_gbps``: one send
+           issued by the host to idle GPUs (the receive already posted), timed on the
+           sender from the event before the send: what one request's transfer can reach.
 connector  one request through the connector (PUT_ASYNC): pull request, header, gathers of
            every layer into the staging buffer, the data calls, scatter into the consumer's
            paged cache. ``e2e``: wall time from the producer's ``bind_step`` to the consumer
@@ -87,6 +89,27 @@ def _raw(rank: int, uid_queue: Any, out: Any, sizes: list[int], iters: int) -> N
                 stream.synchronize()
                 if i >= 2:
                     single.append(start.elapsed_time(end) / 1e3)
+            # Idle: as one request's transfer happens. The receive is posted first, the GPUs
+            # go idle, then the sender's host issues the send; timed on the sender from the
+            # event before the send to its end (the connector's data figure, same span).
+            idle: list[float] = []
+            for i in range(iters + 2):
+                op(tick)
+                stream.synchronize()
+                if rank == 1:
+                    op(buf)
+                    stream.synchronize()
+                    continue
+                time.sleep(0.002)
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record(stream)
+                op(buf)
+                end.record(stream)
+                stream.synchronize()
+                if i >= 2:
+                    idle.append(start.elapsed_time(end) / 1e3)
+            if rank == 0:
+                out.put(("raw_idle", nbytes, nbytes / statistics.median(idle) / 1e9, 0.0))
             repeats = max(8, min(200, math.ceil((2 << 30) / nbytes)))
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             op(tick)
@@ -171,15 +194,20 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
         worker.shutdown()
 
 
-def run_raw(ctx: Any, sizes_bytes: list[int], iters: int) -> dict[int, tuple[float, float]]:
+def run_raw(ctx: Any, sizes_bytes: list[int], iters: int) -> dict[int, tuple[float, float, float]]:
     out, uid_queue = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_raw, args=(r, uid_queue, out, sizes_bytes, iters)) for r in (0, 1)]
     for p in procs:
         p.start()
     raw: dict[int, tuple[float, float]] = {}
-    while len(raw) < len(sizes_bytes):
-        _, nbytes, single, streamed = out.get(timeout=300)
-        raw[nbytes] = (single, streamed)
+    idle: dict[int, float] = {}
+    while len(raw) < len(sizes_bytes) or len(idle) < len(sizes_bytes):
+        kind, nbytes, single, streamed = out.get(timeout=300)
+        if kind == "raw_idle":
+            idle[nbytes] = single
+        else:
+            raw[nbytes] = (single, streamed, idle.get(nbytes, 0.0))
+    raw = {n: (v[0], v[1], idle[n]) for n, v in raw.items()}
     for p in procs:
         p.join(60)
     return raw
@@ -269,7 +297,8 @@ def main() -> None:
         "geometry": {"layers": NUM_LAYERS, "block_size": BLOCK_SIZE, "kv_heads": NUM_KV_HEADS,
                      "head_dim": HEAD_DIM, "dtype": "bfloat16", "bytes_per_block": BYTES_PER_BLOCK},
         "sizes": [{"requested_mb": mb, "blocks": b, "bytes": n, "mib": round(n / (1 << 20), 2),
-                   "raw_gbps": round(raw[n][0], 1), "raw_stream_gbps": round(raw[n][1], 1)}
+                   "raw_gbps": round(raw[n][0], 1), "raw_stream_gbps": round(raw[n][1], 1),
+                   "raw_idle_gbps": round(raw[n][2], 1)}
                   for mb, b, n in zip(args.sizes_mb, blocks, sizes_bytes)],
         "connector": {},
     }
@@ -280,6 +309,7 @@ def main() -> None:
                 entry = measured[str(row["bytes"])]
                 entry["data_vs_raw"] = round(entry["data_gbps"] / row["raw_gbps"], 3)
                 entry["e2e_vs_raw"] = round(entry["e2e_gbps"] / row["raw_gbps"], 3)
+                entry["data_vs_raw_idle"] = round(entry["data_gbps"] / row["raw_idle_gbps"], 3)
             result["connector"][f"min_call_bytes={min_call},switch_interval={switch_interval}"] = measured
     text = json.dumps(result, indent=2)
     print(text)

@@ -51,6 +51,21 @@ CONNECTOR_GAUGES = {
     "held_requests": "Finished prefill requests whose blocks are held until sent (P).",
 }
 
+# KV connector counters, exported as ``pdserve:kv_transfer_<key>_total``.
+CONNECTOR_COUNTERS = {
+    "bytes_sent": "KV bytes sent to decode workers (P).",
+    "bytes_received": "KV bytes received from prefill workers (D).",
+    "transfers_sent": "KV transfers completed by this producer (P).",
+    "transfers_received": "KV transfers landed in this consumer's cache (D).",
+    "sends_failed": "KV sends that failed (P).",
+    "transfers_failed": "KV loads that failed other than by timeout (D).",
+    "transfers_timed_out": "KV loads dropped at their deadline (D).",
+    "messages_rejected": "Connector control messages rejected by validation.",
+    "data_calls": "Data calls (NCCL send/recv or CPU frames) issued.",
+    "send_gpu_seconds": "GPU time from a transfer's first send to its end (P, NCCL).",
+    "recv_gpu_seconds": "GPU time from posting a transfer's receives to their end (D, NCCL).",
+}
+
 
 class _EngineStatsCollector(Collector):
     """Yields engine gauges and counters from the stats snapshot held by ``ServerMetrics``."""
@@ -83,6 +98,9 @@ class _EngineStatsCollector(Collector):
             "vllm:prefix_cache_hits": ("Prefix cache hits, in tokens.", stats.prefix_cache_hits),
             "vllm:num_preemptions": ("Cumulative number of preemptions.", stats.num_preemptions),
         }
+        for key, doc in CONNECTOR_COUNTERS.items():
+            if key in stats.connector:
+                counters[f"pdserve:kv_transfer_{key}"] = (doc, stats.connector[key])
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(labels, value)

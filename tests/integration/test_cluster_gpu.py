@@ -72,7 +72,7 @@ def _decode_bytes_received(proxy: str) -> float:
     workers = get_json(f"{proxy}/instances")["workers"]
     decode = [w["http_address"] for w in workers if w["role"] == "D"]
     assert len(decode) == 1, workers
-    return scrape(decode[0]).get("pdserve:kv_transfer_bytes_received", 0.0)
+    return scrape(decode[0]).get("pdserve:kv_transfer_bytes_received_total", 0.0)
 
 
 @pytest.mark.timeout(1200)

@@ -78,13 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--slo-ttft-ms", type=float, default=None, help="default 1000")
     run.add_argument("--slo-tpot-ms", type=float, default=None, help="default 40")
     run.add_argument("--rates-2k", type=parse_rates, default=None,
-                     help="goodput_2k sweep (default 1,2,4,6,8,10,12,16)")
+                     help="goodput_2k sweep (default 2,4,6,8,12,16)")
     run.add_argument("--rates-8k", type=parse_rates, default=None,
-                     help="goodput_8k sweep (default 0.5,1,1.5,2,2.5,3,4)")
+                     help="goodput_8k sweep (default 0.5,1,1.5,2,3)")
     run.add_argument("--point-seconds", type=float, default=None,
-                     help="seconds of traffic per sweep point (default 30)")
+                     help="seconds of traffic per sweep point (default 20)")
     run.add_argument("--low-load-prompts", type=int, default=None,
-                     help="requests per ttft_overhead setup (default 80)")
+                     help="requests per ttft_overhead setup (default 60)")
     run.add_argument("--disable-tqdm", action="store_true")
 
 

@@ -64,24 +64,24 @@ class Scale:
     """Sizes of one report: the GPU defaults or the CPU smoke run."""
 
     low_load_rate: float = 1.0
-    low_load_prompts: int = 80
+    low_load_prompts: int = 60
     low_load_input: int = 2048
     low_load_output: int = 128
-    sweep_2k: Sweep = Sweep(2048, 256, (1, 2, 4, 6, 8, 10, 12, 16))
-    sweep_8k: Sweep = Sweep(8192, 256, (0.5, 1, 1.5, 2, 2.5, 3, 4))
-    point_seconds: float = 30.0
-    min_point_prompts: int = 30
-    max_point_prompts: int = 400
+    sweep_2k: Sweep = Sweep(2048, 256, (2, 4, 6, 8, 12, 16))
+    sweep_8k: Sweep = Sweep(8192, 256, (0.5, 1, 1.5, 2, 3))
+    point_seconds: float = 20.0
+    min_point_prompts: int = 20
+    max_point_prompts: int = 320
     prefix_len: int = 2048
     suffix_len: int = 256
     num_prefixes: int = 8
     prefix_output: int = 128
     prefix_rate: float = 4.0
-    prefix_prompts: int = 160
+    prefix_prompts: int = 120
     proxy_rate: float = 200.0
     proxy_prompts: int = 2000
     proxy_input: int = 128
-    proxy_output: int = 16
+    proxy_output: int = 8
     warmups: int = 8
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0

@@ -155,6 +155,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
                     break
                 timeline.feed(event, now)
             return timeline.finish(response.headers)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        # ValueError: aiohttp's limit on one SSE line
         timeline.output.error = f"{type(exc).__name__}: {exc}"
         return timeline.output

@@ -61,7 +61,7 @@ def test_compared_runs_share_prompts_and_same_server_runs_do_not() -> None:
 
 def test_sweep_point_sizes() -> None:
     assert GPU_SCALE.point_prompts(0.5) == GPU_SCALE.min_point_prompts
-    assert GPU_SCALE.point_prompts(4) == 120
+    assert GPU_SCALE.point_prompts(4) == 80
     assert GPU_SCALE.point_prompts(1000) == GPU_SCALE.max_point_prompts
 
 

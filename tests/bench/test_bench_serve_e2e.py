@@ -120,3 +120,18 @@ def test_ready_check_fails_fast_on_a_client_error(demo_server: str) -> None:
     assert _bench(demo_server, "--model", "no-such-model", "--tokenizer",
                   str(demo_model_path()), "--num-prompts", "2") == 1
     assert time.monotonic() - started < 30
+
+
+def test_worker_reports_its_timings_in_body_and_metrics(demo_server: str) -> None:
+    request = urllib.request.Request(
+        demo_server + "/v1/completions", method="POST",
+        data=json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"})
+    body = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    timings = body["pdserve_timings"]
+    assert timings["queue_ms"] >= 0 and timings["prefill_ms"] > 0
+    assert timings["first_token_unix"] >= timings["arrival_unix"] > 1e9
+    assert body["usage"]["completion_tokens"] == 2  # the OpenAI fields are unchanged
+    metrics = urllib.request.urlopen(demo_server + "/metrics", timeout=10).read().decode()
+    assert "vllm:request_queue_time_seconds_count" in metrics
+    assert "vllm:request_prefill_time_seconds_count" in metrics

@@ -163,6 +163,11 @@ class EngineCore:
         """True while any request is queued, running, awaiting remote KV or being sent."""
         return self.scheduler.has_unfinished()
 
+    def has_transfer_state(self) -> bool:
+        """True while a connector half holds a transfer no request waits on (say the load of
+        an aborted request, kept until its deadline); only a step lands, expires or frees it."""
+        return not (self.scheduler.connector.is_idle() and self.connector_worker.is_idle())
+
     def has_runnable(self) -> bool:
         """True when the next step would compute something (else poll, do not spin)."""
         return self.scheduler.has_runnable()
@@ -191,7 +196,8 @@ class EngineCore:
             generation_tokens_total=counters.generation_tokens,
             num_computed_prompt_tokens_total=counters.computed_prompt_tokens,
             rejected_messages=self.rejected_messages,
-            connector=dict(scheduler.connector.stats()),
+            # Both halves: the worker side holds the transfer buffers and threads.
+            connector={**scheduler.connector.stats(), **self.connector_worker.stats()},
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -174,6 +174,13 @@ class EngineCoreProc:
                 if outputs or stats is not None:
                     self._send(EngineOutputs(outputs=outputs, stats=stats))
                 self._was_busy = True
+            elif self._engine.has_transfer_state():
+                # No request left, but transfer state is (an aborted request's load until
+                # its deadline): an empty step at the idle poll cadence expires and frees it.
+                outputs = self._engine.step()
+                if outputs:
+                    self._send(EngineOutputs(outputs=outputs))
+                self._was_busy = True
             elif self._was_busy:
                 # Going idle: let the API process see the final (all blocks free) state.
                 self._was_busy = False

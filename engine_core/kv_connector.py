@@ -75,6 +75,10 @@ class ConnectorScheduler(Protocol):
         """Gauges and counters for /metrics (pending sends, buffer bytes, ...)."""
         ...
 
+    def is_idle(self) -> bool:
+        """True when no transfer state is kept (nothing left for a step to deliver)."""
+        ...
+
 
 class ConnectorWorker(Protocol):
     """Worker-side half: owns transports and moves KV bytes."""
@@ -105,6 +109,14 @@ class ConnectorWorker(Protocol):
         """Transfers completed or failed since the last call."""
         ...
 
+    def stats(self) -> dict[str, float]:
+        """Buffer and transfer gauges (0 when idle) and counters, for /metrics."""
+        ...
+
+    def is_idle(self) -> bool:
+        """True when no transfer, deadline or buffer byte is held."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -130,6 +142,9 @@ class NullConnectorScheduler:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def is_idle(self) -> bool:
+        return True
+
 
 class NullConnectorWorker:
     """Colocated engines: every hook is a no-op."""
@@ -154,6 +169,12 @@ class NullConnectorWorker:
 
     def get_finished(self) -> FinishedTransfers:
         return FinishedTransfers()
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def is_idle(self) -> bool:
+        return True
 
     def shutdown(self) -> None:
         return None

@@ -32,6 +32,10 @@ from proxy.registry import InstanceRegistry
 logger = logging.getLogger(__name__)
 
 DEFAULT_REGISTRATION_PORT = 30001
+# Heartbeats that could not leave (no connection yet) are retried after 10, 20, 40 ... ms,
+# at most 200 ms apart.
+_FIRST_RETRY_S = 0.01
+_MAX_RETRY_S = 0.2
 
 
 class RegistrationServer:
@@ -192,9 +196,13 @@ class RegistrationClient:
         return True
 
     async def _run(self) -> None:
+        retry_s = _FIRST_RETRY_S
         while True:
             if not await self.heartbeat_once():
-                # Not connected yet: retry soon so a fresh worker registers quickly.
-                await asyncio.sleep(min(0.2, self._interval_s))
+                # Not connected yet (a fresh socket takes a few ms): retry soon, backing off,
+                # so a new worker is routable within milliseconds of listening.
+                await asyncio.sleep(min(retry_s, _MAX_RETRY_S, self._interval_s))
+                retry_s *= 2
                 continue
+            retry_s = _FIRST_RETRY_S
             await asyncio.sleep(self._interval_s)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ logger = logging.getLogger("pdserve.report")
 
 PERCENTILES = (50.0, 90.0, 99.0)
 STARTUP_ESTIMATE_S = 120.0
+WARMUP_SEED_OFFSET = 7919
+WARMUP_OUTPUT_LEN = 16
 PROXY_HISTOGRAMS = {"overhead": "pdserve:proxy_overhead_seconds",
                     "queue": "pdserve:proxy_queue_time_seconds"}
 
@@ -88,9 +91,30 @@ def bench_config(run: BenchRun, url: str, options: ExecuteOptions) -> BenchConfi
         dataset=run.dataset, request_rates=(run.rate,),
         goodput={"ttft": scale.slo_ttft_ms, "tpot": scale.slo_tpot_ms}, ignore_eos=True,
         percentile_metrics=METRICS, metric_percentiles=PERCENTILES,
-        num_warmups=scale.warmups, request_id_prefix=f"{run.name}-", label=run.variant,
+        num_warmups=0, request_id_prefix=f"{run.name}-", label=run.variant,
         metadata={"experiment": run.experiment, "run": run.name, "target": run.target},
         disable_tqdm=options.disable_tqdm)
+
+
+def warm_up(run: BenchRun, url: str, options: ExecuteOptions, tokenizer: Any) -> None:
+    """Prompts of the run's shape (other seed, short outputs) one at a time, then at once.
+
+    One at a time compiles the kernels and captures the graphs a lone request uses (the
+    low-load experiment's case), the burst those of a batch; results are dropped.
+    """
+    count = options.scale.warmups
+    if count <= 0:
+        return
+    data = replace(run.dataset, seed=run.dataset.seed + WARMUP_SEED_OFFSET,
+                   random_output_len=min(run.dataset.random_output_len, WARMUP_OUTPUT_LEN),
+                   prefix_output_len=min(run.dataset.prefix_output_len, WARMUP_OUTPUT_LEN))
+    for num_prompts, concurrency in ((max(1, count // 2), 1), (count, None)):
+        config = replace(bench_config(run, url, options),
+                         dataset=replace(data, num_prompts=num_prompts),
+                         request_rates=(math.inf,), max_concurrency=concurrency,
+                         request_id_prefix=f"{run.name}-warm-", disable_tqdm=True)
+        run_benchmark(config, tokenizer)
+        data = replace(data, seed=data.seed + 1)
 
 
 def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
@@ -103,6 +127,7 @@ def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
             raise BenchmarkError(f"{cluster.topology.name} has no {run.target} worker")
         url = urls[0]
     logger.info("run %s: %s at %s req/s on %s", run.name, run.variant, run.rate, url)
+    warm_up(run, url, options, tokenizer)
     before = _scrape_all(cluster)
     (result,) = run_benchmark(bench_config(run, url, options), tokenizer)
     result["topology"] = cluster.topology.name

@@ -80,8 +80,8 @@ class Scale:
     prefix_prompts: int = 120
     proxy_rate: float = 200.0
     proxy_prompts: int = 2000
-    proxy_input: int = 128
-    proxy_output: int = 8
+    proxy_input: int = 64
+    proxy_output: int = 2
     warmups: int = 8
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0

@@ -55,7 +55,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="model name clients use (default: the model path)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
     group.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    group.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="disable CUDA graphs (decode steps run eagerly)")
+    group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                       help="decode batch sizes to capture as CUDA graphs (one value: the "
+                            "default schedule up to it; default: up to min(max-num-seqs, 512))")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                        help="auto: Triton kernels on CUDA (attention, RMSNorm, RoPE) when "
                             "triton is installed, else the torch reference")
@@ -87,7 +91,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
-                            attention_backend=args.attention_backend),
+                            attention_backend=args.attention_backend,
+                            cuda_graph_sizes=tuple(args.cuda_graph_sizes or ())),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
     )

@@ -95,14 +95,22 @@ class DeviceConfig:
     """Where the engine runs: ``auto`` picks CUDA when present, else CPU."""
 
     device: str = "auto"
+    # True: never capture CUDA graphs (every step runs eagerly), as vLLM's flag.
     enforce_eager: bool = False
     # auto: Triton kernels on CUDA when available, else the torch reference.
     attention_backend: str = "auto"
+    # Decode batch sizes captured as CUDA graphs. Empty: the default schedule up to
+    # min(max_num_seqs, 512); one value: that schedule up to the value; several: exactly those.
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, "
                               f"got {self.attention_backend!r}")
+        sizes = tuple(int(s) for s in (self.cuda_graph_sizes or ()))
+        if any(s < 1 for s in sizes):
+            raise ConfigError(f"--cuda-graph-sizes must be positive, got {list(sizes)}")
+        object.__setattr__(self, "cuda_graph_sizes", sizes)  # lists from LLM(...) kwargs
 
     def resolve(self) -> str:
         """The concrete torch device string."""

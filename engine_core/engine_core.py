@@ -28,9 +28,11 @@ from engine_core.sched.block_hash import BlockHasher
 from engine_core.sched.block_pool import BlockPool
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.scheduler import Scheduler
-from engine_core.worker import kv_cache
+from engine_core.worker import cuda_graphs, kv_cache
+from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
 from engine_core.worker.model_runner import ModelRunner
+from engine_core.worker.step_inputs import BatchLimits
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -86,8 +88,30 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager,
                                    connector_scheduler, self.max_model_len, policy)
         self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
-                                  torch.device(self.device), self.eos_token_ids, connector_worker)
+                                  torch.device(self.device), self.eos_token_ids, connector_worker,
+                                  self._batch_limits())
+        self.graph_capture: CaptureStats | None = None
+        if self._graph_sizes():
+            self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
         self.rejected_messages = 0
+
+    def _batch_limits(self) -> BatchLimits:
+        sched = self.config.scheduler
+        return BatchLimits(max_num_seqs=sched.max_num_seqs,
+                           max_num_tokens=sched.max_num_batched_tokens,
+                           max_model_len=self.max_model_len,
+                           block_size=self.config.cache.block_size)
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture; empty when this engine runs every step eagerly."""
+        device = self.config.device
+        reason = cuda_graphs.graphs_disabled_reason(torch.device(self.device),
+                                                    self.attn_backend.name, device.enforce_eager)
+        if reason is not None:
+            return []
+        sched = self.config.scheduler
+        return cuda_graphs.capture_sizes(device.cuda_graph_sizes, sched.max_num_seqs,
+                                         sched.max_num_batched_tokens)
 
     def _profile_peak_bytes(self) -> int:
         """GPU memory a worst-case step needs beyond weights: one max-size prefill forward."""
@@ -103,7 +127,7 @@ class EngineCore:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
-                             NullConnectorWorker())
+                             NullConnectorWorker(), self._batch_limits())
         from engine_core.sched.outputs import NewRequestData, SchedulerOutput
 
         params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -114,6 +138,13 @@ class EngineCore:
         peak = torch.cuda.max_memory_allocated(device) - base
         # Sampling a full batch of logits needs vocab * max_num_seqs floats a few times over.
         peak += 4 * 4 * self.vocab_size * self.config.scheduler.max_num_seqs
+        sizes = self._graph_sizes()
+        if sizes:
+            # The decode graphs' private pool is captured after the cache is allocated and
+            # is never returned to the allocator: reserve it now.
+            pool = runner.estimate_graph_pool_bytes(max(sizes))
+            logger.info("Reserving %.1f MiB for CUDA graphs", pool / 2**20)
+            peak += pool
         del caches, runner
         torch.cuda.empty_cache()
         return int(peak)

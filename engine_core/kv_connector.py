@@ -93,6 +93,11 @@ class ConnectorWorker(Protocol):
         """Remember this step's metadata so the per-layer hooks know what to save."""
         ...
 
+    def needs_layer_hooks(self, metadata: Any) -> bool:
+        """Whether this step's ``before_layer``/``after_layer`` do anything; a step without
+        them may replay a CUDA graph, which calls no Python between layers."""
+        ...
+
     def before_layer(self, layer_idx: int) -> None:
         """Block until this layer's remote KV has landed (layer-wise loading)."""
         ...
@@ -157,6 +162,9 @@ class NullConnectorWorker:
 
     def bind_step(self, metadata: Any, attn_metadata: AttentionMetadata) -> None:
         return None
+
+    def needs_layer_hooks(self, metadata: Any) -> bool:
+        return False
 
     def before_layer(self, layer_idx: int) -> None:
         return None

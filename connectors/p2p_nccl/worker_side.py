@@ -196,6 +196,11 @@ class P2pConnectorWorker:
             for save in metadata.saves:
                 self._bind_save(save)
 
+    def needs_layer_hooks(self, metadata: P2pConnectorMetadata | None) -> bool:
+        """Only a producer step with saves gathers per layer; a consumer never waits per
+        layer, so its decode steps may replay CUDA graphs."""
+        return metadata is not None and bool(metadata.saves)
+
     def before_layer(self, layer_idx: int) -> None:
         """No wait: a consumer request is scheduled only after all of its KV has landed."""
         return None

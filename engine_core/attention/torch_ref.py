@@ -15,10 +15,16 @@ from engine_core.attention.metadata import AttentionMetadata
 
 def write_to_paged_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> None:
-    """Store k/v ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``, casting to the cache dtype."""
+    """Store k/v ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``, casting to the cache dtype.
+
+    Slot -1 skips the token (pad rows of a padded decode batch), as in the Triton kernel.
+    """
     _, num_blocks, block_size, num_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_heads, head_dim)
-    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.long)
+    slots = slot_mapping[:k.shape[0]].to(device=kv_cache.device, dtype=torch.long)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
     if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
         # fp8: index_copy_ has no fp8 kernels on every device; copy the bytes instead.
         flat_bytes = flat.view(torch.uint8)
@@ -81,6 +87,9 @@ class TorchRefAttentionBackend(AttentionBackend):
         for i, seq_len in enumerate(attn_metadata.seq_lens_cpu):
             lo, hi = starts[i], starts[i + 1]
             if hi == lo:
+                continue
+            if seq_len == 0:  # a pad row: nothing to attend to, zeros as the Triton kernel
+                out[lo:hi] = 0
                 continue
             seq_k, seq_v = gather_sequence_kv(kv_cache, attn_metadata.block_tables[i],
                                               seq_len, q.dtype)

@@ -1,40 +1,49 @@
 """Executes a SchedulerOutput: builds one flattened batch, runs the model, samples.
 
-The runner keeps a copy of each scheduled request's tokens and block ids, updated from
-the scheduler's diffs, so per step it only receives what changed. Positions, slot
-mapping and block tables are built with vectorised torch ops from per-request vectors.
+The runner keeps a copy of each scheduled request's tokens and its row of block ids,
+updated from the scheduler's diffs, so per step it only receives what changed. Step
+inputs are built with numpy into persistent buffers (``step_inputs.py``) and moved with
+non-blocking copies; a decode-only step replays a captured CUDA graph when one fits
+(``cuda_graphs.py``). The one host sync of a step is reading the sampled tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine_core.attention.metadata import AttentionMetadata
 from engine_core.kv_connector import ConnectorWorker
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
+from engine_core.worker.cuda_graphs import CaptureStats, DecodeGraphs, estimate_pool_bytes
+from engine_core.worker.forward_timer import ForwardTimer
 from engine_core.worker.sampler import Sampler, SamplingRow
+from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
 
 @dataclass
 class RunnerRequestState:
-    """The runner's view of one request between steps."""
+    """The runner's view of one request between steps (its block ids live in ``row``)."""
 
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
+    row: int
 
 
 class ModelRunner:
-    """Owns the model, the paged KV caches and the sampler."""
+    """Owns the model, the paged KV caches, the step buffers, the decode graphs, the sampler.
+
+    ``limits`` sizes the step buffers up front (required before capturing graphs);
+    without it they grow to fit each step.
+    """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, eos_token_ids: tuple[int, ...],
-                 connector: ConnectorWorker) -> None:
+                 connector: ConnectorWorker, limits: BatchLimits | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -43,18 +52,55 @@ class ModelRunner:
         self.connector = connector
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        limits = limits or BatchLimits(1, 1, block_size, block_size)
+        self.inputs = StepInputs(limits, device)
+        self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)
+        self.graphs: DecodeGraphs | None = None
+        # Set by benchmarks: GPU time of each forward (eager or replay).
+        self.forward_timer: ForwardTimer | None = None
+
+    # ---- CUDA graphs --------------------------------------------------------------------
+
+    def capture_cuda_graphs(self, sizes: list[int]) -> CaptureStats:
+        """Capture one decode graph per size; the step buffers keep their addresses after."""
+        largest = max(sizes)
+        self.inputs.reserve(largest, largest, 1)
+        self.inputs.freeze()
+        graphs = DecodeGraphs(self.device)
+        with torch.inference_mode():
+            stats = graphs.capture(sizes, self.inputs.fill_dummy_decode, self._decode_forward)
+        self.graphs = graphs
+        return stats
+
+    def estimate_graph_pool_bytes(self, largest: int) -> int:
+        """Memory the decode graphs of up to ``largest`` rows will hold (profiling runner)."""
+        with torch.inference_mode():
+            return estimate_pool_bytes(self.inputs.fill_dummy_decode, self._decode_forward,
+                                       largest, self.device)
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        input_ids, positions, metadata = self.inputs.decode_views(size)
+        return self.model(input_ids, positions, metadata, self.kv_caches)
+
+    # ---- steps --------------------------------------------------------------------------
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_req_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.block_table.free(state.row)
         for new in scheduler_output.scheduled_new_reqs:
+            stale = self.requests.pop(new.request_id, None)
+            if stale is not None:
+                self.block_table.free(stale.row)
             self.requests[new.request_id] = RunnerRequestState(
                 token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=new.sampling_params, block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens)
+                sampling_params=new.sampling_params,
+                num_computed_tokens=new.num_computed_tokens,
+                row=self.block_table.add(new.block_ids))
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            self.block_table.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
@@ -74,70 +120,64 @@ class ModelRunner:
         return output
 
     def _forward_and_sample(self, scheduler_output: SchedulerOutput, meta: object) -> ModelRunnerOutput:
-        request_ids = list(scheduler_output.num_scheduled_tokens)
+        scheduled = scheduler_output.num_scheduled_tokens
+        request_ids = list(scheduled)
         states = [self.requests[r] for r in request_ids]
-        num_new = [scheduler_output.num_scheduled_tokens[r] for r in request_ids]
-        starts = [s.num_computed_tokens for s in states]
-        input_ids_list: list[int] = []
-        for state, start, n in zip(states, starts, num_new):
-            input_ids_list.extend(state.token_ids[start:start + n])
-        attn_metadata, positions = self._build_metadata(states, starts, num_new)
-        self.connector.bind_step(meta, attn_metadata)
-        attn_metadata.layer_hooks = self.connector
-        input_ids = torch.tensor(input_ids_list, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
-
+        num_reqs = len(states)
+        num_new = np.fromiter(scheduled.values(), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                             count=num_reqs)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        decode_only = int(num_new.sum()) == num_reqs  # one token each
+        token_ids: list[int] = []
+        if decode_only:
+            token_ids = [s.token_ids[s.num_computed_tokens] for s in states]
+        else:
+            for state, n in zip(states, num_new.tolist()):
+                start = state.num_computed_tokens
+                token_ids.extend(state.token_ids[start:start + n])
         # Only requests whose scheduled tokens reach their last known token sample.
-        sample_rows = [i for i, (s, start, n) in enumerate(zip(states, starts, num_new))
-                       if start + n == len(s.token_ids)]
+        sample_rows = [i for i, (s, n) in enumerate(zip(states, num_new.tolist()))
+                       if s.num_computed_tokens + n == len(s.token_ids)]
+        every_row_samples = decode_only and len(sample_rows) == num_reqs
+
+        graph_size = None
+        if (decode_only and self.graphs is not None
+                and not self.connector.needs_layer_hooks(meta)):
+            graph_size = self.graphs.size_for(num_reqs)
+        batch = self.inputs.prepare(
+            self.block_table, rows, starts, num_new, token_ids,
+            None if every_row_samples else np.asarray(sample_rows, dtype=np.int64),
+            pad_to=graph_size)
+        self.connector.bind_step(meta, batch.attn_metadata)
+        timer = self.forward_timer
+        if timer is not None:
+            timer.start()
+        if graph_size is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.replay(graph_size)
+        else:
+            batch.attn_metadata.layer_hooks = self.connector
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                self.kv_caches)
+        if timer is not None:
+            timer.stop(graph_size is not None, batch.input_ids.shape[0])
         if not sample_rows:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        ends = attn_metadata.query_start_loc_cpu
-        logits_indices = torch.tensor([ends[i + 1] - 1 for i in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[logits_indices])
-        rows = [SamplingRow(params=states[i].sampling_params, token_ids=states[i].token_ids,
-                            num_prompt_tokens=states[i].num_prompt_tokens,
-                            eos_token_ids=self.eos_token_ids)
-                for i in sample_rows]
-        tokens, logprobs = self.sampler(logits, rows)
-        for i, token in zip(sample_rows, tokens):
-            states[i].token_ids.append(token)
+
+        selected = (hidden[:num_reqs] if batch.logits_indices is None
+                    else hidden[batch.logits_indices])
+        logits = self.model.compute_logits(selected)
+        sampled = [states[i] for i in sample_rows]
+        rows_to_sample = [SamplingRow(params=s.sampling_params, token_ids=s.token_ids,
+                                      num_prompt_tokens=s.num_prompt_tokens,
+                                      eos_token_ids=self.eos_token_ids)
+                          for s in sampled]
+        tokens, logprobs = self.sampler(logits, rows_to_sample)
+        for state, token in zip(sampled, tokens):
+            state.token_ids.append(token)
         return ModelRunnerOutput(
             req_ids=[request_ids[i] for i in sample_rows],
             sampled_token_ids=[[t] for t in tokens],
             logprobs=logprobs,
         )
-
-    def _build_metadata(self, states: list[RunnerRequestState], starts: list[int],
-                        num_new: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
-        device = self.device
-        num_tokens = sum(num_new)
-        query_lens = torch.tensor(num_new, dtype=torch.long)
-        start_t = torch.tensor(starts, dtype=torch.long)
-        query_start_loc = torch.zeros(len(states) + 1, dtype=torch.long)
-        torch.cumsum(query_lens, dim=0, out=query_start_loc[1:])
-        seq_lens = start_t + query_lens
-        # Token t of sequence i sits at absolute position start_i + (t - query_start_i).
-        seq_index = torch.repeat_interleave(torch.arange(len(states)), query_lens)
-        positions = (torch.arange(num_tokens) - query_start_loc[:-1][seq_index]
-                     + start_t[seq_index])
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = torch.zeros(len(states), max_blocks, dtype=torch.int32)
-        for i, state in enumerate(states):
-            block_tables[i, :len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.int32)
-        block_of_token = block_tables[seq_index, positions // self.block_size].long()
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size
-        qsl_cpu = query_start_loc.tolist()
-        seq_lens_cpu = seq_lens.tolist()
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
-            query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-            seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-            block_tables=block_tables.to(device, non_blocking=True),
-            max_query_len=max(num_new),
-            max_seq_len=max(seq_lens_cpu),
-            block_size=self.block_size,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-        )
-        return metadata, positions.to(device, non_blocking=True)

@@ -1,0 +1,263 @@
+"""Persistent step-input buffers: host staging (pinned on CUDA) and the device tensors the
+model and the attention kernels read, refilled every step with vectorised numpy.
+
+Why persistent: a CUDA graph reads its inputs from fixed addresses, and allocating fresh
+tensors (plus a blocking copy each) every step costs host time the GPU then waits for.
+A step moves everything in two packed non-blocking host->device copies (int64: token ids,
+positions, slots, logits rows; int32: query starts, sequence lengths, block-table rows),
+then one device copy places the block-table rows into the fixed-width table, whose width
+(from ``max_model_len``) is the same for every step, eager or replayed.
+
+Layout of a step with ``n`` tokens (padding included) and ``s`` sequences:
+int64 ``[ids n | positions n | slots n | logits rows]``, int32 ``[query starts s+1 |
+seq lens s | block rows]``. A decode graph of size ``p`` is captured on exactly the views a
+padded step of ``p`` rows gets (``n = s = p``), so filling the buffers is all a replay needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_core.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The largest step the buffers are sized for (the scheduler's limits)."""
+
+    max_num_seqs: int
+    max_num_tokens: int
+    max_model_len: int
+    block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+class HostBlockTable:
+    """Each live request's block ids in one row of a host array, appended to in place.
+
+    A step then gathers its rows with one numpy ``take`` instead of rebuilding every
+    request's list.
+    """
+
+    def __init__(self, num_rows: int, width: int) -> None:
+        self.table = np.zeros((max(num_rows, 1), max(width, 1)), dtype=np.int32)
+        self.num_blocks = np.zeros(self.table.shape[0], dtype=np.int64)
+        self._free = list(range(self.table.shape[0] - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        """A new row holding ``block_ids``."""
+        if not self._free:
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        row = self._free.pop()
+        self.num_blocks[row] = 0
+        self.append(row, block_ids)
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            grown = np.zeros((self.table.shape[0], max(end, 2 * self.table.shape[1])), np.int32)
+            grown[:, :self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def free(self, row: int) -> None:
+        self.num_blocks[row] = 0
+        self._free.append(row)
+
+
+@dataclass
+class StepBatch:
+    """Device inputs of one step; tensors are views of the persistent buffers."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    # Rows of the hidden states to compute logits for; None: row i of the first num_reqs.
+    logits_indices: torch.Tensor | None
+    num_reqs: int
+
+
+class StepInputs:
+    """Owns the staging and device buffers and fills them for one step at a time.
+
+    Buffers grow on demand while ``frozen`` is False; once CUDA graphs hold their
+    addresses (``freeze``) a step larger than the limits is an error.
+    """
+
+    def __init__(self, limits: BatchLimits, device: torch.device) -> None:
+        self.block_size = limits.block_size
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.frozen = False
+        self._copied: torch.cuda.Event | None = None
+        self._allocate(limits.max_num_tokens, limits.max_num_seqs, limits.max_blocks_per_seq)
+
+    # ---- buffers ------------------------------------------------------------------------
+
+    def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        self.max_tokens, self.max_seqs, self.width = num_tokens, num_seqs, width
+        size64 = 3 * num_tokens + num_seqs
+        size32 = 2 * num_seqs + 1 + num_seqs * width
+        self._host64 = torch.zeros(size64, dtype=torch.int64, pin_memory=self.is_cuda)
+        self._host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=self.is_cuda)
+        self._np64 = self._host64.numpy()
+        self._np32 = self._host32.numpy()
+        if self.is_cuda:
+            self._dev64 = torch.zeros(size64, dtype=torch.int64, device=self.device)
+            self._dev32 = torch.zeros(size32, dtype=torch.int32, device=self.device)
+        else:  # the host buffers are the device buffers: no copy at all
+            self._dev64, self._dev32 = self._host64, self._host32
+        self.block_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=self.device)
+
+    def reserve(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        """Grow the buffers (before ``freeze``) to hold a step of this size."""
+        self._reserve(num_tokens, num_seqs, width)
+
+    def _reserve(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        if num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and width <= self.width:
+            return
+        if self.frozen:
+            raise RuntimeError(
+                f"step of {num_tokens} tokens, {num_seqs} sequences, {width} blocks exceeds "
+                f"the buffers ({self.max_tokens}, {self.max_seqs}, {self.width}) that CUDA "
+                "graphs captured")
+        self._wait_staging_free()
+        self._allocate(max(num_tokens, self.max_tokens), max(num_seqs, self.max_seqs),
+                       max(width, self.width))
+
+    def freeze(self) -> None:
+        """From now on buffers keep their addresses (CUDA graphs read them)."""
+        self.frozen = True
+
+    def _wait_staging_free(self) -> None:
+        # The previous step's non-blocking copies may still read the pinned staging; a step
+        # that sampled has already synchronised, so this wait is normally already over.
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    # ---- views --------------------------------------------------------------------------
+
+    def decode_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a decode step of ``size`` rows: the views a
+        graph captures. The host lists are those now staged (only reference paths read them)."""
+        np32 = self._np32
+        seq_lens = np32[size + 1:2 * size + 1].tolist()
+        return self._views(size, size, np32[:size + 1].tolist(), seq_lens, 1,
+                           max(seq_lens, default=0))
+
+    def _views(self, num_tokens: int, num_seqs: int, query_start_loc: list[int],
+               seq_lens: list[int], max_query_len: int, max_seq_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        n, s = num_tokens, num_seqs
+        metadata = AttentionMetadata(
+            slot_mapping=self._dev64[2 * n:3 * n],
+            query_start_loc=self._dev32[:s + 1],
+            seq_lens=self._dev32[s + 1:2 * s + 1],
+            block_tables=self.block_tables[:s],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return self._dev64[:n], self._dev64[n:2 * n], metadata
+
+    def fill_dummy_decode(self, size: int) -> None:
+        """Pad rows only (one token, seq_len 0, slot -1): what a capture runs on."""
+        self._reserve(size, size, 1)
+        self._wait_staging_free()
+        np64, np32 = self._np64, self._np32
+        np64[:2 * size] = 0
+        np64[2 * size:3 * size] = -1
+        np32[:size + 1] = np.arange(size + 1)
+        np32[size + 1:2 * size + 1] = 0
+        self._copy(3 * size, 2 * size + 1)
+
+    def _copy(self, n64: int, n32: int) -> None:
+        if not self.is_cuda:
+            return
+        self._dev64[:n64].copy_(self._host64[:n64], non_blocking=True)
+        self._dev32[:n32].copy_(self._host32[:n32], non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def prepare(self, table: HostBlockTable, rows: np.ndarray, starts: np.ndarray,
+                num_new: np.ndarray, token_ids: list[int], logits_rows: np.ndarray | None,
+                pad_to: int | None = None) -> StepBatch:
+        """Fill the buffers for one step and return views of them.
+
+        Sequence i (block-table row ``rows[i]``) adds ``num_new[i]`` tokens after
+        ``starts[i]`` computed ones; ``token_ids`` are those tokens, flattened.
+        ``logits_rows`` are the sequences to sample (None: all, each with one token).
+        ``pad_to`` appends pad rows up to that many sequences (a decode graph's size).
+        """
+        num_reqs = len(rows)
+        num_tokens = len(token_ids)
+        num_seqs = pad_to if pad_to is not None else num_reqs
+        n = num_tokens + num_seqs - num_reqs  # each pad row holds one token
+        width = int(table.num_blocks[rows].max())
+        self._reserve(n, num_seqs, width)
+        self._wait_staging_free()
+        np64, np32 = self._np64, self._np32
+        bs = self.block_size
+
+        # int32 pack: query starts, sequence lengths, then this step's block-table rows.
+        qsl = np32[:num_seqs + 1]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1:num_reqs + 1])
+        qsl[num_reqs + 1:] = num_tokens + np.arange(1, num_seqs - num_reqs + 1)
+        seq_lens = np32[num_seqs + 1:2 * num_seqs + 1]
+        np.add(starts, num_new, out=seq_lens[:num_reqs])
+        seq_lens[num_reqs:] = 0
+        bt_at = 2 * num_seqs + 1
+        staged = np32[bt_at:bt_at + num_reqs * width].reshape(num_reqs, width)
+        np.take(table.table[:, :width], rows, axis=0, out=staged, mode="clip")
+
+        # int64 pack: token ids, positions, slots, logits rows.
+        ids, positions, slots = np64[:n], np64[n:2 * n], np64[2 * n:3 * n]
+        ids[:num_tokens] = token_ids
+        if num_tokens == num_reqs:  # one token each: no per-token expansion needed
+            positions[:num_tokens] = starts
+            token_rows = rows
+        else:
+            seq_of_token = np.repeat(np.arange(num_reqs), num_new)
+            positions[:num_tokens] = (np.arange(num_tokens) - qsl[seq_of_token]
+                                      + starts[seq_of_token])
+            token_rows = rows[seq_of_token]
+        pos = positions[:num_tokens]
+        blocks = table.table[token_rows, pos // bs].astype(np.int64)
+        np.add(blocks * bs, pos % bs, out=slots[:num_tokens])
+        ids[num_tokens:] = 0
+        positions[num_tokens:] = 0
+        slots[num_tokens:] = -1
+        num_logits = 0
+        if logits_rows is not None:
+            num_logits = len(logits_rows)
+            np.subtract(qsl[logits_rows + 1], 1, out=np64[3 * n:3 * n + num_logits])
+
+        self._copy(3 * n + num_logits, bt_at + num_reqs * width)
+        device_rows = self._dev32[bt_at:bt_at + num_reqs * width].view(num_reqs, width)
+        self.block_tables[:num_reqs, :width].copy_(device_rows)
+        input_ids, positions_t, metadata = self._views(
+            n, num_seqs, qsl.tolist(), seq_lens.tolist(), int(num_new.max()),
+            int(seq_lens[:num_reqs].max()))
+        logits_indices = (self._dev64[3 * n:3 * n + num_logits]
+                          if logits_rows is not None else None)
+        return StepBatch(input_ids, positions_t, metadata, logits_indices, num_reqs)

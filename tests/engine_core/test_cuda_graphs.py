@@ -1,0 +1,276 @@
+"""Decode CUDA graphs: size schedule and padding (CPU), the padded decode path through the
+runner with a stand-in for the graphs (CPU), and on CUDA (`gpu`): graph replay gives the
+same tokens as eager execution (float32 and bfloat16; padded batch sizes, prefix caching,
+mixed prefill/decode steps, preemption, seeded sampling), bit-identical hidden states for
+the same padded step, `--enforce-eager`, and the captured sizes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_core import LLM, SamplingParams
+from engine_core.kv_connector import NullConnectorWorker
+from engine_core.worker.cuda_graphs import (
+    capture_sizes,
+    default_capture_sizes,
+    graphs_disabled_reason,
+    padded_size,
+)
+from engine_core.worker.forward_timer import ForwardTimer
+
+# ---- CPU: sizes and padding -------------------------------------------------------------
+
+
+def test_default_schedule():
+    assert default_capture_sizes(512) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112,
+                                          128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # a full batch is captured too
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(1024)[-4:] == [640, 768, 896, 1024]
+
+
+def test_capture_sizes_follow_flag_and_limits():
+    assert capture_sizes((), 256, 8192) == default_capture_sizes(256)
+    assert capture_sizes((), 1024, 8192) == default_capture_sizes(512)
+    assert capture_sizes((), 256, 100) == default_capture_sizes(100)  # token budget caps
+    assert capture_sizes((48,), 256, 8192) == default_capture_sizes(48)
+    assert capture_sizes((5, 3, 3, 300), 256, 8192) == [3, 5]
+    assert len(capture_sizes((), 256, 8192)) == 19
+
+
+def test_padded_size():
+    sizes = [1, 2, 4, 8, 16]
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert padded_size(17, sizes) is None
+    assert padded_size(1, []) is None
+
+
+def test_graphs_only_for_cuda_triton_without_enforce_eager():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_disabled_reason(cuda, "triton", False) is None
+    assert "enforce-eager" in graphs_disabled_reason(cuda, "triton", True)
+    assert graphs_disabled_reason(cpu, "torch_ref", False) is not None
+    assert graphs_disabled_reason(cuda, "torch_ref", False) is not None
+
+
+def test_cpu_engine_captures_nothing(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("qwen3")), max_num_seqs=4)
+    assert llm.engine.graph_capture is None and llm.engine.runner.graphs is None
+
+
+# ---- CPU: the padded decode path through the runner --------------------------------------
+
+
+class EagerStandIn:
+    """Replays by running the captured views eagerly: the graph path's padding and buffer
+    handling, minus the capture (CPU has no graphs)."""
+
+    def __init__(self, runner, sizes: list[int]) -> None:
+        self.runner, self.sizes, self.replayed = runner, sizes, []
+
+    def size_for(self, num_reqs: int) -> int | None:
+        return padded_size(num_reqs, self.sizes)
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.replayed.append(size)
+        return self.runner._decode_forward(size)
+
+
+class HookedConnector(NullConnectorWorker):
+    """A producer whose every step saves per layer: such a step must not replay a graph."""
+
+    def needs_layer_hooks(self, metadata: object) -> bool:
+        return True
+
+
+def prompts_of(lengths: list[int], seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+def staggered(prompts: list[list[int]], base: int = 3, **kwargs) -> list[SamplingParams]:
+    """Different lengths per request, so decode batches shrink through padded sizes."""
+    return [SamplingParams(temperature=0.0, max_tokens=base + 2 * i, ignore_eos=True, **kwargs)
+            for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_padded_decode_path_matches_eager_on_cpu(tiny_checkpoint, arch):
+    path = str(tiny_checkpoint(arch))
+    prompts = prompts_of([5, 17, 33, 2, 40, 16, 9])
+    params = staggered(prompts)
+    eager = [o.token_ids for o in LLM(path, max_num_seqs=8).generate(prompts, params)]
+    llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4, 8])
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == eager
+    assert 8 in stand_in.replayed  # 5 to 7 rows padded to 8
+    assert 4 in stand_in.replayed  # 3 rows padded to 4
+
+
+def test_steps_with_layer_hooks_run_eagerly(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("qwen3")), max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4])
+    runner.connector = HookedConnector()
+    prompts = prompts_of([4, 9, 12])
+    llm.generate(prompts, staggered(prompts))
+    assert stand_in.replayed == []
+
+
+# ---- CUDA --------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def free_gpu() -> None:
+    """Engines size their cache from what the process holds: free one before the next."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def release_gpu_memory():
+    yield
+    free_gpu()
+
+
+def cuda_llm(path, **kwargs) -> LLM:
+    kwargs.setdefault("gpu_memory_utilization", 0.25)
+    return LLM(str(path), device="cuda", **kwargs)
+
+
+def timed_run(llm: LLM, prompts, params):
+    """(token ids, forward samples) of one generate call."""
+    timer = ForwardTimer(torch.device("cuda"))
+    llm.engine.runner.forward_timer = timer
+    out = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.forward_timer = None
+    return out, timer.collect()
+
+
+def eager_tokens(path, prompts, params, **kwargs) -> list[list[int]]:
+    llm = cuda_llm(path, enforce_eager=True, **kwargs)
+    assert llm.engine.runner.graphs is None
+    out = [o.token_ids for o in llm.generate(prompts, params)]
+    del llm
+    free_gpu()
+    return out
+
+
+def mixed_lengths() -> list[list[int]]:
+    """11 prompts (decode batches 11 -> 1 pass padded sizes 16, 8, 4) with shared prefixes."""
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 1000) for _ in range(40)]
+    prompts = prompts_of([1, 7, 16, 17, 33, 64, 130])
+    prompts += [shared + [rng.randrange(3, 1000) for _ in range(t)] for t in (1, 9, 24, 70)]
+    return prompts
+
+
+@gpu
+def test_capture_sizes_and_counts(tiny_checkpoint, release_gpu_memory):
+    path = tiny_checkpoint("qwen3")
+    llm = cuda_llm(path, max_num_seqs=16)
+    assert llm.engine.attn_backend.name == "triton"
+    stats = llm.engine.graph_capture
+    assert stats is not None and stats.sizes == [1, 2, 4, 8, 16]
+    assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
+    assert stats.pool_bytes >= 0 and stats.seconds > 0
+    del llm
+    free_gpu()
+    custom = cuda_llm(path, max_num_seqs=16, cuda_graph_sizes=[3, 6, 64])
+    assert custom.engine.graph_capture.sizes == [3, 6]  # 64 is over max_num_seqs
+    del custom
+    free_gpu()
+    eager = cuda_llm(path, max_num_seqs=16, enforce_eager=True)
+    assert eager.engine.graph_capture is None and eager.engine.runner.graphs is None
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graphs_match_eager(tiny_checkpoint, release_gpu_memory, arch, dtype):
+    """Padded decode batches, chunked prefill mixed with decodes, then the same prompts
+    again (prefix-cache hits)."""
+    path = tiny_checkpoint(arch)
+    prompts = mixed_lengths()
+    params = staggered(prompts, base=16)
+    engine_args = dict(dtype=dtype, max_num_seqs=16, max_num_batched_tokens=48)
+    eager_llm = cuda_llm(path, enforce_eager=True, **engine_args)
+    eager, eager_samples = timed_run(eager_llm, prompts, params)
+    eager_again, _ = timed_run(eager_llm, prompts, params)
+    del eager_llm
+    free_gpu()
+    llm = cuda_llm(path, **engine_args)
+    got, samples = timed_run(llm, prompts, params)
+    again, samples_again = timed_run(llm, prompts, params)
+    for i, (g, e) in enumerate(zip(got, eager)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): graphs {g} != eager {e}"
+    assert again == eager_again
+    assert not any(s.graphed for s in eager_samples)
+    graphed_sizes = {s.num_tokens for s in samples + samples_again if s.graphed}
+    assert {4, 8, 16} <= graphed_sizes, graphed_sizes
+    assert any(not s.graphed and s.num_tokens > 1 for s in samples)  # prefill / mixed steps
+    manager = llm.engine.kv_manager
+    assert manager.prefix_cache_hits > 0
+    assert manager.num_free_blocks == manager.num_total_blocks
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_match_eager_under_preemption(tiny_checkpoint, release_gpu_memory, dtype):
+    path = tiny_checkpoint("llama")
+    prompts = mixed_lengths()
+    params = staggered(prompts, base=8)
+    engine_args = dict(dtype=dtype, max_num_seqs=16, max_num_batched_tokens=64,
+                       num_gpu_blocks_override=30)
+    eager = eager_tokens(path, prompts, params, **engine_args)
+    llm = cuda_llm(path, **engine_args)
+    got, samples = timed_run(llm, prompts, params)
+    assert got == eager
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert any(s.graphed for s in samples)
+
+
+@gpu
+def test_seeded_sampling_matches_eager(tiny_checkpoint, release_gpu_memory):
+    path = tiny_checkpoint("qwen3")
+    prompts = mixed_lengths()
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=100 + i,
+                             max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
+    eager = eager_tokens(path, prompts, params, dtype="float32")
+    llm = cuda_llm(path, dtype="float32")
+    got, samples = timed_run(llm, prompts, params)
+    assert got == eager
+    assert any(s.graphed for s in samples)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replay_is_bit_identical_to_eager_forward(tiny_checkpoint, release_gpu_memory, dtype):
+    """The same padded step (same buffers, same cache): replayed graph == eager forward."""
+    from engine_core.messages import AddRequest
+
+    llm = cuda_llm(tiny_checkpoint("qwen3"), dtype=dtype, max_num_seqs=16)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True).to_dict()
+    for i, prompt in enumerate(prompts_of([3, 20, 50])):
+        engine.add_request(AddRequest(f"r{i}", prompt, params, 0.0))
+    timer = ForwardTimer(torch.device("cuda"))
+    runner.forward_timer = timer
+    engine.step()  # the three prefills
+    engine.step()  # a decode of 3 rows: the graph of size 4
+    last = timer.collect()[-1]
+    assert last.graphed and last.num_tokens == 4
+    # The buffers still hold that step's inputs; the new tokens' K/V rewrite the same values.
+    replayed = runner.graphs.replay(4).clone()
+    with torch.inference_mode():
+        eager = runner._decode_forward(4)
+    assert torch.isfinite(replayed).all()  # pad rows too
+    assert torch.equal(replayed[:3], eager[:3])

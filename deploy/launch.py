@@ -94,6 +94,22 @@ def detect_gpus(spec: str | None) -> list[str]:
         return []
 
 
+def cpu_thread_env(base_env: dict[str, str], num_workers: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for CPU workers sharing this host: its cores split between them.
+
+    Each worker's engine would otherwise run one torch thread per core; N such engines
+    oversubscribe the cores and OpenMP threads spin at every op's barrier (3 workers on 2
+    cores decoded 30-60x slower). A value the user exported stands.
+    """
+    if "OMP_NUM_THREADS" in base_env:
+        return {}
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(max(1, cores // max(1, num_workers)))}
+
+
 def die_with_parent() -> None:
     """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
     try:
@@ -159,6 +175,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     total = args.prefill + args.decode + num_colocated
     if gpus and len(gpus) < total:
         raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
+    cpu_env = {} if gpus else cpu_thread_env(base_env, total)
     workers = []
     for i in range(args.prefill + args.decode):
         module, index = ("prefill", i) if i < args.prefill else ("decode", i - args.prefill)
@@ -174,6 +191,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         else:
             device_args = ["--device", "cpu"]
+            env.update(cpu_env)
         argv = [sys.executable, "-m", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
                 "--heartbeat-interval", str(args.heartbeat_interval),
@@ -187,7 +205,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
                 "--heartbeat-interval", str(args.heartbeat_interval),
                 *([] if gpus else ["--device", "cpu"]), *engine_args]
-        workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env},
+        workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env, **cpu_env},
                              log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     return proxy, workers, f"http://{HOST}:{args.port}"

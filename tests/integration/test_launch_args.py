@@ -60,6 +60,25 @@ def test_cpu_workers_get_device_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert all(w.env.get("CUDA_VISIBLE_DEVICES") == "" for w in workers)
 
 
+def test_cpu_workers_split_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    _, workers, _ = build_children(_parse("--prefill", "2", "--decode", "1"), [], tmp_path)
+    assert [w.env["OMP_NUM_THREADS"] for w in workers] == ["2", "2", "2"]  # 8 cores // 3
+    _, workers, _ = build_children(_parse("--prefill", "8", "--decode", "8"), [], tmp_path)
+    assert {w.env["OMP_NUM_THREADS"] for w in workers} == {"1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    _, workers, _ = build_children(_parse(), [], tmp_path)
+    assert {w.env["OMP_NUM_THREADS"] for w in workers} == {"3"}
+
+
+def test_gpu_workers_keep_omp_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _, workers, _ = build_children(_parse("--gpus", "0,1"), [], tmp_path)
+    assert all("OMP_NUM_THREADS" not in w.env for w in workers)
+
+
 def test_engine_flags_forwarded() -> None:
     args = _parse("--max-model-len", "256", "--no-enable-prefix-caching", "--enforce-eager",
                   "--kv-transfer-config", "{}")

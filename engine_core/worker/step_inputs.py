@@ -10,7 +10,7 @@ then one device copy places the block-table rows into the fixed-width table, who
 
 Layout of a step with ``n`` tokens (padding included) and ``s`` sequences:
 int64 ``[ids n | positions n | slots n | logits rows]``, int32 ``[query starts s+1 |
-seq lens s | block rows]``. A decode graph of size ``p`` is captured on exactly the views a
+seq lens s | block rows]``, each section 16-byte aligned. A decode graph of size ``p`` is captured on exactly the views a
 padded step of ``p`` rows gets (``n = s = p``), so filling the buffers is all a replay needs.
 """
 
@@ -79,6 +79,41 @@ class HostBlockTable:
         self._free.append(row)
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Element offsets of a step's sections for ``n`` tokens and ``s`` sequences.
+
+    Every section starts 16-byte aligned: Triton specialises kernels on pointer alignment,
+    so an odd offset would compile (and a graph would miss) a second variant.
+    """
+
+    n: int
+    s: int
+
+    @property
+    def token_stride(self) -> int:  # int64 sections: ids, positions, slots, logits rows
+        return _round_up(self.n, 2)
+
+    @property
+    def seq_lens(self) -> int:  # int32 sections: query starts at 0, then these
+        return _round_up(self.s + 1, 4)
+
+    @property
+    def rows(self) -> int:
+        return self.seq_lens + _round_up(self.s, 4)
+
+    @staticmethod
+    def sizes(num_tokens: int, num_seqs: int, width: int) -> tuple[int, int]:
+        """(int64, int32) buffer lengths holding any step within these bounds."""
+        largest = _Layout(num_tokens, num_seqs)
+        return (3 * largest.token_stride + num_seqs,
+                largest.rows + num_seqs * width)
+
+
 @dataclass
 class StepBatch:
     """Device inputs of one step; tensors are views of the persistent buffers."""
@@ -110,8 +145,7 @@ class StepInputs:
 
     def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
         self.max_tokens, self.max_seqs, self.width = num_tokens, num_seqs, width
-        size64 = 3 * num_tokens + num_seqs
-        size32 = 2 * num_seqs + 1 + num_seqs * width
+        size64, size32 = _Layout.sizes(num_tokens, num_seqs, width)
         self._host64 = torch.zeros(size64, dtype=torch.int64, pin_memory=self.is_cuda)
         self._host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=self.is_cuda)
         self._np64 = self._host64.numpy()
@@ -154,19 +188,19 @@ class StepInputs:
     def decode_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) of a decode step of ``size`` rows: the views a
         graph captures. The host lists are those now staged (only reference paths read them)."""
-        np32 = self._np32
-        seq_lens = np32[size + 1:2 * size + 1].tolist()
-        return self._views(size, size, np32[:size + 1].tolist(), seq_lens, 1,
+        at = _Layout(size, size)
+        seq_lens = self._np32[at.seq_lens:at.seq_lens + size].tolist()
+        return self._views(at, self._np32[:size + 1].tolist(), seq_lens, 1,
                            max(seq_lens, default=0))
 
-    def _views(self, num_tokens: int, num_seqs: int, query_start_loc: list[int],
-               seq_lens: list[int], max_query_len: int, max_seq_len: int
+    def _views(self, at: _Layout, query_start_loc: list[int], seq_lens: list[int],
+               max_query_len: int, max_seq_len: int
                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        n, s = num_tokens, num_seqs
+        n, s, stride = at.n, at.s, at.token_stride
         metadata = AttentionMetadata(
-            slot_mapping=self._dev64[2 * n:3 * n],
+            slot_mapping=self._dev64[2 * stride:2 * stride + n],
             query_start_loc=self._dev32[:s + 1],
-            seq_lens=self._dev32[s + 1:2 * s + 1],
+            seq_lens=self._dev32[at.seq_lens:at.seq_lens + s],
             block_tables=self.block_tables[:s],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
@@ -174,18 +208,20 @@ class StepInputs:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return self._dev64[:n], self._dev64[n:2 * n], metadata
+        return self._dev64[:n], self._dev64[stride:stride + n], metadata
 
     def fill_dummy_decode(self, size: int) -> None:
         """Pad rows only (one token, seq_len 0, slot -1): what a capture runs on."""
         self._reserve(size, size, 1)
         self._wait_staging_free()
+        at = _Layout(size, size)
         np64, np32 = self._np64, self._np32
-        np64[:2 * size] = 0
-        np64[2 * size:3 * size] = -1
+        stride = at.token_stride
+        np64[:2 * stride] = 0
+        np64[2 * stride:3 * stride] = -1
         np32[:size + 1] = np.arange(size + 1)
-        np32[size + 1:2 * size + 1] = 0
-        self._copy(3 * size, 2 * size + 1)
+        np32[at.seq_lens:at.rows] = 0
+        self._copy(3 * stride, at.rows)
 
     def _copy(self, n64: int, n32: int) -> None:
         if not self.is_cuda:
@@ -217,21 +253,24 @@ class StepInputs:
         self._wait_staging_free()
         np64, np32 = self._np64, self._np32
         bs = self.block_size
+        at = _Layout(n, num_seqs)
+        stride, bt_at = at.token_stride, at.rows
 
         # int32 pack: query starts, sequence lengths, then this step's block-table rows.
         qsl = np32[:num_seqs + 1]
         qsl[0] = 0
         np.cumsum(num_new, out=qsl[1:num_reqs + 1])
         qsl[num_reqs + 1:] = num_tokens + np.arange(1, num_seqs - num_reqs + 1)
-        seq_lens = np32[num_seqs + 1:2 * num_seqs + 1]
+        seq_lens = np32[at.seq_lens:at.seq_lens + num_seqs]
         np.add(starts, num_new, out=seq_lens[:num_reqs])
         seq_lens[num_reqs:] = 0
-        bt_at = 2 * num_seqs + 1
         staged = np32[bt_at:bt_at + num_reqs * width].reshape(num_reqs, width)
         np.take(table.table[:, :width], rows, axis=0, out=staged, mode="clip")
 
         # int64 pack: token ids, positions, slots, logits rows.
-        ids, positions, slots = np64[:n], np64[n:2 * n], np64[2 * n:3 * n]
+        ids = np64[:n]
+        positions = np64[stride:stride + n]
+        slots = np64[2 * stride:2 * stride + n]
         ids[:num_tokens] = token_ids
         if num_tokens == num_reqs:  # one token each: no per-token expansion needed
             positions[:num_tokens] = starts
@@ -250,14 +289,15 @@ class StepInputs:
         num_logits = 0
         if logits_rows is not None:
             num_logits = len(logits_rows)
-            np.subtract(qsl[logits_rows + 1], 1, out=np64[3 * n:3 * n + num_logits])
+            np.subtract(qsl[logits_rows + 1], 1,
+                        out=np64[3 * stride:3 * stride + num_logits])
 
-        self._copy(3 * n + num_logits, bt_at + num_reqs * width)
+        self._copy(3 * stride + num_logits, bt_at + num_reqs * width)
         device_rows = self._dev32[bt_at:bt_at + num_reqs * width].view(num_reqs, width)
         self.block_tables[:num_reqs, :width].copy_(device_rows)
         input_ids, positions_t, metadata = self._views(
-            n, num_seqs, qsl.tolist(), seq_lens.tolist(), int(num_new.max()),
+            at, qsl.tolist(), seq_lens.tolist(), int(num_new.max()),
             int(seq_lens[:num_reqs].max()))
-        logits_indices = (self._dev64[3 * n:3 * n + num_logits]
+        logits_indices = (self._dev64[3 * stride:3 * stride + num_logits]
                           if logits_rows is not None else None)
         return StepBatch(input_ids, positions_t, metadata, logits_indices, num_reqs)

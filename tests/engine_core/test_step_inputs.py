@@ -54,6 +54,10 @@ def test_prepare_mixed_batch_matches_hand_built_metadata(make_metadata, position
                                                              want.seq_lens_cpu)
     assert (meta.max_query_len, meta.max_seq_len) == (6, 11)
     assert batch.logits_indices.tolist() == [5, 9]  # last token of sequences 0 and 2
+    # Triton specialises on 16-byte alignment: odd section sizes must not shift pointers.
+    for tensor in (batch.input_ids, batch.positions, meta.slot_mapping, meta.query_start_loc,
+                   meta.seq_lens, meta.block_tables, batch.logits_indices):
+        assert tensor.data_ptr() % 16 == 0
 
 
 def test_padded_decode_follows_the_graph_contract():

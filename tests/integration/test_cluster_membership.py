@@ -1,0 +1,164 @@
+"""Workers joining and dying on a live CPU cluster (real processes).
+
+A worker started after the proxy serves requests within one heartbeat interval of sending its
+registration; a SIGKILLed decode worker is dropped within the heartbeat expiry while every
+request (during the expiry window and after it) still succeeds with the same greedy text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deploy.launch import Child
+from tests.integration.cluster_harness import (
+    Cluster,
+    Outcome,
+    Req,
+    build_tiny_checkpoint,
+    check_matches,
+    check_usage,
+    mixed_requests,
+    run_all,
+    scrape,
+    send_all,
+    with_limit,
+)
+
+# Workers' heartbeat interval, the "within one heartbeat" bound: short, yet a few times what
+# a registration plus a first request take on a loaded 2-core machine (about 0.1-0.5 s).
+HEARTBEAT_S = 2.0
+LONG_TOKENS = 180  # streams long enough to be cut mid-way
+EXPIRY_S = 5.0        # proxy --heartbeat-timeout (2.5 heartbeats)
+EXPIRY_SLACK_S = 3.0  # the expiry task's period (<= 1 s) plus a loaded machine
+
+
+def _registration_sent_at(log: Path) -> float:
+    """Wall-clock time of the worker's 'registering as' log line (its first heartbeat)."""
+    line = next(line for line in log.read_text().splitlines() if "registering as" in line)
+    stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line)
+    assert stamp, line
+    parsed = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+    return parsed.timestamp()
+
+
+def _successes(address: str) -> float:
+    return scrape(address).get("vllm:request_success_total", 0.0)
+
+
+@dataclass
+class _KillRun:
+    long: list[Outcome]    # the long requests in flight at the kill
+    during: list[Outcome]  # requests sent right after it, while the victim is still registered
+    dropped_after: float   # seconds from the kill until /instances no longer lists the victim
+
+
+async def _kill_mid_stream(cluster: Cluster, victim: Child, long_reqs: list[Req],
+                           reqs: list[Req]) -> _KillRun:
+    """Send ``long_reqs``; SIGKILL ``victim`` once two of them got their first token there;
+    then send ``reqs`` at once and watch /instances until the victim is dropped."""
+    loop = asyncio.get_running_loop()
+    ttft = "vllm:time_to_first_token_seconds_count"
+    base = scrape(victim.http_address).get(ttft, 0.0)
+    long_task = asyncio.create_task(send_all(cluster.url, long_reqs, timeout_s=60.0))
+    started = time.monotonic()
+    while (await loop.run_in_executor(None, scrape, victim.http_address)).get(ttft, 0.0) < base + 2:
+        assert time.monotonic() - started < 30, "no request started on the victim"
+        await asyncio.sleep(0.05)
+    # Freeze its engine so its streams stay mid-way however fast they decode, let the bytes
+    # already produced reach the clients, then kill the whole worker.
+    cluster.signal_engine(victim, signal.SIGSTOP)
+    await asyncio.sleep(0.3)
+    await loop.run_in_executor(None, cluster.kill, victim)
+    killed = time.monotonic()
+    during_task = asyncio.create_task(send_all(cluster.url, reqs, timeout_s=60.0))
+    while victim.http_address in await loop.run_in_executor(None, cluster.registered):
+        assert time.monotonic() - killed < EXPIRY_S + EXPIRY_SLACK_S + 30, "never dropped"
+        await asyncio.sleep(0.1)
+    dropped_after = time.monotonic() - killed
+    return _KillRun(await long_task, await during_task, dropped_after)
+
+
+def _judge_cut(req: Req, out: Outcome, ref: Outcome) -> str:
+    """'complete' (same text as ``ref``), 'cut' (stream ended by an SSE error event after
+    some of the right text) or 'refused' (a clear error status); anything else fails."""
+    assert out.exception is None, out
+    if out.ok:
+        assert out.text == ref.text, (out.text, ref.text)
+        check_usage(req, out, ref)
+        return "complete"
+    if req.stream and out.status == 200:
+        assert out.done and out.error, out  # never silently truncated
+        assert out.text and ref.text.startswith(out.text), (out.text, ref.text)
+        return "cut"
+    assert out.status in (502, 504) and out.error, out
+    return "refused"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_late_worker_used_within_one_heartbeat_and_dead_decode_dropped(tmp_path: Path) -> None:
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=2,
+                            heartbeat_s=HEARTBEAT_S, heartbeat_timeout_s=EXPIRY_S)
+    prefill0, decode0, decode1 = cluster.workers
+    reqs = mixed_requests(16)
+    try:
+        cluster.start([cluster.proxy])
+        cluster.wait_ready([cluster.proxy])
+        [empty] = run_all(cluster.url, reqs[:1])
+        assert empty.status == 503 and empty.error, empty  # no worker yet: a clear refusal
+
+        # Workers started after the proxy join it and serve.
+        cluster.start([prefill0, decode0])
+        cluster.wait_ready([prefill0, decode0])
+        want = run_all(cluster.url, reqs)
+        assert all(o.ok for o in want), want
+
+        # A decode worker started later is used within one heartbeat of registering.
+        cluster.start([decode1])
+        while decode1.http_address not in cluster.registered():
+            assert decode1.proc.poll() is None, decode1.log_path.read_text()[-4000:]
+            time.sleep(0.02)
+        seen = time.time()
+        sent = _registration_sent_at(decode1.log_path)
+        assert sent <= seen + 0.5, (sent, seen)
+        used = None
+        probes: list[Outcome] = []
+        while used is None and time.time() - sent < 30:
+            # Two at once: round robin over two decode workers gives decode1 one of them.
+            probes += run_all(cluster.url, reqs[:2])
+            if _successes(decode1.http_address) > 0:
+                used = time.time()
+        assert all(o.ok for o in probes), probes
+        assert used is not None, cluster.logs()
+        assert used - sent <= HEARTBEAT_S, (
+            f"decode1 first served {used - sent:.2f}s after sending its registration")
+        check_matches(reqs[:2] * (len(probes) // 2), probes, want[:2] * (len(probes) // 2))
+
+        # decode0 dies mid-stream: its streams that sent bytes end with an SSE error event
+        # (their text a prefix of the right one), its other requests get a clear error, the
+        # requests on decode1 complete.
+        long_reqs = [with_limit(r, LONG_TOKENS, stream=True) for r in mixed_requests(6, 10)] \
+            + [with_limit(r, LONG_TOKENS, stream=False) for r in mixed_requests(2, 10, offset=6)]
+        long_want = run_all(cluster.url, long_reqs)
+        assert all(o.ok for o in long_want), long_want
+        run = asyncio.run(_kill_mid_stream(cluster, decode0, long_reqs, reqs))
+        cut = [_judge_cut(r, o, w) for r, o, w in zip(long_reqs, run.long, long_want)]
+        assert "cut" in cut, (cut, run.long)  # a stream really was cut after sending bytes
+        assert "complete" in cut, (cut, run.long)
+        # Requests sent in the expiry window went to decode1 (a refused connection is
+        # retried); the proxy dropped decode0 within the expiry; later requests succeed.
+        assert run.dropped_after <= EXPIRY_S + EXPIRY_SLACK_S, run.dropped_after
+        check_matches(reqs, run.during, want)
+        check_matches(reqs, run_all(cluster.url, reqs), want)
+        assert cluster.registered() == {prefill0.http_address, decode1.http_address}
+    finally:
+        cluster.stop()

@@ -107,13 +107,19 @@ class DecodeGraphs:
         reserved_before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        # Warm-up and capture on one side stream (cuBLAS sets up its per-stream state
+        # during the warm-up, not inside the capture).
+        stream = torch.cuda.Stream(device)
         for size in sorted(set(sizes), reverse=True):
             prepare(size)
-            forward(size)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                forward(size)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: connector threads may use CUDA while this thread captures.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                  capture_error_mode="thread_local"):
                 output = forward(size)
             self._graphs[size] = (graph, output)
         torch.cuda.synchronize(device)

@@ -104,6 +104,9 @@ class DecodeGraphs:
         """
         device = self.device
         torch.cuda.synchronize(device)
+        # Reserved memory before and after, both without cached free blocks: the difference
+        # is the graphs' private pool (empty_cache never releases it while they live).
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -123,6 +126,7 @@ class DecodeGraphs:
                 output = forward(size)
             self._graphs[size] = (graph, output)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         self.sizes = sorted(self._graphs)
         stats = CaptureStats(self.sizes, time.perf_counter() - start,
                              torch.cuda.memory_reserved(device) - reserved_before)

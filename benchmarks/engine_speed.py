@@ -218,6 +218,7 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "cuda_graph_sizes": capture.sizes if capture else [],
         "cuda_graph_capture_s": capture.seconds if capture else 0.0,
         "cuda_graph_pool_bytes": capture.pool_bytes if capture else 0,
+        "cuda_graph_pool_reserved_bytes": engine.graph_pool_reserve,
         "enforce_eager": engine.config.device.enforce_eager,
     }
 

@@ -68,6 +68,7 @@ class EngineCore:
         logger.info("Model loading took %.2f s (%s, %s, %s)", t1 - t0,
                     self.spec.architecture, self.dtype, self.device)
 
+        self.graph_pool_reserve = 0  # set by the profiling run when graphs will be captured
         shape = kv_cache.plan_kv_cache(
             self.spec, config.cache, cache_dtype, self.device, self.max_model_len,
             config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes)
@@ -93,6 +94,11 @@ class EngineCore:
         self.graph_capture: CaptureStats | None = None
         if self._graph_sizes():
             self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
+            if self.graph_pool_reserve and self.graph_capture.pool_bytes > self.graph_pool_reserve:
+                logger.warning("CUDA graphs took %.1f MiB, more than the %.1f MiB reserved "
+                               "before sizing the KV cache",
+                               self.graph_capture.pool_bytes / 2**20,
+                               self.graph_pool_reserve / 2**20)
         self.rejected_messages = 0
 
     def _batch_limits(self) -> BatchLimits:
@@ -144,6 +150,7 @@ class EngineCore:
             # is never returned to the allocator: reserve it now.
             pool = runner.estimate_graph_pool_bytes(max(sizes))
             logger.info("Reserving %.1f MiB for CUDA graphs", pool / 2**20)
+            self.graph_pool_reserve = pool
             peak += pool
         del caches, runner
         torch.cuda.empty_cache()

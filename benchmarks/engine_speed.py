@@ -281,7 +281,10 @@ class Driver:
 def decode_case(driver: Driver, batch: int, context: int, steps: int, warmup: int,
                 weight_bytes: int, kv_token_bytes: int, bandwidth: float | None) -> dict[str, Any]:
     engine = driver.engine
-    new_tokens = warmup + steps + 2
+    budget = engine.config.scheduler.max_num_batched_tokens
+    # Requests prefilled first decode while the rest prefill: none may finish before the end.
+    prefill_steps_bound = 2 * (batch * context // budget + 2)
+    new_tokens = warmup + steps + 2 + prefill_steps_bound
     block_size = engine.config.cache.block_size
     need = batch * -(-(context + new_tokens) // block_size)
     result: dict[str, Any] = {"batch": batch, "context": context, "timed_steps": steps}
@@ -292,19 +295,21 @@ def decode_case(driver: Driver, batch: int, context: int, steps: int, warmup: in
         return result
     ids = [driver.add(driver.random_prompt(context), new_tokens) for _ in range(batch)]
     prefill_steps = 0
-    budget = engine.config.scheduler.max_num_batched_tokens
     while not driver.all_decoding(batch):
         engine.step()
         prefill_steps += 1
-        if prefill_steps > 4 * (batch * context // budget + batch) + 10:
+        if prefill_steps > prefill_steps_bound:
             raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
     driver.timed_steps(warmup)
+    # A decode step attends to every token of its request, the new one included.
+    attended_at_start = sum(r.num_tokens for r in engine.scheduler.running)
     step_ms, samples = driver.timed_steps(steps)
     driver.drain(ids)
     forward_ms = [s.ms for s in samples]
-    mean_context = context + warmup + 1 + (steps - 1) / 2  # tokens attended, mid-run
-    kv_bytes = batch * mean_context * kv_token_bytes
+    attended = attended_at_start + batch * (steps - 1) / 2  # mean over the timed steps
+    kv_bytes = attended * kv_token_bytes
     result.update({
+        "mean_context": attended / batch,
         "prefill_steps": prefill_steps,
         "step_ms": stats_ms(step_ms),
         "forward_ms": stats_ms(forward_ms),

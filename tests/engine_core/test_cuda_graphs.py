@@ -56,6 +56,25 @@ def test_graphs_only_for_cuda_triton_without_enforce_eager():
     assert graphs_disabled_reason(cuda, "torch_ref", False) is not None
 
 
+def test_flags_reach_the_config():
+    import argparse
+
+    from engine_core.arg_utils import add_engine_args, engine_config_from_args
+    from engine_core.config import EngineConfig
+    from engine_core.errors import ConfigError
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    parser.add_argument("model")
+    args = parser.parse_args(["m", "--enforce-eager", "--cuda-graph-sizes", "1", "2", "4"])
+    device = engine_config_from_args(args).device
+    assert device.enforce_eager and device.cuda_graph_sizes == (1, 2, 4)
+    default = engine_config_from_args(parser.parse_args(["m"])).device
+    assert not default.enforce_eager and default.cuda_graph_sizes == ()
+    assert EngineConfig.from_kwargs("m", cuda_graph_sizes=[8, 2]).device.cuda_graph_sizes == (8, 2)
+    with pytest.raises(ConfigError):
+        EngineConfig.from_kwargs("m", cuda_graph_sizes=[0])
+
+
 def test_cpu_engine_captures_nothing(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("qwen3")), max_num_seqs=4)
     assert llm.engine.graph_capture is None and llm.engine.runner.graphs is None

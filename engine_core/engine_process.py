@@ -1,8 +1,10 @@
 """The engine-core process: an ``EngineCore`` driven by messages on two ZMQ sockets.
 
 The API process binds a PUSH socket (inputs) and a PULL socket (outputs); this process
-connects a PULL to the first and a PUSH to the second. It busy-steps while the engine has
-work and blocks on its input socket (with a poll timeout) when idle. Malformed messages are
+connects a PULL to the first and a PUSH to the second. It busy-steps while a step would
+compute, steps at a 1 ms cadence while only KV transfers are pending (waiting on the input
+socket in between, so the connector's threads get the GIL), and blocks on its input socket
+(100 ms poll) when idle. Malformed messages are
 logged, counted and dropped. Stats ride along with outputs at most every
 ``stats_interval_s`` and once more whenever the engine goes idle.
 
@@ -17,6 +19,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -45,6 +48,15 @@ logger = logging.getLogger(__name__)
 READY_CALL_ID = 0
 UTILITY_METHODS = ("reset_prefix_cache", "get_stats", "check_health", "shutdown")
 _IDLE_POLL_MS = 100
+# Only remote transfers pending (requests parked for their KV, finished prefills held until
+# sent): wait this long on the input socket instead of spinning. A spinning loop keeps the
+# GIL, and the connector's control and sender threads then wait for it in switch-interval
+# slices (5 ms by default), which delays every header, receive post and send.
+_TRANSFER_POLL_MS = 1
+# GIL switch interval of an engine with a KV connector: its sender/control threads issue
+# NCCL calls and post receives while the main thread runs the model; 0.5 ms bounds how long
+# they wait for the GIL (Python's default is 5 ms).
+CONNECTOR_SWITCH_INTERVAL_S = 0.0005
 
 EngineFactory = Callable[[EngineConfig], "EngineCore"]
 
@@ -159,7 +171,13 @@ class EngineCoreProc:
         """Serve until stopped, the parent dies, or a step raises (fatal)."""
         while self.running:
             busy = self._engine.has_work()
-            self._drain_inputs(0 if busy else _IDLE_POLL_MS)
+            if not busy:
+                timeout_ms = _IDLE_POLL_MS
+            elif self._engine.has_runnable():
+                timeout_ms = 0
+            else:
+                timeout_ms = _TRANSFER_POLL_MS
+            self._drain_inputs(timeout_ms)
             if not self._parent_alive():
                 logger.warning("parent process is gone; engine core exits")
                 return
@@ -195,6 +213,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and stops us
+    if config.kv_transfer is not None:
+        sys.setswitchinterval(CONNECTOR_SWITCH_INTERVAL_S)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.setsockopt(zmq.LINGER, 0)

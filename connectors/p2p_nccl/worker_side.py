@@ -216,7 +216,11 @@ class P2pConnectorWorker:
                 if staging is None:
                     continue
                 gather_blocks(kv_cache, index, out=staging[layer_idx])
-                job.slots.put(layer_idx, self._record_event())
+                # The sender waits on the last layer of each call only; gathers run in
+                # layer order on one stream, so that event covers the call's other layers.
+                call_end = (layer_idx + 1) % job.layers_per_call == 0 or \
+                    layer_idx + 1 == job.num_layers
+                job.slots.put(layer_idx, self._record_event() if call_end else None)
             except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
                 job.slots.fail(exc)
 

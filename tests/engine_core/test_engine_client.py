@@ -48,6 +48,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.requests)
 
+    def has_runnable(self) -> bool:
+        return bool(self.requests)
+
     def has_transfer_state(self) -> bool:
         return False
 

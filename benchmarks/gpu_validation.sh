@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Every GPU check that is still owed, in one device call per stage, each writing its log and
+# JSON under $OUT (device time is scarce: run a stage, read its logs, fix, run again).
+#
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~6 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~2 min)
+#
+# A stage keeps going after a failing step so one call reports everything; its exit code is
+# the number of failed steps.
+set -u
+OUT=${OUT:-/tmp/pdserve-gpu}
+mkdir -p "$OUT"
+failed=0
+
+step() {  # step NAME TIMEOUT_S CMD...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
+        echo "   ok"
+    else
+        echo "   FAILED (rc=$?)"
+        failed=$((failed + 1))
+    fi
+    tail -4 "$OUT/$name.log" | sed 's/^/   /'
+}
+
+case "${1:-}" in
+    engine)
+        step cuda_graphs 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_cuda_graphs.py
+        step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
+        step triton_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_triton_kernels.py
+        ;;
+    cluster)
+        step connectors 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connectors
+        step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_cluster_gpu.py
+        ;;
+    speed)
+        step engine_speed 560 python3 -m benchmarks.engine_speed --out "$OUT/engine_speed.json"
+        ;;
+    transfer)
+        step kv_transfer 150 python3 benchmarks/kv_transfer.py --trials 5 \
+            --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --out "$OUT/kv_transfer.json"
+        ;;
+    *)
+        echo "usage: $0 engine|cluster|speed|transfer" >&2
+        exit 2
+        ;;
+esac
+exit "$failed"

@@ -76,12 +76,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        # num_tokens == num_prompt_tokens for a fresh request; a resumed (preempted)
-        # request may also hit on its own earlier output, so count what was looked up.
-        self._prefix_cache_queries += request.num_tokens
-        self._prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
@@ -96,6 +91,9 @@ class KVCacheManager:
             raise ValueError("num_new_tokens and num_external_tokens must be >= 0")
         request_id = request.request_id
         owned = self._req_to_blocks.get(request_id, [])
+        # Admission (no blocks, nothing computed) follows the prefix lookup: counted here,
+        # once it succeeds, so a request retried after a failed allocation counts once.
+        admitting = not owned and request.num_computed_tokens == 0
         if new_computed_blocks:
             if owned or request.num_computed_tokens:
                 raise ValueError(f"request {request_id}: prefix hits are only accepted "
@@ -126,6 +124,11 @@ class KVCacheManager:
         # whose num_computed_tokens includes the loaded tokens).
         cache_end = local_end if num_external_tokens else local_end + num_new_tokens
         self._cache_up_to(request, cache_end)
+        if admitting and self.enable_caching:
+            # num_tokens == num_prompt_tokens for a fresh request; a resumed (preempted)
+            # request may also hit on its own earlier output, so count what was looked up.
+            self._prefix_cache_queries += request.num_tokens
+            self._prefix_cache_hits += num_hit_tokens
         return [block.block_id for block in new_blocks]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

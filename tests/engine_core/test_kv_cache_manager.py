@@ -68,9 +68,10 @@ def test_prefix_hit_on_repeated_prompt() -> None:
     hits, num_tokens = manager.get_computed_blocks(second)
     assert [b.block_id for b in hits] == [0, 1] and num_tokens == 8
     assert all(b.ref_cnt == 0 for b in hits)  # looked up, not yet touched
-    assert manager.prefix_cache_queries == 20 and manager.prefix_cache_hits == 8
+    queries = manager.prefix_cache_queries  # counted when a request is admitted
     # Block 2 held only a partial block, so it went to the free queue's front.
     assert manager.allocate_slots(second, 2, hits) == [2]
+    assert manager.prefix_cache_queries - queries == 10 and manager.prefix_cache_hits == 8
     assert manager.get_block_ids("b") == [0, 1, 2]
     manager.check_integrity()
 
@@ -337,3 +338,27 @@ def test_randomized_stress(seed: int) -> None:
     assert manager.num_free_blocks == manager.num_total_blocks
     assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)
     assert manager.reset_prefix_cache() is True
+
+
+def test_prefix_counters_count_a_retried_admission_once() -> None:
+    """A waiting request whose allocation fails is looked up again next step: one count."""
+    manager = make_manager(6)
+    prompt = list(range(12))
+    first = make_request(prompt, "a")
+    prefill(manager, first)
+    manager.free(first)  # 3 cached free blocks at the back of the free queue
+    blocker = make_request(list(range(100, 112)), "blocker")
+    assert manager.allocate_slots(blocker, 12) is not None  # the 3 never-used blocks
+    queries, hits_before = manager.prefix_cache_queries, manager.prefix_cache_hits
+    second = make_request(prompt + [99] * 8, "b")
+    for _ in range(3):  # three scheduling attempts, each failing for lack of blocks
+        hits, _ = manager.get_computed_blocks(second)
+        assert manager.allocate_slots(second, 20 - len(hits) * 4, hits) is None
+    assert manager.prefix_cache_queries == queries and manager.prefix_cache_hits == hits_before
+    manager.free(blocker)
+    hits, num_hit = manager.get_computed_blocks(second)
+    assert num_hit == 12
+    assert manager.allocate_slots(second, 20 - num_hit, hits) is not None
+    assert manager.prefix_cache_queries == queries + 20
+    assert manager.prefix_cache_hits == hits_before + num_hit
+    manager.check_integrity()

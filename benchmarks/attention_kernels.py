@@ -93,6 +93,7 @@ def attention_cases(iters: int) -> list[dict]:
 
 
 def layer_cases(iters: int) -> list[dict]:
+    from engine_core.kernels.rotary import apply_rope
     from engine_core.layers.norm import RMSNorm
     from engine_core.layers.rotary import RotaryEmbedding
 
@@ -109,8 +110,9 @@ def layer_cases(iters: int) -> list[dict]:
         for name, fast_fn, slow_fn in (
             ("add+rmsnorm", partial(fast.add_and_norm, x, residual),
              partial(slow.add_and_norm, x, residual)),
-            ("rope q+k", partial(RotaryEmbedding.apply_qk, q, k, cos, sin, True),
-             partial(RotaryEmbedding.apply_qk, q, k, cos, sin, False)),
+            ("rope q+k", partial(apply_rope, q, k, cos, sin),
+             lambda q=q, k=k, cos=cos, sin=sin: (RotaryEmbedding.apply(q, cos, sin),
+                                                 RotaryEmbedding.apply(k, cos, sin))),
         ):
             row = {"case": f"{name} T={tokens}", "triton_ms": round(time_ms(fast_fn, iters), 4),
                    "torch_ref_ms": round(time_ms(slow_fn, iters), 4)}

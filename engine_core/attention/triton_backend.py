@@ -43,7 +43,8 @@ class TritonAttentionBackend(AttentionBackend):
 
         meta = attn_metadata
         out = torch.empty_like(q)
-        if kv_cache is None:
+        if kv_cache is None:  # the profile run: k and v must share strides here
+            v = v if v.stride() == k.stride() else v.contiguous()
             paged_prefill_attention(q, k, v, out, None, None, meta.query_start_loc,
                                     meta.max_query_len, meta.block_size, scale)
             return out

@@ -8,7 +8,20 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up``: the MLP's activation, kept separate so a fused kernel can replace it."""
+    """``silu(gate) * up`` of the fused gate/up output ``[T, 2 * I]`` (gate columns first).
 
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    ``use_triton`` (the Triton fast path) runs one fused kernel on CUDA tensors of a 16-bit
+    dtype; float32 keeps torch's two kernels, whose ``exp`` HF shares bit for bit.
+    """
+
+    def __init__(self, use_triton: bool = False) -> None:
+        super().__init__()
+        self.use_triton = use_triton
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from engine_core.kernels.silu_mul import silu_and_mul
+
+            return silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -29,3 +29,33 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked row-wise into one weight.
+
+    Why: at decode a projection is a weight-streaming GEMV whose cost is its bytes plus a
+    fixed launch and tail; q/k/v (and gate/up) as one matrix are one launch and one larger,
+    more efficient GEMV instead of three (two) small ones. Checkpoints keep the parts
+    apart: ``part_names[i]`` is the checkpoint module whose tensors fill rows
+    ``part_slice(i)``; ``split`` cuts an output back into the parts (views, no copy).
+    """
+
+    def __init__(self, in_features: int, output_sizes: tuple[int, ...],
+                 part_names: tuple[str, ...], bias: bool = False) -> None:
+        if len(output_sizes) != len(part_names):
+            raise ValueError("one part name per output size")
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = tuple(output_sizes)
+        self.part_names = tuple(part_names)
+
+    def part_slice(self, index: int) -> slice:
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(y.split(self.output_sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, parts={dict(zip(self.part_names, self.output_sizes))}, "
+                f"bias={self.bias is not None}")

@@ -80,13 +80,3 @@ class RotaryEmbedding(nn.Module):
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, head_dim]`` (the half-split layout HF checkpoints use)."""
         return x * cos + _rotate_half(x) * sin
-
-    @staticmethod
-    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 use_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k; ``use_triton`` does both in one fused kernel on CUDA tensors."""
-        if use_triton and q.is_cuda:
-            from engine_core.kernels.rotary import apply_rope
-
-            return apply_rope(q, k, cos, sin)
-        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)

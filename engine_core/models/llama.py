@@ -12,7 +12,7 @@ from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.layers.activation import SiluAndMul
 from engine_core.layers.embedding import LMHead, VocabEmbedding
-from engine_core.layers.linear import Linear
+from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.norm import RMSNorm
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.models.spec import ModelSpec
@@ -31,9 +31,9 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.attn_backend = attn_backend
         hidden = spec.hidden_size
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, (self.num_heads * self.head_dim, kv_size, kv_size),
+                                     ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.use_triton = attn_backend.triton_layers
         if qk_norm:
@@ -46,13 +46,12 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, self.use_triton)
+        # Views into the one qkv output (row stride = its width); the kernels take strides.
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self._norm_and_rotate(q, k, cos, sin)
         hooks = attn_metadata.layer_hooks
         if hooks is not None:
             hooks.before_layer(self.layer_idx)
@@ -61,20 +60,34 @@ class LlamaAttention(nn.Module):
             hooks.after_layer(self.layer_idx, kv_cache)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
+    def _norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k RMSNorm (Qwen3) then RoPE: one fused kernel on the Triton path."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.use_triton and q.is_cuda:
+            from engine_core.kernels.rotary import apply_rope
+
+            if q_norm is None or k_norm is None:
+                return apply_rope(q, k, cos, sin)
+            return apply_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, use_triton: bool = False) -> None:
         super().__init__()
         hidden, inter = spec.hidden_size, spec.intermediate_size
-        self.gate_proj = Linear(hidden, inter, bias=spec.mlp_bias)
-        self.up_proj = Linear(hidden, inter, bias=spec.mlp_bias)
+        self.gate_up_proj = MergedLinear(hidden, (inter, inter), ("gate_proj", "up_proj"),
+                                         bias=spec.mlp_bias)
         self.down_proj = Linear(inter, hidden, bias=spec.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         use_triton = attn_backend.triton_layers
         self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(spec)
+        self.mlp = LlamaMLP(spec, use_triton)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
 

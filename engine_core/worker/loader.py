@@ -17,6 +17,7 @@ from torch import nn
 from engine_core.attention.backend import AttentionBackend
 from engine_core.config import ModelConfig
 from engine_core.errors import ModelLoadError
+from engine_core.layers.linear import MergedLinear
 from engine_core.models.registry import get_model_class
 from engine_core.models.spec import ModelSpec
 
@@ -109,6 +110,30 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.data.uniform_(-1e-3, 1e-3, generator=generator)
 
 
+def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each checkpoint tensor name -> the parameter, or the rows of a merged parameter, it fills.
+
+    A ``MergedLinear`` (q/k/v, gate/up) takes its parts' tensors under their own checkpoint
+    names (``...self_attn.k_proj.weight`` -> rows of ``...self_attn.qkv_proj.weight``). A
+    tied parameter is listed once, under the name met first (the input embedding).
+    """
+    targets: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        parent = module_name.rpartition(".")[0]
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, MergedLinear):
+                for index, part in enumerate(module.part_names):
+                    name = f"{parent}.{part}.{param_name}" if parent else f"{part}.{param_name}"
+                    targets[name] = param.data[module.part_slice(index)]
+            else:
+                targets[f"{module_name}.{param_name}" if module_name else param_name] = param.data
+    return targets
+
+
 def _shard_files(model_dir: Path) -> list[Path]:
     """The checkpoint's safetensors files: index-listed shards or the single file."""
     index_path = model_dir / "model.safetensors.index.json"
@@ -133,7 +158,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path, spec: ModelSpec) -> Non
 
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    params = checkpoint_targets(model)
     files = _shard_files(model_dir)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -148,12 +173,12 @@ def _load_safetensors(model: nn.Module, model_dir: Path, spec: ModelSpec) -> Non
                         unexpected.append(name)
                     continue
                 tensor = shard.get_tensor(name)
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
+                target = params[name]
+                if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(
                         f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(param.shape)}")
-                param.data.copy_(tensor)  # casts to the parameter's dtype and device
+                        f"the model expects {tuple(target.shape)}")
+                target.copy_(tensor)  # casts to the parameter's dtype and device
                 loaded.add(name)
                 num_bytes += tensor.numel() * tensor.element_size()
         logger.info("loaded shard %d/%d %s (%.1f MiB)", shard_idx, len(files), file.name,

@@ -14,7 +14,12 @@ from safetensors.torch import load_file, save_file
 from engine_core.attention.backend import get_attention_backend
 from engine_core.config import ModelConfig
 from engine_core.errors import ModelLoadError
-from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
+from engine_core.worker.loader import (
+    checkpoint_targets,
+    load_model,
+    read_model_spec,
+    resolve_dtype,
+)
 
 VARIANT = "qwen3-headdim32"
 
@@ -48,11 +53,19 @@ def test_weights_equal_checkpoint_and_cast(model_checkpoint) -> None:
     path = model_checkpoint(VARIANT)
     tensors = load_file(str(path / "model.safetensors"))
     model = _load(path, dtype=torch.bfloat16)
-    params = dict(model.named_parameters())
+    params = checkpoint_targets(model)  # merged q/k/v and gate/up rows by checkpoint name
     assert set(params) == set(tensors)
     for name, tensor in tensors.items():
         assert params[name].dtype == torch.bfloat16
         assert torch.equal(params[name], tensor.to(torch.bfloat16)), name
+    # The merged weights hold the parts in order: q, k, v rows; gate, up rows.
+    layer = "model.layers.1"
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(qkv, torch.cat([tensors[f"{layer}.self_attn.{p}_proj.weight"]
+                                       for p in "qkv"]).to(torch.bfloat16))
+    gate_up = model.model.layers[1].mlp.gate_up_proj.weight
+    assert torch.equal(gate_up, torch.cat([tensors[f"{layer}.mlp.{p}_proj.weight"]
+                                           for p in ("gate", "up")]).to(torch.bfloat16))
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE stays float32
 
 
@@ -118,7 +131,7 @@ def test_dummy_load_shapes_and_determinism(model_checkpoint, tmp_path) -> None:
         assert tensor.shape == real_state[name].shape, name
         assert torch.equal(tensor, second.state_dict()[name]), name
         assert tensor.isfinite().all()
-    q = "model.layers.0.self_attn.q_proj.weight"
+    q = "model.layers.0.self_attn.qkv_proj.weight"
     assert not torch.equal(first.state_dict()[q], other.state_dict()[q])
     assert first.state_dict()[q].abs().max() <= 1e-3
 

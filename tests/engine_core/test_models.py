@@ -107,7 +107,7 @@ def test_layer_hooks_called_around_each_layer(model_checkpoint, make_metadata,
 def test_tied_lm_head_shares_embedding(model_checkpoint) -> None:
     ours, _ = _models(str(model_checkpoint("qwen2-tied-linear")))
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
-    assert ours.model.layers[0].self_attn.q_proj.bias is not None
+    assert ours.model.layers[0].self_attn.qkv_proj.bias is not None
     assert ours.model.layers[0].self_attn.o_proj.bias is None
 
 

@@ -455,6 +455,96 @@ def test_rope_matches_reference_exactly(device: str, case: RopeCase) -> None:
     assert torch.equal(k_out, RotaryEmbedding.apply(k, cos, sin))
 
 
+@dataclass(frozen=True)
+class QkvCase:
+    dtype: torch.dtype
+    tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm: bool
+
+    def __str__(self) -> str:
+        return (f"{str(self.dtype).removeprefix('torch.')}-t{self.tokens}-q{self.num_q_heads}"
+                f"k{self.num_kv_heads}-d{self.head_dim}-norm{int(self.norm)}")
+
+
+QKV_CASES_CUDA = [QkvCase(dt, t, hq, hkv, d, norm) for dt in (BF16, FP16, FP32)
+                  for t, hq, hkv, d in ((1, 32, 8, 128), (29, 16, 8, 128), (300, 14, 2, 64))
+                  for norm in (False, True)]
+QKV_CASES_INTERPRET = [QkvCase(FP32, 5, 4, 2, 16, True), QkvCase(BF16, 3, 3, 1, 32, True),
+                       QkvCase(BF16, 2, 2, 2, 16, False)]
+
+
+@pytest.mark.parametrize(("device", "case"), params(QKV_CASES_CUDA, QKV_CASES_INTERPRET))
+def test_qk_norm_rope_on_fused_qkv_views(device: str, case: QkvCase) -> None:
+    """q and k as column views of one qkv output (the fused projection), with Qwen3's
+    per-head norm fused in: equal to the layers' torch path (RoPE alone: bit for bit)."""
+    from engine_core.kernels.rotary import apply_rope
+    from engine_core.layers.norm import RMSNorm
+    from engine_core.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d = case.num_q_heads, case.num_kv_heads, case.head_dim
+    qkv = (torch.randn(case.tokens, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, case.dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(case.tokens, hq, d), k.view(case.tokens, hkv, d)
+    assert not q.is_contiguous()
+    rope = RotaryEmbedding(d, 10000.0).to(device)
+    positions = torch.randint(0, 4000, (case.tokens,), generator=gen)
+    cos, sin = rope.cos_sin(positions.to(device), case.dtype)
+    q_norm = RMSNorm(d, eps=1e-6).to(device=device, dtype=case.dtype)
+    k_norm = RMSNorm(d, eps=1e-6).to(device=device, dtype=case.dtype)
+    q_norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+    k_norm.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+    if not case.norm:
+        q_out, k_out = apply_rope(q, k, cos, sin)
+        assert torch.equal(q_out, RotaryEmbedding.apply(q, cos, sin))
+        assert torch.equal(k_out, RotaryEmbedding.apply(k, cos, sin))
+        return
+    q_out, k_out = apply_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    # Same roundings as the layers; only the mean's float32 sum order differs, so a value
+    # may land one unit of the dtype away, and RoPE adds two such values.
+    ulp = {FP32: 2e-6, FP16: 2 ** -9, BF16: 2 ** -6}[case.dtype]
+    for got, x, norm in ((q_out, q, q_norm), (k_out, k, k_norm)):
+        expected = RotaryEmbedding.apply(norm(x), cos, sin)
+        torch.testing.assert_close(got.float(), expected.float(), atol=ulp, rtol=ulp)
+
+
+@dataclass(frozen=True)
+class SiluCase:
+    dtype: torch.dtype
+    rows: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}-{self.rows}x{self.width}"
+
+
+SILU_CASES_CUDA = [SiluCase(dt, rows, width) for dt in (BF16, FP16)
+                   for rows, width in ((1, 12288), (64, 3072), (333, 1000), (2, 17))]
+SILU_CASES_INTERPRET = [SiluCase(BF16, 3, 40), SiluCase(FP16, 2, 1100)]
+
+
+@pytest.mark.parametrize(("device", "case"), params(SILU_CASES_CUDA, SILU_CASES_INTERPRET))
+def test_silu_and_mul_matches_torch(device: str, case: SiluCase) -> None:
+    import torch.nn.functional as F
+
+    from engine_core.kernels.silu_mul import silu_and_mul
+
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(case.rows, 2 * case.width, generator=gen) * 4).to(device, case.dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = silu_and_mul(x)
+    assert got.shape == expected.shape and got.dtype == case.dtype
+    # Same roundings; the GPU's fast exp may move silu(g) by one unit at a rounding tie.
+    ulp = {FP16: 2 ** -10, BF16: 2 ** -7}[case.dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=2 * ulp, rtol=2 * ulp)
+    assert (got == expected).float().mean() > 0.99
+
+
 # ---- CUDA only: capture and replay ----------------------------------------------------------
 
 

@@ -190,6 +190,7 @@ class BenchConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     gpu_memory_utilization: float
+    triton_gemv_max_rows: int | None = None
 
 
 def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = False
@@ -200,7 +201,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
         cache=CacheConfig(gpu_memory_utilization=bench.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=bench.max_num_seqs,
                                   max_num_batched_tokens=bench.max_num_batched_tokens),
-        device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager),
+        device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
+                            triton_gemv_max_rows=bench.triton_gemv_max_rows),
     )
     t0 = time.perf_counter()
     engine = EngineCore(config)
@@ -220,6 +222,7 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "cuda_graph_pool_bytes": capture.pool_bytes if capture else 0,
         "cuda_graph_pool_reserved_bytes": engine.graph_pool_reserve,
         "enforce_eager": engine.config.device.enforce_eager,
+        "gemv_max_rows": engine.attn_backend.gemv_max_rows,
     }
 
 
@@ -505,7 +508,8 @@ class Bench:
         return BenchConfig(device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                            max_num_seqs=max_num_seqs or a.max_num_seqs,
                            max_num_batched_tokens=a.max_num_batched_tokens,
-                           gpu_memory_utilization=a.gpu_memory_utilization)
+                           gpu_memory_utilization=a.gpu_memory_utilization,
+                           triton_gemv_max_rows=a.triton_gemv_max_rows)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -762,6 +766,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--triton-gemv-max-rows", type=int, default=None,
+                        help="the engine flag (default: the engine's default)")
     parser.add_argument("--copy-bytes", type=int, default=2 << 30, help="each way")
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--limit-iters", type=int, default=20)

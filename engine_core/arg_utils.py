@@ -63,6 +63,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                        help="auto: Triton kernels on CUDA (attention, RMSNorm, RoPE) when "
                             "triton is installed, else the torch reference")
+    group.add_argument("--triton-gemv-max-rows", type=int, default=None,
+                       help="decode batches of at most this many rows run their projections "
+                            "on the Triton GEMV instead of cuBLAS (0: never; default: "
+                            "the measured default of the Triton path)")
     group.add_argument("--kv-transfer-config", default=None,
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -92,7 +96,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             attention_backend=args.attention_backend,
-                            cuda_graph_sizes=tuple(args.cuda_graph_sizes or ())),
+                            cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
+                            triton_gemv_max_rows=args.triton_gemv_max_rows),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
     )

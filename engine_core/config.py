@@ -102,6 +102,9 @@ class DeviceConfig:
     # Decode batch sizes captured as CUDA graphs. Empty: the default schedule up to
     # min(max_num_seqs, 512); one value: that schedule up to the value; several: exactly those.
     cuda_graph_sizes: tuple[int, ...] = ()
+    # Projections of at most this many rows use the Triton GEMV (Triton path, 16-bit
+    # weights). None: the backend's measured default; 0: always cuBLAS.
+    triton_gemv_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -111,6 +114,9 @@ class DeviceConfig:
         if any(s < 1 for s in sizes):
             raise ConfigError(f"--cuda-graph-sizes must be positive, got {list(sizes)}")
         object.__setattr__(self, "cuda_graph_sizes", sizes)  # lists from LLM(...) kwargs
+        rows = self.triton_gemv_max_rows
+        if rows is not None and not 0 <= rows <= 16:
+            raise ConfigError(f"--triton-gemv-max-rows must be within 0..16, got {rows}")
 
     def resolve(self) -> str:
         """The concrete torch device string."""

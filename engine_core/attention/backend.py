@@ -25,6 +25,8 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     # Whether the model should use the fused Triton RMSNorm / RoPE kernels as well.
     triton_layers: bool = False
+    # Projections of at most this many rows (16-bit weights) run the Triton GEMV; 0: cuBLAS.
+    gemv_max_rows: int = 0
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -34,12 +36,15 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None = None,
-                          name: str = "auto") -> AttentionBackend:
+                          name: str = "auto",
+                          gemv_max_rows: int | None = None) -> AttentionBackend:
     """Pick the backend for ``--attention-backend`` (auto | triton | torch_ref).
 
     ``auto`` takes Triton on CUDA when triton is installed and the GPU can run the cache
     dtype, else the torch reference (which runs everywhere and defines correct results).
     ``triton`` where it cannot run is a ConfigError rather than a silent fallback.
+    ``gemv_max_rows`` (``--triton-gemv-max-rows``; None: the Triton backend's default)
+    applies to the Triton path only.
     """
     from engine_core.attention.torch_ref import TorchRefAttentionBackend
 
@@ -49,7 +54,7 @@ def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None 
     if problem is None:
         from engine_core.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(gemv_max_rows=gemv_max_rows)
     if name == "triton":
         raise ConfigError(f"--attention-backend triton: {problem}")
     if torch.device(device).type == "cuda":

@@ -12,8 +12,9 @@ Per layer: one kernel writes the new K/V at their slots, then
   chunked-prefill batch the decodes are the majority, and they need split-KV (one prefill
   program per sequence would walk a long context alone) and the GQA-packed decode tile.
 
-The backend also tells the model to use the fused RMSNorm and RoPE kernels
-(``triton_layers``): one switch, ``--attention-backend``, picks the whole fast path.
+The backend also tells the model to use the fused RMSNorm, RoPE and SiLU kernels
+(``triton_layers``) and the small-batch GEMV (``gemv_max_rows``): one switch,
+``--attention-backend``, picks the whole fast path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import torch
 from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
 
+# Decode batches up to this size run their projections on the Triton GEMV (kernels/gemv.py):
+# measured faster than cuBLAS there on an H200 (docs/PERFORMANCE.md).
+DEFAULT_GEMV_MAX_ROWS = 8
+
 
 class TritonAttentionBackend(AttentionBackend):
     """Triton KV write, prefill and split-KV decode kernels; any cache dtype, fp8 included."""
@@ -30,9 +35,11 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     triton_layers = True
 
-    def __init__(self, num_decode_splits: int | None = None) -> None:
+    def __init__(self, num_decode_splits: int | None = None,
+                 gemv_max_rows: int | None = None) -> None:
         # None: choose_num_splits decides from shapes; tests force a count to cover merges.
         self.num_decode_splits = num_decode_splits
+        self.gemv_max_rows = DEFAULT_GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,

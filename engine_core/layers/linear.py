@@ -10,14 +10,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]`` as in HF."""
+    """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]`` as in HF.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    ``gemv_max_rows`` > 0 (the Triton path) sends inputs of at most that many rows with
+    16-bit CUDA weights to the Triton GEMV; the choice depends on shapes only, so a CUDA
+    graph of a decode batch records one or the other for good.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 gemv_max_rows: int = 0) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.gemv_max_rows = gemv_max_rows
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -25,6 +34,11 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (0 < x.shape[0] <= self.gemv_max_rows and x.dim() == 2 and x.is_cuda
+                and x.dtype in _GEMV_DTYPES and x.stride(1) == 1):
+            from engine_core.kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -42,10 +56,11 @@ class MergedLinear(Linear):
     """
 
     def __init__(self, in_features: int, output_sizes: tuple[int, ...],
-                 part_names: tuple[str, ...], bias: bool = False) -> None:
+                 part_names: tuple[str, ...], bias: bool = False,
+                 gemv_max_rows: int = 0) -> None:
         if len(output_sizes) != len(part_names):
             raise ValueError("one part name per output size")
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, gemv_max_rows)
         self.output_sizes = tuple(output_sizes)
         self.part_names = tuple(part_names)
 

@@ -32,9 +32,10 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
         hidden = spec.hidden_size
         kv_size = self.num_kv_heads * self.head_dim
+        rows = attn_backend.gemv_max_rows
         self.qkv_proj = MergedLinear(hidden, (self.num_heads * self.head_dim, kv_size, kv_size),
-                                     ("q_proj", "k_proj", "v_proj"), bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+                                     ("q_proj", "k_proj", "v_proj"), qkv_bias, rows)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, o_bias, rows)
         self.use_triton = attn_backend.triton_layers
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton)
@@ -78,13 +79,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, spec: ModelSpec, use_triton: bool = False) -> None:
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
         super().__init__()
         hidden, inter = spec.hidden_size, spec.intermediate_size
+        rows = attn_backend.gemv_max_rows
         self.gate_up_proj = MergedLinear(hidden, (inter, inter), ("gate_proj", "up_proj"),
-                                         bias=spec.mlp_bias)
-        self.down_proj = Linear(inter, hidden, bias=spec.mlp_bias)
-        self.act_fn = SiluAndMul(use_triton)
+                                         spec.mlp_bias, rows)
+        self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows)
+        self.act_fn = SiluAndMul(attn_backend.triton_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -103,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         use_triton = attn_backend.triton_layers
         self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(spec, use_triton)
+        self.mlp = LlamaMLP(spec, attn_backend)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
 

@@ -73,6 +73,30 @@ def test_flags_reach_the_config():
     assert EngineConfig.from_kwargs("m", cuda_graph_sizes=[8, 2]).device.cuda_graph_sizes == (8, 2)
     with pytest.raises(ConfigError):
         EngineConfig.from_kwargs("m", cuda_graph_sizes=[0])
+    rows = engine_config_from_args(parser.parse_args(["m", "--triton-gemv-max-rows", "4"]))
+    assert rows.device.triton_gemv_max_rows == 4 and default.triton_gemv_max_rows is None
+    with pytest.raises(ConfigError, match="triton-gemv-max-rows"):
+        EngineConfig.from_kwargs("m", triton_gemv_max_rows=17)
+
+
+def test_gemv_rows_reach_the_projections(tiny_checkpoint):
+    """The backend's GEMV row limit is what every projection of the model holds; the CPU
+    reference path has none (``Linear`` then always calls ``F.linear``)."""
+    from engine_core.attention.triton_backend import DEFAULT_GEMV_MAX_ROWS, TritonAttentionBackend
+    from engine_core.layers.linear import Linear
+    from engine_core.models.registry import get_model_class
+    from engine_core.worker.loader import read_model_spec
+
+    spec = read_model_spec(tiny_checkpoint("qwen3"))
+    for backend, rows in ((TritonAttentionBackend(), DEFAULT_GEMV_MAX_ROWS),
+                          (TritonAttentionBackend(gemv_max_rows=0), 0)):
+        with torch.device("meta"):
+            model = get_model_class(spec.architecture)(spec, backend)
+        linears = [m for m in model.modules() if type(m).__name__ in ("Linear", "MergedLinear")]
+        assert len(linears) == 4 * spec.num_hidden_layers
+        assert all(isinstance(m, Linear) and m.gemv_max_rows == rows for m in linears)
+    llm = LLM(str(tiny_checkpoint("qwen3")), max_num_seqs=4)
+    assert llm.engine.attn_backend.gemv_max_rows == 0
 
 
 def test_cpu_engine_captures_nothing(tiny_checkpoint):

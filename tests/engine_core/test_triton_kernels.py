@@ -545,6 +545,48 @@ def test_silu_and_mul_matches_torch(device: str, case: SiluCase) -> None:
     assert (got == expected).float().mean() > 0.99
 
 
+@dataclass(frozen=True)
+class GemvCase:
+    dtype: torch.dtype
+    rows: int
+    n: int
+    k: int
+    bias: bool
+
+    def __str__(self) -> str:
+        return (f"{str(self.dtype).removeprefix('torch.')}-m{self.rows}-{self.n}x{self.k}"
+                f"-b{int(self.bias)}")
+
+
+GEMV_CASES_CUDA = [GemvCase(dt, m, n, k, b) for dt in (BF16, FP16) for m in (1, 3, 8, 16)
+                   for n, k, b in ((4096, 1024, False), (6144, 1024, False), (1024, 3072, True),
+                                   (1000, 1000, True), (24576, 4096, False))]
+GEMV_CASES_INTERPRET = [GemvCase(BF16, 1, 40, 300, True), GemvCase(FP16, 5, 33, 64, False)]
+
+
+@pytest.mark.parametrize(("device", "case"), params(GEMV_CASES_CUDA, GEMV_CASES_INTERPRET))
+def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
+    """The small-batch GEMV against float32 math on the same inputs, and through ``Linear``
+    (which takes it only for small 16-bit CUDA inputs)."""
+    from engine_core.kernels.gemv import gemv
+    from engine_core.layers.linear import Linear
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(case.rows, case.k, generator=gen).to(device, case.dtype)
+    w = (torch.randn(case.n, case.k, generator=gen) / case.k ** 0.5).to(device, case.dtype)
+    b = torch.randn(case.n, generator=gen).to(device, case.dtype) if case.bias else None
+    expected = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    got = gemv(x, w, b)
+    assert got.dtype == case.dtype and got.shape == (case.rows, case.n)
+    assert_close(got, expected, case.dtype)
+    if device == "cuda":
+        layer = Linear(case.k, case.n, bias=case.bias, gemv_max_rows=16).to(device, case.dtype)
+        layer.weight.copy_(w)
+        if b is not None:
+            layer.bias.copy_(b)
+        assert torch.equal(layer(x), got)  # the layer dispatched to the GEMV
+
+
 # ---- CUDA only: capture and replay ----------------------------------------------------------
 
 

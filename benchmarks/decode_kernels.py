@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 
 # (model, projection, N, K): weight [N, K]
 GEMV_SHAPES = [
@@ -79,7 +80,11 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
         if rows == 1:
             sweep = {}
             for tiles in GEMV_TILES:
-                sweep[str(tiles)] = graph_us(lambda x=x, w=w, t=tiles: gemv(x, w, tiles=t), reps)
+                try:
+                    sweep[str(tiles)] = graph_us(lambda x=x, w=w, t=tiles: gemv(x, w, tiles=t),
+                                                 reps)
+                except triton.runtime.errors.OutOfResources:  # too much shared memory
+                    continue
             best = min(sweep, key=sweep.get)
             case["triton_sweep_us"] = sweep
             case["triton_best"] = {"tiles": best, "us": sweep[best]}
@@ -134,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--parts", default="attention,gemv")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "attention": attention_cases(args.context, args.reps),
-               "gemv": gemv_cases(rows, args.reps)}
+    parts = args.parts.split(",")
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "attention" in parts:
+        results["attention"] = attention_cases(args.context, args.reps)
+    if "gemv" in parts:
+        results["gemv"] = gemv_cases(rows, args.reps)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -11,14 +11,19 @@ import torch.nn.functional as F
 from torch import nn
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# Weights up to this many elements (16 MiB in 16 bits) take the Triton GEMV. On an H200 it
+# beat cuBLAS on Qwen3-0.6B's 4-12 MB projections and lost on Qwen3-8B's 32-192 MB ones,
+# which cuBLAS streams at 3-3.9 TB/s (docs/PERFORMANCE.md).
+GEMV_MAX_WEIGHT_ELEMENTS = 8 << 20
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]`` as in HF.
 
     ``gemv_max_rows`` > 0 (the Triton path) sends inputs of at most that many rows with
-    16-bit CUDA weights to the Triton GEMV; the choice depends on shapes only, so a CUDA
-    graph of a decode batch records one or the other for good.
+    16-bit CUDA weights to the Triton GEMV when the weight is small enough
+    (``GEMV_MAX_WEIGHT_ELEMENTS``); the choice depends on shapes only, so a CUDA graph of a
+    decode batch records one or the other for good.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -26,7 +31,8 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.gemv_max_rows = gemv_max_rows
+        small = in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
+        self.gemv_max_rows = gemv_max_rows if small else 0
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)

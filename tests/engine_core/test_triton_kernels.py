@@ -489,7 +489,7 @@ def test_qk_norm_rope_on_fused_qkv_views(device: str, case: QkvCase) -> None:
     qkv = (torch.randn(case.tokens, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, case.dtype)
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k = q.view(case.tokens, hq, d), k.view(case.tokens, hkv, d)
-    assert not q.is_contiguous()
+    assert case.tokens == 1 or not q.is_contiguous()  # one row: torch calls it contiguous
     rope = RotaryEmbedding(d, 10000.0).to(device)
     positions = torch.randint(0, 4000, (case.tokens,), generator=gen)
     cos, sin = rope.cos_sin(positions.to(device), case.dtype)
@@ -580,11 +580,17 @@ def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
     assert got.dtype == case.dtype and got.shape == (case.rows, case.n)
     assert_close(got, expected, case.dtype)
     if device == "cuda":
+        import torch.nn.functional as F
+
+        from engine_core.layers.linear import GEMV_MAX_WEIGHT_ELEMENTS
+
         layer = Linear(case.k, case.n, bias=case.bias, gemv_max_rows=16).to(device, case.dtype)
         layer.weight.copy_(w)
         if b is not None:
             layer.bias.copy_(b)
-        assert torch.equal(layer(x), got)  # the layer dispatched to the GEMV
+        # Small weights take the GEMV; large ones stay with cuBLAS.
+        small = case.n * case.k <= GEMV_MAX_WEIGHT_ELEMENTS
+        assert torch.equal(layer(x), got if small else F.linear(x, w, b))
 
 
 # ---- CUDA only: capture and replay ----------------------------------------------------------

@@ -1,15 +1,14 @@
 """``y = x @ W^T (+ b)`` for a few rows of ``x``: the decode step's weight-streaming GEMV.
 
 Why: with one to a few rows a projection is bound by reading ``W`` once, but cuBLAS picks
-tiles for general GEMMs and, for the small matrices of a small model (1-12 MB), reaches
-only 1-2.5 TB/s on an H200 (e.g. 12 us for Qwen3-0.6B's 12 MB gate/up at batch 1), plus a
-split-K reduce kernel for some shapes. This kernel gives each program ``BLOCK_N`` output
+tiles for general GEMMs: on an H200 it took 12.5 us for Qwen3-0.6B's 4 MB o_proj at one
+row (this kernel: 4.4 us) and adds a split-K reduce kernel for some shapes. This kernel gives each program ``BLOCK_N`` output
 columns and streams their rows of ``W`` in ``BLOCK_K`` chunks, all ``x`` rows at once
 (a ``tl.dot`` of a 16-row tile: the rows beyond ``M`` are masked), accumulating in float32
 and rounding once, as cuBLAS does; only the order of the float32 sum differs.
 
-Used by ``Linear`` on the Triton path for 16-bit weights and at most ``max_rows`` rows
-(``--triton-gemv-max-rows``); larger batches are GEMMs and stay with cuBLAS.
+Used by ``Linear`` on the Triton path for 16-bit weights up to 128 MiB and at most
+``--triton-gemv-max-rows`` rows; larger batches are GEMMs and stay with cuBLAS.
 """
 
 from __future__ import annotations
@@ -48,9 +47,11 @@ def gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[n, k]`` weight.
 
     Narrow column blocks keep enough programs in flight to stream a small matrix at full
-    bandwidth (a 1024-column matrix still gets 64 programs)."""
-    block_n = 16 if n <= 4096 else 32
-    return block_n, 256, 4, 4
+    bandwidth (a 1024-column matrix still gets 64 programs). Of 20 tilings timed in CUDA
+    graphs on an H200 (benchmarks/decode_kernels.py, one row), this one was within 12% of
+    the best on all eight Qwen3-8B/0.6B projections and beat cuBLAS on all but the 8B's
+    192 MB gate/up, which ``Linear`` therefore leaves to cuBLAS."""
+    return 16, 256, 2, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

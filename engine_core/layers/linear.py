@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# Weights up to this many elements (16 MiB in 16 bits) take the Triton GEMV. On an H200 it
-# beat cuBLAS on Qwen3-0.6B's 4-12 MB projections and lost on Qwen3-8B's 32-192 MB ones,
-# which cuBLAS streams at 3-3.9 TB/s (docs/PERFORMANCE.md).
-GEMV_MAX_WEIGHT_ELEMENTS = 8 << 20
+# Weights up to this many elements (128 MiB in 16 bits) take the Triton GEMV. On an H200 it
+# beat cuBLAS on every Qwen3-0.6B and Qwen3-8B projection from 4 to 96 MB (by 3-64%) and
+# lost by 4% on the 8B's 192 MB gate/up, which cuBLAS streams at 4 TB/s
+# (docs/PERFORMANCE.md).
+GEMV_MAX_WEIGHT_ELEMENTS = 64 << 20
 
 
 class Linear(nn.Module):

@@ -50,7 +50,8 @@ def gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     bandwidth (a 1024-column matrix still gets 64 programs). Of 20 tilings timed in CUDA
     graphs on an H200 (benchmarks/decode_kernels.py, one row), this one was within 12% of
     the best on all eight Qwen3-8B/0.6B projections and beat cuBLAS on all but the 8B's
-    192 MB gate/up, which ``Linear`` therefore leaves to cuBLAS."""
+    192 MB gate/up, which ``Linear`` therefore leaves to cuBLAS (at eight rows it also
+    lost on the 0.6B's 12 MB gate/up: a per-shape choice is left for later)."""
     return 16, 256, 2, 4
 
 

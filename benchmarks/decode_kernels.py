@@ -66,7 +66,7 @@ def graph_us(fn: Callable[[], object], reps: int, trials: int = 5) -> float:
 
 
 def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
-    from engine_core.kernels.gemv import gemv, gemv_tiles
+    from engine_core.kernels.gemv import GEMV_TILES, gemv
 
     out = []
     for (model, name, n, k), rows in itertools.product(GEMV_SHAPES, rows_list):
@@ -75,7 +75,7 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
         case: dict[str, Any] = {"model": model, "proj": name, "n": n, "k": k, "rows": rows,
                                 "weight_bytes": n * k * 2}
         case["cublas_us"] = graph_us(lambda x=x, w=w: F.linear(x, w), reps)
-        case["triton_default_tiles"] = list(gemv_tiles(n, k))
+        case["triton_default_tiles"] = list(GEMV_TILES)
         case["triton_default_us"] = graph_us(lambda x=x, w=w: gemv(x, w), reps)
         if rows == 1:
             sweep = {}

@@ -4,7 +4,7 @@
 #
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~2 min)
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
@@ -38,7 +38,10 @@ case "${1:-}" in
         step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_cluster_gpu.py
         ;;
     speed)
-        step engine_speed 560 python3 -m benchmarks.engine_speed --out "$OUT/engine_speed.json"
+        step engine_speed 330 python3 -m benchmarks.engine_speed --out "$OUT/engine_speed.json"
+        step decode_kernels 200 python3 -m benchmarks.decode_kernels --out "$OUT/decode_kernels.json"
+        step profile 90 python3 -m benchmarks.profile_decode --model qwen3-8b --model qwen3-0.6b \
+            --out "$OUT/profile_decode.json"
         ;;
     transfer)
         step kv_transfer 150 python3 benchmarks/kv_transfer.py --trials 5 \

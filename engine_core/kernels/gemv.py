@@ -43,16 +43,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[n, k]`` weight.
-
-    Narrow column blocks keep enough programs in flight to stream a small matrix at full
-    bandwidth (a 1024-column matrix still gets 64 programs). Of 20 tilings timed in CUDA
-    graphs on an H200 (benchmarks/decode_kernels.py, one row), this one was within 12% of
-    the best on all eight Qwen3-8B/0.6B projections and beat cuBLAS on all but the 8B's
-    192 MB gate/up, which ``Linear`` therefore leaves to cuBLAS (at eight rows it also
-    lost on the 0.6B's 12 MB gate/up: a per-shape choice is left for later)."""
-    return 16, 256, 2, 4
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), one tiling for every shape. Narrow column
+# blocks keep enough programs in flight to stream a small matrix at full bandwidth (a
+# 1024-column matrix still gets 64 programs). Of 20 tilings timed in CUDA graphs on an H200
+# (benchmarks/decode_kernels.py, one row), this one was within 12% of the best on all eight
+# Qwen3-8B/0.6B projections and beat cuBLAS on all but the 8B's 192 MB gate/up, which
+# ``Linear`` therefore leaves to cuBLAS (at eight rows it also lost on the 0.6B's 12 MB
+# gate/up: a per-shape choice is left for later).
+GEMV_TILES = (16, 256, 2, 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,7 +62,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps, stages = tiles or gemv_tiles(n, k)
+    block_n, block_k, warps, stages = tiles or GEMV_TILES
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,

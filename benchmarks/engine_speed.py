@@ -191,6 +191,7 @@ class BenchConfig:
     max_num_batched_tokens: int
     gpu_memory_utilization: float
     triton_gemv_max_rows: int | None = None
+    async_scheduling: bool = True
 
 
 def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = False
@@ -200,7 +201,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
                           max_model_len=bench.max_model_len),
         cache=CacheConfig(gpu_memory_utilization=bench.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=bench.max_num_seqs,
-                                  max_num_batched_tokens=bench.max_num_batched_tokens),
+                                  max_num_batched_tokens=bench.max_num_batched_tokens,
+                                  async_scheduling=bench.async_scheduling),
         device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
                             triton_gemv_max_rows=bench.triton_gemv_max_rows),
     )
@@ -223,6 +225,7 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "cuda_graph_pool_reserved_bytes": engine.graph_pool_reserve,
         "enforce_eager": engine.config.device.enforce_eager,
         "gemv_max_rows": engine.attn_backend.gemv_max_rows,
+        "async_scheduling": engine.async_scheduling,
     }
 
 
@@ -249,7 +252,8 @@ class Driver:
     def all_decoding(self, count: int) -> bool:
         sched = self.engine.scheduler
         return (not sched.waiting and len(sched.running) == count
-                and all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running))
+                and all(r.num_tokens_with_pending - r.num_computed_tokens == 1
+                        for r in sched.running))
 
     def run_to_completion(self) -> tuple[int, int]:
         """Step until idle; (steps, output tokens)."""
@@ -274,6 +278,22 @@ class Driver:
         finally:
             self.engine.runner.forward_timer = None
         return times, timer.collect()
+
+    def timed_first_output(self, request_id: str) -> tuple[float, list[Any]]:
+        """Host wall time from the first step until ``request_id``'s first token is out
+        (with async scheduling a step's tokens come out of the next ``step()`` call), and
+        the forward samples of those steps."""
+        timer = ForwardTimer(torch.device(self.engine.device))
+        self.engine.runner.forward_timer = timer
+        try:
+            t0 = time.perf_counter()
+            while not any(out.request_id == request_id and out.new_token_ids
+                          for out in self.engine.step()):
+                pass
+            elapsed = (time.perf_counter() - t0) * 1e3
+        finally:
+            self.engine.runner.forward_timer = None
+        return elapsed, timer.collect()
 
     def drain(self, request_ids: list[str]) -> None:
         self.engine.abort_requests(request_ids)
@@ -305,7 +325,7 @@ def decode_case(driver: Driver, batch: int, context: int, steps: int, warmup: in
             raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
     driver.timed_steps(warmup)
     # A decode step attends to every token of its request, the new one included.
-    attended_at_start = sum(r.num_tokens for r in engine.scheduler.running)
+    attended_at_start = sum(r.num_tokens_with_pending for r in engine.scheduler.running)
     step_ms, samples = driver.timed_steps(steps)
     driver.drain(ids)
     forward_ms = [s.ms for s in samples]
@@ -344,11 +364,11 @@ def prefill_case(driver: Driver, length: int, reps: int, spec: ModelSpec,
     step_ms: list[float] = []
     forward_ms: list[float] = []
     for rep in range(reps + 1):  # the first is a warm-up
-        driver.add(driver.random_prompt(length), 1)
-        times, samples = driver.timed_steps(1)
+        request_id = driver.add(driver.random_prompt(length), 1)
+        elapsed, samples = driver.timed_first_output(request_id)
         driver.run_to_completion()
         if rep:
-            step_ms += times
+            step_ms.append(elapsed)
             forward_ms += [s.ms for s in samples]
     flops = prefill_flops(spec, length)
     result.update({"step_ms": stats_ms(step_ms), "forward_ms": stats_ms(forward_ms),
@@ -509,7 +529,8 @@ class Bench:
                            max_num_seqs=max_num_seqs or a.max_num_seqs,
                            max_num_batched_tokens=a.max_num_batched_tokens,
                            gpu_memory_utilization=a.gpu_memory_utilization,
-                           triton_gemv_max_rows=a.triton_gemv_max_rows)
+                           triton_gemv_max_rows=a.triton_gemv_max_rows,
+                           async_scheduling=a.async_scheduling)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -768,6 +789,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--triton-gemv-max-rows", type=int, default=None,
                         help="the engine flag (default: the engine's default)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="the engine flag (default on, as in pdserve)")
     parser.add_argument("--copy-bytes", type=int, default=2 << 30, help="each way")
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--limit-iters", type=int, default=20)

@@ -6,6 +6,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~2 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
 # the number of failed steps.
@@ -32,6 +33,18 @@ case "${1:-}" in
         step cuda_graphs 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_cuda_graphs.py
         step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
         step triton_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_triton_kernels.py
+        step async_scheduling 200 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_async_scheduling.py
+        ;;
+    async)
+        # Async scheduling on the GPU: its tests and the engine tests it touches, then the
+        # decode figures with it on and off in the same session.
+        step cuda_graphs 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_cuda_graphs.py
+        step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
+        step async_scheduling 200 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_async_scheduling.py
+        step speed_async 200 python3 -m benchmarks.engine_speed --only limits,decode,small \
+            --out "$OUT/engine_speed_async.json"
+        step speed_sync 200 python3 -m benchmarks.engine_speed --only decode,small \
+            --no-async-scheduling --out "$OUT/engine_speed_sync.json"
         ;;
     cluster)
         step connectors 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connectors
@@ -48,7 +61,7 @@ case "${1:-}" in
             --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --out "$OUT/kv_transfer.json"
         ;;
     *)
-        echo "usage: $0 engine|cluster|speed|transfer" >&2
+        echo "usage: $0 engine|cluster|speed|transfer|async" >&2
         exit 2
         ;;
 esac

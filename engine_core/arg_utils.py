@@ -48,6 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="exact number of KV cache blocks")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=sched.enable_chunked_prefill, help="split long prefills")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=sched.async_scheduling,
+                       help="overlap the host's scheduling with the GPU's step (sampled "
+                            "tokens stay on the device for the next step)")
     group.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                        help="weights from the checkpoint, or dummy random weights")
     group.add_argument("--seed", type=int, default=0, help="random seed")
@@ -93,7 +97,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=args.enable_chunked_prefill),
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  async_scheduling=args.async_scheduling),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             attention_backend=args.attention_backend,
                             cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),

@@ -82,6 +82,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 before reading step N's sampled tokens (fed to N+1 on
+    # the device), so the host's work overlaps the GPU's. False: one step at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -27,11 +27,12 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.block_hash import BlockHasher
 from engine_core.sched.block_pool import BlockPool
 from engine_core.sched.kv_cache_manager import KVCacheManager
+from engine_core.sched.outputs import SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
-from engine_core.worker.model_runner import ModelRunner
+from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.step_inputs import BatchLimits
 
 logger = logging.getLogger("pdserve.engine")
@@ -101,6 +102,9 @@ class EngineCore:
                                self.graph_capture.pool_bytes / 2**20,
                                self.graph_pool_reserve / 2**20)
         self.rejected_messages = 0
+        self.async_scheduling = config.scheduler.async_scheduling
+        # The step launched last and not yet collected (async scheduling only).
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     def _batch_limits(self) -> BatchLimits:
         sched = self.config.scheduler
@@ -135,7 +139,7 @@ class EngineCore:
         base = torch.cuda.memory_allocated(device)
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
                              NullConnectorWorker(), self._batch_limits())
-        from engine_core.sched.outputs import NewRequestData, SchedulerOutput
+        from engine_core.sched.outputs import NewRequestData
 
         params = SamplingParams(temperature=0.0, max_tokens=1)
         request = NewRequestData("profile", [0] * num_tokens, num_tokens, params,
@@ -199,8 +203,9 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_work(self) -> bool:
-        """True while any request is queued, running, awaiting remote KV or being sent."""
-        return self.scheduler.has_unfinished()
+        """True while any request is queued, running, awaiting remote KV or being sent, or
+        a launched step is still to be collected."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def has_transfer_state(self) -> bool:
         """True while a connector half holds a transfer no request waits on (say the load of
@@ -208,12 +213,37 @@ class EngineCore:
         return not (self.scheduler.connector.is_idle() and self.connector_worker.is_idle())
 
     def has_runnable(self) -> bool:
-        """True when the next step would compute something (else poll, do not spin)."""
-        return self.scheduler.has_runnable()
+        """True when the next step would compute (or collect) something (else poll)."""
+        return self.scheduler.has_runnable() or self._in_flight is not None
 
     def step(self) -> list[EngineOutput]:
+        """Schedule and launch a step; return the outputs of the step that completed.
+
+        With async scheduling the step launched here is collected by the next call, after
+        that call has launched its own: the host schedules and stages step N+1 while the
+        device still runs step N. Outputs therefore trail by one step; a step that
+        sampled nothing, or one whose requests need their full token history on the host
+        (penalties), does not wait.
+        """
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        outputs: list[EngineOutput] = []
+        if self._in_flight is not None and (
+                not self.async_scheduling or self.runner.needs_token_history(scheduler_output)):
+            outputs = self._complete(*self._in_flight)
+            self._in_flight = None
+        launched = self.runner.launch(scheduler_output)
+        if self._in_flight is not None:
+            outputs += self._complete(*self._in_flight)
+            self._in_flight = None
+        if self.async_scheduling and launched.sampled:
+            self._in_flight = (scheduler_output, launched)
+        else:
+            outputs += self._complete(scheduler_output, launched)
+        return outputs
+
+    def _complete(self, scheduler_output: SchedulerOutput,
+                  launched: LaunchedStep) -> list[EngineOutput]:
+        runner_output = self.runner.collect(launched)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     # ---- state ------------------------------------------------------------------------

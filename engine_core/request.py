@@ -42,7 +42,10 @@ class Request:
     """One generation request as the scheduler sees it.
 
     ``token_ids`` is prompt plus output so far; ``num_computed_tokens`` counts the tokens
-    whose KV is in the paged cache (or counted as such by prefix hits and remote loads).
+    whose KV is in the paged cache or scheduled into it (advanced when a step is scheduled;
+    prefix hits and remote loads count too). ``num_pending_tokens`` counts tokens already
+    being sampled by scheduled steps whose results the scheduler has not seen yet (async
+    scheduling; 0 between steps otherwise).
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class Request:
     kv_transfer_params: dict[str, Any] | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     # Prompt tokens found in the local prefix cache or loaded from a remote worker when first
     # scheduled; reported to clients as usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
@@ -76,6 +80,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def will_stop_on_length(self) -> bool:
+        """True when the pending tokens already reach max_tokens: scheduling more is waste."""
+        max_tokens = self.sampling_params.max_tokens
+        return (self.num_pending_tokens > 0 and max_tokens is not None
+                and self.num_output_tokens + self.num_pending_tokens >= max_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:

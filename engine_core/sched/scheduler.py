@@ -113,14 +113,15 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted_any = False
+        scheduled: dict[str, Request] = {}
         now = time.monotonic()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0:
+            if num_new <= 0 or self._stops_with_pending(request):
                 index += 1
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
@@ -136,6 +137,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
                                                  request.num_computed_tokens))
+            scheduled[request.request_id] = request
             budget -= num_new
             index += 1
 
@@ -178,6 +180,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
             ))
+            scheduled[request.request_id] = request
             budget -= num_new
 
         output = SchedulerOutput(
@@ -186,10 +189,31 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._forget,
+            scheduled_requests=scheduled,
         )
         self._forget = set()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self._advance_scheduled(output)
         return output
+
+    def _stops_with_pending(self, request: Request) -> bool:
+        """A request whose in-flight tokens certainly end it (length) gets no more steps."""
+        return request.num_pending_tokens > 0 and (
+            request.will_stop_on_length
+            or request.num_tokens_with_pending >= self.max_model_len)
+
+    def _advance_scheduled(self, output: SchedulerOutput) -> None:
+        """Count the scheduled tokens as computed now, and a step reaching the end of a
+        request's known and pending tokens as one more pending sample: the next schedule
+        may then run before this step's tokens are read (async scheduling)."""
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = output.scheduled_requests[request_id]
+            before = request.num_computed_tokens
+            request.num_computed_tokens += num_tokens
+            self.counters.computed_prompt_tokens += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - before)
+            if request.num_computed_tokens >= request.num_tokens_with_pending:
+                request.num_pending_tokens += 1
 
     def _park(self, request: Request, hit_blocks: list, num_local: int, num_external: int) -> bool:
         """Allocate blocks for a request whose prompt KV arrives from a remote worker."""
@@ -212,6 +236,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # an in-flight sample of it is dropped, then recomputed
         request.num_preemptions += 1
         request.kv_transfer_params = _without_remote_prefill(request.kv_transfer_params)
         self.counters.num_preemptions += 1
@@ -230,20 +255,18 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineOutput]:
         """Advance progress, append sampled tokens, finish requests; return client outputs."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                before = request.num_computed_tokens
-                request.num_computed_tokens += num_tokens
-                self.counters.computed_prompt_tokens += max(
-                    0, min(request.num_computed_tokens, request.num_prompt_tokens) - before)
         now = time.monotonic()
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        scheduled = scheduler_output.scheduled_requests
         for request_id, sampled, lp in zip(runner_output.req_ids,
                                            runner_output.sampled_token_ids, logprobs):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING or not sampled:
+            request = scheduled.get(request_id)
+            # A request that finished, was aborted or preempted after this step was
+            # scheduled (or whose id a newer request now holds) drops the token.
+            if (request is None or self.requests.get(request_id) is not request
+                    or request.status != RequestStatus.RUNNING or not sampled):
                 continue
+            request.num_pending_tokens -= len(sampled)
             new_tokens: list[int] = []
             for token in sampled:
                 request.append_token(token)

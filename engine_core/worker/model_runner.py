@@ -5,6 +5,11 @@ updated from the scheduler's diffs, so per step it only receives what changed. S
 inputs are built with numpy into persistent buffers (``step_inputs.py``) and moved with
 non-blocking copies; a decode-only step replays a captured CUDA graph when one fits
 (``cuda_graphs.py``). The one host sync of a step is reading the sampled tokens.
+
+A step is ``launch`` (queue the forward and the sampling; return at once) then ``collect``
+(read the tokens). Between the two the engine may launch the next step: a request whose
+previous token is still on the device (pending) takes it as input straight from the
+previous step's sampled-token tensor, so the host never waits to build a step.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
 from engine_core.worker.cuda_graphs import CaptureStats, DecodeGraphs, estimate_pool_bytes
 from engine_core.worker.forward_timer import ForwardTimer
-from engine_core.worker.sampler import Sampler, SamplingRow
+from engine_core.worker.sampler import DeviceSamples, Sampler, SamplingRow
 from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
 
@@ -32,6 +37,30 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     num_computed_tokens: int
     row: int
+    # Tokens sampled by launched steps and not yet collected (at most one step's worth);
+    # ``pending_index`` is this request's row in the last launched step's samples.
+    num_pending: int = 0
+    pending_index: int = -1
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: what ``collect`` needs to finish it."""
+
+    req_ids: list[str]
+    states: list[RunnerRequestState]
+    samples: DeviceSamples | None
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+    @property
+    def sampled(self) -> bool:
+        return self.samples is not None
 
 
 class ModelRunner:
@@ -58,6 +87,14 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Set by benchmarks: GPU time of each forward (eager or replay).
         self.forward_timer: ForwardTimer | None = None
+        # The last launched step's sampled tokens on the device (pending inputs read them)
+        # and two pinned buffers their copies alternate between (one may still be unread).
+        self._last_samples: torch.Tensor | None = None
+        self._host_tokens: list[torch.Tensor] = []
+        if device.type == "cuda":
+            self._host_tokens = [torch.empty(limits.max_num_seqs, dtype=torch.int64,
+                                             pin_memory=True) for _ in range(2)]
+        self._num_launched = 0
 
     # ---- CUDA graphs --------------------------------------------------------------------
 
@@ -103,23 +140,84 @@ class ModelRunner:
             self.block_table.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    @torch.inference_mode()
+    def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
+        """True when a scheduled request samples with penalties: its sampler reads every
+        output token, so pending ones must be collected before this step launches."""
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.sampling_params.needs_penalties:
+                return True
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests.get(cached.request_id)
+            if state is not None and state.sampling_params.needs_penalties:
+                return True
+        return False
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and report sampled tokens plus finished transfers."""
+        """Run one step and wait for it: ``launch`` then ``collect``."""
+        return self.collect(self.launch(scheduler_output))
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's forward and sampling; report finished transfers."""
         self._update_states(scheduler_output)
         meta = scheduler_output.kv_connector_metadata
         self.connector.start_load_kv(meta)
-        output = ModelRunnerOutput.empty()
+        step = LaunchedStep([], [], None, set(), set(), set())
         if not scheduler_output.is_empty:
-            output = self._forward_and_sample(scheduler_output, meta)
+            step = self._forward_and_sample(scheduler_output, meta)
         self.connector.wait_for_save()
         finished = self.connector.get_finished()
-        output.finished_sending = finished.sending
-        output.finished_recving = finished.recving
-        output.failed_recving = finished.failed_recving
+        step.finished_sending = finished.sending
+        step.finished_recving = finished.recving
+        step.failed_recving = finished.failed_recving
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens and append them to its requests."""
+        output = ModelRunnerOutput.empty()
+        if step.samples is not None:
+            tokens, logprobs = step.samples.read()
+            for state, token in zip(step.states, tokens):
+                state.token_ids.append(token)
+                state.num_pending -= 1
+            output = ModelRunnerOutput(req_ids=step.req_ids,
+                                       sampled_token_ids=[[t] for t in tokens],
+                                       logprobs=logprobs)
+        output.finished_sending = step.finished_sending
+        output.finished_recving = step.finished_recving
+        output.failed_recving = step.failed_recving
         return output
 
-    def _forward_and_sample(self, scheduler_output: SchedulerOutput, meta: object) -> ModelRunnerOutput:
+    def _step_tokens(self, states: list[RunnerRequestState], num_new: list[int],
+                     decode_only: bool) -> tuple[list[int], list[int], list[int]]:
+        """This step's input token ids, flattened, plus (positions in it, rows of the last
+        step's samples) of the tokens still pending on the device (0 stands in for them)."""
+        token_ids: list[int] = []
+        pending_at: list[int] = []
+        pending_from: list[int] = []
+        if decode_only:
+            for i, state in enumerate(states):
+                position = state.num_computed_tokens
+                if position < len(state.token_ids):
+                    token_ids.append(state.token_ids[position])
+                else:
+                    token_ids.append(0)
+                    pending_at.append(i)
+                    pending_from.append(state.pending_index)
+            return token_ids, pending_at, pending_from
+        for state, n in zip(states, num_new):
+            start = state.num_computed_tokens
+            known = state.token_ids[start:start + n]
+            if len(known) < n:
+                if len(known) != n - 1 or state.num_pending != 1:
+                    raise RuntimeError("only a decode's single input token can be pending")
+                pending_at.append(len(token_ids) + len(known))
+                pending_from.append(state.pending_index)
+                known = known + [0]
+            token_ids.extend(known)
+        return token_ids, pending_at, pending_from
+
+    def _forward_and_sample(self, scheduler_output: SchedulerOutput, meta: object) -> LaunchedStep:
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
         states = [self.requests[r] for r in request_ids]
@@ -128,17 +226,14 @@ class ModelRunner:
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                              count=num_reqs)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        num_new_l = num_new.tolist()
         decode_only = int(num_new.sum()) == num_reqs  # one token each
-        token_ids: list[int] = []
-        if decode_only:
-            token_ids = [s.token_ids[s.num_computed_tokens] for s in states]
-        else:
-            for state, n in zip(states, num_new.tolist()):
-                start = state.num_computed_tokens
-                token_ids.extend(state.token_ids[start:start + n])
-        # Only requests whose scheduled tokens reach their last known token sample.
-        sample_rows = [i for i, (s, n) in enumerate(zip(states, num_new.tolist()))
-                       if s.num_computed_tokens + n == len(s.token_ids)]
+        token_ids, pending_at, pending_from = self._step_tokens(states, num_new_l, decode_only)
+        # Only requests whose scheduled tokens reach their last known or pending token sample.
+        sample_rows = [i for i, (s, n) in enumerate(zip(states, num_new_l))
+                       if s.num_computed_tokens + n == s.num_tokens_with_pending]
+        for state, n in zip(states, num_new_l):
+            state.num_computed_tokens += n
         every_row_samples = decode_only and len(sample_rows) == num_reqs
 
         graph_size = None
@@ -149,6 +244,11 @@ class ModelRunner:
             self.block_table, rows, starts, num_new, token_ids,
             None if every_row_samples else np.asarray(sample_rows, dtype=np.int64),
             pad_to=graph_size)
+        if pending_at:
+            if self._last_samples is None:
+                raise RuntimeError("a pending input token without a launched step to read")
+            self.inputs.fill_pending_ids(batch.input_ids, pending_at, pending_from,
+                                         self._last_samples)
         self.connector.bind_step(meta, batch.attn_metadata)
         timer = self.forward_timer
         if timer is not None:
@@ -163,7 +263,7 @@ class ModelRunner:
         if timer is not None:
             timer.stop(graph_size is not None, batch.input_ids.shape[0])
         if not sample_rows:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return LaunchedStep([], [], None, set(), set(), set())
 
         selected = (hidden[:num_reqs] if batch.logits_indices is None
                     else hidden[batch.logits_indices])
@@ -171,13 +271,16 @@ class ModelRunner:
         sampled = [states[i] for i in sample_rows]
         rows_to_sample = [SamplingRow(params=s.sampling_params, token_ids=s.token_ids,
                                       num_prompt_tokens=s.num_prompt_tokens,
-                                      eos_token_ids=self.eos_token_ids)
+                                      eos_token_ids=self.eos_token_ids,
+                                      num_pending=s.num_pending)
                           for s in sampled]
-        tokens, logprobs = self.sampler(logits, rows_to_sample)
-        for state, token in zip(sampled, tokens):
-            state.token_ids.append(token)
-        return ModelRunnerOutput(
-            req_ids=[request_ids[i] for i in sample_rows],
-            sampled_token_ids=[[t] for t in tokens],
-            logprobs=logprobs,
-        )
+        samples = self.sampler.sample(logits, rows_to_sample)
+        host = self._host_tokens[self._num_launched % 2] if self._host_tokens else None
+        self._num_launched += 1
+        samples.start_copy(host)
+        self._last_samples = samples.token_ids
+        for index, state in enumerate(sampled):
+            state.num_pending += 1
+            state.pending_index = index
+        return LaunchedStep([request_ids[i] for i in sample_rows], sampled, samples,
+                            set(), set(), set())

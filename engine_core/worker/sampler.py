@@ -30,10 +30,13 @@ class SamplingRow:
     token_ids: list[int]
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
+    # Output tokens already sampled on the device but not yet in ``token_ids`` (async
+    # scheduling); they count for min_tokens and seeded draws. Penalties need none pending.
+    num_pending: int = 0
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -54,6 +57,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
                  ) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """Sample and read the results back (one sync)."""
+        return self.sample(logits, rows).read()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
+        """Sample on the device; nothing is read back until ``DeviceSamples.read``."""
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
@@ -68,8 +76,9 @@ class Sampler:
         else:
             sampled = torch.where(_to_device(greedy, torch.bool, logits.device),
                                   logits.argmax(dim=-1), self._sample_random(logits, rows))
-        tokens = sampled.tolist()
-        return tokens, self._logprobs(raw_logprobs, sampled, tokens, num_logprobs)
+        packed = None if raw_logprobs is None else _pack_logprobs(raw_logprobs, sampled,
+                                                                    num_logprobs)
+        return DeviceSamples(sampled, packed, num_logprobs)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -161,31 +170,76 @@ class Sampler:
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race form of Gumbel-max).
         return (probs / noise).argmax(dim=-1)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor | None, sampled: torch.Tensor, sampled_l: list[int],
-                  num_logprobs: list[int | None]) -> list[SampledLogprobs | None]:
-        if raw is None:
-            return [None] * len(num_logprobs)
-        k = max(n for n in num_logprobs if n is not None)
-        chosen = raw.gather(-1, sampled[:, None])
-        ranks = (raw > chosen).sum(dim=-1) + 1
-        top_values, top_ids = raw.topk(max(k, 1), dim=-1)
-        # One read back: values, rank and ids side by side (ids < 2**24 are exact in float32).
-        packed = torch.cat([chosen, ranks[:, None].float(), top_values,
-                            top_ids.float()], dim=-1).tolist()
-        width = top_values.shape[1]
-        chosen_l = [p[0] for p in packed]
-        ranks_l = [int(p[1]) for p in packed]
-        top_values_l = [p[2:2 + width] for p in packed]
-        top_ids_l = [[int(t) for t in p[2 + width:]] for p in packed]
-        result: list[SampledLogprobs | None] = []
-        for i, n in enumerate(num_logprobs):
-            if n is None:
-                result.append(None)
-                continue
-            result.append(SampledLogprobs(sampled_l[i], chosen_l[i], ranks_l[i],
-                                          top_ids_l[i][:n], top_values_l[i][:n]))
-        return result
+
+def _pack_logprobs(raw: torch.Tensor, sampled: torch.Tensor,
+                   num_logprobs: list[int | None]) -> torch.Tensor:
+    """One float32 row per request: chosen logprob, its rank, top values, top ids (ids
+    below 2**24 are exact in float32), so the host reads everything in one copy."""
+    k = max(n for n in num_logprobs if n is not None)
+    chosen = raw.gather(-1, sampled[:, None])
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    top_values, top_ids = raw.topk(max(k, 1), dim=-1)
+    return torch.cat([chosen, ranks[:, None].float(), top_values, top_ids.float()], dim=-1)
+
+
+@dataclass
+class DeviceSamples:
+    """A step's sampled tokens (and packed logprobs) on the device.
+
+    ``start_copy`` queues the device-to-host copies behind the step's kernels; ``read``
+    waits for them. The device tensor ``token_ids`` can feed the next step's inputs
+    before anything is read.
+    """
+
+    token_ids: torch.Tensor
+    packed_logprobs: torch.Tensor | None
+    num_logprobs: list[int | None]
+    _host: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def start_copy(self, host_tokens: torch.Tensor | None = None) -> None:
+        """Queue the copies; ``host_tokens`` is a pinned buffer of at least this many rows."""
+        if self.token_ids.device.type != "cuda":
+            return
+        rows = self.token_ids.shape[0]
+        tokens = (host_tokens[:rows] if host_tokens is not None and len(host_tokens) >= rows
+                  else torch.empty(rows, dtype=self.token_ids.dtype, pin_memory=True))
+        tokens.copy_(self.token_ids, non_blocking=True)
+        packed = None
+        if self.packed_logprobs is not None:
+            packed = torch.empty(self.packed_logprobs.shape, dtype=torch.float32,
+                                 pin_memory=True)
+            packed.copy_(self.packed_logprobs, non_blocking=True)
+        self._host = (tokens, packed)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def read(self) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """The sampled tokens and logprobs as host lists (waits for the step)."""
+        if self._host is None:
+            tokens_t, packed_t = self.token_ids, self.packed_logprobs
+        else:
+            assert self._copied is not None
+            self._copied.synchronize()
+            tokens_t, packed_t = self._host
+        tokens = tokens_t.tolist()
+        if packed_t is None:
+            return tokens, [None] * len(self.num_logprobs)
+        return tokens, _unpack_logprobs(packed_t.tolist(), tokens, self.num_logprobs)
+
+
+def _unpack_logprobs(packed: list[list[float]], tokens: list[int],
+                     num_logprobs: list[int | None]) -> list[SampledLogprobs | None]:
+    width = (len(packed[0]) - 2) // 2 if packed else 0
+    result: list[SampledLogprobs | None] = []
+    for token, row, n in zip(tokens, packed, num_logprobs):
+        if n is None:
+            result.append(None)
+            continue
+        top_ids = [int(t) for t in row[2 + width:2 + width + n]]
+        result.append(SampledLogprobs(token, row[0], int(row[1]), top_ids,
+                                      row[2:2 + n]))
+    return result
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -234,6 +234,26 @@ class StepInputs:
 
     # ---- one step -----------------------------------------------------------------------
 
+    def fill_pending_ids(self, input_ids: torch.Tensor, positions: list[int],
+                         sources: list[int], samples: torch.Tensor) -> None:
+        """Write ``samples[sources[i]]`` into ``input_ids[positions[i]]`` on the device.
+
+        These are tokens the previous step sampled and the host has not read yet. Queued
+        after the step's input copy, so the values land before the forward reads them.
+        In the usual decode batch both lists are the same run of consecutive indices:
+        then it is one device copy.
+        """
+        count = len(positions)
+        first, source = positions[0], sources[0]
+        if (positions[-1] - first == count - 1 and sources[-1] - source == count - 1
+                and positions == list(range(first, first + count))
+                and sources == list(range(source, source + count))):
+            input_ids[first:first + count].copy_(samples[source:source + count])
+            return
+        index = torch.tensor([positions, sources], dtype=torch.int64,
+                             pin_memory=self.is_cuda).to(input_ids.device, non_blocking=True)
+        input_ids[index[0]] = samples[index[1]]
+
     def prepare(self, table: HostBlockTable, rows: np.ndarray, starts: np.ndarray,
                 num_new: np.ndarray, token_ids: list[int], logits_rows: np.ndarray | None,
                 pad_to: int | None = None) -> StepBatch:

@@ -127,6 +127,7 @@ def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
     """Producer process: chunked prefill of the requests it is sent, hooks as the runner calls them."""
     logging.basicConfig(level=logging.WARNING, format="producer %(name)s: %(message)s")
     engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name), device=device)
+    outbox.put(("producer_ready", None))
     running: dict[str, _Live] = {}
     held: dict[str, list[int]] = {}
     stopping = False

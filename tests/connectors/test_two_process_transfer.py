@@ -109,6 +109,17 @@ def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32"
                                                               0.0, devices[0]))
             producer.start()
             processes.append(producer)
+            # The consumer's load deadlines start when a request reaches it: feed only once
+            # the new producer is up (a spawned process needs seconds to import torch).
+            while time.monotonic() < deadline:
+                try:
+                    item = out.get(timeout=1)
+                except queue.Empty:
+                    continue
+                if item[0] == "producer_ready":
+                    break
+                if item[0] == "result":
+                    results[item[1]] = item[2]
             feed(after_restart, p_in)
             while len(results) < len(specs) + len(after_restart) and time.monotonic() < deadline:
                 try:

@@ -50,6 +50,10 @@ VARIANTS = {
     "preemption": {"num_gpu_blocks_override": 26, "max_num_batched_tokens": 64},
     "preemption_bs32": {"num_gpu_blocks_override": 10, "block_size": 32, "max_num_batched_tokens": 64},
     "one_seq_at_a_time": {"max_num_seqs": 1},
+    # Every variant above runs with async scheduling (the default); these step one at a time.
+    "sync_scheduling": {"async_scheduling": False},
+    "sync_preemption": {"async_scheduling": False, "num_gpu_blocks_override": 26,
+                        "max_num_batched_tokens": 64},
 }
 
 

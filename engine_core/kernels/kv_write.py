@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from engine_core.kernels import next_power_of_2
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 
 @triton.jit
@@ -20,7 +21,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -52,4 +54,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_SIZE=kv_cache.shape[2], num_warps=4 if block_h * block_d >= 2048 else 2)
+        BLOCK_SIZE=kv_cache.shape[2], num_warps=4 if block_h * block_d >= 2048 else 2,
+        **pdl_args(k.device))

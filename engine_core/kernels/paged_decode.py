@@ -24,6 +24,7 @@ import triton.language as tl
 
 from engine_core.kernels import next_power_of_2
 from engine_core.kernels.paged_prefill import LOG2E, dot_precision
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 # A split below this many tokens costs more in the merge than it gains in parallelism.
 MIN_TOKENS_PER_SPLIT = 256
@@ -41,7 +42,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -106,7 +108,8 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_pt
                          stride_ot, stride_oh,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
@@ -173,6 +176,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_n is None:
         block_n = 32 if q.dtype == torch.float32 or block_d > 128 else 64
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    pdl = pdl_args(q.device)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_q_heads, num_splits, block_d,
                                dtype=torch.float32, device=q.device)
@@ -188,9 +192,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-        **extra)
+        **extra, **pdl)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits), num_warps=2)
+            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits), num_warps=2, **pdl)

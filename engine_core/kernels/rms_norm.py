@@ -16,12 +16,14 @@ import triton
 import triton.language as tl
 
 from engine_core.kernels import next_power_of_2
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -65,7 +67,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, ro2, x2.stride(0), r2.stride(0), out.stride(0),
             ro2.stride(0), n_cols, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False)
+            num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
+            **pdl_args(x.device))
     out = out.view(*x.shape[:-1], n_cols)
     if residual_out is not None:
         residual_out = residual_out.view(x.shape)

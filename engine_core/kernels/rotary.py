@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine_core.kernels import next_power_of_2
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 
 @triton.jit
@@ -52,7 +53,8 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_w_ptr, 
                  stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct, stride_st,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 HAS_NORM: tl.constexpr):
+                 HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     # cos/sin rows are cat(freqs, freqs): the first half serves both halves.
@@ -95,5 +97,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
         BLOCK_QH=next_power_of_2(num_q_heads), BLOCK_KH=next_power_of_2(num_k_heads),
         BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
-        num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False)
+        num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False,
+        **pdl_args(q.device))
     return q_out, k_out

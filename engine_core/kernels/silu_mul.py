@@ -15,11 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -38,5 +42,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_rows:
         _silu_mul_kernel[(num_rows, triton.cdiv(n_cols, BLOCK))](
             x, out, x.stride(0), out.stride(0), n_cols, BLOCK=BLOCK, num_warps=4,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **pdl_args(x.device))
     return out

@@ -8,12 +8,26 @@ stray token, and a new request reusing a finished one's id must not inherit the 
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
+import torch
 
 from engine_core import LLM, SamplingParams
 from engine_core.messages import AddRequest
+
+# A fixed cache size: several engines live in one test, and on a GPU each would otherwise
+# size its cache to most of the card.
+CACHE = {"kv_cache_memory_bytes": 32 << 20}
+
+
+@pytest.fixture(autouse=True)
+def _release_memory():
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
@@ -53,7 +67,7 @@ def _mixed_params(seed: int) -> list[SamplingParams]:
 
 
 def _run(path, prompts, params, **engine_args):
-    llm = LLM(str(path), **engine_args)
+    llm = LLM(str(path), **{**CACHE, **engine_args})
     outputs = llm.generate(prompts, params)
     manager = llm.engine.kv_manager
     manager.check_integrity()
@@ -84,7 +98,7 @@ def test_async_equals_sync_for_every_sampling_option(tiny_checkpoint, engine_arg
 
 
 def _engine(path, **engine_args):
-    return LLM(str(path), **engine_args).engine
+    return LLM(str(path), **CACHE, **engine_args).engine
 
 
 def _add(engine, request_id, prompt, **params):

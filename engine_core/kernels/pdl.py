@@ -1,0 +1,52 @@
+"""Programmatic dependent launch (PDL) for the decode step's chain of small kernels.
+
+Why: in a decode graph most kernels run for a few microseconds, and each one's blocks are
+only scheduled once its predecessor has finished. Launched with PDL, a kernel's blocks are
+scheduled while the predecessor drains and park at ``griddepcontrol.wait``, which returns
+once the predecessor has completed and its writes are visible: the launch gap is hidden.
+
+Rule for every kernel that takes part: call ``wait_for_predecessor`` first thing, before
+any load, store or early return. Then a kernel's completion implies its predecessor's, so
+the chain is ordered exactly as without PDL (kernels launched without PDL, cuBLAS for
+instance, keep ordinary stream order on both sides). On Hopper and newer GPUs only; never
+under the Triton interpreter; ``PDSERVE_TRITON_PDL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_predecessor(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        # Let the next kernel's blocks be scheduled as soon as this grid's last ones run.
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("PDSERVE_TRITON_PDL", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict[str, Any]:
+    """Launch keywords for a kernel with a ``USE_PDL`` constexpr, on ``device``."""
+    if device.type != "cuda":
+        return {"USE_PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _supported(index):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}

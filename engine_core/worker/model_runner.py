@@ -188,23 +188,13 @@ class ModelRunner:
         output.failed_recving = step.failed_recving
         return output
 
-    def _step_tokens(self, states: list[RunnerRequestState], num_new: list[int],
-                     decode_only: bool) -> tuple[list[int], list[int], list[int]]:
+    def _step_tokens(self, states: list[RunnerRequestState], num_new: list[int]
+                     ) -> tuple[list[int], list[int], list[int]]:
         """This step's input token ids, flattened, plus (positions in it, rows of the last
         step's samples) of the tokens still pending on the device (0 stands in for them)."""
         token_ids: list[int] = []
         pending_at: list[int] = []
         pending_from: list[int] = []
-        if decode_only:
-            for i, state in enumerate(states):
-                position = state.num_computed_tokens
-                if position < len(state.token_ids):
-                    token_ids.append(state.token_ids[position])
-                else:
-                    token_ids.append(0)
-                    pending_at.append(i)
-                    pending_from.append(state.pending_index)
-            return token_ids, pending_at, pending_from
         for state, n in zip(states, num_new):
             start = state.num_computed_tokens
             known = state.token_ids[start:start + n]
@@ -228,7 +218,7 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_new_l = num_new.tolist()
         decode_only = int(num_new.sum()) == num_reqs  # one token each
-        token_ids, pending_at, pending_from = self._step_tokens(states, num_new_l, decode_only)
+        token_ids, pending_at, pending_from = self._step_tokens(states, num_new_l)
         # Only requests whose scheduled tokens reach their last known or pending token sample.
         sample_rows = [i for i, (s, n) in enumerate(zip(states, num_new_l))
                        if s.num_computed_tokens + n == s.num_tokens_with_pending]

@@ -30,6 +30,7 @@ the host's share of a step is visible. Weights are ``--load-format dummy`` in bf
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -40,7 +41,7 @@ import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,35 +266,37 @@ class Driver:
             steps += 1
         return steps, tokens
 
-    def timed_steps(self, count: int) -> tuple[list[float], list[Any]]:
-        """Host wall time of ``count`` steps (each ends with the sampled-token sync), and the
-        forward samples of those steps."""
+    @contextlib.contextmanager
+    def _forward_timer(self) -> Iterator[ForwardTimer]:
+        """Time every forward the runner runs inside the block."""
         timer = ForwardTimer(torch.device(self.engine.device))
         self.engine.runner.forward_timer = timer
-        times = []
         try:
+            yield timer
+        finally:
+            self.engine.runner.forward_timer = None
+
+    def timed_steps(self, count: int) -> tuple[list[float], list[Any]]:
+        """Host wall time of each of ``count`` ``step()`` calls (in steady state, with async
+        scheduling, one launch plus the previous step's collect), and their forwards."""
+        times = []
+        with self._forward_timer() as timer:
             for _ in range(count):
                 t0 = time.perf_counter()
                 self.engine.step()
                 times.append((time.perf_counter() - t0) * 1e3)
-        finally:
-            self.engine.runner.forward_timer = None
         return times, timer.collect()
 
     def timed_first_output(self, request_id: str) -> tuple[float, list[Any]]:
         """Host wall time from the first step until ``request_id``'s first token is out
         (with async scheduling a step's tokens come out of the next ``step()`` call), and
         the forward samples of those steps."""
-        timer = ForwardTimer(torch.device(self.engine.device))
-        self.engine.runner.forward_timer = timer
-        try:
+        with self._forward_timer() as timer:
             t0 = time.perf_counter()
             while not any(out.request_id == request_id and out.new_token_ids
                           for out in self.engine.step()):
                 pass
             elapsed = (time.perf_counter() - t0) * 1e3
-        finally:
-            self.engine.runner.forward_timer = None
         return elapsed, timer.collect()
 
     def drain(self, request_ids: list[str]) -> None:

@@ -86,13 +86,6 @@ class Request:
         return len(self.token_ids) + self.num_pending_tokens
 
     @property
-    def will_stop_on_length(self) -> bool:
-        """True when the pending tokens already reach max_tokens: scheduling more is waste."""
-        max_tokens = self.sampling_params.max_tokens
-        return (self.num_pending_tokens > 0 and max_tokens is not None
-                and self.num_output_tokens + self.num_pending_tokens >= max_tokens)
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

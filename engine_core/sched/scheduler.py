@@ -198,9 +198,12 @@ class Scheduler:
 
     def _stops_with_pending(self, request: Request) -> bool:
         """A request whose in-flight tokens certainly end it (length) gets no more steps."""
-        return request.num_pending_tokens > 0 and (
-            request.will_stop_on_length
-            or request.num_tokens_with_pending >= self.max_model_len)
+        if request.num_pending_tokens == 0:
+            return False
+        max_tokens = request.max_tokens
+        return ((max_tokens is not None
+                 and request.num_output_tokens + request.num_pending_tokens >= max_tokens)
+                or request.num_tokens_with_pending >= self.max_model_len)
 
     def _advance_scheduled(self, output: SchedulerOutput) -> None:
         """Count the scheduled tokens as computed now, and a step reaching the end of a

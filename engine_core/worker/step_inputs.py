@@ -240,13 +240,12 @@ class StepInputs:
 
         These are tokens the previous step sampled and the host has not read yet. Queued
         after the step's input copy, so the values land before the forward reads them.
-        In the usual decode batch both lists are the same run of consecutive indices:
-        then it is one device copy.
+        ``positions`` increase strictly (they are built in batch order). In the usual
+        decode batch both lists are runs of consecutive indices: then it is one device copy.
         """
         count = len(positions)
         first, source = positions[0], sources[0]
-        if (positions[-1] - first == count - 1 and sources[-1] - source == count - 1
-                and positions == list(range(first, first + count))
+        if (positions[-1] - first == count - 1
                 and sources == list(range(source, source + count))):
             input_ids[first:first + count].copy_(samples[source:source + count])
             return

@@ -6,7 +6,8 @@ a Python loop of launches would measure the launcher. Each case here captures ``
 calls into one graph and reports the replay time per call. The GEMV cases are the
 projections of Qwen3-8B and Qwen3-0.6B (fused qkv, o, fused gate/up, down) at 1-16 rows;
 the attention cases batches of 1, 64 and 256 sequences (``--attn-cases``, BATCHxCONTEXT)
-with each model's heads, in the benchmark engine's block-table width.
+with each model's heads, in the benchmark engine's block-table width; the fusion cases each
+projection with the kernel that feeds it, as two kernels and fused into the GEMV.
 
     python3 -m benchmarks.decode_kernels --out /tmp/decode_kernels.json
 """
@@ -32,8 +33,11 @@ GEMV_SHAPES = [
     ("qwen3-0.6b", "qkv", 4096, 1024), ("qwen3-0.6b", "o", 1024, 2048),
     ("qwen3-0.6b", "gate_up", 6144, 1024), ("qwen3-0.6b", "down", 1024, 3072),
 ]
-GEMV_TILES = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
+# (BLOCK_N, BLOCK_K, warps, stages), each without and with the first W chunk preloaded.
+GEMV_SWEEP = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
     (16, 32, 64), (128, 256, 512), (4,), (3, 4))] + [(16, 256, 2, 4), (32, 256, 8, 4)]
+# Tilings the fused-input GEMVs are timed with (fused and unfused on each).
+FUSION_TILINGS = [(16, 256, 2, 4), (32, 512, 4, 4), (64, 128, 4, 3)]
 # (model, q heads, kv heads)
 ATTN_SHAPES = [("qwen3-8b", 32, 8), ("qwen3-0.6b", 16, 8)]
 # (splits, BLOCK_N, stages, warps); None: the kernel's own choice.
@@ -69,7 +73,7 @@ def graph_us(fn: Callable[[], object], reps: int, trials: int = 5) -> float:
 
 
 def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
-    from engine_core.kernels.gemv import GEMV_TILES, gemv
+    from engine_core.kernels.gemv import GemvTiling, choose_tiling, gemv
 
     out = []
     for (model, name, n, k), rows in itertools.product(GEMV_SHAPES, rows_list):
@@ -78,14 +82,15 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
         case: dict[str, Any] = {"model": model, "proj": name, "n": n, "k": k, "rows": rows,
                                 "weight_bytes": n * k * 2}
         case["cublas_us"] = graph_us(lambda x=x, w=w: F.linear(x, w), reps)
-        case["triton_default_tiles"] = list(GEMV_TILES)
+        case["triton_default_tiles"] = list(choose_tiling(n, k))
         case["triton_default_us"] = graph_us(lambda x=x, w=w: gemv(x, w), reps)
         if rows == 1:
             sweep = {}
-            for tiles in GEMV_TILES:
+            for tiles, preload in itertools.product(GEMV_SWEEP, (False, True)):
+                t = GemvTiling(*tiles, preload)
                 try:
-                    sweep[str(tiles)] = graph_us(lambda x=x, w=w, t=tiles: gemv(x, w, tiles=t),
-                                                 reps)
+                    sweep[str(tuple(t))] = graph_us(lambda x=x, w=w, t=t: gemv(x, w, tiling=t),
+                                                    reps)
                 except triton.runtime.errors.OutOfResources:  # too much shared memory
                     continue
             best = min(sweep, key=sweep.get)
@@ -100,6 +105,47 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
                  if "triton_best" in case else ""), flush=True)
         del w, x
     return out
+
+
+def fusion_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
+    """Each projection with the kernel that feeds it (the residual add + RMSNorm before qkv
+    and gate/up, SiLU*mul before down), unfused (two kernels) and fused into the GEMV's
+    input, over a few tilings with and without preload; us per pair of calls."""
+    return [fusion_case(model, name, n, k, rows, reps)
+            for (model, name, n, k), rows in itertools.product(GEMV_SHAPES, rows_list)
+            if name != "o"]  # o is fed by attention: nothing to fuse
+
+
+def fusion_case(model: str, name: str, n: int, k: int, rows: int,
+                reps: int) -> dict[str, Any]:
+    from engine_core.kernels.gemv import GemvTiling, gemv, gemv_norm, gemv_silu_mul
+    from engine_core.kernels.rms_norm import rms_norm
+    from engine_core.kernels.silu_mul import silu_and_mul
+
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+    g = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
+    x = torch.randn(rows, 2 * k if name == "down" else k, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+
+    def feed() -> torch.Tensor:
+        return silu_and_mul(x) if name == "down" else rms_norm(x, g, 1e-6, r)[0]
+
+    def fused(t: GemvTiling) -> torch.Tensor:
+        if name == "down":
+            return gemv_silu_mul(x, w, tiling=t)
+        return gemv_norm(x, g, 1e-6, w, None, r, tiling=t)[0]
+
+    case: dict[str, Any] = {"model": model, "proj": name, "n": n, "k": k, "rows": rows,
+                            "unfused_cublas_us": graph_us(lambda: F.linear(feed(), w), reps)}
+    for tiles, preload in itertools.product(FUSION_TILINGS, (False, True)):
+        t = GemvTiling(*tiles, preload)
+        case[f"unfused {tuple(t)}"] = graph_us(lambda t=t: gemv(feed(), w, tiling=t), reps)
+        case[f"fused {tuple(t)}"] = graph_us(lambda t=t: fused(t), reps)
+    timed = {key: v for key, v in case.items() if key.startswith(("fused", "unfused"))}
+    best = sorted(timed.items(), key=lambda kv: kv[1])[:4]
+    print(f"fusion {model:10} {name:8} m{rows:<2} cublas {case['unfused_cublas_us']:.2f}; "
+          + ", ".join(f"{key} {v:.2f}" for key, v in best), flush=True)
+    return case
 
 
 def attention_cases(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
@@ -152,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn-cases", default="1x1024,1x8192,64x2048,256x2048",
                         help="BATCHxCONTEXT list for the attention sweep")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--parts", default="attention,gemv")
+    parser.add_argument("--parts", default="attention,gemv,fusion")
+    parser.add_argument("--fusion-rows", default="1,8")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -163,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = attention_cases(cases, args.reps)  # type: ignore[arg-type]
     if "gemv" in parts:
         results["gemv"] = gemv_cases(rows, args.reps)
+    if "fusion" in parts:
+        fusion_rows = [int(r) for r in args.fusion_rows.split(",")]
+        results["fusion"] = fusion_cases(fusion_rows, args.reps)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

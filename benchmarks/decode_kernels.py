@@ -6,8 +6,7 @@ a Python loop of launches would measure the launcher. Each case here captures ``
 calls into one graph and reports the replay time per call. The GEMV cases are the
 projections of Qwen3-8B and Qwen3-0.6B (fused qkv, o, fused gate/up, down) at 1-16 rows;
 the attention cases batches of 1, 64 and 256 sequences (``--attn-cases``, BATCHxCONTEXT)
-with each model's heads, in the benchmark engine's block-table width; the fusion cases each
-projection with the kernel that feeds it, as two kernels and fused into the GEMV.
+with each model's heads, in the benchmark engine's block-table width.
 
     python3 -m benchmarks.decode_kernels --out /tmp/decode_kernels.json
 """
@@ -36,8 +35,6 @@ GEMV_SHAPES = [
 # (BLOCK_N, BLOCK_K, warps, stages), each without and with the first W chunk preloaded.
 GEMV_SWEEP = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
     (16, 32, 64), (128, 256, 512), (4,), (3, 4))] + [(16, 256, 2, 4), (32, 256, 8, 4)]
-# Tilings the fused-input GEMVs are timed with (fused and unfused on each).
-FUSION_TILINGS = [(16, 256, 2, 4), (32, 512, 4, 4), (64, 128, 4, 3)]
 # (model, q heads, kv heads)
 ATTN_SHAPES = [("qwen3-8b", 32, 8), ("qwen3-0.6b", 16, 8)]
 # (splits, BLOCK_N, stages, warps); None: the kernel's own choice.
@@ -72,80 +69,119 @@ def graph_us(fn: Callable[[], object], reps: int, trials: int = 5) -> float:
     return statistics.median(times)
 
 
+# Distinct copies of a weight cycled through by the captured calls, at least this many
+# bytes in all: twice the H200's 50 MB L2, so no call finds its weight cached (a decode
+# step reads every weight once).
+ROTATION_BYTES = 100 << 20
+
+
+def rotating(make: Callable[[], torch.Tensor], nbytes: int, reps: int) -> Callable[[], torch.Tensor]:
+    """A function returning the next of enough distinct tensors from ``make``."""
+    pool = [make() for _ in range(max(2, min(reps, -(-ROTATION_BYTES // nbytes))))]
+    counter = itertools.count()
+    return lambda: pool[next(counter) % len(pool)]
+
+
 def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     from engine_core.kernels.gemv import GemvTiling, choose_tiling, gemv
 
     out = []
     for (model, name, n, k), rows in itertools.product(GEMV_SHAPES, rows_list):
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+        nbytes = n * k * 2
+        weight = rotating(lambda n=n, k=k: torch.randn(n, k, dtype=torch.bfloat16,
+                                                        device="cuda") / k ** 0.5, nbytes, reps)
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
         case: dict[str, Any] = {"model": model, "proj": name, "n": n, "k": k, "rows": rows,
-                                "weight_bytes": n * k * 2}
-        case["cublas_us"] = graph_us(lambda x=x, w=w: F.linear(x, w), reps)
+                                "weight_bytes": nbytes}
+        case["cublas_us"] = graph_us(lambda x=x, w=weight: F.linear(x, w()), reps)
         case["triton_default_tiles"] = list(choose_tiling(n, k))
-        case["triton_default_us"] = graph_us(lambda x=x, w=w: gemv(x, w), reps)
+        case["triton_default_us"] = graph_us(lambda x=x, w=weight: gemv(x, w()), reps)
         if rows == 1:
             sweep = {}
             for tiles, preload in itertools.product(GEMV_SWEEP, (False, True)):
                 t = GemvTiling(*tiles, preload)
                 try:
-                    sweep[str(tuple(t))] = graph_us(lambda x=x, w=w, t=t: gemv(x, w, tiling=t),
-                                                    reps)
+                    sweep[str(tuple(t))] = graph_us(
+                        lambda x=x, w=weight, t=t: gemv(x, w(), tiling=t), reps)
                 except triton.runtime.errors.OutOfResources:  # too much shared memory
                     continue
             best = min(sweep, key=sweep.get)
             case["triton_sweep_us"] = sweep
             case["triton_best"] = {"tiles": best, "us": sweep[best]}
-        case["cublas_tb_per_s"] = case["weight_bytes"] / case["cublas_us"] / 1e6
-        case["triton_default_tb_per_s"] = case["weight_bytes"] / case["triton_default_us"] / 1e6
+        case["cublas_tb_per_s"] = nbytes / case["cublas_us"] / 1e6
+        case["triton_default_tb_per_s"] = nbytes / case["triton_default_us"] / 1e6
         out.append(case)
         print(f"gemv {model:10} {name:8} m{rows:<2} cublas {case['cublas_us']:7.2f} us "
               f"triton {case['triton_default_us']:7.2f} us"
               + (f" best {case['triton_best']['us']:7.2f} us {case['triton_best']['tiles']}"
                  if "triton_best" in case else ""), flush=True)
-        del w, x
+        del weight, x
+        torch.cuda.empty_cache()
     return out
 
 
-def fusion_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
-    """Each projection with the kernel that feeds it (the residual add + RMSNorm before qkv
-    and gate/up, SiLU*mul before down), unfused (two kernels) and fused into the GEMV's
-    input, over a few tilings with and without preload; us per pair of calls."""
-    return [fusion_case(model, name, n, k, rows, reps)
-            for (model, name, n, k), rows in itertools.product(GEMV_SHAPES, rows_list)
-            if name != "o"]  # o is fed by attention: nothing to fuse
+LAYER_VARIANTS = ("base", "evict_first", "prefetch_o", "prefetch_o+evict_first",
+                  "prefetch_o+gate_up12M+evict_first", "triton_gate_up+prefetch_o+evict_first")
 
 
-def fusion_case(model: str, name: str, n: int, k: int, rows: int,
-                reps: int) -> dict[str, Any]:
-    from engine_core.kernels.gemv import GemvTiling, gemv, gemv_norm, gemv_silu_mul
+def layer_cases(num_layers: int) -> list[dict[str, Any]]:
+    """Qwen3-8B decoder layers at batch 1, context 1k, as a graph of ``num_layers`` layers
+    with distinct weights and caches (norm, qkv, decode attention, o, norm, gate/up, SiLU,
+    down; RoPE and the KV write left out), in variants: W loads marked evict-first, the
+    o_proj weight prefetched into L2 after qkv (during attention), also the first 12 MB of
+    gate/up, and gate/up on the Triton GEMV instead of cuBLAS. us per layer."""
+    from engine_core.kernels.gemv import GemvTiling, gemv
+    from engine_core.kernels.l2_prefetch import l2_prefetch
+    from engine_core.kernels.paged_decode import paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
     from engine_core.kernels.silu_mul import silu_and_mul
 
-    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
-    g = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
-    x = torch.randn(rows, 2 * k if name == "down" else k, dtype=torch.bfloat16, device="cuda")
-    r = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    hidden, inter, hq, hkv, d, context, block_size = 4096, 12288, 32, 8, 128, 1024, 16
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    layers = []
+    for _ in range(num_layers):
+        layers.append({
+            "qkv": torch.randn((hq + 2 * hkv) * d, hidden, **bf16) / hidden ** 0.5,
+            "o": torch.randn(hidden, hq * d, **bf16) / hidden ** 0.5,
+            "gate_up": torch.randn(2 * inter, hidden, **bf16) / hidden ** 0.5,
+            "down": torch.randn(hidden, inter, **bf16) / inter ** 0.5,
+            "cache": torch.randn(2, context // block_size, block_size, hkv, d, **bf16),
+            "norm1": torch.rand(hidden, **bf16) + 0.5, "norm2": torch.rand(hidden, **bf16) + 0.5})
+    tables = torch.arange(context // block_size, dtype=torch.int32, device="cuda")[None]
+    seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(2, dtype=torch.int32, device="cuda")
+    x = torch.randn(1, hidden, **bf16)
+    residual = torch.randn(1, hidden, **bf16)
+    q = torch.randn(1, hq, d, **bf16)
+    attn_out = torch.empty_like(q)
+    out = []
+    for variant in LAYER_VARIANTS:
+        evict = "evict_first" in variant
+        tiles = GemvTiling(16, 256, 2, 4, evict_first=evict)
 
-    def feed() -> torch.Tensor:
-        return silu_and_mul(x) if name == "down" else rms_norm(x, g, 1e-6, r)[0]
+        def forward(variant: str = variant, tiles: GemvTiling = tiles) -> None:
+            h, r = x, residual
+            for layer in layers:
+                normed, r = rms_norm(h, layer["norm1"], 1e-6, r)
+                gemv(normed, layer["qkv"], tiling=tiles)
+                if "prefetch_o" in variant:
+                    l2_prefetch(layer["o"])
+                if "gate_up12M" in variant:
+                    l2_prefetch(layer["gate_up"], 12 << 20)
+                paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
+                                       tables, seq_lens, qsl, 0.088)
+                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiles)
+                normed, r = rms_norm(h, layer["norm2"], 1e-6, r)
+                if "triton_gate_up" in variant:
+                    gate_up = gemv(normed, layer["gate_up"], tiling=tiles)
+                else:
+                    gate_up = F.linear(normed, layer["gate_up"])
+                h = gemv(silu_and_mul(gate_up), layer["down"], tiling=tiles)
 
-    def fused(t: GemvTiling) -> torch.Tensor:
-        if name == "down":
-            return gemv_silu_mul(x, w, tiling=t)
-        return gemv_norm(x, g, 1e-6, w, None, r, tiling=t)[0]
-
-    case: dict[str, Any] = {"model": model, "proj": name, "n": n, "k": k, "rows": rows,
-                            "unfused_cublas_us": graph_us(lambda: F.linear(feed(), w), reps)}
-    for tiles, preload in itertools.product(FUSION_TILINGS, (False, True)):
-        t = GemvTiling(*tiles, preload)
-        case[f"unfused {tuple(t)}"] = graph_us(lambda t=t: gemv(feed(), w, tiling=t), reps)
-        case[f"fused {tuple(t)}"] = graph_us(lambda t=t: fused(t), reps)
-    timed = {key: v for key, v in case.items() if key.startswith(("fused", "unfused"))}
-    best = sorted(timed.items(), key=lambda kv: kv[1])[:4]
-    print(f"fusion {model:10} {name:8} m{rows:<2} cublas {case['unfused_cublas_us']:.2f}; "
-          + ", ".join(f"{key} {v:.2f}" for key, v in best), flush=True)
-    return case
+        us = graph_us(forward, 1) / num_layers
+        out.append({"variant": variant, "us_per_layer": us, "layers": num_layers})
+        print(f"layer {variant:40} {us:7.2f} us/layer", flush=True)
+    return out
 
 
 def attention_cases(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
@@ -198,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn-cases", default="1x1024,1x8192,64x2048,256x2048",
                         help="BATCHxCONTEXT list for the attention sweep")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--parts", default="attention,gemv,fusion")
-    parser.add_argument("--fusion-rows", default="1,8")
+    parser.add_argument("--parts", default="attention,gemv,layer")
+    parser.add_argument("--layers", type=int, default=36, help="layers in the layer graph")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -210,9 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = attention_cases(cases, args.reps)  # type: ignore[arg-type]
     if "gemv" in parts:
         results["gemv"] = gemv_cases(rows, args.reps)
-    if "fusion" in parts:
-        fusion_rows = [int(r) for r in args.fusion_rows.split(",")]
-        results["fusion"] = fusion_cases(fusion_rows, args.reps)
+    if "layer" in parts:
+        results["layer"] = layer_cases(args.layers)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -32,7 +32,7 @@ GEMV_SHAPES = [
     ("qwen3-0.6b", "qkv", 4096, 1024), ("qwen3-0.6b", "o", 1024, 2048),
     ("qwen3-0.6b", "gate_up", 6144, 1024), ("qwen3-0.6b", "down", 1024, 3072),
 ]
-# (BLOCK_N, BLOCK_K, warps, stages), each without and with the first W chunk preloaded.
+# (BLOCK_N, BLOCK_K, warps, stages)
 GEMV_SWEEP = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
     (16, 32, 64), (128, 256, 512), (4,), (3, 4))] + [(16, 256, 2, 4), (32, 256, 8, 4)]
 # (model, q heads, kv heads)
@@ -98,8 +98,8 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
         case["triton_default_us"] = graph_us(lambda x=x, w=weight: gemv(x, w()), reps)
         if rows == 1:
             sweep = {}
-            for tiles, preload in itertools.product(GEMV_SWEEP, (False, True)):
-                t = GemvTiling(*tiles, preload)
+            for tiles in GEMV_SWEEP:
+                t = GemvTiling(*tiles)
                 try:
                     sweep[str(tuple(t))] = graph_us(
                         lambda x=x, w=weight, t=t: gemv(x, w(), tiling=t), reps)
@@ -120,18 +120,16 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-LAYER_VARIANTS = ("base", "evict_first", "prefetch_o", "prefetch_o+evict_first",
-                  "prefetch_o+gate_up12M+evict_first", "triton_gate_up+prefetch_o+evict_first")
+LAYER_VARIANTS = ("shape tilings, Triton gate/up", "one tiling, cuBLAS gate/up")
 
 
 def layer_cases(num_layers: int) -> list[dict[str, Any]]:
     """Qwen3-8B decoder layers at batch 1, context 1k, as a graph of ``num_layers`` layers
     with distinct weights and caches (norm, qkv, decode attention, o, norm, gate/up, SiLU,
-    down; RoPE and the KV write left out), in variants: W loads marked evict-first, the
-    o_proj weight prefetched into L2 after qkv (during attention), also the first 12 MB of
-    gate/up, and gate/up on the Triton GEMV instead of cuBLAS. us per layer."""
-    from engine_core.kernels.gemv import GemvTiling, gemv
-    from engine_core.kernels.l2_prefetch import l2_prefetch
+    down; RoPE and the KV write left out), with the GEMV tilings ``choose_tiling`` picks
+    per shape and the Triton GEMV for gate/up (what ``Linear`` does), and with one tiling
+    for all and cuBLAS for gate/up (before). us per layer."""
+    from engine_core.kernels.gemv import NARROW_TILING, gemv
     from engine_core.kernels.paged_decode import paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
     from engine_core.kernels.silu_mul import silu_and_mul
@@ -156,31 +154,27 @@ def layer_cases(num_layers: int) -> list[dict[str, Any]]:
     attn_out = torch.empty_like(q)
     out = []
     for variant in LAYER_VARIANTS:
-        evict = "evict_first" in variant
-        tiles = GemvTiling(16, 256, 2, 4, evict_first=evict)
+        per_shape = variant.startswith("shape")
 
-        def forward(variant: str = variant, tiles: GemvTiling = tiles) -> None:
+        def forward(per_shape: bool = per_shape) -> None:
+            tiling = None if per_shape else NARROW_TILING
             h, r = x, residual
             for layer in layers:
                 normed, r = rms_norm(h, layer["norm1"], 1e-6, r)
-                gemv(normed, layer["qkv"], tiling=tiles)
-                if "prefetch_o" in variant:
-                    l2_prefetch(layer["o"])
-                if "gate_up12M" in variant:
-                    l2_prefetch(layer["gate_up"], 12 << 20)
+                gemv(normed, layer["qkv"], tiling=tiling)
                 paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                        tables, seq_lens, qsl, 0.088)
-                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiles)
+                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r)
-                if "triton_gate_up" in variant:
-                    gate_up = gemv(normed, layer["gate_up"], tiling=tiles)
+                if per_shape:
+                    gate_up = gemv(normed, layer["gate_up"])
                 else:
                     gate_up = F.linear(normed, layer["gate_up"])
-                h = gemv(silu_and_mul(gate_up), layer["down"], tiling=tiles)
+                h = gemv(silu_and_mul(gate_up), layer["down"], tiling=tiling)
 
         us = graph_us(forward, 1) / num_layers
         out.append({"variant": variant, "us_per_layer": us, "layers": num_layers})
-        print(f"layer {variant:40} {us:7.2f} us/layer", flush=True)
+        print(f"layer {variant:32} {us:7.2f} us/layer", flush=True)
     return out
 
 

@@ -8,10 +8,6 @@ gives each program ``BLOCK_N`` output columns and streams their rows of ``W`` in
 ``M`` are masked), accumulating in float32 and rounding once, as cuBLAS does; only the
 order of the float32 sum differs.
 
-``PRELOAD``: the first chunk of ``W`` is loaded before the PDL wait. The weights are not
-written by any kernel of a step, so this is safe, and those loads overlap the predecessor's
-tail instead of starting after it.
-
 Used by ``Linear`` on the Triton path for 16-bit weights up to ``GEMV_MAX_WEIGHT_ELEMENTS``
 and at most ``--triton-gemv-max-rows`` rows; larger batches are GEMMs and stay with cuBLAS.
 """
@@ -31,28 +27,19 @@ BLOCK_M = 16  # tl.dot's smallest tile; rows beyond M are masked loads
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRELOAD: tl.constexpr, W_EVICTION: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
     row_ok = rows < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    ks0 = tl.arange(0, BLOCK_K)
-    if PRELOAD:  # weights only: nothing in the step writes them
-        w_first = tl.load(w_rows + ks0[None, :], mask=col_ok[:, None] & (ks0 < K)[None, :],
-                          other=0.0, eviction_policy=W_EVICTION)
-    wait_for_predecessor(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PRELOAD:
-        x = tl.load(x_rows + ks0[None, :], mask=row_ok[:, None] & (ks0 < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w_first))
-    for k0 in range(BLOCK_K * PRELOAD, K, BLOCK_K):
-        ks = k0 + ks0
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy=W_EVICTION)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
@@ -62,27 +49,32 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 
 
 class GemvTiling(NamedTuple):
-    """A launch shape: columns and K chunk per program, warps, pipeline stages, preload."""
+    """A launch shape: output columns and K chunk per program, warps, pipeline stages."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    preload: bool = False
-    evict_first: bool = False  # mark W's lines first to leave L2 (streamed once per step)
 
 
-# One tiling for every shape. Narrow column blocks keep enough programs in flight to stream
-# a small matrix at full bandwidth (a 1024-column matrix still gets 64 programs). Of 20
-# tilings timed in CUDA graphs on an H200 (benchmarks/decode_kernels.py, one row), this one
-# was within 12% of the best on all eight Qwen3-8B/0.6B projections and beat cuBLAS on all
-# but the 8B's 192 MB gate/up, which ``Linear`` therefore leaves to cuBLAS.
-GEMV_TILES = GemvTiling(16, 256, 2, 4)
+# Tilings by weight shape, from a sweep of 20 tilings timed in CUDA graphs on an H200 over
+# distinct copies of each weight (benchmarks/decode_kernels.py, one row; docs/PERFORMANCE.md).
+# Narrow column blocks keep enough programs in flight to stream a matrix of few rows at
+# full bandwidth (a 1024-column matrix still gets 64 programs); wide matrices (a fused
+# gate/up is 6x wider than deep) stream best with 64 columns a program, and 4096 columns
+# or more with 32 (Qwen3-8B qkv: 16.7 -> 14.9 us; gate/up 49.5 us with cuBLAS -> 48.4).
+NARROW_TILING = GemvTiling(16, 256, 2, 4)
+MEDIUM_TILING = GemvTiling(32, 256, 4, 4)
+WIDE_TILING = GemvTiling(64, 128, 4, 4)
 
 
 def choose_tiling(n: int, k: int) -> GemvTiling:
     """The tiling for a weight ``[n, k]`` (shapes only: a CUDA graph records one for good)."""
-    return GEMV_TILES
+    if n >= 5 * k:
+        return WIDE_TILING
+    if n >= 4096:
+        return MEDIUM_TILING
+    return NARROW_TILING
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -98,7 +90,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PRELOAD=int(t.preload),
-        W_EVICTION="evict_first" if t.evict_first else "",
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_args(x.device))
+        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+        num_stages=t.num_stages, **pdl_args(x.device))
     return out

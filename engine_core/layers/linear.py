@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# Weights up to this many elements (128 MiB in 16 bits) take the Triton GEMV. On an H200, at
-# one row it beat cuBLAS on every Qwen3-0.6B and Qwen3-8B projection from 4 to 96 MB (by
-# 2-64%) and lost by 4% on the 8B's 192 MB gate/up, which cuBLAS streams at 4 TB/s; at eight
-# rows it won or tied on all but the 0.6B's 12 MB gate/up (5.2 vs 4.3 us)
-# (docs/PERFORMANCE.md).
-GEMV_MAX_WEIGHT_ELEMENTS = 64 << 20
+# Weights up to this many elements (256 MiB in 16 bits) take the Triton GEMV. On an H200, at
+# one row and with each shape's tiling (kernels/gemv.py), it beat or tied cuBLAS on every
+# Qwen3-0.6B and Qwen3-8B projection from 4 to 201 MB (the 8B's fused gate/up: 48.4 vs
+# 49.5 us; the 0.6B's 4 MB o_proj: 4.5 vs 12.8); larger weights (a 70B's MLP, lm_heads)
+# stay with cuBLAS, untested here (docs/PERFORMANCE.md).
+GEMV_MAX_WEIGHT_ELEMENTS = 128 << 20
 
 
 class Linear(nn.Module):

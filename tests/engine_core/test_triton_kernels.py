@@ -593,50 +593,32 @@ def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
         assert torch.equal(layer(x), got if small else F.linear(x, w, b))
 
 
-GEMV_TILINGS = [(16, 256, 2, 4, False, False), (16, 256, 2, 4, True, True),
-                (32, 512, 4, 4, True, False), (64, 128, 4, 3, False, True)]
-
-
 @pytest.mark.parametrize(("device", "case"),
-                         params([(GemvCase(BF16, m, 6144, 4096, True), t)
-                                 for m in (1, 7) for t in GEMV_TILINGS],
-                                [(GemvCase(BF16, 2, 40, 300, True), (16, 128, 2, 2, True, True)),
-                                 (GemvCase(FP16, 1, 70, 64, False), (32, 32, 2, 2, True, False))]))
-def test_gemv_tilings_agree(device: str, case: tuple[GemvCase, tuple]) -> None:
-    """Every tiling the shape table may pick, with the first W chunk loaded before the PDL
-    wait and with evict-first weight loads, computes the same projection."""
-    from engine_core.kernels.gemv import GemvTiling, gemv
+                         params([GemvCase(BF16, m, n, k, True)
+                                 for m in (1, 7) for n, k in ((6144, 4096), (24576, 4096),
+                                                              (1024, 3072), (4099, 1000))],
+                                [GemvCase(BF16, 2, 130, 24, True), GemvCase(FP16, 1, 70, 64, False)]))
+def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
+    """Each tiling ``choose_tiling`` can pick computes the same projection, whichever the
+    shape; and the choice follows the shape (wide, >= 4096 columns, narrow)."""
+    from engine_core.kernels.gemv import (
+        MEDIUM_TILING,
+        NARROW_TILING,
+        WIDE_TILING,
+        choose_tiling,
+        gemv,
+    )
 
-    shape, tiles = case
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(shape.rows, shape.k, generator=gen).to(device, shape.dtype)
-    w = (torch.randn(shape.n, shape.k, generator=gen) / shape.k ** 0.5).to(device, shape.dtype)
-    b = torch.randn(shape.n, generator=gen).to(device, shape.dtype)
-    expected = x.float() @ w.float().T + b.float()
-    assert_close(gemv(x, w, b, tiling=GemvTiling(*tiles)), expected, shape.dtype)
-
-
-@pytest.mark.gpu
-def test_l2_prefetch_is_only_a_hint() -> None:
-    """The bulk L2 prefetch runs (valid PTX, odd sizes, partial lengths, in a PDL chain
-    between kernels that read what it prefetches) and changes nothing."""
-    from engine_core.kernels.gemv import gemv
-    from engine_core.kernels.l2_prefetch import l2_prefetch, supported
-
-    if not supported(torch.device("cuda")):
-        pytest.skip("bulk L2 prefetch needs sm_90")
-    w = torch.randn(6144, 4096, dtype=BF16, device="cuda")
-    x = torch.randn(1, 4096, dtype=BF16, device="cuda")
-    before = w.clone()
-    expected = gemv(x, w)
-    for max_bytes in (None, 12 << 20, 1000, 48):
-        l2_prefetch(w, max_bytes)
-        got = gemv(x, w)
-        torch.cuda.synchronize()
-        assert torch.equal(got, expected)
-    l2_prefetch(torch.randn(37, dtype=torch.float32, device="cuda"))
-    torch.cuda.synchronize()
-    assert torch.equal(w, before)
+    x = torch.randn(case.rows, case.k, generator=gen).to(device, case.dtype)
+    w = (torch.randn(case.n, case.k, generator=gen) / case.k ** 0.5).to(device, case.dtype)
+    b = torch.randn(case.n, generator=gen).to(device, case.dtype) if case.bias else None
+    expected = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    for tiling in (NARROW_TILING, MEDIUM_TILING, WIDE_TILING):
+        assert_close(gemv(x, w, b, tiling=tiling), expected, case.dtype)
+    assert choose_tiling(24576, 4096) == WIDE_TILING and choose_tiling(6144, 1024) == WIDE_TILING
+    assert choose_tiling(6144, 4096) == MEDIUM_TILING and choose_tiling(4096, 12288) == MEDIUM_TILING
+    assert choose_tiling(1024, 3072) == NARROW_TILING
 
 
 # ---- CUDA only: capture and replay ----------------------------------------------------------

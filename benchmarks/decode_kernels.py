@@ -120,11 +120,7 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-# (name, PDSERVE_TRITON_PDL, W bytes per GEMV program loaded before the PDL wait)
-LAYER_VARIANTS = (("shape tilings, Triton gate/up", "1", 0), ("one tiling, cuBLAS gate/up", "1", 0),
-                  ("early trigger", "early", 0), ("early trigger, preload 16K", "early", 16384),
-                  ("early trigger, preload 32K", "early", 32768),
-                  ("early trigger, preload 64K", "early", 65536), ("preload 32K", "1", 32768))
+LAYER_VARIANTS = ("shape tilings, Triton gate/up", "one tiling, cuBLAS gate/up")
 
 
 def layer_cases(num_layers: int) -> list[dict[str, Any]]:
@@ -133,9 +129,7 @@ def layer_cases(num_layers: int) -> list[dict[str, Any]]:
     down; RoPE and the KV write left out), with the GEMV tilings ``choose_tiling`` picks
     per shape and the Triton GEMV for gate/up (what ``Linear`` does), and with one tiling
     for all and cuBLAS for gate/up (before). us per layer."""
-    import os
-
-    from engine_core.kernels.gemv import NARROW_TILING, choose_tiling, gemv
+    from engine_core.kernels.gemv import NARROW_TILING, gemv
     from engine_core.kernels.paged_decode import paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
     from engine_core.kernels.silu_mul import silu_and_mul
@@ -159,37 +153,26 @@ def layer_cases(num_layers: int) -> list[dict[str, Any]]:
     q = torch.randn(1, hq, d, **bf16)
     attn_out = torch.empty_like(q)
     out = []
-    for variant, pdl_mode, preload_bytes in LAYER_VARIANTS:
-        one_tiling = variant.startswith("one tiling")
+    for variant in LAYER_VARIANTS:
+        per_shape = variant.startswith("shape")
 
-        def project(x: torch.Tensor, w: torch.Tensor, preload_bytes: int = preload_bytes,
-                    one_tiling: bool = one_tiling) -> torch.Tensor:
-            t = NARROW_TILING if one_tiling else choose_tiling(*w.shape)
-            if preload_bytes:
-                columns = preload_bytes // (2 * t.block_n)
-                t = t._replace(preload_k=min(1 << (columns.bit_length() - 1), w.shape[1]))
-            return gemv(x, w, tiling=t)
-
-        def forward(one_tiling: bool = one_tiling) -> None:
+        def forward(per_shape: bool = per_shape) -> None:
+            tiling = None if per_shape else NARROW_TILING
             h, r = x, residual
             for layer in layers:
                 normed, r = rms_norm(h, layer["norm1"], 1e-6, r)
-                project(normed, layer["qkv"])
+                gemv(normed, layer["qkv"], tiling=tiling)
                 paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                        tables, seq_lens, qsl, 0.088)
-                h = project(attn_out.view(1, hq * d), layer["o"])
+                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r)
-                if one_tiling:
-                    gate_up = F.linear(normed, layer["gate_up"])
+                if per_shape:
+                    gate_up = gemv(normed, layer["gate_up"])
                 else:
-                    gate_up = project(normed, layer["gate_up"])
-                h = project(silu_and_mul(gate_up), layer["down"])
+                    gate_up = F.linear(normed, layer["gate_up"])
+                h = gemv(silu_and_mul(gate_up), layer["down"], tiling=tiling)
 
-        os.environ["PDSERVE_TRITON_PDL"] = pdl_mode
-        try:
-            us = graph_us(forward, 1) / num_layers
-        finally:
-            os.environ.pop("PDSERVE_TRITON_PDL")
+        us = graph_us(forward, 1) / num_layers
         out.append({"variant": variant, "us_per_layer": us, "layers": num_layers})
         print(f"layer {variant:32} {us:7.2f} us/layer", flush=True)
     return out

@@ -27,24 +27,16 @@ BLOCK_M = 16  # tl.dot's smallest tile; rows beyond M are masked loads
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRELOAD_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
     row_ok = rows < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    if PRELOAD_K > 0:  # weights only: no kernel of a step writes them
-        kp = tl.arange(0, PRELOAD_K)
-        w_pre = tl.load(w_rows + kp[None, :], mask=col_ok[:, None] & (kp < K)[None, :],
-                        other=0.0)
-    wait_for_predecessor(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PRELOAD_K > 0:
-        x_pre = tl.load(x_rows + kp[None, :], mask=row_ok[:, None] & (kp < K)[None, :],
-                        other=0.0)
-        acc += tl.dot(x_pre, tl.trans(w_pre))
-    for k0 in range(PRELOAD_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
@@ -63,7 +55,6 @@ class GemvTiling(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    preload_k: int = 0  # leading K columns of W loaded before the PDL wait (power of 2)
 
 
 # Tilings by weight shape, from a sweep of 20 tilings timed in CUDA graphs on an H200 over
@@ -99,6 +90,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PRELOAD_K=t.preload_k, num_warps=t.num_warps,
+        BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
         num_stages=t.num_stages, **pdl_args(x.device))
     return out

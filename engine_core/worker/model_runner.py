@@ -14,7 +14,7 @@ previous step's sampled-token tensor, so the host never waits to build a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,14 +49,15 @@ class RunnerRequestState:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: what ``collect`` needs to finish it."""
+    """A step queued on the device: what ``collect`` needs to finish it (empty: a step
+    that sampled nothing)."""
 
-    req_ids: list[str]
-    states: list[RunnerRequestState]
-    samples: DeviceSamples | None
-    finished_sending: set[str]
-    finished_recving: set[str]
-    failed_recving: set[str]
+    req_ids: list[str] = field(default_factory=list)
+    states: list[RunnerRequestState] = field(default_factory=list)
+    samples: DeviceSamples | None = None
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
 
     @property
     def sampled(self) -> bool:
@@ -162,7 +163,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         meta = scheduler_output.kv_connector_metadata
         self.connector.start_load_kv(meta)
-        step = LaunchedStep([], [], None, set(), set(), set())
+        step = LaunchedStep()
         if not scheduler_output.is_empty:
             step = self._forward_and_sample(scheduler_output, meta)
         self.connector.wait_for_save()
@@ -253,7 +254,7 @@ class ModelRunner:
         if timer is not None:
             timer.stop(graph_size is not None, batch.input_ids.shape[0])
         if not sample_rows:
-            return LaunchedStep([], [], None, set(), set(), set())
+            return LaunchedStep()
 
         selected = (hidden[:num_reqs] if batch.logits_indices is None
                     else hidden[batch.logits_indices])
@@ -272,5 +273,4 @@ class ModelRunner:
         for index, state in enumerate(sampled):
             state.num_pending += 1
             state.pending_index = index
-        return LaunchedStep([request_ids[i] for i in sample_rows], sampled, samples,
-                            set(), set(), set())
+        return LaunchedStep([request_ids[i] for i in sample_rows], sampled, samples)

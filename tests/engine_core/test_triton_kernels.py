@@ -564,6 +564,17 @@ GEMV_CASES_CUDA = [GemvCase(dt, m, n, k, b) for dt in (BF16, FP16) for m in (1, 
 GEMV_CASES_INTERPRET = [GemvCase(BF16, 1, 40, 300, True), GemvCase(FP16, 5, 33, 64, False)]
 
 
+def gemv_inputs(case: GemvCase, device: str, seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Fresh x, W and bias for a GEMV case, and the float32 result they should give."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(case.rows, case.k, generator=gen).to(device, case.dtype)
+    w = (torch.randn(case.n, case.k, generator=gen) / case.k ** 0.5).to(device, case.dtype)
+    b = torch.randn(case.n, generator=gen).to(device, case.dtype) if case.bias else None
+    expected = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    return x, w, b, expected
+
+
 @pytest.mark.parametrize(("device", "case"), params(GEMV_CASES_CUDA, GEMV_CASES_INTERPRET))
 def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
     """The small-batch GEMV against float32 math on the same inputs, and through ``Linear``
@@ -571,11 +582,7 @@ def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
     from engine_core.kernels.gemv import gemv
     from engine_core.layers.linear import Linear
 
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(case.rows, case.k, generator=gen).to(device, case.dtype)
-    w = (torch.randn(case.n, case.k, generator=gen) / case.k ** 0.5).to(device, case.dtype)
-    b = torch.randn(case.n, generator=gen).to(device, case.dtype) if case.bias else None
-    expected = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    x, w, b, expected = gemv_inputs(case, device, seed=5)
     got = gemv(x, w, b)
     assert got.dtype == case.dtype and got.shape == (case.rows, case.n)
     assert_close(got, expected, case.dtype)
@@ -609,11 +616,7 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
         gemv,
     )
 
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(case.rows, case.k, generator=gen).to(device, case.dtype)
-    w = (torch.randn(case.n, case.k, generator=gen) / case.k ** 0.5).to(device, case.dtype)
-    b = torch.randn(case.n, generator=gen).to(device, case.dtype) if case.bias else None
-    expected = x.float() @ w.float().T + (b.float() if b is not None else 0.0)
+    x, w, b, expected = gemv_inputs(case, device, seed=6)
     for tiling in (NARROW_TILING, MEDIUM_TILING, WIDE_TILING):
         assert_close(gemv(x, w, b, tiling=tiling), expected, case.dtype)
     assert choose_tiling(24576, 4096) == WIDE_TILING and choose_tiling(6144, 1024) == WIDE_TILING

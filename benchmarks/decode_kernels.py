@@ -1,12 +1,15 @@
 """Decode-step kernels timed as a CUDA graph replays them: GEMV (cuBLAS vs Triton) and
-split-KV decode attention, over tile choices.
+split-KV decode attention over tile choices, and a graph of whole Qwen3-8B layers.
 
 Why: inside a decode graph a kernel costs its GPU time plus no launch overhead, so timing
 a Python loop of launches would measure the launcher. Each case here captures ``--reps``
 calls into one graph and reports the replay time per call. The GEMV cases are the
-projections of Qwen3-8B and Qwen3-0.6B (fused qkv, o, fused gate/up, down) at 1-16 rows;
-the attention cases batches of 1, 64 and 256 sequences (``--attn-cases``, BATCHxCONTEXT)
-with each model's heads, in the benchmark engine's block-table width.
+projections of Qwen3-8B and Qwen3-0.6B (fused qkv, o, fused gate/up, down) at 1-16 rows,
+each captured call reading a different copy of the weight (``rotating``: a real step reads
+every weight once, so no call may find its weight in L2); the attention cases batches of
+1, 64 and 256 sequences (``--attn-cases``, BATCHxCONTEXT) with each model's heads, in the
+benchmark engine's block-table width; the layer case (``--parts layer``) 36 Qwen3-8B
+layers at batch 1 with the GEMV tiling rule and without it.
 
     python3 -m benchmarks.decode_kernels --out /tmp/decode_kernels.json
 """

@@ -24,13 +24,22 @@ import triton.language as tl
 
 
 @triton.jit
-def wait_for_predecessor(USE_PDL: tl.constexpr):
+def wait_for_predecessor(USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = True):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        # Let the next kernel's blocks be scheduled as soon as this grid's last ones run.
-        # Triggering before the wait instead (so that whole chains of kernels get scheduled
-        # and park) measured 27% slower on Qwen3-8B layers at batch 1 (H200): the parked
-        # blocks crowd the running kernel's SMs.
+        if LAUNCH_DEPENDENTS:
+            # Let the next kernel's blocks be scheduled as soon as this grid's last ones
+            # run. Triggering before the wait instead (so that whole chains of kernels get
+            # scheduled and park) measured 27% slower on Qwen3-8B layers at batch 1 (H200):
+            # the parked blocks crowd the running kernel's SMs.
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    """The trigger alone, for kernels that wait with ``LAUNCH_DEPENDENTS=False`` and let
+    their successor in later (after their main loop)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -41,9 +41,13 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` runs the Triton GEMV (shapes, dtype and device only)."""
+        return (0 < x.shape[0] <= self.gemv_max_rows and x.dim() == 2 and x.is_cuda
+                and x.dtype in _GEMV_DTYPES and x.stride(1) == 1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (0 < x.shape[0] <= self.gemv_max_rows and x.dim() == 2 and x.is_cuda
-                and x.dtype in _GEMV_DTYPES and x.stride(1) == 1):
+        if self.takes_gemv(x):
             from engine_core.kernels.gemv import gemv
 
             return gemv(x, self.weight, self.bias)

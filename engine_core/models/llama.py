@@ -89,7 +89,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul(attn_backend.triton_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if self.act_fn.use_triton and gate_up.takes_gemv(x):
+            # SiLU * up in the GEMV's epilogue (the same roundings as the separate kernel):
+            # one launch and the [T, 2 * I] round trip less per layer at decode.
+            from engine_core.kernels.gemv import gemv
+
+            return self.down_proj(gemv(x, gate_up.weight, gate_up.bias, silu_mul=True))
+        return self.down_proj(self.act_fn(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

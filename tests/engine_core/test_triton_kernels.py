@@ -624,6 +624,26 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
     assert choose_tiling(1024, 3072) == NARROW_TILING
 
 
+@pytest.mark.parametrize(("device", "case"),
+                         params([GemvCase(dt, m, n, k, b) for dt in (BF16, FP16) for m in (1, 5, 16)
+                                 for n, k, b in ((24576, 4096, False), (6144, 1024, False),
+                                                 (2 * 1000, 1000, True))],
+                                [GemvCase(BF16, 1, 40, 300, True), GemvCase(FP16, 5, 66, 64, False)]))
+def test_gemv_silu_mul_equals_projection_then_silu_mul(device: str, case: GemvCase) -> None:
+    """SiLU * up in the GEMV's epilogue gives, bit for bit, what the plain GEMV followed by
+    ``silu_and_mul`` gives (same tiles, same roundings), under every tiling."""
+    from engine_core.kernels.gemv import MEDIUM_TILING, NARROW_TILING, WIDE_TILING, gemv
+    from engine_core.kernels.silu_mul import silu_and_mul
+
+    x, w, b, expected = gemv_inputs(case, device, seed=7)
+    for tiling in (None, NARROW_TILING, MEDIUM_TILING, WIDE_TILING):
+        fused = gemv(x, w, b, tiling=tiling, silu_mul=True)
+        assert fused.shape == (case.rows, case.n // 2) and fused.dtype == case.dtype
+        assert torch.equal(fused, silu_and_mul(gemv(x, w, b, tiling=tiling)))
+    gate, up = expected.chunk(2, dim=-1)
+    assert_close(fused, torch.nn.functional.silu(gate) * up, case.dtype)
+
+
 # ---- CUDA only: capture and replay ----------------------------------------------------------
 
 

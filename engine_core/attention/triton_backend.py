@@ -1,6 +1,10 @@
 """Paged attention with the Triton kernels in engine_core/kernels (CUDA).
 
-Per layer: one kernel writes the new K/V at their slots, then
+A decode-only step (every row one token) calls ``forward_decode``: one kernel norms and
+rotates q and the new k (``NewTokenRope``), stores the new K/V and attends, so the
+model's q/k norm + RoPE kernel and the KV write are not launched. Any other step calls
+``forward``, after the model's own norm + RoPE kernel: one kernel writes the new K/V at
+their slots, then
 
 - a decode-only step (``max_query_len == 1``) runs the split-KV decode kernel alone; it
   reads only device tensors, so a CUDA graph of a decode batch replays it as is;
@@ -19,10 +23,15 @@ The backend also tells the model to use the fused RMSNorm, RoPE and SiLU kernels
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine_core.kernels.paged_decode import NewTokenRope
 
 # Decode batches up to this size run their projections on the Triton GEMV (kernels/gemv.py):
 # measured faster than cuBLAS there on an H200 (docs/PERFORMANCE.md).
@@ -63,4 +72,18 @@ class TritonAttentionBackend(AttentionBackend):
                                     meta.block_size, scale, skip_single_token_rows=True)
         paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, self.num_decode_splits)
+        return out
+
+    def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
+                       attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode-only step (``max_query_len == 1``) from the raw projections: ``q``
+        ``[T, Hq, D]`` and ``rope``'s k/v not yet normed, rotated or written."""
+        from engine_core.kernels.paged_decode import paged_decode_attention
+
+        meta = attn_metadata
+        assert meta.max_query_len == 1
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        paged_decode_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables,
+                               meta.seq_lens, meta.query_start_loc, scale,
+                               self.num_decode_splits, rope=rope)
         return out

@@ -12,11 +12,17 @@ CUDA graphs: the kernels read only device tensors (``query_start_loc``, ``seq_le
 width, i.e. the longest context it can describe), never from host copies of lengths.
 Rows whose query length is not 1 are skipped (prefill chunks of a mixed batch, empty
 padding); a padded row with one token and ``seq_len`` 0 gets zeros, no NaN and no reads.
+
+Decode-only steps pass ``NewTokenRope``: q arrives raw from the qkv projection and each
+program norms and rotates its query heads; the split holding the last position norms and
+rotates the new key, stores the new K/V at its slot and starts its softmax with that key,
+so the q/k norm + RoPE kernel and the KV write are not launched (rounded as they round).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,14 +41,40 @@ _ROW_MAX_START = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _norm_rope_rows(row_ptrs, row_ok, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
+                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows of heads ``[R, D]`` at ``row_ptrs`` ``[R]``, per-head RMSNorm'd (with ``HAS_NORM``)
+    and rotated (neox halves), rounded where ``rotary.apply_rope`` rounds; float32."""
+    dtype = row_ptrs.dtype.element_ty
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
+    mask = row_ok[:, None] & dim_ok[None, :]
+    x = tl.load(row_ptrs[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    rotated = tl.where((dims < HALF)[None, :], -xp, xp)
+    out = (x * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)
+    return out.to(dtype)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_bt,
+                   k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps, slot_ptr,
+                   stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct, stride_st,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,16 +93,57 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     q_rows = q_row.to(tl.int64) * stride_qt + head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
-                mask=row_valid[:, None] & dim_mask[None, :], other=0.0)
+    if ROPE:
+        # q, k and v are this step's raw projections: q is normed and rotated here, and the
+        # new token (position seq_len - 1) is taken from registers, not from the cache;
+        # the split holding that position stores its K/V into the cache for later steps.
+        token = q_row.to(tl.int64)
+        cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dim_mask, other=0.0)
+        sin = tl.load(sin_ptr + token * stride_st + dims, mask=dim_mask, other=0.0)
+        cos = cos.to(tl.float32)[None, :]
+        sin = sin.to(tl.float32)[None, :]
+        q = _norm_rope_rows(q_ptr + q_rows, row_valid, q_w_ptr, cos, sin, eps, HEAD_DIM,
+                            HEAD_DIM // 2, BLOCK_D, HAS_NORM)
+        one = tl.arange(0, 1)
+        k_new = _norm_rope_rows(k_new_ptr + token * stride_knt + kv_head * stride_knh + one * 0,
+                                one == 0, k_w_ptr, cos, sin, eps, HEAD_DIM, HEAD_DIM // 2,
+                                BLOCK_D, HAS_NORM)
+        v_new = tl.load(v_new_ptr + token * stride_vnt + kv_head * stride_vnh
+                        + one[:, None] * 0 + dims[None, :], mask=dim_mask[None, :], other=0.0)
+        cached_hi = tl.minimum(hi, seq_len - 1)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
+                    mask=row_valid[:, None] & dim_mask[None, :], other=0.0)
+        cached_hi = hi
 
     m_i = tl.full([GROUP_PAD], _ROW_MAX_START, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    if ROPE:
+        # The split holding position seq_len - 1 stores the new K/V and starts its softmax
+        # with that key (as the cache will give it back, fp8 included); the others skip it.
+        slot = tl.load(slot_ptr + q_row).to(tl.int64)
+        new_pos = seq_len - 1 + one
+        owner = (new_pos >= lo) & (new_pos < hi)  # [1]
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        k_stored = k_new.to(cache_dtype)
+        v_stored = v_new.to(cache_dtype)
+        dst = ((slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks
+               + kv_head * stride_kh + one[:, None] * 0 + dims[None, :])
+        # Masks stay [1, D] tensors: the Triton 3.6 interpreter turns a tensor mask
+        # combined with a scalar condition into integers, which tl.store rejects.
+        store_ok = (owner & (slot + one >= 0))[:, None] & dim_mask[None, :]
+        tl.store(k_cache_ptr + dst, k_stored, mask=store_ok)
+        tl.store(v_cache_ptr + dst, v_stored, mask=store_ok)
+        k_use = k_stored.to(q.dtype).to(tl.float32)
+        s_new = tl.sum(q.to(tl.float32) * k_use, 1) * scale_log2
+        m_i = tl.where(owner, s_new, m_i)
+        l_i = tl.where(owner, 1.0, l_i)
+        acc = tl.where(owner[:, None], v_stored.to(q.dtype).to(tl.float32), acc)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, cached_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < hi
+        valid = pos < cached_hi
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         kv_rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         tile_mask = valid[:, None] & dim_mask[None, :]
@@ -150,16 +223,44 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
+@dataclass(frozen=True)
+class NewTokenRope:
+    """This step's new tokens for ``paged_decode_attention`` to finish in its prologue:
+    raw k/v ``[T, Hkv, D]`` (views of the qkv projection's output), cos/sin ``[T, 1, D]``
+    in the model dtype, the slots to store them at (``-1``: skip), and Qwen3's per-head
+    q/k norm weights ``[D]`` when the model has them.
+
+    Why: at decode the separate q/k norm + RoPE kernel and the KV write are two more
+    latency-bound launches per layer between the qkv GEMV and attention (Qwen3-8B layer
+    graph on an H200: ~6 us of a ~119 us layer); each attention program can norm and rotate
+    its own query heads, and the program holding the last position the new key.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            out: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None) -> None:
+                           num_stages: int | None = None,
+                           rope: NewTokenRope | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
-    new token. ``num_splits=None`` picks ``choose_num_splits``.
+    new token, unless ``rope`` is given: then ``q`` is the raw projection, and the kernel
+    norms and rotates q and the new k and stores the new k/v into the caches, as
+    ``rotary.apply_rope`` then ``kv_write.write_kv`` would (every row must then be a decode
+    row: rows of other lengths get neither attention nor their K/V written).
+    ``num_splits=None`` picks ``choose_num_splits``.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -184,15 +285,34 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    if rope is not None:
+        has_norm = rope.q_norm_weight is not None and rope.k_norm_weight is not None
+        assert rope.k.shape == rope.v.shape == (q.shape[0], num_kv_heads, head_dim)
+        assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and head_dim % 2 == 0
+        assert rope.cos.stride(-1) == 1 and rope.sin.stride(-1) == 1
+        assert rope.cos.dtype == q.dtype and rope.slot_mapping.shape[0] >= q.shape[0]
+        new = (rope.k, rope.v, rope.cos, rope.sin,
+               rope.q_norm_weight if has_norm else rope.cos,
+               rope.k_norm_weight if has_norm else rope.cos, rope.eps, rope.slot_mapping,
+               rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1),
+               rope.cos.stride(0), rope.sin.stride(0))
+        # Rounded as the RoPE kernel rounds, so without contraction: with it, 16-bit results
+        # moved by a unit at rare ties on an H200 (and it bought no speed: b64 130.9 vs
+        # 131.1 us).
+        extra["enable_fp_fusion"] = False
+    else:
+        has_norm = False
+        new = (q, q, q, q, q, q, 0.0, seq_lens, 0, 0, 0, 0, 0, 0)  # placeholders
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
         query_start_loc, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *new,
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-        **extra, **pdl)
+        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
+        HAS_NORM=has_norm, num_warps=num_warps, **extra, **pdl)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),

@@ -52,14 +52,32 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self._norm_and_rotate(q, k, cos, sin)
         hooks = attn_metadata.layer_hooks
         if hooks is not None:
             hooks.before_layer(self.layer_idx)
-        out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        if (self.use_triton and q.is_cuda and kv_cache is not None
+                and attn_metadata.max_query_len == 1):
+            out = self._decode_from_projections(q, k, v, cos, sin, attn_metadata, kv_cache)
+        else:
+            q, k = self._norm_and_rotate(q, k, cos, sin)
+            out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         if hooks is not None and kv_cache is not None:
             hooks.after_layer(self.layer_idx, kv_cache)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _decode_from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cos: torch.Tensor, sin: torch.Tensor,
+                                 attn_metadata: AttentionMetadata,
+                                 kv_cache: torch.Tensor) -> torch.Tensor:
+        """Decode-only step on the Triton path: the attention kernel norms and rotates q and
+        the new k and writes the new K/V itself (two launches a layer fewer)."""
+        from engine_core.kernels.paged_decode import NewTokenRope
+
+        q_norm, k_norm = self.q_norm, self.k_norm
+        norms = ((q_norm.weight, k_norm.weight, q_norm.eps)
+                 if q_norm is not None and k_norm is not None else ())
+        rope = NewTokenRope(k, v, cos, sin, attn_metadata.slot_mapping, *norms)
+        return self.attn_backend.forward_decode(q, rope, kv_cache, attn_metadata, self.scale)
 
     def _norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

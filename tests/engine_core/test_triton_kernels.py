@@ -316,6 +316,67 @@ def test_decode_matches_reference(device: str, case: AttnCase) -> None:
     assert_close(out, expected_output(batch, kv_cache), case.dtype)
 
 
+ROPE_DECODE_CASES_CUDA = (
+    [AttnCase(dt, 2, g, d, _LONG, (1,) * 5, num_splits=s, pad_rows=2)
+     for dt in (BF16, FP16, FP32) for g in (1, 4) for d in (64, 128) for s in (None, 1, 7)]
+    + [AttnCase(dt, 2, 4, 128, _LONG, (1,) * 5, cache_dtype=c, num_splits=s)
+       for dt in (BF16, FP32) for c in (E4M3, E5M2) for s in (None, 5)]
+    + [AttnCase(BF16, 8, 4, 128, (1023,), (1,), block_size=16, num_splits=33),
+       AttnCase(BF16, 2, 5, 96, (95, 1500), (1, 1), block_size=32, num_splits=4),
+       AttnCase(BF16, 8, 4, 128, tuple(range(0, 6000, 97)), (1,) * 62, block_size=32)]
+)
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params(ROPE_DECODE_CASES_CUDA, DECODE_CASES_INTERPRET))
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qknorm-rope"])
+def test_decode_with_rope_equals_rope_then_write_then_decode(device: str, case: AttnCase,
+                                                             norm: bool) -> None:
+    """Decode attention handed the raw q/k/v (column views of one qkv output) with
+    ``NewTokenRope``: the same output as ``apply_rope``, ``write_kv`` and decode attention
+    over the written cache, and the same K/V in the cache (pad rows: zeros, no write)."""
+    from engine_core.kernels.kv_write import write_kv
+    from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
+    from engine_core.kernels.rotary import apply_rope
+    from engine_core.layers.rotary import RotaryEmbedding
+
+    if device == "cpu" and is_fp8(case.storage):
+        pytest.skip(_FP8_WRITE_SKIP)
+    batch = make_batch(case, device)
+    meta = batch.metadata
+    t, hq, hkv, d = batch.q.shape[0], batch.q.shape[1], case.num_kv_heads, case.head_dim
+    qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1) * 2, batch.v.flatten(1)], dim=1)
+    q, k, v = (part.view(t, -1, d) for part in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.tensor(meta.seq_lens_cpu).clamp(min=1) - 1
+    cos, sin = RotaryEmbedding(d, 10000.0).to(device).cos_sin(positions.to(device), case.dtype)
+    weights = ((torch.rand(d, generator=gen) + 0.5).to(device, case.dtype),
+               (torch.rand(d, generator=gen) + 0.5).to(device, case.dtype)) if norm else ()
+
+    ref_cache = batch.kv_cache.clone()
+    q_ref, k_ref = apply_rope(q, k, cos, sin, *weights)
+    write_kv(k_ref, v, ref_cache, meta.slot_mapping)
+    expected = torch.full_like(q_ref, float("nan"))
+    paged_decode_attention(q_ref, ref_cache[0], ref_cache[1], expected, meta.block_tables,
+                           meta.seq_lens, meta.query_start_loc, batch.scale, case.num_splits)
+
+    cache = batch.kv_cache.clone()
+    got = torch.full_like(q_ref, float("nan"))
+    rope = NewTokenRope(k, v, cos, sin, meta.slot_mapping, *weights)
+    paged_decode_attention(q, cache[0], cache[1], got, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, batch.scale, case.num_splits, rope=rope)
+    assert_close(got, expected, case.dtype)
+    assert (got[t - case.pad_rows:] == 0).all()
+    if not norm:  # RoPE alone rounds exactly as apply_rope: the same bytes
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    else:  # the per-head mean may sum in another order: a value may move by one unit
+        written = ~torch.isnan(ref_cache.float())
+        assert torch.equal(written, ~torch.isnan(cache.float()))
+        ulp = 2.0 ** -{BF16: 7, FP16: 10, FP32: 21, E4M3: 3, E5M2: 2}[case.storage]
+        torch.testing.assert_close(cache.float()[written], ref_cache.float()[written],
+                                   atol=ulp, rtol=ulp)
+
+
 def test_split_choice_depends_on_shapes_only() -> None:
     from engine_core.kernels import triton_available
 

@@ -8,10 +8,15 @@ projections of Qwen3-8B and Qwen3-0.6B (fused qkv, o, fused gate/up, down) at 1-
 each captured call reading a different copy of the weight (``rotating``: a real step reads
 every weight once, so no call may find its weight in L2); the attention cases batches of
 1, 64 and 256 sequences (``--attn-cases``, BATCHxCONTEXT) with each model's heads, in the
-benchmark engine's block-table width; the layer case (``--parts layer``) 36 Qwen3-8B
-layers at batch 1 with the GEMV tiling rule and without it.
+benchmark engine's block-table width, over a sweep of tilings (``--no-attn-sweep``: the
+default only) and with the new token's norm, RoPE and KV write in the kernel; the layer
+case (``--parts layer``) a graph of 36 Qwen3-8B layers at batch 1 in each of
+``LAYER_VARIANTS`` (``--layer-variants``, ';'-separated): the engine's layer before and
+now, and variants without a part (priced by difference) or with a candidate kernel.
 
     python3 -m benchmarks.decode_kernels --out /tmp/decode_kernels.json
+    python3 -m benchmarks.decode_kernels --parts attention,layer --no-attn-sweep \
+        --attn-cases 1x1024,64x2048,256x2048
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import itertools
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,21 +129,57 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-LAYER_VARIANTS = ("shape tilings, Triton gate/up", "one tiling, cuBLAS gate/up")
+@dataclass(frozen=True)
+class LayerVariant:
+    """What one layer of the layer graph runs. The defaults are the engine's layer minus
+    RoPE and the KV write; the switches take parts out (to price each by difference) or
+    swap in a candidate kernel."""
+
+    per_shape: bool = True  # choose_tiling and the Triton gate/up; else one tiling + cuBLAS
+    attention: bool = True
+    norms: bool = True
+    silu: str = "kernel"  # "kernel": silu_and_mul; "fused": in gate/up's epilogue; "none"
+    rope: str = "none"  # q/k norm + RoPE and the KV write: "kernels" (apply_rope, write_kv,
+    # as in prefill steps) or "attention" (NewTokenRope: in the decode kernel, as in decode)
+    late_trigger: str = "default"  # GEMVs letting their successor in after their loop:
+    # "default" (gemv's choice: gate/up with SiLU fused), "never", "gate_up" or "all"
+    splits: int | None = None  # decode-attention splits; None: choose_num_splits
 
 
-def layer_cases(num_layers: int) -> list[dict[str, Any]]:
+LAYER_VARIANTS = {
+    "shape tilings, Triton gate/up": LayerVariant(),
+    "one tiling, cuBLAS gate/up": LayerVariant(per_shape=False),
+    "no norms": LayerVariant(norms=False),
+    "no attention": LayerVariant(attention=False),
+    "GEMVs only, GEMVs trigger late": LayerVariant(attention=False, norms=False, silu="none",
+                                                   late_trigger="all"),
+    "SiLU in gate/up's epilogue, gate/up triggers early": LayerVariant(silu="fused",
+                                                                       late_trigger="never"),
+    "SiLU in gate/up's epilogue": LayerVariant(silu="fused"),
+    "GEMVs trigger late": LayerVariant(late_trigger="all"),
+    "RoPE and KV write in attention": LayerVariant(rope="attention"),
+    "engine before: RoPE, KV write, SiLU kernels": LayerVariant(rope="kernels"),
+    "engine now: RoPE and KV write in attention, SiLU fused": LayerVariant(rope="attention",
+                                                                           silu="fused"),
+    "attention in 16 splits": LayerVariant(splits=16),
+}
+
+
+def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     """Qwen3-8B decoder layers at batch 1, context 1k, as a graph of ``num_layers`` layers
-    with distinct weights and caches (norm, qkv, decode attention, o, norm, gate/up, SiLU,
-    down; RoPE and the KV write left out), with the GEMV tilings ``choose_tiling`` picks
-    per shape and the Triton GEMV for gate/up (what ``Linear`` does), and with one tiling
-    for all and cuBLAS for gate/up (before). us per layer."""
+    with distinct weights and caches, in the variants ``names`` of ``LAYER_VARIANTS``
+    (norm, qkv, [q/k norm, RoPE, KV write], decode attention, o, norm, gate/up, SiLU,
+    down). us per layer; the block table is the benchmark engine's width (10k tokens), so
+    the default split count is the engine's."""
     from engine_core.kernels.gemv import NARROW_TILING, gemv
-    from engine_core.kernels.paged_decode import paged_decode_attention
+    from engine_core.kernels.kv_write import write_kv
+    from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
+    from engine_core.kernels.rotary import apply_rope
     from engine_core.kernels.silu_mul import silu_and_mul
 
     hidden, inter, hq, hkv, d, context, block_size = 4096, 12288, 32, 8, 128, 1024, 16
+    width = 10240 // block_size
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     layers = []
     for _ in range(num_layers):
@@ -146,49 +188,84 @@ def layer_cases(num_layers: int) -> list[dict[str, Any]]:
             "o": torch.randn(hidden, hq * d, **bf16) / hidden ** 0.5,
             "gate_up": torch.randn(2 * inter, hidden, **bf16) / hidden ** 0.5,
             "down": torch.randn(hidden, inter, **bf16) / inter ** 0.5,
-            "cache": torch.randn(2, context // block_size, block_size, hkv, d, **bf16),
-            "norm1": torch.rand(hidden, **bf16) + 0.5, "norm2": torch.rand(hidden, **bf16) + 0.5})
-    tables = torch.arange(context // block_size, dtype=torch.int32, device="cuda")[None]
+            "cache": torch.randn(2, context // block_size + 1, block_size, hkv, d, **bf16),
+            "norm1": torch.rand(hidden, **bf16) + 0.5, "norm2": torch.rand(hidden, **bf16) + 0.5,
+            "q_norm": torch.rand(d, **bf16) + 0.5, "k_norm": torch.rand(d, **bf16) + 0.5})
+    tables = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+    tables[0, :context // block_size + 1] = torch.arange(context // block_size + 1)
     seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    slots = torch.full((1,), context - 1, dtype=torch.int64, device="cuda")
     qsl = torch.arange(2, dtype=torch.int32, device="cuda")
     x = torch.randn(1, hidden, **bf16)
     residual = torch.randn(1, hidden, **bf16)
-    q = torch.randn(1, hq, d, **bf16)
-    attn_out = torch.empty_like(q)
+    cos = torch.rand(1, 1, d, **bf16)
+    sin = torch.rand(1, 1, d, **bf16)
+    q_fixed = torch.randn(1, hq, d, **bf16)
     out = []
-    for variant in LAYER_VARIANTS:
-        per_shape = variant.startswith("shape")
+    for name in names:
+        v = LAYER_VARIANTS[name]
 
-        def forward(per_shape: bool = per_shape) -> None:
-            tiling = None if per_shape else NARROW_TILING
+        def forward(v: LayerVariant = v) -> None:
+            tiling = None if v.per_shape else NARROW_TILING
+            late_all = v.late_trigger == "all"
+            late_gate_up = {"default": None, "never": False}.get(v.late_trigger, True)
             h, r = x, residual
+            attn_out = torch.empty_like(q_fixed)
             for layer in layers:
-                normed, r = rms_norm(h, layer["norm1"], 1e-6, r)
-                gemv(normed, layer["qkv"], tiling=tiling)
-                paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
-                                       tables, seq_lens, qsl, 0.088)
-                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling)
-                normed, r = rms_norm(h, layer["norm2"], 1e-6, r)
-                if per_shape:
-                    gate_up = gemv(normed, layer["gate_up"])
+                normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
+                qkv = gemv(normed, layer["qkv"], tiling=tiling, early_dependents=not late_all)
+                q, rope = q_fixed, None
+                if v.rope != "none":
+                    q, k_, v_ = (t.view(1, -1, d) for t in
+                                 qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+                    if v.rope == "kernels":
+                        q, k_ = apply_rope(q, k_, cos, sin, layer["q_norm"], layer["k_norm"],
+                                           1e-6)
+                        write_kv(k_, v_, layer["cache"], slots)
+                    else:
+                        rope = NewTokenRope(k_, v_, cos, sin, slots, layer["q_norm"],
+                                            layer["k_norm"], 1e-6)
+                if v.attention:
+                    attn_out = torch.empty(q.shape, **bf16)
+                    paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
+                                           tables, seq_lens, qsl, 0.088, num_splits=v.splits,
+                                           rope=rope)
+                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling,
+                         early_dependents=not late_all)
+                normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
+                if v.silu == "fused":
+                    act = gemv(normed, layer["gate_up"], silu_mul=True,
+                               early_dependents=None if late_gate_up is None
+                               else not late_gate_up)
                 else:
-                    gate_up = F.linear(normed, layer["gate_up"])
-                h = gemv(silu_and_mul(gate_up), layer["down"], tiling=tiling)
+                    gate_up = (gemv(normed, layer["gate_up"], early_dependents=not late_gate_up)
+                               if v.per_shape else F.linear(normed, layer["gate_up"]))
+                    act = silu_and_mul(gate_up) if v.silu == "kernel" else gate_up[:, :inter]
+                h = gemv(act, layer["down"], tiling=tiling, early_dependents=not late_all)
 
         us = graph_us(forward, 1) / num_layers
-        out.append({"variant": variant, "us_per_layer": us, "layers": num_layers})
-        print(f"layer {variant:32} {us:7.2f} us/layer", flush=True)
+        out.append({"variant": name, "us_per_layer": us, "layers": num_layers,
+                    "options": asdict(v)})
+        print(f"layer {name:40} {us:7.2f} us/layer", flush=True)
     return out
 
 
-def attention_cases(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
-    return [attention_case(model, hq, hkv, batch, context, reps)
+def attention_cases(cases: list[tuple[int, int]], reps: int, sweep: bool
+                    ) -> list[dict[str, Any]]:
+    return [attention_case(model, hq, hkv, batch, context, reps, sweep)
             for batch, context in cases for model, hq, hkv in ATTN_SHAPES]
 
 
 def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
-                   reps: int) -> dict[str, Any]:
-    from engine_core.kernels.paged_decode import choose_num_splits, paged_decode_attention
+                   reps: int, sweep: bool) -> dict[str, Any]:
+    """The decode kernel's default tiling against the ``ATTN_CONFIGS`` sweep (``sweep``),
+    and the default tiling finishing q/k norm, RoPE and the KV write itself
+    (``NewTokenRope``, as decode steps run it: "rope in kernel")."""
+    from engine_core.kernels.paged_decode import (
+        NewTokenRope,
+        choose_num_splits,
+        paged_decode_attention,
+    )
 
     block_size, width = 16, 10240 // 16  # the benchmark engine's block-table width
     per_seq = -(-context // block_size)
@@ -203,8 +280,14 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     default_splits = choose_num_splits(batch, hkv, width, block_size, q.device)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    rope = NewTokenRope(torch.randn(batch, hkv, 128, **bf16), torch.randn(batch, hkv, 128, **bf16),
+                        torch.rand(batch, 1, 128, **bf16), torch.rand(batch, 1, 128, **bf16),
+                        (tables[:, per_seq - 1].long() * block_size + (context - 1) % block_size),
+                        torch.rand(128, **bf16) + 0.5, torch.rand(128, **bf16) + 0.5)
     results = {}
-    for splits, block_n, stages, warps in ATTN_CONFIGS:
+    configs = ATTN_CONFIGS if sweep else ATTN_CONFIGS[:1]
+    for splits, block_n, stages, warps in configs:
         def run(s=splits, bn=block_n, st=stages, w=warps):
             paged_decode_attention(q, cache[0], cache[1], out_t, tables, seq_lens, qsl,
                                    0.088, num_splits=s, block_n=bn, num_warps=w,
@@ -215,8 +298,11 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
             results[key] = graph_us(run, reps)
         except Exception as exc:  # a tiling over the shared-memory limit: skip it
             print(f"attn {key}: {type(exc).__name__}", flush=True)
+    results["rope in kernel"] = graph_us(lambda: paged_decode_attention(
+        q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope), reps)
     best = min(results, key=results.get)
-    print(f"attn {model:10} b{batch} ctx{context}: default {results['default']:.2f}; "
+    print(f"attn {model:10} b{batch} ctx{context}: default {results['default']:.2f}, "
+          f"rope in kernel {results['rope in kernel']:.2f}; "
           + ", ".join(f"{k} {v:.2f}" for k, v in
                       sorted(results.items(), key=lambda kv: kv[1])[:5]), flush=True)
     return {"model": model, "q_heads": hq, "kv_heads": hkv, "batch": batch,
@@ -230,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--attn-cases", default="1x1024,1x8192,64x2048,256x2048",
                         help="BATCHxCONTEXT list for the attention sweep")
+    parser.add_argument("--attn-sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="time every ATTN_CONFIGS tiling, not just the default")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--parts", default="attention,gemv,layer")
     parser.add_argument("--layers", type=int, default=36, help="layers in the layer graph")
+    parser.add_argument("--layer-variants", default=";".join(LAYER_VARIANTS),
+                        help="names of LAYER_VARIANTS to time, separated by ';'")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -240,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "attention" in parts:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.attn_cases.split(",")]
-        results["attention"] = attention_cases(cases, args.reps)  # type: ignore[arg-type]
+        results["attention"] = attention_cases(cases, args.reps, args.attn_sweep)  # type: ignore[arg-type]
     if "gemv" in parts:
         results["gemv"] = gemv_cases(rows, args.reps)
     if "layer" in parts:
-        results["layer"] = layer_cases(args.layers)
+        results["layer"] = layer_cases(args.layers, args.layer_variants.split(";"))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -62,16 +62,26 @@ class _KillRun:
 
 async def _kill_mid_stream(cluster: Cluster, victim: Child, long_reqs: list[Req],
                            reqs: list[Req]) -> _KillRun:
-    """Send ``long_reqs``; SIGKILL ``victim`` once two of them got their first token there;
-    then send ``reqs`` at once and watch /instances until the victim is dropped."""
+    """Send the streaming ``long_reqs``; once two of them got their first token on
+    ``victim``, send the others and SIGKILL it; then send ``reqs`` at once and watch
+    /instances until the victim is dropped.
+
+    The non-streaming requests go out only after the trigger: their first tokens count in
+    the same metric, and two of them on the victim first would freeze it before any of its
+    streams sent a byte (every stream then retried on the survivor: no cut to judge)."""
     loop = asyncio.get_running_loop()
     ttft = "vllm:time_to_first_token_seconds_count"
     base = scrape(victim.http_address).get(ttft, 0.0)
-    long_task = asyncio.create_task(send_all(cluster.url, long_reqs, timeout_s=60.0))
+    streams = [r for r in long_reqs if r.stream]
+    assert long_reqs[:len(streams)] == streams, "streaming requests first"
+    stream_task = asyncio.create_task(send_all(cluster.url, streams, timeout_s=60.0))
     started = time.monotonic()
     while (await loop.run_in_executor(None, scrape, victim.http_address)).get(ttft, 0.0) < base + 2:
         assert time.monotonic() - started < 30, "no request started on the victim"
         await asyncio.sleep(0.05)
+    rest_task = asyncio.create_task(send_all(cluster.url, long_reqs[len(streams):],
+                                             timeout_s=60.0))
+    await asyncio.sleep(0.05)  # let them reach the proxy and be routed
     # Freeze its engine so its streams stay mid-way however fast they decode, let the bytes
     # already produced reach the clients, then kill the whole worker.
     cluster.signal_engine(victim, signal.SIGSTOP)
@@ -83,7 +93,7 @@ async def _kill_mid_stream(cluster: Cluster, victim: Child, long_reqs: list[Req]
         assert time.monotonic() - killed < EXPIRY_S + EXPIRY_SLACK_S + 30, "never dropped"
         await asyncio.sleep(0.1)
     dropped_after = time.monotonic() - killed
-    return _KillRun(await long_task, await during_task, dropped_after)
+    return _KillRun(await stream_task + await rest_task, await during_task, dropped_after)
 
 
 def _judge_cut(req: Req, out: Outcome, ref: Outcome) -> str:

@@ -2,19 +2,16 @@
 
 A decode-only step (every row one token) calls ``forward_decode``: one kernel norms and
 rotates q and the new k (``NewTokenRope``), stores the new K/V and attends, so the
-model's q/k norm + RoPE kernel and the KV write are not launched. Any other step calls
+model's q/k norm + RoPE kernel and the KV write are not launched; it reads only device
+tensors, so a CUDA graph of a decode batch replays it as is. Any other step calls
 ``forward``, after the model's own norm + RoPE kernel: one kernel writes the new K/V at
-their slots, then
-
-- a decode-only step (``max_query_len == 1``) runs the split-KV decode kernel alone; it
-  reads only device tensors, so a CUDA graph of a decode batch replays it as is;
-- any other step runs the prefill kernel over the sequences with more than one new token
-  and the decode kernel over those with exactly one. Both are launched over the whole
-  batch and each skips the other's rows on the device, so no host-side partition of the
-  batch is built (a pure prefill step pays one decode launch whose programs exit at
-  once). We split rather than send everything through the prefill kernel because in a
-  chunked-prefill batch the decodes are the majority, and they need split-KV (one prefill
-  program per sequence would walk a long context alone) and the GQA-packed decode tile.
+their slots, then the prefill kernel runs over the sequences with more than one new token
+and the decode kernel over those with exactly one. Both are launched over the whole batch
+and each skips the other's rows on the device, so no host-side partition of the batch is
+built (a pure prefill step pays one decode launch whose programs exit at once). We split
+rather than send everything through the prefill kernel because in a chunked-prefill batch
+the decodes are the majority, and they need split-KV (one prefill program per sequence
+would walk a long context alone) and the GQA-packed decode tile.
 
 The backend also tells the model to use the fused RMSNorm, RoPE and SiLU kernels
 (``triton_layers``) and the small-batch GEMV (``gemv_max_rows``): one switch,

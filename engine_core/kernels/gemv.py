@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from engine_core.kernels.pdl import launch_dependents, pdl_args, wait_for_predecessor
+from engine_core.kernels.silu_mul import silu_times_up
 
 BLOCK_M = 16  # tl.dot's smallest tile; rows beyond M are masked loads
 
@@ -62,8 +63,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         # Rounded where the unfused path rounds: the projection's output, then silu(gate).
         gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32),
                                        [BLOCK_M, BLOCK_N // 2, 2]))
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        result = (silu * up).to(dtype)
+        result = silu_times_up(gate, up, dtype)
         out_cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out_ok = out_cols < half
     else:

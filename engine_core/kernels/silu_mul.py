@@ -21,6 +21,14 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """``round(round(silu(gate)) * up)`` in ``dtype`` from float32 ``gate``/``up`` holding
+    ``dtype`` values: the rounding rule of this kernel and of the GEMV's SiLU epilogue."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
@@ -30,8 +38,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.const
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_times_up(gate, up, dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

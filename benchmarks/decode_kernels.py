@@ -208,7 +208,8 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
         def forward(v: LayerVariant = v) -> None:
             tiling = None if v.per_shape else NARROW_TILING
             late_all = v.late_trigger == "all"
-            late_gate_up = {"default": None, "never": False}.get(v.late_trigger, True)
+            # None: gemv's own choice (late with the SiLU epilogue, else early).
+            gate_up_early = {"default": None, "never": True}.get(v.late_trigger, False)
             h, r = x, residual
             attn_out = torch.empty_like(q_fixed)
             for layer in layers:
@@ -235,10 +236,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
                     act = gemv(normed, layer["gate_up"], silu_mul=True,
-                               early_dependents=None if late_gate_up is None
-                               else not late_gate_up)
+                               early_dependents=gate_up_early)
                 else:
-                    gate_up = (gemv(normed, layer["gate_up"], early_dependents=not late_gate_up)
+                    gate_up = (gemv(normed, layer["gate_up"], early_dependents=gate_up_early)
                                if v.per_shape else F.linear(normed, layer["gate_up"]))
                     act = silu_and_mul(gate_up) if v.silu == "kernel" else gate_up[:, :inter]
                 h = gemv(act, layer["down"], tiling=tiling, early_dependents=not late_all)

@@ -1,0 +1,220 @@
+"""Experiment: the GEMV chain of 36 Qwen3-8B layers at batch 1 as ONE persistent kernel.
+
+Why: at batch 1 a layer's four projections (qkv, o, gate/up, down) stream 386 MB of
+weights, 91 us at the copy rate, but take ~101 us as four dependent kernels (the layer
+graph in docs/PERFORMANCE.md): each kernel's ramp-up and tail leave the memory pipe idle,
+and PDL cannot start a successor's weight stream before its input exists. Here one
+program per SM runs every projection in turn, separated by grid barriers (an atomic
+counter), and loads the first chunk of its next tile of weights *before* waiting at the
+barrier: the weight stream should not stop between projections. If the chain gets close
+to the copy rate, folding the norms and the attention into such a kernel is the way to
+the decode goal (issue #6, goal 1); if not, that road is closed for Triton.
+
+Measures, in one call: the persistent chain (several tilings) and, as the baseline, the
+same GEMVs as separate kernels (``decode_kernels`` layer variant "GEMVs only, GEMVs trigger
+late"), us per layer; and checks the chain's output against the separate GEMVs.
+
+    python3 -m benchmarks.persistent_chain --out /tmp/persistent_chain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.decode_kernels import graph_us, layer_cases
+from benchmarks.engine_speed import measure_limits
+
+HIDDEN, INTER, QKV = 4096, 12288, 6144
+DESC_FIELDS = 7  # w, x, out, N, K, x row stride, out row stride
+
+
+@triton.jit
+def _wait_at_least(counter_ptr, target):
+    """Spin until ``counter >= target`` (acquire: the other programs' stores are visible)."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _tile(w_ptr, x_ptr, out_ptr, cols, col_ok, rows, row_ok, K, stride_x, stride_o,
+          acc, k_start, BLOCK_K: tl.constexpr):
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    for k0 in range(k_start, K, BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + kk, BLOCK_K), BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        acc += tl.dot(x, tl.trans(w))
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRE_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    lanes = tl.arange(0, BLOCK_N)
+    pre = tl.arange(0, PRE_K)
+    for s in range(0, num_steps):
+        d = desc_ptr + s * 7
+        w_ptr = tl.load(d).to(tl.pointer_type(tl.bfloat16))
+        x_ptr = tl.load(d + 1).to(tl.pointer_type(tl.bfloat16))
+        out_ptr = tl.load(d + 2).to(tl.pointer_type(tl.bfloat16))
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        out_ptr = tl.multiple_of(out_ptr, 16)
+        # Every K and stride of the chain is a multiple of 256 (Qwen3-8B shapes): said so,
+        # the loads vectorise (the compiler cannot know it of values read from memory).
+        N = tl.multiple_of(tl.load(d + 3).to(tl.int32), 16)
+        K = tl.multiple_of(tl.load(d + 4).to(tl.int32), 256)
+        stride_x = tl.multiple_of(tl.load(d + 5), 256)
+        stride_o = tl.multiple_of(tl.load(d + 6), 256)
+        # The first PRE_K columns of this program's first tile, requested before the
+        # barrier: they stream while the previous projection's last programs finish.
+        cols = pid * BLOCK_N + lanes
+        col_ok = cols < N
+        w_first = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + pre[None, :],
+                          mask=col_ok[:, None] & (pre < K)[None, :], other=0.0)
+        if s > 0:
+            _wait_at_least(counter_ptr, s * NUM_PROGS)
+        x_first = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + pre[None, :],
+                          mask=row_ok[:, None] & (pre < K)[None, :], other=0.0,
+                          cache_modifier=".cg")
+        acc = tl.dot(x_first, tl.trans(w_first))
+        _tile(w_ptr, x_ptr, out_ptr, cols, col_ok, rows, row_ok, K, stride_x, stride_o,
+              acc, PRE_K, BLOCK_K)
+        for t in range(pid + NUM_PROGS, tl.cdiv(N, BLOCK_N), NUM_PROGS):
+            cols = t * BLOCK_N + lanes
+            col_ok = cols < N
+            _tile(w_ptr, x_ptr, out_ptr, cols, col_ok, rows, row_ok, K, stride_x, stride_o,
+                  tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, BLOCK_K)
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+class Chain:
+    """Descriptors and buffers of a 36-layer GEMV chain: h -> qkv -> o (q part) -> gate/up
+    -> down (first half) -> h."""
+
+    def __init__(self, layers: list[dict[str, torch.Tensor]], m: int):
+        bf16 = dict(dtype=torch.bfloat16, device="cuda")
+        self.h = torch.randn(m, HIDDEN, **bf16)
+        self.qkv = torch.empty(m, QKV, **bf16)
+        self.o = torch.empty(m, HIDDEN, **bf16)
+        self.gate_up = torch.empty(m, 2 * INTER, **bf16)
+        self.m = m
+        rows = []
+        for layer in layers:
+            rows += [
+                (layer["qkv"], self.h, self.qkv, QKV, HIDDEN),
+                (layer["o"], self.qkv, self.o, HIDDEN, HIDDEN),
+                (layer["gate_up"], self.o, self.gate_up, 2 * INTER, HIDDEN),
+                (layer["down"], self.gate_up, self.h, HIDDEN, INTER),
+            ]
+        self.steps = rows
+        self.desc = torch.tensor(
+            [[w.data_ptr(), x.data_ptr(), o.data_ptr(), n, k, x.stride(0), o.stride(0)]
+             for w, x, o, n, k in rows], dtype=torch.int64, device="cuda")
+        self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def run(self, block_n: int, block_k: int, pre_k: int, warps: int, stages: int,
+            per_sm: int) -> None:
+        progs = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+        self.counter.zero_()
+        _chain_kernel[(progs,)](self.desc, self.counter, len(self.steps), self.m,
+                                NUM_PROGS=progs, BLOCK_M=16, BLOCK_N=block_n,
+                                BLOCK_K=block_k, PRE_K=pre_k, num_warps=warps,
+                                num_stages=stages)
+
+    def reference(self, h0: torch.Tensor) -> torch.Tensor:
+        """The same chain as separate GEMV kernels (engine's gemv, plain projections)."""
+        from engine_core.kernels.gemv import gemv
+
+        h = h0
+        for w, x, *_ in self.steps:
+            if x is self.h:
+                qkv = gemv(h, w)
+            elif x is self.qkv:
+                o = gemv(qkv[:, :HIDDEN].contiguous(), w)
+            elif x is self.o:
+                gu = gemv(o, w)
+            else:
+                h = gemv(gu[:, :INTER].contiguous(), w)
+        return h
+
+
+def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    return [{"qkv": torch.randn(QKV, HIDDEN, **bf16) / HIDDEN ** 0.5,
+             "o": torch.randn(HIDDEN, HIDDEN, **bf16) / HIDDEN ** 0.5,
+             "gate_up": torch.randn(2 * INTER, HIDDEN, **bf16) / HIDDEN ** 0.5,
+             "down": torch.randn(HIDDEN, INTER, **bf16) / INTER ** 0.5}
+            for _ in range(num_layers)]
+
+
+# (BLOCK_N, BLOCK_K, PRE_K, warps, stages, programs per SM)
+CONFIGS = [(16, 256, 256, 4, 4, 1), (16, 512, 512, 4, 3, 1), (16, 256, 1024, 4, 4, 1),
+           (16, 256, 512, 8, 4, 1), (16, 256, 256, 4, 4, 2), (16, 512, 512, 4, 3, 2),
+           (32, 256, 256, 4, 4, 1), (16, 128, 256, 4, 6, 1)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "triton": triton.__version__, "layers": args.layers}
+    weight_bytes = 2 * HIDDEN * (QKV + HIDDEN + 2 * INTER + INTER)
+    limits = measure_limits(torch.device("cuda"), 1 << 30, 8192, 20)
+    results["copy_tb_per_s"] = limits["copy_bandwidth_bytes_per_s"] / 1e12
+    results["weights_at_copy_rate_us_per_layer"] = weight_bytes / results["copy_tb_per_s"] / 1e6
+    print(f"copy {results['copy_tb_per_s']:.2f} TB/s: a layer's weights "
+          f"{results['weights_at_copy_rate_us_per_layer']:.2f} us", flush=True)
+    if args.baseline:
+        results["separate_kernels"] = layer_cases(args.layers, ["GEMVs only, GEMVs trigger late"])
+        torch.cuda.empty_cache()
+    chain = Chain(make_layers(args.layers), 1)
+    h0 = chain.h.clone()
+    expected = chain.reference(h0)
+    runs = []
+    for cfg in CONFIGS:
+        entry: dict[str, Any] = {"config": dict(zip(
+            ("block_n", "block_k", "pre_k", "warps", "stages", "per_sm"), cfg))}
+        try:
+            chain.h.copy_(h0)
+            chain.run(*cfg)
+            torch.cuda.synchronize()
+            got = chain.h.float()
+            entry["max_abs_diff_vs_separate"] = (got - expected.float()).abs().max().item()
+            entry["bit_equal"] = bool(torch.equal(chain.h, expected))
+            entry["us_per_layer"] = graph_us(lambda cfg=cfg: chain.run(*cfg), 1) / args.layers
+        except Exception as exc:  # noqa: BLE001 - one failing tiling must not end the sweep
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        runs.append(entry)
+        print(f"chain {cfg}: {entry}", flush=True)
+    results["chain"] = runs
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

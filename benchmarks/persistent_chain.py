@@ -46,7 +46,8 @@ def _wait_at_least(counter_ptr, target):
 
 @triton.jit
 def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRE: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -65,20 +66,36 @@ def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
         stride_o = tl.multiple_of(tl.load(d + 6), 256)
         chunks_per_tile = K // BLOCK_K
         my_tiles = tl.maximum(tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, NUM_PROGS), 0)
-        # This program's first chunk of weights, requested before the barrier: it streams
-        # while the previous projection's last programs finish.
+        # This program's first PRE chunks of weights, requested before the barrier: they
+        # stream while the previous projection's last programs finish (K >= 4 chunks here).
         cols = pid * BLOCK_N + lanes
-        col_ok = cols < N
-        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :],
-                    mask=col_ok[:, None], other=0.0)
+        w_first = w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :]
+        w_mask = (cols < N)[:, None]
+        w0 = tl.load(w_first, mask=w_mask, other=0.0)
+        if PRE > 1:
+            w1 = tl.load(w_first + BLOCK_K, mask=w_mask, other=0.0)
+        if PRE > 2:
+            w2 = tl.load(w_first + 2 * BLOCK_K, mask=w_mask, other=0.0)
+        if PRE > 3:
+            w3 = tl.load(w_first + 3 * BLOCK_K, mask=w_mask, other=0.0)
         if s > 0:
             _wait_at_least(counter_ptr, s * NUM_PROGS)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-        x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        acc = tl.dot(x, tl.trans(w))
+        x_first = x_rows + kk[None, :]
+        acc = tl.dot(tl.load(x_first, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"),
+                     tl.trans(w0))
+        if PRE > 1:
+            acc += tl.dot(tl.load(x_first + BLOCK_K, mask=row_ok[:, None], other=0.0,
+                                  cache_modifier=".cg"), tl.trans(w1))
+        if PRE > 2:
+            acc += tl.dot(tl.load(x_first + 2 * BLOCK_K, mask=row_ok[:, None], other=0.0,
+                                  cache_modifier=".cg"), tl.trans(w2))
+        if PRE > 3:
+            acc += tl.dot(tl.load(x_first + 3 * BLOCK_K, mask=row_ok[:, None], other=0.0,
+                                  cache_modifier=".cg"), tl.trans(w3))
         # One loop over all of this program's (tile, K chunk) pairs, so that the software
         # pipeline does not drain and refill at every tile.
-        for i in range(1, my_tiles * chunks_per_tile):
+        for i in range(PRE, my_tiles * chunks_per_tile):
             t = pid + (i // chunks_per_tile) * NUM_PROGS
             ks = tl.max_contiguous(tl.multiple_of((i % chunks_per_tile) * BLOCK_K + kk, BLOCK_K),
                                    BLOCK_K)
@@ -128,13 +145,14 @@ class Chain:
              for w, x, o, n, k in rows], dtype=torch.int64, device="cuda")
         self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-    def run(self, block_n: int, block_k: int, warps: int, stages: int, per_sm: int) -> None:
+    def run(self, block_n: int, block_k: int, pre: int, warps: int, stages: int,
+            per_sm: int) -> None:
         props = torch.cuda.get_device_properties(0)
         progs = props.multi_processor_count * per_sm
         if per_sm > 1:  # every program must be resident at once, or the barrier deadlocks
             kernel = _chain_kernel.warmup(
                 self.desc, self.counter, len(self.steps), self.m, NUM_PROGS=progs, BLOCK_M=16,
-                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                BLOCK_N=block_n, BLOCK_K=block_k, PRE=pre, num_warps=warps, num_stages=stages,
                 grid=(progs,))
             kernel._init_handles()
             smem = getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
@@ -144,7 +162,7 @@ class Chain:
         self.counter.zero_()
         _chain_kernel[(progs,)](self.desc, self.counter, len(self.steps), self.m,
                                 NUM_PROGS=progs, BLOCK_M=16, BLOCK_N=block_n,
-                                BLOCK_K=block_k, num_warps=warps,
+                                BLOCK_K=block_k, PRE=pre, num_warps=warps,
                                 num_stages=stages)
 
     def reference(self, h0: torch.Tensor) -> torch.Tensor:
@@ -173,10 +191,11 @@ def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
             for _ in range(num_layers)]
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, programs per SM)
-CONFIGS = [(32, 256, 4, 4, 1), (16, 256, 4, 4, 1), (16, 256, 4, 8, 1), (16, 512, 4, 4, 1),
-           (16, 512, 4, 6, 1), (32, 256, 4, 6, 1), (32, 512, 4, 4, 1), (16, 256, 4, 4, 2),
-           (32, 256, 4, 4, 2), (16, 512, 4, 4, 2), (64, 128, 4, 4, 1)]
+# (BLOCK_N, BLOCK_K, chunks requested before the barrier, warps, stages, programs per SM)
+CONFIGS = [(32, 256, 1, 4, 4, 1), (32, 256, 2, 4, 4, 1), (32, 256, 4, 4, 4, 1),
+           (32, 512, 1, 4, 4, 1), (32, 512, 2, 4, 4, 1), (32, 512, 2, 4, 3, 1),
+           (32, 256, 4, 8, 4, 1), (64, 256, 2, 8, 3, 1), (16, 512, 4, 4, 4, 1),
+           (32, 256, 2, 4, 3, 2), (16, 512, 2, 4, 3, 2)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for cfg in CONFIGS:
         entry: dict[str, Any] = {"config": dict(zip(
-            ("block_n", "block_k", "warps", "stages", "per_sm"), cfg))}
+            ("block_n", "block_k", "pre", "warps", "stages", "per_sm"), cfg))}
         try:
             chain.h.copy_(h0)
             chain.run(*cfg)

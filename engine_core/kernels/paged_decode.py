@@ -64,34 +64,6 @@ def _norm_rope_rows(row_ptrs, row_ok, w_ptr, cos, sin, eps, HEAD_DIM: tl.constex
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, dims, dim_mask,
-                  stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr):
-    """K and V ``[BLOCK_N, BLOCK_D]`` of positions ``pos`` (zeros where not ``valid``)."""
-    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    kv_rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-    tile_mask = valid[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-    # V is loaded beside K, before the QK^T dot (no measurable change at batch 1 on an
-    # H200: a one-tile split stayed 7.7 us, latency-bound).
-    v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over a K/V tile; an all-invalid tile changes nothing."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(valid[None, :], s, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                        input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
@@ -103,43 +75,23 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    if not ROPE:
-        wait_for_predecessor(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
-    is_decode = tl.load(query_start_loc_ptr + seq + 1) - q_row == 1
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
-    if ROPE:
-        # The new token (position seq_len - 1) comes from registers, not from the cache.
-        cached_hi = tl.minimum(hi, seq_len - 1)
-    else:
-        cached_hi = hi
-    cached_hi = tl.where(is_decode, cached_hi, lo)  # other rows read nothing
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    first_pos = lo + tl.arange(0, BLOCK_N)
-    first_valid = first_pos < cached_hi
-    k_first, v_first = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, first_pos, first_valid,
-                                     kv_head, dims, dim_mask, stride_kb, stride_ks,
-                                     stride_kh, BLOCK_SIZE)
-    if ROPE:
-        # Decode-only step: the first K/V tile was requested before the wait. Allowed (see
-        # pdl.py): the step inputs read so far and the cached positions (all before
-        # seq_len - 1, written by earlier steps) were complete before the qkv projection,
-        # this kernel's predecessor, started; so the tile streams during its tail.
-        wait_for_predecessor(USE_PDL)
-    if not is_decode:
-        return
 
     rows = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + rows
     row_valid = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
     q_rows = q_row.to(tl.int64) * stride_qt + head * stride_qh
     if ROPE:
         # q, k and v are this step's raw projections: q is normed and rotated here, and the
@@ -158,9 +110,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                                 BLOCK_D, HAS_NORM)
         v_new = tl.load(v_new_ptr + token * stride_vnt + kv_head * stride_vnh
                         + one[:, None] * 0 + dims[None, :], mask=dim_mask[None, :], other=0.0)
+        cached_hi = tl.minimum(hi, seq_len - 1)
     else:
         q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                     mask=row_valid[:, None] & dim_mask[None, :], other=0.0)
+        cached_hi = hi
 
     m_i = tl.full([GROUP_PAD], _ROW_MAX_START, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -186,16 +140,26 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         m_i = tl.where(owner, s_new, m_i)
         l_i = tl.where(owner, 1.0, l_i)
         acc = tl.where(owner[:, None], v_stored.to(q.dtype).to(tl.float32), acc)
-    # The first tile (empty when the split is) was loaded above; the rest stream here.
-    m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_valid, m_i, l_i, acc, scale_log2,
-                                 DOT_PRECISION)
-    for start in range(lo + BLOCK_N, cached_hi, BLOCK_N):
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, cached_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < cached_hi
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, dims,
-                             dim_mask, stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2,
-                                     DOT_PRECISION)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        tile_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+        # V is loaded beside K, before the QK^T dot (no measurable change at batch 1 on an
+        # H200: a one-tile split stayed 7.7 us, latency-bound).
+        v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

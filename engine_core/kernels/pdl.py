@@ -5,15 +5,10 @@ only scheduled once its predecessor has finished. Launched with PDL, a kernel's 
 scheduled while the predecessor drains and park at ``griddepcontrol.wait``, which returns
 once the predecessor has completed and its writes are visible: the launch gap is hidden.
 
-Rule for every kernel that takes part: call ``wait_for_predecessor`` before any store or
-early return, and before any load of what the kernels of this step may have written. Then
-a kernel's completion implies its predecessor's, so the chain is ordered exactly as
-without PDL (kernels launched without PDL, cuBLAS for instance, keep ordinary stream order
-on both sides). Loads before the wait may only read what was complete before the
-predecessor started: every kernel here lets its successor in only after its own wait, so
-that is everything the kernel before the predecessor wrote, and older (step inputs copied
-before the forward, the KV cache of earlier steps). The decode attention kernel does
-this to fetch its first K/V tile while the qkv projection finishes. On Hopper and newer GPUs only; never
+Rule for every kernel that takes part: call ``wait_for_predecessor`` first thing, before
+any load, store or early return. Then a kernel's completion implies its predecessor's, so
+the chain is ordered exactly as without PDL (kernels launched without PDL, cuBLAS for
+instance, keep ordinary stream order on both sides). On Hopper and newer GPUs only; never
 under the Triton interpreter; ``PDSERVE_TRITON_PDL=0`` turns it off.
 """
 

@@ -51,7 +51,7 @@ def _wait_at_least(counter_ptr, target):
 @triton.jit
 def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRE: tl.constexpr):
+                  PRE: tl.constexpr, TMA: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -73,15 +73,28 @@ def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
         # This program's first PRE chunks of weights, requested before the barrier: they
         # stream while the previous projection's last programs finish (K >= 4 chunks here).
         cols = pid * BLOCK_N + lanes
-        w_first = w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :]
-        w_mask = (cols < N)[:, None]
-        w0 = tl.load(w_first, mask=w_mask, other=0.0)
-        if PRE > 1:
-            w1 = tl.load(w_first + BLOCK_K, mask=w_mask, other=0.0)
-        if PRE > 2:
-            w2 = tl.load(w_first + 2 * BLOCK_K, mask=w_mask, other=0.0)
-        if PRE > 3:
-            w3 = tl.load(w_first + 3 * BLOCK_K, mask=w_mask, other=0.0)
+        if TMA:
+            # Bulk tensor copies: one thread issues a whole [BLOCK_N, BLOCK_K] tile, so one
+            # program can keep many tiles in flight (rows past N come back as zeros).
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+            w0 = w_desc.load([pid * BLOCK_N, 0])
+            if PRE > 1:
+                w1 = w_desc.load([pid * BLOCK_N, BLOCK_K])
+            if PRE > 2:
+                w2 = w_desc.load([pid * BLOCK_N, 2 * BLOCK_K])
+            if PRE > 3:
+                w3 = w_desc.load([pid * BLOCK_N, 3 * BLOCK_K])
+        else:
+            w_first = w_ptr + cols.to(tl.int64)[:, None] * K + kk[None, :]
+            w_mask = (cols < N)[:, None]
+            w0 = tl.load(w_first, mask=w_mask, other=0.0)
+            if PRE > 1:
+                w1 = tl.load(w_first + BLOCK_K, mask=w_mask, other=0.0)
+            if PRE > 2:
+                w2 = tl.load(w_first + 2 * BLOCK_K, mask=w_mask, other=0.0)
+            if PRE > 3:
+                w3 = tl.load(w_first + 3 * BLOCK_K, mask=w_mask, other=0.0)
         if s > 0:
             _wait_at_least(counter_ptr, s * NUM_PROGS)
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -110,8 +123,11 @@ def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + prev[None, :],
                          acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (prev < N)[None, :])
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            w = tl.load(w_ptr + cols_i.to(tl.int64)[:, None] * K + ks[None, :],
-                        mask=ok_i[:, None], other=0.0)
+            if TMA:
+                w = w_desc.load([t * BLOCK_N, (i % chunks_per_tile) * BLOCK_K])
+            else:
+                w = tl.load(w_ptr + cols_i.to(tl.int64)[:, None] * K + ks[None, :],
+                            mask=ok_i[:, None], other=0.0)
             x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None], other=0.0,
                         cache_modifier=".cg")
             acc += tl.dot(x, tl.trans(w))
@@ -150,13 +166,13 @@ class Chain:
         self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def run(self, block_n: int, block_k: int, pre: int, warps: int, stages: int,
-            per_sm: int) -> None:
+            per_sm: int, tma: bool = False) -> None:
         props = torch.cuda.get_device_properties(0)
         progs = props.multi_processor_count * per_sm
         if per_sm > 1:  # every program must be resident at once, or the barrier deadlocks
             kernel = _chain_kernel.warmup(
                 self.desc, self.counter, len(self.steps), self.m, NUM_PROGS=progs, BLOCK_M=16,
-                BLOCK_N=block_n, BLOCK_K=block_k, PRE=pre, num_warps=warps, num_stages=stages,
+                BLOCK_N=block_n, BLOCK_K=block_k, PRE=pre, TMA=tma, num_warps=warps, num_stages=stages,
                 grid=(progs,))
             kernel._init_handles()
             smem = getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
@@ -166,7 +182,7 @@ class Chain:
         self.counter.zero_()
         _chain_kernel[(progs,)](self.desc, self.counter, len(self.steps), self.m,
                                 NUM_PROGS=progs, BLOCK_M=16, BLOCK_N=block_n,
-                                BLOCK_K=block_k, PRE=pre, num_warps=warps,
+                                BLOCK_K=block_k, PRE=pre, TMA=tma, num_warps=warps,
                                 num_stages=stages)
 
     def reference(self, h0: torch.Tensor) -> torch.Tensor:
@@ -195,11 +211,13 @@ def make_layers(num_layers: int) -> list[dict[str, torch.Tensor]]:
             for _ in range(num_layers)]
 
 
-# (BLOCK_N, BLOCK_K, chunks requested before the barrier, warps, stages, programs per SM)
-CONFIGS = [(32, 256, 1, 4, 4, 1), (32, 256, 2, 4, 4, 1), (32, 256, 4, 4, 4, 1),
-           (32, 512, 1, 4, 4, 1), (32, 512, 2, 4, 4, 1), (32, 512, 2, 4, 3, 1),
-           (32, 256, 4, 8, 4, 1), (64, 256, 2, 8, 3, 1), (16, 512, 4, 4, 4, 1),
-           (32, 256, 2, 4, 3, 2), (16, 512, 2, 4, 3, 2)]
+# (BLOCK_N, BLOCK_K, chunks requested before the barrier, warps, stages, programs per SM,
+#  TMA loads)
+CONFIGS = [(32, 512, 1, 4, 4, 1, False), (32, 256, 2, 4, 4, 1, False),
+           (32, 256, 1, 4, 4, 1, True), (32, 256, 1, 4, 6, 1, True),
+           (32, 512, 1, 4, 4, 1, True), (16, 256, 1, 4, 8, 1, True),
+           (16, 512, 1, 4, 6, 1, True), (64, 256, 1, 4, 4, 1, True),
+           (32, 256, 2, 4, 6, 1, True), (32, 256, 1, 4, 3, 2, True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,13 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         results["separate_kernels"] = layer_cases(args.layers, ["GEMVs only, GEMVs trigger late"])
         torch.cuda.empty_cache()
+    # Scratch for the descriptors the TMA variant builds on the device.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
     chain = Chain(make_layers(args.layers), 1)
     h0 = chain.h.clone()
     expected = chain.reference(h0)
     runs = []
     for cfg in CONFIGS:
         entry: dict[str, Any] = {"config": dict(zip(
-            ("block_n", "block_k", "pre", "warps", "stages", "per_sm"), cfg))}
+            ("block_n", "block_k", "pre", "warps", "stages", "per_sm", "tma"), cfg))}
         try:
             chain.h.copy_(h0)
             chain.run(*cfg)

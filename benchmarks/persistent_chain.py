@@ -11,8 +11,8 @@ to the copy rate, folding the norms and the attention into such a kernel is the 
 the decode goal (issue #6, goal 1); if not, that road is closed for Triton.
 
 Result (one H200, 2026-11-23, docs/PERFORMANCE.md): the chain is correct (bit-equal to
-the separate GEMVs) but slower, 106.4 us a layer at best against 99-102, so the engine
-does not use it.
+the separate GEMVs) but slower, 106.4 us a layer at best against 99-102 (TMA loads:
+111.5 at best), so the engine does not use it.
 
 Measures, in one call: the persistent chain (several tilings) and, as the baseline, the
 same GEMVs as separate kernels (``decode_kernels`` layer variant "GEMVs only, GEMVs trigger

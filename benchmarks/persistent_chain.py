@@ -185,12 +185,13 @@ class Chain:
                                 BLOCK_K=block_k, PRE=pre, TMA=tma, num_warps=warps,
                                 num_stages=stages)
 
-    def reference(self, h0: torch.Tensor) -> torch.Tensor:
-        """The same chain as separate GEMV kernels (engine's gemv, plain projections)."""
+    def reference(self, h0: torch.Tensor, layers: int | None = None) -> torch.Tensor:
+        """The same chain (its first ``layers``) as separate GEMV kernels (the engine's
+        gemv, plain projections)."""
         from engine_core.kernels.gemv import gemv
 
         h = h0
-        for w, x, *_ in self.steps:
+        for w, x, *_ in self.steps[:None if layers is None else 4 * layers]:
             if x is self.h:
                 qkv = gemv(h, w)
             elif x is self.qkv:

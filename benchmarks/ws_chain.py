@@ -1,0 +1,141 @@
+"""Experiment: 36 Qwen3-8B layers' batch-1 GEMV chain as one persistent CUDA kernel with a
+warp-specialised weight stream (``ws_chain.cu``: a producer warp streams weights into a ring
+of shared-memory slots with bulk async copies; consumer warps compute behind grid barriers).
+
+Why: the Triton persistent chain (``persistent_chain.py``) streamed slower than separate
+kernels (106.4 against ~100 us a layer; the weights alone are ~92 us at the copy rate). If
+this kernel gets close to the copy rate, a persistent decode layer written this way is the
+road to issue #6's batch-1 goal; if not, that road is closed too.
+
+One call measures the chain in several ring shapes, the separate Triton GEMVs of the engine
+(the same layers, in a CUDA graph) as the baseline, and checks the chain's output against
+the separate GEMVs (the float32 sums run in another order, so within rounding, not bit-equal).
+The kernel is compiled at run time by CuPy (NVRTC); ``--cubin-dir`` loads prebuilt cubins
+named ``ws_chain_<slot>_<slots>_<warps>.cubin`` instead where NVRTC is missing.
+
+    python3 -m benchmarks.ws_chain --out /tmp/ws_chain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.decode_kernels import graph_us, layer_cases
+from benchmarks.engine_speed import measure_limits
+from benchmarks.persistent_chain import HIDDEN, INTER, QKV, Chain, make_layers
+
+SOURCE = Path(__file__).with_name("ws_chain.cu")
+MAX_K = INTER
+STEP_DTYPE = np.dtype({"names": ["w", "x", "out", "n", "k", "pad0", "pad1"],
+                       "formats": ["<u8", "<u8", "<u8", "<i4", "<i4", "<i4", "<i4"]})
+# (slot bytes, slots, consumer warps); a slot must hold a row of the widest K (24 KB).
+CONFIGS = [(32768, 6, 8), (24576, 8, 8), (32768, 4, 8), (49152, 4, 8), (24576, 8, 4),
+           (32768, 6, 16), (24576, 4, 8)]
+
+
+def defines(slot: int, slots: int, warps: int) -> tuple[str, ...]:
+    return (f"-DSLOT_BYTES={slot}", f"-DNUM_SLOTS={slots}", f"-DNUM_CONSUMER_WARPS={warps}",
+            f"-DMAX_K={MAX_K}")
+
+
+def smem_bytes(slot: int, slots: int) -> int:
+    return slot * slots + MAX_K * 2 + 2 * 8 * slots
+
+
+def load_kernel(cupy: Any, slot: int, slots: int, warps: int, cubin_dir: str | None) -> Any:
+    """The compiled ``gemv_chain`` for one ring shape: NVRTC, else a prebuilt cubin."""
+    try:
+        module = cupy.RawModule(code=SOURCE.read_text(),
+                                options=("--std=c++17",) + defines(slot, slots, warps))
+        kernel = module.get_function("gemv_chain")
+    except Exception:  # noqa: BLE001 - no NVRTC on this machine: the prebuilt cubin
+        if cubin_dir is None:
+            raise
+        module = cupy.RawModule(path=str(Path(cubin_dir) / f"ws_chain_{slot}_{slots}_{warps}.cubin"))
+        kernel = module.get_function("gemv_chain")
+    kernel.max_dynamic_shared_size_bytes = smem_bytes(slot, slots)
+    return kernel
+
+
+class WsChain:
+    """The chain's step table for ``ws_chain.cu`` over ``Chain``'s buffers (one row)."""
+
+    def __init__(self, chain: Chain, num_layers: int | None = None):
+        steps = chain.steps if num_layers is None else chain.steps[:4 * num_layers]
+        table = np.zeros(len(steps), dtype=STEP_DTYPE)
+        for i, (w, x, out, n, k) in enumerate(steps):
+            table[i] = (w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, 0, 0)
+        self.table = torch.from_numpy(table.view(np.uint8).copy()).cuda()
+        self.num_steps = len(steps)
+        self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def run(self, cupy: Any, kernel: Any, warps: int, slot: int, slots: int) -> None:
+        self.counter.zero_()
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        blocks = torch.cuda.get_device_properties(0).multi_processor_count
+        kernel((blocks,), ((warps + 1) * 32,),
+               (np.uint64(self.table.data_ptr()), np.int32(self.num_steps),
+                np.uint64(self.counter.data_ptr())),
+               shared_mem=smem_bytes(slot, slots), stream=stream)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--cubin-dir", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    cupy = importlib.import_module("cupy")  # cupy-cuda12x or -13x, by module name
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "layers": args.layers}
+    weight_bytes = 2 * HIDDEN * (QKV + HIDDEN + 2 * INTER + INTER)
+    limits = measure_limits(torch.device("cuda"), 1 << 30, 8192, 20)
+    results["copy_tb_per_s"] = limits["copy_bandwidth_bytes_per_s"] / 1e12
+    results["weights_at_copy_rate_us_per_layer"] = weight_bytes / results["copy_tb_per_s"] / 1e6
+    print(f"copy {results['copy_tb_per_s']:.2f} TB/s: a layer's weights "
+          f"{results['weights_at_copy_rate_us_per_layer']:.2f} us", flush=True)
+    results["separate_kernels"] = layer_cases(args.layers, ["GEMVs only, GEMVs trigger late"])
+    torch.cuda.empty_cache()
+    chain = Chain(make_layers(args.layers), 1)
+    h0 = chain.h.clone()
+    expected = chain.reference(h0)
+    one_expected = chain.reference(h0, layers=1)  # the first layer: a check before any drift
+    runs = []
+    for slot, slots, warps in CONFIGS:
+        entry: dict[str, Any] = {"slot_bytes": slot, "slots": slots, "consumer_warps": warps}
+        try:
+            kernel = load_kernel(cupy, slot, slots, warps, args.cubin_dir)
+            for name, ws, want in (("one_layer", WsChain(chain, 1), one_expected),
+                                   ("chain", WsChain(chain), expected)):
+                chain.h.copy_(h0)
+                ws.run(cupy, kernel, warps, slot, slots)
+                torch.cuda.synchronize()
+                entry[f"{name}_max_rel_diff"] = rel_diff(chain.h, want)
+            entry["us_per_layer"] = graph_us(
+                lambda ws=ws, k=kernel, w=warps, s=slot, n=slots: ws.run(cupy, k, w, s, n),
+                1) / args.layers
+        except Exception as exc:  # noqa: BLE001 - one failing shape must not end the sweep
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        runs.append(entry)
+        print(f"ws chain {entry}", flush=True)
+    results["chain"] = runs
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def rel_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).abs().max()
+            / expected.float().abs().max().clamp_min(1e-6)).item()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

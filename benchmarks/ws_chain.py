@@ -67,13 +67,18 @@ def load_kernel(cupy: Any, slot: int, slots: int, warps: int, cubin_dir: str | N
 class WsChain:
     """The chain's step table for ``ws_chain.cu`` over ``Chain``'s buffers (one row)."""
 
-    def __init__(self, chain: Chain, num_layers: int | None = None):
+    def __init__(self, chain: Chain, num_layers: int | None = None, barriers: int = 0):
         steps = chain.steps if num_layers is None else chain.steps[:4 * num_layers]
-        table = np.zeros(len(steps), dtype=STEP_DTYPE)
+        rows = []
         for i, (w, x, out, n, k) in enumerate(steps):
-            table[i] = (w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, 0, 0)
+            rows.append((w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, 0, 0))
+            if i % 4 == 0:
+                # Stand-ins for a layer's latency-bound work (norms, attention): projections
+                # of no rows, i.e. a grid barrier and an input load each, and no weights.
+                rows += [(w.data_ptr(), x.data_ptr(), out.data_ptr(), 0, k, 0, 0)] * barriers
+        table = np.array(rows, dtype=STEP_DTYPE)
         self.table = torch.from_numpy(table.view(np.uint8).copy()).cuda()
-        self.num_steps = len(steps)
+        self.num_steps = len(rows)
         self.counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def run(self, cupy: Any, kernel: Any, warps: int, slot: int, slots: int) -> None:
@@ -91,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--cubin-dir", default=None)
+    parser.add_argument("--configs", default=None,
+                        help="SLOT:SLOTS:WARPS list, ','-separated (default: CONFIGS)")
+    parser.add_argument("--barriers", type=int, nargs="*", default=[],
+                        help="also time the chain with this many empty grid-barrier steps "
+                             "a layer (latency-bound work the weight stream should hide)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     cupy = importlib.import_module("cupy")  # cupy-cuda12x or -13x, by module name
@@ -109,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     expected = chain.reference(h0)
     one_expected = chain.reference(h0, layers=1)  # the first layer: a check before any drift
     runs = []
-    for slot, slots, warps in CONFIGS:
+    configs = (CONFIGS if args.configs is None else
+               [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")])
+    for slot, slots, warps in configs:
         entry: dict[str, Any] = {"slot_bytes": slot, "slots": slots, "consumer_warps": warps}
         try:
             kernel = load_kernel(cupy, slot, slots, warps, args.cubin_dir)
@@ -119,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                 ws.run(cupy, kernel, warps, slot, slots)
                 torch.cuda.synchronize()
                 entry[f"{name}_max_rel_diff"] = rel_diff(chain.h, want)
-            entry["us_per_layer"] = graph_us(
-                lambda ws=ws, k=kernel, w=warps, s=slot, n=slots: ws.run(cupy, k, w, s, n),
-                1) / args.layers
+            for extra in (0,) + tuple(args.barriers):
+                timed = WsChain(chain, barriers=extra)
+                key = "us_per_layer" if extra == 0 else f"us_per_layer_{extra}_more_barriers"
+                entry[key] = graph_us(
+                    lambda t=timed, k=kernel, w=warps, s=slot, n=slots: t.run(cupy, k, w, s, n),
+                    1) / args.layers
         except Exception as exc:  # noqa: BLE001 - one failing shape must not end the sweep
             entry["error"] = f"{type(exc).__name__}: {exc}"[:400]
         runs.append(entry)

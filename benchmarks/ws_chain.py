@@ -7,6 +7,10 @@ kernels (106.4 against ~100 us a layer; the weights alone are ~92 us at the copy
 this kernel gets close to the copy rate, a persistent decode layer written this way is the
 road to issue #6's batch-1 goal; if not, that road is closed too.
 
+Result (one H200, 2026-11-23, docs/PERFORMANCE.md): 100.6 us a layer at best, the same as
+the separate GEMVs (100.6 in the same call), and each empty grid-barrier step a layer
+(``--barriers``) adds ~2.3 us: not the way past the separate kernels either.
+
 One call measures the chain in several ring shapes, the separate Triton GEMVs of the engine
 (the same layers, in a CUDA graph) as the baseline, and checks the chain's output against
 the separate GEMVs (the float32 sums run in another order, so within rounding, not bit-equal).

@@ -53,19 +53,21 @@ def smem_bytes(slot: int, slots: int) -> int:
     return slot * slots + MAX_K * 2 + 2 * 8 * slots
 
 
-def load_kernel(cupy: Any, slot: int, slots: int, warps: int, cubin_dir: str | None) -> Any:
-    """The compiled ``gemv_chain`` for one ring shape: NVRTC, else a prebuilt cubin."""
+def load_kernel(cupy: Any, slot: int, slots: int, warps: int,
+                cubin_dir: str | None) -> tuple[Any, str]:
+    """The compiled ``gemv_chain`` for one ring shape and where it came from: NVRTC, else
+    a prebuilt cubin."""
     try:
         module = cupy.RawModule(code=SOURCE.read_text(),
                                 options=("--std=c++17",) + defines(slot, slots, warps))
-        kernel = module.get_function("gemv_chain")
+        kernel, origin = module.get_function("gemv_chain"), "nvrtc"
     except Exception:  # noqa: BLE001 - no NVRTC on this machine: the prebuilt cubin
         if cubin_dir is None:
             raise
-        module = cupy.RawModule(path=str(Path(cubin_dir) / f"ws_chain_{slot}_{slots}_{warps}.cubin"))
-        kernel = module.get_function("gemv_chain")
+        path = Path(cubin_dir) / f"ws_chain_{slot}_{slots}_{warps}.cubin"
+        kernel, origin = cupy.RawModule(path=str(path)).get_function("gemv_chain"), str(path)
     kernel.max_dynamic_shared_size_bytes = smem_bytes(slot, slots)
-    return kernel
+    return kernel, origin
 
 
 class WsChain:
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for slot, slots, warps in configs:
         entry: dict[str, Any] = {"slot_bytes": slot, "slots": slots, "consumer_warps": warps}
         try:
-            kernel = load_kernel(cupy, slot, slots, warps, args.cubin_dir)
+            kernel, entry["kernel_from"] = load_kernel(cupy, slot, slots, warps, args.cubin_dir)
             for name, ws, want in (("one_layer", WsChain(chain, 1), one_expected),
                                    ("chain", WsChain(chain), expected)):
                 chain.h.copy_(h0)

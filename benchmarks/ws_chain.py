@@ -15,9 +15,13 @@ One call measures the chain in several ring shapes, the separate Triton GEMVs of
 (the same layers, in a CUDA graph) as the baseline, and checks the chain's output against
 the separate GEMVs (the float32 sums run in another order, so within rounding, not bit-equal).
 The kernel is compiled at run time by CuPy (NVRTC); ``--cubin-dir`` loads prebuilt cubins
-named ``ws_chain_<slot>_<slots>_<warps>.cubin`` instead where NVRTC is missing.
+named ``ws_chain_<slot>_<slots>_<warps>.cubin`` instead where NVRTC is missing. They can be
+built on a machine without a GPU from an NVRTC library (``pip install
+nvidia-cuda-nvrtc-cu12``) and the ptxas that Triton ships:
 
-    python3 -m benchmarks.ws_chain --out /tmp/ws_chain.json
+    python3 -m benchmarks.ws_chain --build-cubins .device/ws_chain \
+        --nvrtc .../nvidia/cuda_nvrtc/lib/libnvrtc.so.12
+    python3 -m benchmarks.ws_chain --cubin-dir .device/ws_chain --out /tmp/ws_chain.json
 """
 
 from __future__ import annotations
@@ -47,6 +51,40 @@ CONFIGS = [(32768, 6, 8), (24576, 8, 8), (32768, 4, 8), (49152, 4, 8), (24576, 8
 def defines(slot: int, slots: int, warps: int) -> tuple[str, ...]:
     return (f"-DSLOT_BYTES={slot}", f"-DNUM_SLOTS={slots}", f"-DNUM_CONSUMER_WARPS={warps}",
             f"-DMAX_K={MAX_K}")
+
+
+def build_cubins(out_dir: Path, nvrtc_path: str) -> None:
+    """Compile ``ws_chain.cu`` for sm_90 in every CONFIGS shape: NVRTC to PTX, then ptxas."""
+    import ctypes
+    import subprocess
+
+    import triton
+
+    nvrtc = ctypes.CDLL(nvrtc_path)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for slot, slots, warps in CONFIGS:
+        prog = ctypes.c_void_p()
+        if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.read_bytes(), b"ws_chain.cu",
+                                    0, None, None):
+            raise RuntimeError("nvrtcCreateProgram failed")
+        opts = [o.encode() for o in ("--gpu-architecture=compute_90", "--std=c++17",
+                                     *defines(slot, slots, warps))]
+        if nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(log.value.decode())
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        ptx_path = out_dir / f"ws_chain_{slot}_{slots}_{warps}.ptx"
+        ptx_path.write_bytes(ptx.value)
+        subprocess.run([str(ptxas), "-arch=sm_90", str(ptx_path), "-o",
+                        str(ptx_path.with_suffix(".cubin"))], check=True)
+        print(f"built {ptx_path.with_suffix('.cubin')}", flush=True)
 
 
 def smem_bytes(slot: int, slots: int) -> int:
@@ -102,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--cubin-dir", default=None)
+    parser.add_argument("--build-cubins", default=None, metavar="DIR",
+                        help="only compile the cubins into DIR (no GPU needed), then exit")
+    parser.add_argument("--nvrtc", default="libnvrtc.so.12", help="NVRTC library, for "
+                        "--build-cubins")
     parser.add_argument("--configs", default=None,
                         help="SLOT:SLOTS:WARPS list, ','-separated (default: CONFIGS)")
     parser.add_argument("--barriers", type=int, nargs="*", default=[],
@@ -109,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                              "a layer (latency-bound work the weight stream should hide)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.build_cubins:
+        build_cubins(Path(args.build_cubins), args.nvrtc)
+        return 0
     cupy = importlib.import_module("cupy")  # cupy-cuda12x or -13x, by module name
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "layers": args.layers}

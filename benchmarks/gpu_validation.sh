@@ -3,7 +3,8 @@
 # JSON under $OUT (device time is scarce: run a stage, read its logs, fix, run again).
 #
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~8 min): graphs, HF equivalence, async
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~9 min): every Triton kernel test
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~2 min)
@@ -36,8 +37,14 @@ case "${1:-}" in
         step async_scheduling 150 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_async_scheduling.py
         ;;
     kernels)
-        # Several hundred cases since the decode fusions: a 10-minute call of their own.
-        step triton_kernels 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_triton_kernels.py
+        # The kernel test file without its decode cases (205 cases, ~150 s on an H200).
+        step triton_kernels 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_triton_kernels.py -k "not decode and not backend"
+        ;;
+    decode)
+        # Its decode-attention and backend cases (226, over 290 s on an H200): a call of their own.
+        step triton_decode 560 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_triton_kernels.py -k "decode or backend"
         ;;
     async)
         # Async scheduling on the GPU: its tests and the engine tests it touches, then the
@@ -66,7 +73,7 @@ case "${1:-}" in
             --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --out "$OUT/kv_transfer.json"
         ;;
     *)
-        echo "usage: $0 engine|kernels|cluster|speed|transfer|async" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|speed|transfer|async" >&2
         exit 2
         ;;
 esac

@@ -36,7 +36,8 @@ from benchmarks.decode_kernels import graph_us, layer_cases
 from benchmarks.engine_speed import measure_limits
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144
-DESC_FIELDS = 7  # w, x, out, N, K, x row stride, out row stride
+DESC_FIELDS = tl.constexpr(7)  # w, x, out, N, K, x row stride, out row stride
+LAYER_WEIGHT_BYTES = 2 * HIDDEN * (QKV + HIDDEN + 2 * INTER + INTER)
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _chain_kernel(desc_ptr, counter_ptr, num_steps, M, NUM_PROGS: tl.constexpr,
     lanes = tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     for s in range(0, num_steps):
-        d = desc_ptr + s * 7
+        d = desc_ptr + s * DESC_FIELDS
         w_ptr = tl.multiple_of(tl.load(d).to(tl.pointer_type(tl.bfloat16)), 16)
         x_ptr = tl.multiple_of(tl.load(d + 1).to(tl.pointer_type(tl.bfloat16)), 16)
         out_ptr = tl.multiple_of(tl.load(d + 2).to(tl.pointer_type(tl.bfloat16)), 16)
@@ -221,6 +222,24 @@ CONFIGS = [(32, 512, 1, 4, 4, 1, False), (32, 256, 2, 4, 4, 1, False),
            (32, 256, 2, 4, 6, 1, True), (32, 256, 1, 4, 3, 2, True)]
 
 
+def limits_and_baseline(layers: int, baseline: bool = True) -> dict[str, Any]:
+    """What a chain experiment compares against, measured in its own call: the copy rate
+    (and a layer's weights at it) and, with ``baseline``, the same GEMVs as separate kernels
+    (``decode_kernels`` layer variant "GEMVs only, GEMVs trigger late")."""
+    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "layers": layers}
+    limits = measure_limits(torch.device("cuda"), 1 << 30, 8192, 20)
+    results["copy_tb_per_s"] = limits["copy_bandwidth_bytes_per_s"] / 1e12
+    results["weights_at_copy_rate_us_per_layer"] = (LAYER_WEIGHT_BYTES
+                                                    / results["copy_tb_per_s"] / 1e6)
+    print(f"copy {results['copy_tb_per_s']:.2f} TB/s: a layer's weights "
+          f"{results['weights_at_copy_rate_us_per_layer']:.2f} us", flush=True)
+    if baseline:
+        results["separate_kernels"] = layer_cases(layers, ["GEMVs only, GEMVs trigger late"])
+        torch.cuda.empty_cache()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,17 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "triton": triton.__version__, "layers": args.layers}
-    weight_bytes = 2 * HIDDEN * (QKV + HIDDEN + 2 * INTER + INTER)
-    limits = measure_limits(torch.device("cuda"), 1 << 30, 8192, 20)
-    results["copy_tb_per_s"] = limits["copy_bandwidth_bytes_per_s"] / 1e12
-    results["weights_at_copy_rate_us_per_layer"] = weight_bytes / results["copy_tb_per_s"] / 1e6
-    print(f"copy {results['copy_tb_per_s']:.2f} TB/s: a layer's weights "
-          f"{results['weights_at_copy_rate_us_per_layer']:.2f} us", flush=True)
-    if args.baseline:
-        results["separate_kernels"] = layer_cases(args.layers, ["GEMVs only, GEMVs trigger late"])
-        torch.cuda.empty_cache()
+    results = limits_and_baseline(args.layers, args.baseline)
+    results["triton"] = triton.__version__
     # Scratch for the descriptors the TMA variant builds on the device.
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
                                                                  device="cuda"))

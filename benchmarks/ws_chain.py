@@ -35,9 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.decode_kernels import graph_us, layer_cases
-from benchmarks.engine_speed import measure_limits
-from benchmarks.persistent_chain import HIDDEN, INTER, QKV, Chain, make_layers
+from benchmarks.decode_kernels import graph_us
+from benchmarks.persistent_chain import INTER, Chain, limits_and_baseline, make_layers
 
 SOURCE = Path(__file__).with_name("ws_chain.cu")
 MAX_K = INTER
@@ -155,16 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         build_cubins(Path(args.build_cubins), args.nvrtc)
         return 0
     cupy = importlib.import_module("cupy")  # cupy-cuda12x or -13x, by module name
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "layers": args.layers}
-    weight_bytes = 2 * HIDDEN * (QKV + HIDDEN + 2 * INTER + INTER)
-    limits = measure_limits(torch.device("cuda"), 1 << 30, 8192, 20)
-    results["copy_tb_per_s"] = limits["copy_bandwidth_bytes_per_s"] / 1e12
-    results["weights_at_copy_rate_us_per_layer"] = weight_bytes / results["copy_tb_per_s"] / 1e6
-    print(f"copy {results['copy_tb_per_s']:.2f} TB/s: a layer's weights "
-          f"{results['weights_at_copy_rate_us_per_layer']:.2f} us", flush=True)
-    results["separate_kernels"] = layer_cases(args.layers, ["GEMVs only, GEMVs trigger late"])
-    torch.cuda.empty_cache()
+    results = limits_and_baseline(args.layers)
     chain = Chain(make_layers(args.layers), 1)
     h0 = chain.h.clone()
     expected = chain.reference(h0)

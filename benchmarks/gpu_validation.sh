@@ -4,7 +4,7 @@
 #
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~8 min): graphs, HF equivalence, async
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~2 min)
@@ -42,7 +42,7 @@ case "${1:-}" in
             tests/engine_core/test_triton_kernels.py -k "not decode and not backend"
         ;;
     decode)
-        # Its decode-attention and backend cases (226, over 290 s on an H200): a call of their own.
+        # Its decode-attention and backend cases (185, 355 s on an H200 at 719ee16): a call of their own.
         step triton_decode 560 python3 -m pytest -q -m gpu -p no:cacheprovider \
             tests/engine_core/test_triton_kernels.py -k "decode or backend"
         ;;

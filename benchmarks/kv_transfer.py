@@ -132,6 +132,7 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
     from connectors import create_connector
     from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
     from engine_core.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+    from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 
     sys.setswitchinterval(switch_interval)
     device = "cuda:0" if role == "kv_producer" else "cuda:1"
@@ -142,8 +143,10 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                                      send_type="PUT_ASYNC", min_call_bytes=min_call_bytes))
     _, worker = create_connector(config, device)
     num_blocks = max(sizes) + 8
-    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device,
-                          dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
+    caches = allocate_kv_caches(KVCacheShape(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS,
+                                             HEAD_DIM, torch.bfloat16), device)
+    for cache in caches:
+        cache.normal_()
     worker.register_kv_caches(caches)
     peer = f"127.0.0.1:{peer_port}"
     try:

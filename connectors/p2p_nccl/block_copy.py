@@ -1,32 +1,68 @@
-"""Paged KV blocks <-> one contiguous buffer per layer.
+"""Paged KV blocks of many layers <-> one contiguous buffer, one kernel each way.
 
-Wire layout of one layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (block
-major), so skipping leading blocks the peer already has is a contiguous slice. One
-``index_select`` gathers and one ``index_copy_`` scatters a layer: never a loop per block.
+The engine allocates every layer's cache as one tensor (``allocate_kv_caches``), so the
+layers seen together are ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``.
+Wire layout of a run of layers: ``[layers, 2, request_blocks, block_size, heads, head_dim]``
+(kv-major, the cache's own order), so one ``index_select`` gathers any run of layers of a
+request and one scatters all of them: never a loop per block or per layer. On CUDA both are
+the chunk-copy kernel of ``engine_core.kernels.kv_blocks`` (near the copy rate); on CPU
+``index_select``/``index_copy_``. Both copy integer words, so every cache dtype (fp8
+included) arrives bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine_core.errors import KVTransferError
 
-def block_major(kv_cache: torch.Tensor) -> torch.Tensor:
-    """View ``[2, num_blocks, ...]`` as ``[num_blocks, 2, ...]`` (no copy)."""
-    return kv_cache.transpose(0, 1)
-
-
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """K and V of ``block_ids`` of one layer, as one contiguous block-major tensor."""
-    source = block_major(kv_cache)
-    if out is None:
-        return torch.index_select(source, 0, block_ids)
-    return torch.index_select(source, 0, block_ids, out=out)
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Write a block-major buffer into ``block_ids`` of one layer's paged cache, in place."""
-    block_major(kv_cache).index_copy_(0, block_ids, buffer)
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the same width (copies are bit-exact for any dtype)."""
+    return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
+
+
+def stack_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    """The per-layer caches as one ``[layers, 2, blocks, ...]`` view (no copy).
+
+    They must be equally spaced slices of one allocation, as ``allocate_kv_caches`` makes
+    them; anything else is a configuration error, not something to copy around.
+    """
+    first = kv_caches[0]
+    if not first.is_contiguous():
+        raise KVTransferError("kv caches must be contiguous")
+    step = first.numel()
+    for layer, cache in enumerate(kv_caches):
+        same_memory = (cache.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                       and cache.storage_offset() == first.storage_offset() + layer * step)
+        if cache.shape != first.shape or cache.dtype != first.dtype or not same_memory:
+            raise KVTransferError("kv caches must be consecutive layers of one allocation "
+                                  "(allocate_kv_caches)")
+    return first.as_strided((len(kv_caches), *first.shape), (step, *first.stride()))
+
+
+def gather_layers(stacked: torch.Tensor, first: int, end: int, block_ids: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+    """K and V of ``block_ids`` in layers ``[first, end)`` into ``out`` (wire layout)."""
+    if stacked.is_cuda:
+        from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
+
+        copy_blocks(stacked[first:end], out, block_ids, gather=True)
+    else:
+        torch.index_select(_bits(stacked[first:end]), 2, block_ids, out=_bits(out))
+    return out
+
+
+def scatter_layers(stacked: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Write a wire-layout buffer of every layer into ``block_ids`` of the paged cache."""
+    if stacked.is_cuda:
+        from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
+
+        copy_blocks(buffer, stacked, block_ids, gather=False)
+    else:
+        _bits(stacked).index_copy_(2, block_ids, _bits(buffer))
 
 
 def block_ids_tensor(block_ids: list[int], device: torch.device | str) -> torch.Tensor:
@@ -34,6 +70,6 @@ def block_ids_tensor(block_ids: list[int], device: torch.device | str) -> torch.
     return torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def wire_shape(num_blocks: int, kv_cache: torch.Tensor) -> tuple[int, ...]:
-    """Shape of one layer's buffer for ``num_blocks`` blocks of this cache."""
-    return (num_blocks, 2, *kv_cache.shape[2:])
+def wire_shape(num_layers: int, num_blocks: int, block_shape: list[int]) -> tuple[int, ...]:
+    """Shape of a buffer holding ``num_blocks`` blocks of ``num_layers`` layers."""
+    return (num_layers, 2, num_blocks, *block_shape)

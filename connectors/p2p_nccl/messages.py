@@ -7,7 +7,8 @@ Flow per request (one control round trip, then data):
 
 The data of a transfer moves in calls of ``layers_per_call`` consecutive layers (the last
 call may hold fewer), chosen by P and announced in the header, so both sides post matching
-operations without any per-call control message.
+operations without any per-call control message. A call's bytes are its layers' blocks in
+the layout of ``block_copy`` (``[layers, 2, blocks, block_size, heads, head_dim]``).
   P -> D ``KVSendAbort``     P cannot send (bad geometry, allocation failure, deadline).
   P -> D ``NcclHello``       NCCL transport only: the unique id of a new pair communicator.
 """
@@ -90,9 +91,15 @@ class NcclHello:
 CONTROL_MESSAGES = (KVPullRequest, KVSendHeader, KVLayerData, KVSendAbort, NcclHello)
 
 
+# Version of the connector's control messages AND of the data layout they announce
+# (2: kv-major ``[layers, 2, blocks, ...]`` call buffers); a peer of another version is
+# rejected at its first message instead of receiving bytes it would misread.
+WIRE_VERSION = 2
+
+
 def make_codec() -> MessageCodec:
     """The codec every control socket of the connector uses."""
-    return MessageCodec(CONTROL_MESSAGES)
+    return MessageCodec(CONTROL_MESSAGES, version=WIRE_VERSION)
 
 
 def layer_nbytes(num_blocks: int, block_shape: list[int], element_size: int) -> int:

@@ -2,8 +2,8 @@
 
 A ``SendJob`` is one request's transfer to one consumer: a header, then one data call per
 group of ``layers_per_call`` consecutive layers. Its layers come either from
-``after_layer`` (push: gathered into the job's contiguous staging buffer on the step's
-stream while the model computes the next layer) or, for GET and late pull requests, from
+``after_layer`` (push: each call's layers gathered with one kernel into the job's contiguous
+staging buffer on the step's stream, right after the call's last layer is computed) or, for GET and late pull requests, from
 the held paged blocks at send time. One ``PeerSender`` thread per consumer issues the jobs in order,
 so both sides post data operations on the pair in the same order.
 """
@@ -31,16 +31,19 @@ logger = logging.getLogger(__name__)
 CallSource = Callable[[int, int], tuple[torch.Tensor, Any]]
 
 
-class LayerSlots:
-    """Readiness of each layer in a job's staging buffer, from ``after_layer`` to the sender.
+class CallSlots:
+    """Readiness of each data call's slice of a job's staging buffer, from ``after_layer``
+    to the sender: one signal per call, not per layer (each wake-up of the sender thread
+    costs the stepping thread the GIL).
 
-    ``staging`` is ``[num_layers, num_blocks, 2, block_size, heads, head_dim]``: layer i is
-    gathered into ``staging[i]``, so any run of consecutive layers is one contiguous slice.
+    ``staging`` is ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``: call c's
+    layers ``[first, end)`` are gathered into ``staging[first:end]`` with one kernel.
     """
 
-    def __init__(self, staging: torch.Tensor) -> None:
+    def __init__(self, staging: torch.Tensor, calls: list[tuple[int, int]]) -> None:
         self.staging: torch.Tensor | None = staging
-        self._buffers: list[tuple[torch.Tensor, Any] | None] = [None] * staging.shape[0]
+        self.calls = calls
+        self._events: list[tuple[Any] | None] = [None] * len(calls)
         self._error: BaseException | None = None
         self._cond = threading.Condition()
 
@@ -50,12 +53,12 @@ class LayerSlots:
         with self._cond:
             return self.staging.nbytes if self.staging is not None else 0
 
-    def put(self, layer: int, event: Any) -> None:
-        """Layer ``layer`` of the staging buffer is gathered once ``event`` completes."""
+    def put(self, call: int, event: Any) -> None:
+        """Call ``call``'s layers are gathered once ``event`` completes."""
         with self._cond:
             if self.staging is None:  # the job already ended (failed or aborted)
                 return
-            self._buffers[layer] = (self.staging[layer], event)
+            self._events[call] = (event,)
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -63,33 +66,22 @@ class LayerSlots:
             self._error = error
             self._cond.notify_all()
 
-    def take(self, layer: int, deadline: float) -> tuple[torch.Tensor, Any]:
-        """Wait for layer ``layer`` until ``deadline``; the slot is emptied (buffer freed later)."""
+    def take(self, call: int, deadline: float) -> tuple[torch.Tensor, Any]:
+        """Wait for call ``call`` until ``deadline``: its staging slice and event."""
         with self._cond:
-            while self._buffers[layer] is None:
+            while self._events[call] is None:
                 if self._error is not None:
                     raise KVTransferError(f"layer gather failed: {self._error}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise KVTransferError(f"layer {layer} not computed before the deadline")
+                    first, end = self.calls[call]
+                    raise KVTransferError(f"layers {first}-{end - 1} not computed before "
+                                          "the deadline")
                 self._cond.wait(min(remaining, 0.5))
-            item = self._buffers[layer]
-            self._buffers[layer] = None
-            assert item is not None
-            return item
-
-    def take_range(self, first: int, end: int, deadline: float) -> tuple[torch.Tensor, Any]:
-        """Wait for layers ``[first, end)``; returns their staging slice and the last event.
-
-        Gathers are recorded on one stream in layer order, so the last layer's event covers
-        the earlier ones.
-        """
-        event = None
-        for layer in range(first, end):
-            _, event = self.take(layer, deadline)
-        with self._cond:
             if self.staging is None:
                 raise KVTransferError("staging buffer released")
+            (event,) = self._events[call]
+            first, end = self.calls[call]
             return self.staging[first:end], event
 
     def clear(self) -> int:
@@ -97,7 +89,7 @@ class LayerSlots:
         with self._cond:
             nbytes = self.staging.nbytes if self.staging is not None else 0
             self.staging = None
-            self._buffers = [None] * len(self._buffers)
+            self._events = [None] * len(self._events)
             return nbytes
 
 
@@ -116,7 +108,7 @@ class SendJob:
     deadline: float
     layers_per_call: int = 1
     call_source: CallSource | None = None
-    slots: LayerSlots | None = None
+    slots: CallSlots | None = None
     abort_reason: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
@@ -194,9 +186,9 @@ class PeerSender:
                 block_shape=list(job.block_shape), layers_per_call=job.layers_per_call)
             client.send(header)
             header_sent = True
-            for first, end in call_ranges(job.num_layers, job.layers_per_call):
+            for call, (first, end) in enumerate(call_ranges(job.num_layers, job.layers_per_call)):
                 if job.slots is not None:
-                    buffer, event = job.slots.take_range(first, end, job.deadline)
+                    buffer, event = job.slots.take(call, job.deadline)
                 else:
                     assert job.call_source is not None
                     buffer, event = job.call_source(first, end)

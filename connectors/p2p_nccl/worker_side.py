@@ -2,9 +2,10 @@
 
 Producer (P): ``bind_step`` turns each ``SaveSpec`` into a push job when the consumer's pull
 request is already here (PUT, PUT_ASYNC) or into a pending entry that is sent from the held
-blocks when the pull arrives (GET, or a late pull), under a lease. ``after_layer`` gathers
-the layer's blocks into the job's contiguous staging buffer and tells the peer's sender
-thread, which sends consecutive layers in calls of ``layers_per_call``.
+blocks when the pull arrives (GET, or a late pull), under a lease. Transfers move in data
+calls of ``layers_per_call`` consecutive layers: after the last layer of a call,
+``after_layer`` gathers the call's layers with one kernel into the job's staging buffer and
+tells the peer's sender thread once; every other layer's hook does nothing.
 
 Consumer (D): ``start_load_kv`` reserves receive-buffer bytes for each new load, sends the
 pull request (push back: no reservation, no pull), scatters completed transfers into the
@@ -26,7 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from connectors.p2p_nccl.block_copy import block_ids_tensor, gather_blocks, scatter_blocks
+from connectors.p2p_nccl.block_copy import (
+    block_ids_tensor,
+    gather_layers,
+    scatter_layers,
+    stack_layers,
+    wire_shape,
+)
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
     KVLayerData,
@@ -43,7 +50,7 @@ from connectors.p2p_nccl.messages import (
 )
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
-from connectors.p2p_nccl.sender import LayerSlots, PeerSender, SendJob
+from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.config import KVTransferConfig
 from engine_core.errors import KVTransferError
@@ -110,6 +117,7 @@ class P2pConnectorWorker:
         self._recv_buffer = RecvBuffer(config.kv_buffer_bytes)
         self._lock = threading.Lock()
         self._kv_caches: list[torch.Tensor] = []
+        self._stacked: torch.Tensor | None = None  # the caches as one [layers, 2, blocks, ...]
         self._geometry: tuple[int, str, list[int], int] | None = None
         self._started = False
         self._counters = {name: 0 for name in (
@@ -122,7 +130,8 @@ class P2pConnectorWorker:
         self._pending: dict[str, _Pending] = {}
         self._in_flight: dict[str, SendJob] = {}
         self._senders: dict[str, PeerSender] = {}
-        self._step_push: list[tuple[SendJob, torch.Tensor]] = []
+        # this step's push jobs: (job, block index, {last layer of a call: call number})
+        self._step_push: list[tuple[SendJob, torch.Tensor, dict[int, int]]] = []
         self._step_deferred: list[str] = []
         self._finished_sending: set[str] = set()
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
@@ -147,6 +156,7 @@ class P2pConnectorWorker:
         first = kv_caches[0]
         if first.dim() != 5 or first.shape[0] != 2:
             raise KVTransferError(f"unexpected kv cache shape {tuple(first.shape)}")
+        self._stacked = stack_layers(kv_caches)
         self._kv_caches = list(kv_caches)
         dtype = str(first.dtype).removeprefix("torch.")
         block_shape = [int(d) for d in first.shape[2:]]
@@ -206,21 +216,21 @@ class P2pConnectorWorker:
         return None
 
     def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
-        """Producer: gather this layer's blocks of each pushed request into one buffer."""
-        for job, index in self._step_push:
-            if job.done.is_set():
+        """Producer: after a call's last layer, gather the call's layers of each pushed
+        request with one kernel and wake its sender; every other layer does nothing."""
+        assert self._stacked is not None
+        for job, index, call_ends in self._step_push:
+            call = call_ends.get(layer_idx)
+            if call is None or job.done.is_set():
                 continue
             assert job.slots is not None
             try:
                 staging = job.slots.staging
                 if staging is None:
                     continue
-                gather_blocks(kv_cache, index, out=staging[layer_idx])
-                # The sender waits on the last layer of each call only; gathers run in
-                # layer order on one stream, so that event covers the call's other layers.
-                call_end = (layer_idx + 1) % job.layers_per_call == 0 or \
-                    layer_idx + 1 == job.num_layers
-                job.slots.put(layer_idx, self._record_event() if call_end else None)
+                first, end = job.slots.calls[call]
+                gather_layers(self._stacked, first, end, index, out=staging[first:end])
+                job.slots.put(call, self._record_event())
             except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
                 job.slots.fail(exc)
 
@@ -242,7 +252,7 @@ class P2pConnectorWorker:
         for pending, pull in to_start:
             self._start_deferred(pending, pull)
         if self._config.send_type == "PUT":
-            for job, _ in self._step_push:
+            for job, _, _ in self._step_push:
                 job.done.wait(max(0.0, job.deadline - now))
         self._step_push = []
         self._step_deferred = []
@@ -344,7 +354,7 @@ class P2pConnectorWorker:
                     return
                 self._waiting.popleft()
             try:
-                buffer = torch.empty((num_layers, len(load.spec.block_ids), 2, *block_shape),
+                buffer = torch.empty(wire_shape(num_layers, len(load.spec.block_ids), block_shape),
                                      dtype=self._kv_caches[0].dtype, device=self._device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
                 with self._lock:
@@ -426,10 +436,9 @@ class P2pConnectorWorker:
                     self._counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
 
     def _scatter(self, load: _Load) -> None:
-        assert load.buffer is not None
-        index = block_ids_tensor(load.spec.block_ids, self._device)
-        for layer, kv_cache in enumerate(self._kv_caches):
-            scatter_blocks(kv_cache, index, load.buffer[layer])
+        assert load.buffer is not None and self._stacked is not None
+        scatter_layers(self._stacked, block_ids_tensor(load.spec.block_ids, self._device),
+                       load.buffer)
 
     # ---- producer -----------------------------------------------------------------------
 
@@ -445,16 +454,18 @@ class P2pConnectorWorker:
                 return
             index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
             num_layers, _, block_shape, _ = self._require_geometry()
+            layers_per_call = self._layers_per_call(pull.num_blocks)
+            calls = call_ranges(num_layers, layers_per_call)
             try:
-                staging = torch.empty((num_layers, pull.num_blocks, 2, *block_shape),
+                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
                                       dtype=self._kv_caches[0].dtype, device=self._device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
-                job = self._make_job(save, pull, slots=LayerSlots(torch.empty(num_layers, 0)))
+                job = self._make_job(save, pull, slots=CallSlots(torch.empty(num_layers, 0), calls))
                 job.slots.fail(exc)
                 self._submit(job)
                 return
-            job = self._make_job(save, pull, slots=LayerSlots(staging))
-            self._step_push.append((job, index))
+            job = self._make_job(save, pull, slots=CallSlots(staging, calls))
+            self._step_push.append((job, index, {end - 1: c for c, (_, end) in enumerate(calls)}))
             self._submit(job)
             return
         with self._lock:
@@ -474,16 +485,15 @@ class P2pConnectorWorker:
         index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
         event = pending.ready_event
         peer = pull.consumer_address
+        block_shape = self._require_geometry()[2]
 
         def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
             # The blocks are held by the scheduler until this send reports done.
+            assert self._stacked is not None
             with self._transport.gather_context(peer, event):
-                source = self._kv_caches[first]
-                out = torch.empty((end - first, len(index), 2, *source.shape[2:]),
-                                  dtype=source.dtype, device=source.device)
-                for layer in range(first, end):
-                    gather_blocks(self._kv_caches[layer], index, out=out[layer - first])
-                return out, None
+                out = torch.empty(wire_shape(end - first, len(index), block_shape),
+                                  dtype=self._stacked.dtype, device=self._device)
+                return gather_layers(self._stacked, first, end, index, out=out), None
 
         self._submit(self._make_job(save, pull, call_source=gather_call))
 
@@ -498,17 +508,19 @@ class P2pConnectorWorker:
         self._finish_send(save.request_id)
         return False
 
+    def _layers_per_call(self, num_blocks: int) -> int:
+        num_layers, _, block_shape, element_size = self._require_geometry()
+        per_layer = layer_nbytes(num_blocks, block_shape, element_size)
+        return plan_layers_per_call(num_layers, per_layer, self._config.min_call_bytes)
+
     def _make_job(self, save: SaveSpec, pull: KVPullRequest, **source: Any) -> SendJob:
-        num_layers, dtype, block_shape, element_size = self._require_geometry()
-        per_layer = layer_nbytes(pull.num_blocks, block_shape, element_size)
+        num_layers, dtype, block_shape, _ = self._require_geometry()
         return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
                        peer_address=pull.consumer_address, first_block=pull.first_block,
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
                        block_shape=list(block_shape),
                        deadline=self._clock() + self._config.transfer_timeout_s,
-                       layers_per_call=plan_layers_per_call(num_layers, per_layer,
-                                                            self._config.min_call_bytes),
-                       **source)
+                       layers_per_call=self._layers_per_call(pull.num_blocks), **source)
 
     def _submit(self, job: SendJob) -> None:
         with self._lock:

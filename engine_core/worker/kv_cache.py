@@ -95,7 +95,12 @@ def plan_kv_cache(spec: ModelSpec, cache_config: CacheConfig, dtype: torch.dtype
 
 
 def allocate_kv_caches(shape: KVCacheShape, device: str) -> list[torch.Tensor]:
-    """One zeroed tensor per layer."""
-    return [torch.zeros(2, shape.num_blocks, shape.block_size, shape.num_kv_heads,
-                        shape.head_dim, dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)]
+    """One zeroed tensor per layer, all consecutive slices of ONE allocation.
+
+    The layers stay separate tensors for the attention kernels, but the KV connector sees
+    them as one ``[layers, 2, blocks, ...]`` tensor and moves a request's blocks of every
+    layer with one gather or scatter kernel (``connectors/p2p_nccl/block_copy.py``).
+    """
+    whole = torch.zeros(shape.num_layers, 2, shape.num_blocks, shape.block_size,
+                        shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+    return list(whole.unbind(0))

@@ -22,6 +22,7 @@ from engine_core.config import CacheConfig, EngineConfig, KVTransferConfig, Mode
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 
 NUM_LAYERS = 3
 NUM_HEADS = 2
@@ -85,8 +86,11 @@ class FakeEngine:
         self.device = device
         self.scheduler, self.worker = create_connector(config, device)
         gen = torch.Generator().manual_seed(1234)
-        self.kv_caches = [torch.randn(2, num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_DIM,
-                                      generator=gen).to(dtype).to(device) for _ in range(NUM_LAYERS)]
+        # One allocation, as the engine makes it (the connector moves all layers at once).
+        self.kv_caches = allocate_kv_caches(
+            KVCacheShape(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, dtype), device)
+        for kv in self.kv_caches:
+            kv.copy_(torch.randn(kv.shape, generator=gen).to(dtype))
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.free_blocks = list(range(num_blocks))

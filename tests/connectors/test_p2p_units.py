@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from connectors import create_connector
-from connectors.p2p_nccl.block_copy import block_ids_tensor, gather_blocks, scatter_blocks
+from connectors.p2p_nccl.block_copy import (
+    block_ids_tensor,
+    gather_layers,
+    scatter_layers,
+    stack_layers,
+    wire_shape,
+)
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
     KVPullRequest,
@@ -24,11 +30,12 @@ from connectors.p2p_nccl.messages import (
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
 from engine_core.config import EngineConfig, KVTransferConfig, ModelConfig
-from engine_core.errors import MessageDecodeError
+from engine_core.errors import KVTransferError, MessageDecodeError
 from engine_core.kv_connector import FinishedTransfers, NullConnectorScheduler
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.kv_harness import free_port
 
 BS = 4
@@ -124,25 +131,48 @@ def test_recv_buffer_threads() -> None:
 
 # ---- block copy -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def _stacked_cache(num_layers: int, num_blocks: int, dtype: torch.dtype,
+                   gen: torch.Generator) -> list[torch.Tensor]:
+    shape = KVCacheShape(num_layers, num_blocks, 4, 2, 8, dtype)
+    caches = allocate_kv_caches(shape, "cpu")
+    stack_layers(caches).view(torch.uint8).copy_(
+        torch.randint(0, 256, stack_layers(caches).view(torch.uint8).shape, generator=gen,
+                      dtype=torch.uint8))
+    return caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
 def test_gather_scatter_bit_exact(dtype: torch.dtype) -> None:
+    """Any run of layers gathers with one call and all layers scatter with one; every byte
+    (NaN patterns of random bits included) arrives, and no other block is touched."""
     gen = torch.Generator().manual_seed(0)
-    source = torch.randn(2, 37, 4, 2, 8, generator=gen).to(dtype)
-    target = torch.randn(2, 53, 4, 2, 8, generator=gen).to(dtype)
-    before = target.clone()
+    source_layers = _stacked_cache(5, 37, dtype, gen)
+    target_layers = _stacked_cache(5, 53, dtype, gen)
+    source, target = stack_layers(source_layers), stack_layers(target_layers)
+    before = target.view(torch.uint8).clone()
     src_ids, dst_ids = [36, 0, 5, 17, 18, 3], [52, 1, 9, 0, 30, 2]
-    buffer = gather_blocks(source, block_ids_tensor(src_ids, "cpu"))
-    assert buffer.shape == (6, 2, 4, 2, 8) and buffer.is_contiguous()
-    scatter_blocks(target, block_ids_tensor(dst_ids, "cpu"), buffer)
-    for s, d in zip(src_ids, dst_ids):
-        assert torch.equal(target[:, d].view(torch.uint8), source[:, s].view(torch.uint8))
+    src_index, dst_index = block_ids_tensor(src_ids, "cpu"), block_ids_tensor(dst_ids, "cpu")
+    buffer = torch.empty(wire_shape(5, 6, [4, 2, 8]), dtype=dtype)
+    gather_layers(source, 0, 2, src_index, out=buffer[0:2])
+    gather_layers(source, 2, 5, src_index, out=buffer[2:5])
+    scatter_layers(target, dst_index, buffer)
+    for layer in range(5):
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(target_layers[layer][:, d].view(torch.uint8),
+                               source_layers[layer][:, s].view(torch.uint8))
     untouched = sorted(set(range(53)) - set(dst_ids))
-    assert torch.equal(target[:, untouched], before[:, untouched])
-    # Skipping leading blocks the consumer has is a contiguous slice of the same buffer.
-    assert buffer[2:].is_contiguous()
-    out = torch.empty_like(buffer)
-    gather_blocks(source, block_ids_tensor(src_ids, "cpu"), out=out)
-    assert torch.equal(out, buffer)
+    assert torch.equal(target.view(torch.uint8)[:, :, untouched], before[:, :, untouched])
+
+
+def test_stack_layers_rejects_separate_allocations() -> None:
+    caches = [torch.zeros(2, 3, 4, 2, 8) for _ in range(3)]
+    with pytest.raises(KVTransferError, match="one allocation"):
+        stack_layers(caches)
+    whole = allocate_kv_caches(KVCacheShape(3, 3, 4, 2, 8, torch.float32), "cpu")
+    with pytest.raises(KVTransferError, match="one allocation"):
+        stack_layers([whole[0], whole[2], whole[1]])
+    assert stack_layers(whole).shape == (3, 2, 3, 4, 2, 8)
 
 
 # ---- control channel --------------------------------------------------------------------

@@ -708,6 +708,62 @@ def test_gemv_silu_mul_equals_projection_then_silu_mul(device: str, case: GemvCa
 # ---- CUDA only: capture and replay ----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BlockCopyCase:
+    dtype: torch.dtype
+    layers: int
+    cache_blocks: int
+    block_shape: tuple[int, int, int]  # block_size, kv heads, head dim
+    request_blocks: int
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.block_shape))
+        return (f"{str(self.dtype).removeprefix('torch.')}-L{self.layers}-{shape}"
+                f"-{self.request_blocks}of{self.cache_blocks}")
+
+
+BLOCK_COPY_CASES_CUDA = [BlockCopyCase(dt, layers, nb, shape, req)
+                         for dt in (BF16, FP32, E4M3)
+                         for layers, nb, shape, req in ((36, 300, (16, 8, 128), 1),
+                                                        (36, 300, (16, 8, 128), 129),
+                                                        (3, 40, (3, 1, 5), 17),
+                                                        (2, 70, (32, 4, 64), 70))]
+BLOCK_COPY_CASES_INTERPRET = [BlockCopyCase(BF16, 3, 20, (4, 2, 8), 5),
+                              BlockCopyCase(E5M2, 2, 9, (3, 1, 5), 4),
+                              BlockCopyCase(FP32, 2, 6, (2, 1, 3), 6)]
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params(BLOCK_COPY_CASES_CUDA, BLOCK_COPY_CASES_INTERPRET))
+def test_copy_blocks_gathers_and_scatters_bit_exact(device: str, case: BlockCopyCase) -> None:
+    """The connector's block copy: gather equals indexing, scatter writes exactly the listed
+    blocks, for odd chunk sizes (2-byte words) and random bit patterns (NaNs included)."""
+    from engine_core.kernels.kv_blocks import copy_blocks
+
+    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31)
+    shape = (case.layers, 2, case.cache_blocks, *case.block_shape)
+    element = torch.empty((), dtype=case.dtype).element_size()
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[element]
+
+    def random_bits(*dims: int) -> torch.Tensor:
+        raw = torch.randint(0, 256, (*dims[:-1], dims[-1] * element), generator=gen,
+                            dtype=torch.uint8)
+        return raw.view(case.dtype).to(device)
+
+    cache = random_bits(*shape)
+    ids = torch.randperm(case.cache_blocks, generator=gen)[:case.request_blocks]
+    out = torch.empty((case.layers, 2, case.request_blocks, *case.block_shape),
+                      dtype=case.dtype, device=device)
+    copy_blocks(cache, out, ids.to(device), gather=True)
+    assert torch.equal(out.view(word).cpu(), cache.view(word).cpu()[:, :, ids])
+    before = cache.view(word).cpu().clone()
+    payload = random_bits(case.layers, 2, case.request_blocks, *case.block_shape)
+    copy_blocks(payload, cache, ids.to(device), gather=False)
+    expected = before.clone()
+    expected[:, :, ids] = payload.view(word).cpu()
+    assert torch.equal(cache.view(word).cpu(), expected)
+
+
 @pytest.mark.gpu
 def test_decode_replays_in_cuda_graph() -> None:
     """Write + decode captured once, replayed on new lengths, tables and values in place."""

@@ -108,7 +108,8 @@ def sleep_cycles_per_us() -> float:
     return cycles / (start.elapsed_time(end) * 1e3)
 
 
-def run(sizes_blocks: list[int], layer_us: list[float], trials: int) -> dict[str, Any]:
+def run(sizes_blocks: list[int], layer_us: list[float], trials: int,
+        switch_intervals: list[float]) -> dict[str, Any]:
     from connectors.p2p_nccl.handshake import ControlClient, ControlServer
     from connectors.p2p_nccl.messages import KVPullRequest, make_codec
     from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
@@ -118,7 +119,6 @@ def run(sizes_blocks: list[int], layer_us: list[float], trials: int) -> dict[str
     from engine_core.engine_process import CONNECTOR_SWITCH_INTERVAL_S
     from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 
-    sys.setswitchinterval(CONNECTOR_SWITCH_INTERVAL_S)
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
     transport = DeviceCopyTransport(device)
@@ -137,67 +137,70 @@ def run(sizes_blocks: list[int], layer_us: list[float], trials: int) -> dict[str
     cycles_per_us = sleep_cycles_per_us()
     results: dict[str, Any] = {}
     try:
-        for us in layer_us:
-            for blocks in sizes_blocks:
-                hooks, tails, copies, gaps, gathers, e2e = [], [], [], [], [], []
-                for trial in range(trials + 1):  # trial 0 warms up: not counted
-                    tid = f"hooks-{us}-{blocks}-{trial}"
-                    pull_client.send(KVPullRequest(
-                        transfer_id=tid, consumer_address=consumer_address, first_block=0,
-                        num_blocks=blocks, num_layers=NUM_LAYERS, dtype="bfloat16",
-                        block_shape=[BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], timeout_s=30.0))
-                    deadline = time.monotonic() + 5
-                    while worker.stats()["pull_requests_waiting"] < 1:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError("pull request never arrived")
-                        time.sleep(0.001)
-                    meta = P2pConnectorMetadata(saves=[SaveSpec(
-                        "r", tid, consumer_address, list(range(blocks)), blocks * BLOCK_SIZE)])
-                    transport.calls.clear()
-                    torch.cuda.synchronize()
-                    step_start = torch.cuda.Event(enable_timing=True)
-                    layers_done = torch.cuda.Event(enable_timing=True)
-                    hooks_end = torch.cuda.Event(enable_timing=True)
-                    step_start.record()
-                    t0 = time.perf_counter()
-                    worker.bind_step(meta, None)
-                    for layer, cache in enumerate(caches):
-                        if us > 0:
-                            torch.cuda._sleep(int(us * cycles_per_us))
-                        if layer == NUM_LAYERS - 1:
-                            layers_done.record()
-                        worker.after_layer(layer, cache)
-                    hooks_end.record()
-                    worker.wait_for_save()
-                    hooks_s = time.perf_counter() - t0
-                    deadline = time.monotonic() + 30
-                    while not worker.get_finished().sending:
-                        if time.monotonic() > deadline:
-                            raise RuntimeError("send never finished")
-                        time.sleep(0.0002)
-                    torch.cuda.synchronize()
-                    if trial == 0:
-                        continue
-                    last_start, last_end = transport.calls[-1]
-                    copy_ms = sum(start.elapsed_time(end) for start, end in transport.calls)
-                    gather_ms = layers_done.elapsed_time(hooks_end)
-                    tail_ms = layers_done.elapsed_time(last_end)
-                    hooks.append(hooks_s * 1e3)
-                    e2e.append(step_start.elapsed_time(last_end))
-                    tails.append(tail_ms)
-                    copies.append(copy_ms)
-                    gathers.append(gather_ms)
-                    gaps.append(layers_done.elapsed_time(last_start) - gather_ms)
-                row = {"blocks": blocks, "bytes": blocks * BYTES_PER_BLOCK, "layer_us": us,
-                       "data_calls": len(transport.calls),
-                       "hooks_ms": round(statistics.median(hooks), 4),
-                       "tail_ms": round(statistics.median(tails), 4),
-                       "e2e_ms": round(statistics.median(e2e), 4),
-                       "copy_ms": round(statistics.median(copies), 4),
-                       "gather_after_last_layer_ms": round(statistics.median(gathers), 4),
-                       "gap_ms": round(statistics.median(gaps), 4)}
-                results[f"{us}us/{blocks}"] = row
-                print(json.dumps(row), flush=True)
+        for interval in switch_intervals or [CONNECTOR_SWITCH_INTERVAL_S]:
+            sys.setswitchinterval(interval)
+            for us in layer_us:
+                for blocks in sizes_blocks:
+                    hooks, tails, copies, gaps, gathers, e2e = [], [], [], [], [], []
+                    for trial in range(trials + 1):  # trial 0 warms up: not counted
+                        tid = f"hooks-{interval}-{us}-{blocks}-{trial}"
+                        pull_client.send(KVPullRequest(
+                            transfer_id=tid, consumer_address=consumer_address, first_block=0,
+                            num_blocks=blocks, num_layers=NUM_LAYERS, dtype="bfloat16",
+                            block_shape=[BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM], timeout_s=30.0))
+                        deadline = time.monotonic() + 5
+                        while worker.stats()["pull_requests_waiting"] < 1:
+                            if time.monotonic() > deadline:
+                                raise RuntimeError("pull request never arrived")
+                            time.sleep(0.001)
+                        meta = P2pConnectorMetadata(saves=[SaveSpec(
+                            "r", tid, consumer_address, list(range(blocks)), blocks * BLOCK_SIZE)])
+                        transport.calls.clear()
+                        torch.cuda.synchronize()
+                        step_start = torch.cuda.Event(enable_timing=True)
+                        layers_done = torch.cuda.Event(enable_timing=True)
+                        hooks_end = torch.cuda.Event(enable_timing=True)
+                        step_start.record()
+                        t0 = time.perf_counter()
+                        worker.bind_step(meta, None)
+                        for layer, cache in enumerate(caches):
+                            if us > 0:
+                                torch.cuda._sleep(int(us * cycles_per_us))
+                            if layer == NUM_LAYERS - 1:
+                                layers_done.record()
+                            worker.after_layer(layer, cache)
+                        hooks_end.record()
+                        worker.wait_for_save()
+                        hooks_s = time.perf_counter() - t0
+                        deadline = time.monotonic() + 30
+                        while not worker.get_finished().sending:
+                            if time.monotonic() > deadline:
+                                raise RuntimeError("send never finished")
+                            time.sleep(0.0002)
+                        torch.cuda.synchronize()
+                        if trial == 0:
+                            continue
+                        last_start, last_end = transport.calls[-1]
+                        copy_ms = sum(start.elapsed_time(end) for start, end in transport.calls)
+                        gather_ms = layers_done.elapsed_time(hooks_end)
+                        tail_ms = layers_done.elapsed_time(last_end)
+                        hooks.append(hooks_s * 1e3)
+                        e2e.append(step_start.elapsed_time(last_end))
+                        tails.append(tail_ms)
+                        copies.append(copy_ms)
+                        gathers.append(gather_ms)
+                        gaps.append(layers_done.elapsed_time(last_start) - gather_ms)
+                    row = {"blocks": blocks, "bytes": blocks * BYTES_PER_BLOCK, "layer_us": us,
+                           "switch_interval_s": interval,
+                           "data_calls": len(transport.calls),
+                           "hooks_ms": round(statistics.median(hooks), 4),
+                           "tail_ms": round(statistics.median(tails), 4),
+                           "e2e_ms": round(statistics.median(e2e), 4),
+                           "copy_ms": round(statistics.median(copies), 4),
+                           "gather_after_last_layer_ms": round(statistics.median(gathers), 4),
+                           "gap_ms": round(statistics.median(gaps), 4)}
+                    results[f"{interval}s/{us}us/{blocks}"] = row
+                    print(json.dumps(row), flush=True)
     finally:
         pull_client.close()
         consumer.stop()
@@ -211,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, nargs="+", default=[1, 7, 28, 114])
     parser.add_argument("--layer-us", type=float, nargs="+", default=[0.0, 200.0])
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--switch-intervals", type=float, nargs="*", default=[],
+                        help="sys.setswitchinterval values (default: the engine's)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "label": args.label,
-               "rows": run(args.blocks, args.layer_us, args.trials)}
+               "rows": run(args.blocks, args.layer_us, args.trials, args.switch_intervals)}
     text = json.dumps(results, indent=1)
     if args.out:
         with open(args.out, "w") as handle:

@@ -51,8 +51,10 @@ class CpuTransport:
     def finish_sends(self, peer_address: str, deadline: float) -> None:
         return None
 
-    def post_recv(self, peer_address: str, buffers: list[torch.Tensor]) -> Callable[[], bool] | None:
-        """Bytes arrive as ``KVLayerData`` messages; nothing to post."""
+    def post_recv(self, peer_address: str, buffers: list[torch.Tensor],
+                  on_landed: Callable[[], None] | None = None) -> Callable[[], bool] | None:
+        """Bytes arrive as ``KVLayerData`` messages (the control thread rings on the last);
+        nothing to post."""
         return None
 
     def count_recv_call(self) -> None:

@@ -51,7 +51,9 @@ _IDLE_POLL_MS = 100
 # Only remote transfers pending (requests parked for their KV, finished prefills held until
 # sent): wait this long on the input socket instead of spinning. A spinning loop keeps the
 # GIL, and the connector's control and sender threads then wait for it in switch-interval
-# slices (5 ms by default), which delays every header, receive post and send.
+# slices (5 ms by default), which delays every header, receive post and send. A transfer that
+# lands or fails rings the connector's doorbell, which ends the wait at once; this timeout
+# only paces deadline checks.
 _TRANSFER_POLL_MS = 1
 # GIL switch interval of an engine with a KV connector: its sender/control threads issue
 # NCCL calls and post receives while the main thread runs the model; 0.5 ms bounds how long
@@ -95,6 +97,13 @@ class EngineCoreProc:
         self._was_busy = False
         self.num_rejected_messages = 0
         self.running = True
+        # The input socket and, with a connector, its doorbell: a landed transfer wakes the
+        # loop at once instead of at the next transfer poll.
+        self._poller = zmq.Poller()
+        self._poller.register(input_socket, zmq.POLLIN)
+        self._doorbell = engine.connector_worker.doorbell()
+        if self._doorbell is not None:
+            self._poller.register(self._doorbell.fileno(), zmq.POLLIN)
 
     def stop(self) -> None:
         """Ask the loop to exit after the current iteration (signal-safe)."""
@@ -157,9 +166,14 @@ class EngineCoreProc:
                                      error=f"{type(exc).__name__}: {exc}"))
 
     def _drain_inputs(self, timeout_ms: int) -> None:
-        """Handle every queued input; wait up to ``timeout_ms`` for the first one."""
-        if timeout_ms and not self._input.poll(timeout_ms):
-            return
+        """Handle every queued input; wait up to ``timeout_ms`` for the first one (or for
+        the connector's doorbell)."""
+        if timeout_ms:
+            ready = dict(self._poller.poll(timeout_ms))
+            if self._doorbell is not None and self._doorbell.fileno() in ready:
+                self._doorbell.drain()
+            if self._input not in ready:
+                return
         while True:
             try:
                 payload = self._input.recv(flags=zmq.NOBLOCK, copy=True)

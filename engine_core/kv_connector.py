@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine_core.attention.metadata import AttentionMetadata
+    from engine_core.doorbell import Doorbell
     from engine_core.request import Request
     from engine_core.sched.outputs import SchedulerOutput
 
@@ -122,6 +123,11 @@ class ConnectorWorker(Protocol):
         """True when no transfer, deadline or buffer byte is held."""
         ...
 
+    def doorbell(self) -> Doorbell | None:
+        """Rung from the connector's threads when a transfer lands or fails, so an engine
+        loop waiting only on transfers steps at once; None when nothing arrives from outside."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -183,6 +189,9 @@ class NullConnectorWorker:
 
     def is_idle(self) -> bool:
         return True
+
+    def doorbell(self) -> Doorbell | None:
+        return None
 
     def shutdown(self) -> None:
         return None

@@ -7,7 +7,8 @@ watchdog thread, which aborts the communicator of a late pair (so no call blocks
 an aborted pair is rebuilt on the next contact. cupy is imported lazily: CPU engines and
 the CPU test suite never need it.
 
-UNTESTED ON GPU at the time of writing (no GPU on the development machine).
+Run on 2 x H200 on 2026-11-22 (`tests/connectors -m gpu`); the landing watcher (2026-11-23)
+has not run with NCCL yet (only single-GPU machines were lent since).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -70,6 +72,41 @@ def set_nccl_channels(num_channels: int) -> None:
         os.environ[name] = str(num_channels)
 
 
+class LandingWatcher:
+    """One thread per receiving pair: waits for each posted receive's completion event, in
+    posting order, and calls its callback (the consumer's doorbell).
+
+    Why a thread: the engine loop would otherwise notice a landed transfer only at its next
+    poll. The events are blocking-sync events, so the wait sleeps in the driver without the
+    GIL instead of polling. An aborted pair's NCCL kernels end (ncclCommAbort), so its events
+    complete and the thread drains; ``stop`` ends it after the queued waits.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue[tuple[Any, Callable[[], None]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once ``event`` (anything with ``synchronize()``) completed."""
+        self._queue.put((event, callback))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, callback = item
+            try:
+                event.synchronize()
+            except Exception as exc:  # a failed wait still wakes the loop, which polls
+                logger.warning("waiting for a KV receive failed: %s", exc)
+            try:
+                callback()
+            except Exception:  # the callback is a doorbell ring; never kill the thread
+                logger.exception("KV landing callback failed")
+
+
 @dataclass
 class _Pair:
     peer_address: str
@@ -82,6 +119,7 @@ class _Pair:
     aborted: bool = False
     op_deadline: float | None = None  # set while a data call is outstanding (watchdog)
     send_start: Any = None  # timing event before the current transfer's first send
+    watcher: LandingWatcher | None = None  # receiving pairs: wakes the engine on each landing
 
 
 class NcclPairTransport:
@@ -197,8 +235,10 @@ class NcclPairTransport:
             self._pairs[key] = pair
         self._init_async(pair, hello.unique_id)
 
-    def post_recv(self, peer_address: str, buffers: list[torch.Tensor]) -> Callable[[], bool]:
-        """Post one ncclRecv per layer on the pair's stream; returns a non-blocking poll."""
+    def post_recv(self, peer_address: str, buffers: list[torch.Tensor],
+                  on_landed: Callable[[], None] | None = None) -> Callable[[], bool]:
+        """Post one ncclRecv per call on the pair's stream; returns a non-blocking poll.
+        ``on_landed`` is called from the pair's watcher thread once they completed."""
         with self._lock:
             pair = self._pairs.get(("recv", peer_address))
         if pair is None or not pair.ready.wait(5.0) or pair.error is not None or pair.aborted:
@@ -214,8 +254,12 @@ class NcclPairTransport:
                 pair.comm.recv(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                nccl.NCCL_UINT8, 0, pair.stream.cuda_stream)
                 self.data_calls += 1
-            done = torch.cuda.Event(enable_timing=True)
+            done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(pair.stream)
+        if on_landed is not None:
+            if pair.watcher is None:
+                pair.watcher = LandingWatcher(f"kv-landing-{peer_address}")
+            pair.watcher.watch(done, on_landed)
 
         def poll() -> bool:
             if pair.aborted or pair.error is not None:
@@ -287,6 +331,8 @@ class NcclPairTransport:
         if pair.aborted:
             return
         pair.aborted = True
+        if pair.watcher is not None:
+            pair.watcher.stop()
         pair.error = pair.error or "aborted"
         if pair.comm is not None:
             try:

@@ -53,6 +53,7 @@ from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.config import KVTransferConfig
+from engine_core.doorbell import Doorbell
 from engine_core.errors import KVTransferError
 from engine_core.kv_connector import FinishedTransfers
 
@@ -114,6 +115,7 @@ class P2pConnectorWorker:
         self._codec = make_codec()
         self._transport = transport if transport is not None else make_transport(config, device)
         self._server = ControlServer(self._own_address, self._codec, self._on_message)
+        self._doorbell = Doorbell()
         self._recv_buffer = RecvBuffer(config.kv_buffer_bytes)
         self._lock = threading.Lock()
         self._kv_caches: list[torch.Tensor] = []
@@ -179,6 +181,7 @@ class P2pConnectorWorker:
             client.close()
         self._clients.clear()
         self._transport.close()
+        self._doorbell.close()
         self._started = False
 
     # ---- runner hooks -------------------------------------------------------------------
@@ -304,6 +307,11 @@ class P2pConnectorWorker:
                 "pull_requests_waiting": float(len(self._registrations)),
             })
         return out
+
+    def doorbell(self) -> Doorbell:
+        """Rung when a load lands or fails and when a send finishes (from the control,
+        sender and landing threads), so a loop waiting only on transfers steps at once."""
+        return self._doorbell
 
     def is_idle(self) -> bool:
         """True when no transfer state or buffer byte is held."""
@@ -581,6 +589,7 @@ class P2pConnectorWorker:
                     job.num_blocks, block_shape, element_size)
             else:
                 self._counters["sends_failed"] += 1
+        self._doorbell.ring()
 
     def _finish_send(self, request_id: str) -> None:
         with self._lock:
@@ -655,6 +664,7 @@ class P2pConnectorWorker:
                     load.state, load.reason = FAILED, f"bad header: {reason}"
         if reason is not None:
             logger.warning("rejected kv header %s: %s", header.transfer_id, reason)
+            self._doorbell.ring()
             if not self._transport.uses_data_messages:
                 # The producer's sends would never be matched: abort so they fail fast.
                 self._transport.abort(header.producer_address)
@@ -662,7 +672,8 @@ class P2pConnectorWorker:
         assert buffer is not None
         calls = call_ranges(header.num_layers, header.layers_per_call)
         poll = self._transport.post_recv(header.producer_address,
-                                         [buffer[first:end] for first, end in calls])
+                                         [buffer[first:end] for first, end in calls],
+                                         on_landed=self._doorbell.ring)
         with self._lock:
             load.recv_poll = poll
             if poll is not None:
@@ -684,6 +695,7 @@ class P2pConnectorWorker:
                 self._counters["messages_rejected"] += 1
                 if load is not None and load.state == RECEIVING:
                     load.state, load.reason = FAILED, "malformed layer data"
+                    self._doorbell.ring()
                 return
             destination = load.buffer[message.layer:end]
         target = destination.view(torch.uint8).reshape(-1).numpy()
@@ -695,6 +707,7 @@ class P2pConnectorWorker:
                 self._counters["bytes_received"] += expected
                 if load.layers_received == load.pull.num_layers:
                     load.state = DONE
+                    self._doorbell.ring()
 
     def _on_abort(self, message: KVSendAbort) -> None:
         with self._lock:
@@ -703,6 +716,7 @@ class P2pConnectorWorker:
                 return
             was_receiving = load.state == RECEIVING
             load.state, load.reason = FAILED, f"producer aborted: {message.reason}"
+            self._doorbell.ring()
         if was_receiving and not self._transport.uses_data_messages:
             self._transport.abort(message.producer_address)
 

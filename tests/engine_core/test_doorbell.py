@@ -140,3 +140,35 @@ def test_doorbell_wakes_a_loop_waiting_on_transfers(monkeypatch: pytest.MonkeyPa
         context.term()
         bell.close()
     assert not thread.is_alive()
+
+
+@pytest.mark.gpu
+def test_landing_watcher_waits_on_a_cuda_event_without_the_gil() -> None:
+    """A real blocking-sync CUDA event: the callback comes after the GPU work, and while the
+    watcher waits the main thread keeps running Python (the wait does not hold the GIL)."""
+    import torch
+
+    torch.cuda.init()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    landed = threading.Event()
+    watcher = LandingWatcher("test-landing-cuda")
+    torch.cuda._sleep(int(300 * cycles_per_ms))  # ~300 ms of GPU work
+    done = torch.cuda.Event(enable_timing=True, blocking=True)
+    done.record()
+    issued = time.monotonic()
+    watcher.watch(done, landed.set)
+    spins = 0
+    while not landed.is_set():
+        spins += 1  # pure Python: progresses only while this thread holds the GIL
+        if time.monotonic() - issued > 10:
+            break
+    waited = time.monotonic() - issued
+    watcher.stop()
+    assert landed.is_set() and done.query()
+    assert waited > 0.2  # not before the GPU finished
+    assert spins > 100_000, f"main thread starved while the watcher waited ({spins} spins)"

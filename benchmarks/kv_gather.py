@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -127,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                "geometry": {"layers": NUM_LAYERS, "block_size": BLOCK_SIZE,
                             "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
                "sizes": measure(args.blocks, args.iters, args.cache_blocks)}
-    text = json.dumps(results, indent=1)
     if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text)
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -35,6 +35,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,10 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "label": args.label,
                "rows": run(args.blocks, args.layer_us, args.trials, args.switch_intervals)}
-    text = json.dumps(results, indent=1)
     if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text)
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

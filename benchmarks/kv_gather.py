@@ -26,8 +26,8 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch

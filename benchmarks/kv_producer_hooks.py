@@ -35,8 +35,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.doorbell import Doorbell
 from engine_core.errors import InvalidRequestError, ModelLoadError
 from engine_core.kv_connector import (
     ConnectorScheduler,
@@ -211,6 +212,11 @@ class EngineCore:
         """True while a connector half holds a transfer no request waits on (say the load of
         an aborted request, kept until its deadline); only a step lands, expires or frees it."""
         return not (self.scheduler.connector.is_idle() and self.connector_worker.is_idle())
+
+    def doorbell(self) -> Doorbell | None:
+        """What the engine loop polls besides its input: the connector's doorbell (None for
+        a colocated engine), rung when a transfer lands so a waiting loop steps at once."""
+        return self.connector_worker.doorbell()
 
     def has_runnable(self) -> bool:
         """True when the next step would compute (or collect) something (else poll)."""

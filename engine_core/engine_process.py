@@ -101,7 +101,7 @@ class EngineCoreProc:
         # loop at once instead of at the next transfer poll.
         self._poller = zmq.Poller()
         self._poller.register(input_socket, zmq.POLLIN)
-        self._doorbell = engine.connector_worker.doorbell()
+        self._doorbell = engine.doorbell()
         if self._doorbell is not None:
             self._poller.register(self._doorbell.fileno(), zmq.POLLIN)
 

@@ -72,20 +72,15 @@ def test_landing_watcher_calls_back_in_order_after_each_event() -> None:
     watcher.stop()
 
 
-class _Worker:
-    def __init__(self, bell: Doorbell) -> None:
-        self.bell = bell
-
-    def doorbell(self) -> Doorbell:
-        return self.bell
-
-
 class _TransferOnlyEngine:
     """Busy with transfers only (nothing runnable): the loop waits between steps."""
 
     def __init__(self, bell: Doorbell) -> None:
-        self.connector_worker = _Worker(bell)
+        self.bell = bell
         self.steps: list[float] = []
+
+    def doorbell(self) -> Doorbell:
+        return self.bell
 
     def has_work(self) -> bool:
         return True

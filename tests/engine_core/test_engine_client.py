@@ -54,6 +54,9 @@ class FakeEngine:
     def has_transfer_state(self) -> bool:
         return False
 
+    def doorbell(self) -> None:
+        return None
+
     def step(self) -> list[EngineOutput]:
         if self.crash_on_step:
             os._exit(3)

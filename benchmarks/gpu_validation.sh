@@ -7,7 +7,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~2 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
@@ -71,6 +71,9 @@ case "${1:-}" in
     transfer)
         step kv_transfer 150 python3 benchmarks/kv_transfer.py --trials 5 \
             --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --out "$OUT/kv_transfer.json"
+        # The one-GPU parts of the same path, for the same-call comparison.
+        step kv_gather 120 python3 -m benchmarks.kv_gather --out "$OUT/kv_gather.json"
+        step kv_producer_hooks 120 python3 -m benchmarks.kv_producer_hooks --out "$OUT/kv_producer_hooks.json"
         ;;
     *)
         echo "usage: $0 engine|kernels|decode|cluster|speed|transfer|async" >&2

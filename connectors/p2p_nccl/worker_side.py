@@ -118,7 +118,6 @@ class P2pConnectorWorker:
         self._doorbell = Doorbell()
         self._recv_buffer = RecvBuffer(config.kv_buffer_bytes)
         self._lock = threading.Lock()
-        self._kv_caches: list[torch.Tensor] = []
         self._stacked: torch.Tensor | None = None  # the caches as one [layers, 2, blocks, ...]
         self._geometry: tuple[int, str, list[int], int] | None = None
         self._started = False
@@ -159,7 +158,6 @@ class P2pConnectorWorker:
         if first.dim() != 5 or first.shape[0] != 2:
             raise KVTransferError(f"unexpected kv cache shape {tuple(first.shape)}")
         self._stacked = stack_layers(kv_caches)
-        self._kv_caches = list(kv_caches)
         dtype = str(first.dtype).removeprefix("torch.")
         block_shape = [int(d) for d in first.shape[2:]]
         self._geometry = (len(kv_caches), dtype, block_shape, first.element_size())
@@ -221,7 +219,7 @@ class P2pConnectorWorker:
     def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
         """Producer: after a call's last layer, gather the call's layers of each pushed
         request with one kernel and wake its sender; every other layer does nothing."""
-        assert self._stacked is not None
+        stacked = self._require_stacked()
         for job, index, call_ends in self._step_push:
             call = call_ends.get(layer_idx)
             if call is None or job.done.is_set():
@@ -232,7 +230,7 @@ class P2pConnectorWorker:
                 if staging is None:
                     continue
                 first, end = job.slots.calls[call]
-                gather_layers(self._stacked, first, end, index, out=staging[first:end])
+                gather_layers(stacked, first, end, index, out=staging[first:end])
                 job.slots.put(call, self._record_event())
             except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
                 job.slots.fail(exc)
@@ -363,7 +361,7 @@ class P2pConnectorWorker:
                 self._waiting.popleft()
             try:
                 buffer = torch.empty(wire_shape(num_layers, len(load.spec.block_ids), block_shape),
-                                     dtype=self._kv_caches[0].dtype, device=self._device)
+                                     dtype=self._require_stacked().dtype, device=self._device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
                 with self._lock:
                     load.state, load.reason = FAILED, f"buffer allocation failed: {exc}"
@@ -444,8 +442,8 @@ class P2pConnectorWorker:
                     self._counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
 
     def _scatter(self, load: _Load) -> None:
-        assert load.buffer is not None and self._stacked is not None
-        scatter_layers(self._stacked, block_ids_tensor(load.spec.block_ids, self._device),
+        assert load.buffer is not None
+        scatter_layers(self._require_stacked(), block_ids_tensor(load.spec.block_ids, self._device),
                        load.buffer)
 
     # ---- producer -----------------------------------------------------------------------
@@ -466,7 +464,7 @@ class P2pConnectorWorker:
             calls = call_ranges(num_layers, layers_per_call)
             try:
                 staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
-                                      dtype=self._kv_caches[0].dtype, device=self._device)
+                                      dtype=self._require_stacked().dtype, device=self._device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
                 job = self._make_job(save, pull, slots=CallSlots(torch.empty(num_layers, 0), calls))
                 job.slots.fail(exc)
@@ -497,11 +495,11 @@ class P2pConnectorWorker:
 
         def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
             # The blocks are held by the scheduler until this send reports done.
-            assert self._stacked is not None
+            stacked = self._require_stacked()
             with self._transport.gather_context(peer, event):
                 out = torch.empty(wire_shape(end - first, len(index), block_shape),
-                                  dtype=self._stacked.dtype, device=self._device)
-                return gather_layers(self._stacked, first, end, index, out=out), None
+                                  dtype=stacked.dtype, device=self._device)
+                return gather_layers(stacked, first, end, index, out=out), None
 
         self._submit(self._make_job(save, pull, call_source=gather_call))
 
@@ -726,6 +724,11 @@ class P2pConnectorWorker:
         if self._geometry is None:
             raise KVTransferError("register_kv_caches was not called")
         return self._geometry
+
+    def _require_stacked(self) -> torch.Tensor:
+        if self._stacked is None:
+            raise KVTransferError("register_kv_caches was not called")
+        return self._stacked
 
     def _record_event(self) -> Any:
         if self._device.type != "cuda":

@@ -3,8 +3,8 @@
 The engine allocates every layer's cache as one tensor (``allocate_kv_caches``), so the
 layers seen together are ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``.
 Wire layout of a run of layers: ``[layers, 2, request_blocks, block_size, heads, head_dim]``
-(kv-major, the cache's own order), so one ``index_select`` gathers any run of layers of a
-request and one scatters all of them: never a loop per block or per layer. On CUDA both are
+(kv-major, the cache's own order), so one launch gathers any run of layers of a request and
+one scatters all of them: never a loop per block or per layer. On CUDA both are
 the chunk-copy kernel of ``engine_core.kernels.kv_blocks`` (near the copy rate); on CPU
 ``index_select``/``index_copy_``. Both copy integer words, so every cache dtype (fp8
 included) arrives bit for bit.
@@ -15,13 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.errors import KVTransferError
-
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory as integers of the same width (copies are bit-exact for any dtype)."""
-    return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
+from engine_core.kernels import as_int_words
 
 
 def stack_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -51,7 +45,7 @@ def gather_layers(stacked: torch.Tensor, first: int, end: int, block_ids: torch.
 
         copy_blocks(stacked[first:end], out, block_ids, gather=True)
     else:
-        torch.index_select(_bits(stacked[first:end]), 2, block_ids, out=_bits(out))
+        torch.index_select(as_int_words(stacked[first:end]), 2, block_ids, out=as_int_words(out))
     return out
 
 
@@ -62,7 +56,7 @@ def scatter_layers(stacked: torch.Tensor, block_ids: torch.Tensor, buffer: torch
 
         copy_blocks(buffer, stacked, block_ids, gather=False)
     else:
-        _bits(stacked).index_copy_(2, block_ids, _bits(buffer))
+        as_int_words(stacked).index_copy_(2, block_ids, as_int_words(buffer))
 
 
 def block_ids_tensor(block_ids: list[int], device: torch.device | str) -> torch.Tensor:

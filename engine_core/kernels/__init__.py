@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import torch
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -20,3 +22,11 @@ def triton_available() -> bool:
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (tile widths must be powers of two)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def as_int_words(tensor: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """The same memory as integers of ``width`` bytes (default: the element width), so a
+    copy through it is bit-exact for any dtype (fp8 included)."""
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        width or tensor.element_size()]
+    return tensor.view(dtype)

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-_WORD_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+from engine_core.kernels import as_int_words
+
 TILE_BYTES = 4096  # bytes per program: 16 B per thread over 256 threads
 
 
@@ -36,10 +37,10 @@ def _copy_blocks_kernel(src_ptr, dst_ptr, block_ids_ptr, src_blocks, dst_blocks,
     tl.store(dst_ptr + dst_chunk * CHUNK + offsets, words, mask=mask)
 
 
-def _as_chunks(tensor: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+def _as_chunks(tensor: torch.Tensor, width: int) -> torch.Tensor:
     """``[planes, blocks, chunk words]`` view of a contiguous ``[L, 2, blocks, ...]`` tensor."""
     planes, blocks = tensor.shape[0] * tensor.shape[1], tensor.shape[2]
-    return tensor.view(torch.uint8).reshape(planes, blocks, -1).view(word)
+    return as_int_words(tensor.view(torch.uint8).reshape(planes, blocks, -1), width)
 
 
 def copy_blocks(source: torch.Tensor, dest: torch.Tensor, block_ids: torch.Tensor,
@@ -54,10 +55,9 @@ def copy_blocks(source: torch.Tensor, dest: torch.Tensor, block_ids: torch.Tenso
         return
     assert num_blocks < 65536, "grid dimension y is limited to 65535 blocks"
     chunk_bytes = source[0, 0, 0].numel() * source.element_size()
-    width = next(w for w in (16, 8, 4, 2, 1) if chunk_bytes % w == 0)
-    width = min(width, 8)  # widest integer Triton loads (it vectorises them to 16 B itself)
-    word = _WORD_OF_WIDTH[width]
-    src, dst = _as_chunks(source, word), _as_chunks(dest, word)
+    # The widest integer word dividing a chunk (Triton vectorises 8-byte words to 16 B).
+    width = next(w for w in (8, 4, 2, 1) if chunk_bytes % w == 0)
+    src, dst = _as_chunks(source, width), _as_chunks(dest, width)
     chunk = src.shape[2]
     tile = min(TILE_BYTES // width, triton.next_power_of_2(chunk))
     grid = (src.shape[0], num_blocks, triton.cdiv(chunk, tile))

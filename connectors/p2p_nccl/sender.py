@@ -43,6 +43,7 @@ class CallSlots:
     def __init__(self, staging: torch.Tensor, calls: list[tuple[int, int]]) -> None:
         self.staging: torch.Tensor | None = staging
         self.calls = calls
+        self._call_ending_at = {end - 1: call for call, (_, end) in enumerate(calls)}
         self._events: list[tuple[Any] | None] = [None] * len(calls)
         self._error: BaseException | None = None
         self._cond = threading.Condition()
@@ -52,6 +53,10 @@ class CallSlots:
         """Bytes of the staging buffer (held until the job finishes)."""
         with self._cond:
             return self.staging.nbytes if self.staging is not None else 0
+
+    def call_ending_at(self, layer: int) -> int | None:
+        """The call whose last layer is ``layer`` (its gather is due after it), or None."""
+        return self._call_ending_at.get(layer)
 
     def put(self, call: int, event: Any) -> None:
         """Call ``call``'s layers are gathered once ``event`` completes."""

@@ -131,8 +131,7 @@ class P2pConnectorWorker:
         self._pending: dict[str, _Pending] = {}
         self._in_flight: dict[str, SendJob] = {}
         self._senders: dict[str, PeerSender] = {}
-        # this step's push jobs: (job, block index, {last layer of a call: call number})
-        self._step_push: list[tuple[SendJob, torch.Tensor, dict[int, int]]] = []
+        self._step_push: list[tuple[SendJob, torch.Tensor]] = []  # (job, its block index)
         self._step_deferred: list[str] = []
         self._finished_sending: set[str] = set()
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
@@ -220,11 +219,11 @@ class P2pConnectorWorker:
         """Producer: after a call's last layer, gather the call's layers of each pushed
         request with one kernel and wake its sender; every other layer does nothing."""
         stacked = self._require_stacked()
-        for job, index, call_ends in self._step_push:
-            call = call_ends.get(layer_idx)
+        for job, index in self._step_push:
+            assert job.slots is not None
+            call = job.slots.call_ending_at(layer_idx)
             if call is None or job.done.is_set():
                 continue
-            assert job.slots is not None
             try:
                 staging = job.slots.staging
                 if staging is None:
@@ -253,7 +252,7 @@ class P2pConnectorWorker:
         for pending, pull in to_start:
             self._start_deferred(pending, pull)
         if self._config.send_type == "PUT":
-            for job, _, _ in self._step_push:
+            for job, _ in self._step_push:
                 job.done.wait(max(0.0, job.deadline - now))
         self._step_push = []
         self._step_deferred = []
@@ -471,7 +470,7 @@ class P2pConnectorWorker:
                 self._submit(job)
                 return
             job = self._make_job(save, pull, slots=CallSlots(staging, calls))
-            self._step_push.append((job, index, {end - 1: c for c, (_, end) in enumerate(calls)}))
+            self._step_push.append((job, index))
             self._submit(job)
             return
         with self._lock:

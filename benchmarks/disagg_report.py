@@ -162,6 +162,22 @@ def environment(spec: ClusterSpec, smoke: bool) -> dict:
     }
 
 
+def provenance(env: dict) -> dict:
+    """What each run stores of the environment: a report assembled over several invocations
+    (``--only`` pieces, machines of different sizes) still says where each figure came from."""
+    return {key: env[key] for key in ("date", "devices", "gpus_used", "git_commit", "torch")}
+
+
+def _where(result: dict | None) -> str:
+    """A raw run's provenance as list-item text (empty for runs saved before it was kept)."""
+    where = (result or {}).get("provenance")
+    if not where:
+        return ""
+    devices = "; ".join(where.get("devices") or [])
+    return (f": {where.get('date')}, commit {where.get('git_commit')}, GPUs "
+            f"{','.join(where.get('gpus_used') or []) or 'none'} of {devices}")
+
+
 def _header(env: dict, scale: Scale) -> list[str]:
     lines = ["# pdserve disaggregation report", "",
              f"- date: {env['date']}; devices: {'; '.join(env['devices'])}; GPUs used: "
@@ -204,34 +220,40 @@ def main(argv: list[str] | None = None) -> int:
                        log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout)
     scale = _scale(args)
     outcome = PlanOutcome([], [])
+    env = environment(spec, args.smoke)
     if not args.summary_only:
         plan = build_plan(scale, experiments, args.seed)
         deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
         options = ExecuteOptions(results_dir=results_dir, spec=spec, tokenizer_path=model,
                                  scale=scale, force=args.force, disable_tqdm=args.disable_tqdm,
-                                 deadline=deadline)
+                                 deadline=deadline, provenance=provenance(env))
         outcome = run_plan(plan, options)
     problems = outcome.problems
-    env = environment(spec, args.smoke)
     (results_dir / "env.json").write_text(json.dumps(env, indent=2))
     results = load_results(results_dir / "raw")
     markdown, figures = build_summary(results, _header(env, scale))
     plots = make_plots(results, results_dir)
     markdown += "\n## Files\n\n" + "\n".join(
-        f"- `{p.relative_to(results_dir)}`" for p in
-        [*plots, *sorted((results_dir / "raw").glob("*.json"))]) + "\n"
+        [f"- `{p.relative_to(results_dir)}`" for p in plots]
+        + [f"- `{p.relative_to(results_dir)}`{_where(results.get(p.stem))}"
+           for p in sorted((results_dir / "raw").glob("*.json"))]) + "\n"
     if problems:
         markdown += "\n## Problems\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
     if outcome.left:
         markdown += (f"\n## Not run yet (time budget)\n\n{len(outcome.left)} runs left: "
                      f"{', '.join(outcome.left)}. Run the same command again to continue.\n")
+    if outcome.need_gpus:
+        markdown += (f"\n## Not run yet (more GPUs needed)\n\n{len(outcome.need_gpus)} runs "
+                     f"need more GPUs than `--gpus {','.join(spec.gpus)}`: "
+                     f"{', '.join(outcome.need_gpus)}. Run again with enough GPUs and the "
+                     "same `--results-dir` to add them.\n")
     (results_dir / "summary.md").write_text(markdown)
     (results_dir / "summary.json").write_text(json.dumps(
-        {"environment": env, "figures": figures, "problems": problems, "left": outcome.left},
-        indent=2))
+        {"environment": env, "figures": figures, "problems": problems, "left": outcome.left,
+         "need_gpus": outcome.need_gpus}, indent=2))
     print(markdown, flush=True)
     print(f"results in {results_dir}", flush=True)
-    return 1 if problems else (3 if outcome.left else 0)
+    return 1 if problems else (3 if outcome.left or outcome.need_gpus else 0)
 
 
 if __name__ == "__main__":

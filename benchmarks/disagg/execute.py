@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class ExecuteOptions:
     force: bool = False
     disable_tqdm: bool = False
     deadline: float | None = None  # time.monotonic() by which the last run must be done
+    provenance: dict[str, Any] | None = None  # stored with each run: where and when it ran
 
     @property
     def raw_dir(self) -> Path:
@@ -131,6 +132,8 @@ def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
     before = _scrape_all(cluster)
     (result,) = run_benchmark(bench_config(run, url, options), tokenizer)
     result["topology"] = cluster.topology.name
+    if options.provenance is not None:
+        result["provenance"] = options.provenance
     result["scraped"] = scraped_deltas(cluster, before, _scrape_all(cluster))
     path = options.raw_dir / f"{run.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,10 +146,12 @@ def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
 
 @dataclass
 class PlanOutcome:
-    """What ``run_plan`` did: failures, and the runs left for lack of time."""
+    """What ``run_plan`` did: failures, the runs left for lack of time, and the runs whose
+    topology needs more GPUs than were given (for a later invocation on a bigger machine)."""
 
     problems: list[str]
     left: list[str]
+    need_gpus: list[str] = field(default_factory=list)
 
 
 def _fits(options: ExecuteOptions, seconds: float) -> bool:
@@ -162,6 +167,12 @@ def run_plan(plan: list[TopologyPlan], options: ExecuteOptions) -> PlanOutcome:
                    if options.force or not (options.raw_dir / f"{r.name}.json").is_file()]
         if not pending:
             logger.info("%s: every run already has results; skipped", item.topology.name)
+            continue
+        gpus = options.spec.gpus
+        if gpus and item.topology.num_workers > len(gpus):
+            logger.info("%s needs %d GPUs, %d given: its runs wait for a bigger machine",
+                        item.topology.name, item.topology.num_workers, len(gpus))
+            outcome.need_gpus += [r.name for r in pending]
             continue
         if not _fits(options, STARTUP_ESTIMATE_S + pending[0].estimated_seconds):
             outcome.left += [r.name for r in pending]

@@ -94,6 +94,19 @@ def test_time_budget_leaves_runs_for_the_next_invocation(tmp_path: Path) -> None
                                     "ttft_overhead__colocated_proxy", "ttft_overhead__pd"]
 
 
+def test_topologies_needing_more_gpus_wait_for_a_bigger_machine(tmp_path: Path) -> None:
+    """On one GPU the colocated pieces run and the two-worker ones are listed, not failed."""
+    plan = build_plan(SMOKE_SCALE, ("proxy_overhead", "prefix_cache"))
+    options = ExecuteOptions(results_dir=tmp_path, spec=ClusterSpec("/m", "m", gpus=("0",)),
+                             tokenizer_path="/no/tokenizer", scale=SMOKE_SCALE,
+                             deadline=time.monotonic())
+    outcome = run_plan(plan, options)
+    assert outcome.problems == []
+    assert sorted(outcome.need_gpus) == ["prefix_cache__pd_off", "prefix_cache__pd_on"]
+    assert sorted(outcome.left) == ["prefix_cache__colo1_off", "prefix_cache__colo1_on",
+                                    "proxy_overhead__direct", "proxy_overhead__proxy"]
+
+
 def _result(label: str, rate: float, **values: float) -> dict:
     base = {"label": label, "request_rate": rate, "completed": 10, "failed": 0,
             "num_prompts": 10, "total_input_tokens": 20480, "output_lens": [128] * 10,

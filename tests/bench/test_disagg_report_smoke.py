@@ -1,0 +1,31 @@
+"""The report end to end on CPU (``--smoke``): a real cluster, real benchmark runs, summary.
+
+Only the proxy-overhead experiment (one colocated worker and the proxy, ~15 s): the other
+experiments share its launch, run and summary code, and their plans are checked without
+processes in test_disagg_report.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import disagg_report
+
+
+def test_report_smoke_proxy_overhead(tmp_path: Path) -> None:
+    rc = disagg_report.main(["--smoke", "--only", "proxy_overhead", "--results-dir",
+                             str(tmp_path), "--disable-tqdm"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["problems"] == [] and summary["left"] == [] and summary["need_gpus"] == []
+    section = summary["figures"]["proxy_overhead"]
+    assert section["ttft_p50_added_ms"] is not None
+    assert section["own_overhead_ms"]["p50_ms"] > 0
+    for name in ("proxy_overhead__direct", "proxy_overhead__proxy"):
+        run = json.loads((tmp_path / "raw" / f"{name}.json").read_text())
+        assert run["completed"] == run["num_prompts"] and run["failed"] == 0
+        assert run["provenance"]["gpus_used"] == [] and run["provenance"]["date"]
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "## 4. Proxy overhead" in markdown and "raw/proxy_overhead__proxy.json`: 20" in markdown
+    assert (tmp_path / "proxy_overhead_cdf.png").stat().st_size > 0

@@ -16,6 +16,7 @@ import torch
 from engine_core.config import EngineConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import InvalidRequestError, ModelLoadError
+from engine_core.kernels.jit_variants import compiled_variants
 from engine_core.kv_connector import (
     ConnectorScheduler,
     ConnectorWorker,
@@ -35,6 +36,7 @@ from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.step_inputs import BatchLimits
+from engine_core.worker.warm_up import WarmUpLimits, warm_up_steps
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -102,6 +104,7 @@ class EngineCore:
                                "before sizing the KV cache",
                                self.graph_capture.pool_bytes / 2**20,
                                self.graph_pool_reserve / 2**20)
+        self._warm_up()
         self.rejected_messages = 0
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
@@ -113,6 +116,18 @@ class EngineCore:
                            max_num_tokens=sched.max_num_batched_tokens,
                            max_model_len=self.max_model_len,
                            block_size=self.config.cache.block_size)
+
+    def _warm_up(self) -> None:
+        """Compile what a serving step can need before the first request (warm_up.py)."""
+        sched = self.config.scheduler
+        limits = WarmUpLimits(self.config.cache.block_size, self.num_blocks, sched.max_num_seqs,
+                              sched.max_num_batched_tokens, self.max_model_len)
+        start = time.perf_counter()
+        for step in warm_up_steps(limits):
+            self.runner.execute(step)
+        variants = compiled_variants()
+        logger.info("Warm-up steps took %.2f s; %d Triton kernel variants compiled",
+                    time.perf_counter() - start, sum(variants.values()))
 
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture; empty when this engine runs every step eagerly."""

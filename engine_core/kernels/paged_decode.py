@@ -37,6 +37,8 @@ MIN_TOKENS_PER_SPLIT = 256
 # H200 sweep (32 q / 8 KV heads, d 128, bf16): one 32k-token sequence ran 0.14 ms with 16
 # splits and 0.09 ms with 33 (the occupancy bound below); batches gained nothing from more.
 MAX_SPLITS = 64
+# The merge reads every split of a row in one tile of this many (one compiled variant).
+SPLITS_PAD = next_power_of_2(MAX_SPLITS)
 _ROW_MAX_START = tl.constexpr(-1.0e30)
 
 
@@ -63,16 +65,20 @@ def _norm_rope_rows(row_ptrs, row_ok, w_ptr, cos, sin, eps, HEAD_DIM: tl.constex
     return out.to(dtype)
 
 
-@triton.jit
+# ``num_splits`` is a plain argument, never specialised on: it follows the batch size, and
+# as a compile-time constant every new eager batch size compiled another variant while
+# serving (~1 s each; 13 in the first seconds of a 200 req/s run on an H200).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kb, stride_ks, stride_kh, stride_bt,
                    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps, slot_ptr,
                    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct, stride_st,
+                   num_splits,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
@@ -83,7 +89,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -163,25 +169,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o_rows = q_row.to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None] & dim_mask[None, :])
     else:
-        # Partials are [num_seqs, Hq, NUM_SPLITS, (BLOCK_D)], contiguous, in float32.
-        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SPLITS + split
+        # Partials are [num_seqs, Hq, num_splits, (BLOCK_D)], contiguous, in float32.
+        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out,
                  mask=row_valid[:, None])
         lse = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
-                         stride_ot, stride_oh,
+                         stride_ot, stride_oh, num_splits,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -190,8 +196,8 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_pt
         return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, BLOCK_D)
-    part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=-float("inf"))
+    part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=splits < num_splits, other=-float("inf"))
     used = lse > -float("inf")  # empty splits never wrote their partial output
     # A finite floor keeps an all-empty row (seq_len 0) free of -inf - -inf.
     weight = tl.exp2(lse - tl.maximum(tl.max(lse, 0), _ROW_MAX_START))
@@ -271,6 +277,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1],
                                        block_size, q.device)
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
     block_d = next_power_of_2(head_dim)
@@ -309,12 +316,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *new,
+        num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
+        DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
         HAS_NORM=has_norm, num_warps=num_warps, **extra, **pdl)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),
+            out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits), num_warps=2, **pdl)
+            SPLITS_PAD=SPLITS_PAD, num_warps=2, **pdl)

@@ -55,7 +55,9 @@ def test_compared_runs_share_prompts_and_same_server_runs_do_not() -> None:
     on, off = runs["prefix_cache__pd_on"], runs["prefix_cache__pd_off"]
     assert (on[0], off[0]) == (PD, PD_NOCACHE) and on[1].dataset == off[1].dataset
     assert on[1].dataset.name == "prefix_repetition"
-    assert runs["proxy_overhead__proxy"][1].rate == 200.0
+    direct, proxied = runs["proxy_overhead__direct"][1], runs["proxy_overhead__proxy"][1]
+    assert proxied.rate == 200.0 and direct.dataset == proxied.dataset
+    assert proxied.dataset.random_input_len < 16  # below one block: no prefix hits
     assert runs["proxy_overhead__direct"][0] == COLO1
 
 

@@ -143,6 +143,15 @@ def _run(command: list[str]) -> str | None:
         return None
 
 
+def _commit() -> str | None:
+    """HEAD, marked ``+dirty`` when tracked files differ from it (the code that ran is then
+    not the commit's: a device copy of a working tree can carry an older .git)."""
+    head = _run(["git", "rev-parse", "--short", "HEAD"])
+    if head and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+        return head + "+dirty"
+    return head
+
+
 def environment(spec: ClusterSpec, smoke: bool) -> dict:
     """Device, software and command of this report."""
     import torch
@@ -154,7 +163,7 @@ def environment(spec: ClusterSpec, smoke: bool) -> dict:
         "host": platform.node(), "python": platform.python_version(),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "devices": gpus.splitlines() if gpus else [f"CPU: {platform.processor() or 'unknown'}"],
-        "gpus_used": list(spec.gpus), "git_commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+        "gpus_used": list(spec.gpus), "git_commit": _commit(),
         "model": spec.model, "served_model_name": spec.served_model_name,
         "engine_args": list(spec.engine_args), "smoke": smoke,
         "command": " ".join(shlex.quote(a) for a in ["python3", "-m", "benchmarks.disagg_report",

@@ -299,6 +299,8 @@ DECODE_CASES_INTERPRET = [
     AttnCase(FP32, 1, 2, 32, (3, 150), (1, 1), num_splits=4, pad_rows=1, block_size=8),
     AttnCase(BF16, 2, 8, 16, (40,), (1,), num_splits=3, block_size=4),
     AttnCase(FP16, 1, 1, 16, (33, 8), (1, 1), cache_dtype=E4M3, num_splits=2, block_size=4),
+    # 38 used splits and 2 empty ones: the merge walks three chunks of splits
+    AttnCase(FP32, 1, 2, 16, (1199, 5), (1, 1), num_splits=40, block_size=16),
 ]
 
 

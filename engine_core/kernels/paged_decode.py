@@ -41,6 +41,7 @@ MAX_SPLITS = 64
 # and a tile sized for the usual few splits (one 64-wide tile cost batches of 4-16
 # sequences 1-2 us a layer on an H200 against tiles padded to their own count).
 SPLIT_CHUNK = 16
+MERGE_WARPS = 2
 _ROW_MAX_START = tl.constexpr(-1.0e30)
 
 
@@ -199,29 +200,28 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_pt
     base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits
     chunk = tl.arange(0, SPLIT_CHUNK)
     dims = tl.arange(0, BLOCK_D)
-    # Pass 1: the row's largest log-sum-exp; the finite start keeps an all-empty row
-    # (seq_len 0) free of -inf - -inf.
-    top = tl.full([SPLIT_CHUNK], _ROW_MAX_START, tl.float32)
-    for first in range(0, num_splits, SPLIT_CHUNK):
-        splits = first + chunk
-        lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits,
-                      other=-float("inf"))
-        top = tl.maximum(top, lse)
-    row_max = tl.max(top, 0)
-    # Pass 2: partial outputs weighted by exp2(lse - max); empty splits wrote no output.
-    total = tl.zeros([SPLIT_CHUNK], tl.float32)
+    # One pass, SPLIT_CHUNK splits at a time, rescaling as the running maximum grows (one
+    # chunk covers the usual counts). Each chunk's log-sum-exps and partial outputs are
+    # loaded together (one memory round trip); empty splits never wrote their partial, so
+    # it is zeroed by ``used`` after the load instead of masking the load on it. The finite
+    # start keeps an all-empty row (seq_len 0) free of -inf - -inf.
+    row_max = tl.max(tl.full([SPLIT_CHUNK], _ROW_MAX_START, tl.float32), 0)
+    norm = tl.sum(tl.zeros([SPLIT_CHUNK], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for first in range(0, num_splits, SPLIT_CHUNK):
         splits = first + chunk
-        lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits,
-                      other=-float("inf"))
-        used = lse > -float("inf")
-        weight = tl.exp2(lse - row_max)
+        valid = splits < num_splits
+        lse = tl.load(part_lse_ptr + base + splits, mask=valid, other=-float("inf"))
         partial = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
-                          mask=used[:, None], other=0.0)
-        acc += tl.sum(partial * weight[:, None], 0)
-        total += weight
-    norm = tl.sum(total, 0)
+                          mask=valid[:, None], other=0.0)
+        used = lse > -float("inf")
+        new_max = tl.maximum(row_max, tl.max(lse, 0))
+        rescale = tl.exp2(row_max - new_max)
+        weight = tl.exp2(lse - new_max)
+        contribution = tl.where(used[:, None], partial, 0.0) * weight[:, None]
+        acc = acc * rescale + tl.sum(contribution, 0)
+        norm = norm * rescale + tl.sum(weight, 0)
+        row_max = new_max
     out = acc / tl.where(norm > 0.0, norm, 1.0)
     tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -343,4 +343,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLIT_CHUNK=SPLIT_CHUNK, num_warps=2, **pdl)
+            SPLIT_CHUNK=SPLIT_CHUNK, num_warps=MERGE_WARPS, **pdl)

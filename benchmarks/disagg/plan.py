@@ -82,9 +82,10 @@ class Scale:
     proxy_rate: float = 200.0
     proxy_prompts: int = 2000
     # Shorter than one KV block: both runs send the same prompts and neither gets prefix
-    # hits, and the worker stays far from saturation at 200 req/s, so the difference of the
-    # two runs is the proxy's, not the batching noise of a loaded engine (with 64-token
-    # prompts on the 8B the two runs' p50 TTFTs differed by tens of ms either way).
+    # hits, and the worker's load is as light as the rate allows. Its step times still
+    # drift by tens of ms within a run (at 200 req/s almost every step is a mixed, eager
+    # one), so the summary prints that drift beside the difference, and the proxy's own
+    # time per request from its histogram.
     proxy_input: int = 8
     proxy_output: int = 2
     warmups: int = 8

@@ -69,8 +69,10 @@ case "${1:-}" in
             --out "$OUT/profile_decode.json"
         ;;
     transfer)
-        step kv_transfer 150 python3 benchmarks/kv_transfer.py --trials 5 \
-            --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --out "$OUT/kv_transfer.json"
+        # Host-bound (0) and with a prefill's compute per layer (200 us), as in serving.
+        step kv_transfer 280 python3 benchmarks/kv_transfer.py --trials 5 \
+            --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --layer-us 0 200 \
+            --out "$OUT/kv_transfer.json"
         # The one-GPU parts of the same path, for the same-call comparison.
         step kv_gather 120 python3 -m benchmarks.kv_gather --out "$OUT/kv_gather.json"
         step kv_producer_hooks 120 python3 -m benchmarks.kv_producer_hooks --out "$OUT/kv_producer_hooks.json"

@@ -20,8 +20,17 @@ connector  one request through the connector (PUT_ASYNC): pull request, header, 
            already posted) to the last send's end (``send_gpu_seconds``): the part raw
            NCCL is the limit of.
 
-Each ``--min-call-bytes`` value runs in a fresh producer/consumer pair (0 = one NCCL call
-per layer). Prints JSON and writes it to ``--out``.
+``tail``: wall time from the end of the producer's last layer (its GPU event, waited on by
+the host) to the consumer reporting the request landed: what a request's TTFT pays for the
+transfer after its prefill. ``--layer-us`` gives each layer GPU work (``torch.cuda._sleep``)
+before its hook, as a prefill has: with it the header round trip and the consumer's receive
+posting happen while the producer computes, as in serving; with 0 (host-bound) they race the
+data, and ``data`` includes the wait for the receive. With several data calls and compute,
+``data`` spans the compute between the calls: read ``tail`` there.
+
+Each (``--switch-intervals``, ``--min-call-bytes``, ``--layer-us``) combination runs in a
+fresh producer/consumer pair (min call bytes 0 = one NCCL call per layer). Prints JSON and
+writes it to ``--out``.
 
     source .device/env.sh && python3 benchmarks/kv_transfer.py --out benchmarks/results/kv_transfer.json
 """
@@ -126,7 +135,8 @@ def _raw(rank: int, uid_queue: Any, out: Any, sizes: list[int], iters: int) -> N
 
 
 def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes: list[int],
-               trials: int, min_call_bytes: int, switch_interval: float) -> None:
+               trials: int, min_call_bytes: int, switch_interval: float,
+               layer_us: float, smoke: bool) -> None:
     import sys
 
     from connectors import create_connector
@@ -135,8 +145,14 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
     from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 
     sys.setswitchinterval(switch_interval)
-    device = "cuda:0" if role == "kv_producer" else "cuda:1"
-    torch.cuda.set_device(device)
+    device = "cpu" if smoke else ("cuda:0" if role == "kv_producer" else "cuda:1")
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
     config = EngineConfig(
         model=ModelConfig(model="bench"), cache=CacheConfig(block_size=BLOCK_SIZE),
         kv_transfer=KVTransferConfig(kv_role=role, kv_port=port, kv_buffer_size=8e9,
@@ -149,6 +165,11 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
         cache.normal_()
     worker.register_kv_caches(caches)
     peer = f"127.0.0.1:{peer_port}"
+    cycles = 0
+    if role == "kv_producer" and layer_us > 0 and cuda:
+        from benchmarks.kv_producer_hooks import sleep_cycles_per_us
+
+        cycles = int(layer_us * sleep_cycles_per_us())
     try:
         for blocks in sizes:
             block_ids = list(range(blocks))
@@ -166,7 +187,7 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                         if finished.recving or finished.failed_recving:
                             break
                         time.sleep(0.00005)
-                    torch.cuda.synchronize()
+                    sync()
                     done = time.monotonic()
                     after = worker.stats()
                     out.put(("done", blocks, trial, done, bool(finished.recving),
@@ -176,22 +197,42 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                     assert inbox.get(timeout=120)[1] == tid
                     time.sleep(0.2)  # the pull request lands first, as when D asks early
                     meta = P2pConnectorMetadata(saves=[SaveSpec("r", tid, peer, block_ids, tokens)])
-                    torch.cuda.synchronize()
+                    sync()
                     before = worker.stats()
                     start = time.monotonic()
                     worker.start_load_kv(meta)
                     worker.bind_step(meta, None)
+                    computed = torch.cuda.Event() if cuda else None
+                    computed_at = 0.0
                     for layer, cache in enumerate(caches):
+                        if cycles:
+                            torch.cuda._sleep(cycles)  # this layer's prefill compute
+                        elif not cuda and layer_us > 0:
+                            time.sleep(layer_us / 1e6)  # smoke: the host computes
+                        if layer == len(caches) - 1:
+                            if computed is not None:
+                                computed.record()
+                            computed_at = time.monotonic()
                         worker.after_layer(layer, cache)
                     worker.wait_for_save()
                     hooks_done = time.monotonic()
                     out.put(("start", blocks, trial, start))
+                    if computed is not None:
+                        computed.synchronize()
+                        computed_at = time.monotonic()
+                    out.put(("computed", blocks, trial, computed_at))
                     while not worker.get_finished().sending:
                         time.sleep(0.0002)
                     sent = time.monotonic()
                     after = worker.stats()
                     out.put(("sent", blocks, trial, hooks_done - start, sent - start,
                              after["send_gpu_seconds"] - before["send_gpu_seconds"]))
+        # The producer stops only after the consumer has everything: a CPU-transport send is
+        # done once ZMQ holds the bytes, and closing the socket drops what it still queues.
+        if role == "kv_consumer":
+            inbox.put(("finished", None))
+        else:
+            assert inbox.get(timeout=120)[0] == "finished"
         out.put(("stats", role, worker.stats()))
     finally:
         worker.shutdown()
@@ -217,26 +258,31 @@ def run_raw(ctx: Any, sizes_bytes: list[int], iters: int) -> dict[int, tuple[flo
 
 
 def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes: int,
-                  switch_interval: float) -> dict[str, Any]:
+                  switch_interval: float, layer_us: float, smoke: bool = False
+                  ) -> dict[str, Any]:
     out, handoff = ctx.Queue(), ctx.Queue()
     p_port, d_port = free_port(), free_port()
     procs = [ctx.Process(target=_connector, args=("kv_consumer", d_port, p_port, handoff, out,
                                                   sizes_blocks, trials, min_call_bytes,
-                                                  switch_interval)),
+                                                  switch_interval, layer_us, smoke)),
              ctx.Process(target=_connector, args=("kv_producer", p_port, d_port, handoff, out,
                                                   sizes_blocks, trials, min_call_bytes,
-                                                  switch_interval))]
+                                                  switch_interval, layer_us, smoke))]
     for p in procs:
         p.start()
     starts: dict[tuple[int, int], float] = {}
+    computed: dict[tuple[int, int], float] = {}
     done: dict[tuple[int, int], tuple[float, bool, float, float]] = {}
     sent: dict[tuple[int, int], tuple[float, float, float]] = {}
     stats: dict[str, Any] = {}
     expected = len(sizes_blocks) * (trials + 1)
-    while len(done) < expected or len(sent) < expected or len(stats) < 2:
+    while (len(done) < expected or len(sent) < expected or len(computed) < expected
+           or len(stats) < 2):
         item = out.get(timeout=300)
         if item[0] == "start":
             starts[(item[1], item[2])] = item[3]
+        elif item[0] == "computed":
+            computed[(item[1], item[2])] = item[3]
         elif item[0] == "sent":
             sent[(item[1], item[2])] = tuple(item[3:])
         elif item[0] == "done":
@@ -246,9 +292,13 @@ def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes
     for p in procs:
         p.join(60)
     result: dict[str, Any] = {}
+    def gbps(nbytes: int, seconds: list[float]) -> float | None:
+        median = statistics.median(seconds)
+        return round(nbytes / median / 1e9, 1) if median > 0 else None  # CPU: no GPU time
+
     for blocks in sizes_blocks:
         nbytes = blocks * BYTES_PER_BLOCK
-        e2e, data, recv, hooks, send_wall, calls, failed = [], [], [], [], [], [], 0
+        e2e, tail, data, recv, hooks, send_wall, calls, failed = [], [], [], [], [], [], [], 0
         for trial in range(1, trials + 1):
             end, ok, recv_s, n_calls = done[(blocks, trial)]
             hooks_s, sent_s, send_gpu_s = sent[(blocks, trial)]
@@ -256,6 +306,7 @@ def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes
                 failed += 1
                 continue
             e2e.append(end - starts[(blocks, trial)])
+            tail.append(end - computed[(blocks, trial)])
             data.append(send_gpu_s)
             recv.append(recv_s)
             hooks.append(hooks_s)
@@ -267,9 +318,10 @@ def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes
 
         result[str(nbytes)] = {
             "e2e_ms_median": ms(e2e),
-            "e2e_gbps": round(nbytes / statistics.median(e2e) / 1e9, 1),
+            "e2e_gbps": gbps(nbytes, e2e),
+            "tail_ms_median": ms(tail),
             "data_ms_median": ms(data),
-            "data_gbps": round(nbytes / statistics.median(data) / 1e9, 1),
+            "data_gbps": gbps(nbytes, data),
             "consumer_recv_ms_median": ms(recv),
             "producer_hooks_ms_median": ms(hooks),
             "producer_send_done_ms_median": ms(send_wall),
@@ -280,7 +332,15 @@ def run_connector(ctx: Any, sizes_blocks: list[int], trials: int, min_call_bytes
     return result
 
 
-def main() -> None:
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _ratio(value: float | None, limit: float | None) -> float | None:
+    return round(value / limit, 3) if value and limit else None
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--min-call-bytes", type=int, nargs="+", default=[0, 32 << 20])
@@ -288,32 +348,42 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--switch-intervals", type=float, nargs="+", default=[0.005],
                         help="sys.setswitchinterval values to run the connector under")
+    parser.add_argument("--layer-us", type=float, nargs="+", default=[0.0],
+                        help="GPU busy time (torch.cuda._sleep) before each layer's hook on "
+                             "the producer: a prefill's compute; 0 = host-bound")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU engines and the CPU transport, no raw NCCL: checks the "
+                             "benchmark itself (the numbers mean nothing)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
     blocks = [blocks_for(s) for s in args.sizes_mb]
     sizes_bytes = [b * BYTES_PER_BLOCK for b in blocks]
-    raw = run_raw(ctx, sizes_bytes, args.raw_iters)
+    raw = ({n: (None, None, None) for n in sizes_bytes} if args.smoke
+           else run_raw(ctx, sizes_bytes, args.raw_iters))
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(0) + " x2",
+        "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(0) + " x2",
         "geometry": {"layers": NUM_LAYERS, "block_size": BLOCK_SIZE, "kv_heads": NUM_KV_HEADS,
                      "head_dim": HEAD_DIM, "dtype": "bfloat16", "bytes_per_block": BYTES_PER_BLOCK},
         "sizes": [{"requested_mb": mb, "blocks": b, "bytes": n, "mib": round(n / (1 << 20), 2),
-                   "raw_gbps": round(raw[n][0], 1), "raw_stream_gbps": round(raw[n][1], 1),
-                   "raw_idle_gbps": round(raw[n][2], 1)}
+                   "raw_gbps": _round(raw[n][0]), "raw_stream_gbps": _round(raw[n][1]),
+                   "raw_idle_gbps": _round(raw[n][2])}
                   for mb, b, n in zip(args.sizes_mb, blocks, sizes_bytes)],
         "connector": {},
     }
-    for switch_interval in args.switch_intervals:
-        for min_call in args.min_call_bytes:
-            measured = run_connector(ctx, blocks, args.trials, min_call, switch_interval)
-            for row in result["sizes"]:
-                entry = measured[str(row["bytes"])]
-                entry["data_vs_raw"] = round(entry["data_gbps"] / row["raw_gbps"], 3)
-                entry["e2e_vs_raw"] = round(entry["e2e_gbps"] / row["raw_gbps"], 3)
-                entry["data_vs_raw_idle"] = round(entry["data_gbps"] / row["raw_idle_gbps"], 3)
-            result["connector"][f"min_call_bytes={min_call},switch_interval={switch_interval}"] = measured
+    configs = [(si, mc, us) for si in args.switch_intervals for mc in args.min_call_bytes
+               for us in args.layer_us]
+    for switch_interval, min_call, layer_us in configs:
+        measured = run_connector(ctx, blocks, args.trials, min_call, switch_interval,
+                                 layer_us, args.smoke)
+        for row in result["sizes"]:
+            entry = measured[str(row["bytes"])]
+            entry["data_vs_raw"] = _ratio(entry["data_gbps"], row["raw_gbps"])
+            entry["e2e_vs_raw"] = _ratio(entry["e2e_gbps"], row["raw_gbps"])
+            entry["data_vs_raw_idle"] = _ratio(entry["data_gbps"], row["raw_idle_gbps"])
+        key = f"min_call_bytes={min_call},switch_interval={switch_interval},layer_us={layer_us:g}"
+        result["connector"][key] = measured
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -84,11 +84,13 @@ def scraped_deltas(cluster: Cluster, before: dict[str, prometheus.Samples],
     return out
 
 
-def bench_config(run: BenchRun, url: str, options: ExecuteOptions) -> BenchConfig:
+def bench_config(run: BenchRun, url: str, options: ExecuteOptions,
+                 interleave_url: str | None = None) -> BenchConfig:
     """The ``bench serve`` settings of one run."""
     scale = options.scale
     return BenchConfig(
-        base_url=url, model=options.spec.served_model_name, tokenizer=options.tokenizer_path,
+        base_url=url, interleave_base_url=interleave_url,
+        model=options.spec.served_model_name, tokenizer=options.tokenizer_path,
         dataset=run.dataset, request_rates=(run.rate,),
         goodput={"ttft": scale.slo_ttft_ms, "tpot": scale.slo_tpot_ms}, ignore_eos=True,
         percentile_metrics=METRICS, metric_percentiles=PERCENTILES,
@@ -118,19 +120,24 @@ def warm_up(run: BenchRun, url: str, options: ExecuteOptions, tokenizer: Any) ->
         data = replace(data, seed=data.seed + 1)
 
 
+def _target_url(cluster: Cluster, target: str) -> str:
+    if target == PROXY:
+        return cluster.url
+    urls = cluster.worker_urls(target)
+    if not urls:
+        raise BenchmarkError(f"{cluster.topology.name} has no {target} worker")
+    return urls[0]
+
+
 def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
                  tokenizer: Any) -> Path:
-    if run.target == PROXY:
-        url = cluster.url
-    else:
-        urls = cluster.worker_urls(run.target)
-        if not urls:
-            raise BenchmarkError(f"{cluster.topology.name} has no {run.target} worker")
-        url = urls[0]
-    logger.info("run %s: %s at %s req/s on %s", run.name, run.variant, run.rate, url)
+    url = _target_url(cluster, run.target)
+    other = None if run.interleave is None else _target_url(cluster, run.interleave)
+    logger.info("run %s: %s at %s req/s on %s%s", run.name, run.variant, run.rate, url,
+                f" and {other}" if other else "")
     warm_up(run, url, options, tokenizer)
     before = _scrape_all(cluster)
-    (result,) = run_benchmark(bench_config(run, url, options), tokenizer)
+    (result,) = run_benchmark(bench_config(run, url, options, other), tokenizer)
     result["topology"] = cluster.topology.name
     if options.provenance is not None:
         result["provenance"] = options.provenance

@@ -117,6 +117,7 @@ class BenchRun:
     target: str             # PROXY or a worker role hit directly ("colocated")
     dataset: DatasetConfig
     rate: float
+    interleave: str | None = None  # every other request to this target instead (an A/B)
 
     @property
     def estimated_seconds(self) -> float:
@@ -187,6 +188,12 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
                             "colocated", short, rate))
         add(COLO1, BenchRun(f"{experiment}__proxy", experiment, "through the proxy", PROXY,
                             short, rate))
+        # The A/B that decides the goal: one run, even requests direct, odd ones through the
+        # proxy, so both halves see the same arrivals and the same worker state (the worker's
+        # step times drift by tens of ms within a run, which separate runs cannot cancel).
+        add(COLO1, BenchRun(f"{experiment}__interleaved", experiment,
+                            "direct and proxied, interleaved", "colocated", short, rate,
+                            interleave=PROXY))
     else:
         raise ValueError(f"unknown experiment {experiment!r}; choose from {EXPERIMENTS}")
     return runs

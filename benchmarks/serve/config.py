@@ -64,11 +64,20 @@ class BenchConfig:
     plot: bool = True
     disable_tqdm: bool = False
     request_timeout_s: float = 6 * 3600.0
+    # Every odd-numbered request goes here instead (the report's proxy A/B): both targets
+    # then see one arrival process and one server state, and the result splits the metrics.
+    interleave_base_url: str | None = None
 
     @property
     def url(self) -> str:
         """Where requests go."""
         return self.base_url.rstrip("/") + self.endpoint
+
+    def url_for(self, index: int) -> str:
+        """Where request ``index`` goes: ``url``, or every other one to the interleaved target."""
+        if self.interleave_base_url is None or index % 2 == 0:
+            return self.url
+        return self.interleave_base_url.rstrip("/") + self.endpoint
 
 
 def parse_rates(text: str) -> tuple[float, ...]:

@@ -114,12 +114,13 @@ async def send_all(session: aiohttp.ClientSession, config: BenchConfig, prepared
 
     async def one(index: int) -> RequestOutput:
         headers = {**base_headers, "X-Request-Id": f"{id_prefix}{index}"}
+        url = config.url_for(index)
         try:
             if limit is None:
-                return await send_request(session, config.url, prepared.payloads[index],
+                return await send_request(session, url, prepared.payloads[index],
                                           prepared.prompt_lens[index], headers, start)
             async with limit:
-                return await send_request(session, config.url, prepared.payloads[index],
+                return await send_request(session, url, prepared.payloads[index],
                                           prepared.prompt_lens[index], headers, start)
         finally:
             if on_done is not None:
@@ -154,6 +155,13 @@ def _result(config: BenchConfig, model: str, tokenizer_id: str | None, rate: flo
     }
     result.update(compute_metrics(outputs, duration_s, config.percentile_metrics,
                                   config.metric_percentiles, config.goodput))
+    if config.interleave_base_url is not None:
+        # Each target's requests alone (even: base_url, odd: the interleaved one).
+        result["interleaved"] = {
+            name: compute_metrics(outputs[first::2], duration_s, config.percentile_metrics,
+                                  config.metric_percentiles, config.goodput)
+            for name, first in (("base", 0), ("interleaved", 1))}
+        result["interleave_base_url"] = config.interleave_base_url
     result["server_breakdown"] = summarize_stages([o.server for o in done])
     result["errors"] = summarize_errors(outputs)
     result["input_lens"] = [o.prompt_len for o in done]

@@ -21,7 +21,14 @@ def test_report_smoke_proxy_overhead(tmp_path: Path) -> None:
     assert summary["problems"] == [] and summary["left"] == [] and summary["need_gpus"] == []
     section = summary["figures"]["proxy_overhead"]
     assert section["ttft_p50_added_ms"] is not None
+    assert section["interleaved"]["ttft_p50_added_ms"] is not None
     assert section["own_overhead_ms"]["p50_ms"] > 0
+    mixed = json.loads((tmp_path / "raw" / "proxy_overhead__interleaved.json").read_text())
+    halves = mixed["interleaved"]
+    assert halves["base"]["completed"] + halves["interleaved"]["completed"] == mixed["completed"]
+    assert halves["base"]["completed"] == halves["interleaved"]["completed"] > 0
+    # only the odd half went through the proxy (its timings carry the proxy's queue stage)
+    assert mixed["server_breakdown"]["proxy_queue"]["count"] == halves["interleaved"]["completed"]
     for name in ("proxy_overhead__direct", "proxy_overhead__proxy"):
         run = json.loads((tmp_path / "raw" / f"{name}.json").read_text())
         assert run["completed"] == run["num_prompts"] and run["failed"] == 0

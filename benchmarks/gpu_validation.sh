@@ -9,28 +9,35 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh report1   # one H200 (~5 min): the report's one-GPU pieces
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh report    # two GPUs (~10 min a call): the whole report, resumable
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
-# the number of failed steps.
+# the number of failed steps. Logs and results go to a run folder packed into ONE file,
+# $OUT/<stage>.tgz (the device tool returns at most 8 files). Steps are stopped with SIGINT
+# at their limit, so an interrupted pytest still prints its summary.
 set -u
 OUT=${OUT:-/tmp/pdserve-gpu}
+STAGE=${1:-}
+RUN=$(mktemp -d /tmp/pdserve-gpu-run.XXXXXX)
 mkdir -p "$OUT"
 failed=0
+trap 'tar czf "$OUT/$STAGE.tgz" -C "$RUN" --exclude="model-*" . 2>/dev/null' EXIT
 
 step() {  # step NAME TIMEOUT_S CMD...
     local name=$1 limit=$2
     shift 2
     echo "== $name: $*"
-    if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
+    if timeout -s INT -k 20 "$limit" "$@" > "$RUN/$name.log" 2>&1; then
         echo "   ok"
     else
         echo "   FAILED (rc=$?)"
         failed=$((failed + 1))
     fi
-    tail -4 "$OUT/$name.log" | sed 's/^/   /'
+    tail -4 "$RUN/$name.log" | sed 's/^/   /'
 }
 
-case "${1:-}" in
+case "$STAGE" in
     engine)
         step cuda_graphs 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_cuda_graphs.py
         step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
@@ -53,32 +60,46 @@ case "${1:-}" in
         step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
         step async_scheduling 200 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_async_scheduling.py
         step speed_async 200 python3 -m benchmarks.engine_speed --only limits,decode,small \
-            --out "$OUT/engine_speed_async.json"
+            --out "$RUN/engine_speed_async.json"
         step speed_sync 200 python3 -m benchmarks.engine_speed --only decode,small \
-            --no-async-scheduling --out "$OUT/engine_speed_sync.json"
+            --no-async-scheduling --out "$RUN/engine_speed_sync.json"
         ;;
     cluster)
         step connectors 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connectors
         step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_cluster_gpu.py
         ;;
     speed)
-        step engine_speed 330 python3 -m benchmarks.engine_speed --out "$OUT/engine_speed.json"
+        step engine_speed 330 python3 -m benchmarks.engine_speed --out "$RUN/engine_speed.json"
         step decode_kernels 200 python3 -m benchmarks.decode_kernels --parts gemv,attention,layer \
-            --rows 1,8 --no-attn-sweep --out "$OUT/decode_kernels.json"
+            --rows 1,8 --no-attn-sweep --out "$RUN/decode_kernels.json"
         step profile 90 python3 -m benchmarks.profile_decode --model qwen3-8b --model qwen3-0.6b \
-            --out "$OUT/profile_decode.json"
+            --out "$RUN/profile_decode.json"
         ;;
     transfer)
         # Host-bound (0) and with a prefill's compute per layer (200 us), as in serving.
         step kv_transfer 280 python3 benchmarks/kv_transfer.py --trials 5 \
             --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --layer-us 0 200 \
-            --out "$OUT/kv_transfer.json"
+            --out "$RUN/kv_transfer.json"
         # The one-GPU parts of the same path, for the same-call comparison.
-        step kv_gather 120 python3 -m benchmarks.kv_gather --out "$OUT/kv_gather.json"
-        step kv_producer_hooks 120 python3 -m benchmarks.kv_producer_hooks --out "$OUT/kv_producer_hooks.json"
+        step kv_gather 120 python3 -m benchmarks.kv_gather --out "$RUN/kv_gather.json"
+        step kv_producer_hooks 120 python3 -m benchmarks.kv_producer_hooks --out "$RUN/kv_producer_hooks.json"
+        ;;
+    report1)
+        # Colocated prefix caching and the proxy overhead (interleaved A/B); the 1P1D runs
+        # are listed as needing two GPUs. Empty Triton cache: a fresh machine's cold start.
+        rm -rf "$HOME/.triton/cache"
+        step report1 420 python3 -m benchmarks.disagg_report --gpus 0 \
+            --only proxy_overhead,prefix_cache --results-dir "$RUN/serve" --time-budget 400 \
+            --disable-tqdm
+        ;;
+    report)
+        # The whole report on GPUs 0,1; exit 3 = time budget reached: copy serve/ back into
+        # the repo's results folder and run again (finished runs are skipped).
+        step report 560 python3 -m benchmarks.disagg_report --gpus 0,1 \
+            --results-dir "${REPORT_DIR:-$RUN/serve}" --time-budget 530 --disable-tqdm
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|speed|transfer|async" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|speed|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

@@ -97,6 +97,7 @@ case "$STAGE" in
         # the repo's results folder and run again (finished runs are skipped).
         step report 560 python3 -m benchmarks.disagg_report --gpus 0,1 \
             --results-dir "${REPORT_DIR:-$RUN/serve}" --time-budget 530 --disable-tqdm
+        if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
         echo "usage: $0 engine|kernels|decode|cluster|speed|transfer|async|report1|report" >&2

@@ -7,6 +7,9 @@ Every figure is a ratio to a limit this run measures on the same GPU:
 - ``decode``: decode step time of Qwen3-8B shapes at batch x context cases (default 1x1024
   goal <= 1.10 x roofline, 64x2048 and 256x2048 goal <= 1.25 x), roofline = (weight bytes
   read + KV bytes read) / copy bandwidth.
+- ``mixed``: steps that mix a decoding batch with one new short prompt (what serving with
+  steady arrivals runs: no CUDA graph), against the same batch's decode-only step in the
+  same engine; no goal, it prices the eager path.
 - ``prefill``: one 2k and one 8k prompt, timed from the first step to the first token (with
   async scheduling that includes one more, empty, step); achieved FLOP/s (matmuls + causal
   attention) over the matmul rate, goal >= 60%.
@@ -57,7 +60,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.worker.forward_timer import ForwardTimer
 from engine_core.worker.loader import read_model_spec
 
-PARTS = ("limits", "decode", "prefill", "small", "e2e", "hf")
+PARTS = ("limits", "decode", "mixed", "prefill", "small", "e2e", "hf")
 # Tiny shapes for --smoke (CPU or GPU): every code path in seconds.
 SMOKE_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -357,6 +360,66 @@ def decode_case(driver: Driver, batch: int, context: int, steps: int, warmup: in
     return result
 
 
+def mixed_case(driver: Driver, batch: int, context: int, prompt_len: int, steps: int,
+               warmup: int) -> dict[str, Any]:
+    """``batch`` sequences decoding while, before every step, one prompt of ``prompt_len``
+    tokens arrives (one output token, so it leaves after its prefill): each timed step is a
+    mixed prefill + decode step. Timed like ``decode_case``; then as many decode-only steps
+    of the same batch for comparison."""
+    engine = driver.engine
+    block_size = engine.config.cache.block_size
+    budget = engine.config.scheduler.max_num_batched_tokens
+    prefill_steps_bound = 2 * (batch * context // budget + 2)
+    new_tokens = 2 * (warmup + steps) + 4 + prefill_steps_bound
+    need = (batch * -(-(context + new_tokens) // block_size)
+            + 2 * -(-(prompt_len + 1) // block_size))
+    result: dict[str, Any] = {"batch": batch, "context": context, "prompt_len": prompt_len,
+                              "timed_steps": steps}
+    if (need > engine.num_blocks or batch + 1 > engine.config.scheduler.max_num_seqs
+            or batch + prompt_len > budget):
+        result["skipped"] = (f"needs {need} KV blocks, {batch + 1} sequences and "
+                             f"{batch + prompt_len} tokens a step")
+        return result
+    ids = [driver.add(driver.random_prompt(context), new_tokens) for _ in range(batch)]
+    prefill_steps = 0
+    while not driver.all_decoding(batch):
+        engine.step()
+        prefill_steps += 1
+        if prefill_steps > prefill_steps_bound:
+            raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
+
+    def mixed_steps(count: int) -> tuple[list[float], list[Any]]:
+        times = []
+        with driver._forward_timer() as timer:
+            for _ in range(count):
+                driver.add(driver.random_prompt(prompt_len), 1)
+                t0 = time.perf_counter()
+                engine.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return times, timer.collect()
+
+    mixed_steps(warmup)
+    step_ms, samples = mixed_steps(steps)
+    mixed = [s for s in samples if s.num_tokens > batch]  # the forwards that held a prompt
+    while len(engine.scheduler.running) > batch or engine.scheduler.waiting:
+        engine.step()  # the last prompts leave
+    driver.timed_steps(warmup)
+    decode_ms, decode_samples = driver.timed_steps(steps)
+    driver.drain(ids)
+    result.update({
+        "prefill_steps": prefill_steps,
+        "step_ms": stats_ms(step_ms),
+        "forward_ms": stats_ms([s.ms for s in mixed]) if mixed else None,
+        "mixed_forwards": len(mixed),
+        "graphed_steps": sum(s.graphed for s in samples),
+        "decode_only_step_ms": stats_ms(decode_ms),
+        "decode_only_graphed_steps": sum(s.graphed for s in decode_samples),
+        "raw_step_ms": step_ms,
+        "raw_decode_only_step_ms": decode_ms,
+    })
+    return result
+
+
 def prefill_case(driver: Driver, length: int, reps: int, spec: ModelSpec,
                  matmul_rate: float | None) -> dict[str, Any]:
     engine = driver.engine
@@ -567,6 +630,11 @@ class Bench:
             driver = Driver(engine, self.args.seed)
             if "decode" in parts:
                 self.guarded("decode", lambda: self.decode(driver))
+            if "mixed" in parts:
+                self.guarded("mixed", lambda: [
+                    mixed_case(driver, batch, context, prompt, self.args.decode_steps,
+                               self.args.warmup_steps)
+                    for batch, context, prompt in self.args.mixed_cases])
             if "prefill" in parts:
                 self.guarded("prefill", lambda: self.prefill(driver))
             if "e2e" in parts:
@@ -662,7 +730,7 @@ class Bench:
         self.results["meta"] = meta(a)
         if "limits" in parts or parts & {"decode", "prefill", "small"}:
             self.guarded("limits", self.limits)
-        if parts & {"decode", "prefill", "e2e"}:
+        if parts & {"decode", "mixed", "prefill", "e2e"}:
             self.guarded("big_engine", lambda: self.big_engine_parts(parts))
             if self.device.type == "cuda":  # a leak here would shrink every later engine
                 self.results["cuda_bytes_after_big_engine"] = torch.cuda.memory_allocated()
@@ -713,6 +781,16 @@ def summarize(results: dict[str, Any]) -> str:
                      f"({engine['cuda_graph_pool_bytes'] / 2**20:.0f} MiB)")
     for case in results.get("decode", []):
         lines.append(_decode_line("decode", case))
+    for case in results.get("mixed", []):
+        head = f"mixed b{case['batch']} ctx{case['context']} + {case['prompt_len']}-token prompt"
+        if "skipped" in case:
+            lines.append(f"{head}: skipped ({case['skipped']})")
+            continue
+        forward = case["forward_ms"]["median"] if case["forward_ms"] else float("nan")
+        lines.append(f"{head}: step {case['step_ms']['median']:.3f} ms (forward {forward:.3f}, "
+                     f"graphed {case['graphed_steps']}/{case['timed_steps']}); the batch's "
+                     f"decode-only step {case['decode_only_step_ms']['median']:.3f} ms "
+                     f"(graphed {case['decode_only_graphed_steps']}/{case['timed_steps']})")
     for case in results.get("prefill", []):
         if "skipped" in case:
             lines.append(f"prefill {case['tokens']}: skipped ({case['skipped']})")
@@ -770,6 +848,14 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     return cases
 
 
+def parse_mixed_cases(text: str) -> list[tuple[int, int, int]]:
+    cases = []
+    for item in text.split(","):
+        batch, context, prompt = item.lower().split("x")
+        cases.append((int(batch), int(context), int(prompt)))
+    return cases
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -803,6 +889,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="batch x context, comma-separated")
     parser.add_argument("--decode-steps", type=int, default=50, help="timed steps per case")
     parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--mixed-cases", type=parse_mixed_cases,
+                        default=parse_mixed_cases("1x1024x64,16x1024x64,64x1024x64"),
+                        help="batch x context x new prompt tokens, comma-separated")
     parser.add_argument("--prefill-lens", type=parse_ints, default=parse_ints("2048,8192"))
     parser.add_argument("--prefill-reps", type=int, default=3)
     parser.add_argument("--small-context", type=int, default=1024)
@@ -831,6 +920,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.matmul_n = 512
         args.limit_iters = 5
         args.decode_cases = [(1, 64), (8, 128)]
+        args.mixed_cases = [(4, 64, 16)]
         args.decode_steps = 5
         args.warmup_steps = 2
         args.prefill_lens = [128, 512]

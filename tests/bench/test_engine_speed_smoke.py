@@ -14,7 +14,7 @@ from benchmarks import engine_speed
 @pytest.mark.parametrize("async_flag", ["--async-scheduling", "--no-async-scheduling"])
 def test_engine_speed_smoke(tmp_path, async_flag):
     out = tmp_path / "speed.json"
-    rc = engine_speed.main(["--smoke", "--device", "cpu", "--only", "decode,prefill,small",
+    rc = engine_speed.main(["--smoke", "--device", "cpu", "--only", "decode,mixed,prefill,small",
                             "--out", str(out), async_flag])
     results = json.loads(out.read_text())
     assert rc == 0 and not results["errors"]
@@ -30,3 +30,7 @@ def test_engine_speed_smoke(tmp_path, async_flag):
         # Timed to the first token: the prompt's forward is inside the measured time.
         assert prefill["raw_step_ms"][0] >= prefill["raw_forward_ms"][0] > 0
     assert {case["enforce_eager"] for case in results["small"]} == {True, False}
+    (mixed,) = results["mixed"]
+    # Every timed step held the new prompt beside the decoding batch.
+    assert "skipped" not in mixed and mixed["mixed_forwards"] == mixed["timed_steps"]
+    assert len(mixed["raw_decode_only_step_ms"]) == mixed["timed_steps"]

@@ -260,6 +260,19 @@ class Driver:
                 and all(r.num_tokens_with_pending - r.num_computed_tokens == 1
                         for r in sched.running))
 
+    def start_decoding(self, batch: int, context: int, max_tokens: int, max_steps: int
+                       ) -> tuple[list[str], int]:
+        """Add ``batch`` random prompts of ``context`` tokens and step until every one is
+        decoding; (their ids, the steps it took)."""
+        ids = [self.add(self.random_prompt(context), max_tokens) for _ in range(batch)]
+        steps = 0
+        while not self.all_decoding(batch):
+            self.engine.step()
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
+        return ids, steps
+
     def run_to_completion(self) -> tuple[int, int]:
         """Step until idle; (steps, output tokens)."""
         steps = tokens = 0
@@ -323,13 +336,7 @@ def decode_case(driver: Driver, batch: int, context: int, steps: int, warmup: in
                              f"{engine.num_blocks} blocks, max_num_seqs "
                              f"{engine.config.scheduler.max_num_seqs}")
         return result
-    ids = [driver.add(driver.random_prompt(context), new_tokens) for _ in range(batch)]
-    prefill_steps = 0
-    while not driver.all_decoding(batch):
-        engine.step()
-        prefill_steps += 1
-        if prefill_steps > prefill_steps_bound:
-            raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
+    ids, prefill_steps = driver.start_decoding(batch, context, new_tokens, prefill_steps_bound)
     driver.timed_steps(warmup)
     # A decode step attends to every token of its request, the new one included.
     attended_at_start = sum(r.num_tokens_with_pending for r in engine.scheduler.running)
@@ -380,13 +387,7 @@ def mixed_case(driver: Driver, batch: int, context: int, prompt_len: int, steps:
         result["skipped"] = (f"needs {need} KV blocks, {batch + 1} sequences and "
                              f"{batch + prompt_len} tokens a step")
         return result
-    ids = [driver.add(driver.random_prompt(context), new_tokens) for _ in range(batch)]
-    prefill_steps = 0
-    while not driver.all_decoding(batch):
-        engine.step()
-        prefill_steps += 1
-        if prefill_steps > prefill_steps_bound:
-            raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
+    ids, prefill_steps = driver.start_decoding(batch, context, new_tokens, prefill_steps_bound)
 
     def mixed_steps(count: int) -> tuple[list[float], list[Any]]:
         times = []

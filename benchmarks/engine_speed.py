@@ -292,12 +292,16 @@ class Driver:
         finally:
             self.engine.runner.forward_timer = None
 
-    def timed_steps(self, count: int) -> tuple[list[float], list[Any]]:
+    def timed_steps(self, count: int, before_each: Callable[[], object] | None = None
+                    ) -> tuple[list[float], list[Any]]:
         """Host wall time of each of ``count`` ``step()`` calls (in steady state, with async
-        scheduling, one launch plus the previous step's collect), and their forwards."""
+        scheduling, one launch plus the previous step's collect), and their forwards;
+        ``before_each`` runs untimed before every step (a request arriving)."""
         times = []
         with self._forward_timer() as timer:
             for _ in range(count):
+                if before_each is not None:
+                    before_each()
                 t0 = time.perf_counter()
                 self.engine.step()
                 times.append((time.perf_counter() - t0) * 1e3)
@@ -389,18 +393,11 @@ def mixed_case(driver: Driver, batch: int, context: int, prompt_len: int, steps:
         return result
     ids, prefill_steps = driver.start_decoding(batch, context, new_tokens, prefill_steps_bound)
 
-    def mixed_steps(count: int) -> tuple[list[float], list[Any]]:
-        times = []
-        with driver._forward_timer() as timer:
-            for _ in range(count):
-                driver.add(driver.random_prompt(prompt_len), 1)
-                t0 = time.perf_counter()
-                engine.step()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return times, timer.collect()
+    def arrive() -> None:
+        driver.add(driver.random_prompt(prompt_len), 1)
 
-    mixed_steps(warmup)
-    step_ms, samples = mixed_steps(steps)
+    driver.timed_steps(warmup, arrive)
+    step_ms, samples = driver.timed_steps(steps, arrive)
     mixed = [s for s in samples if s.num_tokens > batch]  # the forwards that held a prompt
     while len(engine.scheduler.running) > batch or engine.scheduler.waiting:
         engine.step()  # the last prompts leave

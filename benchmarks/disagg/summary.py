@@ -252,9 +252,8 @@ def proxy_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
                   f"{_f(section['e2el_p50_added_ms'], 2)} ms. This difference also carries the "
                   "worker's drift between the runs: the p50 TTFT of each tenth of a run spans "
                   f"{_span(direct)} ms direct and {_span(proxied)} ms through the proxy."]
-    own = next((r.get("scraped", {}).get("proxy", {}).get("overhead")
-                for r in (mixed, proxied) if r is not None
-                and r.get("scraped", {}).get("proxy", {}).get("overhead")), None)
+    owns = [(r or {}).get("scraped", {}).get("proxy", {}).get("overhead") for r in (mixed, proxied)]
+    own = next((o for o in owns if o), None)
     if own:
         section["own_overhead_ms"] = own
         lines += [f"The proxy's own time per request (`pdserve:proxy_overhead_seconds`: a "

@@ -209,10 +209,11 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                             torch.cuda._sleep(cycles)  # this layer's prefill compute
                         elif not cuda and layer_us > 0:
                             time.sleep(layer_us / 1e6)  # smoke: the host computes
-                        if layer == len(caches) - 1:
+                        if layer == len(caches) - 1:  # its compute ends here
                             if computed is not None:
-                                computed.record()
-                            computed_at = time.monotonic()
+                                computed.record()  # read once the GPU gets there
+                            else:
+                                computed_at = time.monotonic()
                         worker.after_layer(layer, cache)
                     worker.wait_for_save()
                     hooks_done = time.monotonic()

@@ -6,6 +6,7 @@ import argparse
 
 from engine_core.config import (
     ATTENTION_BACKENDS,
+    CUDA_GRAPH_MODES,
     DTYPES,
     HASH_ALGOS,
     KV_CACHE_DTYPES,
@@ -60,10 +61,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
     group.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     group.add_argument("--enforce-eager", action="store_true",
-                       help="disable CUDA graphs (decode steps run eagerly)")
+                       help="disable CUDA graphs (every step runs eagerly)")
     group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
-                       help="decode batch sizes to capture as CUDA graphs (one value: the "
-                            "default schedule up to it; default: up to min(max-num-seqs, 512))")
+                       help="step sizes (tokens) to capture as CUDA graphs (one value: the "
+                            "default schedules up to it; default: decode steps up to "
+                            "min(max-num-seqs, 512), mixed steps up to "
+                            "min(max-num-batched-tokens, 2048))")
+    group.add_argument("--cuda-graph-mode", choices=CUDA_GRAPH_MODES, default="full",
+                       help="full: decode-only and mixed prefill+decode steps replay CUDA "
+                            "graphs; full_decode_only: decode-only steps only")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                        help="auto: Triton kernels on CUDA (attention, RMSNorm, RoPE) when "
                             "triton is installed, else the torch reference")
@@ -102,6 +108,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             attention_backend=args.attention_backend,
                             cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
+                            cuda_graph_mode=args.cuda_graph_mode,
                             triton_gemv_max_rows=args.triton_gemv_max_rows),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),

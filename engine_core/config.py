@@ -19,6 +19,9 @@ SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "triton", "torch_ref")
+# vLLM's cudagraph_mode values we support (lower case): graphs of every step kind, or of
+# decode-only steps.
+CUDA_GRAPH_MODES = ("full", "full_decode_only")
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,12 @@ class DeviceConfig:
     enforce_eager: bool = False
     # auto: Triton kernels on CUDA when available, else the torch reference.
     attention_backend: str = "auto"
-    # Decode batch sizes captured as CUDA graphs. Empty: the default schedule up to
-    # min(max_num_seqs, 512); one value: that schedule up to the value; several: exactly those.
+    # Step sizes (tokens) captured as CUDA graphs. Empty: the default schedules (decode up to
+    # min(max_num_seqs, 512), mixed steps up to min(max_num_batched_tokens, 2048)); one
+    # value: those schedules up to the value; several: exactly those.
     cuda_graph_sizes: tuple[int, ...] = ()
+    # full: decode-only and mixed steps replay graphs; full_decode_only: decode-only steps.
+    cuda_graph_mode: str = "full"
     # Projections of at most this many rows use the Triton GEMV (Triton path, 16-bit
     # weights). None: the backend's measured default; 0: always cuBLAS.
     triton_gemv_max_rows: int | None = None
@@ -113,6 +119,9 @@ class DeviceConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, "
                               f"got {self.attention_backend!r}")
+        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise ConfigError(f"--cuda-graph-mode must be one of {CUDA_GRAPH_MODES}, "
+                              f"got {self.cuda_graph_mode!r}")
         sizes = tuple(int(s) for s in (self.cuda_graph_sizes or ()))
         if any(s < 1 for s in sizes):
             raise ConfigError(f"--cuda-graph-sizes must be positive, got {list(sizes)}")

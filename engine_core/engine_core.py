@@ -95,7 +95,7 @@ class EngineCore:
                                    connector_scheduler, self.max_model_len, policy)
         self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
                                   torch.device(self.device), self.eos_token_ids, connector_worker,
-                                  self._batch_limits())
+                                  self._batch_limits(), self._prefill_tile_tokens())
         self.graph_capture: CaptureStats | None = None
         if self._graph_sizes():
             self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
@@ -123,22 +123,29 @@ class EngineCore:
         limits = WarmUpLimits(self.config.cache.block_size, self.num_blocks, sched.max_num_seqs,
                               sched.max_num_batched_tokens, self.max_model_len)
         start = time.perf_counter()
-        for step in warm_up_steps(limits):
-            self.runner.execute(step)
+        with self.runner.graphs_paused():
+            for step in warm_up_steps(limits):
+                self.runner.execute(step)
         variants = compiled_variants()
         logger.info("Warm-up steps took %.2f s; %d Triton kernel variants compiled",
                     time.perf_counter() - start, sum(variants.values()))
 
-    def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture; empty when this engine runs every step eagerly."""
+    def _graph_sizes(self) -> cuda_graphs.GraphSizes:
+        """Graph sizes to capture; empty when this engine runs every step eagerly."""
         device = self.config.device
         reason = cuda_graphs.graphs_disabled_reason(torch.device(self.device),
                                                     self.attn_backend.name, device.enforce_eager)
         if reason is not None:
-            return []
+            return cuda_graphs.GraphSizes()
         sched = self.config.scheduler
         return cuda_graphs.capture_sizes(device.cuda_graph_sizes, sched.max_num_seqs,
-                                         sched.max_num_batched_tokens)
+                                         sched.max_num_batched_tokens, device.cuda_graph_mode)
+
+    def _prefill_tile_tokens(self) -> int:
+        spec = self.spec
+        return self.attn_backend.query_tile_tokens(spec.num_attention_heads,
+                                                   spec.num_key_value_heads, spec.head_dim,
+                                                   self.dtype)
 
     def _profile_peak_bytes(self) -> int:
         """GPU memory a worst-case step needs beyond weights: one max-size prefill forward."""
@@ -154,7 +161,8 @@ class EngineCore:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
-                             NullConnectorWorker(), self._batch_limits())
+                             NullConnectorWorker(), self._batch_limits(),
+                             self._prefill_tile_tokens())
         from engine_core.sched.outputs import NewRequestData
 
         params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -167,9 +175,9 @@ class EngineCore:
         peak += 4 * 4 * self.vocab_size * self.config.scheduler.max_num_seqs
         sizes = self._graph_sizes()
         if sizes:
-            # The decode graphs' private pool is captured after the cache is allocated and
-            # is never returned to the allocator: reserve it now.
-            pool = runner.estimate_graph_pool_bytes(max(sizes))
+            # The graphs' private pool is captured after the cache is allocated and is never
+            # returned to the allocator: reserve it now.
+            pool = runner.estimate_graph_pool_bytes(sizes)
             logger.info("Reserving %.1f MiB for CUDA graphs", pool / 2**20)
             self.graph_pool_reserve = pool
             peak += pool

@@ -28,6 +28,12 @@ class AttentionBackend(ABC):
     # Projections of at most this many rows (16-bit weights) run the Triton GEMV; 0: cuBLAS.
     gemv_max_rows: int = 0
 
+    def query_tile_tokens(self, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype) -> int:
+        """Tokens a prefill work item covers, for step inputs that list them on the host;
+        0: this backend reads no such list."""
+        return 0
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,

@@ -23,7 +23,10 @@ class AttentionMetadata:
     Sequences are ordered as in the batch; sequence i owns query tokens
     ``query_start_loc[i]:query_start_loc[i+1]`` whose absolute positions end at
     ``seq_lens[i] - 1``. K/V of every new token is written at ``slot_mapping``
-    (``block_id * block_size + offset``) before attention reads the cache.
+    (``block_id * block_size + offset``) before attention reads the cache. A batch padded
+    to a CUDA graph's size ends with empty sequences (no tokens, ``seq_len`` 0) and tokens
+    of no sequence (slot -1): nothing reads or writes for them, and their output rows are
+    left as they were.
     """
 
     slot_mapping: torch.Tensor      # [num_tokens] int64
@@ -36,6 +39,13 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # host copies, so reference paths need no device sync
     seq_lens_cpu: list[int]
     layer_hooks: LayerHooks | None = None
+    # The Triton prefill kernel's work list (kernels/paged_prefill.py): int32 pairs
+    # (sequence, first token) of ``prefill_tile_tokens`` tokens each, ``num_prefill_tiles``
+    # programs (in a graph the most its size can need, the unused pairs -1). None: the
+    # backend builds it from the host lists (metadata built outside StepInputs).
+    prefill_tiles: torch.Tensor | None = None
+    num_prefill_tiles: int = 0
+    prefill_tile_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:

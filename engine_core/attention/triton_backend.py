@@ -5,10 +5,12 @@ rotates q and the new k (``NewTokenRope``), stores the new K/V and attends, so t
 model's q/k norm + RoPE kernel and the KV write are not launched; it reads only device
 tensors, so a CUDA graph of a decode batch replays it as is. Any other step calls
 ``forward``, after the model's own norm + RoPE kernel: one kernel writes the new K/V at
-their slots, then the prefill kernel runs over the sequences with more than one new token
-and the decode kernel over those with exactly one. Both are launched over the whole batch
-and each skips the other's rows on the device, so no host-side partition of the batch is
-built (a pure prefill step pays one decode launch whose programs exit at once). We split
+their slots, then the prefill kernel runs over the query tiles of the sequences with more
+than one new token (a tile list ``StepInputs`` builds with the step's other inputs) and the
+decode kernel over the sequences with exactly one, skipping the others on the device.
+Both read only device tensors and take their grids from shapes and the tile list's
+length, so a mixed step replays from a CUDA graph like a decode step (a pure prefill step
+pays one decode launch whose programs exit at once). We split
 rather than send everything through the prefill kernel because in a chunked-prefill batch
 the decodes are the majority, and they need split-KV (one prefill program per sequence
 would walk a long context alone) and the GQA-packed decode tile.
@@ -50,26 +52,40 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+        from engine_core.attention.prefill_tiles import prefill_tiles
         from engine_core.kernels.kv_write import write_kv
         from engine_core.kernels.paged_decode import paged_decode_attention
         from engine_core.kernels.paged_prefill import paged_prefill_attention
 
         meta = attn_metadata
         out = torch.empty_like(q)
+        tile_tokens = self.query_tile_tokens(q.shape[1], k.shape[1], q.shape[2], q.dtype)
         if kv_cache is None:  # the profile run: k and v must share strides here
             v = v if v.stride() == k.stride() else v.contiguous()
-            paged_prefill_attention(q, k, v, out, None, None, meta.query_start_loc,
-                                    meta.max_query_len, meta.block_size, scale)
+            tiles, count = prefill_tiles(meta.query_start_loc_cpu, tile_tokens, q.device,
+                                         include_single=True)
+            paged_prefill_attention(q, k, v, out, None, None, meta.query_start_loc, tiles,
+                                    count, tile_tokens, meta.block_size, scale)
             return out
         write_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if meta.max_query_len > 1:
-            paged_prefill_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, meta.max_query_len,
-                                    meta.block_size, scale, skip_single_token_rows=True)
+        if meta.prefill_tiles is None:
+            tiles, count = prefill_tiles(meta.query_start_loc_cpu, tile_tokens, q.device)
+        else:
+            tiles, count = meta.prefill_tiles, meta.num_prefill_tiles
+            assert meta.prefill_tile_tokens == tile_tokens
+        paged_prefill_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, tiles, count, tile_tokens,
+                                meta.block_size, scale)
         paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, scale, self.num_decode_splits)
         return out
+
+    def query_tile_tokens(self, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype) -> int:
+        from engine_core.kernels.paged_prefill import query_tile_tokens
+
+        return query_tile_tokens(num_q_heads, num_kv_heads, head_dim, dtype)
 
     def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:

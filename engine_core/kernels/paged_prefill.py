@@ -11,8 +11,11 @@ r % GROUP): every K/V tile is loaded once for the whole group. The KV loop runs 
 phases: tiles every row of the program may fully see (no mask), then the diagonal tiles
 (causal and length mask).
 
-The grid uses the host's ``max_query_len``: prefill steps are not captured in CUDA graphs
-(decode steps are; see paged_decode.py).
+The grid is a list of query tiles, ``(sequence, first token)`` pairs built on the host
+(``attention/prefill_tiles.py``) and read by each program, so no program is launched for a tile
+that holds no token. A CUDA graph of a mixed step is captured over the most tiles a step of
+its size can have (``max_prefill_tiles``); a step with fewer marks the rest ``-1`` and
+their programs exit at once.
 """
 
 from __future__ import annotations
@@ -77,22 +80,20 @@ def _attend_tiles(q, acc, m_i, l_i, k_ptr, v_ptr, block_tables_ptr, seq, stride_
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, scale_log2,
+                    query_start_loc_ptr, tiles_ptr, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_kt, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                    SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    seq = tl.program_id(0)
-    tile_start = tl.program_id(1) * BLOCK_Q
-    kv_head = tl.program_id(2)
+                    DOT_PRECISION: tl.constexpr):
+    seq = tl.load(tiles_ptr + 2 * tl.program_id(0))
+    if seq < 0:  # past this step's tiles (a graph's grid covers the most a step can have)
+        return
+    tile_start = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+    kv_head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile_start >= q_len:
-        return
-    if SKIP_SINGLE and q_len == 1:  # the decode kernel owns single-token rows
-        return
     if PAGED:
         seq_len = tl.load(seq_lens_ptr + seq)
     else:
@@ -146,28 +147,41 @@ def _tile_config(group: int, block_d: int, dtype: torch.dtype) -> tuple[int, int
     return block_m, block_n, 4 if block_m * block_d <= 64 * 128 else 8
 
 
+def query_tile_tokens(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype) -> int:
+    """Tokens of one sequence a prefill program owns (``BLOCK_Q``): the tile list's unit."""
+    group = num_q_heads // num_kv_heads
+    block_m, _, _ = _tile_config(group, next_power_of_2(head_dim), dtype)
+    return block_m // group
+
+
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, block_tables: torch.Tensor | None,
                             seq_lens: torch.Tensor | None, query_start_loc: torch.Tensor,
-                            max_query_len: int, block_size: int, scale: float,
-                            skip_single_token_rows: bool = False) -> None:
-    """Fill ``out`` ``[T, Hq, D]`` with causal attention of q ``[T, Hq, D]``.
+                            tiles: torch.Tensor, num_tiles: int, tile_tokens: int,
+                            block_size: int, scale: float) -> None:
+    """Fill the rows of ``out`` ``[T, Hq, D]`` that ``tiles`` covers with causal attention of
+    q ``[T, Hq, D]``.
 
+    ``tiles`` is the int32 list from ``prefill_tiles.fill_prefill_tiles`` with ``tile_tokens`` tokens a
+    tile (``query_tile_tokens`` of these shapes); ``num_tiles`` programs per KV head are
+    launched (a graph passes the bound, its unused entries ``-1``).
     Paged mode (``block_tables`` given): k/v are the cache halves ``[num_blocks,
     block_size, Hkv, D]`` and already hold this step's tokens. Unpaged mode (``None``):
     k/v are this step's ``[T, Hkv, D]`` and every sequence is a full prefill (the
-    profiling run before a cache exists). ``skip_single_token_rows`` leaves sequences of
-    one new token to the decode kernel.
+    profiling run before a cache exists).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_seqs = query_start_loc.shape[0] - 1
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0 or num_tiles == 0:
         return
     num_kv_heads = k.shape[-2]
     group = num_q_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
     block_m, block_n, num_warps = _tile_config(group, block_d, q.dtype)
     block_q = block_m // group
+    if tile_tokens != block_q:
+        raise ValueError(f"tiles of {tile_tokens} tokens; this kernel's are {block_q}")
+    assert tiles.dtype == torch.int32 and tiles.shape[0] >= 2 * num_tiles
     paged = block_tables is not None
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert k.stride() == v.stride()
@@ -179,13 +193,10 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_tables, seq_lens = query_start_loc, query_start_loc  # unused placeholders
         stride_kb, stride_ks, stride_kh, stride_kt = 0, 0, k.stride(1), k.stride(0)
         stride_bt = 0
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    _prefill_kernel[grid](
-        q, k, v, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k, v, out, block_tables, seq_lens, query_start_loc, tiles, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         stride_kb, stride_ks, stride_kh, stride_kt, stride_bt,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, PAGED=paged,
-        SKIP_SINGLE=skip_single_token_rows, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps)
-
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps)

@@ -3,8 +3,8 @@
 The runner keeps a copy of each scheduled request's tokens and its row of block ids,
 updated from the scheduler's diffs, so per step it only receives what changed. Step
 inputs are built with numpy into persistent buffers (``step_inputs.py``) and moved with
-non-blocking copies; a decode-only step replays a captured CUDA graph when one fits
-(``cuda_graphs.py``). The one host sync of a step is reading the sampled tokens.
+non-blocking copies; a step replays a captured CUDA graph (decode-only or mixed) when one
+fits (``cuda_graphs.py``). The one host sync of a step is reading the sampled tokens.
 
 A step is ``launch`` (queue the forward and the sampling; return at once) then ``collect``
 (read the tokens). Between the two the engine may launch the next step: a request whose
@@ -14,6 +14,8 @@ previous step's sampled-token tensor, so the host never waits to build a step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +24,12 @@ import torch
 from engine_core.kv_connector import ConnectorWorker
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
-from engine_core.worker.cuda_graphs import CaptureStats, DecodeGraphs, estimate_pool_bytes
+from engine_core.worker.cuda_graphs import (
+    CaptureStats,
+    GraphSizes,
+    StepGraphs,
+    estimate_pool_bytes,
+)
 from engine_core.worker.forward_timer import ForwardTimer
 from engine_core.worker.sampler import DeviceSamples, Sampler, SamplingRow
 from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
@@ -68,12 +75,14 @@ class ModelRunner:
     """Owns the model, the paged KV caches, the step buffers, the decode graphs, the sampler.
 
     ``limits`` sizes the step buffers up front (required before capturing graphs);
-    without it they grow to fit each step.
+    without it they grow to fit each step. ``prefill_tile_tokens``: the attention backend's
+    ``query_tile_tokens`` for this model (0: its kernels read no tile list).
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, eos_token_ids: tuple[int, ...],
-                 connector: ConnectorWorker, limits: BatchLimits | None = None) -> None:
+                 connector: ConnectorWorker, limits: BatchLimits | None = None,
+                 prefill_tile_tokens: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -83,9 +92,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         limits = limits or BatchLimits(1, 1, block_size, block_size)
-        self.inputs = StepInputs(limits, device)
+        self.inputs = StepInputs(limits, device, prefill_tile_tokens)
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
+        self._graphs_paused = False
         # Set by benchmarks: GPU time of each forward (eager or replay).
         self.forward_timer: ForwardTimer | None = None
         # The last launched step's sampled tokens on the device (pending inputs read them)
@@ -99,26 +109,37 @@ class ModelRunner:
 
     # ---- CUDA graphs --------------------------------------------------------------------
 
-    def capture_cuda_graphs(self, sizes: list[int]) -> CaptureStats:
-        """Capture one decode graph per size; the step buffers keep their addresses after."""
-        largest = max(sizes)
-        self.inputs.reserve(largest, largest, 1)
+    def capture_cuda_graphs(self, sizes: GraphSizes) -> CaptureStats:
+        """Capture the graphs of ``sizes``; the step buffers keep their addresses after."""
+        largest = sizes.largest
+        self.inputs.reserve(largest, self.inputs.graph_seqs(largest), 1)
         self.inputs.freeze()
-        graphs = DecodeGraphs(self.device)
+        graphs = StepGraphs(self.device)
         with torch.inference_mode():
-            stats = graphs.capture(sizes, self.inputs.fill_dummy_decode, self._decode_forward)
+            stats = graphs.capture(sizes, self.inputs.fill_dummy, self.graph_forward)
         self.graphs = graphs
         return stats
 
-    def estimate_graph_pool_bytes(self, largest: int) -> int:
-        """Memory the decode graphs of up to ``largest`` rows will hold (profiling runner)."""
+    def estimate_graph_pool_bytes(self, sizes: GraphSizes) -> int:
+        """Memory the graphs of ``sizes`` will hold (profiling runner)."""
         with torch.inference_mode():
-            return estimate_pool_bytes(self.inputs.fill_dummy_decode, self._decode_forward,
-                                       largest, self.device)
+            return estimate_pool_bytes(self.inputs.fill_dummy, self.graph_forward, sizes,
+                                       self.device)
 
-    def _decode_forward(self, size: int) -> torch.Tensor:
-        input_ids, positions, metadata = self.inputs.decode_views(size)
+    def graph_forward(self, size: int, mixed: bool) -> torch.Tensor:
+        """The forward a graph of ``size`` tokens records, on the buffers' current contents."""
+        input_ids, positions, metadata = self.inputs.graph_views(size, mixed)
         return self.model(input_ids, positions, metadata, self.kv_caches)
+
+    @contextlib.contextmanager
+    def graphs_paused(self) -> Iterator[None]:
+        """Run every step eagerly inside the block (the startup warm-up compiles the eager
+        path, which steps with connector layer hooks and steps beyond the graphs take)."""
+        self._graphs_paused = True
+        try:
+            yield
+        finally:
+            self._graphs_paused = False
 
     # ---- steps --------------------------------------------------------------------------
 
@@ -228,9 +249,11 @@ class ModelRunner:
         every_row_samples = decode_only and len(sample_rows) == num_reqs
 
         graph_size = None
-        if (decode_only and self.graphs is not None
+        if (self.graphs is not None and not self._graphs_paused
                 and not self.connector.needs_layer_hooks(meta)):
-            graph_size = self.graphs.size_for(num_reqs)
+            graph_size = self.graphs.size_for(len(token_ids), mixed=not decode_only)
+            if graph_size is not None and num_reqs > self.inputs.graph_seqs(graph_size):
+                graph_size = None  # more sequences than the scheduler's limit (never in serving)
         batch = self.inputs.prepare(
             self.block_table, rows, starts, num_new, token_ids,
             None if every_row_samples else np.asarray(sample_rows, dtype=np.int64),
@@ -246,7 +269,7 @@ class ModelRunner:
             timer.start()
         if graph_size is not None:
             assert self.graphs is not None
-            hidden = self.graphs.replay(graph_size)
+            hidden = self.graphs.replay(graph_size, mixed=not decode_only)
         else:
             batch.attn_metadata.layer_hooks = self.connector
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,

@@ -4,14 +4,16 @@ model and the attention kernels read, refilled every step with vectorised numpy.
 Why persistent: a CUDA graph reads its inputs from fixed addresses, and allocating fresh
 tensors (plus a blocking copy each) every step costs host time the GPU then waits for.
 A step moves everything in two packed non-blocking host->device copies (int64: token ids,
-positions, slots, logits rows; int32: query starts, sequence lengths, block-table rows),
-then one device copy places the block-table rows into the fixed-width table, whose width
-(from ``max_model_len``) is the same for every step, eager or replayed.
+positions, slots, logits rows; int32: query starts, sequence lengths, prefill tiles,
+block-table rows), then one device copy places the block-table rows into the fixed-width
+table, whose width (from ``max_model_len``) is the same for every step, eager or replayed.
 
-Layout of a step with ``n`` tokens (padding included) and ``s`` sequences:
-int64 ``[ids n | positions n | slots n | logits rows]``, int32 ``[query starts s+1 |
-seq lens s | block rows]``, each section 16-byte aligned. A decode graph of size ``p`` is captured on exactly the views a
-padded step of ``p`` rows gets (``n = s = p``), so filling the buffers is all a replay needs.
+Layout of a step with ``n`` tokens and ``s`` sequences (padding included): int64 ``[ids n |
+positions n | slots n | logits rows]``, int32 ``[query starts s+1 | seq lens s | prefill
+tiles 2 * max_prefill_tiles(n, s) | block rows]``, each section 16-byte aligned. A graph of
+size ``p`` (tokens) is captured on exactly the views a step padded to ``p`` gets (``n = p``,
+``s = graph_seqs(p)``), so filling the buffers is all a replay needs. Padding appends empty
+sequences (``seq_len`` 0) and tokens of no sequence (id 0, position 0, slot -1).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from engine_core.attention.metadata import AttentionMetadata
+from engine_core.attention.prefill_tiles import fill_prefill_tiles, max_prefill_tiles
 
 
 @dataclass(frozen=True)
@@ -89,10 +92,12 @@ class _Layout:
 
     Every section starts 16-byte aligned: Triton specialises kernels on pointer alignment,
     so an odd offset would compile (and a graph would miss) a second variant.
+    ``tile_tokens`` 0: no prefill tile section (a backend that reads none).
     """
 
     n: int
     s: int
+    tile_tokens: int
 
     @property
     def token_stride(self) -> int:  # int64 sections: ids, positions, slots, logits rows
@@ -103,15 +108,22 @@ class _Layout:
         return _round_up(self.s + 1, 4)
 
     @property
-    def rows(self) -> int:
+    def max_tiles(self) -> int:
+        if not self.tile_tokens:
+            return 0
+        return max_prefill_tiles(self.n, self.s, self.tile_tokens)
+
+    @property
+    def tiles(self) -> int:
         return self.seq_lens + _round_up(self.s, 4)
 
-    @staticmethod
-    def sizes(num_tokens: int, num_seqs: int, width: int) -> tuple[int, int]:
+    @property
+    def rows(self) -> int:
+        return self.tiles + _round_up(2 * self.max_tiles, 4)
+
+    def sizes(self, width: int) -> tuple[int, int]:
         """(int64, int32) buffer lengths holding any step within these bounds."""
-        largest = _Layout(num_tokens, num_seqs)
-        return (3 * largest.token_stride + num_seqs,
-                largest.rows + num_seqs * width)
+        return 3 * self.token_stride + self.s, self.rows + self.s * width
 
 
 @dataclass
@@ -131,10 +143,15 @@ class StepInputs:
 
     Buffers grow on demand while ``frozen`` is False; once CUDA graphs hold their
     addresses (``freeze``) a step larger than the limits is an error.
+    ``prefill_tile_tokens`` (the attention backend's ``query_tile_tokens``; 0: none) sizes
+    the prefill tile list built with every step.
     """
 
-    def __init__(self, limits: BatchLimits, device: torch.device) -> None:
+    def __init__(self, limits: BatchLimits, device: torch.device,
+                 prefill_tile_tokens: int = 0) -> None:
         self.block_size = limits.block_size
+        self.tile_tokens = prefill_tile_tokens
+        self.seq_limit = limits.max_num_seqs
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.frozen = False
@@ -145,7 +162,7 @@ class StepInputs:
 
     def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
         self.max_tokens, self.max_seqs, self.width = num_tokens, num_seqs, width
-        size64, size32 = _Layout.sizes(num_tokens, num_seqs, width)
+        size64, size32 = _Layout(num_tokens, num_seqs, self.tile_tokens).sizes(width)
         self._host64 = torch.zeros(size64, dtype=torch.int64, pin_memory=self.is_cuda)
         self._host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=self.is_cuda)
         self._np64 = self._host64.numpy()
@@ -185,16 +202,25 @@ class StepInputs:
 
     # ---- views --------------------------------------------------------------------------
 
-    def decode_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) of a decode step of ``size`` rows: the views a
-        graph captures. The host lists are those now staged (only reference paths read them)."""
-        at = _Layout(size, size)
-        seq_lens = self._np32[at.seq_lens:at.seq_lens + size].tolist()
-        return self._views(at, self._np32[:size + 1].tolist(), seq_lens, 1,
-                           max(seq_lens, default=0))
+    def graph_seqs(self, size: int) -> int:
+        """Sequences a step padded to a graph of ``size`` tokens holds (a step has no more
+        sequences than tokens, nor more than the scheduler's limit)."""
+        return min(size, self.seq_limit)
+
+    def graph_views(self, size: int, mixed: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) a graph of ``size`` tokens captures: a decode
+        graph (``max_query_len`` 1: the model takes its fused decode path) or a mixed one
+        (``max_query_len`` 2 stands for "any": the general path, every kernel launched over
+        the most work the size allows). The host lists are those now staged (only
+        reference paths read them)."""
+        at = _Layout(size, self.graph_seqs(size), self.tile_tokens)
+        seq_lens = self._np32[at.seq_lens:at.seq_lens + at.s].tolist()
+        return self._views(at, self._np32[:at.s + 1].tolist(), seq_lens, 2 if mixed else 1,
+                           max(seq_lens, default=0), at.max_tiles)
 
     def _views(self, at: _Layout, query_start_loc: list[int], seq_lens: list[int],
-               max_query_len: int, max_seq_len: int
+               max_query_len: int, max_seq_len: int, num_tiles: int
                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         n, s, stride = at.n, at.s, at.token_stride
         metadata = AttentionMetadata(
@@ -207,20 +233,25 @@ class StepInputs:
             block_size=self.block_size,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            prefill_tiles=(self._dev32[at.tiles:at.tiles + 2 * at.max_tiles]
+                           if self.tile_tokens else None),
+            num_prefill_tiles=num_tiles,
+            prefill_tile_tokens=self.tile_tokens,
         )
         return self._dev64[:n], self._dev64[stride:stride + n], metadata
 
-    def fill_dummy_decode(self, size: int) -> None:
-        """Pad rows only (one token, seq_len 0, slot -1): what a capture runs on."""
-        self._reserve(size, size, 1)
+    def fill_dummy(self, size: int) -> None:
+        """Padding only (empty sequences, tokens of none): what a capture of ``size`` runs on."""
+        seqs = self.graph_seqs(size)
+        self._reserve(size, seqs, 1)
         self._wait_staging_free()
-        at = _Layout(size, size)
+        at = _Layout(size, seqs, self.tile_tokens)
         np64, np32 = self._np64, self._np32
         stride = at.token_stride
         np64[:2 * stride] = 0
         np64[2 * stride:3 * stride] = -1
-        np32[:size + 1] = np.arange(size + 1)
-        np32[at.seq_lens:at.rows] = 0
+        np32[:at.tiles] = 0
+        np32[at.tiles:at.rows] = -1
         self._copy(3 * stride, at.rows)
 
     def _copy(self, n64: int, n32: int) -> None:
@@ -261,28 +292,39 @@ class StepInputs:
         Sequence i (block-table row ``rows[i]``) adds ``num_new[i]`` tokens after
         ``starts[i]`` computed ones; ``token_ids`` are those tokens, flattened.
         ``logits_rows`` are the sequences to sample (None: all, each with one token).
-        ``pad_to`` appends pad rows up to that many sequences (a decode graph's size).
+        ``pad_to`` pads the step to a graph of that many tokens (``graph_views``).
         """
         num_reqs = len(rows)
         num_tokens = len(token_ids)
-        num_seqs = pad_to if pad_to is not None else num_reqs
-        n = num_tokens + num_seqs - num_reqs  # each pad row holds one token
+        if pad_to is None:
+            n, num_seqs = num_tokens, num_reqs
+        else:
+            n, num_seqs = pad_to, self.graph_seqs(pad_to)
+            if n < num_tokens or num_seqs < num_reqs:
+                raise ValueError(f"a step of {num_tokens} tokens in {num_reqs} sequences "
+                                 f"does not fit a graph of size {pad_to}")
         width = int(table.num_blocks[rows].max())
         self._reserve(n, num_seqs, width)
         self._wait_staging_free()
         np64, np32 = self._np64, self._np32
         bs = self.block_size
-        at = _Layout(n, num_seqs)
+        at = _Layout(n, num_seqs, self.tile_tokens)
         stride, bt_at = at.token_stride, at.rows
 
-        # int32 pack: query starts, sequence lengths, then this step's block-table rows.
+        # int32 pack: query starts, sequence lengths, prefill tiles, this step's block rows.
         qsl = np32[:num_seqs + 1]
         qsl[0] = 0
         np.cumsum(num_new, out=qsl[1:num_reqs + 1])
-        qsl[num_reqs + 1:] = num_tokens + np.arange(1, num_seqs - num_reqs + 1)
+        qsl[num_reqs + 1:] = num_tokens
         seq_lens = np32[at.seq_lens:at.seq_lens + num_seqs]
         np.add(starts, num_new, out=seq_lens[:num_reqs])
         seq_lens[num_reqs:] = 0
+        num_tiles = 0
+        if self.tile_tokens:
+            num_tiles = fill_prefill_tiles(qsl, self.tile_tokens,
+                                           np32[at.tiles:at.tiles + 2 * at.max_tiles])
+            if pad_to is not None:
+                num_tiles = at.max_tiles  # the grid the graph was captured with
         staged = np32[bt_at:bt_at + num_reqs * width].reshape(num_reqs, width)
         np.take(table.table[:, :width], rows, axis=0, out=staged, mode="clip")
 
@@ -316,7 +358,7 @@ class StepInputs:
         self.block_tables[:num_reqs, :width].copy_(device_rows)
         input_ids, positions_t, metadata = self._views(
             at, qsl.tolist(), seq_lens.tolist(), int(num_new.max()),
-            int(seq_lens[:num_reqs].max()))
+            int(seq_lens[:num_reqs].max()), num_tiles)
         logits_indices = (self._dev64[3 * stride:3 * stride + num_logits]
                           if logits_rows is not None else None)
         return StepBatch(input_ids, positions_t, metadata, logits_indices, num_reqs)

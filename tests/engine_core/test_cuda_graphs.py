@@ -1,8 +1,9 @@
-"""Decode CUDA graphs: size schedule and padding (CPU), the padded decode path through the
-runner with a stand-in for the graphs (CPU), and on CUDA (`gpu`): graph replay gives the
-same tokens as eager execution (float32 and bfloat16; padded batch sizes, prefix caching,
-mixed prefill/decode steps, preemption, seeded sampling), bit-identical hidden states for
-the same padded step, `--enforce-eager`, and the captured sizes."""
+"""CUDA graphs of decode and mixed steps: size schedules (CPU), the padded decode and mixed
+paths through the runner with a stand-in for the graphs (CPU), and on CUDA (`gpu`): graph
+replay gives the same tokens as eager execution (float32 and bfloat16; padded batch sizes,
+prefix caching, chunked prefill mixed with decodes, preemption, seeded sampling),
+bit-identical hidden states for the same padded step (both kinds), `--enforce-eager`,
+`--cuda-graph-mode full_decode_only`, and the captured sizes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from engine_core import LLM, SamplingParams
 from engine_core.kv_connector import NullConnectorWorker
 from engine_core.worker.cuda_graphs import (
+    GraphSizes,
     capture_sizes,
     default_capture_sizes,
     graphs_disabled_reason,
@@ -33,12 +35,20 @@ def test_default_schedule():
 
 
 def test_capture_sizes_follow_flag_and_limits():
-    assert capture_sizes((), 256, 8192) == default_capture_sizes(256)
-    assert capture_sizes((), 1024, 8192) == default_capture_sizes(512)
-    assert capture_sizes((), 256, 100) == default_capture_sizes(100)  # token budget caps
-    assert capture_sizes((48,), 256, 8192) == default_capture_sizes(48)
-    assert capture_sizes((5, 3, 3, 300), 256, 8192) == [3, 5]
-    assert len(capture_sizes((), 256, 8192)) == 19
+    def mixed(top: int) -> list[int]:
+        return default_capture_sizes(top)[1:]  # a mixed step has two tokens or more
+
+    assert capture_sizes((), 256, 8192) == GraphSizes(default_capture_sizes(256), mixed(2048))
+    assert capture_sizes((), 1024, 8192).decode == default_capture_sizes(512)
+    assert capture_sizes((), 256, 100) == GraphSizes(default_capture_sizes(100), mixed(100))
+    assert capture_sizes((48,), 256, 8192) == GraphSizes(default_capture_sizes(48), mixed(48))
+    assert capture_sizes((5, 3, 3, 300), 256, 8192) == GraphSizes([3, 5], [3, 5, 300])
+    assert capture_sizes((1, 300), 256, 200) == GraphSizes([1], [])
+    sizes = capture_sizes((), 256, 8192)
+    assert (len(sizes.decode), len(sizes.mixed), sizes.largest) == (19, 34, 2048)
+    assert capture_sizes((), 256, 8192, "full_decode_only") == GraphSizes(
+        default_capture_sizes(256), [])
+    assert not GraphSizes() and GraphSizes([], [4])
 
 
 def test_padded_size():
@@ -77,6 +87,12 @@ def test_flags_reach_the_config():
     assert rows.device.triton_gemv_max_rows == 4 and default.triton_gemv_max_rows is None
     with pytest.raises(ConfigError, match="triton-gemv-max-rows"):
         EngineConfig.from_kwargs("m", triton_gemv_max_rows=17)
+    mode = engine_config_from_args(parser.parse_args(["m", "--cuda-graph-mode",
+                                                      "full_decode_only"]))
+    assert mode.device.cuda_graph_mode == "full_decode_only"
+    assert default.cuda_graph_mode == "full"
+    with pytest.raises(ConfigError, match="cuda-graph-mode"):
+        EngineConfig.from_kwargs("m", cuda_graph_mode="piecewise")
 
 
 def test_gemv_rows_reach_the_projections(tiny_checkpoint):
@@ -111,15 +127,17 @@ class EagerStandIn:
     """Replays by running the captured views eagerly: the graph path's padding and buffer
     handling, minus the capture (CPU has no graphs)."""
 
-    def __init__(self, runner, sizes: list[int]) -> None:
+    def __init__(self, runner, sizes: list[int], mixed_sizes: list[int] | None = None) -> None:
         self.runner, self.sizes, self.replayed = runner, sizes, []
+        self.mixed_sizes = mixed_sizes or []
+        self.replayed_mixed: list[int] = []
 
-    def size_for(self, num_reqs: int) -> int | None:
-        return padded_size(num_reqs, self.sizes)
+    def size_for(self, num_tokens: int, mixed: bool) -> int | None:
+        return padded_size(num_tokens, self.mixed_sizes if mixed else self.sizes)
 
-    def replay(self, size: int) -> torch.Tensor:
-        self.replayed.append(size)
-        return self.runner._decode_forward(size)
+    def replay(self, size: int, mixed: bool) -> torch.Tensor:
+        (self.replayed_mixed if mixed else self.replayed).append(size)
+        return self.runner.graph_forward(size, mixed)
 
 
 class HookedConnector(NullConnectorWorker):
@@ -153,6 +171,24 @@ def test_padded_decode_path_matches_eager_on_cpu(tiny_checkpoint, arch):
     assert got == eager
     assert 8 in stand_in.replayed  # 5 to 7 rows padded to 8
     assert 4 in stand_in.replayed  # 3 rows padded to 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_padded_mixed_path_matches_eager_on_cpu(tiny_checkpoint, arch):
+    """Chunked prefills beside decodes, padded to mixed sizes (empty sequences, tokens of
+    no sequence) with at most max_num_seqs sequences a graph: the same tokens as eager."""
+    path = str(tiny_checkpoint(arch))
+    prompts = prompts_of([5, 17, 33, 2, 40, 16, 9, 60, 3])
+    params = staggered(prompts)
+    engine_args = dict(max_num_seqs=6, max_num_batched_tokens=24)
+    eager = [o.token_ids for o in LLM(path, **engine_args).generate(prompts, params)]
+    llm = LLM(path, **engine_args)
+    runner = llm.engine.runner
+    runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4, 6], [8, 16, 24])
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == eager
+    assert {8, 16, 24} <= set(stand_in.replayed_mixed), stand_in.replayed_mixed
+    assert stand_in.replayed
 
 
 def test_steps_with_layer_hooks_run_eagerly(tiny_checkpoint):
@@ -222,14 +258,20 @@ def test_capture_sizes_and_counts(tiny_checkpoint, release_gpu_memory):
     llm = cuda_llm(path, max_num_seqs=16)
     assert llm.engine.attn_backend.name == "triton"
     stats = llm.engine.graph_capture
-    assert stats is not None and stats.sizes == [1, 2, 4, 8, 16]
-    assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
+    mixed = default_capture_sizes(2048)[1:]
+    assert stats is not None and stats.sizes == GraphSizes([1, 2, 4, 8, 16], mixed)
+    assert llm.engine.runner.graphs.sizes == stats.sizes and stats.count == 5 + len(mixed)
     assert stats.pool_bytes >= 0 and stats.seconds > 0
     del llm
     free_gpu()
     custom = cuda_llm(path, max_num_seqs=16, cuda_graph_sizes=[3, 6, 64])
-    assert custom.engine.graph_capture.sizes == [3, 6]  # 64 is over max_num_seqs
+    # 64 is over max_num_seqs for a decode graph, not for a mixed one
+    assert custom.engine.graph_capture.sizes == GraphSizes([3, 6], [3, 6, 64])
     del custom
+    free_gpu()
+    decode_only = cuda_llm(path, max_num_seqs=16, cuda_graph_mode="full_decode_only")
+    assert decode_only.engine.graph_capture.sizes == GraphSizes([1, 2, 4, 8, 16], [])
+    del decode_only
     free_gpu()
     eager = cuda_llm(path, max_num_seqs=16, enforce_eager=True)
     assert eager.engine.graph_capture is None and eager.engine.runner.graphs is None
@@ -259,7 +301,9 @@ def test_graphs_match_eager(tiny_checkpoint, release_gpu_memory, arch, dtype):
     assert not any(s.graphed for s in eager_samples)
     graphed_sizes = {s.num_tokens for s in samples + samples_again if s.graphed}
     assert {4, 8, 16} <= graphed_sizes, graphed_sizes
-    assert any(not s.graphed and s.num_tokens > 1 for s in samples)  # prefill / mixed steps
+    # Every step fits a graph (48 tokens at most); over 16 tokens only a mixed one.
+    assert all(s.graphed for s in samples + samples_again)
+    assert any(s.num_tokens > 16 for s in samples)
     manager = llm.engine.kv_manager
     assert manager.prefix_cache_hits > 0
     assert manager.num_free_blocks == manager.num_total_blocks
@@ -297,7 +341,8 @@ def test_seeded_sampling_matches_eager(tiny_checkpoint, release_gpu_memory):
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_is_bit_identical_to_eager_forward(tiny_checkpoint, release_gpu_memory, dtype):
-    """The same padded step (same buffers, same cache): replayed graph == eager forward."""
+    """The same padded step (same buffers, same cache): replayed graph == eager forward, for
+    a mixed graph (the first step's three prefills) and a decode graph."""
     from engine_core.messages import AddRequest
 
     llm = cuda_llm(tiny_checkpoint("qwen3"), dtype=dtype, max_num_seqs=16)
@@ -307,13 +352,14 @@ def test_replay_is_bit_identical_to_eager_forward(tiny_checkpoint, release_gpu_m
         engine.add_request(AddRequest(f"r{i}", prompt, params, 0.0))
     timer = ForwardTimer(torch.device("cuda"))
     runner.forward_timer = timer
-    engine.step()  # the three prefills
-    engine.step()  # a decode of 3 rows: the graph of size 4
-    last = timer.collect()[-1]
-    assert last.graphed and last.num_tokens == 4
-    # The buffers still hold that step's inputs; the new tokens' K/V rewrite the same values.
-    replayed = runner.graphs.replay(4).clone()
-    with torch.inference_mode():
-        eager = runner._decode_forward(4)
-    assert torch.isfinite(replayed).all()  # pad rows too
-    assert torch.equal(replayed[:3], eager[:3])
+    for mixed, size, rows in ((True, 80, 73), (False, 4, 3)):
+        # The three prefills (73 tokens: the mixed graph of 80), then a decode of 3 rows.
+        engine.step()
+        last = timer.collect()[-1]
+        assert last.graphed and last.num_tokens == size
+        # The buffers still hold that step's inputs; the K/V it writes are the same values.
+        replayed = runner.graphs.replay(size, mixed).clone()
+        with torch.inference_mode():
+            eager = runner.graph_forward(size, mixed)
+        assert torch.isfinite(replayed[:rows]).all()
+        assert torch.equal(replayed[:rows], eager[:rows])

@@ -1,5 +1,6 @@
-"""Step buffers: what `StepInputs.prepare` stages equals the metadata built by hand, pad
-rows follow the graph contract, views keep their addresses, growth stops once frozen."""
+"""Step buffers: what `StepInputs.prepare` stages equals the metadata built by hand, padding
+follows the graph contract (decode and mixed), views keep their addresses, growth stops
+once frozen."""
 
 from __future__ import annotations
 
@@ -72,28 +73,77 @@ def test_padded_decode_follows_the_graph_contract():
     assert batch.input_ids.tolist() == [11, 12, 13, 0, 0]
     assert batch.positions.tolist() == [6, 2, 9, 0, 0]
     assert meta.slot_mapping.tolist() == [7 * BS + 2, 5 * BS + 2, 6 * BS + 1, -1, -1]
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+    # Two empty sequences; the two pad tokens belong to none.
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3]
     assert meta.seq_lens.tolist() == [7, 3, 10, 0, 0]
     assert meta.block_tables.shape == (5, 4)  # the fixed width of max_model_len 16
     # The graph of size 5 captured these very views.
-    ids, positions, captured = inputs.decode_views(5)
-    for live, static in ((batch.input_ids, ids), (batch.positions, positions),
-                         (meta.slot_mapping, captured.slot_mapping),
-                         (meta.query_start_loc, captured.query_start_loc),
-                         (meta.seq_lens, captured.seq_lens),
-                         (meta.block_tables, captured.block_tables)):
+    ids, positions, captured = inputs.graph_views(5, mixed=False)
+    assert_same_views(batch, ids, positions, captured)
+    assert captured.seq_lens_cpu == [7, 3, 10, 0, 0] and captured.max_query_len == 1
+
+
+def assert_same_views(batch, ids, positions, captured) -> None:
+    meta = batch.attn_metadata
+    pairs = [(batch.input_ids, ids), (batch.positions, positions),
+             (meta.slot_mapping, captured.slot_mapping),
+             (meta.query_start_loc, captured.query_start_loc),
+             (meta.seq_lens, captured.seq_lens), (meta.block_tables, captured.block_tables)]
+    if meta.prefill_tiles is not None:
+        pairs.append((meta.prefill_tiles, captured.prefill_tiles))
+        assert meta.num_prefill_tiles == captured.num_prefill_tiles
+    for live, static in pairs:
         assert live.data_ptr() == static.data_ptr() and live.shape == static.shape
-    assert captured.seq_lens_cpu == [7, 3, 10, 0, 0]
 
 
-def test_dummy_decode_is_pad_rows_only():
-    inputs = StepInputs(BatchLimits(4, 4, 16, BS), CPU)
-    inputs.fill_dummy_decode(4)
-    ids, positions, meta = inputs.decode_views(4)
-    assert ids.tolist() == [0] * 4 and positions.tolist() == [0] * 4
-    assert meta.slot_mapping.tolist() == [-1] * 4
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert meta.seq_lens.tolist() == [0] * 4 and meta.max_query_len == 1
+def test_padded_mixed_step_follows_the_graph_contract():
+    # A 6-token chunk after 5 cached tokens, a decode, a 3-token prompt: 10 tokens padded to
+    # a graph of 16 tokens, which holds min(16, max_num_seqs=6) sequences.
+    new, cached = [6, 1, 3], [5, 9, 0]
+    blocks = [[3, 7, 8], [0, 2, 4], [10]]
+    table, rows = table_with(blocks)
+    inputs = StepInputs(BatchLimits(6, 32, 16, BS), CPU, prefill_tile_tokens=4)
+    batch = inputs.prepare(table, rows, np.array(cached), np.array(new), list(range(100, 110)),
+                           logits_rows=np.array([0, 1, 2]), pad_to=16)
+    meta = batch.attn_metadata
+    assert inputs.graph_seqs(16) == 6
+    assert batch.input_ids.tolist() == list(range(100, 110)) + [0] * 6
+    assert batch.positions.tolist()[10:] == [0] * 6
+    assert meta.slot_mapping.tolist()[10:] == [-1] * 6
+    assert meta.query_start_loc.tolist() == [0, 6, 7, 10, 10, 10, 10]
+    assert meta.seq_lens.tolist() == [11, 10, 3, 0, 0, 0]
+    assert batch.logits_indices.tolist() == [5, 6, 9]
+    # Tiles of 4 tokens: the chunk's two, the prompt's one, none for the decode; the list
+    # has room for ceil(16 / 4) + 6 = 10 and the graph launches all 10.
+    tiles = meta.prefill_tiles.view(-1, 2).tolist()
+    assert tiles[:3] == [[0, 0], [0, 4], [2, 0]] and tiles[3:] == [[-1, -1]] * 7
+    assert meta.num_prefill_tiles == 10 and meta.prefill_tile_tokens == 4
+    ids, positions, captured = inputs.graph_views(16, mixed=True)
+    assert_same_views(batch, ids, positions, captured)
+    assert captured.max_query_len == 2  # the general path
+    for tensor in (batch.input_ids, batch.positions, meta.slot_mapping, meta.query_start_loc,
+                   meta.seq_lens, meta.prefill_tiles, meta.block_tables, batch.logits_indices):
+        assert tensor.data_ptr() % 16 == 0
+    # Eagerly, the same step launches only its 3 tiles.
+    eager = inputs.prepare(table, rows, np.array(cached), np.array(new), list(range(100, 110)),
+                           logits_rows=np.array([0, 1, 2]))
+    assert eager.attn_metadata.num_prefill_tiles == 3
+    with pytest.raises(ValueError, match="does not fit"):
+        inputs.prepare(table, rows, np.array(cached), np.array(new), list(range(100, 110)),
+                       logits_rows=None, pad_to=8)
+
+
+def test_dummy_is_padding_only():
+    inputs = StepInputs(BatchLimits(4, 8, 16, BS), CPU, prefill_tile_tokens=2)
+    inputs.fill_dummy(8)
+    for mixed in (False, True):
+        ids, positions, meta = inputs.graph_views(8, mixed)
+        assert ids.tolist() == [0] * 8 and positions.tolist() == [0] * 8
+        assert meta.slot_mapping.tolist() == [-1] * 8
+        assert meta.query_start_loc.tolist() == [0] * 5
+        assert meta.seq_lens.tolist() == [0] * 4
+        assert meta.prefill_tiles.tolist() == [-1] * 16 and meta.num_prefill_tiles == 8
+        assert meta.max_query_len == (2 if mixed else 1)
 
 
 def test_buffers_grow_until_frozen():

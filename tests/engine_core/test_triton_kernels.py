@@ -251,16 +251,49 @@ PREFILL_CASES_INTERPRET = [
 
 @pytest.mark.parametrize(("device", "case"), params(PREFILL_CASES_CUDA, PREFILL_CASES_INTERPRET))
 def test_prefill_matches_reference(device: str, case: AttnCase) -> None:
-    from engine_core.kernels.paged_prefill import paged_prefill_attention
-
     batch = make_batch(case, device)
     kv_cache = cache_with_new_tokens(batch)
-    meta = batch.metadata
-    out = torch.zeros_like(batch.q)
-    paged_prefill_attention(batch.q, kv_cache[0], kv_cache[1], out, meta.block_tables,
-                            meta.seq_lens, meta.query_start_loc, meta.max_query_len,
-                            meta.block_size, batch.scale)
+    out = run_prefill(batch, kv_cache, graph_grid=False)
     assert_close(out, expected_output(batch, kv_cache), case.dtype)
+
+
+def run_prefill(batch: Batch, kv_cache: torch.Tensor, graph_grid: bool) -> torch.Tensor:
+    """The prefill kernel over every sequence's tiles (single-token rows included);
+    ``graph_grid``: launched over the bound of a graph of this size, the rest ``-1``."""
+    from engine_core.attention.prefill_tiles import max_prefill_tiles, prefill_tiles
+    from engine_core.kernels.paged_prefill import paged_prefill_attention, query_tile_tokens
+
+    meta = batch.metadata
+    q = batch.q
+    tile = query_tile_tokens(q.shape[1], batch.k.shape[1], q.shape[2], q.dtype)
+    tiles, count = prefill_tiles(meta.query_start_loc_cpu, tile, q.device, include_single=True)
+    if graph_grid:
+        bound = max_prefill_tiles(meta.num_tokens, meta.num_seqs, tile)
+        assert tiles.shape[0] == 2 * bound and count < bound
+        count = bound
+    out = torch.zeros_like(q)
+    paged_prefill_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables,
+                            meta.seq_lens, meta.query_start_loc, tiles, count, tile,
+                            meta.block_size, batch.scale)
+    return out
+
+
+PADDED_PREFILL_CASES_CUDA = [AttnCase(dt, 2, g, 128, (0, 37, 300), (130, 19, 77))
+                             for dt in (BF16, FP32) for g in (1, 4)]
+PADDED_PREFILL_CASES_INTERPRET = [AttnCase(FP32, 1, 2, 16, (0, 9), (21, 6), block_size=4)]
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params(PADDED_PREFILL_CASES_CUDA, PADDED_PREFILL_CASES_INTERPRET))
+def test_prefill_over_a_graph_grid(device: str, case: AttnCase) -> None:
+    """The grid a mixed graph captured (more programs than tiles): the surplus exits, and
+    the result equals the exact grid's bit for bit."""
+    batch = make_batch(case, device)
+    kv_cache = cache_with_new_tokens(batch)
+    exact = run_prefill(batch, kv_cache, graph_grid=False)
+    padded = run_prefill(batch, kv_cache, graph_grid=True)
+    assert torch.equal(exact, padded)
+    assert_close(padded, expected_output(batch, kv_cache), case.dtype)
 
 
 NO_CACHE_CASES_CUDA = [AttnCase(dt, 2, g, d, (0, 0, 0), (200, 1, 67))

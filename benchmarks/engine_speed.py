@@ -197,6 +197,7 @@ class BenchConfig:
     gpu_memory_utilization: float
     triton_gemv_max_rows: int | None = None
     async_scheduling: bool = True
+    cuda_graph_mode: str = "full"
 
 
 def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = False
@@ -209,7 +210,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
                                   max_num_batched_tokens=bench.max_num_batched_tokens,
                                   async_scheduling=bench.async_scheduling),
         device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
-                            triton_gemv_max_rows=bench.triton_gemv_max_rows),
+                            triton_gemv_max_rows=bench.triton_gemv_max_rows,
+                            cuda_graph_mode=bench.cuda_graph_mode),
     )
     t0 = time.perf_counter()
     engine = EngineCore(config)
@@ -224,7 +226,10 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "dtype": str(engine.dtype),
         "num_kv_blocks": engine.num_blocks,
         "block_size": engine.config.cache.block_size,
-        "cuda_graph_sizes": capture.sizes if capture else [],
+        "cuda_graph_sizes": capture.sizes.decode if capture else [],
+        "cuda_graph_mixed_sizes": capture.sizes.mixed if capture else [],
+        "cuda_graph_count": capture.count if capture else 0,
+        "cuda_graph_mode": engine.config.device.cuda_graph_mode,
         "cuda_graph_capture_s": capture.seconds if capture else 0.0,
         "cuda_graph_pool_bytes": capture.pool_bytes if capture else 0,
         "cuda_graph_pool_reserved_bytes": engine.graph_pool_reserve,
@@ -595,7 +600,8 @@ class Bench:
                            max_num_batched_tokens=a.max_num_batched_tokens,
                            gpu_memory_utilization=a.gpu_memory_utilization,
                            triton_gemv_max_rows=a.triton_gemv_max_rows,
-                           async_scheduling=a.async_scheduling)
+                           async_scheduling=a.async_scheduling,
+                           cuda_graph_mode=a.cuda_graph_mode)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -774,7 +780,7 @@ def summarize(results: dict[str, Any]) -> str:
     engine = results.get("engine")
     if engine:
         lines.append(f"engine: startup {engine['startup_s']:.1f} s, {engine['num_kv_blocks']} "
-                     f"KV blocks, {len(engine['cuda_graph_sizes'])} graphs captured in "
+                     f"KV blocks, {engine['cuda_graph_count']} graphs captured in "
                      f"{engine['cuda_graph_capture_s']:.1f} s "
                      f"({engine['cuda_graph_pool_bytes'] / 2**20:.0f} MiB)")
     for case in results.get("decode", []):
@@ -879,6 +885,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the engine flag (default: the engine's default)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True, help="the engine flag (default on, as in pdserve)")
+    parser.add_argument("--cuda-graph-mode", default="full",
+                        help="the engine flag (full_decode_only: mixed steps run eagerly)")
     parser.add_argument("--copy-bytes", type=int, default=2 << 30, help="each way")
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--limit-iters", type=int, default=20)

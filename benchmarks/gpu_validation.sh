@@ -7,6 +7,8 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh host      # one GPU (~5 min): decode/mixed figures, host profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh report1   # one H200 (~5 min): the report's one-GPU pieces
@@ -75,6 +77,30 @@ case "$STAGE" in
         step profile 90 python3 -m benchmarks.profile_decode --model qwen3-8b --model qwen3-0.6b \
             --out "$RUN/profile_decode.json"
         ;;
+    mixed)
+        # Mixed prefill+decode steps from CUDA graphs: the GPU tests they touch, then the
+        # decode/mixed figures with mixed graphs (full) and without (full_decode_only).
+        step cuda_graphs 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_cuda_graphs.py
+        step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
+        step warm_up_async 150 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_warm_up.py \
+            tests/engine_core/test_async_scheduling.py
+        step prefill_kernels 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_triton_kernels.py -k "prefill or profile"
+        step speed_full 200 python3 -m benchmarks.engine_speed --only limits,decode,mixed,small \
+            --decode-cases 1x1024,64x2048 --out "$RUN/engine_speed_full.json"
+        step speed_decode_only 150 python3 -m benchmarks.engine_speed --only mixed \
+            --cuda-graph-mode full_decode_only --out "$RUN/engine_speed_decode_only.json"
+        ;;
+    host)
+        # Decode and mixed steps against the limits, then where the host's time goes in
+        # eager mixed steps (8B with a decoding batch of 16, the 0.6B at batch 1).
+        step engine_speed 300 python3 -m benchmarks.engine_speed --only limits,decode,mixed,small \
+            --out "$RUN/engine_speed.json"
+        step host_8b 120 python3 -m benchmarks.host_profile --model qwen3-8b --batch 16 \
+            --out "$RUN/host_profile_8b.json"
+        step host_06b 90 python3 -m benchmarks.host_profile --model qwen3-0.6b --batch 1 \
+            --out "$RUN/host_profile_06b.json"
+        ;;
     transfer)
         # Host-bound (0) and with a prefill's compute per layer (200 us), as in serving.
         step kv_transfer 280 python3 benchmarks/kv_transfer.py --trials 5 \
@@ -100,7 +126,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|speed|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

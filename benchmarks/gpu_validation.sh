@@ -8,6 +8,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh serve_ab  # one GPU (~10 min): serving with/without mixed graphs
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh host      # one GPU (~5 min): decode/mixed figures, host profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
@@ -91,6 +92,17 @@ case "$STAGE" in
         step speed_decode_only 150 python3 -m benchmarks.engine_speed --only mixed \
             --cuda-graph-mode full_decode_only --out "$RUN/engine_speed_decode_only.json"
         ;;
+    serve_ab)
+        # Serving on one GPU with and without mixed-step graphs (the proxy-overhead runs at
+        # 200 req/s of 8-token prompts, where almost every step is mixed, and colocated
+        # prefix caching); each half stops at its time budget (exit 3: rerun to finish).
+        step serve_full 285 python3 -m benchmarks.disagg_report --gpus 0 \
+            --only proxy_overhead,prefix_cache --results-dir "$RUN/serve_full" \
+            --time-budget 265 --disable-tqdm
+        step serve_decode_only 285 python3 -m benchmarks.disagg_report --gpus 0 \
+            --only proxy_overhead,prefix_cache --results-dir "$RUN/serve_decode_only" \
+            --time-budget 265 --disable-tqdm "--engine-args=--cuda-graph-mode full_decode_only"
+        ;;
     host)
         # Decode and mixed steps against the limits, then where the host's time goes in
         # eager mixed steps (8B with a decoding batch of 16, the 0.6B at batch 1).
@@ -126,7 +138,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

@@ -1,14 +1,15 @@
 """Startup warm-up: scripted steps through the runner before the first request.
 
 Why: Triton compiles a kernel variant the first time a step needs it (about a second each
-on an H200). The profiling run compiles the unpaged prefill path and graph capture the
-decode-only path; without this, the first paged prefill and the first mixed prefill +
-decode step compiled while serving, and every request queued behind them waited (on a fresh
+on an H200). Graph capture compiles the decode and mixed paths at the captured sizes, but
+steps that run eagerly (connector layer hooks, steps beyond the graphs) take other shapes;
+without this, the first eager paged prefill and mixed prefill + decode step compiled while
+serving, and every request queued behind them waited (on a fresh
 H200 at 200 req/s the median TTFT of each tenth of the run fell from 742 to 53 ms as the
 variants got compiled; docs/PERFORMANCE.md). A sampled request rides along so that the
 sampler's non-greedy path has run too. The steps use blocks of the still-empty cache and
 leave no runner state behind; a GPU test asserts that a varied workload compiles nothing
-after it.
+after it. The engine runs these steps with graphs paused (``ModelRunner.graphs_paused``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ Every figure is a ratio to a limit this run measures on the same GPU:
   goal <= 1.10 x roofline, 64x2048 and 256x2048 goal <= 1.25 x), roofline = (weight bytes
   read + KV bytes read) / copy bandwidth.
 - ``mixed``: steps that mix a decoding batch with one new short prompt (what serving with
-  steady arrivals runs: no CUDA graph), against the same batch's decode-only step in the
-  same engine; no goal, it prices the eager path.
+  steady arrivals runs), against the same batch's decode-only step in the same engine; no
+  goal. ``--cuda-graph-mode full_decode_only`` runs them eagerly (the A/B of mixed-step
+  graphs); ``--hooked-connector`` gives the engine a stand-in connector whose every step
+  needs layer hooks (a prefill worker's sends, minus the sends); a batch of 0 makes every
+  step a prefill of the arriving prompt.
 - ``prefill``: one 2k and one 8k prompt, timed from the first step to the first token (with
   async scheduling that includes one more, empty, step); achieved FLOP/s (matmuls + causal
   attention) over the matmul rate, goal >= 60%.
@@ -54,6 +57,7 @@ import torch
 from benchmarks.model_shapes import write_model_dir
 from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.engine_core import EngineCore
+from engine_core.kv_connector import NullConnectorWorker
 from engine_core.messages import AddRequest
 from engine_core.models.spec import ModelSpec
 from engine_core.sampling_params import SamplingParams
@@ -198,6 +202,14 @@ class BenchConfig:
     triton_gemv_max_rows: int | None = None
     async_scheduling: bool = True
     cuda_graph_mode: str = "full"
+
+
+class HookedStandIn(NullConnectorWorker):
+    """A connector whose every step needs layer hooks that do nothing: a prefill worker's
+    step shape (hooks decide whether a step may replay a graph) without the transfers."""
+
+    def needs_layer_hooks(self, metadata: object) -> bool:
+        return True
 
 
 def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = False
@@ -629,6 +641,8 @@ class Bench:
     def big_engine_parts(self, parts: set[str]) -> None:
         """decode, prefill and e2e share one engine of the large model."""
         engine, startup = build_engine(self.big_dir, self.bench_config())
+        if self.args.hooked_connector:
+            engine.runner.connector = HookedStandIn()
         try:
             self.results["engine"] = engine_info(engine, startup)
             driver = Driver(engine, self.args.seed)
@@ -887,6 +901,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=True, help="the engine flag (default on, as in pdserve)")
     parser.add_argument("--cuda-graph-mode", default="full",
                         help="the engine flag (full_decode_only: mixed steps run eagerly)")
+    parser.add_argument("--hooked-connector", action="store_true",
+                        help="the large engine's steps all need connector layer hooks (no-op)")
     parser.add_argument("--copy-bytes", type=int, default=2 << 30, help="each way")
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--limit-iters", type=int, default=20)

@@ -8,6 +8,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh serve_ab  # one GPU (~10 min): serving with/without mixed graphs
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh host      # one GPU (~5 min): decode/mixed figures, host profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
@@ -92,6 +93,17 @@ case "$STAGE" in
         step speed_decode_only 150 python3 -m benchmarks.engine_speed --only mixed \
             --cuda-graph-mode full_decode_only --out "$RUN/engine_speed_decode_only.json"
         ;;
+    hooked)
+        # Steps with connector layer hooks (a prefill worker's): graphs with the hooks around
+        # the replay up to 512 tokens, against eager (full_decode_only), prefill-only steps.
+        step hooked_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_cuda_graphs.py -k "hooked or replay"
+        step hooked_full 150 python3 -m benchmarks.engine_speed --only mixed --hooked-connector \
+            --mixed-cases 0x0x64,0x0x256,0x0x512,0x0x1024 --out "$RUN/engine_speed_hooked_full.json"
+        step hooked_eager 150 python3 -m benchmarks.engine_speed --only mixed --hooked-connector \
+            --mixed-cases 0x0x64,0x0x256,0x0x512,0x0x1024 --cuda-graph-mode full_decode_only \
+            --out "$RUN/engine_speed_hooked_eager.json"
+        ;;
     serve_ab)
         # Serving on one GPU with and without mixed-step graphs (the proxy-overhead runs at
         # 200 req/s of 8-token prompts, where almost every step is mixed, and colocated
@@ -138,7 +150,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|hooked|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

@@ -9,7 +9,8 @@ Two kinds per size ``p`` (tokens): a *decode* graph (every sequence one token, t
 fused decode path; up to ``max_num_seqs``) and a *mixed* graph (prefill chunks and decodes
 in any proportion, up to ``p`` tokens in at most ``graph_seqs(p)`` sequences; the general
 attention path). ``--cuda-graph-mode full_decode_only`` captures only the first kind, as
-vLLM's mode of that name; steps with connector layer hooks always run eagerly.
+vLLM's mode of that name. A step with connector layer hooks replays a graph only up to
+``HOOKED_GRAPH_MAX_TOKENS``, with every layer's hooks called around the replay.
 
 Graph-safety rests on the Triton backend: it reads only device tensors and derives its
 grids from shapes and from the prefill tile list's captured length, never from host copies
@@ -40,6 +41,15 @@ DEFAULT_MAX_CAPTURE_SIZE = 512
 # host time launching (one H100), which a 2048-token step's ~47 ms of GPU time covers; a
 # small model stays host-bound longer, and ``--cuda-graph-sizes`` reaches further.
 DEFAULT_MAX_MIXED_TOKENS = 2048
+# Steps whose connector needs per-layer hooks (a prefill worker sending KV) replay a graph up
+# to this many tokens, with every layer's hooks called around the replay instead of between
+# layers: the sends of such a step then start after its last layer, not during it. At this
+# size that costs little: a request's KV goes in calls of >= 32 MiB (~220 Qwen3-8B tokens),
+# so a request under that was one call after the last layer anyway, and 512 tokens are
+# ~75 MB (~1 ms at the connector's measured 50-150 GB/s); an eager step of that size costs
+# 20-35 ms of host time (Qwen3-8B, one H100). Larger hooked steps run eagerly, their sends
+# overlapping the GPU's work on later layers.
+HOOKED_GRAPH_MAX_TOKENS = 512
 # Private-pool slack over one eager step's peak: block rounding, smaller graphs' outputs.
 _POOL_SLACK_FACTOR = 2
 _POOL_SLACK_BYTES = 64 << 20

@@ -25,6 +25,7 @@ from engine_core.kv_connector import ConnectorWorker
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
 from engine_core.worker.cuda_graphs import (
+    HOOKED_GRAPH_MAX_TOKENS,
     CaptureStats,
     GraphSizes,
     StepGraphs,
@@ -249,8 +250,9 @@ class ModelRunner:
         every_row_samples = decode_only and len(sample_rows) == num_reqs
 
         graph_size = None
+        hooked = self.connector.needs_layer_hooks(meta)
         if (self.graphs is not None and not self._graphs_paused
-                and not self.connector.needs_layer_hooks(meta)):
+                and (not hooked or len(token_ids) <= HOOKED_GRAPH_MAX_TOKENS)):
             graph_size = self.graphs.size_for(len(token_ids), mixed=not decode_only)
             if graph_size is not None and num_reqs > self.inputs.graph_seqs(graph_size):
                 graph_size = None  # more sequences than the scheduler's limit (never in serving)
@@ -269,7 +271,13 @@ class ModelRunner:
             timer.start()
         if graph_size is not None:
             assert self.graphs is not None
+            if hooked:  # every layer's wait before the replay: strictly more than needed
+                for layer_idx in range(len(self.kv_caches)):
+                    self.connector.before_layer(layer_idx)
             hidden = self.graphs.replay(graph_size, mixed=not decode_only)
+            if hooked:  # every layer's KV is in the cache once the replay's work is queued
+                for layer_idx, kv_cache in enumerate(self.kv_caches):
+                    self.connector.after_layer(layer_idx, kv_cache)
         else:
             batch.attn_metadata.layer_hooks = self.connector
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,

@@ -2,7 +2,8 @@
 paths through the runner with a stand-in for the graphs (CPU), and on CUDA (`gpu`): graph
 replay gives the same tokens as eager execution (float32 and bfloat16; padded batch sizes,
 prefix caching, chunked prefill mixed with decodes, preemption, seeded sampling),
-bit-identical hidden states for the same padded step (both kinds), `--enforce-eager`,
+bit-identical hidden states for the same padded step (both kinds), steps with connector
+layer hooks (small ones replayed with the hooks around, on CPU and CUDA), `--enforce-eager`,
 `--cuda-graph-mode full_decode_only`, and the captured sizes."""
 
 from __future__ import annotations
@@ -141,10 +142,41 @@ class EagerStandIn:
 
 
 class HookedConnector(NullConnectorWorker):
-    """A producer whose every step saves per layer: such a step must not replay a graph."""
+    """A producer whose every step saves per layer. Records each step's hook calls and, in
+    each ``after_layer``, the K/V at the step's slots of that layer (what a send gathers)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, int]]] = []
+        self.saved: list[torch.Tensor] = []
+        self._slots: torch.Tensor | None = None
 
     def needs_layer_hooks(self, metadata: object) -> bool:
         return True
+
+    def bind_step(self, metadata: object, attn_metadata) -> None:
+        self.steps.append([])
+        slots = attn_metadata.slot_mapping
+        self._slots = slots[slots >= 0].clone()
+
+    def before_layer(self, layer_idx: int) -> None:
+        self.steps[-1].append(("before", layer_idx))
+
+    def after_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        self.steps[-1].append(("after", layer_idx))
+        self.saved.append(kv_cache.flatten(1, 2)[:, self._slots].clone())
+
+
+def hook_patterns(connector: HookedConnector, num_layers: int) -> set[str]:
+    """Each step's hooks: 'between' layers (eager) or 'around' a replay (all before, then
+    all after); anything else fails."""
+    layers = list(range(num_layers))
+    between = [(kind, i) for i in layers for kind in ("before", "after")]
+    around = [("before", i) for i in layers] + [("after", i) for i in layers]
+    patterns = set()
+    for calls in connector.steps:
+        assert calls in (between, around), calls
+        patterns.add("between" if calls == between else "around")
+    return patterns
 
 
 def prompts_of(lengths: list[int], seed: int = 3) -> list[list[int]]:
@@ -191,14 +223,34 @@ def test_padded_mixed_path_matches_eager_on_cpu(tiny_checkpoint, arch):
     assert stand_in.replayed
 
 
-def test_steps_with_layer_hooks_run_eagerly(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("qwen3")), max_num_seqs=4)
+def test_hooked_steps_replay_small_graphs_with_hooks_around(tiny_checkpoint, monkeypatch):
+    """A step with layer hooks (a prefill worker's sends) replays a graph up to
+    HOOKED_GRAPH_MAX_TOKENS tokens, every layer's hooks called around the replay; larger
+    ones run eagerly with hooks between layers. Same tokens and (within float32 rounding) the
+same saved KV either way."""
+    import engine_core.worker.model_runner as model_runner
+
+    path = str(tiny_checkpoint("qwen3"))
+    prompts = prompts_of([4, 9, 12, 30])
+    params = staggered(prompts)
+    eager_llm = LLM(path, max_num_seqs=4)
+    eager_llm.engine.runner.connector = eager_hooks = HookedConnector()
+    eager = [o.token_ids for o in eager_llm.generate(prompts, params)]
+    monkeypatch.setattr(model_runner, "HOOKED_GRAPH_MAX_TOKENS", 16)
+    llm = LLM(path, max_num_seqs=4)
     runner = llm.engine.runner
-    runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4])
-    runner.connector = HookedConnector()
-    prompts = prompts_of([4, 9, 12])
-    llm.generate(prompts, staggered(prompts))
-    assert stand_in.replayed == []
+    runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4], [8, 16, 64])
+    runner.connector = hooks = HookedConnector()
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == eager
+    num_layers = len(runner.kv_caches)
+    assert hook_patterns(eager_hooks, num_layers) == {"between"}
+    assert hook_patterns(hooks, num_layers) == {"between", "around"}  # 55 tokens: eager
+    assert stand_in.replayed and 64 not in stand_in.replayed_mixed
+    assert len(hooks.saved) == len(eager_hooks.saved)
+    for graph_kv, eager_kv in zip(hooks.saved, eager_hooks.saved):
+        # float32; a padded matmul may round its last bit differently (tokens are equal)
+        torch.testing.assert_close(graph_kv, eager_kv, rtol=1e-4, atol=1e-5)
 
 
 # ---- CUDA --------------------------------------------------------------------------------
@@ -363,3 +415,31 @@ def test_replay_is_bit_identical_to_eager_forward(tiny_checkpoint, release_gpu_m
             eager = runner.graph_forward(size, mixed)
         assert torch.isfinite(replayed[:rows]).all()
         assert torch.equal(replayed[:rows], eager[:rows])
+
+
+@gpu
+def test_hooked_steps_save_what_eager_saves(tiny_checkpoint, release_gpu_memory):
+    """On CUDA a hooked step's hooks run after its graph replay is queued: what
+    ``after_layer`` reads on the stream is the step's KV, as in an eager run."""
+    path = tiny_checkpoint("qwen3")
+    prompts = mixed_lengths()
+    params = staggered(prompts, base=4)
+
+    def run(**kwargs):
+        llm = cuda_llm(path, dtype="float32", max_num_seqs=16, max_num_batched_tokens=48,
+                       **kwargs)
+        llm.engine.runner.connector = hooks = HookedConnector()
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        patterns = hook_patterns(hooks, len(llm.engine.runner.kv_caches))
+        saved = [t.cpu() for t in hooks.saved]
+        del llm
+        free_gpu()
+        return out, patterns, saved
+
+    eager, eager_patterns, eager_saved = run(enforce_eager=True)
+    got, patterns, saved = run()
+    assert got == eager
+    assert eager_patterns == {"between"} and patterns == {"around"}  # every step <= 48 tokens
+    assert len(saved) == len(eager_saved)
+    for graph_kv, eager_kv in zip(saved, eager_saved):
+        torch.testing.assert_close(graph_kv, eager_kv, rtol=1e-4, atol=1e-5)

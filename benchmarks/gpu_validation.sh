@@ -95,13 +95,13 @@ case "$STAGE" in
         ;;
     hooked)
         # Steps with connector layer hooks (a prefill worker's): graphs with the hooks around
-        # the replay up to 512 tokens, against eager (full_decode_only), prefill-only steps.
+        # the replay up to 1024 tokens, against eager (full_decode_only), prefill-only steps.
         step hooked_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
             tests/engine_core/test_cuda_graphs.py -k "hooked or replay"
         step hooked_full 150 python3 -m benchmarks.engine_speed --only mixed --hooked-connector \
-            --mixed-cases 0x0x64,0x0x256,0x0x512,0x0x1024 --out "$RUN/engine_speed_hooked_full.json"
+            --mixed-cases 0x0x64,0x0x512,0x0x1024,0x0x2048 --out "$RUN/engine_speed_hooked_full.json"
         step hooked_eager 150 python3 -m benchmarks.engine_speed --only mixed --hooked-connector \
-            --mixed-cases 0x0x64,0x0x256,0x0x512,0x0x1024 --cuda-graph-mode full_decode_only \
+            --mixed-cases 0x0x64,0x0x512,0x0x1024,0x0x2048 --cuda-graph-mode full_decode_only \
             --out "$RUN/engine_speed_hooked_eager.json"
         ;;
     serve_ab)

@@ -43,13 +43,14 @@ DEFAULT_MAX_CAPTURE_SIZE = 512
 DEFAULT_MAX_MIXED_TOKENS = 2048
 # Steps whose connector needs per-layer hooks (a prefill worker sending KV) replay a graph up
 # to this many tokens, with every layer's hooks called around the replay instead of between
-# layers: the sends of such a step then start after its last layer, not during it. At this
-# size that costs little: a request's KV goes in calls of >= 32 MiB (~220 Qwen3-8B tokens),
-# so a request under that was one call after the last layer anyway, and 512 tokens are
-# ~75 MB (~1 ms at the connector's measured 50-150 GB/s); an eager step of that size costs
-# 20-35 ms of host time (Qwen3-8B, one H100). Larger hooked steps run eagerly, their sends
-# overlapping the GPU's work on later layers.
-HOOKED_GRAPH_MAX_TOKENS = 512
+# layers: the sends of such a step then start after its last layer, not during it. Measured
+# on one H100 with Qwen3-8B prefill-only steps (docs/PERFORMANCE.md): eagerly a step of 64,
+# 256, 512 or 1024 tokens took 37-48 ms, all host time; from a graph 6.5, 8.1, 12.6 ms. The
+# overlap given up is at most one step's KV (1024 tokens: ~150 MB, 1-3 ms at the
+# connector's measured 50-150 GB/s; a request under 32 MiB, ~220 tokens, is one send after
+# its last layer anyway). From ~2048 tokens the GPU's own time covers the host's, so larger
+# hooked steps run eagerly and keep their sends overlapping later layers.
+HOOKED_GRAPH_MAX_TOKENS = 1024
 # Private-pool slack over one eager step's peak: block rounding, smaller graphs' outputs.
 _POOL_SLACK_FACTOR = 2
 _POOL_SLACK_BYTES = 64 << 20

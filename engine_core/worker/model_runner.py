@@ -73,7 +73,7 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Owns the model, the paged KV caches, the step buffers, the decode graphs, the sampler.
+    """Owns the model, the paged KV caches, the step buffers, the CUDA graphs, the sampler.
 
     ``limits`` sizes the step buffers up front (required before capturing graphs);
     without it they grow to fit each step. ``prefill_tile_tokens``: the attention backend's

@@ -467,6 +467,57 @@ def test_backend_two_steps_with_mixed_batch(device: str, case: AttnCase) -> None
     assert torch.equal(triton_cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
+PADDED_BACKEND_CASES_CUDA = [AttnCase(dt, 2, g, 128, (0, 40, 7, 100), (30, 1, 1, 17))
+                             for dt in (BF16, FP32) for g in (1, 4)]
+PADDED_BACKEND_CASES_INTERPRET = [AttnCase(FP32, 1, 2, 16, (0, 9, 5), (7, 1, 3), block_size=4)]
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params(PADDED_BACKEND_CASES_CUDA, PADDED_BACKEND_CASES_INTERPRET))
+def test_backend_over_a_graph_padded_step(device: str, case: AttnCase) -> None:
+    """A mixed step as `StepInputs` pads it for a graph (empty sequences, tokens of no
+    sequence, the tile list's bound as the prefill grid) gives the real rows the unpadded
+    step's attention and writes the same cache bytes."""
+    import numpy as np
+
+    from engine_core.attention.triton_backend import TritonAttentionBackend
+    from engine_core.kernels.paged_prefill import query_tile_tokens
+    from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
+
+    gen = torch.Generator().manual_seed(5)
+    bs = case.block_size
+    seq_lens = [c + n for c, n in zip(case.cached, case.new)]
+    tables, num_blocks = random_tables(seq_lens, bs, gen)
+    hq, hkv, d = case.num_kv_heads * case.group, case.num_kv_heads, case.head_dim
+    table = HostBlockTable(len(seq_lens), tables.shape[1])
+    rows = np.array([table.add(tables[i, :-(-n // bs)].tolist()) for i, n in enumerate(seq_lens)])
+    num_tokens = sum(case.new)
+    padded = num_tokens + 5
+    limits = BatchLimits(len(seq_lens) + 2, padded, tables.shape[1] * bs, bs)
+    tile = query_tile_tokens(hq, hkv, d, case.dtype)
+    q, k, v = (torch.randn(padded, h, d, generator=gen).to(case.dtype).to(device)
+               for h in (hq, hkv, hkv))
+    start = torch.randn(2, num_blocks, bs, hkv, d, generator=gen).to(case.storage).to(device)
+    outs, caches, metas = [], [], []
+    for pad_to in (None, padded):
+        inputs = StepInputs(limits, torch.device(device), tile)
+        batch = inputs.prepare(table, rows, np.array(case.cached), np.array(case.new),
+                               list(range(num_tokens)), np.arange(len(seq_lens)), pad_to=pad_to)
+        n = batch.input_ids.shape[0]
+        cache = start.clone()
+        out = TritonAttentionBackend().forward(q[:n], k[:n], v[:n], cache, batch.attn_metadata,
+                                               d ** -0.5)
+        outs.append(out[:num_tokens])
+        caches.append(cache)
+        metas.append(batch.attn_metadata)
+    assert metas[1].num_prefill_tiles > metas[0].num_prefill_tiles  # the graph's larger grid
+    assert metas[1].query_start_loc.shape[0] > metas[0].query_start_loc.shape[0]
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    expected = reference_attention(q[:num_tokens], metas[0], caches[0], d ** -0.5)
+    for out in outs:
+        assert_close(out, expected, case.dtype)
+
+
 # ---- RMSNorm and RoPE ---------------------------------------------------------------------
 
 

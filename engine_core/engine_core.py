@@ -31,6 +31,7 @@ from engine_core.sched.block_pool import BlockPool
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
+from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
@@ -105,6 +106,8 @@ class EngineCore:
                                self.graph_capture.pool_bytes / 2**20,
                                self.graph_pool_reserve / 2**20)
         self._warm_up()
+        self.step_watch = StepWatch()
+        self.step_watch.start()
         self.rejected_messages = 0
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
@@ -254,6 +257,7 @@ class EngineCore:
         sampled nothing, or one whose requests need their full token history on the host
         (penalties), does not wait.
         """
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         outputs: list[EngineOutput] = []
         if self._in_flight is not None and (
@@ -268,6 +272,9 @@ class EngineCore:
             self._in_flight = (scheduler_output, launched)
         else:
             outputs += self._complete(scheduler_output, launched)
+        self.step_watch.observe(time.perf_counter() - started,
+                                scheduler_output.total_num_scheduled_tokens,
+                                len(scheduler_output.num_scheduled_tokens))
         return outputs
 
     def _complete(self, scheduler_output: SchedulerOutput,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine_core.attention.backend import AttentionPlan, AttentionShapes
 from engine_core.config import EngineConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import InvalidRequestError, ModelLoadError
@@ -96,7 +97,7 @@ class EngineCore:
                                    connector_scheduler, self.max_model_len, policy)
         self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
                                   torch.device(self.device), self.eos_token_ids, connector_worker,
-                                  self._batch_limits(), self._prefill_tile_tokens())
+                                  self._batch_limits(), self._attention_plan())
         self.graph_capture: CaptureStats | None = None
         if self._graph_sizes():
             self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
@@ -144,11 +145,12 @@ class EngineCore:
         return cuda_graphs.capture_sizes(device.cuda_graph_sizes, sched.max_num_seqs,
                                          sched.max_num_batched_tokens, device.cuda_graph_mode)
 
-    def _prefill_tile_tokens(self) -> int:
+    def _attention_plan(self) -> AttentionPlan:
         spec = self.spec
-        return self.attn_backend.query_tile_tokens(spec.num_attention_heads,
-                                                   spec.num_key_value_heads, spec.head_dim,
-                                                   self.dtype)
+        return self.attn_backend.plan(AttentionShapes(
+            spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, self.dtype,
+            self.config.cache.block_size, self._batch_limits().max_blocks_per_seq,
+            torch.device(self.device)))
 
     def _profile_peak_bytes(self) -> int:
         """GPU memory a worst-case step needs beyond weights: one max-size prefill forward."""
@@ -165,7 +167,7 @@ class EngineCore:
         base = torch.cuda.memory_allocated(device)
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
                              NullConnectorWorker(), self._batch_limits(),
-                             self._prefill_tile_tokens())
+                             self._attention_plan())
         from engine_core.sched.outputs import NewRequestData
 
         params = SamplingParams(temperature=0.0, max_tokens=1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +13,33 @@ from engine_core.attention.metadata import AttentionMetadata
 from engine_core.errors import ConfigError
 
 logger = logging.getLogger("pdserve.attention")
+
+
+@dataclass(frozen=True)
+class AttentionShapes:
+    """One model's attention shapes, as the backend's kernels see them."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    max_blocks_per_seq: int  # the block table's width
+    device: torch.device
+
+
+def _one_split(num_seqs: int) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A backend's kernel choices the runner needs: the prefill work list's unit (tokens a
+    tile; 0: the kernels read no list) and the split count its decode kernel gives a batch
+    of ``n`` sequences (which decides what a mixed graph's padding costs long decodes)."""
+
+    prefill_tile_tokens: int = 0
+    decode_splits: Callable[[int], int] = _one_split
 
 
 class AttentionBackend(ABC):
@@ -28,11 +57,9 @@ class AttentionBackend(ABC):
     # Projections of at most this many rows (16-bit weights) run the Triton GEMV; 0: cuBLAS.
     gemv_max_rows: int = 0
 
-    def query_tile_tokens(self, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype) -> int:
-        """Tokens a prefill work item covers, for step inputs that list them on the host;
-        0: this backend reads no such list."""
-        return 0
+    def plan(self, shapes: AttentionShapes) -> AttentionPlan:
+        """What the runner must know of this backend's kernels for one model."""
+        return AttentionPlan()
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.attention.backend import AttentionBackend
+from engine_core.attention.backend import AttentionBackend, AttentionPlan, AttentionShapes
 from engine_core.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -55,11 +55,11 @@ class TritonAttentionBackend(AttentionBackend):
         from engine_core.attention.prefill_tiles import prefill_tiles
         from engine_core.kernels.kv_write import write_kv
         from engine_core.kernels.paged_decode import paged_decode_attention
-        from engine_core.kernels.paged_prefill import paged_prefill_attention
+        from engine_core.kernels.paged_prefill import paged_prefill_attention, query_tile_tokens
 
         meta = attn_metadata
         out = torch.empty_like(q)
-        tile_tokens = self.query_tile_tokens(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+        tile_tokens = query_tile_tokens(q.shape[1], k.shape[1], q.shape[2], q.dtype)
         if kv_cache is None:  # the profile run: k and v must share strides here
             v = v if v.stride() == k.stride() else v.contiguous()
             tiles, count = prefill_tiles(meta.query_start_loc_cpu, tile_tokens, q.device,
@@ -81,11 +81,19 @@ class TritonAttentionBackend(AttentionBackend):
                                meta.query_start_loc, scale, self.num_decode_splits)
         return out
 
-    def query_tile_tokens(self, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype) -> int:
+    def plan(self, shapes: AttentionShapes) -> AttentionPlan:
+        from engine_core.kernels.paged_decode import choose_num_splits
         from engine_core.kernels.paged_prefill import query_tile_tokens
 
-        return query_tile_tokens(num_q_heads, num_kv_heads, head_dim, dtype)
+        def decode_splits(num_seqs: int) -> int:
+            if self.num_decode_splits is not None:
+                return self.num_decode_splits
+            return choose_num_splits(num_seqs, shapes.num_kv_heads, shapes.max_blocks_per_seq,
+                                     shapes.block_size, shapes.device)
+
+        tile = query_tile_tokens(shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim,
+                                 shapes.dtype)
+        return AttentionPlan(prefill_tile_tokens=tile, decode_splits=decode_splits)
 
     def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -143,7 +143,7 @@ class StepInputs:
 
     Buffers grow on demand while ``frozen`` is False; once CUDA graphs hold their
     addresses (``freeze``) a step larger than the limits is an error.
-    ``prefill_tile_tokens`` (the attention backend's ``query_tile_tokens``; 0: none) sizes
+    ``prefill_tile_tokens`` (the attention plan's work-list unit; 0: none) sizes
     the prefill tile list built with every step.
     """
 

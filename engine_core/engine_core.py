@@ -149,7 +149,6 @@ class EngineCore:
         spec = self.spec
         return self.attn_backend.plan(AttentionShapes(
             spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, self.dtype,
-            self.config.cache.block_size, self._batch_limits().max_blocks_per_seq,
             torch.device(self.device)))
 
     def _profile_peak_bytes(self) -> int:

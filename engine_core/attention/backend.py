@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,23 +22,17 @@ class AttentionShapes:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    block_size: int
-    max_blocks_per_seq: int  # the block table's width
     device: torch.device
-
-
-def _one_split(num_seqs: int) -> int:
-    return 1
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """A backend's kernel choices the runner needs: the prefill work list's unit (tokens a
-    tile; 0: the kernels read no list) and the split count its decode kernel gives a batch
-    of ``n`` sequences (which decides what a mixed graph's padding costs long decodes)."""
+    """A backend's kernel choices the runner's step inputs follow: the prefill work list's
+    unit (tokens a tile; 0: the kernels read no list) and the decode work list's size."""
 
     prefill_tile_tokens: int = 0
-    decode_splits: Callable[[int], int] = _one_split
+    # Work items a mixed step's decode rows share (attention/decode_work.py); 0: no list.
+    decode_work_target: int = 0
 
 
 class AttentionBackend(ABC):

@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from engine_core.attention.decode_work import DecodeWork
+
 
 class LayerHooks(Protocol):
     """Connector hooks around each attention layer (wait for a remote load, save a layer)."""
@@ -46,6 +48,9 @@ class AttentionMetadata:
     prefill_tiles: torch.Tensor | None = None
     num_prefill_tiles: int = 0
     prefill_tile_tokens: int = 0
+    # The decode kernel's work list for a general (not decode-only) step
+    # (attention/decode_work.py); None: the backend builds it from the host lists.
+    decode_work: DecodeWork | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -52,9 +52,10 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+        from engine_core.attention.decode_work import decode_work
         from engine_core.attention.prefill_tiles import prefill_tiles
         from engine_core.kernels.kv_write import write_kv
-        from engine_core.kernels.paged_decode import paged_decode_attention
+        from engine_core.kernels.paged_decode import decode_work_target, paged_decode_attention
         from engine_core.kernels.paged_prefill import paged_prefill_attention, query_tile_tokens
 
         meta = attn_metadata
@@ -77,23 +78,23 @@ class TritonAttentionBackend(AttentionBackend):
         paged_prefill_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, tiles, count, tile_tokens,
                                 meta.block_size, scale)
+        work = meta.decode_work
+        if work is None and self.num_decode_splits is None:
+            work = decode_work(meta.query_start_loc_cpu, meta.seq_lens_cpu,
+                               decode_work_target(k.shape[1], q.device), q.device)
         paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-                               meta.query_start_loc, scale, self.num_decode_splits)
+                               meta.query_start_loc, scale, self.num_decode_splits, work=work)
         return out
 
     def plan(self, shapes: AttentionShapes) -> AttentionPlan:
-        from engine_core.kernels.paged_decode import choose_num_splits
+        from engine_core.kernels.paged_decode import decode_work_target
         from engine_core.kernels.paged_prefill import query_tile_tokens
-
-        def decode_splits(num_seqs: int) -> int:
-            if self.num_decode_splits is not None:
-                return self.num_decode_splits
-            return choose_num_splits(num_seqs, shapes.num_kv_heads, shapes.max_blocks_per_seq,
-                                     shapes.block_size, shapes.device)
 
         tile = query_tile_tokens(shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim,
                                  shapes.dtype)
-        return AttentionPlan(prefill_tile_tokens=tile, decode_splits=decode_splits)
+        return AttentionPlan(prefill_tile_tokens=tile,
+                             decode_work_target=decode_work_target(shapes.num_kv_heads,
+                                                                   shapes.device))
 
     def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:

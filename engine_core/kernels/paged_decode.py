@@ -28,15 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_core.attention.decode_work import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, DecodeWork
 from engine_core.kernels import next_power_of_2
 from engine_core.kernels.paged_prefill import LOG2E, dot_precision
 from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
-# A split below this many tokens costs more in the merge than it gains in parallelism.
-MIN_TOKENS_PER_SPLIT = 256
-# H200 sweep (32 q / 8 KV heads, d 128, bf16): one 32k-token sequence ran 0.14 ms with 16
-# splits and 0.09 ms with 33 (the occupancy bound below); batches gained nothing from more.
-MAX_SPLITS = 64
+# MIN_TOKENS_PER_SPLIT: a split below it costs more in the merge than it gains in
+# parallelism. MAX_SPLITS: an H200 sweep (32 q / 8 KV heads, d 128, bf16) ran one 32k-token
+# sequence in 0.14 ms with 16 splits and 0.09 ms with 33 (the occupancy bound below); batches
+# gained nothing from more. Both are shared with the work list (attention/decode_work.py).
 # The merge walks a row's splits this many at a time: one compiled variant for any count,
 # and a tile sized for the usual few splits (one 64-wide tile cost batches of 4-16
 # sequences 1-2 us a layer on an H200 against tiles padded to their own count).
@@ -78,21 +78,35 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    stride_kb, stride_ks, stride_kh, stride_bt,
                    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps, slot_ptr,
                    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct, stride_st,
-                   num_splits,
+                   work_ptr, num_splits,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   WORK_LIST: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if WORK_LIST:
+        # One listed (sequence, split, its row's split count); partials by item.
+        item = tl.program_id(0)
+        seq = tl.load(work_ptr + 3 * item)
+        if seq < 0:  # past this step's items (a graph's grid covers the most it can need)
+            return
+        split = tl.load(work_ptr + 3 * item + 1)
+        row_splits = tl.load(work_ptr + 3 * item + 2)
+        part_base = item.to(tl.int64) * NUM_Q_HEADS
+        part_head_stride = 1
+    else:
+        seq = tl.program_id(0)
+        split = tl.program_id(2)
+        row_splits = num_splits
+        part_base = seq.to(tl.int64) * NUM_Q_HEADS * num_splits + split
+        part_head_stride = num_splits
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, row_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -172,13 +186,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if num_splits == 1:
+    if row_splits == 1:
         o_rows = q_row.to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None] & dim_mask[None, :])
     else:
-        # Partials are [num_seqs, Hq, num_splits, (BLOCK_D)], contiguous, in float32.
-        part = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        # Partials in float32, contiguous: [num_seqs, Hq, num_splits, (BLOCK_D)], or with a
+        # work list [items, Hq, (BLOCK_D)].
+        part = part_base + head * part_head_stride
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out,
                  mask=row_valid[:, None])
         lse = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -186,18 +201,26 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, rows_ptr,
                          stride_ot, stride_oh, num_splits,
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         WORK_LIST: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
-    base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits
+    if WORK_LIST:  # the row's items are consecutive; one split wrote the output itself
+        num_splits = tl.load(rows_ptr + 2 * seq + 1)
+        if num_splits <= 1:
+            return
+        base = tl.load(rows_ptr + 2 * seq).to(tl.int64) * NUM_Q_HEADS + head
+        split_stride = NUM_Q_HEADS
+    else:
+        base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits
+        split_stride = 1
     chunk = tl.arange(0, SPLIT_CHUNK)
     dims = tl.arange(0, BLOCK_D)
     # One pass, SPLIT_CHUNK splits at a time, rescaling as the running maximum grows (one
@@ -211,8 +234,9 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_pt
     for first in range(0, num_splits, SPLIT_CHUNK):
         splits = first + chunk
         valid = splits < num_splits
-        lse = tl.load(part_lse_ptr + base + splits, mask=valid, other=-float("inf"))
-        partial = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :],
+        at = base + splits * split_stride
+        lse = tl.load(part_lse_ptr + at, mask=valid, other=-float("inf"))
+        partial = tl.load(part_out_ptr + at[:, None] * BLOCK_D + dims[None, :],
                           mask=valid[:, None], other=0.0)
         used = lse > -float("inf")
         new_max = tl.maximum(row_max, tl.max(lse, 0))
@@ -247,6 +271,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
+def decode_work_target(num_kv_heads: int, device: torch.device) -> int:
+    """Work items a mixed step's decode rows share (``attention/decode_work.py``): enough
+    (item, KV head) programs to fill the GPU about twice, as ``choose_num_splits`` aims."""
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    return triton.cdiv(2 * num_sms, max(num_kv_heads, 1))
+
+
 @dataclass(frozen=True)
 class NewTokenRope:
     """This step's new tokens for ``paged_decode_attention`` to finish in its prologue:
@@ -276,7 +307,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None,
-                           rope: NewTokenRope | None = None) -> None:
+                           rope: NewTokenRope | None = None,
+                           work: DecodeWork | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -284,7 +316,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     norms and rotates q and the new k and stores the new k/v into the caches, as
     ``rotary.apply_rope`` then ``kv_write.write_kv`` would (every row must then be a decode
     row: rows of other lengths get neither attention nor their K/V written).
-    ``num_splits=None`` picks ``choose_num_splits``.
+    ``num_splits=None`` picks ``choose_num_splits``. ``work`` (mixed steps,
+    ``attention/decode_work.py``) gives each decode row its own split count instead: one
+    program per listed item and KV head; ``num_splits`` is then unused.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -292,7 +326,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    if num_splits is None:
+    if work is not None:
+        assert rope is None and work.items.dtype == torch.int32
+        num_splits = 1  # unused by the kernels
+    elif num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1],
                                        block_size, q.device)
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
@@ -303,7 +340,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_n = 32 if q.dtype == torch.float32 or block_d > 128 else 64
     extra = {} if num_stages is None else {"num_stages": num_stages}
     pdl = pdl_args(q.device)
-    if num_splits > 1:
+    if work is not None:
+        if work.count == 0:
+            return
+        part_out = torch.empty(work.count, num_q_heads, block_d, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(work.count, num_q_heads, dtype=torch.float32, device=q.device)
+    elif num_splits > 1:
         part_out = torch.empty(num_seqs, num_q_heads, num_splits, block_d,
                                dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_q_heads, num_splits,
@@ -328,19 +371,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         has_norm = False
         new = (q, q, q, q, q, q, 0.0, seq_lens, 0, 0, 0, 0, 0, 0)  # placeholders
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = ((work.count, num_kv_heads, 1) if work is not None
+            else (num_seqs, num_kv_heads, num_splits))
+    _decode_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
         query_start_loc, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *new,
-        num_splits,
+        seq_lens if work is None else work.items, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
-        HAS_NORM=has_norm, num_warps=num_warps, **extra, **pdl)
-    if num_splits > 1:
+        HAS_NORM=has_norm, WORK_LIST=work is not None, num_warps=num_warps, **extra, **pdl)
+    if num_splits > 1 or work is not None:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1), num_splits,
+            out, part_out, part_lse, query_start_loc,
+            seq_lens if work is None else work.rows, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLIT_CHUNK=SPLIT_CHUNK, num_warps=MERGE_WARPS, **pdl)
+            SPLIT_CHUNK=SPLIT_CHUNK, WORK_LIST=work is not None, num_warps=MERGE_WARPS,
+            **pdl)

@@ -51,12 +51,6 @@ DEFAULT_MAX_MIXED_TOKENS = 2048
 # its last layer anyway). From ~2048 tokens the GPU's own time covers the host's, so larger
 # hooked steps run eagerly and keep their sends overlapping later layers.
 HOOKED_GRAPH_MAX_TOKENS = 1024
-# A mixed graph pads its sequences to min(size, max_num_seqs), and the decode kernel's split
-# count follows that padded count (1 split from 33 sequences on an H100): a step with few
-# decodes over long contexts would leave each to 8 programs (one a KV head). Such a step runs
-# eagerly, with its own split count, when one graph program would walk more than this many
-# tokens of one sequence (~0.2 ms a layer at one SM's streaming rate).
-LONG_DECODE_SPLIT_TOKENS = 16384
 # Private-pool slack over one eager step's peak: block rounding, smaller graphs' outputs.
 _POOL_SLACK_FACTOR = 2
 _POOL_SLACK_BYTES = 64 << 20

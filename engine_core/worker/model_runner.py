@@ -27,7 +27,6 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
 from engine_core.worker.cuda_graphs import (
     HOOKED_GRAPH_MAX_TOKENS,
-    LONG_DECODE_SPLIT_TOKENS,
     CaptureStats,
     GraphSizes,
     StepGraphs,
@@ -79,7 +78,7 @@ class ModelRunner:
 
     ``limits`` sizes the step buffers up front (required before capturing graphs);
     without it they grow to fit each step. ``plan``: the attention backend's kernel choices
-    for this model (its prefill work-list unit, its decode split counts).
+    for this model (the sizes of its prefill and decode work lists).
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
@@ -96,7 +95,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         limits = limits or BatchLimits(1, 1, block_size, block_size)
         self.plan = plan or AttentionPlan()
-        self.inputs = StepInputs(limits, device, self.plan.prefill_tile_tokens)
+        self.inputs = StepInputs(limits, device, self.plan.prefill_tile_tokens,
+                                 self.plan.decode_work_target)
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)
         self.graphs: StepGraphs | None = None
         self._graphs_paused = False
@@ -233,22 +233,6 @@ class ModelRunner:
             token_ids.extend(known)
         return token_ids, pending_at, pending_from
 
-    def _starves_long_decodes(self, graph_size: int, num_reqs: int, starts: np.ndarray,
-                              num_new: np.ndarray) -> bool:
-        """Whether a mixed graph of ``graph_size`` would leave this step's longest decode to
-        too few attention programs: the graph's padded sequence count picks its decode split
-        count (1 from 33 sequences on an H100), the eager step's own count more, and one
-        program walking over ``LONG_DECODE_SPLIT_TOKENS`` costs more than the launches the
-        graph saves."""
-        decodes = num_new == 1
-        if not decodes.any():
-            return False
-        longest = int((starts[decodes] + 1).max())
-        graph_splits = self.plan.decode_splits(self.inputs.graph_seqs(graph_size))
-        if -(-longest // graph_splits) <= LONG_DECODE_SPLIT_TOKENS:
-            return False
-        return self.plan.decode_splits(num_reqs) > graph_splits
-
     def _forward_and_sample(self, scheduler_output: SchedulerOutput, meta: object) -> LaunchedStep:
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
@@ -275,9 +259,6 @@ class ModelRunner:
             graph_size = self.graphs.size_for(len(token_ids), mixed=not decode_only)
             if graph_size is not None and num_reqs > self.inputs.graph_seqs(graph_size):
                 graph_size = None  # more sequences than the scheduler's limit (never in serving)
-            if (graph_size is not None and not decode_only
-                    and self._starves_long_decodes(graph_size, num_reqs, starts, num_new)):
-                graph_size = None
         batch = self.inputs.prepare(
             self.block_table, rows, starts, num_new, token_ids,
             None if every_row_samples else np.asarray(sample_rows, dtype=np.int64),

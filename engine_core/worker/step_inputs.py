@@ -10,7 +10,8 @@ table, whose width (from ``max_model_len``) is the same for every step, eager or
 
 Layout of a step with ``n`` tokens and ``s`` sequences (padding included): int64 ``[ids n |
 positions n | slots n | logits rows]``, int32 ``[query starts s+1 | seq lens s | prefill
-tiles 2 * max_prefill_tiles(n, s) | block rows]``, each section 16-byte aligned. A graph of
+tiles 2 * max_prefill_tiles(n, s) | decode work items 3 * max_decode_items(s) | their
+per-sequence (first, splits) 2 * s | block rows]``, each section 16-byte aligned. A graph of
 size ``p`` (tokens) is captured on exactly the views a step padded to ``p`` gets (``n = p``,
 ``s = graph_seqs(p)``), so filling the buffers is all a replay needs. Padding appends empty
 sequences (``seq_len`` 0) and tokens of no sequence (id 0, position 0, slot -1).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine_core.attention.decode_work import DecodeWork, fill_decode_work, max_decode_items
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.attention.prefill_tiles import fill_prefill_tiles, max_prefill_tiles
 
@@ -92,12 +94,14 @@ class _Layout:
 
     Every section starts 16-byte aligned: Triton specialises kernels on pointer alignment,
     so an odd offset would compile (and a graph would miss) a second variant.
-    ``tile_tokens`` 0: no prefill tile section (a backend that reads none).
+    ``tile_tokens`` 0: no prefill tile section; ``work_target`` 0: no decode work list (a
+    backend that reads neither).
     """
 
     n: int
     s: int
     tile_tokens: int
+    work_target: int = 0
 
     @property
     def token_stride(self) -> int:  # int64 sections: ids, positions, slots, logits rows
@@ -118,8 +122,20 @@ class _Layout:
         return self.seq_lens + _round_up(self.s, 4)
 
     @property
-    def rows(self) -> int:
+    def max_items(self) -> int:
+        return max_decode_items(self.s, self.work_target) if self.work_target else 0
+
+    @property
+    def items(self) -> int:  # decode work items (triples), then per-sequence (first, splits)
         return self.tiles + _round_up(2 * self.max_tiles, 4)
+
+    @property
+    def item_rows(self) -> int:
+        return self.items + _round_up(3 * self.max_items, 4)
+
+    @property
+    def rows(self) -> int:
+        return self.item_rows + (_round_up(2 * self.s, 4) if self.work_target else 0)
 
     def sizes(self, width: int) -> tuple[int, int]:
         """(int64, int32) buffer lengths holding any step within these bounds."""
@@ -144,13 +160,15 @@ class StepInputs:
     Buffers grow on demand while ``frozen`` is False; once CUDA graphs hold their
     addresses (``freeze``) a step larger than the limits is an error.
     ``prefill_tile_tokens`` (the attention plan's work-list unit; 0: none) sizes
-    the prefill tile list built with every step.
+    the prefill tile list built with every step, ``decode_work_target`` (0: none) the
+    decode work list of every step that is not decode-only.
     """
 
     def __init__(self, limits: BatchLimits, device: torch.device,
-                 prefill_tile_tokens: int = 0) -> None:
+                 prefill_tile_tokens: int = 0, decode_work_target: int = 0) -> None:
         self.block_size = limits.block_size
         self.tile_tokens = prefill_tile_tokens
+        self.work_target = decode_work_target
         self.seq_limit = limits.max_num_seqs
         self.device = device
         self.is_cuda = device.type == "cuda"
@@ -162,7 +180,8 @@ class StepInputs:
 
     def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
         self.max_tokens, self.max_seqs, self.width = num_tokens, num_seqs, width
-        size64, size32 = _Layout(num_tokens, num_seqs, self.tile_tokens).sizes(width)
+        at = _Layout(num_tokens, num_seqs, self.tile_tokens, self.work_target)
+        size64, size32 = at.sizes(width)
         self._host64 = torch.zeros(size64, dtype=torch.int64, pin_memory=self.is_cuda)
         self._host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=self.is_cuda)
         self._np64 = self._host64.numpy()
@@ -214,15 +233,21 @@ class StepInputs:
         (``max_query_len`` 2 stands for "any": the general path, every kernel launched over
         the most work the size allows). The host lists are those now staged (only
         reference paths read them)."""
-        at = _Layout(size, self.graph_seqs(size), self.tile_tokens)
+        at = _Layout(size, self.graph_seqs(size), self.tile_tokens, self.work_target)
         seq_lens = self._np32[at.seq_lens:at.seq_lens + at.s].tolist()
         return self._views(at, self._np32[:at.s + 1].tolist(), seq_lens, 2 if mixed else 1,
-                           max(seq_lens, default=0), at.max_tiles)
+                           max(seq_lens, default=0), at.max_tiles,
+                           at.max_items if mixed else None)
 
     def _views(self, at: _Layout, query_start_loc: list[int], seq_lens: list[int],
-               max_query_len: int, max_seq_len: int, num_tiles: int
+               max_query_len: int, max_seq_len: int, num_tiles: int, num_items: int | None
                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``num_items`` None: no decode work list (a decode-only step's kernels read none)."""
         n, s, stride = at.n, at.s, at.token_stride
+        work = None
+        if self.work_target and num_items is not None:
+            work = DecodeWork(self._dev32[at.items:at.items + 3 * at.max_items], num_items,
+                              self._dev32[at.item_rows:at.item_rows + 2 * s])
         metadata = AttentionMetadata(
             slot_mapping=self._dev64[2 * stride:2 * stride + n],
             query_start_loc=self._dev32[:s + 1],
@@ -237,6 +262,7 @@ class StepInputs:
                            if self.tile_tokens else None),
             num_prefill_tiles=num_tiles,
             prefill_tile_tokens=self.tile_tokens,
+            decode_work=work,
         )
         return self._dev64[:n], self._dev64[stride:stride + n], metadata
 
@@ -245,13 +271,14 @@ class StepInputs:
         seqs = self.graph_seqs(size)
         self._reserve(size, seqs, 1)
         self._wait_staging_free()
-        at = _Layout(size, seqs, self.tile_tokens)
+        at = _Layout(size, seqs, self.tile_tokens, self.work_target)
         np64, np32 = self._np64, self._np32
         stride = at.token_stride
         np64[:2 * stride] = 0
         np64[2 * stride:3 * stride] = -1
         np32[:at.tiles] = 0
-        np32[at.tiles:at.rows] = -1
+        np32[at.tiles:at.item_rows] = -1  # no prefill tile, no decode item
+        np32[at.item_rows:at.rows] = 0
         self._copy(3 * stride, at.rows)
 
     def _copy(self, n64: int, n32: int) -> None:
@@ -308,7 +335,7 @@ class StepInputs:
         self._wait_staging_free()
         np64, np32 = self._np64, self._np32
         bs = self.block_size
-        at = _Layout(n, num_seqs, self.tile_tokens)
+        at = _Layout(n, num_seqs, self.tile_tokens, self.work_target)
         stride, bt_at = at.token_stride, at.rows
 
         # int32 pack: query starts, sequence lengths, prefill tiles, this step's block rows.
@@ -325,6 +352,13 @@ class StepInputs:
                                            np32[at.tiles:at.tiles + 2 * at.max_tiles])
             if pad_to is not None:
                 num_tiles = at.max_tiles  # the grid the graph was captured with
+        num_items: int | None = None
+        if self.work_target and num_tokens != num_reqs:  # a decode-only step reads no list
+            num_items = fill_decode_work(qsl, seq_lens, self.work_target,
+                                         np32[at.items:at.items + 3 * at.max_items],
+                                         np32[at.item_rows:at.item_rows + 2 * num_seqs])
+            if pad_to is not None:
+                num_items = at.max_items
         staged = np32[bt_at:bt_at + num_reqs * width].reshape(num_reqs, width)
         np.take(table.table[:, :width], rows, axis=0, out=staged, mode="clip")
 
@@ -358,7 +392,7 @@ class StepInputs:
         self.block_tables[:num_reqs, :width].copy_(device_rows)
         input_ids, positions_t, metadata = self._views(
             at, qsl.tolist(), seq_lens.tolist(), int(num_new.max()),
-            int(seq_lens[:num_reqs].max()), num_tiles)
+            int(seq_lens[:num_reqs].max()), num_tiles, num_items)
         logits_indices = (self._dev64[3 * stride:3 * stride + num_logits]
                           if logits_rows is not None else None)
         return StepBatch(input_ids, positions_t, metadata, logits_indices, num_reqs)

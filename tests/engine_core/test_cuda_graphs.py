@@ -253,32 +253,6 @@ same saved KV either way."""
         torch.testing.assert_close(graph_kv, eager_kv, rtol=1e-4, atol=1e-5)
 
 
-def test_mixed_steps_with_long_decodes_run_eagerly(tiny_checkpoint, monkeypatch):
-    """A mixed graph's padded sequence count picks the decode split count; when that would
-    leave a long decode to too few programs (and the eager step splits it more), the step
-    runs eagerly. Tokens equal the eager engine's either way."""
-    import engine_core.worker.model_runner as model_runner
-    from engine_core.attention.backend import AttentionPlan
-
-    path = str(tiny_checkpoint("qwen3"))
-    prompts = prompts_of([30, 100])
-    params = staggered(prompts)
-    engine_args = dict(max_num_seqs=4, max_num_batched_tokens=64)
-    eager = [o.token_ids for o in LLM(path, **engine_args).generate(prompts, params)]
-    monkeypatch.setattr(model_runner, "LONG_DECODE_SPLIT_TOKENS", 20)
-    llm = LLM(path, **engine_args)
-    runner = llm.engine.runner
-    runner.plan = AttentionPlan(decode_splits=lambda num_seqs: 4 if num_seqs <= 2 else 1)
-    runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4], [8, 16, 64])
-    got = [o.token_ids for o in llm.generate(prompts, params)]
-    assert got == eager
-    # Step 1 (30 + 34 prompt tokens, no decode) replays; the next two carry the 31-token
-    # prompt's decode beside the rest of the long prompt: 31 > 20 tokens for one program of
-    # the graph (1 split for its 4 padded sequences) against 4 splits eagerly.
-    assert stand_in.replayed_mixed == [64]
-    assert stand_in.replayed  # the decode-only steps still replay
-
-
 # ---- CUDA --------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu

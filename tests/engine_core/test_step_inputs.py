@@ -102,7 +102,8 @@ def test_padded_mixed_step_follows_the_graph_contract():
     new, cached = [6, 1, 3], [5, 9, 0]
     blocks = [[3, 7, 8], [0, 2, 4], [10]]
     table, rows = table_with(blocks)
-    inputs = StepInputs(BatchLimits(6, 32, 16, BS), CPU, prefill_tile_tokens=4)
+    inputs = StepInputs(BatchLimits(6, 32, 16, BS), CPU, prefill_tile_tokens=4,
+                        decode_work_target=3)
     batch = inputs.prepare(table, rows, np.array(cached), np.array(new), list(range(100, 110)),
                            logits_rows=np.array([0, 1, 2]), pad_to=16)
     meta = batch.attn_metadata
@@ -118,16 +119,22 @@ def test_padded_mixed_step_follows_the_graph_contract():
     tiles = meta.prefill_tiles.view(-1, 2).tolist()
     assert tiles[:3] == [[0, 0], [0, 4], [2, 0]] and tiles[3:] == [[-1, -1]] * 7
     assert meta.num_prefill_tiles == 10 and meta.prefill_tile_tokens == 4
+    # The decode work list: the one decode row (10 tokens: one split), room for 6 + 3 items.
+    work = meta.decode_work
+    assert work.items.view(-1, 3).tolist() == [[1, 0, 1]] + [[-1, -1, -1]] * 8
+    assert work.count == 9 and work.rows.view(-1, 2).tolist() == [[0, 0], [0, 1]] + [[0, 0]] * 4
     ids, positions, captured = inputs.graph_views(16, mixed=True)
     assert_same_views(batch, ids, positions, captured)
     assert captured.max_query_len == 2  # the general path
     for tensor in (batch.input_ids, batch.positions, meta.slot_mapping, meta.query_start_loc,
-                   meta.seq_lens, meta.prefill_tiles, meta.block_tables, batch.logits_indices):
+                   meta.seq_lens, meta.prefill_tiles, work.items, work.rows, meta.block_tables,
+                   batch.logits_indices):
         assert tensor.data_ptr() % 16 == 0
-    # Eagerly, the same step launches only its 3 tiles.
+    # Eagerly, the same step launches only its 3 tiles and its 1 decode item.
     eager = inputs.prepare(table, rows, np.array(cached), np.array(new), list(range(100, 110)),
                            logits_rows=np.array([0, 1, 2]))
     assert eager.attn_metadata.num_prefill_tiles == 3
+    assert eager.attn_metadata.decode_work.count == 1
     with pytest.raises(ValueError, match="does not fit"):
         inputs.prepare(table, rows, np.array(cached), np.array(new), list(range(100, 110)),
                        logits_rows=None, pad_to=8)

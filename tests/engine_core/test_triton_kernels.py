@@ -351,6 +351,46 @@ def test_decode_matches_reference(device: str, case: AttnCase) -> None:
     assert_close(out, expected_output(batch, kv_cache), case.dtype)
 
 
+WORK_CASES_CUDA = (
+    [AttnCase(dt, 2, g, d, _LONG, (1,) * 5, pad_rows=2)
+     for dt in (BF16, FP32) for g in (1, 4) for d in (64, 128)]
+    + [AttnCase(BF16, 8, 4, 128, (16000, 3, 700), (1, 1, 1)),
+       AttnCase(BF16, 2, 4, 128, (0, 37, 300, 5000), (130, 1, 1, 1), cache_dtype=E4M3)]
+)
+WORK_CASES_INTERPRET = [
+    AttnCase(FP32, 2, 4, 16, (0, 5, 700), (1, 1, 1), pad_rows=1, block_size=4),
+    AttnCase(BF16, 1, 2, 16, (1199, 9, 40), (1, 7, 1), block_size=16),
+]
+
+
+@pytest.mark.parametrize("graph_grid", [False, True], ids=["exact", "graph-grid"])
+@pytest.mark.parametrize(("device", "case"), params(WORK_CASES_CUDA, WORK_CASES_INTERPRET))
+def test_decode_over_a_work_list(device: str, case: AttnCase, graph_grid: bool) -> None:
+    """Mixed steps' decode: each decode row split by its own length (a pad row of seq_len 0
+    gets zeros, rows of other lengths are untouched); over a graph's longer grid the
+    surplus items exit."""
+    from engine_core.attention.decode_work import decode_work, max_decode_items
+    from engine_core.kernels.paged_decode import paged_decode_attention
+
+    batch = make_batch(case, device)
+    kv_cache = cache_with_new_tokens(batch)
+    meta = batch.metadata
+    target = 33
+    work = decode_work(meta.query_start_loc_cpu, meta.seq_lens_cpu, target, batch.q.device)
+    assert int(work.rows.view(-1, 2)[:, 1].max()) > 1  # some row is split
+    if graph_grid:
+        work = work._replace(count=max_decode_items(meta.num_seqs, target))
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(batch.q, kv_cache[0], kv_cache[1], out, meta.block_tables,
+                           meta.seq_lens, meta.query_start_loc, batch.scale, work=work)
+    starts = meta.query_start_loc_cpu
+    decode_rows = [starts[i] for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+    others = sorted(set(range(meta.num_tokens)) - set(decode_rows))
+    expected = expected_output(batch, kv_cache)
+    assert_close(out[decode_rows], expected[decode_rows], case.dtype)
+    assert torch.isnan(out[others]).all()
+
+
 ROPE_DECODE_CASES_CUDA = (
     [AttnCase(dt, 2, g, d, _LONG, (1,) * 5, num_splits=s, pad_rows=2)
      for dt in (BF16, FP16, FP32) for g in (1, 4) for d in (64, 128) for s in (None, 1, 7)]
@@ -481,6 +521,7 @@ def test_backend_over_a_graph_padded_step(device: str, case: AttnCase) -> None:
     import numpy as np
 
     from engine_core.attention.triton_backend import TritonAttentionBackend
+    from engine_core.kernels.paged_decode import decode_work_target
     from engine_core.kernels.paged_prefill import query_tile_tokens
     from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
@@ -495,12 +536,13 @@ def test_backend_over_a_graph_padded_step(device: str, case: AttnCase) -> None:
     padded = num_tokens + 5
     limits = BatchLimits(len(seq_lens) + 2, padded, tables.shape[1] * bs, bs)
     tile = query_tile_tokens(hq, hkv, d, case.dtype)
+    target = decode_work_target(hkv, torch.device(device))
     q, k, v = (torch.randn(padded, h, d, generator=gen).to(case.dtype).to(device)
                for h in (hq, hkv, hkv))
     start = torch.randn(2, num_blocks, bs, hkv, d, generator=gen).to(case.storage).to(device)
     outs, caches, metas = [], [], []
     for pad_to in (None, padded):
-        inputs = StepInputs(limits, torch.device(device), tile)
+        inputs = StepInputs(limits, torch.device(device), tile, target)
         batch = inputs.prepare(table, rows, np.array(case.cached), np.array(case.new),
                                list(range(num_tokens)), np.arange(len(seq_lens)), pad_to=pad_to)
         n = batch.input_ids.shape[0]
@@ -510,7 +552,8 @@ def test_backend_over_a_graph_padded_step(device: str, case: AttnCase) -> None:
         outs.append(out[:num_tokens])
         caches.append(cache)
         metas.append(batch.attn_metadata)
-    assert metas[1].num_prefill_tiles > metas[0].num_prefill_tiles  # the graph's larger grid
+    assert metas[1].num_prefill_tiles > metas[0].num_prefill_tiles  # the graph's larger grids
+    assert metas[1].decode_work.count > metas[0].decode_work.count > 0
     assert metas[1].query_start_loc.shape[0] > metas[0].query_start_loc.shape[0]
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     expected = reference_attention(q[:num_tokens], metas[0], caches[0], d ** -0.5)

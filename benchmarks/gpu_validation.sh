@@ -8,6 +8,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh serve_ab  # one GPU (~10 min): serving with/without mixed graphs
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh host      # one GPU (~5 min): decode/mixed figures, host profile
@@ -93,6 +94,19 @@ case "$STAGE" in
         step speed_decode_only 150 python3 -m benchmarks.engine_speed --only mixed \
             --cuda-graph-mode full_decode_only --out "$RUN/engine_speed_decode_only.json"
         ;;
+    worklist)
+        # The decode work list of mixed steps: its kernel and graph tests, then mixed steps
+        # with long decodes from graphs (full) against eager (full_decode_only).
+        step worklist_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_triton_kernels.py -k "work_list or padded_step or backend or graph_grid"
+        step graphs_hf 260 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_cuda_graphs.py tests/engine_core/test_gpu_equivalence.py
+        C=1x1024x64,16x1024x64,1x8192x1024,1x32768x1024,1x32768x64,4x32768x512
+        step long_full 150 python3 -m benchmarks.engine_speed --only mixed --max-model-len 40960 \
+            --mixed-cases $C --out "$RUN/engine_speed_long_full.json"
+        step long_eager 150 python3 -m benchmarks.engine_speed --only mixed --max-model-len 40960 \
+            --mixed-cases $C --cuda-graph-mode full_decode_only --out "$RUN/engine_speed_long_eager.json"
+        ;;
     hooked)
         # Steps with connector layer hooks (a prefill worker's): graphs with the hooks around
         # the replay up to 1024 tokens, against eager (full_decode_only), prefill-only steps.
@@ -150,7 +164,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|hooked|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

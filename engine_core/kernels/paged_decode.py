@@ -13,6 +13,10 @@ width, i.e. the longest context it can describe), never from host copies of leng
 Rows whose query length is not 1 are skipped (prefill chunks of a mixed batch, empty
 padding); a padded row with one token and ``seq_len`` 0 gets zeros, no NaN and no reads.
 
+Steps that are not decode-only launch instead over a work list (``attention/decode_work.py``,
+``WORK_LIST``): one program per listed (sequence, split) and KV head, each row split by its
+own length, partials indexed by item; the merge reads each row's first item and split count.
+
 Decode-only steps pass ``NewTokenRope``: q arrives raw from the qkv projection and each
 program norms and rotates its query heads; the split holding the last position norms and
 rotates the new key, stores the new K/V at its slot and starts its softmax with that key,

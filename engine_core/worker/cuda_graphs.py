@@ -13,8 +13,9 @@ vLLM's mode of that name. A step with connector layer hooks replays a graph only
 ``HOOKED_GRAPH_MAX_TOKENS``, with every layer's hooks called around the replay.
 
 Graph-safety rests on the Triton backend: it reads only device tensors and derives its
-grids from shapes and from the prefill tile list's captured length, never from host copies
-of lengths. Padding appends empty sequences and tokens of no sequence (slot -1): they
+grids from shapes and from the captured lengths of its prefill and decode work lists
+(``attention/prefill_tiles.py``, ``attention/decode_work.py``), never from host copies of
+lengths. Padding appends empty sequences and tokens of no sequence (slot -1): they
 write nothing and read nothing. The inputs live in ``StepInputs``' persistent buffers; a
 replay only needs them refilled.
 

@@ -233,6 +233,20 @@ class ModelRunner:
             token_ids.extend(known)
         return token_ids, pending_at, pending_from
 
+    def _graph_size(self, num_tokens: int, num_reqs: int, mixed: bool,
+                    hooked: bool) -> int | None:
+        """The captured size this step replays, or None to run it eagerly: no graphs, the
+        warm-up, a hooked step over ``HOOKED_GRAPH_MAX_TOKENS``, a step larger than the
+        graphs of its kind, or more sequences than a graph holds (never in serving)."""
+        if self.graphs is None or self._graphs_paused:
+            return None
+        if hooked and num_tokens > HOOKED_GRAPH_MAX_TOKENS:
+            return None
+        size = self.graphs.size_for(num_tokens, mixed)
+        if size is None or num_reqs > self.inputs.graph_seqs(size):
+            return None
+        return size
+
     def _forward_and_sample(self, scheduler_output: SchedulerOutput, meta: object) -> LaunchedStep:
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
@@ -252,13 +266,8 @@ class ModelRunner:
             state.num_computed_tokens += n
         every_row_samples = decode_only and len(sample_rows) == num_reqs
 
-        graph_size = None
         hooked = self.connector.needs_layer_hooks(meta)
-        if (self.graphs is not None and not self._graphs_paused
-                and (not hooked or len(token_ids) <= HOOKED_GRAPH_MAX_TOKENS)):
-            graph_size = self.graphs.size_for(len(token_ids), mixed=not decode_only)
-            if graph_size is not None and num_reqs > self.inputs.graph_seqs(graph_size):
-                graph_size = None  # more sequences than the scheduler's limit (never in serving)
+        graph_size = self._graph_size(len(token_ids), num_reqs, not decode_only, hooked)
         batch = self.inputs.prepare(
             self.block_table, rows, starts, num_new, token_ids,
             None if every_row_samples else np.asarray(sample_rows, dtype=np.int64),

@@ -270,14 +270,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
     """
     max_tokens = max_blocks_per_seq * block_size
     by_length = triton.cdiv(max_tokens, MIN_TOKENS_PER_SPLIT)
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    by_occupancy = triton.cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
+    by_occupancy = triton.cdiv(decode_work_target(num_kv_heads, device), max(num_seqs, 1))
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
 def decode_work_target(num_kv_heads: int, device: torch.device) -> int:
-    """Work items a mixed step's decode rows share (``attention/decode_work.py``): enough
-    (item, KV head) programs to fill the GPU about twice, as ``choose_num_splits`` aims."""
+    """Programs per KV head that fill the GPU about twice: what a decode batch's splits
+    (``choose_num_splits``) and a mixed step's decode work items (``attention/decode_work.py``)
+    aim at."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     return triton.cdiv(2 * num_sms, max(num_kv_heads, 1))
 

@@ -38,15 +38,16 @@ logger = logging.getLogger("pdserve.cuda_graphs")
 # Largest decode batch captured by default; bigger decode batches run eagerly (their launch
 # cost is small next to their GPU time).
 DEFAULT_MAX_CAPTURE_SIZE = 512
-# Largest mixed step (tokens) captured by default. An eager Qwen3-8B step spends ~20 ms of
-# host time launching (one H100), which a 2048-token step's ~47 ms of GPU time covers; a
+# Largest mixed step (tokens) captured by default. An eager Qwen3-8B step spends 20-48 ms of
+# host time launching (one H100), which a 2048-token step's ~50 ms of GPU time covers; a
 # small model stays host-bound longer, and ``--cuda-graph-sizes`` reaches further.
 DEFAULT_MAX_MIXED_TOKENS = 2048
 # Steps whose connector needs per-layer hooks (a prefill worker sending KV) replay a graph up
 # to this many tokens, with every layer's hooks called around the replay instead of between
 # layers: the sends of such a step then start after its last layer, not during it. Measured
 # on one H100 with Qwen3-8B prefill-only steps (docs/PERFORMANCE.md): eagerly a step of 64,
-# 256, 512 or 1024 tokens took 37-48 ms, all host time; from a graph 6.5, 8.1, 12.6 ms. The
+# 256, 512 or 1024 tokens took 32-48 ms, all host time; from a graph 6.5, 8.1, 12.2-12.6 and
+# 23.8 ms. The
 # overlap given up is at most one step's KV (1024 tokens: ~150 MB, 1-3 ms at the
 # connector's measured 50-150 GB/s; a request under 32 MiB, ~220 tokens, is one send after
 # its last layer anyway). From ~2048 tokens the GPU's own time covers the host's, so larger

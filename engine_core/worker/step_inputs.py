@@ -346,14 +346,16 @@ class StepInputs:
         seq_lens = np32[at.seq_lens:at.seq_lens + num_seqs]
         np.add(starts, num_new, out=seq_lens[:num_reqs])
         seq_lens[num_reqs:] = 0
+        # The work lists, for the general path only: a decode-only step's kernels read none.
         num_tiles = 0
-        if self.tile_tokens:
+        num_items: int | None = None
+        general = num_tokens != num_reqs
+        if self.tile_tokens and general:
             num_tiles = fill_prefill_tiles(qsl, self.tile_tokens,
                                            np32[at.tiles:at.tiles + 2 * at.max_tiles])
             if pad_to is not None:
                 num_tiles = at.max_tiles  # the grid the graph was captured with
-        num_items: int | None = None
-        if self.work_target and num_tokens != num_reqs:  # a decode-only step reads no list
+        if self.work_target and general:
             num_items = fill_decode_work(qsl, seq_lens, self.work_target,
                                          np32[at.items:at.items + 3 * at.max_items],
                                          np32[at.item_rows:at.item_rows + 2 * num_seqs])

@@ -895,14 +895,45 @@ def test_copy_blocks_gathers_and_scatters_bit_exact(device: str, case: BlockCopy
 
 @pytest.mark.gpu
 def test_decode_replays_in_cuda_graph() -> None:
-    """Write + decode captured once, replayed on new lengths, tables and values in place."""
+    """Write + decode captured once, replayed on new lengths, tables and values in place.
+
+    As the engine captures a general step: both work lists live in static buffers at their
+    bound (a graph cannot copy host lists in), refilled on the host before each replay.
+    """
+    import numpy as np
+
+    from engine_core.attention.decode_work import DecodeWork, fill_decode_work, max_decode_items
+    from engine_core.attention.prefill_tiles import fill_prefill_tiles, max_prefill_tiles
     from engine_core.attention.triton_backend import TritonAttentionBackend
+    from engine_core.kernels.paged_decode import decode_work_target
+    from engine_core.kernels.paged_prefill import query_tile_tokens
 
     case = AttnCase(BF16, 2, 4, 128, (100, 5000, 0, 17), (1, 1, 1, 1), pad_rows=2)
     batch = make_batch(case, "cuda")
     backend = TritonAttentionBackend()
     meta = batch.metadata
     q, k, v, kv_cache = batch.q.clone(), batch.k.clone(), batch.v.clone(), batch.kv_cache
+    tile_tokens = query_tile_tokens(q.shape[1], k.shape[1], q.shape[2], q.dtype)
+    target = decode_work_target(k.shape[1], q.device)
+    num_seqs = meta.num_seqs
+    max_tiles = max_prefill_tiles(meta.num_tokens, num_seqs, tile_tokens)
+    tiles_host = np.empty(2 * max_tiles, dtype=np.int32)
+    items_host = np.empty(3 * max_decode_items(num_seqs, target), dtype=np.int32)
+    rows_host = np.empty(2 * num_seqs, dtype=np.int32)
+    tiles = torch.empty(tiles_host.shape[0], dtype=torch.int32, device="cuda")
+    items = torch.empty(items_host.shape[0], dtype=torch.int32, device="cuda")
+    rows = torch.empty(rows_host.shape[0], dtype=torch.int32, device="cuda")
+
+    def fill_lists(starts: list[int], seq_lens: list[int]) -> None:
+        fill_prefill_tiles(np.asarray(starts, dtype=np.int64), tile_tokens, tiles_host)
+        fill_decode_work(np.asarray(starts, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64),
+                         target, items_host, rows_host)
+        for static, host in ((tiles, tiles_host), (items, items_host), (rows, rows_host)):
+            static.copy_(torch.from_numpy(host))
+
+    fill_lists(meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    meta.prefill_tiles, meta.num_prefill_tiles, meta.prefill_tile_tokens = tiles, max_tiles, tile_tokens
+    meta.decode_work = DecodeWork(items, items_host.shape[0] // 3, rows)
     backend.forward(q, k, v, kv_cache.clone(), meta, batch.scale)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -917,6 +948,7 @@ def test_decode_replays_in_cuda_graph() -> None:
                             (meta.slot_mapping, fresh.metadata.slot_mapping),
                             (meta.seq_lens, fresh.metadata.seq_lens)):
             static.copy_(new)
+        fill_lists(fresh.metadata.query_start_loc_cpu, fresh.metadata.seq_lens_cpu)
         meta.block_tables.zero_()
         meta.block_tables[:, :width] = fresh.metadata.block_tables
         kv_cache.fill_(float("nan"))

@@ -40,7 +40,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registration-port", type=int, default=None,
                         help="proxy registration port (default: a free one)")
     parser.add_argument("--gpus", default=None,
-                        help="comma-separated GPU ids (default: CUDA_VISIBLE_DEVICES or all)")
+                        help="comma-separated GPU ids, one per worker; an id may repeat "
+                             "(default: CUDA_VISIBLE_DEVICES or all)")
+    parser.add_argument("--kv-transport", choices=("auto", "nccl", "cpu"), default="auto",
+                        help="the P/D data plane: NCCL between GPUs, or bytes over ZMQ "
+                             "(CPU workers, or P and D sharing one GPU); auto picks by device")
     parser.add_argument("--restart", action="store_true", help="restart workers that die")
     parser.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
@@ -184,7 +188,8 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         kv = {"kv_connector": "P2pNcclConnector", "kv_role": role, "kv_rank": i,
               "kv_buffer_size": "1e9", "kv_ip": HOST, "kv_port": kv_port,
               "kv_connector_extra_config": {"proxy_ip": HOST, "proxy_port": reg_port,
-                                            "http_port": http_port, "send_type": "PUT_ASYNC"}}
+                                            "http_port": http_port, "send_type": "PUT_ASYNC",
+                                            "transport": args.kv_transport}}
         env = dict(base_env)
         device_args: list[str] = []
         if gpus:

@@ -70,6 +70,9 @@ class _Load:
     deadline: float
     state: str = WAITING_BUFFER
     buffer: torch.Tensor | None = None
+    # Recorded on the allocating (engine) stream right after ``buffer`` was allocated: the
+    # transport's writes wait on it (the memory may have been another tensor's a moment ago).
+    buffer_ready: Any = None
     producer_epoch: str = ""
     seq: int = -1
     layers_received: int = 0
@@ -99,7 +102,7 @@ def make_transport(config: KVTransferConfig, device: str) -> Any:
         return NcclPairTransport(device, config)
     from connectors.cpu_transport import CpuTransport
 
-    return CpuTransport()
+    return CpuTransport(device)
 
 
 class P2pConnectorWorker:
@@ -695,8 +698,8 @@ class P2pConnectorWorker:
                     self._doorbell.ring()
                 return
             destination = load.buffer[message.layer:end]
-        target = destination.view(torch.uint8).reshape(-1).numpy()
-        target[:] = np.frombuffer(frames[0].buffer, dtype=np.uint8)
+        self._transport.land(destination.view(torch.uint8).reshape(-1),
+                             np.frombuffer(frames[0].buffer, dtype=np.uint8), load.buffer_ready)
         self._transport.count_recv_call()
         with self._lock:
             if load.state == RECEIVING and load.seq == message.seq:

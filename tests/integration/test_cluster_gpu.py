@@ -4,15 +4,23 @@
    greedy text and usage as one colocated `pdserve serve` of it (float32: exact kernels).
 2. Qwen3-0.6B- and Qwen3-8B-shaped dummy models serve 200 mixed requests through the
    cluster without an error, every one with its full completion.
+3. Long prompts (2k-5k tokens, as the disaggregation report sends: prefill-worker steps of up
+   to 8192 tokens, eager, several requests' KV gathered per layer) through a Qwen3-8B-shaped
+   1P1D: every request completes, every KV load lands (none recomputed on D) and the
+   prefill worker is alive at the end; over NCCL on two GPUs, and with P and D sharing one
+   GPU over the CPU transport.
 
     source .device/env.sh && python3 -m pytest -m gpu -q tests/integration/test_cluster_gpu.py
 """
 
 from __future__ import annotations
 
+import json
+import random
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +31,7 @@ from deploy.launch import free_port
 from tests.integration.cluster_harness import (
     MODEL,
     ROOT,
+    Req,
     build_tiny_checkpoint,
     check_matches,
     child_env,
@@ -43,13 +52,14 @@ def _two_gpus() -> None:
     pytest.importorskip("cupy")
 
 
-def _start_cluster(tmp_path: Path, model: Path, engine: list[str]) -> tuple[subprocess.Popen, str, Path]:
+def _start_cluster(tmp_path: Path, model: Path, engine: list[str], gpus: str = "0,1",
+                   ) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "launch.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
-             "--model", str(model), "--gpus", "0,1", "--port", str(port),
+             "--model", str(model), "--gpus", gpus, "--port", str(port),
              "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1", *engine],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
@@ -68,11 +78,15 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _decode_bytes_received(proxy: str) -> float:
+def _worker(proxy: str, role: str) -> str:
     workers = get_json(f"{proxy}/instances")["workers"]
-    decode = [w["http_address"] for w in workers if w["role"] == "D"]
-    assert len(decode) == 1, workers
-    return scrape(decode[0]).get("pdserve:kv_transfer_bytes_received_total", 0.0)
+    found = [w["http_address"] for w in workers if w["role"] == role]
+    assert len(found) == 1, workers
+    return found[0]
+
+
+def _decode_bytes_received(proxy: str) -> float:
+    return scrape(_worker(proxy, "D")).get("pdserve:kv_transfer_bytes_received_total", 0.0)
 
 
 @pytest.mark.timeout(1200)
@@ -121,5 +135,55 @@ def test_gpu_dummy_shapes_serve_200(tmp_path: Path, shape: str) -> None:
             assert out.usage is not None and out.usage["completion_tokens"] == req.limit, (req, out)
         assert _decode_bytes_received(proxy) > 0
         print(f"{shape}: 200 requests in {elapsed:.1f} s")
+    finally:
+        _stop(cluster)
+
+
+def _long_prompt_requests(n: int, vocab: int, seed: int = 7) -> list[Req]:
+    """Random token-id prompts (as the report's random dataset): mostly 2048 tokens, every
+    fourth 5000 (two of them overflow an 8192-token step: chunked prefill on P)."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        length = 5000 if i % 4 == 3 else 2048
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        reqs.append(Req("/v1/completions", False, body, 8))
+    return reqs
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("plane", ["nccl-two-gpus", "cpu-transport-one-gpu"])
+def test_gpu_1p1d_long_prompts(tmp_path: Path, plane: str) -> None:
+    if plane == "nccl-two-gpus":
+        _two_gpus()
+        gpus, extra = "0,1", []
+    else:
+        if not torch.cuda.is_available():
+            pytest.skip("needs a GPU")
+        gpus, extra = "0,0", ["--kv-transport", "cpu", "--gpu-memory-utilization", "0.42"]
+    model = write_model_dir("qwen3-8b", tmp_path / "qwen3-8b")
+    engine = ["--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16",
+              "--max-model-len", "10240", *extra]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    reqs = _long_prompt_requests(16, vocab)
+    cluster, proxy, _ = _start_cluster(tmp_path, model, engine, gpus)
+    try:
+        prefill, decode = _worker(proxy, "P"), _worker(proxy, "D")
+        got = run_all(proxy, reqs, concurrency=8, timeout_s=600.0)
+        failed = [(len(r.body["prompt"]), o.status, o.error, o.exception)
+                  for r, o in zip(reqs, got) if not o.ok]
+        assert not failed, failed[:3]
+        for req, out in zip(reqs, got):
+            assert out.usage is not None and out.usage["completion_tokens"] == req.limit, out
+        with urllib.request.urlopen(f"http://{prefill}/health", timeout=15) as response:
+            assert response.status == 200  # P's engine core still runs
+        assert _worker(proxy, "P") == prefill
+        d = scrape(decode)
+        lost = {k: d.get(f"pdserve:kv_transfer_{k}_total", 0.0)
+                for k in ("transfers_failed", "transfers_timed_out", "messages_rejected")}
+        assert not any(lost.values()), lost
+        assert d.get("pdserve:kv_transfer_transfers_received_total", 0.0) == len(reqs), d
     finally:
         _stop(cluster)

@@ -79,6 +79,18 @@ def test_gpu_workers_keep_omp_threads(tmp_path: Path, monkeypatch: pytest.Monkey
     assert all("OMP_NUM_THREADS" not in w.env for w in workers)
 
 
+def test_one_gpu_pair_over_the_cpu_transport(tmp_path: Path) -> None:
+    """``--gpus 0,0 --kv-transport cpu``: P and D share GPU0; their KV goes over ZMQ."""
+    _, workers, _ = build_children(_parse("--gpus", "0,0", "--kv-transport", "cpu"), [], tmp_path)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0", "0"]
+    for worker in workers:
+        kv = json.loads(_flag(worker.argv, "--kv-transfer-config"))
+        assert kv["kv_connector_extra_config"]["transport"] == "cpu"
+    _, workers, _ = build_children(_parse("--gpus", "0,1"), [], tmp_path)
+    kv = json.loads(_flag(workers[0].argv, "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"]["transport"] == "auto"
+
+
 def test_engine_flags_forwarded() -> None:
     args = _parse("--max-model-len", "256", "--no-enable-prefix-caching", "--enforce-eager",
                   "--kv-transfer-config", "{}")

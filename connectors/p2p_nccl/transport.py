@@ -235,10 +235,12 @@ class NcclPairTransport:
             self._pairs[key] = pair
         self._init_async(pair, hello.unique_id)
 
-    def post_recv(self, peer_address: str, buffers: list[torch.Tensor],
+    def post_recv(self, peer_address: str, buffers: list[torch.Tensor], ready: Any = None,
                   on_landed: Callable[[], None] | None = None) -> Callable[[], bool]:
-        """Post one ncclRecv per call on the pair's stream; returns a non-blocking poll.
-        ``on_landed`` is called from the pair's watcher thread once they completed."""
+        """Post one ncclRecv per call on the pair's stream, after ``ready`` (the buffers'
+        allocation on the engine's stream: until then their memory may still be read by an
+        earlier tensor's kernels); returns a non-blocking poll. ``on_landed`` is called from
+        the pair's watcher thread once they completed."""
         with self._lock:
             pair = self._pairs.get(("recv", peer_address))
         if pair is None or not pair.ready.wait(5.0) or pair.error is not None or pair.aborted:
@@ -246,6 +248,8 @@ class NcclPairTransport:
         nccl = _nccl()
         deadline = time.monotonic() + INIT_TIMEOUT_S
         with torch.cuda.stream(pair.stream):
+            if ready is not None:
+                pair.stream.wait_event(ready)
             pair.op_deadline = deadline
             start = torch.cuda.Event(enable_timing=True)
             start.record(pair.stream)

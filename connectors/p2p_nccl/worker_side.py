@@ -368,8 +368,9 @@ class P2pConnectorWorker:
                 with self._lock:
                     load.state, load.reason = FAILED, f"buffer allocation failed: {exc}"
                 continue
+            ready = self._record_event()
             with self._lock:
-                load.buffer, load.state = buffer, REQUESTED
+                load.buffer, load.buffer_ready, load.state = buffer, ready, REQUESTED
             if not self._send_pull(load.spec.peer_address, load.pull):
                 with self._lock:
                     if load.state == REQUESTED:
@@ -490,16 +491,22 @@ class P2pConnectorWorker:
             return
         if not self._range_ok(pull, save):
             return
-        index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
+        block_ids = save.block_ids[pull.first_block:]
         event = pending.ready_event
         peer = pull.consumer_address
         block_shape = self._require_geometry()[2]
+        index: torch.Tensor | None = None
 
         def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
-            # The blocks are held by the scheduler until this send reports done.
+            # The blocks are held by the scheduler until this send reports done. The index is
+            # uploaded inside the gather context, on the stream that gathers: uploaded on the
+            # caller's stream, a gather on the transport's stream could read it unwritten.
+            nonlocal index
             stacked = self._require_stacked()
             with self._transport.gather_context(peer, event):
-                out = torch.empty(wire_shape(end - first, len(index), block_shape),
+                if index is None:
+                    index = block_ids_tensor(block_ids, self._device)
+                out = torch.empty(wire_shape(end - first, len(block_ids), block_shape),
                                   dtype=stacked.dtype, device=self._device)
                 return gather_layers(stacked, first, end, index, out=out), None
 
@@ -673,7 +680,7 @@ class P2pConnectorWorker:
         calls = call_ranges(header.num_layers, header.layers_per_call)
         poll = self._transport.post_recv(header.producer_address,
                                          [buffer[first:end] for first, end in calls],
-                                         on_landed=self._doorbell.ring)
+                                         ready=load.buffer_ready, on_landed=self._doorbell.ring)
         with self._lock:
             load.recv_poll = poll
             if poll is not None:

@@ -121,6 +121,20 @@ class Cluster:
         self.workers = workers
         return True
 
+    def problems(self) -> list[str]:
+        """What is wrong with the topology now: its launcher gone, or a worker it started with
+        no longer registered (a prefill worker whose engine died deregisters, and the proxy
+        then serves its requests another way: such a run measures another topology)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return ["the launcher exited"]
+        try:
+            now = {w["http_address"] for w in _get_json(f"{self.url}/instances")["workers"]}
+        except Exception as exc:  # the proxy itself is down or hung
+            return [f"proxy /instances: {exc}"]
+        lost = sorted(f"{w['role']} {w['http_address']}" for w in self.workers
+                      if w["http_address"] not in now)
+        return [f"workers no longer registered: {', '.join(lost)}"] if lost else []
+
     def worker_urls(self, role: str | None = None) -> list[str]:
         """Base URLs of the workers (of one proxy role: P, D, colocated)."""
         return [f"http://{w['http_address']}" for w in self.workers

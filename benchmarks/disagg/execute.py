@@ -31,6 +31,27 @@ WARMUP_SEED_OFFSET = 7919
 WARMUP_OUTPUT_LEN = 16
 PROXY_HISTOGRAMS = {"overhead": "pdserve:proxy_overhead_seconds",
                     "queue": "pdserve:proxy_queue_time_seconds"}
+# Connector counters that mean a request's KV did not move as the topology says: a failed or
+# late load is recomputed on D (or fails), a failed send leaves D waiting.
+TRANSFER_FAILURES = ("pdserve:kv_transfer_transfers_failed", "pdserve:kv_transfer_transfers_timed_out",
+                     "pdserve:kv_transfer_sends_failed")
+
+
+class UnhealthyTopology(BenchmarkError):
+    """The topology broke during a run (warm-up included): its figures are not saved."""
+
+
+def transfer_failures(before: dict[str, prometheus.Samples],
+                      after: dict[str, prometheus.Samples]) -> list[str]:
+    """Each worker's connector failures between two scrapes, as messages."""
+    out = []
+    for url, samples in after.items():
+        d = prometheus.delta(before.get(url, {}), samples)
+        for name in TRANSFER_FAILURES:
+            count = prometheus.counter(d, name)
+            if count > 0:
+                out.append(f"{url}: {name} +{count:g}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -135,13 +156,19 @@ def _execute_run(cluster: Cluster, run: BenchRun, options: ExecuteOptions,
     other = None if run.interleave is None else _target_url(cluster, run.interleave)
     logger.info("run %s: %s at %s req/s on %s%s", run.name, run.variant, run.rate, url,
                 f" and {other}" if other else "")
+    start = _scrape_all(cluster)
     warm_up(run, url, options, tokenizer)
     before = _scrape_all(cluster)
     (result,) = run_benchmark(bench_config(run, url, options, other), tokenizer)
+    after = _scrape_all(cluster)
+    problems = cluster.problems() + transfer_failures(start, after)
+    if problems:
+        raise UnhealthyTopology(f"{cluster.topology.name} broke during {run.name}: "
+                                + "; ".join(problems))
     result["topology"] = cluster.topology.name
     if options.provenance is not None:
         result["provenance"] = options.provenance
-    result["scraped"] = scraped_deltas(cluster, before, _scrape_all(cluster))
+    result["scraped"] = scraped_deltas(cluster, before, after)
     path = options.raw_dir / f"{run.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
@@ -193,6 +220,10 @@ def run_plan(plan: list[TopologyPlan], options: ExecuteOptions) -> PlanOutcome:
                         break
                     try:
                         _execute_run(cluster, run, options, tokenizer)
+                    except UnhealthyTopology as exc:  # its other runs would measure it broken
+                        outcome.problems.append(f"{run.name}: {exc}")
+                        logger.error("%s; its remaining runs are not run", exc)
+                        break
                     except BenchmarkError as exc:
                         outcome.problems.append(f"{run.name}: {exc}")
                         logger.error("run %s failed: %s", run.name, exc)

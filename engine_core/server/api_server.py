@@ -236,7 +236,8 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
 async def serve(config: EngineConfig, options: ServerOptions,
                 engine_factory: EngineFactory | None = None,
                 on_startup: Sequence[StartupHook] = ()) -> None:
-    """Run the server until SIGINT/SIGTERM or the engine dies."""
+    """Run the server until SIGINT/SIGTERM, or until the engine dies: then, once shut down,
+    raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that)."""
     started = time.monotonic()
     client, app = await start_engine_and_app(config, options, engine_factory)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -245,6 +246,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cleanups: list[Callable[[], Awaitable[None]]] = []
+    engine_died = False
     try:
         stage = time.monotonic()
         await runner.setup()
@@ -260,6 +262,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         if not client.is_alive:
+            engine_died = True
             logger.error("engine core died; shutting down the server")
     finally:
         logger.info("Shutting down")
@@ -270,6 +273,8 @@ async def serve(config: EngineConfig, options: ServerOptions,
                 logger.exception("shutdown hook failed")
         await runner.cleanup()
         await client.shutdown()
+    if engine_died:
+        raise EngineDeadError("the engine core process died while serving")
 
 
 def run_server(config: EngineConfig, options: ServerOptions,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.disagg.cluster import Cluster, ClusterError, ClusterSpec
-from benchmarks.disagg.execute import ExecuteOptions, run_plan
+from benchmarks.disagg.execute import ExecuteOptions, run_plan, transfer_failures
 from benchmarks.disagg.plan import (
     COLO1,
     COLO2,
@@ -165,3 +165,16 @@ def test_proxy_goal_is_judged_on_the_interleaved_run() -> None:
     assert markdown.count("goal <= 1") == 1  # no verdict on the separate runs then
     markdown, figures = build_summary(separate, ["# report"])
     assert "interleaved" not in figures["proxy_overhead"] and "goal <= 1: met" in markdown
+
+
+def test_transfer_failures_name_the_worker_and_counter() -> None:
+    before = {"http://d": {"pdserve:kv_transfer_transfers_failed_total": 2.0,
+                           "pdserve:kv_transfer_transfers_received_total": 5.0}}
+    same = {"http://d": {"pdserve:kv_transfer_transfers_failed_total": 2.0,
+                         "pdserve:kv_transfer_transfers_received_total": 9.0}}
+    assert transfer_failures(before, same) == []
+    worse = {"http://d": {"pdserve:kv_transfer_transfers_failed_total": 3.0},
+             "http://p": {"pdserve:kv_transfer_sends_failed_total": 1.0}}
+    assert transfer_failures(before, worse) == [
+        "http://d: pdserve:kv_transfer_transfers_failed +1",
+        "http://p: pdserve:kv_transfer_sends_failed +1"]

@@ -8,9 +8,16 @@ processes in test_disagg_report.py.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 from benchmarks import disagg_report
+from benchmarks.disagg.cluster import Cluster, ClusterSpec
+from benchmarks.disagg.plan import PD
+from engine_core.demo_model import demo_model_path
+from tests.integration.cluster_harness import children_of
 
 
 def test_report_smoke_proxy_overhead(tmp_path: Path) -> None:
@@ -36,3 +43,23 @@ def test_report_smoke_proxy_overhead(tmp_path: Path) -> None:
     markdown = (tmp_path / "summary.md").read_text()
     assert "## 4. Proxy overhead" in markdown and "raw/proxy_overhead__proxy.json`: 20" in markdown
     assert (tmp_path / "proxy_overhead_cdf.png").stat().st_size > 0
+
+
+def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> None:
+    """The 1P1D whose prefill worker stops (as one whose engine died does) is reported
+    broken, so the report cannot publish D's local prefills as 1P1D figures."""
+    spec = ClusterSpec(model=str(demo_model_path()), served_model_name="pdserve-demo",
+                       engine_args=("--max-model-len", "256"), log_dir=tmp_path)
+    with Cluster(spec, PD) as cluster:
+        assert cluster.problems() == []
+        assert cluster.proc is not None
+        prefill = [pid for pid in children_of(cluster.proc.pid)
+                   if b"prefill" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(prefill) == 1
+        os.kill(prefill[0], signal.SIGTERM)
+        deadline = time.monotonic() + 30.0
+        while not cluster.problems():
+            assert time.monotonic() < deadline, "the stopped prefill worker is still listed"
+            time.sleep(0.2)
+        (problem,) = cluster.problems()
+        assert problem.startswith("workers no longer registered: P ")

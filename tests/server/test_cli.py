@@ -85,3 +85,38 @@ def test_pdserve_serve_demo_subprocess():
             output, _ = proc.communicate()
     assert proc.returncode == 0, output
     assert "listening on" in output and "Engine core started" in output
+
+
+@pytest.mark.slow
+def test_server_exits_nonzero_when_its_engine_dies():
+    """A server whose engine-core process dies shuts down and exits 1, so a supervisor (or
+    ``pdserve launch --restart``) sees a failure, not a clean stop."""
+    from tests.integration.cluster_harness import children_of
+
+    port = free_port()
+    proc = subprocess.Popen(
+        _command() + ["serve", "--demo", "--port", str(port), "--num-gpu-blocks-override", "64",
+                      "--max-model-len", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        engines = children_of(proc.pid)
+        assert engines, "no engine-core process"
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, output
+    assert "engine core died" in output

@@ -5,7 +5,8 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~8 min): graphs, HF equivalence, async
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~6 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~1 min): 1P1D on one GPU, long prompts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
@@ -72,6 +73,12 @@ case "$STAGE" in
     cluster)
         step connectors 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connectors
         step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_cluster_gpu.py
+        ;;
+    pd1)
+        # The disaggregated path on one GPU: P and D share it over the CPU transport (which
+        # keeps NCCL's stream discipline), long prompts (8192-token prefill steps).
+        step pd_one_gpu 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+            tests/integration/test_cluster_gpu.py -k cpu-transport
         ;;
     speed)
         step engine_speed 330 python3 -m benchmarks.engine_speed --out "$RUN/engine_speed.json"
@@ -164,7 +171,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|speed|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|pd1|speed|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

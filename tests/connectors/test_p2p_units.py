@@ -338,3 +338,55 @@ def test_colocated_requests_ignored() -> None:
     assert sched.request_finished(req, [1]) == (False, None)
     assert sched.build_connector_meta(_out()).is_empty
     assert sched.is_idle()
+
+
+def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deferred send's block ids are uploaded inside the transport's gather context (on
+    CUDA: the stream that gathers), never on the caller's stream: a gather on the NCCL pair's
+    stream, ordered only after the step's event, could otherwise read ids not yet uploaded
+    (the prefill worker's illegal memory access of 2026-11-24). The gathered bytes are the
+    blocks the pull asked for."""
+    import contextlib
+
+    from connectors.cpu_transport import CpuTransport
+    from connectors.p2p_nccl import worker_side
+    from connectors.p2p_nccl.metadata import SaveSpec
+
+    class ContextTransport(CpuTransport):
+        inside = False
+
+        @contextlib.contextmanager
+        def gather_context(self, peer_address: str, event: object):  # type: ignore[override]
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+
+    transport = ContextTransport()
+    uploads: list[bool] = []
+
+    def recording_upload(block_ids: list[int], device: object) -> torch.Tensor:
+        uploads.append(transport.inside)
+        return block_ids_tensor(block_ids, device)
+
+    monkeypatch.setattr(worker_side, "block_ids_tensor", recording_upload)
+    worker = worker_side.P2pConnectorWorker(
+        KVTransferConfig(kv_role="kv_producer", kv_port=free_port()), "cpu", transport=transport)
+    try:
+        caches = _stacked_cache(2, 16, torch.bfloat16, torch.Generator().manual_seed(3))
+        worker.register_kv_caches(caches)
+        jobs: list = []
+        monkeypatch.setattr(worker, "_submit", jobs.append)
+        save = SaveSpec("r", "t", "127.0.0.1:1", block_ids=[9, 4, 11, 2], num_tokens=15)
+        pull = _pull(first_block=1, num_blocks=3)  # the consumer caches block 9 already
+        worker._start_deferred(worker_side._Pending(save, lease_deadline=0.0, ready=True), pull)
+        (job,) = jobs
+        assert uploads == []  # nothing uploaded before the sender gathers
+        first, second = job.call_source(0, 1), job.call_source(1, 2)
+        assert uploads == [True]  # once, inside the context
+        stacked = stack_layers(caches)
+        for layer, (out, _) in enumerate((first, second)):
+            assert torch.equal(out[0].view(torch.int16), stacked[layer][:, [4, 11, 2]].view(torch.int16))
+    finally:
+        worker.shutdown()

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
 from proxy.dispatcher import Dispatcher, InflightLimiter
@@ -55,8 +56,17 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.METRICS] = ProxyMetrics(registry, (lambda: server.stats) if server else (lambda: (0, 0)))
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_expiry_ctx)
+    app.cleanup_ctx.append(_loop_watch_ctx)
     add_routes(app)
     return app
+
+
+async def _loop_watch_ctx(app: web.Application) -> AsyncIterator[None]:
+    """A stalled proxy loop reads no heartbeats: say so, with the stack it was stuck in."""
+    watch = LoopWatch("proxy", on_stall=app[keys.METRICS].observe_loop_stall)
+    await watch.start()
+    yield
+    await watch.stop()
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:

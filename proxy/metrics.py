@@ -97,7 +97,17 @@ class ProxyMetrics:
         self.overhead = Histogram(P + "overhead_seconds",
                                   "Proxy's own time: request total minus time waiting on workers",
                                   ["mode"], buckets=OVERHEAD_BUCKETS, registry=r)
+        self.loop_stalls = Counter(P + "event_loop_stalls",
+                                   "Times the proxy's event loop was held over 1 s", registry=r)
+        self.loop_stall_seconds = Counter(P + "event_loop_stall_seconds",
+                                          "Seconds the proxy's event loop was held, in stalls",
+                                          registry=r)
         r.register(_RegistryCollector(registry, registration_stats))
+
+    def observe_loop_stall(self, seconds: float) -> None:
+        """The event loop came back after being held ``seconds`` (engine_core.server.loop_watch)."""
+        self.loop_stalls.inc()
+        self.loop_stall_seconds.inc(seconds)
 
     def render(self) -> bytes:
         """Prometheus text exposition of every metric."""

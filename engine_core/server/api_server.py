@@ -24,6 +24,7 @@ from engine_core.engine_process import EngineFactory
 from engine_core.errors import EngineDeadError
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
+from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
@@ -207,6 +208,14 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
                 await task
 
     app.cleanup_ctx.append(stats_logger)
+
+    async def loop_watch(app: web.Application) -> Any:
+        watch = LoopWatch(f"server :{options.port}", on_stall=metrics.observe_loop_stall)
+        await watch.start()
+        yield
+        await watch.stop()
+
+    app.cleanup_ctx.append(loop_watch)
     return app
 
 

@@ -137,6 +137,17 @@ class ServerMetrics:
             key: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
             for key, (name, doc) in _BREAKDOWN_METRICS.items()}
         self.registry.register(_EngineStatsCollector(self))
+        self.loop_stalls = Counter("pdserve:event_loop_stalls",
+                                   "Times this server's event loop was held over 1 s.",
+                                   registry=self.registry)
+        self.loop_stall_seconds = Counter("pdserve:event_loop_stall_seconds",
+                                          "Seconds this server's event loop was held, in stalls.",
+                                          registry=self.registry)
+
+    def observe_loop_stall(self, seconds: float) -> None:
+        """The event loop came back after being held ``seconds`` (engine_core.server.loop_watch)."""
+        self.loop_stalls.inc()
+        self.loop_stall_seconds.inc(seconds)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)

@@ -25,7 +25,8 @@ def test_metrics_parse_and_counters_move(server):
     before = _scrape(server.url)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
-                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "pdserve:event_loop_stalls_total", "pdserve:event_loop_stall_seconds_total"):
         assert name in before, name
     request = urllib.request.Request(
         server.url + "/v1/completions", method="POST",

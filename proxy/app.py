@@ -83,9 +83,17 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
-async def _expiry_loop(registry: InstanceRegistry, period_s: float) -> None:
+async def expiry_loop(registry: InstanceRegistry, period_s: float) -> None:
+    """Drop workers that missed their heartbeats, every ``period_s``; a round that wakes late
+    (the proxy's own loop was held) is skipped: the heartbeats of that time may still wait
+    unread in the registration socket, and the next round comes after they are read."""
     while True:
+        asked = time.monotonic()
         await asyncio.sleep(period_s)
+        if time.monotonic() - asked > 2 * period_s:
+            logger.warning("expiry round %.2f s late (the proxy's loop was held); skipped",
+                           time.monotonic() - asked - period_s)
+            continue
         for worker_id in registry.expire():
             logger.warning("worker %s missed its heartbeats for %.1fs: dropped", worker_id,
                            registry.heartbeat_timeout_s)
@@ -94,7 +102,7 @@ async def _expiry_loop(registry: InstanceRegistry, period_s: float) -> None:
 async def _expiry_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = app[keys.REGISTRY]
     period_s = min(1.0, registry.heartbeat_timeout_s / 4)
-    task = asyncio.create_task(_expiry_loop(registry, period_s), name="proxy-expiry")
+    task = asyncio.create_task(expiry_loop(registry, period_s), name="proxy-expiry")
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

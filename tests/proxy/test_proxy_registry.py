@@ -105,3 +105,30 @@ def test_snapshot_is_json_ready(proxy_clock) -> None:
 def test_invalid_timeout() -> None:
     with pytest.raises(ValueError):
         InstanceRegistry(heartbeat_timeout_s=0)
+
+
+def test_expiry_skips_a_round_that_wakes_late() -> None:
+    """A proxy whose own loop was held must not drop workers for heartbeats it has not read
+    yet: the late round is skipped; an unheard worker is still dropped on a later one."""
+    import asyncio
+    import time
+
+    from proxy.app import expiry_loop
+
+    async def scenario() -> tuple[int, int, int]:
+        registry = InstanceRegistry(heartbeat_timeout_s=0.2)
+        registry.heartbeat(beat())
+        task = asyncio.create_task(expiry_loop(registry, 0.05))
+        await asyncio.sleep(0.01)
+        time.sleep(0.5)  # the proxy's loop held: the worker's heartbeats would queue unread
+        await asyncio.sleep(0.01)  # the late round runs
+        after_stall = len(registry.workers())
+        registry.heartbeat(beat())  # the queued heartbeat, read once the loop turns
+        await asyncio.sleep(0.1)
+        heard = len(registry.workers())
+        await asyncio.sleep(0.4)  # no more heartbeats: dropped on time
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return after_stall, heard, len(registry.workers())
+
+    assert asyncio.run(scenario()) == (1, 1, 0)

@@ -54,7 +54,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (or VLLM_API_KEY)")
     parser.add_argument("--enable-admin-endpoints", action="store_true",
-                        help="expose /reset_prefix_cache (or VLLM_SERVER_DEV_MODE=1)")
+                        help="expose /reset_prefix_cache, /sleep, /wake_up, /is_sleeping "
+                             "(or VLLM_SERVER_DEV_MODE=1)")
     parser.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
                         help="largest accepted request body")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,

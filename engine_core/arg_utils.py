@@ -81,6 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM compatibility; only built-in models run")
+    group.add_argument("--enable-sleep-mode", action="store_true",
+                       help="allow POST /sleep?level=1|2 and /wake_up (admin endpoints): free "
+                            "the weights (level 1 keeps a host copy) and the KV cache while idle")
     return parser
 
 
@@ -93,7 +96,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=str(args.model), dtype=args.dtype, load_format=args.load_format,
                           max_model_len=args.max_model_len, served_model_name=served,
                           tokenizer=args.tokenizer, seed=args.seed,
-                          trust_remote_code=args.trust_remote_code),
+                          trust_remote_code=args.trust_remote_code,
+                          enable_sleep_mode=args.enable_sleep_mode),
         cache=CacheConfig(block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,

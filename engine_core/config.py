@@ -36,6 +36,9 @@ class ModelConfig:
     tokenizer: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    # Allow sleep(level) / wake_up(): free the GPU's weights and KV cache while idle (as
+    # vLLM's --enable-sleep-mode; engine_core/worker/sleep.py).
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

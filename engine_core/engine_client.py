@@ -232,7 +232,8 @@ class AsyncEngineClient:
                 if message.ok:
                     future.set_result(message.result)
                 else:
-                    future.set_exception(PdserveError(message.error or "utility call failed"))
+                    # The engine's error type travels as its name (400 for a bad argument).
+                    future.set_exception(request_error(message.error or "utility call failed"))
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling_params: SamplingParams,

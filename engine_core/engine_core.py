@@ -16,7 +16,7 @@ import torch
 from engine_core.attention.backend import AttentionPlan, AttentionShapes
 from engine_core.config import EngineConfig
 from engine_core.doorbell import Doorbell
-from engine_core.errors import InvalidRequestError, ModelLoadError
+from engine_core.errors import EngineSleepingError, InvalidRequestError, ModelLoadError
 from engine_core.kernels.jit_variants import compiled_variants
 from engine_core.kv_connector import (
     ConnectorScheduler,
@@ -35,8 +35,9 @@ from engine_core.sched.scheduler import Scheduler
 from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.cuda_graphs import CaptureStats
-from engine_core.worker.loader import load_model, read_model_spec, resolve_dtype
+from engine_core.worker.loader import load_model, load_weights, read_model_spec, resolve_dtype
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
+from engine_core.worker.sleep import SLEEP_LEVELS, ReleasedWeights, release_weights, restore_weights
 from engine_core.worker.step_inputs import BatchLimits
 from engine_core.worker.warm_up import WarmUpLimits, warm_up_steps
 
@@ -80,6 +81,7 @@ class EngineCore:
             self.spec, config.cache, cache_dtype, self.device, self.max_model_len,
             config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes)
         self.kv_caches = kv_cache.allocate_kv_caches(shape, self.device)
+        self.kv_shape = shape
         self.num_blocks = shape.num_blocks
         logger.info("KV cache allocation took %.2f s", time.perf_counter() - t1)
 
@@ -113,6 +115,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
 
     def _batch_limits(self) -> BatchLimits:
         sched = self.config.scheduler
@@ -193,6 +196,8 @@ class EngineCore:
 
     def validate(self, msg: AddRequest) -> SamplingParams:
         """Check a request against this engine's limits; raise InvalidRequestError."""
+        if self._asleep is not None:
+            raise EngineSleepingError("the engine is asleep; POST /wake_up first")
         if msg.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
         prompt = msg.prompt_token_ids
@@ -308,6 +313,62 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    # ---- sleep mode -------------------------------------------------------------------
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level the engine sleeps at."""
+        return 0 if self._asleep is None else self._asleep.level
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the weights (level 1: a host copy is kept; level 2:
+        not), the KV cache (its contents are dropped: the prefix cache is reset) and the
+        CUDA graphs. Only an idle engine sleeps; asleep, it refuses requests until
+        ``wake_up``. Sleeping again is a no-op."""
+        if not self.config.model.enable_sleep_mode:
+            raise InvalidRequestError("sleep mode is off: start the engine with "
+                                      "--enable-sleep-mode")
+        if level not in SLEEP_LEVELS:
+            raise InvalidRequestError(f"sleep level must be one of {SLEEP_LEVELS}, got {level}",
+                                      "level")
+        if self._asleep is not None:
+            return
+        if self.has_work() or self.has_transfer_state():
+            raise InvalidRequestError("the engine has requests or KV transfers in flight; "
+                                      "sleep when it is idle")
+        started = time.perf_counter()
+        device = torch.device(self.device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        self.runner.drop_graphs()
+        self.kv_manager.reset_prefix_cache()
+        self.connector_worker.release_kv_caches()
+        self.kv_caches[:] = []  # the runner holds this list: its cache goes with it
+        self._asleep = release_weights(self.model, level)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            freed = (before - torch.cuda.memory_allocated(device)) / 2**30
+            logger.info("Sleep level %d took %.2f s: %.2f GiB of device memory freed, "
+                        "%.2f GiB of weights kept in host memory", level,
+                        time.perf_counter() - started, freed, self._asleep.host_bytes / 2**30)
+        else:
+            logger.info("Sleep level %d took %.2f s", level, time.perf_counter() - started)
+
+    def wake_up(self) -> None:
+        """Weights (host copy, or reloaded), an empty KV cache and the graphs back."""
+        if self._asleep is None:
+            return
+        started = time.perf_counter()
+        device = torch.device(self.device)
+        restore_weights(self.model, self._asleep, device,
+                        lambda model: load_weights(model, self.config.model, self.spec))
+        self._asleep = None
+        self.kv_caches[:] = kv_cache.allocate_kv_caches(self.kv_shape, self.device)
+        self.connector_worker.register_kv_caches(self.kv_caches)
+        if self._graph_sizes():
+            self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
+        logger.info("Wake-up took %.2f s", time.perf_counter() - started)
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         request = self.scheduler.requests.get(request_id)

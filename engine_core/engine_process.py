@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 READY_CALL_ID = 0
-UTILITY_METHODS = ("reset_prefix_cache", "get_stats", "check_health", "shutdown")
+UTILITY_METHODS = ("reset_prefix_cache", "get_stats", "check_health", "shutdown", "sleep",
+                   "wake_up", "is_sleeping")
 _IDLE_POLL_MS = 100
 # Only remote transfers pending (requests parked for their KV, finished prefills held until
 # sent): wait this long on the input socket instead of spinning. A spinning loop keeps the
@@ -154,6 +155,18 @@ class EngineCoreProc:
                 result = dataclasses.asdict(self._stats())
             elif call.method == "check_health":
                 result = True
+            elif call.method == "sleep":
+                level = call.args.get("level", 1)
+                if not isinstance(level, int) or isinstance(level, bool):
+                    raise InvalidRequestError(f"sleep level must be an integer, got {level!r}",
+                                              "level")
+                self._engine.sleep(level)
+                result = True
+            elif call.method == "wake_up":
+                self._engine.wake_up()
+                result = True
+            elif call.method == "is_sleeping":
+                result = self._engine.sleep_level > 0
             elif call.method == "shutdown":
                 result = True
                 self.stop()

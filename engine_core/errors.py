@@ -43,3 +43,7 @@ class OverloadedError(PdserveError):
 
 class NoWorkerError(PdserveError):
     """No worker of a needed role is registered (HTTP 503)."""
+
+
+class EngineSleepingError(PdserveError):
+    """The engine is asleep (sleep mode): it serves again after wake_up; HTTP 503."""

@@ -86,6 +86,11 @@ class ConnectorWorker(Protocol):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None: ...
 
+    def release_kv_caches(self) -> None:
+        """Drop every reference to the caches (sleep mode frees them); an idle connector
+        only; ``register_kv_caches`` gives it new ones."""
+        ...
+
     def start_load_kv(self, metadata: Any) -> None:
         """Begin (or poll) receives for this step's requests."""
         ...
@@ -161,6 +166,9 @@ class NullConnectorWorker:
     """Colocated engines: every hook is a no-op."""
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        return None
+
+    def release_kv_caches(self) -> None:
         return None
 
     def start_load_kv(self, metadata: Any) -> None:

@@ -106,3 +106,11 @@ class LLM:
         while self.engine.has_runnable():
             self.engine.step()
         return [results[r] for r in order]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights' and KV cache's device memory (needs ``enable_sleep_mode=True``)."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Back from ``sleep``: weights, an empty KV cache and the graphs restored."""
+        self.engine.wake_up()

@@ -165,6 +165,12 @@ class P2pConnectorWorker:
         self._geometry = (len(kv_caches), dtype, block_shape, first.element_size())
         self.start()
 
+    def release_kv_caches(self) -> None:
+        """Forget the caches (the engine frees them to sleep); geometry and sockets stay."""
+        if not self.is_idle():
+            raise KVTransferError("KV transfers in flight: the caches cannot be released")
+        self._stacked = None
+
     def start(self) -> None:
         """Bind the control socket and start its thread (idempotent)."""
         if not self._started:

@@ -21,7 +21,7 @@ from aiohttp import web
 from engine_core.config import EngineConfig
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.engine_process import EngineFactory
-from engine_core.errors import EngineDeadError
+from engine_core.errors import EngineDeadError, InvalidRequestError
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
 from engine_core.server.loop_watch import LoopWatch
@@ -145,6 +145,24 @@ class _Routes:
         return web.Response(body=self.serving.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        """``POST /sleep?level=1|2`` (vLLM's): free the weights and KV cache while idle."""
+        raw = request.query.get("level", "1")
+        try:
+            level = int(raw)
+        except ValueError:
+            raise InvalidRequestError(f"level must be 1 or 2, got {raw!r}", "level") from None
+        await self.serving.client.call("sleep", timeout_s=600.0, level=level)
+        return web.Response(status=200)
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """``POST /wake_up``: weights, KV cache and graphs back."""
+        await self.serving.client.call("wake_up", timeout_s=600.0)
+        return web.Response(status=200)
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": bool(await self.serving.client.call("is_sleeping"))})
+
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         ok = await self.serving.client.call("reset_prefix_cache")
         return web.json_response({"success": bool(ok)}, status=200 if ok else 409)
@@ -195,6 +213,9 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     app.router.add_get("/metrics", routes.metrics)
     if options.enable_admin_endpoints:
         app.router.add_post("/reset_prefix_cache", routes.reset_prefix_cache)
+        app.router.add_post("/sleep", routes.sleep)
+        app.router.add_post("/wake_up", routes.wake_up)
+        app.router.add_get("/is_sleeping", routes.is_sleeping)
 
     async def stats_logger(app: web.Application) -> Any:
         task = None

@@ -15,6 +15,7 @@ from aiohttp import web
 from engine_core.errors import (
     ConfigError,
     EngineDeadError,
+    EngineSleepingError,
     InvalidRequestError,
     KVTransferError,
     ModelNotFoundError,
@@ -50,7 +51,7 @@ def error_status(exc: BaseException) -> int:
         return 404
     if isinstance(exc, OverloadedError):
         return 429
-    if isinstance(exc, (EngineDeadError, NoWorkerError)):
+    if isinstance(exc, (EngineDeadError, EngineSleepingError, NoWorkerError)):
         return 503
     if isinstance(exc, KVTransferError):
         return 500

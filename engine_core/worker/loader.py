@@ -73,11 +73,17 @@ def load_model(model_config: ModelConfig, spec: ModelSpec, device: str, dtype: t
     with torch.device("meta"):
         model = model_class(spec, attn_backend)
     _materialize(model, device, dtype)
+    load_weights(model, model_config, spec)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, model_config: ModelConfig, spec: ModelSpec) -> None:
+    """Fill a materialised model's parameters as ``load_model`` does (checkpoint or dummy);
+    sleep level 2 reloads through this on wake-up."""
     if model_config.load_format == "dummy":
         _init_dummy_weights(model, model_config.seed)
     else:
         _load_safetensors(model, Path(model_config.model), spec)
-    return model.eval()
 
 
 def _materialize(model: nn.Module, device: str, dtype: torch.dtype) -> None:

@@ -1,0 +1,115 @@
+"""Sleep mode: an idle engine frees its weights and KV cache and, woken, answers as before.
+
+Level 1 restores the weights from a host copy, level 2 reloads them (checkpoint or the same
+dummy draw); either way greedy output equals HF transformers' after the wake-up, the prefix
+cache starts empty, and while asleep requests are refused (HTTP 503 in the server).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_core import LLM, SamplingParams
+from engine_core.errors import EngineSleepingError, InvalidRequestError
+from engine_core.messages import AddRequest
+from tests.engine_core.test_engine_vs_hf import mixed_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _weight_bytes(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+
+
+def _kv_bytes(llm: LLM) -> int:
+    return sum(c.numel() * c.element_size() for c in llm.engine.kv_caches)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_and_wake_up_answers_as_hf(tiny_checkpoint, hf_greedy, level: int) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = mixed_prompts()[:6]
+    expected = hf_greedy(path, prompts, 8)
+    llm = LLM(str(path), enable_sleep_mode=True, num_gpu_blocks_override=64)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.kv_manager.prefix_cache_hits == 0
+    weights, kv = _weight_bytes(llm), _kv_bytes(llm)
+    assert weights > 0 and kv > 0
+
+    llm.sleep(level)
+    assert llm.engine.sleep_level == level
+    assert _weight_bytes(llm) == 0 and _kv_bytes(llm) == 0 and llm.engine.kv_caches == []
+    with pytest.raises(EngineSleepingError):
+        llm.generate(prompts[:1], GREEDY)
+    llm.sleep(level)  # again: nothing to do
+
+    llm.wake_up()
+    assert llm.engine.sleep_level == 0
+    assert _weight_bytes(llm) == weights and _kv_bytes(llm) == kv
+    queries = llm.engine.kv_manager.prefix_cache_queries
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    # The cache was dropped asleep: the same prompts found no cached block.
+    assert llm.engine.kv_manager.prefix_cache_queries > queries
+    assert llm.engine.kv_manager.prefix_cache_hits == 0
+    manager = llm.engine.kv_manager
+    assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_level_two_with_dummy_weights_draws_the_same_weights(tiny_checkpoint) -> None:
+    llm = LLM(str(tiny_checkpoint("llama")), load_format="dummy", enable_sleep_mode=True,
+              num_gpu_blocks_override=32)
+    model = llm.engine.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Every module's parameter objects (a tied embedding is one object in two modules).
+    objects = [id(p) for m in model.modules() for p in m.parameters(recurse=False)]
+    llm.sleep(2)
+    llm.wake_up()
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert [id(p) for m in model.modules() for p in m.parameters(recurse=False)] == objects
+
+
+def test_sleep_needs_the_flag_an_idle_engine_and_a_valid_level(tiny_checkpoint) -> None:
+    path = str(tiny_checkpoint("llama"))
+    off = LLM(path, num_gpu_blocks_override=32)
+    with pytest.raises(InvalidRequestError, match="--enable-sleep-mode"):
+        off.sleep(1)
+    llm = LLM(path, enable_sleep_mode=True, num_gpu_blocks_override=32)
+    with pytest.raises(InvalidRequestError, match="level"):
+        llm.sleep(3)
+    token_ids = llm.tokenizer("a request in flight")["input_ids"]
+    llm.engine.add_request(AddRequest("busy", token_ids, GREEDY.to_dict(), 0.0))
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        llm.sleep(1)
+    assert llm.engine.sleep_level == 0
+    llm.engine.abort_requests(["busy"])
+    while llm.engine.has_runnable():
+        llm.engine.step()
+    llm.sleep(1)
+    assert llm.engine.sleep_level == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_on_cuda_gives_the_memory_back(tiny_checkpoint, hf_greedy, level: int) -> None:
+    """On CUDA with graphs: asleep, the allocator holds less by at least the weights and the
+    KV cache; woken (graphs captured again), greedy output still equals HF's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    path = tiny_checkpoint("qwen3")
+    prompts = mixed_prompts()[:6]
+    expected = hf_greedy(path, prompts, 8, device="cuda", dtype=torch.float32)
+    llm = LLM(str(path), device="cuda", dtype="float32", enable_sleep_mode=True,
+              gpu_memory_utilization=0.3)
+    assert llm.engine.runner.graphs is not None, "graphs must be captured for this test"
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    weights, kv = _weight_bytes(llm), _kv_bytes(llm)
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_allocated()
+    llm.sleep(level)
+    asleep = torch.cuda.memory_allocated()
+    assert awake - asleep >= weights + kv, (awake, asleep, weights, kv)
+    llm.wake_up()
+    assert llm.engine.runner.graphs is not None
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected

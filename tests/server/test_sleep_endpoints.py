@@ -1,0 +1,80 @@
+"""vLLM's sleep-mode endpoints: POST /sleep?level=N, POST /wake_up, GET /is_sleeping.
+
+Asleep, completions get 503 with an OpenAI error body; woken, the same request gives the
+same greedy text as before; bad levels get 400; the endpoints need the admin switch.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine_core.config import CacheConfig, EngineConfig, ModelConfig
+from tests.server.conftest import ServerHandle
+
+BODY = json.dumps({"prompt": "sleep well", "max_tokens": 6, "temperature": 0,
+                   "ignore_eos": True}).encode()
+
+
+def _post(url: str, data: bytes = b"") -> tuple[int, dict | None]:
+    request = urllib.request.Request(url, method="POST", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def sleepy(demo_checkpoint: Path) -> ServerHandle:
+    from engine_core.server.api_server import ServerOptions
+
+    config = EngineConfig(model=ModelConfig(model=str(demo_checkpoint), max_model_len=256,
+                                            enable_sleep_mode=True),
+                          cache=CacheConfig(num_gpu_blocks_override=128))
+    handle = ServerHandle(config, ServerOptions(log_stats_interval_s=0,
+                                                enable_admin_endpoints=True))
+    yield handle
+    handle.stop()
+
+
+def test_sleep_wake_round_trip(sleepy: ServerHandle) -> None:
+    url = sleepy.url
+    status, before = _post(f"{url}/v1/completions", BODY)
+    assert status == 200
+    assert _get(f"{url}/is_sleeping") == {"is_sleeping": False}
+    assert _post(f"{url}/sleep?level=1")[0] == 200
+    assert _get(f"{url}/is_sleeping") == {"is_sleeping": True}
+    status, body = _post(f"{url}/v1/completions", BODY)
+    assert status == 503 and "asleep" in body["error"]["message"], body
+    assert _post(f"{url}/wake_up")[0] == 200
+    assert _get(f"{url}/is_sleeping") == {"is_sleeping": False}
+    status, after = _post(f"{url}/v1/completions", BODY)
+    assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]
+    assert _post(f"{url}/sleep?level=2")[0] == 200
+    assert _post(f"{url}/wake_up")[0] == 200
+    status, again = _post(f"{url}/v1/completions", BODY)
+    assert status == 200 and again["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("level", ["3", "one"])
+def test_bad_level_is_a_400(sleepy: ServerHandle, level: str) -> None:
+    status, body = _post(f"{sleepy.url}/sleep?level={level}")
+    assert status == 400 and "level" in body["error"]["message"], body
+    assert _get(f"{sleepy.url}/is_sleeping") == {"is_sleeping": False}
+
+
+def test_endpoints_need_the_admin_switch(server: ServerHandle) -> None:
+    status, _ = _post(f"{server.url}/sleep?level=1")
+    assert status in (401, 404)

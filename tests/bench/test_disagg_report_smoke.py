@@ -63,3 +63,15 @@ def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> N
             time.sleep(0.2)
         (problem,) = cluster.problems()
         assert problem.startswith("workers no longer registered: P ")
+
+
+def test_report_smoke_ttft_overhead_runs_a_healthy_1p1d(tmp_path: Path) -> None:
+    """The 1P1D experiment on CPU: its topology passes the health gate (no worker lost, no
+    KV load or send failed), so its runs are saved and the overhead is computed."""
+    rc = disagg_report.main(["--smoke", "--only", "ttft_overhead", "--results-dir",
+                             str(tmp_path), "--disable-tqdm"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    pd = json.loads((tmp_path / "raw" / "ttft_overhead__pd.json").read_text())
+    assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
+    assert pd["topology"] == "pd"

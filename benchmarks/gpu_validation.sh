@@ -2,7 +2,7 @@
 # Every GPU check that is still owed, in one device call per stage, each writing its log and
 # JSON under $OUT (device time is scarce: run a stage, read its logs, fix, run again).
 #
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~9 min): graphs, HF equivalence, async, sleep mode
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~9 min): graphs, HF equivalence, async, sleep mode, KV offload
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
@@ -48,7 +48,8 @@ case "$STAGE" in
         step cuda_graphs 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_cuda_graphs.py
         step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
         step async_scheduling 150 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_async_scheduling.py
-        step sleep_mode 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_sleep_mode.py
+        step sleep_offload 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_sleep_mode.py \
+            tests/engine_core/test_kv_offload.py
         ;;
     kernels)
         # The kernel test file without its decode cases (205 cases, ~150 s on an H200).

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from connectors.p2p_nccl.block_copy import gather_layers, scatter_layers, stack_layers
+from engine_core.worker.block_copy import gather_layers, scatter_layers, stack_layers
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 36, 16, 8, 128

@@ -47,6 +47,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="KV cache size in bytes (overrides --gpu-memory-utilization)")
     group.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="exact number of KV cache blocks")
+    group.add_argument("--kv-offloading-size", type=float, default=cache.kv_offloading_size,
+                       help="GiB of host memory keeping KV blocks the device cache evicts, for "
+                            "prefix hits that copy them back (0: off; needs prefix caching)")
+    group.add_argument("--kv-offloading-backend", choices=("native",), default="native",
+                       help="accepted for vLLM compatibility: pdserve's own host tier")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=sched.enable_chunked_prefill, help="split long prefills")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
@@ -104,7 +109,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           num_gpu_blocks_override=args.num_gpu_blocks_override,
                           enable_prefix_caching=args.enable_prefix_caching,
                           prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          kv_offloading_size=args.kv_offloading_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,

@@ -67,8 +67,13 @@ class CacheConfig:
     # Cluster-wide seed of the block-hash chain: prefill, decode and proxy must agree.
     prefix_hash_seed: str = "pdserve-v1"
     kv_cache_dtype: str = "auto"
+    # KV offload (vLLM's --kv-offloading-size, GiB): host memory that keeps cached blocks the
+    # device evicts, so a later prefix hit copies them back instead of recomputing; 0 = off.
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_size < 0:
+            raise ConfigError("--kv-offloading-size must be >= 0 (GiB)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -16,7 +16,7 @@ import torch
 from engine_core.attention.backend import AttentionPlan, AttentionShapes
 from engine_core.config import EngineConfig
 from engine_core.doorbell import Doorbell
-from engine_core.errors import EngineSleepingError, InvalidRequestError, ModelLoadError
+from engine_core.errors import ConfigError, EngineSleepingError, InvalidRequestError, ModelLoadError
 from engine_core.kernels.jit_variants import compiled_variants
 from engine_core.kv_connector import (
     ConnectorScheduler,
@@ -29,12 +29,15 @@ from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.block_hash import BlockHasher
 from engine_core.sched.block_pool import BlockPool
+from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
 from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
+from engine_core.worker.block_copy import stack_layers
 from engine_core.worker.cuda_graphs import CaptureStats
+from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.loader import load_model, load_weights, read_model_spec, resolve_dtype
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.sleep import SLEEP_LEVELS, ReleasedWeights, release_weights, restore_weights
@@ -92,14 +95,23 @@ class EngineCore:
         enable_caching = config.cache.enable_prefix_caching
         self.hasher = BlockHasher(config.cache.block_size, config.cache.prefix_caching_hash_algo,
                                   config.cache.prefix_hash_seed)
+        host_tier = self._host_tier(shape)
         self.kv_manager = KVCacheManager(BlockPool(shape.num_blocks, enable_caching),
-                                         config.cache.block_size, self.hasher, enable_caching)
+                                         config.cache.block_size, self.hasher, enable_caching,
+                                         host_tier)
         policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "recompute"
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager,
                                    connector_scheduler, self.max_model_len, policy)
         self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
                                   torch.device(self.device), self.eos_token_ids, connector_worker,
                                   self._batch_limits(), self._attention_plan())
+        self.host_kv: HostKVStore | None = None
+        if host_tier is not None:
+            self.host_kv = HostKVStore(stack_layers(self.kv_caches), host_tier.num_slots,
+                                       host_tier)
+            self.runner.host_kv = self.host_kv
+            logger.info("KV offload: %d host blocks (%.2f GiB, %d tokens)", host_tier.num_slots,
+                        self.host_kv.nbytes / 2**30, host_tier.num_slots * shape.block_size)
         self.graph_capture: CaptureStats | None = None
         if self._graph_sizes():
             self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
@@ -116,6 +128,20 @@ class EngineCore:
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
+
+    def _host_tier(self, shape: kv_cache.KVCacheShape) -> HostTier | None:
+        """KV offload's slots from ``--kv-offloading-size`` (None when off)."""
+        size = self.config.cache.kv_offloading_size
+        if size <= 0:
+            return None
+        if not self.config.cache.enable_prefix_caching:
+            logger.warning("--kv-offloading-size needs prefix caching; KV offload is off")
+            return None
+        num_slots = int(size * 2**30) // shape.bytes_per_block
+        if num_slots < 1:
+            raise ConfigError(f"--kv-offloading-size {size} GiB holds no block of "
+                              f"{shape.bytes_per_block} bytes")
+        return HostTier(num_slots)
 
     def _batch_limits(self) -> BatchLimits:
         sched = self.config.scheduler
@@ -264,6 +290,8 @@ class EngineCore:
         (penalties), does not wait.
         """
         started = time.perf_counter()
+        if self.host_kv is not None:
+            self.host_kv.poll()  # downloads that landed may serve this pass's lookups
         scheduler_output = self.scheduler.schedule()
         outputs: list[EngineOutput] = []
         if self._in_flight is not None and (
@@ -309,7 +337,16 @@ class EngineCore:
             rejected_messages=self.rejected_messages,
             # Both halves: the worker side holds the transfer buffers and threads.
             connector={**scheduler.connector.stats(), **self.connector_worker.stats()},
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict[str, int | float]:
+        tier = self.kv_manager.host_tier
+        if tier is None:
+            return {}
+        return {"kv_offload_stored_blocks": tier.stored_blocks,
+                "kv_offload_loaded_blocks": tier.loaded_blocks,
+                "kv_offload_usage": len(tier) / tier.num_slots}
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
@@ -341,7 +378,9 @@ class EngineCore:
         device = torch.device(self.device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.runner.drop_graphs()
-        self.kv_manager.reset_prefix_cache()
+        if self.host_kv is not None:
+            self.host_kv.drain()  # host memory keeps its blocks: they are valid after wake-up
+        self.kv_manager.reset_prefix_cache(keep_host=True)
         self.connector_worker.release_kv_caches()
         self.kv_caches[:] = []  # the runner holds this list: its cache goes with it
         self._asleep = release_weights(self.model, level)

@@ -105,6 +105,11 @@ class EngineStats:
     num_computed_prompt_tokens_total: int
     rejected_messages: int = 0
     connector: dict[str, float] = field(default_factory=dict)
+    # KV offload (zero when off): blocks downloaded to / uploaded from host memory, and the
+    # share of host slots holding a block.
+    kv_offload_stored_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_usage: float = 0.0
 
 
 @dataclass

@@ -27,13 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from connectors.p2p_nccl.block_copy import (
-    block_ids_tensor,
-    gather_layers,
-    scatter_layers,
-    stack_layers,
-    wire_shape,
-)
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
     KVLayerData,
@@ -56,6 +49,13 @@ from engine_core.config import KVTransferConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import KVTransferError
 from engine_core.kv_connector import FinishedTransfers
+from engine_core.worker.block_copy import (
+    block_ids_tensor,
+    gather_layers,
+    scatter_layers,
+    stack_layers,
+    wire_shape,
+)
 
 logger = logging.getLogger(__name__)
 

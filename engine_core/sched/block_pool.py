@@ -7,7 +7,7 @@ A block with ``ref_cnt == 0`` sits in the free queue but may still hold cached c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine_core.sched.block_hash import BlockHash
@@ -130,6 +130,9 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.enable_caching = enable_caching
+        # Told (block id, hash) when cached content is evicted for reuse: KV offload (set by
+        # the KVCacheManager that owns a host tier) keeps it.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
@@ -170,6 +173,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

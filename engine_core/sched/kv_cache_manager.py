@@ -9,22 +9,44 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from engine_core.request import Request
-from engine_core.sched.block_hash import BlockHasher
+from engine_core.sched.block_hash import BlockHash, BlockHasher
 from engine_core.sched.block_pool import BlockPool, KVCacheBlock, ensure_invariant
+from engine_core.sched.host_tier import HostTier
+
+
+@dataclass
+class HostCopies:
+    """One scheduling pass's KV offload copies, executed in this order before its step:
+    device blocks down to host slots (content they held before this pass reused them), then
+    host slots up to device blocks (prefix hits found in host memory)."""
+
+    offload_blocks: list[int] = field(default_factory=list)
+    offload_slots: list[int] = field(default_factory=list)
+    onload_slots: list[int] = field(default_factory=list)
+    onload_blocks: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.offload_blocks or self.onload_blocks)
 
 
 class KVCacheManager:
     """Owns the request -> blocks table over one ``BlockPool``, with prefix-cache counters."""
 
     def __init__(self, block_pool: BlockPool, block_size: int, hasher: BlockHasher,
-                 enable_caching: bool) -> None:
+                 enable_caching: bool, host_tier: HostTier | None = None) -> None:
         if hasher.block_size != block_size:
             raise ValueError(f"hasher block size {hasher.block_size} != block_size {block_size}")
         if enable_caching != block_pool.enable_caching:
             raise ValueError("KVCacheManager and BlockPool disagree on enable_caching")
         self.block_pool = block_pool
+        # KV offload: evicted cached blocks go to host slots, lookups continue there.
+        self.host_tier = host_tier if enable_caching else None
+        self._copies = HostCopies()
+        if self.host_tier is not None:
+            block_pool.on_evict = self._offload
         self.block_size = block_size
         self.hasher = hasher
         self.enable_caching = enable_caching
@@ -76,6 +98,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.host_tier is not None and len(hits) < max_blocks:
+            hits += self._onload(hits, request.block_hashes[len(hits):max_blocks])
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -148,10 +172,21 @@ class KVCacheManager:
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._req_to_blocks.get(request_id, ()))
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; False while any request holds blocks."""
+    def take_host_copies(self) -> HostCopies:
+        """The copies the pass since the last call planned (empty without KV offload); the
+        slots its lookups served are free to reuse from the next pass on."""
+        copies, self._copies = self._copies, HostCopies()
+        if self.host_tier is not None:
+            self.host_tier.end_pass()
+        return copies
+
+    def reset_prefix_cache(self, keep_host: bool = False) -> bool:
+        """Drop every cached hash (host memory's too unless ``keep_host``: sleep mode drops
+        only the device's); False while any request holds blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
+        if self.host_tier is not None and not keep_host:
+            self.host_tier.clear()
         # Nothing is owned, so no per-request cache pointer can outlive the reset.
         self._num_cached_blocks.clear()
         return True
@@ -174,6 +209,46 @@ class KVCacheManager:
                 "a cache pointer outlived its request's blocks")
 
     # -- internals -----------------------------------------------------------------------
+
+    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
+        """BlockPool's eviction hook: keep the evicted content in a host slot if one is free."""
+        assert self.host_tier is not None
+        slot = self.host_tier.store(block_hash)
+        if slot is not None:
+            self._copies.offload_blocks.append(block_id)
+            self._copies.offload_slots.append(slot)
+
+    def _onload(self, device_hits: list[KVCacheBlock],
+                hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
+        """Continue a prefix from host memory: each hash found there gets a free device block,
+        cached under it, with an upload planned; the blocks go back to the free queue as
+        evictable cached blocks, so the caller's ``allocate_slots`` takes them as any hit
+        (and a failed allocation leaves a consistent cache behind)."""
+        assert self.host_tier is not None
+        # Free blocks the uploads may take: not the device hits that sit in the free queue.
+        room = self.block_pool.num_free_blocks - sum(1 for b in device_hits if b.ref_cnt == 0)
+        slots: list[int] = []
+        for block_hash in hashes[:max(room, 0)]:
+            # Content the device still caches further on would make a second copy that the
+            # cache map cannot hold: the prefix ends here (the device part is found next time).
+            if self.block_pool.get_cached_block(block_hash) is not None:
+                break
+            slot = self.host_tier.lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        if not slots:
+            return []
+        # Hold the device hits so taking free blocks cannot evict them.
+        self.block_pool.touch(device_hits)
+        blocks = self.block_pool.get_new_blocks(len(slots))
+        for block, block_hash, slot in zip(blocks, hashes, slots):
+            self.block_pool.cache_block(block, block_hash)
+            self._copies.onload_slots.append(slot)
+            self._copies.onload_blocks.append(block.block_id)
+        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(device_hits))
+        return blocks
 
     def _check_hits_still_cached(self, request: Request,
                                  hits: Sequence[KVCacheBlock]) -> None:

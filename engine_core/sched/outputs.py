@@ -40,6 +40,8 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    # KV offload copies (kv_cache_manager.HostCopies) the runner queues before this step.
+    host_copies: Any = None
     # The scheduler's own request objects (the runner never reads them): the update of this
     # step lands only on these, never on a newer request that reuses a finished one's id.
     scheduled_requests: dict[str, Any] = field(default_factory=dict, repr=False)

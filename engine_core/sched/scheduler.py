@@ -192,6 +192,7 @@ class Scheduler:
             scheduled_requests=scheduled,
         )
         self._forget = set()
+        output.host_copies = self.kv.take_host_copies()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._advance_scheduled(output)
         return output

@@ -88,6 +88,9 @@ class _EngineStatsCollector(Collector):
         for key, doc in CONNECTOR_GAUGES.items():
             if key in stats.connector:
                 gauges[f"pdserve:kv_transfer_{key}"] = (doc, stats.connector[key])
+        gauges["pdserve:kv_offload_usage_perc"] = (
+            "Host KV offload usage (--kv-offloading-size). 1 means 100 percent.",
+            stats.kv_offload_usage)
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(labels, value)
@@ -97,6 +100,12 @@ class _EngineStatsCollector(Collector):
                                           stats.prefix_cache_queries),
             "vllm:prefix_cache_hits": ("Prefix cache hits, in tokens.", stats.prefix_cache_hits),
             "vllm:num_preemptions": ("Cumulative number of preemptions.", stats.num_preemptions),
+            "pdserve:kv_offload_stored_blocks": (
+                "KV blocks the device evicted that were copied to host memory.",
+                stats.kv_offload_stored_blocks),
+            "pdserve:kv_offload_loaded_blocks": (
+                "Prefix-hit KV blocks copied back from host memory.",
+                stats.kv_offload_loaded_blocks),
         }
         for key, doc in CONNECTOR_COUNTERS.items():
             if key in stats.connector:

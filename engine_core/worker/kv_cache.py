@@ -99,7 +99,7 @@ def allocate_kv_caches(shape: KVCacheShape, device: str) -> list[torch.Tensor]:
 
     The layers stay separate tensors for the attention kernels, but the KV connector sees
     them as one ``[layers, 2, blocks, ...]`` tensor and moves a request's blocks of every
-    layer with one gather or scatter kernel (``connectors/p2p_nccl/block_copy.py``).
+    layer with one gather or scatter kernel (``engine_core/worker/block_copy.py``).
     """
     whole = torch.zeros(shape.num_layers, 2, shape.num_blocks, shape.block_size,
                         shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)

@@ -25,6 +25,7 @@ from engine_core.attention.backend import AttentionPlan
 from engine_core.kv_connector import ConnectorWorker
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
+from engine_core.worker.block_copy import stack_layers
 from engine_core.worker.cuda_graphs import (
     HOOKED_GRAPH_MAX_TOKENS,
     CaptureStats,
@@ -33,6 +34,7 @@ from engine_core.worker.cuda_graphs import (
     estimate_pool_bytes,
 )
 from engine_core.worker.forward_timer import ForwardTimer
+from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.sampler import DeviceSamples, Sampler, SamplingRow
 from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
@@ -102,6 +104,8 @@ class ModelRunner:
         self._graphs_paused = False
         # Set by benchmarks: GPU time of each forward (eager or replay).
         self.forward_timer: ForwardTimer | None = None
+        # KV offload's host slots (set by the engine when --kv-offloading-size is given).
+        self.host_kv: HostKVStore | None = None
         # The last launched step's sampled tokens on the device (pending inputs read them)
         # and two pinned buffers their copies alternate between (one may still be unread).
         self._last_samples: torch.Tensor | None = None
@@ -191,6 +195,10 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Queue one step's forward and sampling; report finished transfers."""
         self._update_states(scheduler_output)
+        if self.host_kv is not None and scheduler_output.host_copies:
+            # Before anything of this step touches the blocks, even on a step with no tokens:
+            # the pass already counts the uploaded blocks as cached.
+            self.host_kv.apply(stack_layers(self.kv_caches), scheduler_output.host_copies)
         meta = scheduler_output.kv_connector_metadata
         self.connector.start_load_kv(meta)
         step = LaunchedStep()

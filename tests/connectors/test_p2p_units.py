@@ -10,13 +10,6 @@ import pytest
 import torch
 
 from connectors import create_connector
-from connectors.p2p_nccl.block_copy import (
-    block_ids_tensor,
-    gather_layers,
-    scatter_layers,
-    stack_layers,
-    wire_shape,
-)
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
     KVPullRequest,
@@ -35,6 +28,13 @@ from engine_core.kv_connector import FinishedTransfers, NullConnectorScheduler
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine_core.worker.block_copy import (
+    block_ids_tensor,
+    gather_layers,
+    scatter_layers,
+    stack_layers,
+    wire_shape,
+)
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.kv_harness import free_port
 

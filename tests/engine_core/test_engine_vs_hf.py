@@ -54,6 +54,9 @@ VARIANTS = {
     "sync_scheduling": {"async_scheduling": False},
     "sync_preemption": {"async_scheduling": False, "num_gpu_blocks_override": 26,
                         "max_num_batched_tokens": 64},
+    # A tight device cache whose evicted blocks go to host memory (KV offload).
+    "preemption_kv_offload": {"num_gpu_blocks_override": 26, "max_num_batched_tokens": 64,
+                              "kv_offloading_size": 0.01},
 }
 
 
@@ -68,6 +71,8 @@ def test_greedy_matches_hf(tiny_checkpoint, hf_greedy, arch, variant):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) differs: {g} != {e}"
     if variant.startswith("preemption"):
         assert llm.engine.get_stats().num_preemptions > 0
+    if variant.endswith("kv_offload"):
+        assert llm.engine.get_stats().kv_offload_stored_blocks > 0
     assert_engine_idle(llm)
 
 

@@ -22,7 +22,8 @@ def release_gpu_memory():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("variant", ["default", "all_chunked", "preemption"])
+@pytest.mark.parametrize("variant", ["default", "all_chunked", "preemption",
+                                     "preemption_kv_offload"])
 def test_float32_greedy_matches_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, variant):
     path = tiny_checkpoint(arch)
     prompts = mixed_prompts()

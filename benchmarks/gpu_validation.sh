@@ -7,6 +7,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~1 min): 1P1D on one GPU, long prompts
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~5 min): KV offload, sleep mode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
@@ -75,6 +76,14 @@ case "$STAGE" in
     cluster)
         step connectors 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connectors
         step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_cluster_gpu.py
+        ;;
+    offload_sleep)
+        # KV offload and sleep mode on one GPU: their GPU tests, then their figures (Qwen3-8B
+        # dummy: an 8192-token prefix recomputed / from the device / from host memory; sleep
+        # levels 1 and 2: memory given back, sleep and wake-up times).
+        step offload_sleep_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_sleep_mode.py tests/engine_core/test_kv_offload.py
+        step offload_sleep_bench 300 python3 -m benchmarks.offload_sleep --out "$RUN/offload_sleep.json"
         ;;
     pd1)
         # The disaggregated path on one GPU: P and D share it over the CPU transport (which
@@ -173,7 +182,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|pd1|speed|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

@@ -42,8 +42,9 @@ class KVCacheManager:
         if enable_caching != block_pool.enable_caching:
             raise ValueError("KVCacheManager and BlockPool disagree on enable_caching")
         self.block_pool = block_pool
-        # KV offload: evicted cached blocks go to host slots, lookups continue there.
-        self.host_tier = host_tier if enable_caching else None
+        # KV offload (the engine gives a tier only with prefix caching on): evicted cached
+        # blocks go to host slots, lookups continue there.
+        self.host_tier = host_tier
         self._copies = HostCopies()
         if self.host_tier is not None:
             block_pool.on_evict = self._offload
@@ -172,12 +173,13 @@ class KVCacheManager:
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._req_to_blocks.get(request_id, ()))
 
-    def take_host_copies(self) -> HostCopies:
-        """The copies the pass since the last call planned (empty without KV offload); the
+    def take_host_copies(self) -> HostCopies | None:
+        """The copies the pass since the last call planned (None without KV offload); the
         slots its lookups served are free to reuse from the next pass on."""
+        if self.host_tier is None:
+            return None
         copies, self._copies = self._copies, HostCopies()
-        if self.host_tier is not None:
-            self.host_tier.end_pass()
+        self.host_tier.end_pass()
         return copies
 
     def reset_prefix_cache(self, keep_host: bool = False) -> bool:

@@ -81,8 +81,9 @@ case "$STAGE" in
         # KV offload and sleep mode on one GPU: their GPU tests, then their figures (Qwen3-8B
         # dummy: an 8192-token prefix recomputed / from the device / from host memory; sleep
         # levels 1 and 2: memory given back, sleep and wake-up times).
-        step offload_sleep_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/engine_core/test_sleep_mode.py tests/engine_core/test_kv_offload.py
+        step offload_sleep_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_sleep_mode.py tests/engine_core/test_kv_offload.py \
+            tests/engine_core/test_triton_kernels.py -k "sleep or offload or copy_blocks"
         step offload_sleep_bench 300 python3 -m benchmarks.offload_sleep --out "$RUN/offload_sleep.json"
         ;;
     pd1)

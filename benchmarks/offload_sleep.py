@@ -9,8 +9,10 @@ end through the offline ``LLM``: recomputed from nothing, then again with its bl
 the device, then after other prompts have pushed its blocks out of a device cache sized at
 ``--device-cache-prompts`` prompts into host memory (``--kv-offloading-size``), and once more
 with KV offload off (recomputed: the baseline the host tier must beat). Sleep: device memory
-allocated before, asleep and after waking for levels 1 and 2, the time of each call, and the
-first request's time after waking.
+allocated before, asleep and after waking for level 1 (twice: the first sleep makes the pinned
+host copy, the next reuses it) and level 2, the time of each call and of its phases, and the
+first request's time after waking. On CUDA also KV offload's copy kernel against the raw
+pinned copy rate, measured in the same run.
 """
 
 from __future__ import annotations
@@ -90,26 +92,77 @@ def prefix_reuse(model: str, engine: dict[str, Any], args: argparse.Namespace,
 
 
 def sleep_cycle(model: str, engine: dict[str, Any], device: str, vocab: int) -> dict[str, Any]:
+    """Level 1 twice (the first sleep makes the pinned host copy, the second reuses it), then
+    level 2; each with the engine's own phase times."""
     rng = random.Random(1)
     llm = LLM(model, **engine, enable_sleep_mode=True)
     probe = [_prompt(rng, 128, vocab)]
     llm.generate(probe, ONE_TOKEN)
     out: dict[str, Any] = {}
-    for level in (1, 2):
+    for name, level in (("level_1_first", 1), ("level_1_again", 1), ("level_2", 2)):
         if device == "cuda":
             torch.cuda.synchronize()
         awake = _allocated(device)
         start = time.perf_counter()
-        llm.sleep(level)
+        sleep_phases = llm.sleep(level)
         slept = time.perf_counter()
         asleep = _allocated(device)
-        llm.wake_up()
+        wake_phases = llm.wake_up()
         woken = time.perf_counter()
-        out[f"level_{level}"] = {
+        out[name] = {
             "sleep_s": round(slept - start, 4), "wake_up_s": round(woken - slept, 4),
+            "sleep_phases_s": sleep_phases, "wake_up_phases_s": wake_phases,
             "allocated_awake_gib": round(awake / 2**30, 3),
             "allocated_asleep_gib": round(asleep / 2**30, 3),
             "first_request_after_ms": round(_timed_ms(llm, probe), 2)}
+    return out
+
+
+def copy_rates(shape: str, blocks: int = 512) -> dict[str, Any]:
+    """KV offload's copy kernel (random device blocks <-> random pinned host slots, every
+    layer of a Qwen3 shape) against the raw contiguous copy of the same bytes between the
+    same pinned memory and the device: the limit the kernel is held to."""
+    from benchmarks.model_shapes import SHAPES
+    from engine_core.worker.block_copy import copy_indexed_blocks
+    from engine_core.worker.pinned_memory import HostBuffer
+
+    cfg = SHAPES[shape]
+    block_shape = (16, cfg["num_key_value_heads"], cfg["head_dim"])
+    layers = cfg["num_hidden_layers"]
+    cache = torch.zeros((layers, 2, 2 * blocks, *block_shape), dtype=torch.bfloat16,
+                        device="cuda")
+    slot_count = 2 * blocks
+    memory = HostBuffer(cache.numel() * 2, pinned=True)
+    store = memory.view(0, cache.shape, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    block_ids = torch.randperm(2 * blocks, generator=gen)[:blocks].cuda()
+    slot_ids = torch.randperm(slot_count, generator=gen)[:blocks].cuda()
+    nbytes = layers * 2 * blocks * cache[0, 0, 0].numel() * 2
+    raw_host = memory.view(0, (nbytes // 2,), torch.bfloat16)
+    raw_device = cache.view(-1)[:nbytes // 2]
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 5
+
+    runs = {
+        "download_kernel": lambda: copy_indexed_blocks(cache, store, block_ids, slot_ids),
+        "upload_kernel": lambda: copy_indexed_blocks(store, cache, slot_ids, block_ids),
+        "raw_device_to_host": lambda: raw_host.copy_(raw_device, non_blocking=True),
+        "raw_host_to_device": lambda: raw_device.copy_(raw_host, non_blocking=True),
+    }
+    out: dict[str, Any] = {"blocks": blocks, "bytes": nbytes}
+    for name, fn in runs.items():
+        seconds = timed(fn)
+        out[f"{name}_ms"] = round(seconds * 1e3, 3)
+        out[f"{name}_gbps"] = round(nbytes / seconds / 1e9, 2)
+    out["download_of_raw"] = round(out["download_kernel_gbps"] / out["raw_device_to_host_gbps"], 3)
+    out["upload_of_raw"] = round(out["upload_kernel_gbps"] / out["raw_host_to_device_gbps"], 3)
     return out
 
 
@@ -144,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                "args": vars(args),
                "prefix_reuse": prefix_reuse(model, engine, args, vocab),
                "sleep": sleep_cycle(model, engine, device, vocab)}
+    if device == "cuda":
+        results["copy_rates"] = copy_rates(args.shape)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0

@@ -40,7 +40,13 @@ from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.loader import load_model, load_weights, read_model_spec, resolve_dtype
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
-from engine_core.worker.sleep import SLEEP_LEVELS, ReleasedWeights, release_weights, restore_weights
+from engine_core.worker.sleep import (
+    SLEEP_LEVELS,
+    HostWeights,
+    ReleasedWeights,
+    release_weights,
+    restore_weights,
+)
 from engine_core.worker.step_inputs import BatchLimits
 from engine_core.worker.warm_up import WarmUpLimits, warm_up_steps
 
@@ -128,6 +134,7 @@ class EngineCore:
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
+        self._host_weights: HostWeights | None = None  # level 1's host copy, kept for reuse
 
     def _host_tier(self, shape: kv_cache.KVCacheShape) -> HostTier | None:
         """KV offload's slots from ``--kv-offloading-size`` (None when off)."""
@@ -358,11 +365,11 @@ class EngineCore:
         """0 awake, else the level the engine sleeps at."""
         return 0 if self._asleep is None else self._asleep.level
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1) -> dict[str, float]:
         """Free the device memory of the weights (level 1: a host copy is kept; level 2:
         not), the KV cache (its contents are dropped: the prefix cache is reset) and the
         CUDA graphs. Only an idle engine sleeps; asleep, it refuses requests until
-        ``wake_up``. Sleeping again is a no-op."""
+        ``wake_up``. Sleeping again is a no-op. Returns the seconds of each phase."""
         if not self.config.model.enable_sleep_mode:
             raise InvalidRequestError("sleep mode is off: start the engine with "
                                       "--enable-sleep-mode")
@@ -370,11 +377,11 @@ class EngineCore:
             raise InvalidRequestError(f"sleep level must be one of {SLEEP_LEVELS}, got {level}",
                                       "level")
         if self._asleep is not None:
-            return
+            return {}
         if self.has_work() or self.has_transfer_state():
             raise InvalidRequestError("the engine has requests or KV transfers in flight; "
                                       "sleep when it is idle")
-        started = time.perf_counter()
+        clock = _PhaseClock()
         device = torch.device(self.device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.runner.drop_graphs()
@@ -383,31 +390,38 @@ class EngineCore:
         self.kv_manager.reset_prefix_cache(keep_host=True)
         self.connector_worker.release_kv_caches()
         self.kv_caches[:] = []  # the runner holds this list: its cache goes with it
-        self._asleep = release_weights(self.model, level)
+        clock.lap("kv_cache_s")
+        self._asleep = release_weights(self.model, level, self._host_weights)
+        self._host_weights = self._asleep.host or self._host_weights
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
-            freed = (before - torch.cuda.memory_allocated(device)) / 2**30
-            logger.info("Sleep level %d took %.2f s: %.2f GiB of device memory freed, "
-                        "%.2f GiB of weights kept in host memory", level,
-                        time.perf_counter() - started, freed, self._asleep.host_bytes / 2**30)
-        else:
-            logger.info("Sleep level %d took %.2f s", level, time.perf_counter() - started)
+        clock.lap("weights_s")
+        freed = (before - torch.cuda.memory_allocated(device)) / 2**30 if before else 0.0
+        logger.info("Sleep level %d took %.2f s (%s): %.2f GiB of device memory freed, "
+                    "%.2f GiB of weights kept in host memory", level, clock.total,
+                    clock.summary(), freed, self._asleep.host_bytes / 2**30)
+        return clock.phases
 
-    def wake_up(self) -> None:
-        """Weights (host copy, or reloaded), an empty KV cache and the graphs back."""
+    def wake_up(self) -> dict[str, float]:
+        """Weights (host copy, or reloaded), an empty KV cache and the graphs back. Returns
+        the seconds of each phase."""
         if self._asleep is None:
-            return
-        started = time.perf_counter()
+            return {}
+        clock = _PhaseClock()
         device = torch.device(self.device)
         restore_weights(self.model, self._asleep, device,
                         lambda model: load_weights(model, self.config.model, self.spec))
         self._asleep = None
+        clock.lap("weights_s")
         self.kv_caches[:] = kv_cache.allocate_kv_caches(self.kv_shape, self.device)
         self.connector_worker.register_kv_caches(self.kv_caches)
+        clock.lap("kv_cache_s")
         if self._graph_sizes():
             self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
-        logger.info("Wake-up took %.2f s", time.perf_counter() - started)
+        clock.lap("graphs_s")
+        logger.info("Wake-up took %.2f s (%s)", clock.total, clock.summary())
+        return clock.phases
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         request = self.scheduler.requests.get(request_id)
@@ -415,3 +429,23 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.connector_worker.shutdown()
+
+
+class _PhaseClock:
+    """Seconds spent in each named phase of a sleep or wake-up, in order."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self._last, 4)
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+    def summary(self) -> str:
+        return ", ".join(f"{name[:-2]} {seconds:.2f} s" for name, seconds in self.phases.items())

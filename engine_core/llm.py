@@ -107,10 +107,12 @@ class LLM:
             self.engine.step()
         return [results[r] for r in order]
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the weights' and KV cache's device memory (needs ``enable_sleep_mode=True``)."""
-        self.engine.sleep(level)
+    def sleep(self, level: int = 1) -> dict[str, float]:
+        """Free the weights' and KV cache's device memory (needs ``enable_sleep_mode=True``);
+        returns the seconds of each phase."""
+        return self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        """Back from ``sleep``: weights, an empty KV cache and the graphs restored."""
-        self.engine.wake_up()
+    def wake_up(self) -> dict[str, float]:
+        """Back from ``sleep``: weights, an empty KV cache and the graphs restored; returns
+        the seconds of each phase."""
+        return self.engine.wake_up()

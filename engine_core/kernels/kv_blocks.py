@@ -1,9 +1,10 @@
-"""Copying whole KV blocks between the stacked paged cache and a contiguous buffer.
+"""Copying whole KV blocks between the stacked paged cache and a contiguous buffer (the
+connector) or the host slots of KV offload.
 
 The stacked cache is ``[layers, 2, num_blocks, block_size, heads, head_dim]``; a buffer is
 ``[layers, 2, request_blocks, ...]``. Every (layer, K or V, block) is one contiguous chunk
 of ``block_size * heads * head_dim`` elements, so the copy is a plain streaming copy of
-chunks whose addresses come from a block-id list. ``torch.index_select``/``index_copy_``
+chunks whose addresses come from block-id lists. ``torch.index_select``/``index_copy_``
 on a middle dimension index element by element and reach ~30% of the copy rate on an H200
 (``benchmarks/kv_gather.py``); this moves 16-byte words and runs near it. The chunks are
 copied as integer words, so any cache dtype (fp8 included) is copied bit for bit.
@@ -20,17 +21,23 @@ from engine_core.kernels import as_int_words
 TILE_BYTES = 4096  # bytes per program: 16 B per thread over 256 threads
 
 
-@triton.jit
-def _copy_blocks_kernel(src_ptr, dst_ptr, block_ids_ptr, src_blocks, dst_blocks,
-                        CHUNK: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr):
+# The block counts vary per call; specialising on them (divisible by 16, equal to 1) would
+# compile a new variant on a request's first odd-sized transfer, inside a step.
+@triton.jit(do_not_specialize=["src_blocks", "dst_blocks"])
+def _copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, src_blocks, dst_blocks,
+                        CHUNK: tl.constexpr, TILE: tl.constexpr,
+                        SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr):
     plane = tl.program_id(0).to(tl.int64)  # (layer, K or V) within the run of layers
-    j = tl.program_id(1)  # block within the request
+    j = tl.program_id(1).to(tl.int64)  # position in the id lists
     tile = tl.program_id(2)
-    block = tl.load(block_ids_ptr + j).to(tl.int64)
-    if GATHER:  # cache block -> buffer position j
-        src_chunk, dst_chunk = plane * src_blocks + block, plane * dst_blocks + j
-    else:  # buffer position j -> cache block
-        src_chunk, dst_chunk = plane * src_blocks + j, plane * dst_blocks + block
+    src_block = j
+    dst_block = j
+    if SRC_INDEXED:
+        src_block = tl.load(src_ids_ptr + j).to(tl.int64)
+    if DST_INDEXED:
+        dst_block = tl.load(dst_ids_ptr + j).to(tl.int64)
+    src_chunk = plane * src_blocks + src_block
+    dst_chunk = plane * dst_blocks + dst_block
     offsets = tile * TILE + tl.arange(0, TILE)
     mask = offsets < CHUNK
     words = tl.load(src_ptr + src_chunk * CHUNK + offsets, mask=mask)
@@ -43,14 +50,22 @@ def _as_chunks(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return as_int_words(tensor.view(torch.uint8).reshape(planes, blocks, -1), width)
 
 
-def copy_blocks(source: torch.Tensor, dest: torch.Tensor, block_ids: torch.Tensor,
-                gather: bool) -> None:
-    """``gather``: ``dest[:, :, j] = source[:, :, block_ids[j]]``; else
-    ``dest[:, :, block_ids[j]] = source[:, :, j]``. Both ``[L, 2, blocks, ...]``, contiguous,
-    same dtype and block shape; ``block_ids`` int64 on the same device."""
+def copy_blocks(source: torch.Tensor, dest: torch.Tensor, src_ids: torch.Tensor | None,
+                dst_ids: torch.Tensor | None) -> None:
+    """``dest[:, :, dst_ids[j]] = source[:, :, src_ids[j]]`` for every j; a missing id list
+    means position j itself (``src_ids`` only: a gather into a buffer; ``dst_ids`` only: a
+    scatter from one; both: block to block, e.g. device cache <-> host slots).
+
+    Both ``[L, 2, blocks, ...]``, contiguous, same dtype and block shape; the id lists int64
+    on the device. Either tensor may be pinned host memory (the GPU reads or writes it over
+    the bus through its mapped address: one kernel, no staging copy).
+    """
     assert source.is_contiguous() and dest.is_contiguous() and source.dtype == dest.dtype
     assert source.shape[:2] == dest.shape[:2] and source.shape[3:] == dest.shape[3:]
-    num_blocks = block_ids.numel()
+    assert src_ids is not None or dst_ids is not None
+    ids = src_ids if src_ids is not None else dst_ids
+    assert dst_ids is None or src_ids is None or dst_ids.numel() == ids.numel()
+    num_blocks = ids.numel()
     if num_blocks == 0:
         return
     assert num_blocks < 65536, "grid dimension y is limited to 65535 blocks"
@@ -61,6 +76,8 @@ def copy_blocks(source: torch.Tensor, dest: torch.Tensor, block_ids: torch.Tenso
     chunk = src.shape[2]
     tile = min(TILE_BYTES // width, triton.next_power_of_2(chunk))
     grid = (src.shape[0], num_blocks, triton.cdiv(chunk, tile))
-    _copy_blocks_kernel[grid](src, dst, block_ids, src.shape[1], dst.shape[1],
-                              CHUNK=chunk, TILE=tile, GATHER=gather,
+    _copy_blocks_kernel[grid](src, dst, ids if src_ids is None else src_ids,
+                              ids if dst_ids is None else dst_ids, src.shape[1], dst.shape[1],
+                              CHUNK=chunk, TILE=tile, SRC_INDEXED=src_ids is not None,
+                              DST_INDEXED=dst_ids is not None,
                               num_warps=max(1, min(8, tile * width // 512)))

@@ -43,7 +43,7 @@ def gather_layers(stacked: torch.Tensor, first: int, end: int, block_ids: torch.
     if stacked.is_cuda:
         from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
 
-        copy_blocks(stacked[first:end], out, block_ids, gather=True)
+        copy_blocks(stacked[first:end], out, block_ids, None)
     else:
         torch.index_select(as_int_words(stacked[first:end]), 2, block_ids, out=as_int_words(out))
     return out
@@ -54,9 +54,24 @@ def scatter_layers(stacked: torch.Tensor, block_ids: torch.Tensor, buffer: torch
     if stacked.is_cuda:
         from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
 
-        copy_blocks(buffer, stacked, block_ids, gather=False)
+        copy_blocks(buffer, stacked, None, block_ids)
     else:
         as_int_words(stacked).index_copy_(2, block_ids, as_int_words(buffer))
+
+
+def copy_indexed_blocks(source: torch.Tensor, dest: torch.Tensor, src_ids: torch.Tensor,
+                        dst_ids: torch.Tensor) -> None:
+    """``dest[:, :, dst_ids[j]] = source[:, :, src_ids[j]]`` for every layer: between the
+    device cache and KV offload's host slots. With a CUDA side it is one kernel that reads or
+    writes the pinned host side in place (ids on the device); on CPU index_select/index_copy_
+    (ids on the CPU)."""
+    if source.is_cuda or dest.is_cuda:
+        from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
+
+        copy_blocks(source, dest, src_ids, dst_ids)
+    else:
+        as_int_words(dest).index_copy_(2, dst_ids,
+                                       as_int_words(source).index_select(2, src_ids))
 
 
 def block_ids_tensor(block_ids: list[int], device: torch.device | str) -> torch.Tensor:

@@ -1,14 +1,16 @@
 """KV offload's host memory and its copies (``--kv-offloading-size``; bookkeeping in
 sched/host_tier.py).
 
-Layout: ``[layers, 2, slots, block_size, heads, head_dim]``, the device cache's own order, so
-a step's downloads are one gather kernel plus one device-to-host copy, and its uploads one
-host-side index_select, one host-to-device copy and one scatter kernel (block_copy.py), never
-a loop per block. Everything runs on the engine's stream in scheduling order, before the
-step's forward: downloads first (they read blocks as they were before this pass reused them),
-then uploads. On CUDA a download lands in host memory asynchronously: its slots stay pending
-(never served, never reused) until ``poll`` sees its event and copies the pinned staging into
-place; an upload's pinned staging is kept until its copy is done.
+Layout: ``[layers, 2, slots, block_size, heads, head_dim]``, the device cache's own order. On
+CUDA the store is pinned memory the GPU addresses directly: a step's downloads are one kernel
+writing the evicted blocks straight into their host slots, its uploads one kernel reading the
+slots straight into free device blocks (block_copy.copy_indexed_blocks): no staging buffer, no
+host-side gather, no loop per block, and nothing for the engine's thread to copy. Both run on
+the engine's stream in scheduling order, before the step's forward: downloads first (they read
+blocks as they were before this pass reused them), then uploads; so an upload always reads a
+slot after the download that filled it. A download's slots still stay pending (never served,
+never reused) until ``poll`` sees its event, which keeps the tier's rule independent of
+stream order.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from collections import deque
 
 import torch
 
-from engine_core.kernels import as_int_words
 from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import HostCopies
-from engine_core.worker.block_copy import block_ids_tensor, gather_layers, scatter_layers
+from engine_core.worker.block_copy import block_ids_tensor, copy_indexed_blocks
+from engine_core.worker.pinned_memory import HostBuffer
 
 
 class HostKVStore:
@@ -30,14 +32,25 @@ class HostKVStore:
         self.device = stacked.device
         self._cuda = stacked.is_cuda
         shape = (stacked.shape[0], 2, num_slots, *stacked.shape[3:])
-        self.store = torch.empty(shape, dtype=stacked.dtype, device="cpu", pin_memory=self._cuda)
+        nbytes = stacked.element_size() * stacked[0, 0, 0].numel() * stacked.shape[0] * 2 * num_slots
+        self._memory = HostBuffer(nbytes, pinned=self._cuda)  # exact size, GPU-addressable
+        self.store = self._memory.view(0, shape, stacked.dtype)
         self.tier = tier
-        self._downloads: deque[tuple[torch.cuda.Event, torch.Tensor, list[int]]] = deque()
-        self._uploads: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._downloads: deque[tuple[torch.cuda.Event, list[int]]] = deque()
+        if self._cuda:
+            self._compile_copy(stacked)
 
     @property
     def nbytes(self) -> int:
-        return self.store.numel() * self.store.element_size()
+        return self._memory.nbytes
+
+    def _compile_copy(self, stacked: torch.Tensor) -> None:
+        """Build the copy kernel now, not inside the first step that offloads: block 0 of the
+        empty cache to slot 0 and back (no request holds either yet)."""
+        zero = block_ids_tensor([0], self.device)
+        copy_indexed_blocks(stacked, self.store, zero, zero)
+        copy_indexed_blocks(self.store, stacked, zero, zero)
+        torch.cuda.synchronize(self.device)
 
     def apply(self, stacked: torch.Tensor, copies: HostCopies) -> None:
         """Queue one pass's copies on the current stream: downloads, then uploads."""
@@ -47,48 +60,28 @@ class HostKVStore:
             self._upload(stacked, copies.onload_slots, copies.onload_blocks)
 
     def poll(self) -> None:
-        """Land the downloads that finished (in order) and drop finished uploads' staging."""
+        """Release the slots of the downloads that finished (in order)."""
         while self._downloads and self._downloads[0][0].query():
-            _, staging, slots = self._downloads.popleft()
-            self._land(staging, slots)
-        while self._uploads and self._uploads[0][0].query():
-            self._uploads.popleft()
+            _, slots = self._downloads.popleft()
+            self.tier.landed(slots)
 
     def drain(self) -> None:
-        """Wait for every queued copy and land the downloads (before sleep or a reset)."""
-        for event, _, _ in self._downloads:
-            event.synchronize()
-        for event, _ in self._uploads:
-            event.synchronize()
+        """Wait for every queued copy and release the downloads' slots (before sleep or a
+        reset)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # the engine's stream, whichever it is
         self.poll()
 
     def _download(self, stacked: torch.Tensor, blocks: list[int], slots: list[int]) -> None:
-        ids = block_ids_tensor(blocks, self.device)
-        gathered = torch.empty((stacked.shape[0], 2, len(blocks), *stacked.shape[3:]),
-                               dtype=stacked.dtype, device=self.device)
-        gather_layers(stacked, 0, stacked.shape[0], ids, out=gathered)
+        copy_indexed_blocks(stacked, self.store, block_ids_tensor(blocks, self.device),
+                            block_ids_tensor(slots, self.device))
         if not self._cuda:
-            self._land(gathered, slots)
+            self.tier.landed(slots)
             return
-        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-        staging.copy_(gathered, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._downloads.append((event, staging, slots))
-
-    def _land(self, staging: torch.Tensor, slots: list[int]) -> None:
-        index = torch.tensor(slots, dtype=torch.int64)
-        as_int_words(self.store).index_copy_(2, index, as_int_words(staging))
-        self.tier.landed(slots)
+        self._downloads.append((event, slots))
 
     def _upload(self, stacked: torch.Tensor, slots: list[int], blocks: list[int]) -> None:
-        index = torch.tensor(slots, dtype=torch.int64)
-        staging = torch.empty((self.store.shape[0], 2, len(slots), *self.store.shape[3:]),
-                              dtype=self.store.dtype, pin_memory=self._cuda)
-        torch.index_select(as_int_words(self.store), 2, index, out=as_int_words(staging))
-        buffer = staging.to(self.device, non_blocking=True)
-        scatter_layers(stacked, block_ids_tensor(blocks, self.device), buffer)
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._uploads.append((event, staging))
+        copy_indexed_blocks(self.store, stacked, block_ids_tensor(slots, self.device),
+                            block_ids_tensor(blocks, self.device))

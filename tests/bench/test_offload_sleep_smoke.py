@@ -17,6 +17,9 @@ def test_offload_sleep_smoke(tmp_path) -> None:
     for key in ("recomputed_ms", "device_hit_ms", "host_hit_ms"):
         assert reuse["offload"][key] > 0
     assert reuse["no_offload"]["recomputed_after_eviction_ms"] > 0
-    for level in ("level_1", "level_2"):
-        assert results["sleep"][level]["wake_up_s"] > 0
-        assert results["sleep"][level]["first_request_after_ms"] > 0
+    for run in ("level_1_first", "level_1_again", "level_2"):
+        assert results["sleep"][run]["wake_up_s"] > 0
+        assert results["sleep"][run]["first_request_after_ms"] > 0
+        assert set(results["sleep"][run]["sleep_phases_s"]) == {"kv_cache_s", "weights_s"}
+        assert set(results["sleep"][run]["wake_up_phases_s"]) == {"weights_s", "kv_cache_s",
+                                                                  "graphs_s"}

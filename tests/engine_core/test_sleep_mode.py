@@ -70,6 +70,25 @@ def test_level_two_with_dummy_weights_draws_the_same_weights(tiny_checkpoint) ->
     assert [id(p) for m in model.modules() for p in m.parameters(recurse=False)] == objects
 
 
+def test_level_one_keeps_its_host_copy_for_the_next_sleep(tiny_checkpoint, hf_greedy) -> None:
+    """The first level-1 sleep lays the weights out in one host buffer; later level-1 sleeps
+    (after a level-2 one too) copy into the same buffer, and every wake-up answers as HF."""
+    path = tiny_checkpoint("qwen3")
+    prompts = mixed_prompts()[:3]
+    expected = hf_greedy(path, prompts, 8)
+    llm = LLM(str(path), enable_sleep_mode=True, num_gpu_blocks_override=32)
+    weights = _weight_bytes(llm)
+    assert set(llm.sleep(1)) == {"kv_cache_s", "weights_s"}
+    host = llm.engine._host_weights
+    assert host is not None and host.memory.nbytes >= weights
+    llm.wake_up()
+    for level in (2, 1):
+        llm.sleep(level)
+        assert set(llm.wake_up()) == {"weights_s", "kv_cache_s", "graphs_s"}
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine._host_weights is host
+
+
 def test_sleep_needs_the_flag_an_idle_engine_and_a_valid_level(tiny_checkpoint) -> None:
     path = str(tiny_checkpoint("llama"))
     off = LLM(path, num_gpu_blocks_override=32)

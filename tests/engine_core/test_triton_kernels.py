@@ -883,14 +883,52 @@ def test_copy_blocks_gathers_and_scatters_bit_exact(device: str, case: BlockCopy
     ids = torch.randperm(case.cache_blocks, generator=gen)[:case.request_blocks]
     out = torch.empty((case.layers, 2, case.request_blocks, *case.block_shape),
                       dtype=case.dtype, device=device)
-    copy_blocks(cache, out, ids.to(device), gather=True)
+    copy_blocks(cache, out, ids.to(device), None)
     assert torch.equal(out.view(word).cpu(), cache.view(word).cpu()[:, :, ids])
     before = cache.view(word).cpu().clone()
     payload = random_bits(case.layers, 2, case.request_blocks, *case.block_shape)
-    copy_blocks(payload, cache, ids.to(device), gather=False)
+    copy_blocks(payload, cache, None, ids.to(device))
     expected = before.clone()
     expected[:, :, ids] = payload.view(word).cpu()
     assert torch.equal(cache.view(word).cpu(), expected)
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params(BLOCK_COPY_CASES_CUDA, BLOCK_COPY_CASES_INTERPRET))
+def test_copy_blocks_between_cache_and_pinned_host_slots(device: str, case: BlockCopyCase) -> None:
+    """KV offload's copies: cache blocks -> host slots and back, both sides indexed, the host
+    side pinned memory the kernel reads and writes in place; only the listed slots and blocks
+    change, bit for bit."""
+    from engine_core.kernels.kv_blocks import copy_blocks
+
+    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31 + 1)
+    element = torch.empty((), dtype=case.dtype).element_size()
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[element]
+
+    def random_bits(*dims: int) -> torch.Tensor:
+        raw = torch.randint(0, 256, (*dims[:-1], dims[-1] * element), generator=gen,
+                            dtype=torch.uint8)
+        return raw.view(case.dtype)
+
+    slots = case.cache_blocks + 3
+    cache = random_bits(case.layers, 2, case.cache_blocks, *case.block_shape).to(device)
+    host = random_bits(case.layers, 2, slots, *case.block_shape)
+    if device == "cuda":
+        host = host.pin_memory()
+    blocks = torch.randperm(case.cache_blocks, generator=gen)[:case.request_blocks]
+    slot_ids = torch.randperm(slots, generator=gen)[:case.request_blocks]
+    host_before, cache_before = host.view(word).clone(), cache.view(word).cpu().clone()
+    copy_blocks(cache, host, blocks.to(device), slot_ids.to(device))  # download
+    if device == "cuda":
+        torch.cuda.synchronize()
+    expected_host = host_before.clone()
+    expected_host[:, :, slot_ids] = cache_before[:, :, blocks]
+    assert torch.equal(host.view(word), expected_host)
+    back = torch.randperm(case.cache_blocks, generator=gen)[:case.request_blocks]
+    copy_blocks(host, cache, slot_ids.to(device), back.to(device))  # upload elsewhere
+    expected_cache = cache_before.clone()
+    expected_cache[:, :, back] = expected_host[:, :, slot_ids]
+    assert torch.equal(cache.view(word).cpu(), expected_cache)
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ case "$STAGE" in
         step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_gpu_equivalence.py
         step async_scheduling 150 python3 -m pytest -q -p no:cacheprovider tests/engine_core/test_async_scheduling.py
         step sleep_offload 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine_core/test_sleep_mode.py \
-            tests/engine_core/test_kv_offload.py
+            tests/engine_core/test_kv_offload.py tests/engine_core/test_memory_arena.py
         ;;
     kernels)
         # The kernel test file without its decode cases (205 cases, ~150 s on an H200).
@@ -83,7 +83,8 @@ case "$STAGE" in
         # levels 1 and 2: memory given back, sleep and wake-up times).
         step offload_sleep_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
             tests/engine_core/test_sleep_mode.py tests/engine_core/test_kv_offload.py \
-            tests/engine_core/test_triton_kernels.py -k "sleep or offload or copy_blocks"
+            tests/engine_core/test_memory_arena.py tests/engine_core/test_triton_kernels.py \
+            -k "sleep or offload or copy_blocks"
         step offload_sleep_bench 300 python3 -m benchmarks.offload_sleep --out "$RUN/offload_sleep.json"
         ;;
     pd1)

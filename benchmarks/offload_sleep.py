@@ -9,7 +9,7 @@ end through the offline ``LLM``: recomputed from nothing, then again with its bl
 the device, then after other prompts have pushed its blocks out of a device cache sized at
 ``--device-cache-prompts`` prompts into host memory (``--kv-offloading-size``), and once more
 with KV offload off (recomputed: the baseline the host tier must beat). Sleep: device memory
-allocated before, asleep and after waking for level 1 (twice: the first sleep makes the pinned
+in use (the whole GPU's) awake and asleep for level 1 (twice: the first sleep makes the pinned
 host copy, the next reuses it) and level 2, the time of each call and of its phases, and the
 first request's time after waking. On CUDA also KV offload's copy kernel against the raw
 pinned copy rate, measured in the same run.
@@ -33,8 +33,14 @@ from engine_core import LLM, SamplingParams
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-def _allocated(device: str) -> int:
-    return torch.cuda.memory_allocated() if device == "cuda" else 0
+def _device_used(device: str) -> int:
+    """Bytes in use on the GPU (0 on CPU): sleep mode's arenas are outside PyTorch's counts."""
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def _timed_ms(llm: LLM, prompts: list[list[int]]) -> float:
@@ -100,20 +106,18 @@ def sleep_cycle(model: str, engine: dict[str, Any], device: str, vocab: int) -> 
     llm.generate(probe, ONE_TOKEN)
     out: dict[str, Any] = {}
     for name, level in (("level_1_first", 1), ("level_1_again", 1), ("level_2", 2)):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        awake = _allocated(device)
+        awake = _device_used(device)
         start = time.perf_counter()
         sleep_phases = llm.sleep(level)
         slept = time.perf_counter()
-        asleep = _allocated(device)
+        asleep = _device_used(device)
         wake_phases = llm.wake_up()
         woken = time.perf_counter()
         out[name] = {
             "sleep_s": round(slept - start, 4), "wake_up_s": round(woken - slept, 4),
             "sleep_phases_s": sleep_phases, "wake_up_phases_s": wake_phases,
-            "allocated_awake_gib": round(awake / 2**30, 3),
-            "allocated_asleep_gib": round(asleep / 2**30, 3),
+            "device_used_awake_gib": round(awake / 2**30, 3),
+            "device_used_asleep_gib": round(asleep / 2**30, 3),
             "first_request_after_ms": round(_timed_ms(llm, probe), 2)}
     return out
 

@@ -38,15 +38,17 @@ from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
 from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.host_kv import HostKVStore
-from engine_core.worker.loader import load_model, load_weights, read_model_spec, resolve_dtype
-from engine_core.worker.model_runner import LaunchedStep, ModelRunner
-from engine_core.worker.sleep import (
-    SLEEP_LEVELS,
-    HostWeights,
-    ReleasedWeights,
-    release_weights,
-    restore_weights,
+from engine_core.worker.loader import (
+    load_model,
+    load_weights,
+    read_model_spec,
+    resolve_dtype,
+    weights_arena,
 )
+from engine_core.worker.memory_arena import MemoryArena
+from engine_core.worker.model_runner import LaunchedStep, ModelRunner
+from engine_core.worker.pinned_memory import HostBuffer
+from engine_core.worker.sleep import SLEEP_LEVELS, ReleasedWeights, release_weights, restore_weights
 from engine_core.worker.step_inputs import BatchLimits
 from engine_core.worker.warm_up import WarmUpLimits, warm_up_steps
 
@@ -80,7 +82,11 @@ class EngineCore:
                                         config.device.triton_gemv_max_rows)
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
-        self.model = load_model(config.model, self.spec, self.device, self.dtype, backend)
+        self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,
+                                sleepable=config.model.enable_sleep_mode)
+        # Sleep mode: weights and KV cache in arenas whose memory sleep gives back and wake-up
+        # restores at the same addresses (the CUDA graphs stay valid).
+        self.weights_arena = weights_arena(self.model)
         t1 = time.perf_counter()
         logger.info("Model loading took %.2f s (%s, %s, %s)", t1 - t0,
                     self.spec.architecture, self.dtype, self.device)
@@ -88,8 +94,11 @@ class EngineCore:
         self.graph_pool_reserve = 0  # set by the profiling run when graphs will be captured
         shape = kv_cache.plan_kv_cache(
             self.spec, config.cache, cache_dtype, self.device, self.max_model_len,
-            config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes)
-        self.kv_caches = kv_cache.allocate_kv_caches(shape, self.device)
+            config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes,
+            held_bytes=self.weights_arena.nbytes if self.weights_arena is not None else 0)
+        self.kv_arena = (MemoryArena(kv_cache.kv_cache_nbytes(shape), self.device)
+                         if config.model.enable_sleep_mode else None)
+        self.kv_caches = kv_cache.allocate_kv_caches(shape, self.device, self.kv_arena)
         self.kv_shape = shape
         self.num_blocks = shape.num_blocks
         logger.info("KV cache allocation took %.2f s", time.perf_counter() - t1)
@@ -134,7 +143,7 @@ class EngineCore:
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
-        self._host_weights: HostWeights | None = None  # level 1's host copy, kept for reuse
+        self._host_weights: HostBuffer | None = None  # level 1's host copy, kept for reuse
 
     def _host_tier(self, shape: kv_cache.KVCacheShape) -> HostTier | None:
         """KV offload's slots from ``--kv-offloading-size`` (None when off)."""
@@ -366,10 +375,11 @@ class EngineCore:
         return 0 if self._asleep is None else self._asleep.level
 
     def sleep(self, level: int = 1) -> dict[str, float]:
-        """Free the device memory of the weights (level 1: a host copy is kept; level 2:
-        not), the KV cache (its contents are dropped: the prefix cache is reset) and the
-        CUDA graphs. Only an idle engine sleeps; asleep, it refuses requests until
-        ``wake_up``. Sleeping again is a no-op. Returns the seconds of each phase."""
+        """Give back the device memory of the weights (level 1: a host copy is kept; level
+        2: not) and of the KV cache (its contents are dropped: the prefix cache is reset).
+        The CUDA graphs are kept: waking restores both at the same addresses. Only an idle
+        engine sleeps; asleep, it refuses requests until ``wake_up``. Sleeping again is a
+        no-op. Returns the seconds of each phase."""
         if not self.config.model.enable_sleep_mode:
             raise InvalidRequestError("sleep mode is off: start the engine with "
                                       "--enable-sleep-mode")
@@ -381,47 +391,52 @@ class EngineCore:
         if self.has_work() or self.has_transfer_state():
             raise InvalidRequestError("the engine has requests or KV transfers in flight; "
                                       "sleep when it is idle")
+        assert self.weights_arena is not None and self.kv_arena is not None
         clock = _PhaseClock()
-        device = torch.device(self.device)
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.runner.drop_graphs()
+        free_before = self._free_device_bytes()
         if self.host_kv is not None:
             self.host_kv.drain()  # host memory keeps its blocks: they are valid after wake-up
         self.kv_manager.reset_prefix_cache(keep_host=True)
         self.connector_worker.release_kv_caches()
-        self.kv_caches[:] = []  # the runner holds this list: its cache goes with it
+        self.kv_arena.release()
         clock.lap("kv_cache_s")
-        self._asleep = release_weights(self.model, level, self._host_weights)
+        self._asleep = release_weights(self.weights_arena, level, self._host_weights)
         self._host_weights = self._asleep.host or self._host_weights
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
         clock.lap("weights_s")
-        freed = (before - torch.cuda.memory_allocated(device)) / 2**30 if before else 0.0
+        freed = (self._free_device_bytes() - free_before) / 2**30
         logger.info("Sleep level %d took %.2f s (%s): %.2f GiB of device memory freed, "
                     "%.2f GiB of weights kept in host memory", level, clock.total,
                     clock.summary(), freed, self._asleep.host_bytes / 2**30)
         return clock.phases
 
     def wake_up(self) -> dict[str, float]:
-        """Weights (host copy, or reloaded), an empty KV cache and the graphs back. Returns
-        the seconds of each phase."""
+        """Weights (host copy, or reloaded) and an empty KV cache back at their addresses;
+        the CUDA graphs replay as they were. Returns the seconds of each phase."""
         if self._asleep is None:
             return {}
+        assert self.weights_arena is not None and self.kv_arena is not None
         clock = _PhaseClock()
-        device = torch.device(self.device)
-        restore_weights(self.model, self._asleep, device,
-                        lambda model: load_weights(model, self.config.model, self.spec))
+        restore_weights(self.weights_arena, self._asleep,
+                        lambda: load_weights(self.model, self.config.model, self.spec))
         self._asleep = None
         clock.lap("weights_s")
-        self.kv_caches[:] = kv_cache.allocate_kv_caches(self.kv_shape, self.device)
+        self.kv_arena.restore()
+        self.kv_arena.tensor.zero_()
         self.connector_worker.register_kv_caches(self.kv_caches)
+        if self.kv_arena.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_arena.device)
         clock.lap("kv_cache_s")
-        if self._graph_sizes():
-            self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())
-        clock.lap("graphs_s")
         logger.info("Wake-up took %.2f s (%s)", clock.total, clock.summary())
         return clock.phases
+
+    def _free_device_bytes(self) -> int:
+        """Free memory on this engine's GPU (0 on CPU): arenas are outside PyTorch's counts."""
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         request = self.scheduler.requests.get(request_id)

@@ -15,6 +15,7 @@ import torch
 from engine_core.config import CacheConfig
 from engine_core.errors import ConfigError
 from engine_core.models.spec import ModelSpec
+from engine_core.worker.memory_arena import MemoryArena
 
 logger = logging.getLogger("pdserve.kv_cache")
 
@@ -54,8 +55,11 @@ class KVCacheShape:
 
 def plan_kv_cache(spec: ModelSpec, cache_config: CacheConfig, dtype: torch.dtype, device: str,
                   max_model_len: int, max_num_seqs: int,
-                  profile_peak_bytes: Callable[[], int] | None = None) -> KVCacheShape:
-    """Decide the number of blocks from the config and (on GPU) a profiled peak."""
+                  profile_peak_bytes: Callable[[], int] | None = None,
+                  held_bytes: int = 0) -> KVCacheShape:
+    """Decide the number of blocks from the config and (on GPU) a profiled peak.
+    ``held_bytes``: device memory the engine holds outside PyTorch's allocator (sleep
+    mode's weights arena), which ``memory_allocated`` does not count."""
     per_block = KVCacheShape(spec.num_hidden_layers, 1, cache_config.block_size,
                              spec.num_key_value_heads, spec.head_dim, dtype).bytes_per_block
     if cache_config.num_gpu_blocks_override is not None:
@@ -70,7 +74,8 @@ def plan_kv_cache(spec: ModelSpec, cache_config: CacheConfig, dtype: torch.dtype
         # This instance's share is a fraction of the whole card, less what it already holds
         # (weights) and its worst-case step; never more than is actually free (other
         # processes), keeping a small margin for the CUDA context and allocator slack.
-        share = total * cache_config.gpu_memory_utilization - torch.cuda.memory_allocated(cuda)
+        share = (total * cache_config.gpu_memory_utilization
+                 - torch.cuda.memory_allocated(cuda) - held_bytes)
         budget = min(share, free - (256 << 20)) - peak
         num_blocks = int(budget // per_block)
     else:
@@ -94,13 +99,24 @@ def plan_kv_cache(spec: ModelSpec, cache_config: CacheConfig, dtype: torch.dtype
     return shape
 
 
-def allocate_kv_caches(shape: KVCacheShape, device: str) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, all consecutive slices of ONE allocation.
+def allocate_kv_caches(shape: KVCacheShape, device: str,
+                       arena: MemoryArena | None = None) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, all consecutive slices of ONE allocation (taken from
+    ``arena`` when given: sleep mode).
 
     The layers stay separate tensors for the attention kernels, but the KV connector sees
     them as one ``[layers, 2, blocks, ...]`` tensor and moves a request's blocks of every
     layer with one gather or scatter kernel (``engine_core/worker/block_copy.py``).
     """
-    whole = torch.zeros(shape.num_layers, 2, shape.num_blocks, shape.block_size,
-                        shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+    dims = (shape.num_layers, 2, shape.num_blocks, shape.block_size, shape.num_kv_heads,
+            shape.head_dim)
+    if arena is None:
+        whole = torch.zeros(dims, dtype=shape.dtype, device=device)
+    else:
+        whole = arena.take(dims, shape.dtype).zero_()
     return list(whole.unbind(0))
+
+
+def kv_cache_nbytes(shape: KVCacheShape) -> int:
+    """Bytes of ``allocate_kv_caches``'s one allocation."""
+    return shape.num_blocks * shape.bytes_per_block

@@ -20,6 +20,7 @@ from engine_core.errors import ModelLoadError
 from engine_core.layers.linear import MergedLinear
 from engine_core.models.registry import get_model_class
 from engine_core.models.spec import ModelSpec
+from engine_core.worker.memory_arena import MemoryArena
 
 logger = logging.getLogger("pdserve.loader")
 
@@ -67,14 +68,29 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torc
 
 
 def load_model(model_config: ModelConfig, spec: ModelSpec, device: str, dtype: torch.dtype,
-               attn_backend: AttentionBackend) -> nn.Module:
-    """Build ``spec``'s model on ``device`` in ``dtype`` with its weights, in eval mode."""
+               attn_backend: AttentionBackend, sleepable: bool = False) -> nn.Module:
+    """Build ``spec``'s model on ``device`` in ``dtype`` with its weights, in eval mode.
+
+    ``sleepable`` (sleep mode) places every parameter in one ``MemoryArena`` that the model
+    owns (``weights_arena``): sleeping gives its memory back and waking restores it at the
+    same addresses, so CUDA graphs survive.
+    """
     model_class = get_model_class(spec.architecture)
     with torch.device("meta"):
         model = model_class(spec, attn_backend)
-    _materialize(model, device, dtype)
+    arena = None
+    if sleepable:
+        shapes = [(p.shape, dtype) for _, p in model.named_parameters()]
+        arena = MemoryArena(MemoryArena.size_of(shapes), device)
+    _materialize(model, device, dtype, arena)
+    model.weights_arena = arena
     load_weights(model, model_config, spec)
     return model.eval()
+
+
+def weights_arena(model: nn.Module) -> MemoryArena | None:
+    """The arena holding a sleepable model's parameters (None otherwise)."""
+    return getattr(model, "weights_arena", None)
 
 
 def load_weights(model: nn.Module, model_config: ModelConfig, spec: ModelSpec) -> None:
@@ -86,8 +102,10 @@ def load_weights(model: nn.Module, model_config: ModelConfig, spec: ModelSpec) -
         _load_safetensors(model, Path(model_config.model), spec)
 
 
-def _materialize(model: nn.Module, device: str, dtype: torch.dtype) -> None:
-    """Replace meta parameters with real, uninitialised ones (tied ones stay tied).
+def _materialize(model: nn.Module, device: str, dtype: torch.dtype,
+                 arena: MemoryArena | None) -> None:
+    """Replace meta parameters with real, uninitialised ones (tied ones stay tied), taken
+    from ``arena`` when given.
 
     Buffers (RoPE frequencies) were built on CPU in float32 on purpose and keep their dtype.
     """
@@ -97,8 +115,9 @@ def _materialize(model: nn.Module, device: str, dtype: torch.dtype) -> None:
             if param is None:
                 continue
             if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(
-                    torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+                storage = (torch.empty(param.shape, dtype=dtype, device=device) if arena is None
+                           else arena.take(param.shape, dtype))
+                replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
             module._parameters[name] = replaced[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:

@@ -128,11 +128,6 @@ class ModelRunner:
         self.graphs = graphs
         return stats
 
-    def drop_graphs(self) -> None:
-        """Release the captured graphs and their memory pool (sleep mode); steps run eagerly
-        until ``capture_cuda_graphs`` is called again."""
-        self.graphs = None
-
     def estimate_graph_pool_bytes(self, sizes: GraphSizes) -> int:
         """Memory the graphs of ``sizes`` will hold (profiling runner)."""
         with torch.inference_mode():

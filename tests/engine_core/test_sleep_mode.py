@@ -18,12 +18,22 @@ from tests.engine_core.test_engine_vs_hf import mixed_prompts
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+def _held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (an arena's views share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def _weight_bytes(llm: LLM) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    return _held_bytes(llm.engine.model.parameters())
 
 
 def _kv_bytes(llm: LLM) -> int:
-    return sum(c.numel() * c.element_size() for c in llm.engine.kv_caches)
+    return _held_bytes(llm.engine.kv_caches)
+
+
+def _param_sizes(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -35,11 +45,12 @@ def test_sleep_frees_and_wake_up_answers_as_hf(tiny_checkpoint, hf_greedy, level
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.engine.kv_manager.prefix_cache_hits == 0
     weights, kv = _weight_bytes(llm), _kv_bytes(llm)
-    assert weights > 0 and kv > 0
+    assert weights >= _param_sizes(llm) > 0 and kv > 0
+    caches = list(llm.engine.kv_caches)
 
     llm.sleep(level)
     assert llm.engine.sleep_level == level
-    assert _weight_bytes(llm) == 0 and _kv_bytes(llm) == 0 and llm.engine.kv_caches == []
+    assert _weight_bytes(llm) == 0 and _kv_bytes(llm) == 0
     with pytest.raises(EngineSleepingError):
         llm.generate(prompts[:1], GREEDY)
     llm.sleep(level)  # again: nothing to do
@@ -47,6 +58,7 @@ def test_sleep_frees_and_wake_up_answers_as_hf(tiny_checkpoint, hf_greedy, level
     llm.wake_up()
     assert llm.engine.sleep_level == 0
     assert _weight_bytes(llm) == weights and _kv_bytes(llm) == kv
+    assert all(a is b for a, b in zip(llm.engine.kv_caches, caches, strict=True))
     queries = llm.engine.kv_manager.prefix_cache_queries
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     # The cache was dropped asleep: the same prompts found no cached block.
@@ -77,14 +89,14 @@ def test_level_one_keeps_its_host_copy_for_the_next_sleep(tiny_checkpoint, hf_gr
     prompts = mixed_prompts()[:3]
     expected = hf_greedy(path, prompts, 8)
     llm = LLM(str(path), enable_sleep_mode=True, num_gpu_blocks_override=32)
-    weights = _weight_bytes(llm)
+    weights = _param_sizes(llm)
     assert set(llm.sleep(1)) == {"kv_cache_s", "weights_s"}
     host = llm.engine._host_weights
-    assert host is not None and host.memory.nbytes >= weights
+    assert host is not None and host.nbytes >= weights
     llm.wake_up()
     for level in (2, 1):
         llm.sleep(level)
-        assert set(llm.wake_up()) == {"weights_s", "kv_cache_s", "graphs_s"}
+        assert set(llm.wake_up()) == {"weights_s", "kv_cache_s"}
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.engine._host_weights is host
 
@@ -112,8 +124,10 @@ def test_sleep_needs_the_flag_an_idle_engine_and_a_valid_level(tiny_checkpoint) 
 @pytest.mark.gpu
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_on_cuda_gives_the_memory_back(tiny_checkpoint, hf_greedy, level: int) -> None:
-    """On CUDA with graphs: asleep, the allocator holds less by at least the weights and the
-    KV cache; woken (graphs captured again), greedy output still equals HF's."""
+    """On CUDA with graphs: asleep, the device has at least the weights and the KV cache more
+    free memory; woken, every parameter and cache is back at its address, the graphs captured
+    at startup are the ones that run, and greedy output still equals HF's (twice: the second
+    sleep reuses the first's host copy)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     path = tiny_checkpoint("qwen3")
@@ -121,14 +135,25 @@ def test_sleep_on_cuda_gives_the_memory_back(tiny_checkpoint, hf_greedy, level: 
     expected = hf_greedy(path, prompts, 8, device="cuda", dtype=torch.float32)
     llm = LLM(str(path), device="cuda", dtype="float32", enable_sleep_mode=True,
               gpu_memory_utilization=0.3)
-    assert llm.engine.runner.graphs is not None, "graphs must be captured for this test"
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None, "graphs must be captured for this test"
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    weights, kv = _weight_bytes(llm), _kv_bytes(llm)
-    torch.cuda.synchronize()
-    awake = torch.cuda.memory_allocated()
-    llm.sleep(level)
-    asleep = torch.cuda.memory_allocated()
-    assert awake - asleep >= weights + kv, (awake, asleep, weights, kv)
-    llm.wake_up()
-    assert llm.engine.runner.graphs is not None
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    kv = llm.engine.kv_arena.nbytes
+    addresses = [t.data_ptr() for t in (*llm.engine.model.parameters(), *llm.engine.kv_caches)]
+    replayed: list[int] = []
+    replay = graphs.replay
+    graphs.replay = lambda size, mixed: replayed.append(size) or replay(size, mixed)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        awake = torch.cuda.mem_get_info()[0]
+        llm.sleep(level)
+        asleep = torch.cuda.mem_get_info()[0]
+        assert asleep - awake >= weights + kv, (awake, asleep, weights, kv)
+        llm.wake_up()
+        assert llm.engine.runner.graphs is graphs
+        assert [t.data_ptr() for t in (*llm.engine.model.parameters(),
+                                       *llm.engine.kv_caches)] == addresses
+        replayed.clear()
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        assert replayed, "the startup graphs did not run after waking"

@@ -7,7 +7,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~1 min): 1P1D on one GPU, long prompts
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~5 min): KV offload, sleep mode
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
@@ -81,7 +81,7 @@ case "$STAGE" in
         # KV offload and sleep mode on one GPU: their GPU tests, then their figures (Qwen3-8B
         # dummy: an 8192-token prefix recomputed / from the device / from host memory; sleep
         # levels 1 and 2: memory given back, sleep and wake-up times).
-        step offload_sleep_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        step offload_sleep_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
             tests/engine_core/test_sleep_mode.py tests/engine_core/test_kv_offload.py \
             tests/engine_core/test_memory_arena.py tests/engine_core/test_triton_kernels.py \
             -k "sleep or offload or copy_blocks"

@@ -37,7 +37,7 @@ class HostBuffer:
                                                               _HOST_REGISTER_PORTABLE_MAPPED))
             if status != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed "
-                                   f"(cudaError {status}): is the memlock limit too low?")
+                                   f"(cudaError {status}): not enough host memory to lock?")
             weakref.finalize(self, _unregister, pointer, self.tensor)
 
     @property

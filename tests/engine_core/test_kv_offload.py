@@ -160,3 +160,31 @@ def test_offload_on_cuda_is_byte_exact_and_hf_equal(tiny_checkpoint, hf_greedy) 
     assert all(torch.equal(_block_bytes(llm, block).cpu(), snapshot[h])
                for h, block in back.items())
     manager.check_integrity()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_host_tier_outlives_sleep(tiny_checkpoint, hf_greedy, level: int) -> None:
+    """Sleep drops the device cache but keeps the host tier: after waking, prefixes that
+    were offloaded come back from host memory, byte for byte, and answer as HF."""
+    path = tiny_checkpoint("qwen3")
+    first, others = _prompts(3, 4, 70), _prompts(4, 6, 70)
+    expected_first = hf_greedy(path, first, 6)
+    llm = LLM(str(path), num_gpu_blocks_override=24, kv_offloading_size=0.01, max_num_seqs=4,
+              enable_sleep_mode=True)
+    manager, tier = llm.engine.kv_manager, llm.engine.kv_manager.host_tier
+    assert [o.token_ids for o in llm.generate(first, GREEDY)] == expected_first
+    snapshot = {h: _block_bytes(llm, b.block_id)
+                for h, b in manager.block_pool.cached_blocks.items()}
+    llm.generate(others, GREEDY)  # pushes first's blocks out to the host tier
+    llm.sleep(level)
+    llm.wake_up()
+    assert not manager.block_pool.cached_blocks, "sleep must drop the device's cached blocks"
+    loaded_before = tier.loaded_blocks
+    again = llm.generate(first, GREEDY)
+    assert [o.token_ids for o in again] == expected_first
+    assert tier.loaded_blocks - loaded_before == 4 * len(first)
+    back = {h: b.block_id for h, b in manager.block_pool.cached_blocks.items() if h in snapshot}
+    assert len(back) == 4 * len(first)
+    assert all(torch.equal(_block_bytes(llm, block), snapshot[h]) for h, block in back.items())
+    manager.check_integrity()
+    tier.check_integrity()

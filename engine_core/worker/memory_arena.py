@@ -15,9 +15,11 @@ weights) before, and refills after ``restore``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -75,7 +77,6 @@ class _CudaRange:
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.device_index = torch.device(device).index or 0
-        torch.cuda.set_device(self.device_index)  # this thread's current context: the device's
         self.lib = _Driver.lib()
         self.prop = _AllocationProp()
         self.prop.type = _ALLOCATION_TYPE_PINNED
@@ -86,16 +87,29 @@ class _CudaRange:
             "cuMemGetAllocationGranularity")
         self.nbytes = -(-max(nbytes, 1) // granularity.value) * granularity.value
         self.address = ctypes.c_uint64()
-        _Driver.check(self.lib.cuMemAddressReserve(ctypes.byref(self.address),
-                                                   ctypes.c_size_t(self.nbytes),
-                                                   ctypes.c_size_t(0), ctypes.c_uint64(0),
-                                                   ctypes.c_ulonglong(0)),
-                      "cuMemAddressReserve")
+        with self._current():
+            _Driver.check(self.lib.cuMemAddressReserve(ctypes.byref(self.address),
+                                                       ctypes.c_size_t(self.nbytes),
+                                                       ctypes.c_size_t(0), ctypes.c_uint64(0),
+                                                       ctypes.c_ulonglong(0)),
+                          "cuMemAddressReserve")
         self.handle: ctypes.c_uint64 | None = None
         self.map()
 
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """The device's primary context current on this thread for driver calls (a runtime
+        call that needs a context creates and binds it; the arena may be the process's
+        first CUDA allocation)."""
+        with torch.cuda.device(self.device_index):
+            torch.cuda.synchronize()
+            yield
+
     def map(self) -> None:
-        torch.cuda.set_device(self.device_index)
+        with self._current():
+            self._map()
+
+    def _map(self) -> None:
         handle = ctypes.c_uint64()
         _Driver.check(self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.nbytes),
                                            ctypes.byref(self.prop), ctypes.c_ulonglong(0)),
@@ -113,7 +127,10 @@ class _CudaRange:
     def unmap(self) -> None:
         if self.handle is None:
             return
-        torch.cuda.set_device(self.device_index)
+        with self._current():
+            self._unmap()
+
+    def _unmap(self) -> None:
         _Driver.check(self.lib.cuMemUnmap(self.address, ctypes.c_size_t(self.nbytes)),
                       "cuMemUnmap")
         _Driver.check(self.lib.cuMemRelease(self.handle), "cuMemRelease")

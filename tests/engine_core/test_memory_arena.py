@@ -4,6 +4,10 @@ on the arena replays correctly after a restore."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +63,24 @@ def test_cuda_arena_keeps_addresses_and_graphs_across_sleep() -> None:
     graph.replay()  # the graph recorded the arena's addresses: it reads the new contents
     torch.cuda.synchronize()
     assert torch.all(y == 10.0)
+
+
+@pytest.mark.gpu
+def test_cuda_arena_as_the_first_cuda_use_of_a_process() -> None:
+    """A sleep-mode engine's weights arena can be its process's first CUDA allocation (no
+    context bound to the thread yet): a fresh interpreter makes one, releases and restores
+    it, and reads back what it wrote."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    code = ("import torch\n"
+            "from engine_core.worker.memory_arena import MemoryArena\n"
+            "arena = MemoryArena(3 << 20, 'cuda')\n"
+            "x = arena.take((1000,), torch.float32)\n"
+            "arena.release(); arena.restore()\n"
+            "x.fill_(7.0)\n"
+            "assert x.sum().item() == 7000.0\n"
+            "print('ok', arena.nbytes)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok ")

@@ -32,7 +32,15 @@ from pathlib import Path
 
 from benchmarks.disagg.cluster import ClusterSpec
 from benchmarks.disagg.execute import ExecuteOptions, PlanOutcome, run_plan
-from benchmarks.disagg.plan import EXPERIMENTS, GPU_SCALE, SMOKE_SCALE, Scale, Sweep, build_plan
+from benchmarks.disagg.plan import (
+    ALL_EXPERIMENTS,
+    EXPERIMENTS,
+    GPU_SCALE,
+    SMOKE_SCALE,
+    Scale,
+    Sweep,
+    build_plan,
+)
 from benchmarks.disagg.summary import build_summary, load_results, make_plots
 from benchmarks.model_shapes import SHAPES, write_model_dir
 from benchmarks.serve.config import parse_rates
@@ -213,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     experiments = tuple(e.strip() for e in args.only.split(",") if e.strip())
-    unknown = sorted(set(experiments) - set(EXPERIMENTS))
+    unknown = sorted(set(experiments) - set(ALL_EXPERIMENTS))
     if unknown:
-        parser.error(f"--only: unknown {unknown}; choose from {EXPERIMENTS}")
+        parser.error(f"--only: unknown {unknown}; choose from {ALL_EXPERIMENTS}")
     results_dir = Path(args.results_dir or (Path(tempfile.gettempdir()) / "pdserve-report-smoke"
                                             if args.smoke else REPO_ROOT / "benchmarks" /
                                             "results" / "serve"))

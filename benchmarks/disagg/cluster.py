@@ -76,6 +76,10 @@ class Cluster:
                 "--startup-timeout", str(spec.startup_timeout_s),
                 "--enable-prefix-caching" if t.prefix_caching else "--no-enable-prefix-caching",
                 *spec.engine_args]
+        if t.kv_cache_bytes is not None:
+            argv += ["--kv-cache-memory-bytes", str(t.kv_cache_bytes)]
+        if t.kv_offload_gib > 0:
+            argv += ["--kv-offloading-size", f"{t.kv_offload_gib:g}"]
         if spec.gpus:
             if len(spec.gpus) < t.num_workers:
                 raise ClusterError(f"{t.name} needs {t.num_workers} GPUs, have {spec.gpus}")

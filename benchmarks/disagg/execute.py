@@ -94,7 +94,9 @@ def scraped_deltas(cluster: Cluster, before: dict[str, prometheus.Samples],
         out["workers"].append({
             "role": worker["role"], "http_address": worker["http_address"],
             "prefix_cache_queries": prometheus.counter(d, "vllm:prefix_cache_queries"),
-            "prefix_cache_hits": prometheus.counter(d, "vllm:prefix_cache_hits")})
+            "prefix_cache_hits": prometheus.counter(d, "vllm:prefix_cache_hits"),
+            "kv_offload_loaded_blocks": prometheus.counter(d, "pdserve:kv_offload_loaded_blocks"),
+            "kv_offload_stored_blocks": prometheus.counter(d, "pdserve:kv_offload_stored_blocks")})
     if cluster.url in before and cluster.url in after:
         d = prometheus.delta(before[cluster.url], after[cluster.url])
         for key, name in PROXY_HISTOGRAMS.items():

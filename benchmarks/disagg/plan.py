@@ -11,6 +11,11 @@ Experiments (issue #7):
 - ``proxy_overhead``: a high rate of short requests to one colocated worker, directly and
   through the proxy.
 
+Extra (``--only kv_offload``, not in the default report; one GPU):
+
+- ``kv_offload``: a prefix_repetition workload whose prefixes do not fit a deliberately small
+  device KV cache, on one colocated worker with KV offload to host memory off and on.
+
 Each topology is launched once and serves every run planned on it. Runs on the same
 server get different seeds (no accidental prefix hits), except the proxy-overhead pair,
 whose prompts are shorter than a block (nothing to hit); runs compared across servers share
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field, replace
 from benchmarks.serve.config import DatasetConfig
 
 EXPERIMENTS = ("ttft_overhead", "goodput_2k", "goodput_8k", "prefix_cache", "proxy_overhead")
+EXTRA_EXPERIMENTS = ("kv_offload",)  # run only when named in --only
+ALL_EXPERIMENTS = EXPERIMENTS + EXTRA_EXPERIMENTS
 PROXY = "proxy"  # a run's target: the proxy, or a worker role hit directly
 
 
@@ -37,6 +44,8 @@ class Topology:
     decode: int = 0
     colocated: int = 0
     prefix_caching: bool = True
+    kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes (None: sized from memory)
+    kv_offload_gib: float = 0.0        # --kv-offloading-size
 
     @property
     def num_workers(self) -> int:
@@ -89,6 +98,16 @@ class Scale:
     proxy_input: int = 8
     proxy_output: int = 2
     warmups: int = 8
+    # kv_offload: 24 prefixes of 4096 tokens are ~14 GB of Qwen3-8B KV; the device cache
+    # holds 6 GiB (~43k tokens, ~10 prefixes), host memory all of them.
+    offload_prefix_len: int = 4096
+    offload_suffix_len: int = 128
+    offload_num_prefixes: int = 24
+    offload_output: int = 64
+    offload_rate: float = 4.0
+    offload_prompts: int = 240
+    offload_kv_cache_bytes: int = 6 << 30
+    offload_host_gib: float = 16.0
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
 
@@ -104,7 +123,12 @@ SMOKE_SCALE = Scale(
     sweep_2k=Sweep(96, 8, (2.0, 8.0)), sweep_8k=Sweep(192, 8, (2.0,)), point_seconds=1.0,
     min_point_prompts=3, max_point_prompts=6, prefix_len=64, suffix_len=16, num_prefixes=2,
     prefix_output=4, prefix_rate=8.0, prefix_prompts=6, proxy_rate=200.0, proxy_prompts=20,
-    proxy_input=8, proxy_output=2, warmups=1, slo_ttft_ms=5000.0, slo_tpot_ms=1000.0)
+    proxy_input=8, proxy_output=2, warmups=1, offload_prefix_len=64, offload_suffix_len=16,
+    offload_num_prefixes=4, offload_output=4, offload_rate=8.0, offload_prompts=12,
+    # The demo model's KV is 4 KiB a token on CPU: 12 blocks of 16 tokens, a bit over two
+    # of the four 5-block prompts.
+    offload_kv_cache_bytes=12 * 16 * 4096, offload_host_gib=0.01, slo_ttft_ms=5000.0,
+    slo_tpot_ms=1000.0)
 
 
 @dataclass(frozen=True)
@@ -194,8 +218,22 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
         add(COLO1, BenchRun(f"{experiment}__interleaved", experiment,
                             "direct and proxied, interleaved", "colocated", short, rate,
                             interleave=PROXY))
+    elif experiment == "kv_offload":
+        data = DatasetConfig(name="prefix_repetition", num_prompts=scale.offload_prompts,
+                             seed=seed + 600, prefix_len=scale.offload_prefix_len,
+                             suffix_len=scale.offload_suffix_len,
+                             num_prefixes=scale.offload_num_prefixes,
+                             prefix_output_len=scale.offload_output)
+        small = Topology("colo1_smallkv", colocated=1,
+                         kv_cache_bytes=scale.offload_kv_cache_bytes)
+        for topology, state in ((small, "off"),
+                                (replace(small, name="colo1_offload",
+                                         kv_offload_gib=scale.offload_host_gib), "on")):
+            add(topology, BenchRun(f"{experiment}__{state}", experiment,
+                                   f"colocated, small KV cache, offload {state}", "colocated",
+                                   data, scale.offload_rate))
     else:
-        raise ValueError(f"unknown experiment {experiment!r}; choose from {EXPERIMENTS}")
+        raise ValueError(f"unknown experiment {experiment!r}; choose from {ALL_EXPERIMENTS}")
     return runs
 
 
@@ -206,4 +244,7 @@ def build_plan(scale: Scale, experiments: tuple[str, ...] = EXPERIMENTS, seed: i
     for experiment in experiments:
         for topology, runs in _runs(scale, experiment, seed).items():
             collected.setdefault(topology, []).extend(runs)
-    return [TopologyPlan(t, tuple(collected[t])) for t in TOPOLOGY_ORDER if t in collected]
+    # The report's fixed topologies in their order, then the extra experiments' ones.
+    rank = {t: index for index, t in enumerate(TOPOLOGY_ORDER)}
+    ordered = sorted(collected, key=lambda t: rank.get(t, len(rank)))
+    return [TopologyPlan(t, tuple(collected[t])) for t in ordered]

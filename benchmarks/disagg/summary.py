@@ -264,12 +264,39 @@ def proxy_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def kv_offload(results: Results, figures: dict[str, Any]) -> list[str]:
+    present = [n for n in ("kv_offload__off", "kv_offload__on") if n in results]
+    if not present:
+        return []
+    lines = ["## KV offload to host memory under a small device KV cache", "",
+             "| setup | hit rate (engine counters) | blocks from host | blocks to host | "
+             "p50 TTFT | p99 TTFT | mean TTFT | p50 E2EL |", "|---|---|---|---|---|---|---|---|"]
+    section = {}
+    for name in present:
+        r = results[name]
+        workers = r.get("scraped", {}).get("workers", [])
+        loaded = sum(w.get("kv_offload_loaded_blocks", 0.0) for w in workers)
+        stored = sum(w.get("kv_offload_stored_blocks", 0.0) for w in workers)
+        section[name.split("__")[1]] = {"p50_ttft_ms": r["p50_ttft_ms"],
+                                        "p99_ttft_ms": r["p99_ttft_ms"],
+                                        "mean_ttft_ms": r["mean_ttft_ms"],
+                                        "loaded_blocks": loaded, "stored_blocks": stored,
+                                        "workers": workers}
+        lines.append(f"| {r['label']} | {_hit_rates(r)} | {loaded:.0f} | {stored:.0f} | "
+                     f"{_f(r['p50_ttft_ms'])} | {_f(r['p99_ttft_ms'])} | "
+                     f"{_f(r['mean_ttft_ms'])} | {_f(r['p50_e2el_ms'])} |")
+    lines += ["", "Hits count prefix tokens found on the device or in host memory; blocks from "
+              "host are the hits that host memory served (`pdserve:kv_offload_loaded_blocks`)."]
+    figures["kv_offload"] = section
+    return lines + [""]
+
+
 def build_summary(results: Results, header: list[str]) -> tuple[str, dict[str, Any]]:
     """The markdown report and its key figures."""
     figures: dict[str, Any] = {}
     sections: list[Callable[[Results, dict[str, Any]], list[str]]] = [
         ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k"),
-        lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead]
+        lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead, kv_offload]
     lines = list(header)
     for section in sections:
         lines += section(results, figures)
@@ -310,6 +337,10 @@ def make_plots(results: Results, out_dir: Path) -> list[Path]:
     if prefix:
         written.append(plot_latency_cdfs(prefix, out_dir / "prefix_cache_cdf.png",
                                          "prefix_repetition: caching on/off"))
+    offload = runs("kv_offload__off", "kv_offload__on")
+    if offload:
+        written.append(plot_latency_cdfs(offload, out_dir / "kv_offload_cdf.png",
+                                         "Small device KV cache: offload off/on"))
     proxy = runs("proxy_overhead__direct", "proxy_overhead__proxy")
     if proxy:
         written.append(plot_latency_cdfs(proxy, out_dir / "proxy_overhead_cdf.png",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def test_plan_launches_each_topology_once_in_order() -> None:
     assert len(names) == len(set(names))
     assert {run.experiment for item in plan for run in item.runs} == set(EXPERIMENTS)
     assert [p.topology.name for p in build_plan(GPU_SCALE, ("proxy_overhead",))] == ["colo1"]
+    extra = build_plan(GPU_SCALE, ("kv_offload", "proxy_overhead"))
+    assert [p.topology.name for p in extra] == ["colo1", "colo1_smallkv", "colo1_offload"]
+    off, on = (item.runs[0] for item in extra[1:])
+    assert off.dataset == on.dataset and off.dataset.name == "prefix_repetition"
+    assert extra[1].topology.kv_cache_bytes == extra[2].topology.kv_cache_bytes == 6 << 30
+    assert (extra[1].topology.kv_offload_gib, extra[2].topology.kv_offload_gib) == (0, 16)
 
 
 def test_compared_runs_share_prompts_and_same_server_runs_do_not() -> None:
@@ -86,6 +93,14 @@ def test_launch_argv(tmp_path: Path) -> None:
         Cluster(ClusterSpec("/m", "m", gpus=("0",)), COLO2).argv()
     cpu = Cluster(ClusterSpec("/m", "m"), COLO2).argv()
     assert "--gpus" not in cpu and "--enable-prefix-caching" in cpu
+    assert "--kv-cache-memory-bytes" not in cpu and "--kv-offloading-size" not in cpu
+    offload = Cluster(spec, replace(COLO1, kv_cache_bytes=1 << 30, kv_offload_gib=2.5)).argv()
+    assert flag_of(offload, "--kv-cache-memory-bytes") == str(1 << 30)
+    assert flag_of(offload, "--kv-offloading-size") == "2.5"
+
+
+def flag_of(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def test_time_budget_leaves_runs_for_the_next_invocation(tmp_path: Path) -> None:

@@ -75,3 +75,20 @@ def test_report_smoke_ttft_overhead_runs_a_healthy_1p1d(tmp_path: Path) -> None:
     pd = json.loads((tmp_path / "raw" / "ttft_overhead__pd.json").read_text())
     assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
     assert pd["topology"] == "pd"
+
+
+def test_report_smoke_kv_offload(tmp_path: Path) -> None:
+    """The extra KV-offload experiment on CPU: a device cache too small for the prefixes,
+    offload off then on; with it on, host memory served prefix blocks and every request
+    completed."""
+    rc = disagg_report.main(["--smoke", "--only", "kv_offload", "--results-dir",
+                             str(tmp_path), "--disable-tqdm"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    section = summary["figures"]["kv_offload"]
+    assert section["off"]["loaded_blocks"] == 0
+    assert section["on"]["loaded_blocks"] > 0 and section["on"]["stored_blocks"] > 0
+    for state in ("off", "on"):
+        run = json.loads((tmp_path / "raw" / f"kv_offload__{state}.json").read_text())
+        assert run["completed"] == run["num_prompts"] and run["failed"] == 0
+    assert "## KV offload to host memory" in (tmp_path / "summary.md").read_text()

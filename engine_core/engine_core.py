@@ -308,8 +308,8 @@ class EngineCore:
         started = time.perf_counter()
         if self.host_kv is not None:
             self.host_kv.poll()  # downloads that landed may serve this pass's lookups
+        outputs = self._land_loads()
         scheduler_output = self.scheduler.schedule()
-        outputs: list[EngineOutput] = []
         if self._in_flight is not None and (
                 not self.async_scheduling or self.runner.needs_token_history(scheduler_output)):
             outputs = self._complete(*self._in_flight)
@@ -326,6 +326,15 @@ class EngineCore:
                                 scheduler_output.total_num_scheduled_tokens,
                                 len(scheduler_output.num_scheduled_tokens))
         return outputs
+
+    def _land_loads(self) -> list[EngineOutput]:
+        """KV loads that arrived since the last pass join this one (their scatter is queued
+        on the engine stream ahead of this step): a disaggregated request's first token
+        comes one step after its KV landed, not three."""
+        landed = self.connector_worker.land_loads()
+        if not (landed.recving or landed.failed_recving):
+            return []
+        return self.scheduler.apply_finished_transfers(landed)
 
     def _complete(self, scheduler_output: SchedulerOutput,
                   launched: LaunchedStep) -> list[EngineOutput]:

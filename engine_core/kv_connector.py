@@ -91,6 +91,12 @@ class ConnectorWorker(Protocol):
         only; ``register_kv_caches`` gives it new ones."""
         ...
 
+    def land_loads(self) -> FinishedTransfers:
+        """Consumer, before the scheduling pass: loads whose bytes have arrived are scattered
+        into the cache (queued on the current stream, ahead of the step about to launch) and
+        reported now, with the failed ones, so they run in this pass rather than the next."""
+        ...
+
     def start_load_kv(self, metadata: Any) -> None:
         """Begin (or poll) receives for this step's requests."""
         ...
@@ -170,6 +176,9 @@ class NullConnectorWorker:
 
     def release_kv_caches(self) -> None:
         return None
+
+    def land_loads(self) -> FinishedTransfers:
+        return FinishedTransfers()
 
     def start_load_kv(self, metadata: Any) -> None:
         return None

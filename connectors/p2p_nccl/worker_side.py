@@ -192,6 +192,22 @@ class P2pConnectorWorker:
 
     # ---- runner hooks -------------------------------------------------------------------
 
+    def land_loads(self) -> FinishedTransfers:
+        """Consumer, before the scheduling pass: scatter the loads that arrived and report
+        them (and the failed ones) at once. Reported only by ``get_finished`` after the
+        step, a landed request waited a step to be seen and (async scheduling) another to
+        be scheduled: two decode steps added to its first token."""
+        with self._lock:
+            idle = not self._loads and not self._waiting
+        if not idle:
+            self._admit_waiting()
+            self._land_and_expire(self._clock())
+        with self._lock:
+            landed = FinishedTransfers(recving=self._finished_recving,
+                                       failed_recving=self._failed_recving)
+            self._finished_recving, self._failed_recving = set(), set()
+        return landed
+
     def start_load_kv(self, metadata: P2pConnectorMetadata | None) -> None:
         """Consumer: start new loads, retry pushed-back ones, land finished ones, expire late ones."""
         now = self._clock()

@@ -288,7 +288,7 @@ class Scheduler:
                 token_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
                                                lp.top_token_ids, lp.top_logprobs)]
             outputs.append(self._make_output(request, new_tokens, token_logprobs))
-        outputs.extend(self._apply_finished_transfers(FinishedTransfers(
+        outputs.extend(self.apply_finished_transfers(FinishedTransfers(
             sending=runner_output.finished_sending,
             recving=runner_output.finished_recving,
             failed_recving=runner_output.failed_recving,
@@ -309,7 +309,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _apply_finished_transfers(self, finished: FinishedTransfers) -> list[EngineOutput]:
+    def apply_finished_transfers(self, finished: FinishedTransfers) -> list[EngineOutput]:
+        """Free sent requests' blocks, queue landed loads to run, fail or recompute failed
+        ones (after a step, or before a pass for loads landed early)."""
         outputs: list[EngineOutput] = []
         self.connector.update_finished(finished)
         for request_id in finished.sending:

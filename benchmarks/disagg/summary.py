@@ -172,6 +172,12 @@ def _hit_rates(result: Mapping[str, Any]) -> str:
     return ", ".join(parts) or "n/a"
 
 
+def _latency_cells(result: Mapping[str, Any]) -> str:
+    """The p50/p99/mean TTFT and p50 E2EL cells of a table row (ms)."""
+    return (f"{_f(result['p50_ttft_ms'])} | {_f(result['p99_ttft_ms'])} | "
+            f"{_f(result['mean_ttft_ms'])} | {_f(result['p50_e2el_ms'])} |")
+
+
 def prefix_cache(results: Results, figures: dict[str, Any]) -> list[str]:
     names = ["prefix_cache__colo1_on", "prefix_cache__colo1_off", "prefix_cache__pd_on",
              "prefix_cache__pd_off"]
@@ -188,9 +194,7 @@ def prefix_cache(results: Results, figures: dict[str, Any]) -> list[str]:
                                         "usage_hit_rate": r.get("prefix_cache_hit_rate"),
                                         "workers": r.get("scraped", {}).get("workers", [])}
         lines.append(f"| {r['label']} | {_hit_rates(r)} | "
-                     f"{_f(r.get('prefix_cache_hit_rate'), 3)} | {_f(r['p50_ttft_ms'])} | "
-                     f"{_f(r['p99_ttft_ms'])} | {_f(r['mean_ttft_ms'])} | "
-                     f"{_f(r['p50_e2el_ms'])} |")
+                     f"{_f(r.get('prefix_cache_hit_rate'), 3)} | {_latency_cells(r)}")
     lines += ["", "Engine counters are `vllm:prefix_cache_hits / vllm:prefix_cache_queries` "
               "(tokens) over the run, per worker; on 1P1D the decode worker's usage reports "
               "only its own local hits, so the prefill worker's counter is the one to read."]
@@ -283,8 +287,7 @@ def kv_offload(results: Results, figures: dict[str, Any]) -> list[str]:
                                         "loaded_blocks": loaded, "stored_blocks": stored,
                                         "workers": workers}
         lines.append(f"| {r['label']} | {_hit_rates(r)} | {loaded:.0f} | {stored:.0f} | "
-                     f"{_f(r['p50_ttft_ms'])} | {_f(r['p99_ttft_ms'])} | "
-                     f"{_f(r['mean_ttft_ms'])} | {_f(r['p50_e2el_ms'])} |")
+                     f"{_latency_cells(r)}")
     lines += ["", "Hits count prefix tokens found on the device or in host memory; blocks from "
               "host are the hits that host memory served (`pdserve:kv_offload_loaded_blocks`)."]
     figures["kv_offload"] = section

@@ -122,11 +122,14 @@ class EngineCore:
                                   self._batch_limits(), self._attention_plan())
         self.host_kv: HostKVStore | None = None
         if host_tier is not None:
+            offload_started = time.perf_counter()
             self.host_kv = HostKVStore(stack_layers(self.kv_caches), host_tier.num_slots,
                                        host_tier)
             self.runner.host_kv = self.host_kv
-            logger.info("KV offload: %d host blocks (%.2f GiB, %d tokens)", host_tier.num_slots,
-                        self.host_kv.nbytes / 2**30, host_tier.num_slots * shape.block_size)
+            logger.info("KV offload: %d host blocks (%.2f GiB, %d tokens), pinned in %.2f s",
+                        host_tier.num_slots, self.host_kv.nbytes / 2**30,
+                        host_tier.num_slots * shape.block_size,
+                        time.perf_counter() - offload_started)
         self.graph_capture: CaptureStats | None = None
         if self._graph_sizes():
             self.graph_capture = self.runner.capture_cuda_graphs(self._graph_sizes())

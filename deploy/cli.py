@@ -44,22 +44,13 @@ def _env_flag(name: str) -> bool:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args
+    from engine_core.server.server_args import add_server_arguments
 
     parser.add_argument("model", nargs="?", default=None,
                         help="HF checkpoint directory (omit, or --demo, for the demo model)")
     parser.add_argument("--demo", action="store_true",
                         help="serve the embedded demo model (built and cached on first use)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (or VLLM_API_KEY)")
-    parser.add_argument("--enable-admin-endpoints", action="store_true",
-                        help="expose /reset_prefix_cache, /sleep, /wake_up, /is_sleeping "
-                             "(or VLLM_SERVER_DEV_MODE=1)")
-    parser.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
-                        help="largest accepted request body")
-    parser.add_argument("--log-stats-interval", type=float, default=10.0,
-                        help="seconds between throughput log lines (0 disables)")
+    add_server_arguments(parser)
     parser.add_argument("--proxy-address", default=None,
                         help="register with this proxy (registration HOST:PORT) as a colocated "
                              "worker: it sends whole requests here")
@@ -72,7 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """``pdserve serve``: resolve the model, then run the API server until stopped."""
     from engine_core.arg_utils import engine_config_from_args
     from engine_core.errors import PdserveError
-    from engine_core.server.api_server import ServerOptions, run_server
+    from engine_core.server.api_server import run_server
+    from engine_core.server.server_args import server_options
 
     if args.demo or args.model is None:
         if args.model is not None:
@@ -83,12 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = str(demo_model_path())
         args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
         logger.info("Demo model ready in %.2fs at %s", time.monotonic() - started, args.model)
-    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
-    options = ServerOptions(
-        host=args.host, port=args.port, api_key=api_key,
-        enable_admin_endpoints=args.enable_admin_endpoints or _env_flag("VLLM_SERVER_DEV_MODE"),
-        client_max_size=args.max_request_body_bytes,
-        log_stats_interval_s=args.log_stats_interval)
+    options = server_options(args)
     try:
         config = engine_config_from_args(args)
         kv = config.kv_transfer
@@ -125,7 +112,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    _apply_environment(args)
     return int(_resolve(SUBCOMMANDS[args.command][2])(args) or 0)
+
+
+def _apply_environment(args: argparse.Namespace) -> None:
+    """vLLM's environment variables as the server flags they stand for (every subcommand
+    that runs an API server: serve, prefill, decode)."""
+    if hasattr(args, "api_key"):
+        args.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    if hasattr(args, "enable_admin_endpoints"):
+        args.enable_admin_endpoints = (args.enable_admin_endpoints
+                                       or _env_flag("VLLM_SERVER_DEV_MODE"))
 
 
 if __name__ == "__main__":

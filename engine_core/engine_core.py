@@ -366,6 +366,7 @@ class EngineCore:
             # Both halves: the worker side holds the transfer buffers and threads.
             connector={**scheduler.connector.stats(), **self.connector_worker.stats()},
             **self._offload_stats(),
+            sleep_level=self.sleep_level,
         )
 
     def _offload_stats(self) -> dict[str, int | float]:

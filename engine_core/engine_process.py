@@ -117,6 +117,12 @@ class EngineCoreProc:
         stats = self._engine.get_stats()
         return dataclasses.replace(stats, rejected_messages=self.num_rejected_messages)
 
+    def _send_state(self) -> None:
+        """Stats now, ahead of the call's result: the API process (its heartbeat to the
+        proxy, its /metrics) sees the engine asleep or awake before the caller does."""
+        self._last_stats_time = time.monotonic()
+        self._send(EngineOutputs(outputs=[], stats=self._stats()))
+
     def _parent_alive(self) -> bool:
         return self._parent_pid is None or os.getppid() == self._parent_pid
 
@@ -161,9 +167,11 @@ class EngineCoreProc:
                     raise InvalidRequestError(f"sleep level must be an integer, got {level!r}",
                                               "level")
                 self._engine.sleep(level)
+                self._send_state()
                 result = True
             elif call.method == "wake_up":
                 self._engine.wake_up()
+                self._send_state()
                 result = True
             elif call.method == "is_sleeping":
                 result = self._engine.sleep_level > 0

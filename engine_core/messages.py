@@ -110,6 +110,7 @@ class EngineStats:
     kv_offload_stored_blocks: int = 0
     kv_offload_loaded_blocks: int = 0
     kv_offload_usage: float = 0.0
+    sleep_level: int = 0  # sleep mode: 0 awake, else the level it sleeps at
 
 
 @dataclass

@@ -34,11 +34,11 @@ def engine_factory(config: EngineConfig) -> EngineCore:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
     from engine_core.arg_utils import add_engine_args
+    from engine_core.server.server_args import add_server_arguments
 
     parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
     parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    add_server_arguments(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None,
                         help="proxy registration HOST:PORT (overrides proxy_ip/proxy_port)")
@@ -82,7 +82,8 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
         def load() -> WorkerLoad:
             s = client.latest_stats
             return WorkerLoad() if s is None else WorkerLoad(
-                s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv)
+                s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv,
+                sleeping=s.sleep_level > 0)
 
         registration = RegistrationClient(
             proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
@@ -131,7 +132,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
     from engine_core.arg_utils import engine_config_from_args
     from engine_core.errors import PdserveError
-    from engine_core.server.api_server import ServerOptions
+    from engine_core.server.server_args import server_options
 
     if args.model is None or args.demo:
         from engine_core.demo_model import demo_model_path
@@ -144,8 +145,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))
         logger.info("%s worker, kv config %s", role, json.dumps(dataclasses.asdict(
             config.kv_transfer), default=str))
-        serve_worker(config, ServerOptions(host=args.host, port=args.port),
-                     args.heartbeat_interval)
+        serve_worker(config, server_options(args), args.heartbeat_interval)
     except PdserveError as exc:
         logger.error("%s", exc)
         return 1

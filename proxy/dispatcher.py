@@ -8,8 +8,10 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   D when no other P is left (``routing.plan_route``). Each retry gets the transfer id
   ``T-retryN`` so a late KV transfer of an aborted attempt can never match the new one.
 - D (or a colocated worker) cannot be connected to: tried again without it.
-- A worker's 4xx is forwarded unchanged; D's 5xx, timeout or an empty answer before any
-  byte went out is a 502/504 with an OpenAI error body, never a 200 with an empty body.
+- A worker's 4xx is forwarded unchanged; D's 503 (asleep, not ready) before any byte went
+  out is tried again without that worker (the heartbeat that says it sleeps may still be on
+  its way); D's other 5xx, timeout or an empty answer before any byte went out is a 502/504
+  with an OpenAI error body, never a 200 with an empty body.
 - After bytes went out, an upstream failure (or a stream ending without ``[DONE]``) ends the
   stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
@@ -28,7 +30,12 @@ from aiohttp import web
 
 from engine_core.errors import NoWorkerError
 from proxy import forwarding as fw
-from proxy.errors import UpstreamError, UpstreamTimeoutError, sse_error_event
+from proxy.errors import (
+    UpstreamError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
+    sse_error_event,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
@@ -246,8 +253,15 @@ class Dispatcher:
 
     async def _forward_refusal(self, response: aiohttp.ClientResponse, leg: _Leg,
                                attempt_id: str) -> web.StreamResponse:
-        """Pass a worker's 4xx on unchanged; turn its 5xx into a 502 with an error body."""
+        """Pass a worker's 4xx on unchanged; a 503 (asleep, or not ready) is tried again
+        on another worker; any other 5xx becomes a 502 with an error body."""
         data = await fw.read_body(response, self.max_response_bytes)
+        if response.status == 503:
+            err = UpstreamUnavailableError(
+                f"{leg.role} worker {leg.worker.worker_id} is unavailable: "
+                f"{data[:300].decode(errors='replace')}")
+            leg.finish(err)
+            raise _Retry(leg.worker, err, f"{leg.role}_unavailable")
         if response.status < 500:
             leg.finish()
             return web.Response(status=response.status, body=data,

@@ -37,6 +37,13 @@ class UpstreamError(PdserveError):
         self.status = status
 
 
+class UpstreamUnavailableError(UpstreamError):
+    """A worker answered 503 (asleep, not ready) and no other could take the request (503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="status", status=503)
+
+
 class UpstreamTimeoutError(UpstreamError):
     """A worker leg ran past its deadline (HTTP 504)."""
 
@@ -52,6 +59,7 @@ _HTTP_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (OverloadedError, 429, "rate_limit_error", "too_many_requests"),
     (NoWorkerError, 503, "service_unavailable", "no_worker_available"),
     (UpstreamTimeoutError, 504, "upstream_timeout", "upstream_timeout"),
+    (UpstreamUnavailableError, 503, "service_unavailable", "worker_unavailable"),
     (UpstreamError, 502, "upstream_error", "bad_gateway"),
 ]
 

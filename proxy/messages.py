@@ -27,6 +27,7 @@ class WorkerLoad:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_waiting_for_remote_kv: int = 0
+    sleeping: bool = False  # sleep mode: asleep workers get no requests until awake
 
 
 @dataclass

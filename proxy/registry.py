@@ -59,6 +59,7 @@ class WorkerState:
                 "num_waiting": self.load.num_waiting,
                 "kv_cache_usage": self.load.kv_cache_usage,
                 "num_waiting_for_remote_kv": self.load.num_waiting_for_remote_kv,
+                "sleeping": self.load.sleeping,
             },
             "in_flight": self.in_flight,
             "num_requests": self.num_requests,
@@ -133,8 +134,9 @@ class InstanceRegistry:
 
     def candidates(self, role: str, model: str | None = None,
                    exclude: frozenset[str] | set[str] = frozenset()) -> list[WorkerState]:
-        """Routable workers of a role: not excluded, and not suspect unless all are."""
-        pool = [w for w in self.workers(role, model) if w.worker_id not in exclude]
+        """Routable workers of a role: awake, not excluded, and not suspect unless all are."""
+        pool = [w for w in self.workers(role, model)
+                if w.worker_id not in exclude and not w.load.sleeping]
         now = self._clock()
         healthy = [w for w in pool if w.suspect_until is None or now >= w.suspect_until]
         return healthy or pool

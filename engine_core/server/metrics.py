@@ -91,6 +91,8 @@ class _EngineStatsCollector(Collector):
         gauges["pdserve:kv_offload_usage_perc"] = (
             "Host KV offload usage (--kv-offloading-size). 1 means 100 percent.",
             stats.kv_offload_usage)
+        gauges["pdserve:engine_sleep_level"] = (
+            "Sleep mode: 0 awake, else the level the engine sleeps at.", stats.sleep_level)
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric(labels, value)

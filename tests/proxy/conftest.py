@@ -37,8 +37,8 @@ class FakeClock:
 class FakeWorker:
     """A small aiohttp app that mimics a pdserve worker of one role.
 
-    ``mode``: ok | error500 | error400 | hang | empty | fail_mid (D: two events then the
-    connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
+    ``mode``: ok | error500 | error400 | asleep (a sleeping worker's 503) | hang | empty |
+    fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
     50 ms for a long time).
     """
 
@@ -78,6 +78,10 @@ class FakeWorker:
             await asyncio.sleep(3600)
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "asleep":
+            return web.json_response({"error": {"message": "the engine is asleep; POST "
+                                                "/wake_up first", "type": "ServiceUnavailable",
+                                                "param": None, "code": 503}}, status=503)
         if self.mode == "error400":
             return web.json_response({"error": {"message": f"{self.role} says bad",
                                                 "type": "BadRequestError", "param": "n",

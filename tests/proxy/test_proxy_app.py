@@ -139,6 +139,26 @@ async def test_decode_failure_before_bytes_is_502(make_worker, make_proxy) -> No
             assert error["type"] == "upstream_error" and error["code"] == "bad_gateway"
 
 
+async def test_asleep_decode_is_skipped_then_503_when_none_is_awake(make_worker,
+                                                                     make_proxy) -> None:
+    """A D that answers 503 (asleep before its heartbeat says so) gets the request tried on
+    another D; with every D asleep the client gets a 503, not a 502."""
+    p, asleep, awake = await make_worker("P"), await make_worker("D", "asleep"), \
+        await make_worker("D")
+    client = await make_proxy(p, asleep, awake)
+    for stream in (False, True, False, True):
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": stream})
+        assert resp.status == 200
+        await resp.read()
+    assert len(awake.received) == 4 and asleep.received  # round robin tried it too
+    p2, lone = await make_worker("P"), await make_worker("D", "asleep")
+    client = await make_proxy(p2, lone)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 503
+    error = (await resp.json())["error"]
+    assert error["code"] == "worker_unavailable" and "asleep" in error["message"]
+
+
 async def test_decode_unreachable_is_502_after_retries(make_worker, make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D")
     client = await make_proxy(p, d)

@@ -92,6 +92,20 @@ def test_heartbeat_clears_suspicion(proxy_clock) -> None:
     assert len(registry.candidates("P")) == 2
 
 
+def test_asleep_workers_are_not_candidates(proxy_clock) -> None:
+    """A worker that reports itself asleep (sleep mode) gets no requests, even when it is
+    the only one of its role, and is routable again from its first awake heartbeat."""
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat("127.0.0.1:1"))
+    registry.heartbeat(beat("127.0.0.1:2", sleeping=True))
+    assert [w.worker_id for w in registry.candidates("P")] == ["127.0.0.1:1"]
+    registry.heartbeat(beat("127.0.0.1:1", sleeping=True))
+    assert registry.candidates("P") == []
+    assert [e["load"]["sleeping"] for e in registry.snapshot()] == [True, True]
+    registry.heartbeat(beat("127.0.0.1:2"))
+    assert [w.worker_id for w in registry.candidates("P")] == ["127.0.0.1:2"]
+
+
 def test_snapshot_is_json_ready(proxy_clock) -> None:
     registry = InstanceRegistry(clock=proxy_clock)
     registry.heartbeat(beat(num_waiting=4))

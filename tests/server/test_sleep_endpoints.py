@@ -36,6 +36,14 @@ def _get(url: str) -> dict:
         return json.loads(response.read())
 
 
+def _sleep_level_metric(url: str) -> float:
+    """``pdserve:engine_sleep_level`` from /metrics (what heartbeats to the proxy carry)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("pdserve:engine_sleep_level{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 @pytest.fixture(scope="module")
 def sleepy(demo_checkpoint: Path) -> ServerHandle:
     from engine_core.server.api_server import ServerOptions
@@ -54,11 +62,18 @@ def test_sleep_wake_round_trip(sleepy: ServerHandle) -> None:
     status, before = _post(f"{url}/v1/completions", BODY)
     assert status == 200
     assert _get(f"{url}/is_sleeping") == {"is_sleeping": False}
+    assert _sleep_level_metric(url) == 0.0
     assert _post(f"{url}/sleep?level=1")[0] == 200
+    # The engine pushed its stats ahead of the call's result: what the proxy heartbeat reads
+    # (the pushed stats, not a fresh query) says asleep before the caller hears back.
+    assert sleepy.client.latest_stats.sleep_level == 1
+    assert _sleep_level_metric(url) == 1.0
     assert _get(f"{url}/is_sleeping") == {"is_sleeping": True}
     status, body = _post(f"{url}/v1/completions", BODY)
     assert status == 503 and "asleep" in body["error"]["message"], body
     assert _post(f"{url}/wake_up")[0] == 200
+    assert sleepy.client.latest_stats.sleep_level == 0
+    assert _sleep_level_metric(url) == 0.0
     assert _get(f"{url}/is_sleeping") == {"is_sleeping": False}
     status, after = _post(f"{url}/v1/completions", BODY)
     assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]

@@ -1,0 +1,34 @@
+"""The HTTP server's flags, shared by ``pdserve serve`` and the prefill/decode workers, so
+every server takes the same ones (vLLM's names) and builds its ``ServerOptions`` one way.
+
+Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``) are folded into these
+flags by ``deploy/cli.py``, the one place that reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine_core.server.api_server import ServerOptions
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (or VLLM_API_KEY)")
+    parser.add_argument("--enable-admin-endpoints", action="store_true",
+                        help="expose /reset_prefix_cache, /sleep, /wake_up, /is_sleeping "
+                             "(or VLLM_SERVER_DEV_MODE=1)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
+                        help="largest accepted request body")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between throughput log lines (0 disables)")
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """``ServerOptions`` from the flags of ``add_server_arguments``."""
+    return ServerOptions(host=args.host, port=args.port, api_key=args.api_key or None,
+                         enable_admin_endpoints=args.enable_admin_endpoints,
+                         client_max_size=args.max_request_body_bytes,
+                         log_stats_interval_s=args.log_stats_interval)

@@ -1,0 +1,97 @@
+"""Sleep mode in a cluster: a decode worker put to sleep leaves the proxy's routing at its
+next heartbeat (requests in the gap are tried again elsewhere), and rejoins once awake.
+
+Real processes on CPU: a proxy, one prefill and two decode workers (sleep mode on, admin
+endpoints on). Every request completes with the same greedy text throughout.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cluster_harness import (
+    Cluster,
+    build_tiny_checkpoint,
+    check_matches,
+    mixed_requests,
+    run_all,
+    scrape,
+)
+
+HEARTBEAT_S = 1.0
+
+
+def _post(url: str) -> int:
+    request = urllib.request.Request(url, method="POST", data=b"")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status
+
+
+def _sleeping(cluster: Cluster, address: str) -> bool:
+    (entry,) = [w for w in cluster.instances() if w["http_address"] == address]
+    return entry["load"]["sleeping"]
+
+
+def _wait_sleeping(cluster: Cluster, address: str, want: bool) -> float:
+    """Seconds until the proxy's view of ``address`` says ``want``."""
+    start = time.monotonic()
+    while _sleeping(cluster, address) != want:
+        assert time.monotonic() - start < 5 * HEARTBEAT_S, f"{address} still not {want}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _successes(address: str) -> float:
+    return scrape(address).get("vllm:request_success_total", 0.0)
+
+
+def _retries(cluster: Cluster) -> float:
+    """The proxy's retried attempts (every reason): a 503 from an asleep worker is one."""
+    return scrape(cluster.url.removeprefix("http://")).get("pdserve:proxy_retries_total", 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_asleep_decode_worker_leaves_and_rejoins_routing(tmp_path: Path) -> None:
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=2,
+                            heartbeat_s=HEARTBEAT_S)
+    _, decode0, decode1 = cluster.workers
+    for worker in cluster.workers:
+        worker.argv += ["--enable-sleep-mode", "--enable-admin-endpoints"]
+    reqs = mixed_requests(8)
+    try:
+        cluster.start([cluster.proxy, *cluster.workers])
+        cluster.wait_ready([cluster.proxy, *cluster.workers])
+        want = run_all(cluster.url, reqs)
+        assert all(o.ok for o in want), want
+        assert _successes(decode0.http_address) > 0  # round robin used both
+
+        # Asleep: requests sent at once (before the heartbeat) are retried on decode1; then
+        # the proxy stops routing to decode0 altogether.
+        assert _post(f"http://{decode0.http_address}/sleep?level=1") == 200
+        gap = run_all(cluster.url, reqs)
+        check_matches(reqs, gap, want)
+        _wait_sleeping(cluster, decode0.http_address, True)
+        served, retried = _successes(decode0.http_address), _retries(cluster)
+        asleep = run_all(cluster.url, reqs)
+        check_matches(reqs, asleep, want)
+        assert _successes(decode0.http_address) == served
+        assert _retries(cluster) == retried  # not even tried: it is out of the routing
+
+        # Awake again: routable from its next heartbeat, and it answers as before.
+        assert _post(f"http://{decode0.http_address}/wake_up") == 200
+        _wait_sleeping(cluster, decode0.http_address, False)
+        awake = run_all(cluster.url, reqs)
+        check_matches(reqs, awake, want)
+        assert _successes(decode0.http_address) > served
+        assert _successes(decode1.http_address) > 0
+    except Exception:
+        print(cluster.logs())
+        raise
+    finally:
+        cluster.stop()

@@ -315,7 +315,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if self._in_flight is not None and (
                 not self.async_scheduling or self.runner.needs_token_history(scheduler_output)):
-            outputs = self._complete(*self._in_flight)
+            outputs += self._complete(*self._in_flight)
             self._in_flight = None
         launched = self.runner.launch(scheduler_output)
         if self._in_flight is not None:

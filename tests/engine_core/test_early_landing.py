@@ -38,10 +38,12 @@ class _Landing(NullConnectorWorker):
     def __init__(self, early: bool) -> None:
         self.early = early
         self.arrived: set[str] = set()
+        self.failed: set[str] = set()
 
     def _take(self) -> FinishedTransfers:
         landed, self.arrived = self.arrived, set()
-        return FinishedTransfers(recving=landed)
+        failed, self.failed = self.failed, set()
+        return FinishedTransfers(recving=landed, failed_recving=failed)
 
     def land_loads(self) -> FinishedTransfers:
         return self._take() if self.early else FinishedTransfers()
@@ -84,3 +86,29 @@ def test_landed_request_runs_in_the_next_step(tiny_checkpoint, async_scheduling:
     # Reported after a step, it was seen a step later; under async scheduling with other
     # requests decoding (a step always in flight), scheduled another step later still.
     assert late == early + (2 if async_scheduling and busy else 1)
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+def test_a_load_failed_before_the_pass_is_answered(tiny_checkpoint, penalties: bool) -> None:
+    """Under kv_load_failure_policy "fail", a load reported failed before the pass ends its
+    request with an error in that step's outputs, next to another request's tokens (with
+    penalties the step in flight is collected before the launch: both paths keep it)."""
+    worker = _Landing(early=True)
+    config = EngineConfig.from_kwargs(
+        str(tiny_checkpoint("qwen3")), num_gpu_blocks_override=32, async_scheduling=True,
+        kv_transfer_config={"kv_connector": "P2pNcclConnector", "kv_role": "kv_consumer",
+                            "kv_load_failure_policy": "fail"})
+    engine = EngineCore(config, connector=(_RemotePrompt(), worker))
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    busy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
+                          repetition_penalty=1.2 if penalties else 1.0)
+    engine.add_request(AddRequest("busy", list(range(5, 20)), busy.to_dict(), 0.0))
+    engine.step()
+    engine.add_request(AddRequest("remote", list(range(3, 40)), greedy.to_dict(), 0.0))
+    engine.step()
+    assert "remote" in engine.scheduler.parked
+    worker.failed = {"remote"}
+    outputs = engine.step()
+    (failed,) = [o for o in outputs if o.request_id == "remote"]
+    assert failed.finish_reason == "error" and failed.error
+    assert any(o.request_id == "busy" and o.new_token_ids for o in outputs)

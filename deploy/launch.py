@@ -197,7 +197,9 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         else:
             device_args = ["--device", "cpu"]
             env.update(cpu_env)
-        argv = [sys.executable, "-m", module, args.model, "--host", HOST, "--port",
+        # Through the pdserve command, as the colocated workers: it folds vLLM's environment
+        # variables (VLLM_SERVER_DEV_MODE, VLLM_API_KEY) into the worker's server flags.
+        argv = [sys.executable, "-m", "deploy.cli", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
                 "--heartbeat-interval", str(args.heartbeat_interval),
                 *device_args, *engine_args]

@@ -1,8 +1,8 @@
 """Sleep mode in a cluster: a decode worker put to sleep leaves the proxy's routing at its
 next heartbeat (requests in the gap are tried again elsewhere), and rejoins once awake.
 
-Real processes on CPU: a proxy, one prefill and two decode workers (sleep mode on, admin
-endpoints on). Every request completes with the same greedy text throughout.
+Real processes on CPU: a proxy, one prefill and two decode workers as ``pdserve launch``
+builds them (sleep mode on; admin endpoints on through ``VLLM_SERVER_DEV_MODE=1``). Every request completes with the same greedy text throughout.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def test_asleep_decode_worker_leaves_and_rejoins_routing(tmp_path: Path) -> None
                             heartbeat_s=HEARTBEAT_S)
     _, decode0, decode1 = cluster.workers
     for worker in cluster.workers:
-        worker.argv += ["--enable-sleep-mode", "--enable-admin-endpoints"]
+        worker.argv += ["--enable-sleep-mode"]
+        # vLLM's switch for the admin endpoints, as a launched worker inherits it.
+        worker.env = {**worker.env, "VLLM_SERVER_DEV_MODE": "1"}
     reqs = mixed_requests(8)
     try:
         cluster.start([cluster.proxy, *cluster.workers])

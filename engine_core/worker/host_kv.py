@@ -15,6 +15,7 @@ stream order.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -32,8 +33,8 @@ class HostKVStore:
         self.device = stacked.device
         self._cuda = stacked.is_cuda
         shape = (stacked.shape[0], 2, num_slots, *stacked.shape[3:])
-        nbytes = stacked.element_size() * stacked[0, 0, 0].numel() * stacked.shape[0] * 2 * num_slots
-        self._memory = HostBuffer(nbytes, pinned=self._cuda)  # exact size, GPU-addressable
+        # Exact size, GPU-addressable.
+        self._memory = HostBuffer(math.prod(shape) * stacked.dtype.itemsize, pinned=self._cuda)
         self.store = self._memory.view(0, shape, stacked.dtype)
         self.tier = tier
         self._downloads: deque[tuple[torch.cuda.Event, list[int]]] = deque()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -183,10 +184,7 @@ class MemoryArena:
 
     def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The next free ``shape`` of ``dtype`` (contiguous, 256-byte aligned)."""
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         start = self._next
         if start + nbytes > self.nbytes:
             raise ValueError(f"arena of {self.nbytes} bytes has no room for {nbytes} more")
@@ -196,8 +194,7 @@ class MemoryArena:
     @staticmethod
     def size_of(shapes: list[tuple[torch.Size, torch.dtype]]) -> int:
         """Bytes an arena needs to ``take`` every one of ``shapes`` in turn."""
-        return sum(-(-s.numel() * torch.empty((), dtype=d).element_size() // _ALIGN) * _ALIGN
-                   for s, d in shapes)
+        return sum(-(-s.numel() * d.itemsize // _ALIGN) * _ALIGN for s, d in shapes)
 
     def release(self) -> None:
         """Give the backing memory back; views stay valid objects but must not be touched."""

@@ -11,6 +11,7 @@ collected.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -47,8 +48,5 @@ class HostBuffer:
     def view(self, offset: int, shape: tuple[int, ...] | torch.Size,
              dtype: torch.dtype) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` at byte ``offset`` (aligned to the element size)."""
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         return self.tensor[offset:offset + nbytes].view(dtype).view(shape)

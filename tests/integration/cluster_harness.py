@@ -130,6 +130,11 @@ def scrape(http_address: str) -> dict[str, float]:
         return parse_metrics(response.read().decode())
 
 
+def request_successes(http_address: str) -> float:
+    """Requests a worker completed so far (its ``vllm:request_success_total``)."""
+    return scrape(http_address).get("vllm:request_success_total", 0.0)
+
+
 @dataclass
 class Cluster:
     """A proxy and its workers, built by ``deploy.launch.build_children``; started by the test."""

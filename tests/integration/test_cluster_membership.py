@@ -26,6 +26,7 @@ from tests.integration.cluster_harness import (
     check_matches,
     check_usage,
     mixed_requests,
+    request_successes,
     run_all,
     scrape,
     send_all,
@@ -47,10 +48,6 @@ def _registration_sent_at(log: Path) -> float:
     assert stamp, line
     parsed = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
     return parsed.timestamp()
-
-
-def _successes(address: str) -> float:
-    return scrape(address).get("vllm:request_success_total", 0.0)
 
 
 @dataclass
@@ -145,7 +142,7 @@ def test_late_worker_used_within_one_heartbeat_and_dead_decode_dropped(tmp_path:
         while used is None and time.time() - sent < 30:
             # Two at once: round robin over two decode workers gives decode1 one of them.
             probes += run_all(cluster.url, reqs[:2])
-            if _successes(decode1.http_address) > 0:
+            if request_successes(decode1.http_address) > 0:
                 used = time.time()
         assert all(o.ok for o in probes), probes
         assert used is not None, cluster.logs()

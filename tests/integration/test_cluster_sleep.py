@@ -18,6 +18,7 @@ from tests.integration.cluster_harness import (
     build_tiny_checkpoint,
     check_matches,
     mixed_requests,
+    request_successes,
     run_all,
     scrape,
 )
@@ -45,10 +46,6 @@ def _wait_sleeping(cluster: Cluster, address: str, want: bool) -> float:
     return time.monotonic() - start
 
 
-def _successes(address: str) -> float:
-    return scrape(address).get("vllm:request_success_total", 0.0)
-
-
 def _retries(cluster: Cluster) -> float:
     """The proxy's retried attempts (every reason): a 503 from an asleep worker is one."""
     return scrape(cluster.url.removeprefix("http://")).get("pdserve:proxy_retries_total", 0.0)
@@ -71,7 +68,7 @@ def test_asleep_decode_worker_leaves_and_rejoins_routing(tmp_path: Path) -> None
         cluster.wait_ready([cluster.proxy, *cluster.workers])
         want = run_all(cluster.url, reqs)
         assert all(o.ok for o in want), want
-        assert _successes(decode0.http_address) > 0  # round robin used both
+        assert request_successes(decode0.http_address) > 0  # round robin used both
 
         # Asleep: requests sent at once (before the heartbeat) are retried on decode1; then
         # the proxy stops routing to decode0 altogether.
@@ -79,10 +76,10 @@ def test_asleep_decode_worker_leaves_and_rejoins_routing(tmp_path: Path) -> None
         gap = run_all(cluster.url, reqs)
         check_matches(reqs, gap, want)
         _wait_sleeping(cluster, decode0.http_address, True)
-        served, retried = _successes(decode0.http_address), _retries(cluster)
+        served, retried = request_successes(decode0.http_address), _retries(cluster)
         asleep = run_all(cluster.url, reqs)
         check_matches(reqs, asleep, want)
-        assert _successes(decode0.http_address) == served
+        assert request_successes(decode0.http_address) == served
         assert _retries(cluster) == retried  # not even tried: it is out of the routing
 
         # Awake again: routable from its next heartbeat, and it answers as before.
@@ -90,8 +87,8 @@ def test_asleep_decode_worker_leaves_and_rejoins_routing(tmp_path: Path) -> None
         _wait_sleeping(cluster, decode0.http_address, False)
         awake = run_all(cluster.url, reqs)
         check_matches(reqs, awake, want)
-        assert _successes(decode0.http_address) > served
-        assert _successes(decode1.http_address) > 0
+        assert request_successes(decode0.http_address) > served
+        assert request_successes(decode1.http_address) > 0
     except Exception:
         print(cluster.logs())
         raise

@@ -233,6 +233,7 @@ def test_producer_restarted_at_same_address() -> None:
     assert "ok" in {results[s["request_id"]] for s in again}
     assert_idle(consumer)
     assert producer is not None
+    # Pulls queued for the dead process may reach the new one (whether ZMQ still holds them
+    # depends on reconnect timing): such orphans are freed by their TTL, so the new producer
+    # ends idle either way (the TTL itself: test_p2p_units, orphan pull test).
     assert_idle(producer)
-    # Pulls queued for the dead process reached the new one: they are orphans, freed by TTL.
-    assert producer["worker_stats"]["registrations_expired"] >= 1

@@ -238,8 +238,12 @@ class AsyncEngineClient:
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling_params: SamplingParams,
                        kv_transfer_params: dict[str, Any] | None = None,
+                       generated_token_ids: Sequence[int] = (),
                        ) -> AsyncIterator[EngineOutput]:
-        """Stream the engine's outputs for one request; abort it if the caller stops early."""
+        """Stream the engine's outputs for one request; abort it if the caller stops early.
+
+        ``generated_token_ids``: output tokens sampled elsewhere that the request continues
+        after (see ``AddRequest``)."""
         if self._dead is not None:
             raise self._dead
         if request_id in self._queues:
@@ -251,7 +255,8 @@ class AsyncEngineClient:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                                   sampling_params=sampling_params.to_dict(),
                                   arrival_time=time.monotonic(),
-                                  kv_transfer_params=kv_transfer_params))
+                                  kv_transfer_params=kv_transfer_params,
+                                  generated_token_ids=list(generated_token_ids)))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -251,6 +251,10 @@ class EngineCore:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        generated = msg.generated_token_ids
+        if generated and (min(generated) < 0 or max(generated) >= self.vocab_size):
+            raise InvalidRequestError(
+                f"generated token ids must be in [0, {self.vocab_size})", "kv_transfer_params")
         params = SamplingParams.from_dict(msg.sampling_params)
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
@@ -264,18 +268,25 @@ class EngineCore:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
                 f"prompt, {params.max_tokens} for the completion).", "max_tokens")
+        if len(generated) > params.max_tokens:
+            raise InvalidRequestError(
+                f"{len(generated)} tokens were already generated, more than max_tokens "
+                f"({params.max_tokens})", "max_tokens")
         return params
 
     def add_request(self, msg: AddRequest) -> None:
         params = self.validate(msg)
-        self.scheduler.add_request(Request(
+        request = Request(
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=msg.arrival_time,
             kv_transfer_params=msg.kv_transfer_params,
-        ))
+        )
+        for token_id in msg.generated_token_ids:
+            request.append_token(token_id)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

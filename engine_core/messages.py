@@ -17,6 +17,10 @@ class AddRequest:
     sampling_params: dict[str, Any]
     arrival_time: float
     kv_transfer_params: dict[str, Any] | None = None
+    # Output tokens sampled elsewhere that the client already has (a prefill worker's first
+    # token, streamed by the proxy): the request continues after them, counting them as
+    # output (max_tokens, min_tokens, penalties, seeded positions, stop checks).
+    generated_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

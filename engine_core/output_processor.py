@@ -98,6 +98,14 @@ class RequestState:
                    sampling_params=sampling_params, detokenizer=detokenizer,
                    token_texts=token_texts or TokenTextCache(tokenizer))
 
+    def assume_delivered(self, token_ids: Sequence[int]) -> None:
+        """Fold in output tokens whose text the client already received (a prefill worker's
+        first token, streamed by the proxy): they count as output, their text is not sent
+        again, and later deltas are exactly what an uninterrupted stream would carry."""
+        update = self.detokenizer.update(list(token_ids), finished=False)
+        self.output_token_ids.extend(token_ids)
+        self.output_text += update.text
+
     def _logprob_entries(self, logprobs: list[TokenLogprob]) -> list[LogprobEntry]:
         entries = []
         for lp in logprobs:

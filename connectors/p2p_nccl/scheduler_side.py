@@ -130,11 +130,18 @@ class P2pConnectorScheduler:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Producer: hold the blocks while a send is due or running; consumer: cancel loads."""
+        """Producer: hold the blocks while a send is due or running; consumer: cancel loads,
+        or tell the producer to drop what it keeps when no load was ever asked for (a request
+        aborted while queued, or finished by the token it continues from)."""
         request_id = request.request_id
+        asked = request_id in self._loaded
         self._loaded.discard(request_id)
         if self._new_loads.pop(request_id, None) is not None or self._loading.pop(request_id, None):
             self._cancels.append(request_id)
+        elif not asked and self._config.is_consumer:
+            remote = _remote_params(request, "do_remote_prefill")
+            if remote is not None:
+                self._releases.append(PeerNotice(remote[0], remote[1]))
         state = self._producing.pop(request_id, None)
         if state is None:
             return False, None

@@ -69,9 +69,17 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; one continuing after output tokens sampled elsewhere finishes
+        at once when its last such token ends it (a stop token, max_tokens)."""
         self.requests[request.request_id] = request
-        self.waiting.append(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
+        if request.num_output_tokens:
+            status = self._check_stop(request, request.token_ids[-1])
+            if status is not None:
+                self._finish(request, status)
+                self._pending_outputs.append(self._make_output(request, []))
+                return
+        self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests as aborted wherever they are; unknown ids are ignored."""

@@ -277,6 +277,24 @@ def test_consumer_abort_while_loading_cancels() -> None:
     assert sched.is_idle()
 
 
+def test_consumer_finished_before_asking_releases_the_producer() -> None:
+    """Aborted while queued, or ended by the token it continues from: P is told to drop
+    the blocks it holds for the transfer at once (not at its lease's end); once only."""
+    sched = _sched("kv_consumer")
+    req = _req("r", 10, "do_remote_prefill", transfer_id="T9")
+    assert sched.request_finished(req, []) == (False, None)
+    (notice,) = sched.build_connector_meta(_out()).releases
+    assert (notice.transfer_id, notice.peer_address) == ("T9", "h:1")
+    assert sched.is_idle()
+    # A request that did ask (its load landed) sends nothing more.
+    sched.update_state_after_alloc(req, [1, 2, 3], 0, 9)
+    sched.build_connector_meta(_out())
+    sched.update_finished(FinishedTransfers(recving={"r"}))
+    sched.request_finished(req, [1, 2, 3])
+    assert not sched.build_connector_meta(_out()).releases
+    assert sched.is_idle()
+
+
 def test_consumer_failed_load_then_recompute() -> None:
     sched = _sched("kv_consumer")
     req = _req("r", 10, "do_remote_prefill")
@@ -388,5 +406,29 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
         stacked = stack_layers(caches)
         for layer, (out, _) in enumerate((first, second)):
             assert torch.equal(out[0].view(torch.int16), stacked[layer][:, [4, 11, 2]].view(torch.int16))
+    finally:
+        worker.shutdown()
+
+
+def test_orphan_pull_is_dropped_after_its_ttl() -> None:
+    """A pull for a transfer this producer never saves (it was meant for a dead process at
+    the same address) is kept for ``orphan_ttl_s``, then dropped and counted."""
+    from connectors.p2p_nccl import worker_side
+
+    now = [100.0]
+    worker = worker_side.P2pConnectorWorker(
+        KVTransferConfig(kv_role="kv_producer", kv_port=free_port(), orphan_ttl_s=4.0), "cpu",
+        clock=lambda: now[0])
+    try:
+        worker.register_kv_caches(_stacked_cache(2, 16, torch.bfloat16,
+                                                 torch.Generator().manual_seed(5)))
+        worker._on_pull(_pull(transfer_id="orphan"))
+        assert not worker.is_idle()
+        now[0] += 3.9
+        worker.get_finished()
+        assert worker.stats()["registrations_expired"] == 0 and not worker.is_idle()
+        now[0] += 0.2
+        worker.get_finished()
+        assert worker.stats()["registrations_expired"] == 1 and worker.is_idle()
     finally:
         worker.shutdown()

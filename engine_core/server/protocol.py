@@ -7,7 +7,7 @@ are refused rather than silently ignored, so typos and unsupported features are 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.errors import InvalidRequestError
@@ -33,6 +33,24 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_co
 Prompt = str | list[int]
 
 
+# At most this many output tokens may come from elsewhere (the proxy sends one).
+MAX_GENERATED_TOKENS = 16
+
+
+@dataclass
+class Handoff:
+    """The proxy's first-token handoff between a prefill and a decode worker.
+
+    ``first_events``: a prefill worker adds the stream's first events (for its sampled
+    token) to its answer, for the proxy to send before any decode worker is involved.
+    ``generated_token_ids``: a decode worker continues after these output tokens, whose
+    text the client already has, and streams only what follows them.
+    """
+
+    first_events: bool = False
+    generated_token_ids: list[int] = field(default_factory=list)
+
+
 @dataclass
 class CompletionRequest:
     """A validated /v1/completions body; ``prompts`` holds one entry per choice."""
@@ -43,6 +61,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    handoff: Handoff
 
 
 @dataclass
@@ -56,6 +75,7 @@ class ChatCompletionRequest:
     include_usage: bool
     add_generation_prompt: bool
     kv_transfer_params: dict[str, Any] | None
+    handoff: Handoff
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -119,6 +139,26 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
     return _typed(body, "kv_transfer_params", (dict,), None)
+
+
+def _handoff(params: dict[str, Any] | None) -> Handoff:
+    """The handoff fields of ``kv_transfer_params`` (validated; absent means none)."""
+    if not params:
+        return Handoff()
+    first_events = params.get("first_token_events", False)
+    if not isinstance(first_events, bool):
+        raise InvalidRequestError("kv_transfer_params.first_token_events must be a boolean",
+                                  "kv_transfer_params")
+    generated = params.get("generated_token_ids", [])
+    if (not isinstance(generated, list) or len(generated) > MAX_GENERATED_TOKENS
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in generated)):
+        raise InvalidRequestError(
+            "kv_transfer_params.generated_token_ids must be a list of at most "
+            f"{MAX_GENERATED_TOKENS} non-negative token ids", "kv_transfer_params")
+    if first_events and generated:
+        raise InvalidRequestError("kv_transfer_params: first_token_events and "
+                                  "generated_token_ids exclude each other", "kv_transfer_params")
+    return Handoff(first_events, list(generated))
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
@@ -201,8 +241,11 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     stream, include_usage = _stream_options(body)
     logprobs = _check_logprobs(body.get("logprobs"), "logprobs")
     params = _sampling_params(body, _max_tokens(body, ("max_tokens",), 16), logprobs)
-    return CompletionRequest(model, prompts, params, stream, include_usage,
-                             _kv_transfer_params(body))
+    kv_params = _kv_transfer_params(body)
+    handoff = _handoff(kv_params)
+    if (handoff.first_events or handoff.generated_token_ids) and len(prompts) != 1:
+        raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
+    return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff)
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -255,8 +298,9 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     params = _sampling_params(body, max_tokens, logprobs)
     add_generation_prompt = _typed(body, "add_generation_prompt", (bool,), True)
+    kv_params = _kv_transfer_params(body)
     return ChatCompletionRequest(model, messages, params, stream, include_usage,
-                                 add_generation_prompt, _kv_transfer_params(body))
+                                 add_generation_prompt, kv_params, _handoff(kv_params))
 
 
 def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool, bool]:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
-from engine_core.messages import RequestTimings
+from engine_core.messages import EngineOutput, RequestTimings
 from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol, streaming
@@ -119,6 +119,37 @@ def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
         for e in entries]}
 
 
+def _completion_chunk(head: dict[str, Any], index: int, delta: RequestDelta, offset: int,
+                      want_logprobs: bool) -> dict[str, Any]:
+    """One /v1/completions stream chunk; ``offset`` is the choice's text length before it."""
+    return {**head, "choices": [{
+        "index": index, "text": delta.text,
+        "logprobs": (_completion_logprobs(delta.logprobs or [], offset)
+                     if want_logprobs else None),
+        "finish_reason": delta.finish_reason if delta.finished else None,
+        "stop_reason": delta.stop_reason if delta.finished else None}]}
+
+
+def _chat_role_chunk(head: dict[str, Any]) -> dict[str, Any]:
+    """The first chunk of a chat stream: the assistant role, no content yet."""
+    return {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}]}
+
+
+def _chat_chunk(head: dict[str, Any], delta: RequestDelta, want_logprobs: bool) -> dict[str, Any]:
+    """One /v1/chat/completions stream chunk."""
+    return {**head, "choices": [{
+        "index": 0, "delta": {"content": delta.text} if delta.text else {},
+        "logprobs": _chat_logprobs(delta.logprobs or []) if want_logprobs else None,
+        "finish_reason": delta.finish_reason if delta.finished else None,
+        "stop_reason": delta.stop_reason if delta.finished else None}]}
+
+
+def _worth_a_chunk(delta: RequestDelta) -> bool:
+    """Deltas with nothing to say (text held back, no logprobs, not finished) send nothing."""
+    return bool(delta.text or delta.finished or delta.logprobs)
+
+
 def _add_server_timings(response: dict[str, Any], choices: list[_ChoiceResult]) -> None:
     """``pdserve_timings``: a dict for one choice, a list (by index) for several."""
     now_monotonic, now_unix = time.monotonic(), time.time()
@@ -152,16 +183,21 @@ class OpenAIServing:
     # ---- generation ---------------------------------------------------------------------
 
     async def _generate(self, job: _Job, params: SamplingParams,
-                        kv_transfer_params: dict[str, Any] | None) -> AsyncIterator[RequestDelta]:
-        """Deltas of one engine request, with metrics; stops the engine on a stop string."""
+                        kv_transfer_params: dict[str, Any] | None,
+                        generated: list[int]) -> AsyncIterator[RequestDelta]:
+        """Deltas of one engine request, with metrics; stops the engine on a stop string.
+
+        A request continuing after ``generated`` tokens (the client got their text from
+        the prefill worker, which observed the time to first token) streams what follows."""
         state = RequestState.create(job.request_id, job.prompt_token_ids, params,
                                     self.tokenizer.tokenizer, self._token_texts)
+        state.assume_delivered(generated)
         arrival = time.monotonic()
         last_token_time: float | None = None
         finish_reason, num_output = None, 0
         try:
             outputs = self.client.generate(job.request_id, job.prompt_token_ids, params,
-                                           kv_transfer_params)
+                                           kv_transfer_params, generated)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     delta = state.process(output)
@@ -169,10 +205,10 @@ class OpenAIServing:
                         continue
                     now = time.monotonic()
                     if delta.token_ids:
-                        if last_token_time is None:
-                            self.metrics.observe_first_token(now - arrival)
-                        else:
+                        if last_token_time is not None:
                             self.metrics.observe_inter_token(now - last_token_time)
+                        elif not generated:
+                            self.metrics.observe_first_token(now - arrival)
                         last_token_time = now
                     num_output = delta.num_output_tokens
                     if delta.finished:
@@ -189,14 +225,19 @@ class OpenAIServing:
                                           len(job.prompt_token_ids), num_output)
 
     async def _run_jobs(self, jobs: list[_Job], params: SamplingParams,
-                        kv_transfer_params: dict[str, Any] | None
-                        ) -> AsyncIterator[tuple[int, RequestDelta]]:
+                        kv_transfer_params: dict[str, Any] | None,
+                        handoff: protocol.Handoff) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) of all jobs, interleaved as they arrive."""
         queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+        if handoff.generated_token_ids and (params.stop or params.logprobs is not None):
+            # The client holds no held-back stop-string text or logprobs for those tokens.
+            raise InvalidRequestError("generated_token_ids cannot be combined with stop "
+                                      "strings or logprobs", "kv_transfer_params")
 
         async def pump(index: int, job: _Job) -> None:
             try:
-                async for delta in self._generate(job, params, kv_transfer_params):
+                async for delta in self._generate(job, params, kv_transfer_params,
+                                                  handoff.generated_token_ids):
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except Exception as exc:
@@ -233,7 +274,8 @@ class OpenAIServing:
         request_id = request[REQUEST_ID_KEY]
         prompts = [self.tokenizer.encode_prompt(p) for p in parsed.prompts]
         jobs = self._jobs(request_id, prompts, parsed.sampling_params)
-        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params)
+        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params,
+                                parsed.handoff)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         headers = {"X-Request-Id": request_id}
@@ -250,6 +292,11 @@ class OpenAIServing:
                     for i, c in enumerate(choices)], "usage": _usage(choices)}
                 self._add_kv_transfer_params(response, choices)
                 _add_server_timings(response, choices)
+                if parsed.handoff.first_events:
+                    first = self._first_delta(jobs[0], parsed.sampling_params, choices[0])
+                    chunks = [] if first is None or not _worth_a_chunk(first) else [
+                        _completion_chunk(head, 0, first, 0, want_logprobs)]
+                    self._add_first_token(response, first, chunks)
                 return web.json_response(response, headers=headers)
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
@@ -261,14 +308,9 @@ class OpenAIServing:
                         choice = choices[index]
                         offset = len(choice.text)
                         choice.add(delta)
-                        if not (delta.text or delta.finished or delta.logprobs):
+                        if not _worth_a_chunk(delta):
                             continue
-                        chunk = {**head, "choices": [{
-                            "index": index, "text": delta.text,
-                            "logprobs": (_completion_logprobs(delta.logprobs or [], offset)
-                                         if want_logprobs else None),
-                            "finish_reason": delta.finish_reason if delta.finished else None,
-                            "stop_reason": delta.stop_reason if delta.finished else None}]}
+                        chunk = _completion_chunk(head, index, delta, offset, want_logprobs)
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
                             _add_server_timings(chunk, [choice])
@@ -293,8 +335,10 @@ class OpenAIServing:
         request_id = request[REQUEST_ID_KEY]
         prompt = self.tokenizer.encode_chat(parsed.messages, parsed.add_generation_prompt)
         jobs = self._jobs(request_id, [prompt], parsed.sampling_params)
-        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params)
+        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params,
+                                parsed.handoff)
         head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
+        chunk_head = {**head, "object": "chat.completion.chunk"}
         headers = {"X-Request-Id": request_id}
         want_logprobs = parsed.sampling_params.logprobs is not None
         choice = _ChoiceResult()
@@ -309,37 +353,64 @@ class OpenAIServing:
                     "usage": _usage([choice])}
                 self._add_kv_transfer_params(response, [choice])
                 _add_server_timings(response, [choice])
+                if parsed.handoff.first_events:
+                    first = self._first_delta(jobs[0], parsed.sampling_params, choice)
+                    chunks = [_chat_role_chunk(chunk_head)]
+                    if first is not None and _worth_a_chunk(first):
+                        chunks.append(_chat_chunk(chunk_head, first, want_logprobs))
+                    self._add_first_token(response, first, chunks)
                 return web.json_response(response, headers=headers)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
-            head = {**head, "object": "chat.completion.chunk"}
             try:
-                await streaming.send_event(sse, {**head, "choices": [{
-                    "index": 0, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]})
+                if not parsed.handoff.generated_token_ids:  # else the proxy sent the role
+                    await streaming.send_event(sse, _chat_role_chunk(chunk_head))
                 item = first
                 while item is not None:
                     _, delta = item
                     choice.add(delta)
-                    if delta.text or delta.finished or delta.logprobs:
-                        chunk = {**head, "choices": [{
-                            "index": 0, "delta": {"content": delta.text} if delta.text else {},
-                            "logprobs": (_chat_logprobs(delta.logprobs or [])
-                                         if want_logprobs else None),
-                            "finish_reason": delta.finish_reason if delta.finished else None,
-                            "stop_reason": delta.stop_reason if delta.finished else None}]}
+                    if _worth_a_chunk(delta):
+                        chunk = _chat_chunk(chunk_head, delta, want_logprobs)
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
                             _add_server_timings(chunk, [choice])
                         await streaming.send_event(sse, chunk)
                     item = await anext(events, None)
                 if parsed.include_usage:
-                    await streaming.send_event(sse, {**head, "choices": [],
+                    await streaming.send_event(sse, {**chunk_head, "choices": [],
                                                      "usage": _usage([choice])})
             except Exception as exc:
                 await self._stream_error(sse, request_id, exc)
             await streaming.send_done(sse)
             return sse
+
+    # ---- first-token handoff (prefill worker) -------------------------------------------
+
+    def _first_delta(self, job: _Job, params: SamplingParams,
+                     choice: _ChoiceResult) -> RequestDelta | None:
+        """What a stream would have sent for this answer's first token, had the request
+        gone on: its text with stop-string hold-back applied, not flushed as a finished
+        answer's is. None when nothing was sampled."""
+        if not choice.token_ids:
+            return None
+        state = RequestState.create(job.request_id, job.prompt_token_ids, params,
+                                    self.tokenizer.tokenizer, self._token_texts)
+        delta = state.process(EngineOutput(
+            request_id=job.request_id, new_token_ids=choice.token_ids[:1],
+            num_prompt_tokens=choice.num_prompt_tokens, num_cached_tokens=choice.num_cached_tokens,
+            new_logprobs=[]))
+        if delta is not None and params.logprobs is not None:
+            delta.logprobs = choice.logprobs[:1]
+        return delta
+
+    @staticmethod
+    def _add_first_token(response: dict[str, Any], first: RequestDelta | None,
+                         chunks: list[dict[str, Any]]) -> None:
+        """``pdserve_first_token``: the token the decode worker continues after, and the
+        stream events that carry it to the client (sent by the proxy as they are)."""
+        if first is None:
+            return
+        response["pdserve_first_token"] = {"token_ids": first.token_ids, "events": chunks}
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -43,6 +43,31 @@ CASES = [
     ("stop wrong type", C, {"prompt": "hi", "stop": 3}, 400),
     ("presence_penalty out of range", C, {"prompt": "hi", "presence_penalty": 5}, 400),
     ("kv_transfer_params wrong type", C, {"prompt": "hi", "kv_transfer_params": "x"}, 400),
+    ("generated_token_ids wrong type", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": "7"}}, 400),
+    ("generated_token_ids bool", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": [True]}}, 400),
+    ("generated_token_ids negative", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": [-1]}}, 400),
+    ("generated_token_ids too many", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": [1] * 17}}, 400),
+    ("generated_token_ids beyond vocab", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": [10_000_000]}}, 400),
+    ("generated_token_ids beyond max_tokens", C, {"prompt": "hi", "max_tokens": 1,
+                                                  "kv_transfer_params": {
+                                                      "generated_token_ids": [1, 2]}}, 400),
+    ("generated_token_ids with stop strings", C, {"prompt": "hi", "stop": ["x"],
+                                                  "kv_transfer_params": {
+                                                      "generated_token_ids": [1]}}, 400),
+    ("generated_token_ids with logprobs", CHAT, {"messages": OK_MSG, "logprobs": True,
+                                                 "kv_transfer_params": {
+                                                     "generated_token_ids": [1]}}, 400),
+    ("generated_token_ids with a prompt batch", C, {"prompt": ["a", "b"], "kv_transfer_params": {
+        "generated_token_ids": [1]}}, 400),
+    ("first_token_events wrong type", C, {"prompt": "hi", "kv_transfer_params": {
+        "first_token_events": "yes"}}, 400),
+    ("first_token_events with generated_token_ids", C, {"prompt": "hi", "kv_transfer_params": {
+        "first_token_events": True, "generated_token_ids": [1]}}, 400),
     ("chat missing messages", CHAT, {"model": MODEL_NAME}, 400),
     ("chat empty messages", CHAT, {"messages": []}, 400),
     ("chat unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),

@@ -1,0 +1,80 @@
+"""The two server halves of the first-token handoff, on one real server.
+
+A request answered for one token with ``first_token_events`` returns the stream events of
+that token; the same request continued with ``generated_token_ids`` streams the rest. Sent
+one after the other, the two must carry exactly the text, finish reason and usage of the
+uninterrupted stream, with one chat role chunk in all (the proxy glues them the same way).
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+MSG = [{"role": "user", "content": "tell me about the sea and the ships"}]
+CASES = {
+    "completions": ("/v1/completions", {"prompt": "The quick brown fox jumps over"}),
+    "chat": ("/v1/chat/completions", {"messages": MSG}),
+    "chat seeded": ("/v1/chat/completions", {"messages": MSG, "temperature": 1.0, "seed": 3}),
+    "penalties": ("/v1/completions", {"prompt": "a b a b a b a", "repetition_penalty": 1.3,
+                                      "frequency_penalty": 0.5}),
+}
+
+
+def _stream_events(raw: bytes) -> list[dict]:
+    events = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def _text(events: list[dict]) -> str:
+    out = ""
+    for event in events:
+        for choice in event.get("choices") or []:
+            out += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return out
+
+
+def _finish(events: list[dict]) -> str | None:
+    reasons = [c.get("finish_reason") for e in events for c in e.get("choices") or []]
+    return next((r for r in reversed(reasons) if r), None)
+
+
+def _usage(events: list[dict]) -> dict:
+    return next(e["usage"] for e in reversed(events) if e.get("usage"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_first_events_plus_continuation_is_the_whole_stream(server, auth, case) -> None:
+    path, extra = CASES[case]
+    body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 10, "ignore_eos": True,
+            **extra, "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(headers=auth) as session:
+        async with session.post(server.url + path, json=body) as response:
+            assert response.status == 200
+            whole = _stream_events(await response.read())
+        first_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        first_body |= {"max_tokens": 1, "kv_transfer_params": {"first_token_events": True}}
+        async with session.post(server.url + path, json=first_body) as response:
+            assert response.status == 200, await response.text()
+            first = (await response.json())["pdserve_first_token"]
+        assert len(first["token_ids"]) == 1
+        rest_body = {**body, "kv_transfer_params": {"generated_token_ids": first["token_ids"]}}
+        async with session.post(server.url + path, json=rest_body) as response:
+            assert response.status == 200, await response.text()
+            rest = _stream_events(await response.read())
+    glued = first["events"] + rest
+    assert _text(glued) == _text(whole) and _text(whole)
+    assert _finish(glued) == _finish(whole) == "length"
+    assert _usage(rest)["completion_tokens"] == _usage(whole)["completion_tokens"] == 10
+    assert _usage(rest)["prompt_tokens"] == _usage(whole)["prompt_tokens"]
+    roles = [e for e in glued if (e["choices"] or [{}])[0].get("delta", {}).get("role")]
+    assert len(roles) == (1 if path.endswith("chat/completions") else 0)
+    ids = {e["id"] for e in glued} | {e["id"] for e in whole}
+    assert len({i.split("-")[0] for i in ids}) == 1

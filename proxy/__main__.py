@@ -41,6 +41,11 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds to connect to a worker")
     parser.add_argument("--max-attempts", type=int, default=d.max_attempts,
                         help="attempts per request (retries on prefill or connect failures)")
+    parser.add_argument("--first-token-from-prefill", action="store_true",
+                        help="stream the prefill worker's sampled token to the client as soon "
+                        "as it answers and let the decode worker continue after it, instead "
+                        "of the decode worker computing the first token (streams without stop "
+                        "strings or logprobs)")
     return parser
 
 
@@ -51,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         registration_port=args.registration_port, heartbeat_timeout_s=args.heartbeat_timeout,
         routing=args.routing, max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
-        connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts)
+        connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
+        first_token_from_prefill=args.first_token_from_prefill)
 
 
 def run_proxy(args: argparse.Namespace) -> int:

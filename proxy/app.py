@@ -76,6 +76,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
         session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,
         max_response_bytes=config.max_response_bytes,
+        first_token_from_prefill=config.first_token_from_prefill,
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

@@ -26,6 +26,8 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     max_attempts: int = 3
     suspect_s: float = 5.0
+    # Stream P's sampled token at once and let D continue after it (else D computes it).
+    first_token_from_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:

@@ -15,6 +15,11 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
 - After bytes went out, an upstream failure (or a stream ending without ``[DONE]``) ends the
   stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
+
+First-token handoff (``--first-token-from-prefill``, streams without stop strings or
+logprobs): P alone first; the stream events of P's sampled token go to the client as soon
+as P answers, then D's leg leaves carrying that token and D streams what follows it. The
+client's first token then costs P's prefill and nothing of D (``_run_pd_handoff``).
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ class Dispatcher:
 
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
                  metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
-                 clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20) -> None:
+                 clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
+                 first_token_from_prefill: bool = False) -> None:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -126,6 +132,7 @@ class Dispatcher:
         self.clock = clock
         self.max_attempts = max_attempts
         self.max_response_bytes = max_response_bytes
+        self.first_token_from_prefill = first_token_from_prefill
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
                        transfer_id: str, timer: RequestTimer) -> web.StreamResponse:
@@ -149,6 +156,13 @@ class Dispatcher:
                 timer.dispatched = self.clock()
             try:
                 if route.mode == MODE_PD:
+                    refusal = (fw.handoff_refusal(path, body) if self.first_token_from_prefill
+                               else "off")
+                    if refusal is None:
+                        return await self._run_pd_handoff(request, path, body, route,
+                                                          attempt_id, timer)
+                    if refusal != "off":
+                        self.metrics.first_token_handoffs.labels(refusal).inc()
                     return await self._run_pd(request, path, body, route, attempt_id, timer)
                 return await self._run_whole(request, path, body, route, attempt_id, timer)
             except _Retry as retry:
@@ -180,22 +194,9 @@ class Dispatcher:
                     d_response = await self._decode_response(d_task, d_leg)
                     if not 200 <= d_response.status < 300:  # D refused: its answer stands
                         return await self._forward_refusal(d_response, d_leg, attempt_id)
-            try:
-                p_status, p_type, p_data = p_task.result()
-            except UpstreamError as err:
-                p_leg.finish(err)
-                raise _Retry(prefill, err, f"prefill_{err.kind}") from None
-            if p_status >= 500:
-                err = UpstreamError(f"prefill worker {prefill.worker_id} answered {p_status}",
-                                    kind="status", status=p_status)
-                p_leg.finish(err)
-                raise _Retry(prefill, err, "prefill_status")
-            p_leg.finish()
-            if p_status >= 300:  # the worker judged the request: pass its verdict on
-                return web.Response(status=p_status, body=p_data, content_type=p_type,
-                                    headers={"X-Request-Id": attempt_id})
-            timer.prefill_done = self.clock()
-            timer.prefill_timings = _server_timings(p_data)
+            verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
+            if isinstance(verdict, web.Response):
+                return verdict
             d_response = await self._decode_response(d_task, d_leg)
             if not 200 <= d_response.status < 300:
                 return await self._forward_refusal(d_response, d_leg, attempt_id)
@@ -204,6 +205,134 @@ class Dispatcher:
             p_leg.finish(aborted=True)
             d_leg.finish(aborted=True)
             await _abort(p_task, d_task)
+
+    def _prefill_verdict(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: _Leg,
+                         attempt_id: str, timer: RequestTimer) -> bytes | web.Response:
+        """P's answer body when it succeeded; its 4xx verdict as the client's response; a
+        retry without P when it failed (raises ``_Retry``)."""
+        try:
+            p_status, p_type, p_data = p_task.result()
+        except UpstreamError as err:
+            p_leg.finish(err)
+            raise _Retry(p_leg.worker, err, f"prefill_{err.kind}") from None
+        if p_status >= 500:
+            err = UpstreamError(f"prefill worker {p_leg.worker.worker_id} answered {p_status}",
+                                kind="status", status=p_status)
+            p_leg.finish(err)
+            raise _Retry(p_leg.worker, err, "prefill_status")
+        p_leg.finish()
+        if p_status >= 300:  # the worker judged the request: pass its verdict on
+            return web.Response(status=p_status, body=p_data, content_type=p_type,
+                                headers={"X-Request-Id": attempt_id})
+        timer.prefill_done = self.clock()
+        timer.prefill_timings = _server_timings(p_data)
+        return p_data
+
+    async def _run_pd_handoff(self, request: web.Request, path: str, body: dict[str, Any],
+                              route: Route, attempt_id: str,
+                              timer: RequestTimer) -> web.StreamResponse:
+        """P first; its sampled token goes to the client at once and D continues after it.
+
+        D's leg leaves only once P answered (it must carry P's token), so D pulls the
+        prompt's KV from the blocks P holds for it. Until P answered nothing went out and a
+        failure is retried as in ``_run_pd``; after that the stream is the client's, and a D
+        that cannot be reached (or is asleep) is replaced by another decode worker: it never
+        got the request, so P's held KV is still there for the next one to pull (a failed
+        pull falls back to computing the prompt there). Anything else ends the stream with
+        an SSE error event.
+        """
+        prefill, decode = route.prefill, route.decode
+        assert prefill is not None and prefill.zmq_address and decode.zmq_address
+        headers = fw.leg_headers(request.headers, attempt_id)
+        p_leg = _Leg(self, prefill, "prefill")
+        timer.prefill_sent = self.clock()
+        p_task = asyncio.create_task(self._prefill(
+            prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address),
+            headers))
+        try:
+            await asyncio.wait({p_task})
+            verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
+        finally:
+            p_leg.finish(aborted=True)
+            await _abort(p_task)
+        if isinstance(verdict, web.Response):
+            return verdict
+        first = fw.first_token_of(verdict)
+        if first is None:  # an older P, or one that sampled nothing: D computes the token
+            self.metrics.first_token_handoffs.labels("decode").inc()
+            return await self._run_decode_after_prefill(
+                request, path, fw.decode_body(body, attempt_id, prefill.zmq_address), decode,
+                attempt_id, timer)
+        self.metrics.first_token_handoffs.labels("prefill").inc()
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
+            "X-Request-Id": attempt_id, **breakdown_headers(timer)})
+        try:
+            await out.prepare(request)
+            await out.write(first.events)
+        except ConnectionResetError:
+            return out
+        timer.first_byte = self.clock()
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        excluded = {prefill.worker_id}
+        d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
+        for attempt in range(self.max_attempts):
+            d_leg = _Leg(self, decode, "decode")
+            d_task = asyncio.create_task(fw.open_leg(
+                self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
+            try:
+                try:
+                    d_response = await d_task
+                    if d_response.status == 503 and attempt + 1 < self.max_attempts:
+                        data = await fw.read_body(d_response, self.max_response_bytes)
+                        raise UpstreamUnavailableError(
+                            f"decode worker {decode.worker_id} is unavailable: "
+                            f"{data[:300].decode(errors='replace')}")
+                except UpstreamError as err:
+                    d_leg.finish(err)
+                    if not (err.connect_failed or isinstance(err, UpstreamUnavailableError)) \
+                            or attempt + 1 == self.max_attempts:
+                        return await _end_stream(out, err)
+                    excluded.add(decode.worker_id)
+                    try:
+                        decode = plan_route(self.registry, self.policy, model, excluded).decode
+                    except NoWorkerError:
+                        return await _end_stream(out, err)
+                    logger.warning("request %s: decode leg failed before its first byte (%s); "
+                                   "continuing on %s", attempt_id, err, decode.worker_id)
+                    self.metrics.retries.labels("handoff_decode").inc()
+                    continue
+                if not 200 <= d_response.status < 300 or not fw.is_event_stream(d_response):
+                    data = await fw.read_body(d_response, self.max_response_bytes)
+                    err = UpstreamError(
+                        f"decode worker {decode.worker_id} answered {d_response.status}: "
+                        f"{data[:500].decode(errors='replace')}", kind="status",
+                        status=d_response.status)
+                    d_leg.finish(err)
+                    return await _end_stream(out, err)
+                return await self._stream_into(out, d_response, d_leg, attempt_id, timer, b"")
+            finally:
+                d_leg.finish(aborted=True)
+                await _abort(d_task)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    async def _run_decode_after_prefill(self, request: web.Request, path: str,
+                                        d_body: dict[str, Any], decode: WorkerState,
+                                        attempt_id: str, timer: RequestTimer
+                                        ) -> web.StreamResponse:
+        """D's leg once P has answered, relayed as in ``_run_pd``."""
+        d_leg = _Leg(self, decode, "decode")
+        d_task = asyncio.create_task(fw.open_leg(
+            self.session, decode.url + path, d_body,
+            fw.leg_headers(request.headers, attempt_id), self.timeouts.decode()))
+        try:
+            d_response = await self._decode_response(d_task, d_leg)
+            if not 200 <= d_response.status < 300:
+                return await self._forward_refusal(d_response, d_leg, attempt_id)
+            return await self._relay(request, d_response, d_leg, attempt_id, timer, MODE_PD)
+        finally:
+            d_leg.finish(aborted=True)
+            await _abort(d_task)
 
     async def _run_whole(self, request: web.Request, path: str, body: dict[str, Any],
                          route: Route, attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
@@ -307,9 +436,18 @@ class Dispatcher:
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})
         await out.prepare(request)
+        return await self._stream_into(out, response, leg, attempt_id, timer, first)
+
+    async def _stream_into(self, out: web.StreamResponse, response: aiohttp.ClientResponse,
+                           leg: _Leg, attempt_id: str, timer: RequestTimer,
+                           first: bytes) -> web.StreamResponse:
+        """Copy a worker's event stream (after ``first``, already read) to the prepared
+        client response; a failure after bytes went out ends it with an SSE error event."""
         tracker = fw.SSETracker()
         chunk = first
         try:
+            if not chunk:
+                chunk = await fw.read_chunk(response)
             while chunk:
                 await out.write(chunk)
                 tracker.feed(chunk)
@@ -372,6 +510,18 @@ def proxy_overhead(timer: RequestTimer, now: float) -> float | None:
     if timer.dispatched is None or timer.upstream_done is None:
         return None
     return max(0.0, (now - timer.arrival) - (timer.upstream_done - timer.dispatched))
+
+
+async def _end_stream(out: web.StreamResponse, err: UpstreamError) -> web.StreamResponse:
+    """End a client stream whose bytes went out with an SSE error event (the upstream
+    failed before sending its own)."""
+    logger.warning("stream ended with an error after the first token: %s", err)
+    try:
+        await out.write(sse_error_event(err))
+        await out.write_eof()
+    except ConnectionResetError:
+        pass
+    return out
 
 
 async def _abort(*tasks: asyncio.Task[Any]) -> None:

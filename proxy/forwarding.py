@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,87 @@ def decode_body(body: dict[str, Any], transfer_id: str,
         out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_prefill": True,
                                      "remote_kv_address": prefill_kv_address}
     return out
+
+
+# ---- first-token handoff: P's sampled token is streamed at once, D continues after it ---
+
+CHAT_PATH = "/v1/chat/completions"
+MAX_FIRST_EVENTS = 4  # P sends at most a chat role chunk and one content chunk
+
+
+def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
+    """Why this request cannot take the first-token handoff, or None when it can.
+
+    Only streams gain (a non-streaming answer waits for the last token anyway); stop
+    strings and logprobs are left to D alone (their held-back text and per-token data of
+    the first token would have to cross over too); a one-token answer is P's own.
+    """
+    if body.get("stream") is not True:
+        return "not_streaming"
+    if body.get("stop"):
+        return "stop_strings"
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        return "logprobs"
+    if body.get("n") not in (None, 1):
+        return "n"
+    limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
+    limit = next((body[k] for k in limits if body.get(k) is not None), None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
+        return "max_tokens"
+    if path != CHAT_PATH:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            return "prompt_batch"
+    return None
+
+
+def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
+                         decode_kv_address: str) -> dict[str, Any]:
+    """P's request when its token is streamed: it also returns the stream's first events,
+    and samples as the first position of the client's request would (``min_tokens``)."""
+    out = prefill_body(body, transfer_id, decode_kv_address)
+    out["kv_transfer_params"]["first_token_events"] = True
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 0:
+        out["min_tokens"] = 1
+    return out
+
+
+def handoff_decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str,
+                        generated_token_ids: list[int]) -> dict[str, Any]:
+    """D's request continuing after P's token(s), its prompt's KV pulled from P."""
+    out = decode_body(body, transfer_id, prefill_kv_address)
+    out["kv_transfer_params"]["generated_token_ids"] = list(generated_token_ids)
+    return out
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """P's sampled token(s) and the SSE events that carry them to the client."""
+
+    token_ids: list[int]
+    events: bytes
+
+
+def first_token_of(answer: bytes) -> FirstToken | None:
+    """The ``pdserve_first_token`` of P's JSON answer; None when absent or malformed (the
+    request then goes on without the handoff: D computes its first token itself)."""
+    try:
+        value = json.loads(answer).get("pdserve_first_token")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    token_ids, events = value.get("token_ids"), value.get("events")
+    if (not isinstance(token_ids, list) or len(token_ids) != 1
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in token_ids)
+            or not isinstance(events, list) or len(events) > MAX_FIRST_EVENTS
+            or any(not isinstance(e, dict) for e in events)):
+        return None
+    data = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
+                    for e in events)
+    return FirstToken(list(token_ids), data)
 
 
 def leg_headers(client_headers: Any, transfer_id: str) -> dict[str, str]:

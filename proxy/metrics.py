@@ -75,6 +75,11 @@ class ProxyMetrics:
         self.routing_decisions = Counter(P + "routing_decisions", "Routing decisions",
                                          ["mode", "prefill", "decode"], registry=r)
         self.retries = Counter(P + "retries", "Request attempts retried", ["reason"], registry=r)
+        self.first_token_handoffs = Counter(
+            P + "first_token_handoffs",
+            "Disaggregated requests by how their first token reached the client: 'prefill' "
+            "(P's token streamed, D continued), 'decode' (P answered no token: D computed it), "
+            "or why the handoff did not apply", ["result"], registry=r)
         self.worker_requests = Counter(P + "worker_requests", "Legs sent per worker",
                                        ["worker", "role"], registry=r)
         self.worker_errors = Counter(P + "worker_errors", "Failed legs per worker",

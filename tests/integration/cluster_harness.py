@@ -149,7 +149,7 @@ class Cluster:
     @classmethod
     def build(cls, log_dir: Path, checkpoint: Path, num_prefill: int, num_decode: int,
               heartbeat_s: float = 1.0, heartbeat_timeout_s: float | None = None,
-              kv_extra: dict | None = None) -> Cluster:
+              kv_extra: dict | None = None, launch_flags: Sequence[str] = ()) -> Cluster:
         """Plan (not start) ``num_prefill`` P and ``num_decode`` D workers plus the proxy."""
         log_dir.mkdir(parents=True, exist_ok=True)
         parser = argparse.ArgumentParser()
@@ -158,7 +158,7 @@ class Cluster:
         args = parser.parse_args([
             "--prefill", str(num_prefill), "--decode", str(num_decode), "--model",
             str(checkpoint), "--port", str(free_port()), "--registration-port", str(reg_port),
-            "--heartbeat-interval", str(heartbeat_s), *ENGINE_ARGS])
+            "--heartbeat-interval", str(heartbeat_s), *launch_flags, *ENGINE_ARGS])
         proxy, workers, url = build_children(args, engine_argv(args), log_dir)
         path = {"PYTHONPATH": child_env()["PYTHONPATH"]}  # the launcher's env, this checkout
         proxy.env = {**proxy.env, **path}
@@ -323,6 +323,7 @@ class Outcome:
     error: str | None = None      # non-200 error message, or a stream's SSE error event
     done: bool = False            # stream: data: [DONE] arrived
     body: bytes = b""             # non-stream body
+    finish_reason: str | None = None
     exception: str | None = None  # client side: timeout, connection dropped, bad JSON
 
     @property
@@ -349,6 +350,7 @@ async def send(session: aiohttp.ClientSession, base: str, req: Req,
                 data = json.loads(out.body)
                 choice = data["choices"][0]
                 out.text = choice["text"] if "text" in choice else choice["message"]["content"]
+                out.finish_reason = choice.get("finish_reason")
                 out.usage = data["usage"]
             else:
                 await _read_stream(response, out)
@@ -376,6 +378,7 @@ async def _read_stream(response: aiohttp.ClientResponse, out: Outcome) -> None:
             continue
         for choice in event.get("choices") or []:
             out.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            out.finish_reason = choice.get("finish_reason") or out.finish_reason
         out.usage = event.get("usage") or out.usage
     if not out.done:
         out.exception = "stream ended without data: [DONE]"

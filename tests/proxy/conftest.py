@@ -38,6 +38,7 @@ class FakeWorker:
     """A small aiohttp app that mimics a pdserve worker of one role.
 
     ``mode``: ok | error500 | error400 | asleep (a sleeping worker's 503) | hang | empty |
+    no_first_token (a P that ignores ``first_token_events``) |
     fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
     50 ms for a long time).
     """
@@ -90,11 +91,16 @@ class FakeWorker:
             return web.Response(status=200, body=b"", content_type="application/json")
         if not body.get("stream"):
             n = 1 if self.role == "P" else 3
+            extra: dict[str, Any] = {}
+            if (self.role == "P" and (body.get("kv_transfer_params") or {}).get(
+                    "first_token_events") and self.mode != "no_first_token"):
+                extra["pdserve_first_token"] = {"token_ids": [42], "events": [
+                    {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": "P0"}]}]}
             return web.json_response({
                 "id": f"cmpl-{request_id}", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
-                "served_by": self.role,
+                "served_by": self.role, **extra,
             })
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

@@ -329,3 +329,93 @@ def test_prefill_body_clamps_only_the_limits_the_client_used() -> None:
     assert chat["stream"] is False
     completion = prefill_body(dict(PROMPT), "t2", "d:1")
     assert completion["max_tokens"] == 1 and "max_completion_tokens" not in completion
+
+
+# ---- first-token handoff (--first-token-from-prefill) -----------------------------------
+
+STREAM = {**PROMPT, "stream": True, "min_tokens": 3}
+
+
+async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    events = sse_events(await resp.text())
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["P0", "t0", "t1", "t2"]
+    assert events[-1] == "[DONE]"
+    (p_req,), (d_req,) = p.received, d.received
+    # P first, alone: D's leg carries P's token, so it leaves after P answered.
+    assert p_req["body"]["kv_transfer_params"]["first_token_events"] is True
+    assert p_req["body"]["min_tokens"] == 1  # samples as position 0 of the client's request
+    assert d_req["body"]["kv_transfer_params"] == {
+        "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
+        "generated_token_ids": [42]}
+    assert d_req["body"]["min_tokens"] == 3 and d_req["body"]["stream"] is True
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 1.0' in metrics
+
+
+async def test_handoff_falls_back_when_p_sends_no_token(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P", "no_first_token"), await make_worker("D")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    events = sse_events(await resp.text())
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2"]
+    assert "generated_token_ids" not in d.received[0]["body"]["kv_transfer_params"]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_first_token_handoffs_total{result="decode"} 1.0' in metrics
+
+
+async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 1}, {**STREAM, "max_tokens": 1},
+                 {**STREAM, "prompt": ["a", "b"]}, PROMPT):
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200
+        await resp.read()
+    assert not any("first_token_events" in r["body"]["kv_transfer_params"] for r in p.received)
+    metrics = await (await client.get("/metrics")).text()
+    for reason in ("stop_strings", "logprobs", "max_tokens", "prompt_batch", "not_streaming"):
+        assert f'first_token_handoffs_total{{result="{reason}"}} 1.0' in metrics, reason
+
+
+async def test_handoff_d_refusal_after_first_token_is_an_sse_error(make_worker,
+                                                                   make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D", "error400")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200  # the first token went out before D answered
+    events = sse_events(await resp.text())
+    assert json.loads(events[0])["choices"][0]["text"] == "P0"
+    assert "D says bad" in json.loads(events[1])["error"]["message"]
+    assert events[-1] == "[DONE]"
+
+
+async def test_handoff_asleep_decode_is_replaced(make_worker, make_proxy) -> None:
+    p = await make_worker("P")
+    asleep, awake = await make_worker("D", "asleep"), await make_worker("D")
+    client = await make_proxy(p, asleep, awake, first_token_from_prefill=True)
+    for _ in range(2):  # round robin: the sleeping worker is tried first at least once
+        resp = await client.post("/v1/completions", json=STREAM)
+        events = sse_events(await resp.text())
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == \
+            ["P0", "t0", "t1", "t2"]
+    assert len(awake.received) == 2 and asleep.received
+    # The replacement gets the same request: it pulls the KV P holds for that transfer.
+    by_id = {r["request_id"]: r["body"] for r in awake.received}
+    for refused in asleep.received:
+        assert by_id[refused["request_id"]] == refused["body"]
+    metrics = await (await client.get("/metrics")).text()
+    assert (f'pdserve:proxy_retries_total{{reason="handoff_decode"}} '
+            f'{float(len(asleep.received))}') in metrics
+
+
+async def test_handoff_p_failure_before_any_byte_is_retried(make_worker, make_proxy) -> None:
+    bad, good, d = await make_worker("P", "error500"), await make_worker("P"), await make_worker("D")
+    client = await make_proxy(bad, good, d, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    events = sse_events(await resp.text())
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["P0", "t0", "t1", "t2"]
+    assert len(bad.received) == 1 and len(good.received) == 1 and len(d.received) == 1

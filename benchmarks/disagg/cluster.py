@@ -80,6 +80,8 @@ class Cluster:
             argv += ["--kv-cache-memory-bytes", str(t.kv_cache_bytes)]
         if t.kv_offload_gib > 0:
             argv += ["--kv-offloading-size", f"{t.kv_offload_gib:g}"]
+        if t.first_token_from_prefill:
+            argv.append("--first-token-from-prefill")
         if spec.gpus:
             if len(spec.gpus) < t.num_workers:
                 raise ClusterError(f"{t.name} needs {t.num_workers} GPUs, have {spec.gpus}")

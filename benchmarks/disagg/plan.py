@@ -3,7 +3,8 @@
 Experiments (issue #7):
 
 - ``ttft_overhead``: low load, 1P1D minus one colocated instance (hit directly, and
-  through the proxy), same prompts.
+  through the proxy), same prompts; 1P1D twice: D computing the first token, and the
+  proxy streaming P's (``--first-token-from-prefill``).
 - ``goodput_2k`` / ``goodput_8k``: Poisson sweeps, 1P1D against two colocated replicas
   behind the same proxy (round robin), same prompts at each rate.
 - ``prefix_cache``: the prefix_repetition workload with prefix caching on and off, on one
@@ -46,6 +47,7 @@ class Topology:
     prefix_caching: bool = True
     kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes (None: sized from memory)
     kv_offload_gib: float = 0.0        # --kv-offloading-size
+    first_token_from_prefill: bool = False  # the proxy's first-token handoff
 
     @property
     def num_workers(self) -> int:
@@ -56,8 +58,9 @@ COLO1 = Topology("colo1", colocated=1)
 COLO1_NOCACHE = Topology("colo1_nocache", colocated=1, prefix_caching=False)
 PD = Topology("pd", prefill=1, decode=1)
 PD_NOCACHE = Topology("pd_nocache", prefill=1, decode=1, prefix_caching=False)
+PD_HANDOFF = Topology("pd_handoff", prefill=1, decode=1, first_token_from_prefill=True)
 COLO2 = Topology("colo2", colocated=2)
-TOPOLOGY_ORDER = (COLO1, COLO1_NOCACHE, PD, PD_NOCACHE, COLO2)
+TOPOLOGY_ORDER = (COLO1, COLO1_NOCACHE, PD, PD_HANDOFF, PD_NOCACHE, COLO2)
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,8 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
         add(COLO1, BenchRun(f"{experiment}__colocated_proxy", experiment,
                             "colocated (via proxy)", PROXY, replace(low, seed=seed + 101), rate))
         add(PD, BenchRun(f"{experiment}__pd", experiment, "1P1D", PROXY, low, rate))
+        add(PD_HANDOFF, BenchRun(f"{experiment}__pd_handoff", experiment,
+                                 "1P1D, first token from P", PROXY, low, rate))
     elif experiment in ("goodput_2k", "goodput_8k"):
         sweep = scale.sweep_2k if experiment == "goodput_2k" else scale.sweep_8k
         base = seed + (200 if experiment == "goodput_2k" else 300)

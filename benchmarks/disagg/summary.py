@@ -8,6 +8,7 @@ requests met both SLOs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from collections.abc import Callable, Mapping
@@ -76,9 +77,14 @@ def _latency_rows(results: Results, names: list[str]) -> list[str]:
     return lines
 
 
+# The 1P1D variants of the TTFT experiment: (run, figures key prefix, legend).
+_PD_VARIANTS = (("ttft_overhead__pd", "", "1P1D"),
+                ("ttft_overhead__pd_handoff", "handoff_", "1P1D with P's first token"))
+
+
 def ttft_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
     names = ["ttft_overhead__colocated_direct", "ttft_overhead__colocated_proxy",
-             "ttft_overhead__pd"]
+             *(run for run, _, _ in _PD_VARIANTS)]
     if not any(n in results for n in names):
         return []
     first = next(results[n] for n in names if n in results)
@@ -88,17 +94,18 @@ def ttft_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
              f"Poisson {first['request_rate']} req/s, {first['num_prompts']} requests per setup "
              "(1P1D and the direct colocated run send the same prompts).", ""]
     lines += _latency_rows(results, names)
-    pd = results.get("ttft_overhead__pd")
     section: dict[str, Any] = {}
-    for base, what in (("ttft_overhead__colocated_direct", "colocated hit directly"),
-                       ("ttft_overhead__colocated_proxy", "colocated through the proxy")):
+    for (run, prefix, legend), (base, what) in itertools.product(
+            _PD_VARIANTS, (("ttft_overhead__colocated_direct", "colocated hit directly"),
+                           ("ttft_overhead__colocated_proxy", "colocated through the proxy"))):
+        pd = results.get(run)
         if pd is None or base not in results:
             continue
         p50 = _diff(pd["p50_ttft_ms"], results[base]["p50_ttft_ms"])
         p99 = _diff(pd["p99_ttft_ms"], results[base]["p99_ttft_ms"])
-        key = "vs_direct" if base.endswith("direct") else "vs_proxy"
+        key = prefix + ("vs_direct" if base.endswith("direct") else "vs_proxy")
         section[key] = {"p50_ms": p50, "p99_ms": p99}
-        lines += ["", f"1P1D minus {what}: p50 **{_f(p50, 2)} ms** "
+        lines += ["", f"{legend} minus {what}: p50 **{_f(p50, 2)} ms** "
                   f"(goal <= {GOALS['ttft_overhead_p50_ms']:g}: "
                   f"{_verdict(p50, GOALS['ttft_overhead_p50_ms'])}), p99 **{_f(p99, 2)} ms** "
                   f"(goal <= {GOALS['ttft_overhead_p99_ms']:g}: "
@@ -316,7 +323,7 @@ def make_plots(results: Results, out_dir: Path) -> list[Path]:
         return [results[n] for n in names if n in results]
 
     low = runs("ttft_overhead__colocated_direct", "ttft_overhead__colocated_proxy",
-               "ttft_overhead__pd")
+               *(run for run, _, _ in _PD_VARIANTS))
     if low:
         written.append(plot_latency_cdfs(low, out_dir / "ttft_overhead_cdf.png",
                                          "Low load: colocated vs 1P1D"))

@@ -30,8 +30,8 @@ def _runs_by_name(scale=GPU_SCALE) -> dict:
 
 def test_plan_launches_each_topology_once_in_order() -> None:
     plan = build_plan(GPU_SCALE)
-    assert [p.topology.name for p in plan] == ["colo1", "colo1_nocache", "pd", "pd_nocache",
-                                               "colo2"]
+    assert [p.topology.name for p in plan] == ["colo1", "colo1_nocache", "pd", "pd_handoff",
+                                               "pd_nocache", "colo2"]
     names = [run.name for item in plan for run in item.runs]
     assert len(names) == len(set(names))
     assert {run.experiment for item in plan for run in item.runs} == set(EXPERIMENTS)
@@ -46,9 +46,13 @@ def test_plan_launches_each_topology_once_in_order() -> None:
 
 def test_compared_runs_share_prompts_and_same_server_runs_do_not() -> None:
     runs = _runs_by_name()
-    direct, proxied, pd = (runs[f"ttft_overhead__{n}"][1]
-                           for n in ("colocated_direct", "colocated_proxy", "pd"))
-    assert direct.dataset == pd.dataset and direct.target == "colocated" and pd.target == PROXY
+    direct, proxied, pd, handoff = (runs[f"ttft_overhead__{n}"][1]
+                                    for n in ("colocated_direct", "colocated_proxy", "pd",
+                                              "pd_handoff"))
+    assert direct.dataset == pd.dataset == handoff.dataset
+    assert direct.target == "colocated" and pd.target == handoff.target == PROXY
+    assert runs["ttft_overhead__pd_handoff"][0].first_token_from_prefill
+    assert not runs["ttft_overhead__pd"][0].first_token_from_prefill
     assert proxied.dataset.seed != direct.dataset.seed  # same server as direct: fresh prompts
     assert direct.dataset.random_input_len == 2048 and direct.dataset.random_output_len == 128
     assert direct.rate == 1.0
@@ -111,7 +115,8 @@ def test_time_budget_leaves_runs_for_the_next_invocation(tmp_path: Path) -> None
     outcome = run_plan(plan, options)
     assert outcome.problems == []
     assert sorted(outcome.left) == ["ttft_overhead__colocated_direct",
-                                    "ttft_overhead__colocated_proxy", "ttft_overhead__pd"]
+                                    "ttft_overhead__colocated_proxy", "ttft_overhead__pd",
+                                    "ttft_overhead__pd_handoff"]
 
 
 def test_topologies_needing_more_gpus_wait_for_a_bigger_machine(tmp_path: Path) -> None:
@@ -144,6 +149,7 @@ def test_summary_figures() -> None:
         "ttft_overhead__colocated_direct": _result("colocated", 1, p50_ttft_ms=100.0,
                                                    p99_ttft_ms=120.0),
         "ttft_overhead__pd": _result("1P1D", 1, p50_ttft_ms=102.5, p99_ttft_ms=135.0),
+        "ttft_overhead__pd_handoff": _result("1P1D", 1, p50_ttft_ms=101.0, p99_ttft_ms=118.0),
         "goodput_2k__pd__r2": _result("1P1D", 2, request_goodput=2.0, slo_attainment=1.0,
                                       p99_tpot_ms=20.0),
         "goodput_2k__pd__r4": _result("1P1D", 4, request_goodput=3.6, slo_attainment=0.9,
@@ -156,6 +162,9 @@ def test_summary_figures() -> None:
     markdown, figures = build_summary(results, ["# report"])
     overhead = figures["ttft_overhead"]["vs_direct"]
     assert overhead == pytest.approx({"p50_ms": 2.5, "p99_ms": 15.0})
+    handoff = figures["ttft_overhead"]["handoff_vs_direct"]
+    assert handoff == pytest.approx({"p50_ms": 1.0, "p99_ms": -2.0})
+    assert "1P1D with P's first token minus colocated hit directly: p50 **1.00 ms**" in markdown
     assert "missed by 5.00" in markdown  # p99 goal 10 ms
     g = figures["goodput_2k"]
     assert g["pd"] == {"max_goodput": 3.6, "rate_at_90pct_slo": 4.0}

@@ -72,9 +72,10 @@ def test_report_smoke_ttft_overhead_runs_a_healthy_1p1d(tmp_path: Path) -> None:
                              str(tmp_path), "--disable-tqdm"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0 and summary["problems"] == [], summary["problems"]
-    pd = json.loads((tmp_path / "raw" / "ttft_overhead__pd.json").read_text())
-    assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
-    assert pd["topology"] == "pd"
+    for name in ("pd", "pd_handoff"):
+        pd = json.loads((tmp_path / "raw" / f"ttft_overhead__{name}.json").read_text())
+        assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
+        assert pd["topology"] == name
 
 
 def test_report_smoke_kv_offload(tmp_path: Path) -> None:

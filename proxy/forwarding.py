@@ -99,10 +99,11 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
     """
     if body.get("stream") is not True:
         return "not_streaming"
-    if body.get("stop"):
+    if body.get("stop") not in (None, []):
         return "stop_strings"
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        return "logprobs"
+    logprobs = body.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:
+        return "logprobs"  # completions' logprobs=0 (== False in Python) asks for them too
     if body.get("n") not in (None, 1):
         return "n"
     limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
@@ -119,13 +120,15 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
 
 def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
                          decode_kv_address: str) -> dict[str, Any]:
-    """P's request when its token is streamed: it also returns the stream's first events,
-    and samples as the first position of the client's request would (``min_tokens``)."""
-    out = prefill_body(body, transfer_id, decode_kv_address)
-    out["kv_transfer_params"]["first_token_events"] = True
-    min_tokens = body.get("min_tokens")
-    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 0:
-        out["min_tokens"] = 1
+    """P's request when its token is streamed: the client's own limits (P validates the
+    request as D will, then samples the one token: ``first_token_events``), no streaming,
+    and the stream's first events in its answer."""
+    out = _without_transfer_fields(body)
+    out.pop("stream_options", None)
+    out["stream"] = False
+    out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
+                                 "remote_kv_address": decode_kv_address,
+                                 "first_token_events": True}
     return out
 
 

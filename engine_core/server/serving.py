@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -259,6 +260,16 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    @staticmethod
+    def _engine_params(params: SamplingParams, handoff: protocol.Handoff) -> SamplingParams:
+        """What the engine runs: a prefill worker asked for the first token's events was
+        validated with the client's limits (so a request the decode worker would refuse is
+        refused here, before anything reaches the client) and samples only that token, as
+        the first position of the client's request (``min_tokens`` kept up to 1)."""
+        if not handoff.first_events:
+            return params
+        return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
     def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[_Job]:
         for ids in prompts:
             self.tokenizer.check_length(len(ids), params.max_tokens)
@@ -274,8 +285,8 @@ class OpenAIServing:
         request_id = request[REQUEST_ID_KEY]
         prompts = [self.tokenizer.encode_prompt(p) for p in parsed.prompts]
         jobs = self._jobs(request_id, prompts, parsed.sampling_params)
-        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params,
-                                parsed.handoff)
+        events = self._run_jobs(jobs, self._engine_params(parsed.sampling_params, parsed.handoff),
+                                parsed.kv_transfer_params, parsed.handoff)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         headers = {"X-Request-Id": request_id}
@@ -335,8 +346,8 @@ class OpenAIServing:
         request_id = request[REQUEST_ID_KEY]
         prompt = self.tokenizer.encode_chat(parsed.messages, parsed.add_generation_prompt)
         jobs = self._jobs(request_id, [prompt], parsed.sampling_params)
-        events = self._run_jobs(jobs, parsed.sampling_params, parsed.kv_transfer_params,
-                                parsed.handoff)
+        events = self._run_jobs(jobs, self._engine_params(parsed.sampling_params, parsed.handoff),
+                                parsed.kv_transfer_params, parsed.handoff)
         head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
         chunk_head = {**head, "object": "chat.completion.chunk"}
         headers = {"X-Request-Id": request_id}

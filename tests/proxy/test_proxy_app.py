@@ -347,7 +347,9 @@ async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy)
     (p_req,), (d_req,) = p.received, d.received
     # P first, alone: D's leg carries P's token, so it leaves after P answered.
     assert p_req["body"]["kv_transfer_params"]["first_token_events"] is True
-    assert p_req["body"]["min_tokens"] == 1  # samples as position 0 of the client's request
+    # P validates the client's own limits (and samples one token itself); no streaming.
+    assert (p_req["body"]["min_tokens"], p_req["body"]["max_tokens"]) == (3, 8)
+    assert p_req["body"]["stream"] is False and "stream_options" not in p_req["body"]
     assert d_req["body"]["kv_transfer_params"] == {
         "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
         "generated_token_ids": [42]}
@@ -370,7 +372,7 @@ async def test_handoff_falls_back_when_p_sends_no_token(make_worker, make_proxy)
 async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D")
     client = await make_proxy(p, d, first_token_from_prefill=True)
-    for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 1}, {**STREAM, "max_tokens": 1},
+    for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1},
                  {**STREAM, "prompt": ["a", "b"]}, PROMPT):
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200

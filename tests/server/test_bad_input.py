@@ -64,6 +64,9 @@ CASES = [
                                                      "generated_token_ids": [1]}}, 400),
     ("generated_token_ids with a prompt batch", C, {"prompt": ["a", "b"], "kv_transfer_params": {
         "generated_token_ids": [1]}}, 400),
+    ("first_token_events checks the client's max_tokens", C, {
+        "prompt": "hi", "max_tokens": MAX_MODEL_LEN, "kv_transfer_params": {
+            "first_token_events": True}}, 400),
     ("first_token_events wrong type", C, {"prompt": "hi", "kv_transfer_params": {
         "first_token_events": "yes"}}, 400),
     ("first_token_events with generated_token_ids", C, {"prompt": "hi", "kv_transfer_params": {

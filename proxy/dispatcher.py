@@ -164,7 +164,8 @@ class Dispatcher:
                     if refusal != "off":
                         self.metrics.first_token_handoffs.labels(refusal).inc()
                     return await self._run_pd(request, path, body, route, attempt_id, timer)
-                return await self._run_whole(request, path, body, route, attempt_id, timer)
+                return await self._run_one_leg(request, path, fw.decode_body(body, attempt_id, None),
+                                               route.decode, route.mode, attempt_id, timer)
             except _Retry as retry:
                 logger.warning("request %s: %s failed (%s); retrying without %s", attempt_id,
                                route.describe(), retry.error, retry.worker.worker_id)
@@ -200,7 +201,7 @@ class Dispatcher:
             d_response = await self._decode_response(d_task, d_leg)
             if not 200 <= d_response.status < 300:
                 return await self._forward_refusal(d_response, d_leg, attempt_id)
-            return await self._relay(request, d_response, d_leg, attempt_id, timer, MODE_PD)
+            return await self._relay(request, d_response, d_leg, attempt_id, timer)
         finally:
             p_leg.finish(aborted=True)
             d_leg.finish(aborted=True)
@@ -260,9 +261,9 @@ class Dispatcher:
         first = fw.first_token_of(verdict)
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             self.metrics.first_token_handoffs.labels("decode").inc()
-            return await self._run_decode_after_prefill(
+            return await self._run_one_leg(
                 request, path, fw.decode_body(body, attempt_id, prefill.zmq_address), decode,
-                attempt_id, timer)
+                "decode", attempt_id, timer)
         self.metrics.first_token_handoffs.labels("prefill").inc()
         out = web.StreamResponse(status=200, headers={
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
@@ -316,37 +317,20 @@ class Dispatcher:
                 await _abort(d_task)
         raise AssertionError("unreachable: the last attempt returns")
 
-    async def _run_decode_after_prefill(self, request: web.Request, path: str,
-                                        d_body: dict[str, Any], decode: WorkerState,
-                                        attempt_id: str, timer: RequestTimer
-                                        ) -> web.StreamResponse:
-        """D's leg once P has answered, relayed as in ``_run_pd``."""
-        d_leg = _Leg(self, decode, "decode")
-        d_task = asyncio.create_task(fw.open_leg(
-            self.session, decode.url + path, d_body,
-            fw.leg_headers(request.headers, attempt_id), self.timeouts.decode()))
-        try:
-            d_response = await self._decode_response(d_task, d_leg)
-            if not 200 <= d_response.status < 300:
-                return await self._forward_refusal(d_response, d_leg, attempt_id)
-            return await self._relay(request, d_response, d_leg, attempt_id, timer, MODE_PD)
-        finally:
-            d_leg.finish(aborted=True)
-            await _abort(d_task)
-
-    async def _run_whole(self, request: web.Request, path: str, body: dict[str, Any],
-                         route: Route, attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
-        """Colocated or decode-only: one worker gets the whole request."""
-        worker = route.decode
-        leg = _Leg(self, worker, route.mode)
+    async def _run_one_leg(self, request: web.Request, path: str, leg_body: dict[str, Any],
+                           worker: WorkerState, role: str, attempt_id: str,
+                           timer: RequestTimer) -> web.StreamResponse:
+        """One worker's leg relayed to the client: a colocated or decode-only request, or
+        D's leg once P has answered (``role`` "decode")."""
+        leg = _Leg(self, worker, role)
         task = asyncio.create_task(fw.open_leg(
-            self.session, worker.url + path, fw.decode_body(body, attempt_id, None),
+            self.session, worker.url + path, leg_body,
             fw.leg_headers(request.headers, attempt_id), self.timeouts.decode()))
         try:
             response = await self._decode_response(task, leg)
             if not 200 <= response.status < 300:
                 return await self._forward_refusal(response, leg, attempt_id)
-            return await self._relay(request, response, leg, attempt_id, timer, route.mode)
+            return await self._relay(request, response, leg, attempt_id, timer)
         finally:
             leg.finish(aborted=True)
             await _abort(task)
@@ -403,7 +387,7 @@ class Dispatcher:
         raise err
 
     async def _relay(self, request: web.Request, response: aiohttp.ClientResponse, leg: _Leg,
-                     attempt_id: str, timer: RequestTimer, mode: str) -> web.StreamResponse:
+                     attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
         if not fw.is_event_stream(response):
             try:
                 data = await fw.read_body(response, self.max_response_bytes)

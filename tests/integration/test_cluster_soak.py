@@ -4,6 +4,7 @@ Afterwards every worker's /metrics must show an idle engine (no request running 
 KV cache usage 0) and an idle connector (every transfer gauge and buffer byte count 0), and
 the proxy must count no leg in flight. Identical requests must get identical greedy text
 whichever (P, D) pair served them, and no decode worker may have fallen back to recompute.
+Run twice: D computing the first token, and the proxy streaming P's (first-token handoff).
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ DISTINCT = 50  # each distinct request is sent 10 times, shuffled
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_soak_500_requests_leaves_every_worker_idle(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launch_flags", [[], ["--first-token-from-prefill"]],
+                         ids=["plain", "first-token-handoff"])
+def test_soak_500_requests_leaves_every_worker_idle(tmp_path: Path,
+                                                    launch_flags: list[str]) -> None:
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
-    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=2, num_decode=2)
+    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=2, num_decode=2,
+                            launch_flags=launch_flags)
     distinct = mixed_requests(DISTINCT, max_words=12, max_tokens=6)
     reqs = distinct * (NUM_REQUESTS // DISTINCT)
     random.Random(0).shuffle(reqs)

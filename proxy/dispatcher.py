@@ -304,7 +304,10 @@ class Dispatcher:
                     self.metrics.retries.labels("handoff_decode").inc()
                     continue
                 if not 200 <= d_response.status < 300 or not fw.is_event_stream(d_response):
-                    data = await fw.read_body(d_response, self.max_response_bytes)
+                    try:
+                        data = await fw.read_body(d_response, self.max_response_bytes)
+                    except UpstreamError as exc:  # the refusal's body itself failed
+                        data = str(exc).encode()
                     err = UpstreamError(
                         f"decode worker {decode.worker_id} answered {d_response.status}: "
                         f"{data[:500].decode(errors='replace')}", kind="status",

@@ -256,6 +256,9 @@ class EngineCore:
             raise InvalidRequestError(
                 f"generated token ids must be in [0, {self.vocab_size})", "kv_transfer_params")
         params = SamplingParams.from_dict(msg.sampling_params)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

@@ -8,6 +8,7 @@ from typing import Any
 from engine_core.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS_ENTRIES = 1024  # bounds the host work of one request's bias per step
 
 
 @dataclass
@@ -31,12 +32,15 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token id -> value added to its logit before sampling (OpenAI's logit_bias, -100..100).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0  # vLLM accepts -1 and 0 for "off"
         self.validate()
@@ -67,6 +71,16 @@ class SamplingParams:
             raise InvalidRequestError("stop must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens", "logit_bias")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError("logit_bias values must be in [-100, 100]",
+                                          "logit_bias")
 
     @property
     def is_greedy(self) -> bool:

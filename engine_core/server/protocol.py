@@ -108,8 +108,6 @@ def _check_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
     if body.get("best_of") not in (None, 1):
         raise InvalidRequestError("best_of > 1 is not supported", "best_of")
-    if body.get("logit_bias"):
-        raise InvalidRequestError("logit_bias is not supported", "logit_bias")
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise InvalidRequestError("only response_format {'type': 'text'} is supported",
@@ -181,7 +179,28 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
             raise InvalidRequestError("stop_token_ids must be a list of integers", "stop_token_ids")
         kwargs["stop_token_ids"] = stop_token_ids
     # The engine's SamplingParams validates ranges and names the parameter on error.
+    kwargs["logit_bias"] = _logit_bias(body.get("logit_bias"))
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` as ``{token id: bias}`` (ranges: SamplingParams)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError("logit_bias must be an object of token id -> bias",
+                                  "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id",
+                                      "logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequestError("logit_bias values must be numbers", "logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def _check_logprobs(value: Any, key: str) -> int | None:

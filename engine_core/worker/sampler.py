@@ -1,4 +1,5 @@
-"""Batched sampling over a logits tensor: greedy, temperature, top-k, top-p, min-p, penalties.
+"""Batched sampling over a logits tensor: greedy, temperature, top-k, top-p, min-p, penalties,
+logit bias.
 
 Everything is one set of tensor ops over the whole batch; the only per-request work is
 building the parameter tensors and drawing noise for requests that carry a seed. Seeded
@@ -66,6 +67,7 @@ class Sampler:
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in num_logprobs) else None)
+        logits = self._apply_logit_bias(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         logits = self._apply_penalties(logits, rows)
         greedy = [r.params.is_greedy for r in rows]
@@ -79,6 +81,24 @@ class Sampler:
         packed = None if raw_logprobs is None else _pack_logprobs(raw_logprobs, sampled,
                                                                     num_logprobs)
         return DeviceSamples(sampled, packed, num_logprobs)
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Add each request's biases to its logits: one copy of (row, token, bias) triples."""
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        biases: list[float] = []
+        for i, row in enumerate(rows):
+            bias = row.params.logit_bias
+            if bias:
+                bias_rows.extend([i] * len(bias))
+                bias_tokens.extend(bias)
+                biases.extend(bias.values())
+        if not bias_rows:
+            return logits
+        index = _to_device([bias_rows, bias_tokens], torch.long, logits.device)
+        values = _to_device(biases, torch.float32, logits.device)
+        return logits.index_put((index[0], index[1]), values, accumulate=True)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

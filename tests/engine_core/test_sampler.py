@@ -80,3 +80,24 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
     assert lp.token_id == 1 and lp.rank == 1
     assert abs(lp.logprob - expected[1].item()) < 1e-6
     assert lp.top_token_ids == [1, 2]
+
+
+def test_logit_bias_is_added_per_request_before_sampling():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(9))
+    top = logits.argmax(-1).tolist()
+    banned = SamplingParams(temperature=0.0, logit_bias={top[0]: -100.0})
+    favoured = SamplingParams(temperature=0.0, logit_bias={5: 100.0, 6: 50.0})
+    plain = SamplingParams(temperature=0.0)
+    tokens, _ = Sampler()(logits, rows(banned, favoured, plain))
+    second = logits[0].clone()
+    second[top[0]] = float("-inf")
+    assert tokens == [int(second.argmax()), 5, top[2]]  # the unbiased row is untouched
+    # An exact sum, not a clamp: a small bias moves the choice only where it is enough.
+    gap = float(logits[2, top[2]] - logits[2, 7])
+    nudged = SamplingParams(temperature=0.0, logit_bias={7: gap + 0.01})
+    assert Sampler()(logits[2:3], rows(nudged))[0] == [7]
+    short = SamplingParams(temperature=0.0, logit_bias={7: gap - 0.01})
+    assert Sampler()(logits[2:3], rows(short))[0] == [top[2]]
+    # min_tokens still masks a stop token however strongly it is favoured.
+    held = SamplingParams(temperature=0.0, logit_bias={0: 100.0}, min_tokens=1)
+    assert Sampler()(logits[0:1], rows(held))[0][0] != 0

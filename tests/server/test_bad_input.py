@@ -71,6 +71,14 @@ CASES = [
         "first_token_events": "yes"}}, 400),
     ("first_token_events with generated_token_ids", C, {"prompt": "hi", "kv_transfer_params": {
         "first_token_events": True, "generated_token_ids": [1]}}, 400),
+    ("logit_bias not an object", C, {"prompt": "hi", "logit_bias": [1, 2]}, 400),
+    ("logit_bias key not a token id", C, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400),
+    ("logit_bias negative token id", C, {"prompt": "hi", "logit_bias": {"-3": 1}}, 400),
+    ("logit_bias token beyond vocab", C, {"prompt": "hi", "logit_bias": {"10000000": 1}}, 400),
+    ("logit_bias value out of range", C, {"prompt": "hi", "logit_bias": {"5": 101}}, 400),
+    ("logit_bias value not a number", CHAT, {"messages": OK_MSG, "logit_bias": {"5": "up"}}, 400),
+    ("logit_bias too many tokens", C, {"prompt": "hi", "logit_bias": {
+        str(i): 1 for i in range(1025)}}, 400),
     ("chat missing messages", CHAT, {"model": MODEL_NAME}, 400),
     ("chat empty messages", CHAT, {"messages": []}, 400),
     ("chat unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),

@@ -125,3 +125,20 @@ def test_models_and_auth(oai, server):
         bad.models.list()
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_logit_bias_through_the_api(oai, offline_llm):
+    """OpenAI's string-keyed logit_bias reaches the sampler: equal to offline generate with
+    the same biases, and a banned token never appears."""
+    plain = _offline(offline_llm, PROMPTS[:1], temperature=0.0)[0]
+    banned = plain.token_ids[0]
+    bias = {banned: -100.0, 42: 4.0}
+    want = _offline(offline_llm, PROMPTS[:1], temperature=0.0, logit_bias=bias)[0]
+    assert want.token_ids != plain.token_ids and banned not in want.token_ids
+    got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                 temperature=0.0, logit_bias={str(k): v for k, v in bias.items()})
+    assert got.choices[0].text == want.text
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=MAX_TOKENS, temperature=0.0, logit_bias={str(banned): -100})
+    assert chat.choices[0].finish_reason == "length"

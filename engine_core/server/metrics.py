@@ -32,7 +32,13 @@ _BREAKDOWN_METRICS = {
                         "Decode worker: remote KV landed until the first compute step."),
     "first_step_ms": ("pdserve:request_first_decode_step_seconds",
                       "Decode worker: first compute step until the first token."),
+    "decode_ms": ("vllm:request_decode_time_seconds",
+                  "Histogram of time spent in DECODE phase for request."),
+    "inference_ms": ("vllm:request_inference_time_seconds",
+                     "Histogram of time spent in RUNNING phase for request."),
 }
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
 
 # KV connector gauges (``EngineStats.connector`` keys of both halves), exported as
 # ``pdserve:kv_transfer_<key>``. Each reads 0 on an idle worker, so a soak run can assert
@@ -143,6 +149,15 @@ class ServerMetrics:
         self.request_success = Counter("vllm:request_success",
                                        "Count of successfully processed requests.",
                                        labels + ["finished_reason"], registry=self.registry)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+            buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
+            buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.request_max_tokens = Histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
         # Server-side breakdown of each request (engine_core.server.timings), by key.
         self.breakdown = {
             key: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -167,13 +182,19 @@ class ServerMetrics:
         self.itl.labels(self.model_name).observe(seconds)
 
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None,
-                         num_prompt_tokens: int, num_output_tokens: int) -> None:
-        """One request ended (finished, aborted or failed)."""
+                         num_prompt_tokens: int, num_output_tokens: int,
+                         max_tokens: int | None) -> None:
+        """One request ended (finished, aborted or failed); ``num_output_tokens`` counts the
+        tokens this worker generated."""
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
         self.generation_tokens.labels(self.model_name).inc(num_output_tokens)
         if finish_reason in ("stop", "length"):
             self.e2e.labels(self.model_name).observe(e2e_seconds)
             self.request_success.labels(self.model_name, finish_reason).inc()
+            self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
+            self.request_generation_tokens.labels(self.model_name).observe(num_output_tokens)
+            if max_tokens is not None:
+                self.request_max_tokens.labels(self.model_name).observe(max_tokens)
 
     def observe_breakdown(self, timings: dict[str, float]) -> None:
         """One finished request's ``pdserve_timings`` (milliseconds) into the histograms."""

@@ -223,7 +223,8 @@ class OpenAIServing:
                         break
         finally:
             self.metrics.observe_finished(time.monotonic() - arrival, finish_reason,
-                                          len(job.prompt_token_ids), num_output)
+                                          len(job.prompt_token_ids),
+                                          max(0, num_output - len(generated)), params.max_tokens)
 
     async def _run_jobs(self, jobs: list[_Job], params: SamplingParams,
                         kv_transfer_params: dict[str, Any] | None,

@@ -12,6 +12,8 @@ Keys (milliseconds unless named ``*_unix``; a key is absent when it does not app
 - ``kv_wait_ms``: D only: parked to remote KV landed (spans P's queue, compute and the transfer).
 - ``decode_queue_ms``: D only: KV landed to first compute step.
 - ``first_step_ms``: D only: that first compute step to the first token.
+- ``decode_ms``: first token to finished (the decode phase).
+- ``inference_ms``: first compute step to finished (time running on the model).
 - ``arrival_unix``, ``first_token_unix``, ``kv_ready_unix``: wall-clock stamps, so a client
   can line up two workers' events (exact on one host, NTP-close across hosts).
 """
@@ -48,6 +50,8 @@ def breakdown(timings: RequestTimings, now_monotonic: float, now_unix: float
             kv_ready_unix=round(timings.remote_kv_ready_time + offset, 6))
     else:
         values["prefill_ms"] = _ms(timings.compute_start_time, timings.first_token_time)
+    values["decode_ms"] = _ms(timings.first_token_time, timings.finished_time)
+    values["inference_ms"] = _ms(timings.compute_start_time, timings.finished_time)
     if timings.first_token_time is not None:
         values["first_token_unix"] = round(timings.first_token_time + offset, 6)
     return {key: value for key, value in values.items() if value is not None}

@@ -20,6 +20,7 @@ def test_colocated_timings() -> None:
     out = breakdown(t, NOW_MONO, NOW_UNIX)
     assert out["queue_ms"] == pytest.approx(2.0) and out["prefill_ms"] == pytest.approx(50.0)
     assert out["first_token_unix"] == pytest.approx(1e9 + 10.052)
+    assert out["decode_ms"] == pytest.approx(948.0) and out["inference_ms"] == pytest.approx(998.0)
     assert "kv_wait_ms" not in out
     stages = request_stages({}, out)
     assert stages == pytest.approx({"prefill_queue": 2.0, "prefill_compute": 50.0})

@@ -45,3 +45,11 @@ def test_metrics_parse_and_counters_move(server):
     assert after["vllm:e2e_request_latency_seconds_count"] == before.get(
         "vllm:e2e_request_latency_seconds_count", 0) + 1
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    for name in ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                 "vllm:request_params_max_tokens"):
+        assert after[f"{name}_count"] == before.get(f"{name}_count", 0) + 1, name
+    assert after["vllm:request_generation_tokens_sum"] == before.get(
+        "vllm:request_generation_tokens_sum", 0) + 5
+    assert after["vllm:request_params_max_tokens_sum"] == before.get(
+        "vllm:request_params_max_tokens_sum", 0) + 5

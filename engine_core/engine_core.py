@@ -256,6 +256,9 @@ class EngineCore:
             raise InvalidRequestError(
                 f"generated token ids must be in [0, {self.vocab_size})", "kv_transfer_params")
         params = SamplingParams.from_dict(msg.sampling_params)
+        if params.n != 1:
+            raise InvalidRequestError("an engine request is one sample (n=1); the API server "
+                                      "fans n out into requests", "n")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")

@@ -8,7 +8,8 @@ from typing import Any
 from engine_core.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
-MAX_LOGIT_BIAS_ENTRIES = 1024  # bounds the host work of one request's bias per step
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_N = 128  # samples per prompt in one API request  # bounds the host work of one request's bias per step
 
 
 @dataclass
@@ -47,8 +48,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the offending parameter."""
-        if self.n != 1:
-            raise InvalidRequestError("n > 1 is not supported; send n requests instead", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}]", "n")
         if self.temperature < 0:
             raise InvalidRequestError("temperature must be >= 0", "temperature")
         if not 0.0 < self.top_p <= 1.0:

@@ -65,6 +65,8 @@ def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str)
     for key in _PREFILL_ONLY_FIELDS:
         out.pop(key, None)
     out["max_tokens"] = 1
+    if "n" in out:
+        out["n"] = 1  # D samples n times from the one prompt P computes
     # Chat's newer limit: clamp it when the client used it (completions do not accept it).
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1

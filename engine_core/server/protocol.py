@@ -183,6 +183,11 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
 
+def _check_handoff_n(handoff: Handoff, params: SamplingParams) -> None:
+    if (handoff.first_events or handoff.generated_token_ids) and params.n != 1:
+        raise InvalidRequestError("a first-token handoff carries one sample (n=1)", "n")
+
+
 def _logit_bias(value: Any) -> dict[int, float]:
     """OpenAI's ``{"token id": bias}`` as ``{token id: bias}`` (ranges: SamplingParams)."""
     if value is None:
@@ -264,6 +269,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     handoff = _handoff(kv_params)
     if (handoff.first_events or handoff.generated_token_ids) and len(prompts) != 1:
         raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
+    _check_handoff_n(handoff, params)
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff)
 
 
@@ -318,8 +324,10 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     params = _sampling_params(body, max_tokens, logprobs)
     add_generation_prompt = _typed(body, "add_generation_prompt", (bool,), True)
     kv_params = _kv_transfer_params(body)
+    handoff = _handoff(kv_params)
+    _check_handoff_n(handoff, params)
     return ChatCompletionRequest(model, messages, params, stream, include_usage,
-                                 add_generation_prompt, kv_params, _handoff(kv_params))
+                                 add_generation_prompt, kv_params, handoff)
 
 
 def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool, bool]:

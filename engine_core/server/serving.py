@@ -37,10 +37,16 @@ _MAX_REQUEST_ID_LEN = 256
 
 @dataclass
 class _Job:
-    """One engine request of an HTTP request."""
+    """One engine request of an HTTP request: one sample of one prompt."""
 
     request_id: str
     prompt_token_ids: list[int]
+    params: SamplingParams  # this sample's (n 1; a seed offset by the sample's index)
+    kv_transfer_params: dict[str, Any] | None
+    sample: int = 0  # index among the prompt's n samples; sample 0 counts the prompt in usage
+    # A decode worker's later samples of a prompt wait for sample 0's first token (its KV
+    # from the prefill worker has landed and is cached by then), then compute locally.
+    after: int | None = None
 
 
 @dataclass
@@ -84,12 +90,29 @@ def request_id_of(request: web.Request) -> str:
     return given
 
 
-def _usage(choices: list[_ChoiceResult]) -> dict[str, Any]:
-    prompt = sum(c.num_prompt_tokens for c in choices)
+def _usage(choices: list[_ChoiceResult], jobs: list[_Job]) -> dict[str, Any]:
+    """Each prompt counted once (OpenAI's usage for n samples), every sample's completion."""
+    firsts = [c for c, job in zip(choices, jobs, strict=True) if job.sample == 0]
+    prompt = sum(c.num_prompt_tokens for c in firsts)
     completion = sum(c.num_output_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices)}}
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
+
+
+def _prompt_transfer_params(params: dict[str, Any] | None, prompt_index: int,
+                            num_prompts: int) -> dict[str, Any] | None:
+    """A prompt batch moves one transfer per prompt: ``T-p<i>`` on both P and D."""
+    if num_prompts == 1 or not params or not isinstance(params.get("transfer_id"), str):
+        return params
+    return {**params, "transfer_id": f"{params['transfer_id']}-p{prompt_index}"}
+
+
+def _without_transfer(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The params of a sample that moves no KV (a prompt's samples after the first)."""
+    if not params:
+        return params
+    return {k: v for k, v in params.items() if k not in ("do_remote_prefill", "do_remote_decode")}
 
 
 def _completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
@@ -131,16 +154,17 @@ def _completion_chunk(head: dict[str, Any], index: int, delta: RequestDelta, off
         "stop_reason": delta.stop_reason if delta.finished else None}]}
 
 
-def _chat_role_chunk(head: dict[str, Any]) -> dict[str, Any]:
-    """The first chunk of a chat stream: the assistant role, no content yet."""
-    return {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+def _chat_role_chunk(head: dict[str, Any], index: int) -> dict[str, Any]:
+    """The first chunk of a chat stream's choice: the assistant role, no content yet."""
+    return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}]}
 
 
-def _chat_chunk(head: dict[str, Any], delta: RequestDelta, want_logprobs: bool) -> dict[str, Any]:
+def _chat_chunk(head: dict[str, Any], index: int, delta: RequestDelta,
+                want_logprobs: bool) -> dict[str, Any]:
     """One /v1/chat/completions stream chunk."""
     return {**head, "choices": [{
-        "index": 0, "delta": {"content": delta.text} if delta.text else {},
+        "index": index, "delta": {"content": delta.text} if delta.text else {},
         "logprobs": _chat_logprobs(delta.logprobs or []) if want_logprobs else None,
         "finish_reason": delta.finish_reason if delta.finished else None,
         "stop_reason": delta.stop_reason if delta.finished else None}]}
@@ -183,13 +207,12 @@ class OpenAIServing:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def _generate(self, job: _Job, params: SamplingParams,
-                        kv_transfer_params: dict[str, Any] | None,
-                        generated: list[int]) -> AsyncIterator[RequestDelta]:
+    async def _generate(self, job: _Job, generated: list[int]) -> AsyncIterator[RequestDelta]:
         """Deltas of one engine request, with metrics; stops the engine on a stop string.
 
         A request continuing after ``generated`` tokens (the client got their text from
         the prefill worker, which observed the time to first token) streams what follows."""
+        params = job.params
         state = RequestState.create(job.request_id, job.prompt_token_ids, params,
                                     self.tokenizer.tokenizer, self._token_texts)
         state.assume_delivered(generated)
@@ -198,7 +221,7 @@ class OpenAIServing:
         finish_reason, num_output = None, 0
         try:
             outputs = self.client.generate(job.request_id, job.prompt_token_ids, params,
-                                           kv_transfer_params, generated)
+                                           job.kv_transfer_params, generated)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     delta = state.process(output)
@@ -226,24 +249,29 @@ class OpenAIServing:
                                           len(job.prompt_token_ids),
                                           max(0, num_output - len(generated)), params.max_tokens)
 
-    async def _run_jobs(self, jobs: list[_Job], params: SamplingParams,
-                        kv_transfer_params: dict[str, Any] | None,
-                        handoff: protocol.Handoff) -> AsyncIterator[tuple[int, RequestDelta]]:
+    async def _run_jobs(self, jobs: list[_Job], handoff: protocol.Handoff
+                        ) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) of all jobs, interleaved as they arrive."""
         queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
+        params = jobs[0].params
         if handoff.generated_token_ids and (params.stop or params.logprobs is not None):
             # The client holds no held-back stop-string text or logprobs for those tokens.
             raise InvalidRequestError("generated_token_ids cannot be combined with stop "
                                       "strings or logprobs", "kv_transfer_params")
+        started = [asyncio.Event() for _ in jobs]  # set at a job's first delta (or its end)
 
         async def pump(index: int, job: _Job) -> None:
             try:
-                async for delta in self._generate(job, params, kv_transfer_params,
-                                                  handoff.generated_token_ids):
+                if job.after is not None:
+                    await started[job.after].wait()
+                async for delta in self._generate(job, handoff.generated_token_ids):
+                    started[index].set()
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
             except Exception as exc:
                 queue.put_nowait((index, exc))
+            finally:
+                started[index].set()
 
         tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
         try:
@@ -261,22 +289,39 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    @staticmethod
-    def _engine_params(params: SamplingParams, handoff: protocol.Handoff) -> SamplingParams:
-        """What the engine runs: a prefill worker asked for the first token's events was
-        validated with the client's limits (so a request the decode worker would refuse is
-        refused here, before anything reaches the client) and samples only that token, as
-        the first position of the client's request (``min_tokens`` kept up to 1)."""
-        if not handoff.first_events:
-            return params
-        return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+              kv_transfer_params: dict[str, Any] | None, handoff: protocol.Handoff
+              ) -> list[_Job]:
+        """One engine request per (prompt, sample), in OpenAI's choice order.
 
-    def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[_Job]:
+        Sample ``s`` of a seeded request draws with ``seed + s``. Each prompt of a batch
+        has its own transfer id (``T-p<i>``, derived the same way on P and D); only a
+        prompt's sample 0 moves KV between workers: on P the others compute locally, on D
+        they wait for sample 0's first token and then find the prompt in the prefix cache.
+        A prefill worker asked for the first token's events was validated with the
+        client's limits (a request D would refuse is refused before anything streams) and
+        samples just that token, as the first position of the client's request.
+        """
         for ids in prompts:
             self.tokenizer.check_length(len(ids), params.max_tokens)
-        if len(prompts) == 1:
-            return [_Job(request_id, prompts[0])]
-        return [_Job(f"{request_id}-{i}", ids) for i, ids in enumerate(prompts)]
+        engine_params = dataclasses.replace(params, n=1)
+        if handoff.first_events:
+            engine_params = dataclasses.replace(engine_params, max_tokens=1,
+                                                min_tokens=min(params.min_tokens, 1))
+        single = len(prompts) == 1 and params.n == 1
+        jobs: list[_Job] = []
+        for prompt_index, ids in enumerate(prompts):
+            transfer = _prompt_transfer_params(kv_transfer_params, prompt_index, len(prompts))
+            first = len(jobs)
+            for sample in range(params.n):
+                index = len(jobs)
+                sample_params = engine_params if params.seed is None or sample == 0 else \
+                    dataclasses.replace(engine_params, seed=params.seed + sample)
+                remote = transfer if sample == 0 else _without_transfer(transfer)
+                waits = sample > 0 and bool((transfer or {}).get("do_remote_prefill"))
+                jobs.append(_Job(request_id if single else f"{request_id}-{index}", ids,
+                                 sample_params, remote, sample, first if waits else None))
+        return jobs
 
     # ---- /v1/completions ----------------------------------------------------------------
 
@@ -285,9 +330,9 @@ class OpenAIServing:
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
         prompts = [self.tokenizer.encode_prompt(p) for p in parsed.prompts]
-        jobs = self._jobs(request_id, prompts, parsed.sampling_params)
-        events = self._run_jobs(jobs, self._engine_params(parsed.sampling_params, parsed.handoff),
-                                parsed.kv_transfer_params, parsed.handoff)
+        jobs = self._jobs(request_id, prompts, parsed.sampling_params,
+                          parsed.kv_transfer_params, parsed.handoff)
+        events = self._run_jobs(jobs, parsed.handoff)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         headers = {"X-Request-Id": request_id}
@@ -301,11 +346,11 @@ class OpenAIServing:
                     {"index": i, "text": c.text,
                      "logprobs": _completion_logprobs(c.logprobs, 0) if want_logprobs else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    for i, c in enumerate(choices)], "usage": _usage(choices)}
+                    for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
                 self._add_kv_transfer_params(response, choices)
                 _add_server_timings(response, choices)
                 if parsed.handoff.first_events:
-                    first = self._first_delta(jobs[0], parsed.sampling_params, choices[0])
+                    first = self._first_delta(jobs[0], choices[0])
                     chunks = [] if first is None or not _worth_a_chunk(first) else [
                         _completion_chunk(head, 0, first, 0, want_logprobs)]
                     self._add_first_token(response, first, chunks)
@@ -333,7 +378,7 @@ class OpenAIServing:
                     pending = [item]
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**head, "choices": [],
-                                                     "usage": _usage(choices)})
+                                                     "usage": _usage(choices, jobs)})
             except Exception as exc:
                 await self._stream_error(sse, request_id, exc)
             await streaming.send_done(sse)
@@ -346,43 +391,45 @@ class OpenAIServing:
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
         prompt = self.tokenizer.encode_chat(parsed.messages, parsed.add_generation_prompt)
-        jobs = self._jobs(request_id, [prompt], parsed.sampling_params)
-        events = self._run_jobs(jobs, self._engine_params(parsed.sampling_params, parsed.handoff),
-                                parsed.kv_transfer_params, parsed.handoff)
+        jobs = self._jobs(request_id, [prompt], parsed.sampling_params,
+                          parsed.kv_transfer_params, parsed.handoff)
+        events = self._run_jobs(jobs, parsed.handoff)
         head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
         chunk_head = {**head, "object": "chat.completion.chunk"}
         headers = {"X-Request-Id": request_id}
         want_logprobs = parsed.sampling_params.logprobs is not None
-        choice = _ChoiceResult()
+        choices = [_ChoiceResult() for _ in jobs]
         async with contextlib.aclosing(events):
             if not parsed.stream:
-                async for _, delta in events:
-                    choice.add(delta)
+                async for index, delta in events:
+                    choices[index].add(delta)
                 response = {**head, "object": "chat.completion", "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": choice.text},
-                    "logprobs": _chat_logprobs(choice.logprobs) if want_logprobs else None,
-                    "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}],
-                    "usage": _usage([choice])}
-                self._add_kv_transfer_params(response, [choice])
-                _add_server_timings(response, [choice])
+                    "index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c.logprobs) if want_logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
+                self._add_kv_transfer_params(response, choices)
+                _add_server_timings(response, choices)
                 if parsed.handoff.first_events:
-                    first = self._first_delta(jobs[0], parsed.sampling_params, choice)
-                    chunks = [_chat_role_chunk(chunk_head)]
+                    first = self._first_delta(jobs[0], choices[0])
+                    chunks = [_chat_role_chunk(chunk_head, 0)]
                     if first is not None and _worth_a_chunk(first):
-                        chunks.append(_chat_chunk(chunk_head, first, want_logprobs))
+                        chunks.append(_chat_chunk(chunk_head, 0, first, want_logprobs))
                     self._add_first_token(response, first, chunks)
                 return web.json_response(response, headers=headers)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
             try:
                 if not parsed.handoff.generated_token_ids:  # else the proxy sent the role
-                    await streaming.send_event(sse, _chat_role_chunk(chunk_head))
+                    for index in range(len(jobs)):
+                        await streaming.send_event(sse, _chat_role_chunk(chunk_head, index))
                 item = first
                 while item is not None:
-                    _, delta = item
+                    index, delta = item
+                    choice = choices[index]
                     choice.add(delta)
                     if _worth_a_chunk(delta):
-                        chunk = _chat_chunk(chunk_head, delta, want_logprobs)
+                        chunk = _chat_chunk(chunk_head, index, delta, want_logprobs)
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
                             _add_server_timings(chunk, [choice])
@@ -390,7 +437,7 @@ class OpenAIServing:
                     item = await anext(events, None)
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],
-                                                     "usage": _usage([choice])})
+                                                     "usage": _usage(choices, jobs)})
             except Exception as exc:
                 await self._stream_error(sse, request_id, exc)
             await streaming.send_done(sse)
@@ -398,20 +445,19 @@ class OpenAIServing:
 
     # ---- first-token handoff (prefill worker) -------------------------------------------
 
-    def _first_delta(self, job: _Job, params: SamplingParams,
-                     choice: _ChoiceResult) -> RequestDelta | None:
+    def _first_delta(self, job: _Job, choice: _ChoiceResult) -> RequestDelta | None:
         """What a stream would have sent for this answer's first token, had the request
         gone on: its text with stop-string hold-back applied, not flushed as a finished
         answer's is. None when nothing was sampled."""
         if not choice.token_ids:
             return None
-        state = RequestState.create(job.request_id, job.prompt_token_ids, params,
+        state = RequestState.create(job.request_id, job.prompt_token_ids, job.params,
                                     self.tokenizer.tokenizer, self._token_texts)
         delta = state.process(EngineOutput(
             request_id=job.request_id, new_token_ids=choice.token_ids[:1],
             num_prompt_tokens=choice.num_prompt_tokens, num_cached_tokens=choice.num_cached_tokens,
             new_logprobs=[]))
-        if delta is not None and params.logprobs is not None:
+        if delta is not None and job.params.logprobs is not None:
             delta.logprobs = choice.logprobs[:1]
         return delta
 

@@ -80,7 +80,9 @@ def test_invalid_requests_are_rejected(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate([[1] * 2000], greedy())
     with pytest.raises(InvalidRequestError):
-        SamplingParams(n=2)
+        SamplingParams(n=0)
+    with pytest.raises(InvalidRequestError, match="fans n out"):  # the API server does
+        llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=2))
     with pytest.raises(InvalidRequestError):
         llm.generate([[]], greedy())
 

@@ -32,7 +32,10 @@ CASES = [
     ("top_p zero", C, {"prompt": "hi", "top_p": 0}, 400),
     ("top_p above one", C, {"prompt": "hi", "top_p": 1.5}, 400),
     ("unknown model", C, {"prompt": "hi", "model": "gpt-9"}, 404),
-    ("n greater than one", C, {"prompt": "hi", "n": 2}, 400),
+    ("n zero", C, {"prompt": "hi", "n": 0}, 400),
+    ("n too large", C, {"prompt": "hi", "n": 129}, 400),
+    ("n with a first-token handoff", C, {"prompt": "hi", "n": 2, "kv_transfer_params": {
+        "generated_token_ids": [1]}}, 400),
     ("logprobs too many", C, {"prompt": "hi", "logprobs": 50}, 400),
     ("logprobs wrong type", C, {"prompt": "hi", "logprobs": "yes"}, 400),
     ("stream wrong type", C, {"prompt": "hi", "stream": "yes"}, 400),

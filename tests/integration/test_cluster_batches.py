@@ -1,0 +1,78 @@
+"""Prompt batches and n samples through a real 1P1D CPU cluster (real processes).
+
+Each prompt of a batch moves its own KV transfer (``T-p<i>`` on both workers) and only a
+prompt's first sample loads it; the decode worker's other samples wait for it and find the
+prompt in its prefix cache. Answers equal the decode worker's own when it computes
+everything itself, no load falls back to recompute, and every worker ends idle (no blocks
+held for a transfer nobody pulls).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.integration.cluster_harness import (
+    MODEL,
+    WORDS,
+    Cluster,
+    build_tiny_checkpoint,
+    idle_violations,
+    wait_idle,
+)
+
+LONG = [" ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(30 + 9 * i)) for i in range(3)]
+CASES = [
+    {"prompt": LONG, "temperature": 0.0},                       # a batch, one sample each
+    {"prompt": LONG[0], "n": 3, "temperature": 1.0, "seed": 5},  # one prompt, seeded samples
+    {"prompt": LONG[1:], "n": 2, "temperature": 0.7, "seed": 9},  # a batch of n samples each
+]
+
+
+def _answer(client: openai.OpenAI, case: dict, stream: bool) -> tuple[list[str], int, int]:
+    """(texts by choice index, prompt tokens, completion tokens)."""
+    args = {"model": MODEL, "max_tokens": 10, "extra_body": {"ignore_eos": True}, **case}
+    if not stream:
+        out = client.completions.create(**args)
+        return ([c.text for c in sorted(out.choices, key=lambda c: c.index)],
+                out.usage.prompt_tokens, out.usage.completion_tokens)
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(**args, stream=True,
+                                           stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert usage is not None
+    return [texts[i] for i in sorted(texts)], usage.prompt_tokens, usage.completion_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_prompt_batches_and_n_samples_through_1p1d(tmp_path: Path) -> None:
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=1)
+    prefill, decode = cluster.workers
+    try:
+        cluster.start([cluster.proxy, *cluster.workers])
+        cluster.wait_ready(cluster.workers)
+        proxy = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
+        direct = openai.OpenAI(base_url=f"http://{decode.http_address}/v1", api_key="x",
+                               max_retries=0)
+        for case in CASES:
+            want = _answer(direct, case, stream=False)
+            num_choices = len(case["prompt"]) if isinstance(case["prompt"], list) else 1
+            assert len(want[0]) == num_choices * case.get("n", 1)
+            for stream in (False, True):
+                assert _answer(proxy, case, stream) == want, (case, stream)
+        scraped = wait_idle([prefill.http_address, decode.http_address], 30.0)
+        assert not idle_violations(scraped), idle_violations(scraped)
+        log = decode.log_path.read_text()
+        assert "recomputing the prompt locally" not in log, log[-3000:]
+        # Every prompt's KV came from P once per request, whatever its n.
+        received = scraped[decode.http_address]["pdserve:kv_transfer_transfers_received_total"]
+        assert received == 2 * (3 + 1 + 2), received
+    finally:
+        cluster.stop()

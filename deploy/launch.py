@@ -51,6 +51,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-timeout", type=float, default=15.0,
                         help="seconds between SIGTERM and SIGKILL at shutdown")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
+    from proxy.routing import POLICIES
+
+    parser.add_argument("--routing", default="round_robin", choices=sorted(POLICIES),
+                        help="the proxy's routing policy (see python -m proxy --help)")
     parser.add_argument("--first-token-from-prefill", action="store_true",
                         help="the proxy streams P's sampled token at once and D continues "
                              "after it (see python -m proxy --help)")
@@ -175,7 +179,8 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
     reg_port = args.registration_port or free_port()
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
-                            str(args.port), "--registration-port", str(reg_port)]
+                            str(args.port), "--registration-port", str(reg_port),
+                            "--routing", args.routing]
                   + (["--first-token-from-prefill"] if args.first_token_from_prefill else []),
                   base_env, log_dir / "proxy.log")
     gpus = detect_gpus(args.gpus)

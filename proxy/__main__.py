@@ -28,7 +28,16 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
                         help="drop a worker after this many seconds without a heartbeat")
     parser.add_argument("--routing", choices=sorted(POLICIES), default=d.routing,
-                        help="how P, D and colocated workers are picked")
+                        help="how P, D and colocated workers are picked (prefix_affinity: "
+                        "requests that begin alike go to the same workers, for their prefix "
+                        "caches, unless that worker is much busier)")
+    parser.add_argument("--affinity-prefix-chars", type=int, default=d.affinity_prefix_chars,
+                        help="prefix_affinity: leading prompt characters that key a route")
+    parser.add_argument("--affinity-max-imbalance", type=float,
+                        default=d.affinity_max_imbalance,
+                        help="prefix_affinity: when the affine worker's load score (in-flight "
+                        "legs + queued + 4 x KV usage) exceeds the lowest by more, the least "
+                        "loaded worker is used")
     parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
                         help="client requests in flight before answering 429")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -54,7 +63,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         host=args.host, port=args.port, registration_host=args.registration_host,
         registration_port=args.registration_port, heartbeat_timeout_s=args.heartbeat_timeout,
-        routing=args.routing, max_inflight=args.max_inflight, max_body_bytes=args.max_body_bytes,
+        routing=args.routing, affinity_prefix_chars=args.affinity_prefix_chars,
+        affinity_max_imbalance=args.affinity_max_imbalance, max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
         first_token_from_prefill=args.first_token_from_prefill)

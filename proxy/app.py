@@ -45,7 +45,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.CLOCK] = clock
     app[keys.ID_FACTORY] = id_factory
     app[keys.REGISTRY] = registry
-    app[keys.POLICY] = make_policy(config.routing)
+    app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     server = None
     if config.registration_port is not None:
@@ -76,6 +76,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
         session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,
         max_response_bytes=config.max_response_bytes,
+        affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,

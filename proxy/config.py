@@ -18,6 +18,8 @@ class ProxyConfig:
     registration_port: int | None = 30001  # None: no registration server (tests)
     heartbeat_timeout_s: float = 10.0
     routing: str = "round_robin"
+    affinity_prefix_chars: int = 256    # prefix_affinity: how much of the prompt keys a route
+    affinity_max_imbalance: float = 8.0  # prefix_affinity: load gap that overrides affinity
     max_inflight: int = 1024
     max_body_bytes: int = 16 << 20
     max_response_bytes: int = 64 << 20
@@ -32,7 +34,10 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ConfigError(f"--routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
-        for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts"):
+        if self.affinity_max_imbalance < 0:
+            raise ConfigError("affinity_max_imbalance must be >= 0")
+        for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts",
+                     "affinity_prefix_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",

@@ -123,7 +123,8 @@ class Dispatcher:
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
                  metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
-                 first_token_from_prefill: bool = False) -> None:
+                 affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False
+                 ) -> None:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -132,18 +133,20 @@ class Dispatcher:
         self.clock = clock
         self.max_attempts = max_attempts
         self.max_response_bytes = max_response_bytes
+        self.affinity_prefix_chars = affinity_prefix_chars
         self.first_token_from_prefill = first_token_from_prefill
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
                        transfer_id: str, timer: RequestTimer) -> web.StreamResponse:
         """Serve one validated request body; raise a PdserveError for an error status."""
         model = body.get("model") if isinstance(body.get("model"), str) else None
+        key = fw.affinity_key(path, body, self.affinity_prefix_chars)
         excluded: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(self.max_attempts):
             attempt_id = transfer_id if attempt == 0 else f"{transfer_id}-retry{attempt}"
             try:
-                route = plan_route(self.registry, self.policy, model, excluded)
+                route = plan_route(self.registry, self.policy, model, excluded, key)
             except NoWorkerError:
                 if last_error is not None:
                     raise last_error from None
@@ -296,7 +299,9 @@ class Dispatcher:
                         return await _end_stream(out, err)
                     excluded.add(decode.worker_id)
                     try:
-                        decode = plan_route(self.registry, self.policy, model, excluded).decode
+                        decode = plan_route(self.registry, self.policy, model, excluded,
+                                            fw.affinity_key(path, body,
+                                                            self.affinity_prefix_chars)).decode
                     except NoWorkerError:
                         return await _end_stream(out, err)
                     logger.warning("request %s: decode leg failed before its first byte (%s); "

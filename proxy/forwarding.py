@@ -21,6 +21,7 @@ from proxy.errors import UpstreamError, UpstreamTimeoutError
 # proxy's own business.
 FORWARDED_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "User-Agent")
 SSE_CONTENT_TYPE = "text/event-stream"
+CHAT_PATH = "/v1/chat/completions"
 _PREFILL_ONLY_FIELDS = ("stream_options", "min_tokens")
 
 
@@ -86,9 +87,35 @@ def decode_body(body: dict[str, Any], transfer_id: str,
     return out
 
 
+def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
+    """The first ``num_chars`` characters of a request's prompt (chat: its messages as
+    role and text), which requests sharing a system prompt or few-shot prefix share; None
+    when there is no single prompt to key on (a batch, a malformed body: the worker judges
+    it). Token-id prompts key on their first ``num_chars // 4`` ids."""
+    if path == CHAT_PATH:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        parts = []
+        for message in messages:
+            if not isinstance(message, dict):
+                return None
+            content = message.get("content")
+            text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+            parts.append(f"{message.get('role')}\n{text}\n")
+            if sum(len(p) for p in parts) >= num_chars:
+                break
+        return "".join(parts)[:num_chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt[:num_chars]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return "ids:" + ",".join(str(t) for t in prompt[:max(1, num_chars // 4)])
+    return None
+
+
 # ---- first-token handoff: P's sampled token is streamed at once, D continues after it ---
 
-CHAT_PATH = "/v1/chat/completions"
 MAX_FIRST_EVENTS = 4  # P sends at most a chat role chunk and one content chunk
 
 

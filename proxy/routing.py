@@ -14,6 +14,7 @@ Pure: no sockets, no clock of its own.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,11 +29,16 @@ MODE_DECODE_ONLY = "decode_only"
 
 
 class RoutingPolicy(Protocol):
-    """Chooses one worker of a role among non-empty candidates."""
+    """Chooses one worker of a role among non-empty candidates.
+
+    ``key`` is the request's prefix key (``proxy.forwarding.affinity_key``): requests that
+    begin alike share it; only the prefix-affinity policy reads it.
+    """
 
     name: str
 
-    def choose(self, role: str, candidates: Sequence[WorkerState]) -> WorkerState:
+    def choose(self, role: str, candidates: Sequence[WorkerState],
+               key: str | None = None) -> WorkerState:
         """Return one of ``candidates`` (never empty)."""
         ...
 
@@ -45,7 +51,8 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
 
-    def choose(self, role: str, candidates: Sequence[WorkerState]) -> WorkerState:
+    def choose(self, role: str, candidates: Sequence[WorkerState],
+               key: str | None = None) -> WorkerState:
         index = self._next.get(role, 0)
         self._next[role] = index + 1
         return candidates[index % len(candidates)]
@@ -72,7 +79,8 @@ class LeastLoadPolicy:
         return (worker.in_flight + worker.load.num_waiting
                 + self._kv_weight * worker.load.kv_cache_usage)
 
-    def choose(self, role: str, candidates: Sequence[WorkerState]) -> WorkerState:
+    def choose(self, role: str, candidates: Sequence[WorkerState],
+               key: str | None = None) -> WorkerState:
         best = min(self.score(w) for w in candidates)
         tied = [w for w in candidates if self.score(w) == best]
         index = self._rotation.get(role, 0)
@@ -80,11 +88,47 @@ class LeastLoadPolicy:
         return tied[index % len(tied)]
 
 
-POLICIES = {RoundRobinPolicy.name: RoundRobinPolicy, LeastLoadPolicy.name: LeastLoadPolicy}
+class PrefixAffinityPolicy:
+    """Requests that begin alike go to the same worker of each role, so its prefix cache
+    (P's computed prompts, D's landed ones, fewer blocks to transfer) serves them again.
+
+    The worker is the rendezvous-hash winner of the request's prefix key among the
+    candidates: a worker joining or leaving moves only the keys it wins or won. Affinity
+    yields to load: when the winner's least-load score exceeds the lowest by more than
+    ``max_imbalance`` (in-flight legs and queued requests, mostly), the least-loaded worker
+    takes the request instead, so one hot prefix cannot pile up on one worker. Requests
+    without a key are routed by least load.
+    """
+
+    name = "prefix_affinity"
+
+    def __init__(self, max_imbalance: float = 8.0) -> None:
+        self.max_imbalance = max_imbalance
+        self._load = LeastLoadPolicy()
+
+    @staticmethod
+    def _rank(key: str, worker: WorkerState) -> bytes:
+        return hashlib.blake2b(f"{key}\x00{worker.worker_id}".encode(), digest_size=8).digest()
+
+    def choose(self, role: str, candidates: Sequence[WorkerState],
+               key: str | None = None) -> WorkerState:
+        if key is None:
+            return self._load.choose(role, candidates)
+        winner = max(candidates, key=lambda w: self._rank(key, w))
+        lightest = min(self._load.score(w) for w in candidates)
+        if self._load.score(winner) - lightest > self.max_imbalance:
+            return self._load.choose(role, candidates)
+        return winner
 
 
-def make_policy(name: str) -> RoutingPolicy:
+POLICIES = {RoundRobinPolicy.name: RoundRobinPolicy, LeastLoadPolicy.name: LeastLoadPolicy,
+            PrefixAffinityPolicy.name: PrefixAffinityPolicy}
+
+
+def make_policy(name: str, affinity_max_imbalance: float = 8.0) -> RoutingPolicy:
     """Build a policy by its CLI name."""
+    if name == PrefixAffinityPolicy.name:
+        return PrefixAffinityPolicy(affinity_max_imbalance)
     try:
         return POLICIES[name]()
     except KeyError:
@@ -107,21 +151,23 @@ class Route:
 
 
 def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | None,
-               exclude: frozenset[str] | set[str] = frozenset()) -> Route:
-    """Apply the cluster rule (module docstring) for one attempt; ``exclude`` lists failed workers."""
+               exclude: frozenset[str] | set[str] = frozenset(), key: str | None = None
+               ) -> Route:
+    """Apply the cluster rule (module docstring) for one attempt; ``exclude`` lists failed
+    workers, ``key`` is the request's prefix key for the policy."""
     if model is not None and registry.workers(model=model) == [] and len(registry) > 0:
         raise ModelNotFoundError(f"The model `{model}` does not exist. "
                                  f"Served models: {', '.join(registry.models())}")
     prefills = registry.candidates(ROLE_PREFILL, model, exclude)
     decodes = registry.candidates(ROLE_DECODE, model, exclude)
     if prefills and decodes:
-        return Route(MODE_PD, decode=policy.choose(ROLE_DECODE, decodes),
-                     prefill=policy.choose(ROLE_PREFILL, prefills))
+        return Route(MODE_PD, decode=policy.choose(ROLE_DECODE, decodes, key),
+                     prefill=policy.choose(ROLE_PREFILL, prefills, key))
     colocated = registry.candidates(ROLE_COLOCATED, model, exclude)
     if colocated:
-        return Route(MODE_COLOCATED, decode=policy.choose(ROLE_COLOCATED, colocated))
+        return Route(MODE_COLOCATED, decode=policy.choose(ROLE_COLOCATED, colocated, key))
     if decodes:
-        return Route(MODE_DECODE_ONLY, decode=policy.choose(ROLE_DECODE, decodes))
+        return Route(MODE_DECODE_ONLY, decode=policy.choose(ROLE_DECODE, decodes, key))
     if not len(registry):
         raise NoWorkerError("No worker is registered with the proxy; start prefill and decode "
                             "workers (or a colocated one) that register to it.")

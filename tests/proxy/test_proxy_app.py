@@ -421,3 +421,21 @@ async def test_handoff_p_failure_before_any_byte_is_retried(make_worker, make_pr
     events = sse_events(await resp.text())
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["P0", "t0", "t1", "t2"]
     assert len(bad.received) == 1 and len(good.received) == 1 and len(d.received) == 1
+
+
+async def test_prefix_affinity_routes_shared_prefixes_together(make_worker, make_proxy) -> None:
+    ps = [await make_worker("P") for _ in range(3)]
+    ds = [await make_worker("D") for _ in range(2)]
+    client = await make_proxy(*ps, *ds, routing="prefix_affinity", affinity_prefix_chars=32)
+    prefixes = [f"shared document number {i:02d} begins here. " for i in range(12)]
+    for round_ in range(3):
+        for prefix in prefixes:
+            body = {**PROMPT, "prompt": prefix + f"question {round_}"}
+            assert (await client.post("/v1/completions", json=body)).status == 200
+    for workers in (ps, ds):
+        homes: dict[str, set[int]] = {}
+        for index, worker in enumerate(workers):
+            for received in worker.received:
+                homes.setdefault(received["body"]["prompt"][:32], set()).add(index)
+        assert all(len(h) == 1 for h in homes.values()), homes  # one home per prefix
+        assert sum(1 for w in workers if w.received) > 1  # and the prefixes spread

@@ -89,3 +89,57 @@ def test_no_worker_and_unknown_model() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random")
+
+
+def test_prefix_affinity_is_sticky_spread_and_stable() -> None:
+    from proxy.routing import PrefixAffinityPolicy
+
+    registry = registry_with(*[("P", f"p:{i}") for i in range(4)], ("D", "d:1"), ("D", "d:2"))
+    policy = PrefixAffinityPolicy(max_imbalance=8.0)
+    keys = [f"system prompt number {i}" for i in range(64)]
+    first = {k: plan_route(registry, policy, "m", key=k) for k in keys}
+    for k in keys:  # the same key: the same P and D every time
+        again = plan_route(registry, policy, "m", key=k)
+        assert (again.prefill.worker_id, again.decode.worker_id) == \
+            (first[k].prefill.worker_id, first[k].decode.worker_id)
+    by_p = [sum(r.prefill.worker_id == f"p:{i}" for r in first.values()) for i in range(4)]
+    assert min(by_p) >= 6, by_p  # 64 keys spread over 4 workers (rendezvous hashing)
+    # Rendezvous: excluding one P moves only the keys it won.
+    moved = [k for k in keys
+             if plan_route(registry, policy, "m", {"p:0"}, key=k).prefill.worker_id
+             != first[k].prefill.worker_id]
+    assert set(moved) == {k for k in keys if first[k].prefill.worker_id == "p:0"}
+
+
+def test_prefix_affinity_yields_to_load_and_needs_a_key() -> None:
+    from proxy.routing import PrefixAffinityPolicy
+
+    registry = registry_with(("P", "p:1"), ("P", "p:2"), ("D", "d:1"))
+    policy = PrefixAffinityPolicy(max_imbalance=2.0)
+    key = "a shared few-shot prefix"
+    home = plan_route(registry, policy, "m", key=key).prefill.worker_id
+    other = "p:2" if home == "p:1" else "p:1"
+    for _ in range(2):
+        registry.leg_started(home)
+    assert plan_route(registry, policy, "m", key=key).prefill.worker_id == home  # gap 2: stays
+    registry.leg_started(home)
+    assert plan_route(registry, policy, "m", key=key).prefill.worker_id == other  # gap 3
+    # No key (a prompt batch): least load.
+    assert plan_route(registry, policy, "m").prefill.worker_id == other
+
+
+def test_affinity_key_of_prompts_and_messages() -> None:
+    from proxy.forwarding import affinity_key
+
+    system = {"role": "system", "content": "You are terse. " * 20}
+    a = {"messages": [system, {"role": "user", "content": "first question"}]}
+    b = {"messages": [system, {"role": "user", "content": "another one"}]}
+    chat = "/v1/chat/completions"
+    assert affinity_key(chat, a, 64) == affinity_key(chat, b, 64)  # the system prompt decides
+    assert affinity_key(chat, a, 1000) != affinity_key(chat, b, 1000)
+    assert affinity_key("/v1/completions", {"prompt": "x" * 300 + "tail"}, 256) == "x" * 256
+    ids = affinity_key("/v1/completions", {"prompt": list(range(100))}, 16)
+    assert ids == "ids:0,1,2,3"
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": 5}, {}):
+        assert affinity_key("/v1/completions", bad, 64) is None
+    assert affinity_key(chat, {"messages": "hi"}, 64) is None

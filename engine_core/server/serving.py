@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,14 +347,13 @@ class OpenAIServing:
                      "logprobs": _completion_logprobs(c.logprobs, 0) if want_logprobs else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
-                self._add_kv_transfer_params(response, choices)
-                _add_server_timings(response, choices)
-                if parsed.handoff.first_events:
-                    first = self._first_delta(jobs[0], choices[0])
-                    chunks = [] if first is None or not _worth_a_chunk(first) else [
-                        _completion_chunk(head, 0, first, 0, want_logprobs)]
-                    self._add_first_token(response, first, chunks)
-                return web.json_response(response, headers=headers)
+
+                def first_chunks(delta: RequestDelta) -> list[dict[str, Any]]:
+                    return ([_completion_chunk(head, 0, delta, 0, want_logprobs)]
+                            if _worth_a_chunk(delta) else [])
+
+                return self._json_answer(response, choices, jobs, parsed.handoff, headers,
+                                         first_chunks)
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
@@ -408,15 +407,14 @@ class OpenAIServing:
                     "logprobs": _chat_logprobs(c.logprobs) if want_logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
-                self._add_kv_transfer_params(response, choices)
-                _add_server_timings(response, choices)
-                if parsed.handoff.first_events:
-                    first = self._first_delta(jobs[0], choices[0])
-                    chunks = [_chat_role_chunk(chunk_head, 0)]
-                    if first is not None and _worth_a_chunk(first):
-                        chunks.append(_chat_chunk(chunk_head, 0, first, want_logprobs))
-                    self._add_first_token(response, first, chunks)
-                return web.json_response(response, headers=headers)
+
+                def first_chunks(delta: RequestDelta) -> list[dict[str, Any]]:
+                    content = ([_chat_chunk(chunk_head, 0, delta, want_logprobs)]
+                               if _worth_a_chunk(delta) else [])
+                    return [_chat_role_chunk(chunk_head, 0), *content]
+
+                return self._json_answer(response, choices, jobs, parsed.handoff, headers,
+                                         first_chunks)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
             try:
@@ -461,14 +459,22 @@ class OpenAIServing:
             delta.logprobs = choice.logprobs[:1]
         return delta
 
-    @staticmethod
-    def _add_first_token(response: dict[str, Any], first: RequestDelta | None,
-                         chunks: list[dict[str, Any]]) -> None:
-        """``pdserve_first_token``: the token the decode worker continues after, and the
-        stream events that carry it to the client (sent by the proxy as they are)."""
-        if first is None:
-            return
-        response["pdserve_first_token"] = {"token_ids": first.token_ids, "events": chunks}
+    def _json_answer(self, response: dict[str, Any], choices: list[_ChoiceResult],
+                     jobs: list[_Job], handoff: protocol.Handoff, headers: dict[str, str],
+                     first_chunks: Callable[[RequestDelta], list[dict[str, Any]]]
+                     ) -> web.Response:
+        """A non-streamed answer with its extras: the engine's transfer params, server
+        timings and, for a prefill worker asked for them, ``pdserve_first_token``: the token
+        the decode worker continues after and the stream events (``first_chunks`` of its
+        delta) that carry it to the client, which the proxy sends as they are."""
+        self._add_kv_transfer_params(response, choices)
+        _add_server_timings(response, choices)
+        if handoff.first_events:
+            first = self._first_delta(jobs[0], choices[0])
+            if first is not None:
+                response["pdserve_first_token"] = {"token_ids": first.token_ids,
+                                                   "events": first_chunks(first)}
+        return web.json_response(response, headers=headers)
 
     # ---- helpers ------------------------------------------------------------------------
 

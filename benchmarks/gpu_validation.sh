@@ -6,6 +6,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh handoff   # two GPUs (~3 min): 1P1D with P's first token vs colocated, then report item 1 with it
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~1 min): 1P1D on one GPU, long prompts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
@@ -75,7 +76,22 @@ case "$STAGE" in
         ;;
     cluster)
         step connectors 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/connectors
-        step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_cluster_gpu.py
+        step cluster 360 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+            tests/integration/test_cluster_gpu.py -k "not p-first-token"
+        ;;
+    handoff)
+        # The first-token handoff over NCCL: greedy output equal to colocated, then the
+        # report's item 1. Without REPORT_DIR it resumes from a copy of the last committed
+        # item-1 run (same prompts: its colocated and 1P1D runs stand), so only the new
+        # pd_handoff run is made (~3 min); a REPORT_DIR given is used as it is.
+        step handoff_test 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+            tests/integration/test_cluster_gpu.py -k "p-first-token"
+        if [ -z "${REPORT_DIR:-}" ]; then
+            cp -r benchmarks/results/serve/2026-11-24-h200x2-c154dff-ttft-overhead "$RUN/report"
+            rm -f "$RUN/report/summary.json" "$RUN/report/summary.md"
+        fi
+        step handoff_report 340 python3 -m benchmarks.disagg_report --only ttft_overhead \
+            --gpus 0,1 --results-dir "${REPORT_DIR:-$RUN/report}" --disable-tqdm
         ;;
     offload_sleep)
         # KV offload and sleep mode on one GPU: their GPU tests, then their figures (Qwen3-8B

@@ -130,6 +130,14 @@ def scrape(http_address: str) -> dict[str, float]:
         return parse_metrics(response.read().decode())
 
 
+def labelled_counter(http_address: str, name: str) -> dict[str, float]:
+    """``{label value: count}`` of a one-label counter on ``http_address``'s /metrics."""
+    with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(rf'^{re.escape(name)}_total\{{\w+="([^"]*)"\}} (\S+)$', text, re.M)
+    return {label: float(value) for label, value in found}
+
+
 def request_successes(http_address: str) -> float:
     """Requests a worker completed so far (its ``vllm:request_success_total``)."""
     return scrape(http_address).get("vllm:request_success_total", 0.0)

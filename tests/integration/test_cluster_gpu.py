@@ -1,7 +1,8 @@
 """`pdserve launch --prefill 1 --decode 1` on two GPUs, KV over NCCL (run on the GPU machine).
 
 1. A checkpoint served by the 1P1D cluster (prefill on GPU0, decode on GPU1) gives the same
-   greedy text and usage as one colocated `pdserve serve` of it (float32: exact kernels).
+   greedy text and usage as one colocated `pdserve serve` of it (float32: exact kernels),
+   with D computing the first token and with the proxy streaming P's (first-token handoff).
 2. Qwen3-0.6B- and Qwen3-8B-shaped dummy models serve 200 mixed requests through the
    cluster without an error, every one with its full completion.
 3. Long prompts (2k-5k tokens, as the disaggregation report sends: prefill-worker steps of up
@@ -36,6 +37,7 @@ from tests.integration.cluster_harness import (
     check_matches,
     child_env,
     get_json,
+    labelled_counter,
     mixed_requests,
     run_all,
     scrape,
@@ -53,14 +55,15 @@ def _two_gpus() -> None:
 
 
 def _start_cluster(tmp_path: Path, model: Path, engine: list[str], gpus: str = "0,1",
-                   ) -> tuple[subprocess.Popen, str, Path]:
+                   launch_flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "launch.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
              "--model", str(model), "--gpus", gpus, "--port", str(port),
-             "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1", *engine],
+             "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1", *launch_flags,
+             *engine],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
     while "ready: 1P1D" not in log.read_text():
@@ -90,7 +93,9 @@ def _decode_bytes_received(proxy: str) -> float:
 
 
 @pytest.mark.timeout(1200)
-def test_gpu_1p1d_matches_colocated(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launch_flags", [(), ("--first-token-from-prefill",)],
+                         ids=["d-first-token", "p-first-token"])
+def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...]) -> None:
     _two_gpus()
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
@@ -107,10 +112,14 @@ def test_gpu_1p1d_matches_colocated(tmp_path: Path) -> None:
         want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
     finally:
         _stop(colocated)
-    cluster, proxy, log = _start_cluster(tmp_path, ckpt, engine)
+    cluster, proxy, log = _start_cluster(tmp_path, ckpt, engine, launch_flags=launch_flags)
     try:
         check_matches(reqs, run_all(proxy, reqs), want)
         assert _decode_bytes_received(proxy) > 0, "no KV went over the connector"
+        handoffs = labelled_counter(proxy.removeprefix("http://"),
+                                    "pdserve:proxy_first_token_handoffs")
+        if launch_flags:  # every stream of the mix took it (none has stop strings)
+            assert handoffs.get("prefill") == sum(r.stream for r in reqs), handoffs
     finally:
         _stop(cluster)
 

@@ -10,8 +10,6 @@ leaves is replaced by another one, which pulls the KV P still holds.
 
 from __future__ import annotations
 
-import re
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,20 +21,13 @@ from tests.integration.cluster_harness import (
     Req,
     build_tiny_checkpoint,
     idle_violations,
+    labelled_counter,
     mixed_requests,
     run_all,
     wait_idle,
 )
 
 FLAG = "--first-token-from-prefill"
-
-
-def _labelled(address: str, name: str) -> dict[str, float]:
-    """``{label value: count}`` of a one-label counter on ``address``'s /metrics."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found = re.findall(rf'^{re.escape(name)}_total\{{\w+="([^"]*)"\}} (\S+)$', text, re.M)
-    return {label: float(value) for label, value in found}
 
 
 def _special_requests() -> list[tuple[Req, str]]:
@@ -91,7 +82,7 @@ def test_first_token_from_prefill_matches_a_single_worker(tmp_path: Path) -> Non
         got = run_all(cluster.url, reqs)
         for req, g, w in zip(reqs, got, want, strict=True):
             _check_same(req, g, w)
-        counts = _labelled(proxy_address, "pdserve:proxy_first_token_handoffs")
+        counts = labelled_counter(proxy_address, "pdserve:proxy_first_token_handoffs")
         for path in set(expected):
             assert counts.get(path) == expected.count(path), (path, counts)
         assert "decode" not in counts, counts  # P always answered its token
@@ -107,7 +98,7 @@ def test_first_token_from_prefill_matches_a_single_worker(tmp_path: Path) -> Non
         after = run_all(cluster.url, streams)
         for req, g in zip(streams, after, strict=True):
             _check_same(req, g, want[reqs.index(req)])
-        retries = _labelled(proxy_address, "pdserve:proxy_retries")
+        retries = labelled_counter(proxy_address, "pdserve:proxy_retries")
         assert retries.get("handoff_decode", 0) >= 1, (retries, cluster.logs())
         scraped = wait_idle([prefill0.http_address, decode1.http_address], 30.0)
         assert not idle_violations(scraped), idle_violations(scraped)

@@ -135,6 +135,8 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
         return "logprobs"  # completions' logprobs=0 (== False in Python) asks for them too
     if body.get("n") not in (None, 1):
         return "n"
+    if body.get("echo"):
+        return "echo"
     limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
     limit = next((body[k] for k in limits if body.get(k) is not None), None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):

@@ -62,6 +62,7 @@ class CompletionRequest:
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
     handoff: Handoff
+    echo: bool = False  # each choice's text starts with its prompt
 
 
 @dataclass
@@ -114,8 +115,6 @@ def _check_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
                                   "response_format")
     if body.get("tools"):
         raise InvalidRequestError("tools are not supported", "tools")
-    if body.get("echo"):
-        raise InvalidRequestError("echo is not supported", "echo")
     if body.get("suffix"):
         raise InvalidRequestError("suffix is not supported", "suffix")
 
@@ -270,7 +269,14 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if (handoff.first_events or handoff.generated_token_ids) and len(prompts) != 1:
         raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
     _check_handoff_n(handoff, params)
-    return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff)
+    echo = _typed(body, "echo", (bool,), False)
+    if echo and params.logprobs is not None:
+        raise InvalidRequestError("echo with logprobs needs the prompt's logprobs, which are "
+                                  "not supported", "echo")
+    if echo and (handoff.first_events or handoff.generated_token_ids):
+        raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
+    return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
+                             echo)
 
 
 def _message_text(content: Any, index: int) -> str:

@@ -43,6 +43,7 @@ class _Job:
     prompt_token_ids: list[int]
     params: SamplingParams  # this sample's (n 1; a seed offset by the sample's index)
     kv_transfer_params: dict[str, Any] | None
+    prompt_index: int = 0
     sample: int = 0  # index among the prompt's n samples; sample 0 counts the prompt in usage
     # A decode worker's later samples of a prompt wait for sample 0's first token (its KV
     # from the prefill worker has landed and is cached by then), then compute locally.
@@ -320,7 +321,8 @@ class OpenAIServing:
                 remote = transfer if sample == 0 else _without_transfer(transfer)
                 waits = sample > 0 and bool((transfer or {}).get("do_remote_prefill"))
                 jobs.append(_Job(request_id if single else f"{request_id}-{index}", ids,
-                                 sample_params, remote, sample, first if waits else None))
+                                 sample_params, remote, prompt_index, sample,
+                                 first if waits else None))
         return jobs
 
     # ---- /v1/completions ----------------------------------------------------------------
@@ -330,6 +332,9 @@ class OpenAIServing:
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
         prompts = [self.tokenizer.encode_prompt(p) for p in parsed.prompts]
+        # echo: each choice starts with its prompt, as given (token ids: decoded).
+        echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids)) if parsed.echo
+                  else "" for p, ids in zip(parsed.prompts, prompts, strict=True)]
         jobs = self._jobs(request_id, prompts, parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
         events = self._run_jobs(jobs, parsed.handoff)
@@ -343,7 +348,7 @@ class OpenAIServing:
                 async for index, delta in events:
                     choices[index].add(delta)
                 response = {**head, "choices": [
-                    {"index": i, "text": c.text,
+                    {"index": i, "text": echoes[jobs[i].prompt_index] + c.text,
                      "logprobs": _completion_logprobs(c.logprobs, 0) if want_logprobs else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
@@ -358,6 +363,11 @@ class OpenAIServing:
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
             try:
+                if parsed.echo:
+                    for index, job in enumerate(jobs):
+                        await streaming.send_event(sse, {**head, "choices": [{
+                            "index": index, "text": echoes[job.prompt_index], "logprobs": None,
+                            "finish_reason": None, "stop_reason": None}]})
                 pending = [first] if first is not None else []
                 while True:
                     for index, delta in pending:

@@ -142,3 +142,28 @@ def test_logit_bias_through_the_api(oai, offline_llm):
         model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
         max_tokens=MAX_TOKENS, temperature=0.0, logit_bias={str(banned): -100})
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_echo_prepends_each_prompt(oai):
+    """echo: the text is the prompt (token ids decoded) followed by the completion, streamed
+    or not; usage counts the completion only."""
+    plain = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=MAX_TOKENS,
+                                   temperature=0.0)
+    echoed = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=MAX_TOKENS,
+                                    temperature=0.0, echo=True)
+    assert [c.text for c in echoed.choices] == [p + c.text for p, c in
+                                                zip(PROMPTS[:2], plain.choices, strict=True)]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    stream = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=MAX_TOKENS,
+                                    temperature=0.0, echo=True, stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in echoed.choices]
+    ids = [150, 11, 616]
+    by_ids = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0.0,
+                                    echo=True)
+    detok = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0.0)
+    assert by_ids.choices[0].text.endswith(detok.choices[0].text)
+    assert len(by_ids.choices[0].text) > len(detok.choices[0].text)

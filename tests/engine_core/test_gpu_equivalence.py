@@ -7,6 +7,7 @@ import torch
 
 from engine_core import LLM, SamplingParams
 from tests.engine_core.test_engine_vs_hf import VARIANTS, mixed_prompts
+from tests.engine_core.test_logit_bias_vs_hf import check_logit_bias_matches_hf
 
 pytestmark = pytest.mark.gpu
 
@@ -65,3 +66,9 @@ def test_bfloat16_close_to_hf_on_cuda(tiny_checkpoint, hf_greedy, arch):
         gap = (logits[e[k]] - logits[g[k]]).abs().item()
         spread = (logits.max() - logits.min()).item()
         assert gap < 0.02 * spread, f"divergence at step {k} is not a near-tie ({gap=:.4f})"
+
+
+def test_float32_logit_bias_matches_hf_on_cuda(tiny_checkpoint, hf_greedy):
+    """The sampler's bias pass (an index_put on the device) on CUDA, in a mixed batch."""
+    check_logit_bias_matches_hf(tiny_checkpoint("qwen3"), hf_greedy, "cuda", dtype="float32",
+                                gpu_memory_utilization=0.3)

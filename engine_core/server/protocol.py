@@ -63,6 +63,7 @@ class CompletionRequest:
     kv_transfer_params: dict[str, Any] | None
     handoff: Handoff
     echo: bool = False  # each choice's text starts with its prompt
+    continuous_usage: bool = False  # usage so far on every chunk of a stream
 
 
 @dataclass
@@ -77,6 +78,7 @@ class ChatCompletionRequest:
     add_generation_prompt: bool
     kv_transfer_params: dict[str, Any] | None
     handoff: Handoff
+    continuous_usage: bool = False  # usage so far on every chunk of a stream
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -119,11 +121,13 @@ def _check_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise InvalidRequestError("suffix is not supported", "suffix")
 
 
-def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage: a final usage chunk, continuous_usage_stats: usage so far on
+    every chunk)."""
     stream = _typed(body, "stream", (bool,), False)
     options = _typed(body, "stream_options", (dict,), None)
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise InvalidRequestError("stream_options is only allowed with stream=true",
                                   "stream_options")
@@ -131,7 +135,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     if unknown:
         raise InvalidRequestError(f"unknown stream_options {sorted(unknown)}", "stream_options")
     include_usage = _typed(options, "include_usage", (bool,), False)
-    return stream, include_usage
+    return stream, include_usage, _typed(options, "continuous_usage_stats", (bool,), False)
 
 
 def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -261,7 +265,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     _check_unsupported(body, _COMPLETION_FIELDS)
     model = _typed(body, "model", (str,))
     prompts = _prompts(body.get("prompt"))
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = _stream_options(body)
     logprobs = _check_logprobs(body.get("logprobs"), "logprobs")
     params = _sampling_params(body, _max_tokens(body, ("max_tokens",), 16), logprobs)
     kv_params = _kv_transfer_params(body)
@@ -276,7 +280,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if echo and (handoff.first_events or handoff.generated_token_ids):
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
-                             echo)
+                             echo, continuous_usage)
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -320,7 +324,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise InvalidRequestError("tool_choice is not supported", "tool_choice")
     model = _typed(body, "model", (str,))
     messages = _messages(body.get("messages"))
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = _stream_options(body)
     want_logprobs = _typed(body, "logprobs", (bool,), False)
     top_logprobs = _check_logprobs(body.get("top_logprobs"), "top_logprobs")
     if top_logprobs is not None and not want_logprobs:
@@ -333,7 +337,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     handoff = _handoff(kv_params)
     _check_handoff_n(handoff, params)
     return ChatCompletionRequest(model, messages, params, stream, include_usage,
-                                 add_generation_prompt, kv_params, handoff)
+                                 add_generation_prompt, kv_params, handoff, continuous_usage)
 
 
 def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool, bool]:

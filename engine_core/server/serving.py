@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,7 @@ def request_id_of(request: web.Request) -> str:
 def _usage(choices: list[_ChoiceResult], jobs: list[_Job]) -> dict[str, Any]:
     """Each prompt counted once (OpenAI's usage for n samples), every sample's completion."""
     firsts = [c for c, job in zip(choices, jobs, strict=True) if job.sample == 0]
-    prompt = sum(c.num_prompt_tokens for c in firsts)
+    prompt = sum(len(job.prompt_token_ids) for job in jobs if job.sample == 0)
     completion = sum(c.num_output_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
@@ -362,10 +362,11 @@ class OpenAIServing:
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
+            send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
             try:
                 if parsed.echo:
                     for index, job in enumerate(jobs):
-                        await streaming.send_event(sse, {**head, "choices": [{
+                        await send({**head, "choices": [{
                             "index": index, "text": echoes[job.prompt_index], "logprobs": None,
                             "finish_reason": None, "stop_reason": None}]})
                 pending = [first] if first is not None else []
@@ -380,7 +381,7 @@ class OpenAIServing:
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
                             _add_server_timings(chunk, [choice])
-                        await streaming.send_event(sse, chunk)
+                        await send(chunk)
                     item = await anext(events, None)
                     if item is None:
                         break
@@ -427,10 +428,11 @@ class OpenAIServing:
                                          first_chunks)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, headers)
+            send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
             try:
                 if not parsed.handoff.generated_token_ids:  # else the proxy sent the role
                     for index in range(len(jobs)):
-                        await streaming.send_event(sse, _chat_role_chunk(chunk_head, index))
+                        await send(_chat_role_chunk(chunk_head, index))
                 item = first
                 while item is not None:
                     index, delta = item
@@ -441,7 +443,7 @@ class OpenAIServing:
                         if delta.finished:
                             self._add_kv_transfer_params(chunk, [choice])
                             _add_server_timings(chunk, [choice])
-                        await streaming.send_event(sse, chunk)
+                        await send(chunk)
                     item = await anext(events, None)
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],
@@ -487,6 +489,19 @@ class OpenAIServing:
         return web.json_response(response, headers=headers)
 
     # ---- helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _chunk_sender(sse: web.StreamResponse, continuous_usage: bool,
+                      choices: list[_ChoiceResult], jobs: list[_Job]
+                      ) -> Callable[[dict[str, Any]], Awaitable[None]]:
+        """Sends a stream chunk, with the usage so far when the client asked for
+        ``stream_options.continuous_usage_stats``."""
+        async def send(chunk: dict[str, Any]) -> None:
+            if continuous_usage:
+                chunk["usage"] = _usage(choices, jobs)
+            await streaming.send_event(sse, chunk)
+
+        return send
 
     @staticmethod
     def _add_kv_transfer_params(response: dict[str, Any], choices: list[_ChoiceResult]) -> None:

@@ -167,3 +167,21 @@ def test_echo_prepends_each_prompt(oai):
     detok = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0.0)
     assert by_ids.choices[0].text.endswith(detok.choices[0].text)
     assert len(by_ids.choices[0].text) > len(detok.choices[0].text)
+
+
+def test_continuous_usage_stats_on_every_chunk(oai):
+    """stream_options.continuous_usage_stats: each chunk carries the usage so far, growing
+    to the final count (it was accepted and ignored before)."""
+    for create, extra in ((oai.completions.create, {"prompt": PROMPTS[0]}),
+                          (oai.chat.completions.create,
+                           {"messages": [{"role": "user", "content": PROMPTS[0]}]})):
+        chunks = list(create(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0.0,
+                             stream=True, stream_options={"include_usage": True,
+                                                          "continuous_usage_stats": True},
+                             **extra))
+        with_choices = [c for c in chunks if c.choices]
+        assert with_choices and all(c.usage is not None for c in with_choices)
+        counts = [c.usage.completion_tokens for c in with_choices]
+        assert counts == sorted(counts) and counts[-1] == MAX_TOKENS
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1  # known from the start
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS

@@ -137,6 +137,9 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
         return "n"
     if body.get("echo"):
         return "echo"
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "continuous_usage"  # P's events would lack the usage every chunk must carry
     limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
     limit = next((body[k] for k in limits if body.get(k) is not None), None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):

@@ -373,13 +373,15 @@ async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy)
     p, d = await make_worker("P"), await make_worker("D")
     client = await make_proxy(p, d, first_token_from_prefill=True)
     for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1},
-                 {**STREAM, "prompt": ["a", "b"]}, PROMPT):
+                 {**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
+                 {**STREAM, "stream_options": {"continuous_usage_stats": True}}):
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200
         await resp.read()
     assert not any("first_token_events" in r["body"]["kv_transfer_params"] for r in p.received)
     metrics = await (await client.get("/metrics")).text()
-    for reason in ("stop_strings", "logprobs", "max_tokens", "prompt_batch", "not_streaming"):
+    for reason in ("stop_strings", "logprobs", "max_tokens", "prompt_batch", "not_streaming",
+                   "echo", "continuous_usage"):
         assert f'first_token_handoffs_total{{result="{reason}"}} 1.0' in metrics, reason
 
 

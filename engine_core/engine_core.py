@@ -262,6 +262,9 @@ class EngineCore:
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise InvalidRequestError(
                 f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"allowed_token_ids must be in [0, {self.vocab_size})", "allowed_token_ids")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

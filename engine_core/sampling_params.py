@@ -35,6 +35,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Token id -> value added to its logit before sampling (OpenAI's logit_bias, -100..100).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: when given, every other token is masked out.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +44,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0  # vLLM accepts -1 and 0 for "off"
         self.validate()
@@ -72,6 +76,12 @@ class SamplingParams:
             raise InvalidRequestError("stop must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                       for t in self.allowed_token_ids)):
+            raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",
+                                      "allowed_token_ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise InvalidRequestError(
                 f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens", "logit_bias")

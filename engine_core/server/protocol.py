@@ -23,6 +23,7 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "skip_special_tokens": (bool,), "include_stop_str_in_output": (bool,), "n": (int,),
 }
 _COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens",
+                  "allowed_token_ids",
                   "kv_transfer_params", "user", "best_of", "logit_bias", "response_format",
                   *_SAMPLING_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
@@ -183,6 +184,12 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
         kwargs["stop_token_ids"] = stop_token_ids
     # The engine's SamplingParams validates ranges and names the parameter on error.
     kwargs["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list):
+            raise InvalidRequestError("allowed_token_ids must be a list of token ids",
+                                      "allowed_token_ids")
+        kwargs["allowed_token_ids"] = allowed
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
 

@@ -1,5 +1,5 @@
 """Batched sampling over a logits tensor: greedy, temperature, top-k, top-p, min-p, penalties,
-logit bias.
+logit bias, allowed tokens.
 
 Everything is one set of tensor ops over the whole batch; the only per-request work is
 building the parameter tensors and drawing noise for requests that carry a seed. Seeded
@@ -68,6 +68,7 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in num_logprobs) else None)
         logits = self._apply_logit_bias(logits, rows)
+        logits = self._apply_allowed_tokens(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         logits = self._apply_penalties(logits, rows)
         greedy = [r.params.is_greedy for r in rows]
@@ -99,6 +100,29 @@ class Sampler:
         index = _to_device([bias_rows, bias_tokens], torch.long, logits.device)
         values = _to_device(biases, torch.float32, logits.device)
         return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+    @staticmethod
+    def _apply_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Mask every token but a request's ``allowed_token_ids``: one copy of (row, token)
+        pairs, one mask over the batch."""
+        allowed_rows: list[int] = []
+        allowed_tokens: list[int] = []
+        restricted: list[int] = []
+        for i, row in enumerate(rows):
+            allowed = row.params.allowed_token_ids
+            if allowed is not None:
+                restricted.append(i)
+                allowed_rows.extend([i] * len(allowed))
+                allowed_tokens.extend(allowed)
+        if not restricted:
+            return logits
+        device = logits.device
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        index = _to_device([allowed_rows, allowed_tokens], torch.long, device)
+        keep[index[0], index[1]] = True
+        unrestricted = torch.ones(logits.shape[0], dtype=torch.bool, device=device)
+        unrestricted[_to_device(restricted, torch.long, device)] = False
+        return logits.masked_fill(~(keep | unrestricted[:, None]), _MASK)
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

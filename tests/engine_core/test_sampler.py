@@ -101,3 +101,17 @@ def test_logit_bias_is_added_per_request_before_sampling():
     # min_tokens still masks a stop token however strongly it is favoured.
     held = SamplingParams(temperature=0.0, logit_bias={0: 100.0}, min_tokens=1)
     assert Sampler()(logits[0:1], rows(held))[0][0] != 0
+
+
+def test_allowed_token_ids_mask_everything_else_per_request():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    allowed = [3, 7, 21]
+    only = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    plain = SamplingParams(temperature=0.0)
+    tokens, _ = Sampler()(logits, rows(only, plain))
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    assert tokens == [best, int(logits[1].argmax())]
+    sampled = {Sampler()(logits[0:1], rows(SamplingParams(temperature=2.0,
+                                                          allowed_token_ids=allowed)))[0][0]
+               for _ in range(60)}
+    assert sampled <= set(allowed) and len(sampled) > 1

@@ -83,6 +83,11 @@ CASES = [
     ("logit_bias value not a number", CHAT, {"messages": OK_MSG, "logit_bias": {"5": "up"}}, 400),
     ("logit_bias too many tokens", C, {"prompt": "hi", "logit_bias": {
         str(i): 1 for i in range(1025)}}, 400),
+    ("allowed_token_ids empty", C, {"prompt": "hi", "allowed_token_ids": []}, 400),
+    ("allowed_token_ids not a list", C, {"prompt": "hi", "allowed_token_ids": 5}, 400),
+    ("allowed_token_ids negative", C, {"prompt": "hi", "allowed_token_ids": [-1]}, 400),
+    ("allowed_token_ids beyond vocab", CHAT, {"messages": OK_MSG,
+                                              "allowed_token_ids": [10_000_000]}, 400),
     ("chat missing messages", CHAT, {"model": MODEL_NAME}, 400),
     ("chat empty messages", CHAT, {"messages": []}, 400),
     ("chat unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),

@@ -185,3 +185,14 @@ def test_continuous_usage_stats_on_every_chunk(oai):
         assert counts == sorted(counts) and counts[-1] == MAX_TOKENS
         assert len({c.usage.prompt_tokens for c in chunks}) == 1  # known from the start
         assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_allowed_token_ids_restrict_the_output(oai, offline_llm):
+    allowed = [40, 41, 42, 300]
+    want = _offline(offline_llm, PROMPTS[:1], temperature=0.7, seed=3,
+                    allowed_token_ids=allowed)[0]
+    assert set(want.token_ids) <= set(allowed)
+    got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                 temperature=0.7, seed=3,
+                                 extra_body={"allowed_token_ids": allowed})
+    assert got.choices[0].text == want.text

@@ -3,30 +3,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from engine_core import LLM, SamplingParams
 from tests.engine_core.test_engine_vs_hf import mixed_prompts
 
 MAX_NEW = 8
-
-
-def _hf_biased(path, prompts: list[list[int]], bias: dict[int, float],
-               device: str = "cpu") -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=0,
-                              eos_token_id=None, pad_token_id=0,
-                              sequence_bias={(token,): value for token, value in bias.items()})
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 generation_config=config)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 def check_logit_bias_matches_hf(path, hf_greedy, device: str, **engine_args) -> None:
@@ -38,7 +18,7 @@ def check_logit_bias_matches_hf(path, hf_greedy, device: str, **engine_args) -> 
     # so the choice depends on the logits too).
     bias = {out[0]: -100.0 for out in plain}
     bias.update({17: 3.0, 250: 2.5, 999: -1.5})
-    expected = _hf_biased(path, prompts, bias, device)
+    expected = hf_greedy(path, prompts, MAX_NEW, device=device, logit_bias=bias)
     assert expected != plain
     llm = LLM(str(path), device=device, **engine_args)
     biased = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,

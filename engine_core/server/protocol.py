@@ -36,6 +36,8 @@ Prompt = str | list[int]
 
 # At most this many output tokens may come from elsewhere (the proxy sends one).
 MAX_GENERATED_TOKENS = 16
+# Choices (prompts x n) of one request: each is an engine request and a task in the server.
+MAX_CHOICES = 1024
 
 
 @dataclass
@@ -275,6 +277,9 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     stream, include_usage, continuous_usage = _stream_options(body)
     logprobs = _check_logprobs(body.get("logprobs"), "logprobs")
     params = _sampling_params(body, _max_tokens(body, ("max_tokens",), 16), logprobs)
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise InvalidRequestError(f"{len(prompts)} prompts x n={params.n} is more than "
+                                  f"{MAX_CHOICES} choices in one request", "prompt")
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)
     if (handoff.first_events or handoff.generated_token_ids) and len(prompts) != 1:

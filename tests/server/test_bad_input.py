@@ -33,6 +33,7 @@ CASES = [
     ("top_p above one", C, {"prompt": "hi", "top_p": 1.5}, 400),
     ("unknown model", C, {"prompt": "hi", "model": "gpt-9"}, 404),
     ("n zero", C, {"prompt": "hi", "n": 0}, 400),
+    ("too many choices", C, {"prompt": ["hi"] * 9, "n": 128}, 400),
     ("n too large", C, {"prompt": "hi", "n": 129}, 400),
     ("n with a first-token handoff", C, {"prompt": "hi", "n": 2, "kv_transfer_params": {
         "generated_token_ids": [1]}}, 400),

@@ -23,7 +23,7 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "skip_special_tokens": (bool,), "include_stop_str_in_output": (bool,), "n": (int,),
 }
 _COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens",
-                  "allowed_token_ids",
+                  "allowed_token_ids", "truncate_prompt_tokens",
                   "kv_transfer_params", "user", "best_of", "logit_bias", "response_format",
                   *_SAMPLING_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
@@ -67,6 +67,7 @@ class CompletionRequest:
     handoff: Handoff
     echo: bool = False  # each choice's text starts with its prompt
     continuous_usage: bool = False  # usage so far on every chunk of a stream
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
 
 
 @dataclass
@@ -82,6 +83,16 @@ class ChatCompletionRequest:
     kv_transfer_params: dict[str, Any] | None
     handoff: Handoff
     continuous_usage: bool = False  # usage so far on every chunk of a stream
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+
+
+def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last N tokens (N >= 1)."""
+    value = _typed(body, "truncate_prompt_tokens", (int,), None)
+    if value is not None and (isinstance(value, bool) or value < 1):
+        raise InvalidRequestError("truncate_prompt_tokens must be an integer >= 1",
+                                  "truncate_prompt_tokens")
+    return value
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -292,7 +303,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if echo and (handoff.first_events or handoff.generated_token_ids):
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
-                             echo, continuous_usage)
+                             echo, continuous_usage, _truncate_prompt_tokens(body))
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -349,7 +360,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     handoff = _handoff(kv_params)
     _check_handoff_n(handoff, params)
     return ChatCompletionRequest(model, messages, params, stream, include_usage,
-                                 add_generation_prompt, kv_params, handoff, continuous_usage)
+                                 add_generation_prompt, kv_params, handoff, continuous_usage,
+                                 _truncate_prompt_tokens(body))
 
 
 def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool, bool]:

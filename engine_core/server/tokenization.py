@@ -27,9 +27,12 @@ class TokenizerService:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a completion prompt, checked against the vocabulary and context."""
+    def encode_prompt(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
+        """Token ids of a completion prompt (its last ``truncate`` ones when given), checked
+        against the vocabulary and context."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if truncate is not None:
+            ids = ids[-truncate:]
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization", "prompt")
         if max(ids) >= self.vocab_size:
@@ -38,9 +41,10 @@ class TokenizerService:
         self.check_length(len(ids))
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-                    ) -> list[int]:
-        """Token ids of the chat template applied to ``messages``."""
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    truncate: int | None = None) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` (the last ``truncate``
+        ones when given)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template; "
                                       "use /v1/completions", "messages")
@@ -50,6 +54,8 @@ class TokenizerService:
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from None
         ids = self.encode(text, add_special_tokens=False)
+        if truncate is not None:
+            ids = ids[-truncate:]
         self.check_length(len(ids))
         return ids
 

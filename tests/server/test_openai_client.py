@@ -196,3 +196,20 @@ def test_allowed_token_ids_restrict_the_output(oai, offline_llm):
                                  temperature=0.7, seed=3,
                                  extra_body={"allowed_token_ids": allowed})
     assert got.choices[0].text == want.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(oai, offline_llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens are used, so a prompt
+    longer than the context is served and equals the offline run of those N tokens."""
+    ids = [(i * 37) % 900 + 10 for i in range(400)]  # longer than the 256-token context
+    want = offline_llm.generate([ids[-50:]], SamplingParams(temperature=0.0,
+                                                            max_tokens=MAX_TOKENS))[0]
+    got = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=MAX_TOKENS,
+                                 temperature=0.0, extra_body={"truncate_prompt_tokens": 50})
+    assert got.choices[0].text == want.text and got.usage.prompt_tokens == 50
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "word " * 400}],
+        max_tokens=2, temperature=0.0, extra_body={"truncate_prompt_tokens": 30})
+    assert chat.usage.prompt_tokens == 30
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2)  # not truncated

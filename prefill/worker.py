@@ -72,7 +72,7 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
     """
 
     async def start(client: Any, options: Any) -> Any:
-        from engine_core.server.api_server import _version
+        from engine_core.version import package_version
         from proxy.messages import WorkerLoad
         from proxy.registration import RegistrationClient
 
@@ -87,7 +87,7 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
 
         registration = RegistrationClient(
             proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
-            zmq_address=zmq_address, version=_version(), load_provider=load,
+            zmq_address=zmq_address, version=package_version(), load_provider=load,
             interval_s=interval_s)
         registration.start()
         logger.info("registering as %s with proxy %s", role, proxy_address)

@@ -137,8 +137,12 @@ class Dispatcher:
         self.first_token_from_prefill = first_token_from_prefill
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
-                       transfer_id: str, timer: RequestTimer) -> web.StreamResponse:
-        """Serve one validated request body; raise a PdserveError for an error status."""
+                       transfer_id: str, timer: RequestTimer,
+                       generates: bool = True) -> web.StreamResponse:
+        """Serve one validated request body; raise a PdserveError for an error status.
+
+        ``generates`` False (/tokenize, /detokenize): one worker that can answer it
+        whole (D or colocated) gets the request, with the same retries."""
         model = body.get("model") if isinstance(body.get("model"), str) else None
         key = fw.affinity_key(path, body, self.affinity_prefix_chars)
         excluded: set[str] = set()
@@ -158,7 +162,7 @@ class Dispatcher:
             if timer.dispatched is None:
                 timer.dispatched = self.clock()
             try:
-                if route.mode == MODE_PD:
+                if route.mode == MODE_PD and generates:
                     refusal = (fw.handoff_refusal(path, body) if self.first_token_from_prefill
                                else "off")
                     if refusal is None:

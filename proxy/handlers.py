@@ -1,4 +1,5 @@
-"""HTTP routes of the proxy: OpenAI endpoints, /v1/models, /health, /metrics, /instances."""
+"""HTTP routes of the proxy: OpenAI endpoints, /v1/models, /tokenize, /detokenize, /version,
+/health, /metrics, /instances."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
+from engine_core.version import package_version
 from proxy import keys
 from proxy.dispatcher import RequestTimer, proxy_overhead
 from proxy.errors import RequestTooLargeError, to_http
@@ -65,7 +67,7 @@ _REJECT_REASONS = {413: "too_large", 429: "overloaded", 400: "invalid", 404: "mo
                    503: "no_worker"}
 
 
-async def _serve(request: web.Request, path: str) -> web.StreamResponse:
+async def _serve(request: web.Request, path: str, generates: bool = True) -> web.StreamResponse:
     app = request.app
     clock, metrics, limiter = app[keys.CLOCK], app[keys.METRICS], app[keys.LIMITER]
     timer = RequestTimer(arrival=clock())
@@ -83,7 +85,8 @@ async def _serve(request: web.Request, path: str) -> web.StreamResponse:
         acquired = True
         metrics.in_flight.inc()
         body = await read_json_object(request, config.max_body_bytes)
-        response = await app[keys.DISPATCHER].dispatch(request, path, body, transfer_id, timer)
+        response = await app[keys.DISPATCHER].dispatch(request, path, body, transfer_id, timer,
+                                                       generates)
         status = response.status
         return response
     except PdserveError as exc:
@@ -131,6 +134,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "/v1/chat/completions")
 
 
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    """POST /tokenize: answered by a decode or colocated worker of the model."""
+    return await _serve(request, "/tokenize", generates=False)
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    """POST /detokenize: answered by a decode or colocated worker of the model."""
+    return await _serve(request, "/detokenize", generates=False)
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version: the proxy's pdserve version (workers report theirs in /instances)."""
+    return web.json_response({"version": package_version()})
+
+
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the union of the registered workers' models."""
     created = int(time.time())
@@ -168,6 +186,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", instances)

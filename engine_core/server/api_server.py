@@ -28,6 +28,7 @@ from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
+from engine_core.version import package_version
 
 logger = logging.getLogger("pdserve.server")
 
@@ -53,15 +54,6 @@ class ServerOptions:
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:
-        return "0.1.0"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -117,7 +109,7 @@ class _Routes:
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": _version()})
+        return web.json_response({"version": package_version()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _read_json(request)

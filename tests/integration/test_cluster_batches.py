@@ -9,6 +9,8 @@ held for a transfer nobody pulls).
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -67,6 +69,12 @@ def test_prompt_batches_and_n_samples_through_1p1d(tmp_path: Path) -> None:
             assert len(want[0]) == num_choices * case.get("n", 1)
             for stream in (False, True):
                 assert _answer(proxy, case, stream) == want, (case, stream)
+        # /tokenize through the proxy: answered by a worker, as that worker answers it.
+        body = json.dumps({"model": MODEL, "prompt": LONG[0]}).encode()
+        answers = [json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"{base}/tokenize", data=body, headers={"Content-Type": "application/json"}),
+            timeout=30).read()) for base in (cluster.url, f"http://{decode.http_address}")]
+        assert answers[0] == answers[1] and answers[0]["tokens"], answers
         scraped = wait_idle([prefill.http_address, decode.http_address], 30.0)
         assert not idle_violations(scraped), idle_violations(scraped)
         log = decode.log_path.read_text()

@@ -131,6 +131,8 @@ async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
         app = web.Application()
         app.router.add_post("/v1/completions", worker.handle)
         app.router.add_post("/v1/chat/completions", worker.handle)
+        app.router.add_post("/tokenize", worker.handle)
+        app.router.add_post("/detokenize", worker.handle)
         worker.server = TestServer(app)
         await worker.server.start_server()
         servers.append(worker.server)

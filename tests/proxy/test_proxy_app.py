@@ -441,3 +441,18 @@ async def test_prefix_affinity_routes_shared_prefixes_together(make_worker, make
                 homes.setdefault(received["body"]["prompt"][:32], set()).add(index)
         assert all(len(h) == 1 for h in homes.values()), homes  # one home per prefix
         assert sum(1 for w in workers if w.received) > 1  # and the prefixes spread
+
+
+async def test_tokenize_and_version_at_the_proxy(make_worker, make_proxy) -> None:
+    """/tokenize and /detokenize go whole to a decode (or colocated) worker, never to P;
+    /version answers from the proxy itself."""
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    for path, body in (("/tokenize", {"model": MODEL, "prompt": "hello"}),
+                       ("/detokenize", {"model": MODEL, "tokens": [1, 2]})):
+        resp = await client.post(path, json=body)
+        assert resp.status == 200
+        assert d.received[-1]["path"] == path and d.received[-1]["body"] == body
+    assert p.received == []
+    version = await (await client.get("/version")).json()
+    assert isinstance(version["version"], str) and version["version"]

@@ -167,7 +167,7 @@ class Dispatcher:
                                else "off")
                     if refusal is None:
                         return await self._run_pd_handoff(request, path, body, route,
-                                                          attempt_id, timer)
+                                                          attempt_id, timer, model, key)
                     if refusal != "off":
                         self.metrics.first_token_handoffs.labels(refusal).inc()
                     return await self._run_pd(request, path, body, route, attempt_id, timer)
@@ -237,8 +237,8 @@ class Dispatcher:
         return p_data
 
     async def _run_pd_handoff(self, request: web.Request, path: str, body: dict[str, Any],
-                              route: Route, attempt_id: str,
-                              timer: RequestTimer) -> web.StreamResponse:
+                              route: Route, attempt_id: str, timer: RequestTimer,
+                              model: str | None, key: str | None) -> web.StreamResponse:
         """P first; its sampled token goes to the client at once and D continues after it.
 
         D's leg leaves only once P answered (it must carry P's token), so D pulls the
@@ -247,7 +247,8 @@ class Dispatcher:
         that cannot be reached (or is asleep) is replaced by another decode worker: it never
         got the request, so P's held KV is still there for the next one to pull (a failed
         pull falls back to computing the prompt there). Anything else ends the stream with
-        an SSE error event.
+        an SSE error event. ``model`` and ``key`` route that replacement as the request
+        was routed.
         """
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
@@ -281,7 +282,6 @@ class Dispatcher:
         except ConnectionResetError:
             return out
         timer.first_byte = self.clock()
-        model = body.get("model") if isinstance(body.get("model"), str) else None
         excluded = {prefill.worker_id}
         d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
         for attempt in range(self.max_attempts):
@@ -304,8 +304,7 @@ class Dispatcher:
                     excluded.add(decode.worker_id)
                     try:
                         decode = plan_route(self.registry, self.policy, model, excluded,
-                                            fw.affinity_key(path, body,
-                                                            self.affinity_prefix_chars)).decode
+                                            key).decode
                     except NoWorkerError:
                         return await _end_stream(out, err)
                     logger.warning("request %s: decode leg failed before its first byte (%s); "

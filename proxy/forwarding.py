@@ -22,7 +22,7 @@ from proxy.errors import UpstreamError, UpstreamTimeoutError
 FORWARDED_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "User-Agent")
 SSE_CONTENT_TYPE = "text/event-stream"
 CHAT_PATH = "/v1/chat/completions"
-_PREFILL_ONLY_FIELDS = ("stream_options", "min_tokens")
+_PREFILL_ONLY_FIELDS = ("min_tokens",)  # P samples one token: no minimum to keep
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,20 @@ def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _producer_body(body: dict[str, Any], transfer_id: str,
+                   decode_kv_address: str) -> dict[str, Any]:
+    """What every P request is: not streamed, its KV sent to D."""
+    out = _without_transfer_fields(body)
+    out.pop("stream_options", None)
+    out["stream"] = False
+    out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
+                                 "remote_kv_address": decode_kv_address}
+    return out
+
+
 def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str) -> dict[str, Any]:
     """P's request: one token, no streaming, KV sent to D."""
-    out = _without_transfer_fields(body)
+    out = _producer_body(body, transfer_id, decode_kv_address)
     for key in _PREFILL_ONLY_FIELDS:
         out.pop(key, None)
     out["max_tokens"] = 1
@@ -71,9 +82,6 @@ def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str)
     # Chat's newer limit: clamp it when the client used it (completions do not accept it).
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
-                                 "remote_kv_address": decode_kv_address}
     return out
 
 
@@ -157,12 +165,8 @@ def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
     """P's request when its token is streamed: the client's own limits (P validates the
     request as D will, then samples the one token: ``first_token_events``), no streaming,
     and the stream's first events in its answer."""
-    out = _without_transfer_fields(body)
-    out.pop("stream_options", None)
-    out["stream"] = False
-    out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
-                                 "remote_kv_address": decode_kv_address,
-                                 "first_token_events": True}
+    out = _producer_body(body, transfer_id, decode_kv_address)
+    out["kv_transfer_params"]["first_token_events"] = True
     return out
 
 

@@ -14,9 +14,17 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # Weights up to this many elements (256 MiB in 16 bits) take the Triton GEMV. On an H200, at
 # one row and with each shape's tiling (kernels/gemv.py), it beat or tied cuBLAS on every
 # Qwen3-0.6B and Qwen3-8B projection from 4 to 201 MB (the 8B's fused gate/up: 48.4 vs
-# 49.5 us; the 0.6B's 4 MB o_proj: 4.5 vs 12.8); larger weights (a 70B's MLP, lm_heads)
-# stay with cuBLAS, untested here (docs/PERFORMANCE.md).
+# 49.5 us; the 0.6B's 4 MB o_proj: 4.5 vs 12.8); larger layer weights (a 70B's MLP) stay
+# with cuBLAS, untested here (docs/PERFORMANCE.md). The LM head has its own rule
+# (layers/embedding.py).
 GEMV_MAX_WEIGHT_ELEMENTS = 128 << 20
+
+
+def takes_gemv(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether a projection of ``x`` goes to the Triton GEMV: at most ``max_rows`` rows of a
+    16-bit CUDA input (shapes, dtype and device only, so a CUDA graph records one choice)."""
+    return (0 < x.shape[0] <= max_rows and x.dim() == 2 and x.is_cuda
+            and x.dtype in _GEMV_DTYPES and x.stride(1) == 1)
 
 
 class Linear(nn.Module):
@@ -43,8 +51,7 @@ class Linear(nn.Module):
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` runs the Triton GEMV (shapes, dtype and device only)."""
-        return (0 < x.shape[0] <= self.gemv_max_rows and x.dim() == 2 and x.is_cuda
-                and x.dtype in _GEMV_DTYPES and x.stride(1) == 1)
+        return takes_gemv(x, self.gemv_max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_gemv(x):

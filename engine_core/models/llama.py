@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias_always or spec.attention_bias
         o_bias = self.o_bias_follows_attention_bias and spec.attention_bias
         self.model = LlamaModel(spec, attn_backend, qkv_bias, o_bias, self.qk_norm)
-        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size)
+        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size, attn_backend.gemv_max_rows)
         if spec.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

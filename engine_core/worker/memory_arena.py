@@ -83,12 +83,14 @@ class _CudaRange:
         self.prop.type = _ALLOCATION_TYPE_PINNED
         self.prop.location = _Location(_LOCATION_TYPE_DEVICE, self.device_index)
         granularity = ctypes.c_size_t()
-        _Driver.check(self.lib.cuMemGetAllocationGranularity(
-            ctypes.byref(granularity), ctypes.byref(self.prop), _GRANULARITY_MINIMUM),
-            "cuMemGetAllocationGranularity")
-        self.nbytes = -(-max(nbytes, 1) // granularity.value) * granularity.value
         self.address = ctypes.c_uint64()
+        # Every driver call in the context: before the runtime's first call the driver is not
+        # even initialised (cuMemGetAllocationGranularity: CUDA_ERROR_NOT_INITIALIZED).
         with self._current():
+            _Driver.check(self.lib.cuMemGetAllocationGranularity(
+                ctypes.byref(granularity), ctypes.byref(self.prop), _GRANULARITY_MINIMUM),
+                "cuMemGetAllocationGranularity")
+            self.nbytes = -(-max(nbytes, 1) // granularity.value) * granularity.value
             _Driver.check(self.lib.cuMemAddressReserve(ctypes.byref(self.address),
                                                        ctypes.c_size_t(self.nbytes),
                                                        ctypes.c_size_t(0), ctypes.c_uint64(0),

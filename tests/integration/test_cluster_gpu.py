@@ -92,11 +92,27 @@ def _decode_bytes_received(proxy: str) -> float:
     return scrape(_worker(proxy, "D")).get("pdserve:kv_transfer_bytes_received_total", 0.0)
 
 
+def _plane(plane: str) -> tuple[str, list[str]]:
+    """GPUs and engine flags of a 1P1D: NCCL between two GPUs, or P and D sharing one GPU
+    over the CPU transport (which on CUDA keeps NCCL's stream discipline)."""
+    if plane == "nccl-two-gpus":
+        _two_gpus()
+        return "0,1", []
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    return "0,0", ["--kv-transport", "cpu", "--gpu-memory-utilization", "0.42"]
+
+
+PLANES = ["nccl-two-gpus", "cpu-transport-one-gpu"]
+
+
 @pytest.mark.timeout(1200)
+@pytest.mark.parametrize("plane", PLANES)
 @pytest.mark.parametrize("launch_flags", [(), ("--first-token-from-prefill",)],
                          ids=["d-first-token", "p-first-token"])
-def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...]) -> None:
-    _two_gpus()
+def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...],
+                                    plane: str) -> None:
+    gpus, extra = _plane(plane)
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
     reqs = mixed_requests(64)
@@ -112,7 +128,7 @@ def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...
         want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
     finally:
         _stop(colocated)
-    cluster, proxy, log = _start_cluster(tmp_path, ckpt, engine, launch_flags=launch_flags)
+    cluster, proxy, log = _start_cluster(tmp_path, ckpt, [*engine, *extra], gpus, launch_flags)
     try:
         check_matches(reqs, run_all(proxy, reqs), want)
         assert _decode_bytes_received(proxy) > 0, "no KV went over the connector"
@@ -163,15 +179,9 @@ def _long_prompt_requests(n: int, vocab: int, seed: int = 7) -> list[Req]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("plane", ["nccl-two-gpus", "cpu-transport-one-gpu"])
+@pytest.mark.parametrize("plane", PLANES)
 def test_gpu_1p1d_long_prompts(tmp_path: Path, plane: str) -> None:
-    if plane == "nccl-two-gpus":
-        _two_gpus()
-        gpus, extra = "0,1", []
-    else:
-        if not torch.cuda.is_available():
-            pytest.skip("needs a GPU")
-        gpus, extra = "0,0", ["--kv-transport", "cpu", "--gpu-memory-utilization", "0.42"]
+    gpus, extra = _plane(plane)
     model = write_model_dir("qwen3-8b", tmp_path / "qwen3-8b")
     engine = ["--served-model-name", MODEL, "--load-format", "dummy", "--dtype", "bfloat16",
               "--max-model-len", "10240", *extra]

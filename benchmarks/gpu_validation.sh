@@ -7,9 +7,10 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh handoff   # two GPUs (~3 min): 1P1D with P's first token vs colocated, then report item 1 with it
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~1 min): 1P1D on one GPU, long prompts
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~5 min): 1P1D on one GPU: equal to colocated (both first-token paths), long prompts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
@@ -105,8 +106,9 @@ case "$STAGE" in
         ;;
     pd1)
         # The disaggregated path on one GPU: P and D share it over the CPU transport (which
-        # keeps NCCL's stream discipline), long prompts (8192-token prefill steps).
-        step pd_one_gpu 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        # keeps NCCL's stream discipline): equal to colocated with D's and with P's first
+        # token (the handoff), long prompts (8192-token prefill steps).
+        step pd_one_gpu 540 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
             tests/integration/test_cluster_gpu.py -k cpu-transport
         ;;
     speed)
@@ -184,6 +186,24 @@ case "$STAGE" in
         step kv_gather 120 python3 -m benchmarks.kv_gather --out "$RUN/kv_gather.json"
         step kv_producer_hooks 120 python3 -m benchmarks.kv_producer_hooks --out "$RUN/kv_producer_hooks.json"
         ;;
+    lm_head)
+        # The LM head on the Triton GEMV: goal 1's floor (decode_floor.py), the decode
+        # figures A/B against BASE (a commit; default the one before the change) from a
+        # worktree, twice in alternation in one session, then the tests the change touches.
+        git worktree add -q -f /tmp/pdserve-base "${BASE:-2226626}" > "$RUN/worktree.log" 2>&1
+        step floor 200 python3 -m benchmarks.decode_floor --out "$RUN/decode_floor.json"
+        for i in 1 2; do
+            step "speed_new_$i" 150 python3 -m benchmarks.engine_speed --only limits,decode,small \
+                --decode-cases 1x1024,8x1024,64x2048 --out "$RUN/speed_new_$i.json"
+            step "speed_base_$i" 150 env -C /tmp/pdserve-base "PYTHONPATH=/tmp/pdserve-base:$PYTHONPATH" \
+                python3 -m benchmarks.engine_speed --only limits,decode,small \
+                --decode-cases 1x1024,8x1024,64x2048 --out "$RUN/speed_base_$i.json"
+        done
+        step equivalence 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/engine_core/test_gpu_equivalence.py tests/engine_core/test_cuda_graphs.py
+        step sleep 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+            tests/engine_core/test_sleep_mode.py tests/engine_core/test_memory_arena.py
+        ;;
     report1)
         # Colocated prefix caching and the proxy overhead (interleaved A/B); the 1P1D runs
         # are listed as needing two GPUs. Empty Triton cache: a fresh machine's cold start.
@@ -200,7 +220,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|lm_head|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

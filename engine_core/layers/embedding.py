@@ -24,9 +24,9 @@ class LMHead(nn.Module):
     """Projects hidden states to vocabulary logits, returned in float32 for the sampler.
 
     Up to ``gemv_max_rows`` rows (the Triton path's small batches) go through the Triton
-    GEMV, whatever the vocabulary: Qwen3-8B's 1.24 GB head at one row took 412 us against
-    cuBLAS's 515 us on an H100, the copy rate's 413 (benchmarks/decode_floor.py,
-    docs/PERFORMANCE.md).
+    GEMV, whatever the vocabulary: Qwen3-8B's 1.24 GB head at 1-8 rows took 414-416 us on
+    an H100, the copy rate, against cuBLAS's 439-516 us (benchmarks/decode_floor.py; the
+    8B batch-1 step went from 6.028 to 6.002 ms, docs/PERFORMANCE.md).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, gemv_max_rows: int = 0) -> None:

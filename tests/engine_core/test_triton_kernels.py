@@ -790,6 +790,30 @@ def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
         assert torch.equal(layer(x), got if small else F.linear(x, w, b))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize(("vocab", "hidden"), [(151936, 1024), (151936, 4096), (32003, 896)])
+def test_lm_head_takes_the_gemv_up_to_its_rows(rows: int, vocab: int, hidden: int) -> None:
+    """A vocabulary-sized LM head (past ``Linear``'s GEMV size cap) goes through the GEMV up
+    to ``gemv_max_rows`` rows and through cuBLAS beyond; float32 logits near float32 math."""
+    import torch.nn.functional as F
+
+    from engine_core.kernels.gemv import gemv
+    from engine_core.layers.embedding import LMHead
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    case = GemvCase(BF16, rows, vocab, hidden, False)
+    x, w, _, expected = gemv_inputs(case, "cuda", seed=rows + vocab + hidden)
+    head = LMHead(vocab, hidden, gemv_max_rows=8).to("cuda", BF16)
+    head.weight.copy_(w)
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+    via = gemv(x, w) if rows <= 8 else F.linear(x, w)
+    assert torch.equal(logits, via.float())
+    assert_close(logits, expected, BF16)
+
+
 @pytest.mark.parametrize(("device", "case"),
                          params([GemvCase(BF16, m, n, k, True)
                                  for m in (1, 7) for n, k in ((6144, 4096), (24576, 4096),

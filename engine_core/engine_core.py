@@ -265,6 +265,10 @@ class EngineCore:
         if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
             raise InvalidRequestError(
                 f"allowed_token_ids must be in [0, {self.vocab_size})", "allowed_token_ids")
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            # min_tokens masks them by index in the sampler
+            raise InvalidRequestError(
+                f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine_core.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+# Bounds on the host work one request adds to every step it is in (its bias and allowed
+# tokens are gathered per step) and to every token it decodes (stop-string hold-back).
 MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_N = 128  # samples per prompt in one API request  # bounds the host work of one request's bias per step
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_STOP_STRING_CHARS = 1024
+MAX_N = 128  # samples per prompt in one API request
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the engine's socket codec carries
+MAX_TOKEN_ID = (1 << 31) - 1  # any vocabulary's bound; the engine checks its own size
+
+
+def _is_token_id(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_TOKEN_ID
+
+
+def _is_int(value: Any, low: int = INT64_MIN, high: int = INT64_MAX) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value <= high
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (JSON's NaN and Infinity are not)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """Sample ``sample``'s seed of a request seeded ``seed`` (``seed + sample``, as vLLM),
+    wrapped into int64 so that it still crosses the engine socket."""
+    return (seed + sample - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 @dataclass
@@ -52,6 +79,17 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the offending parameter."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number", name)
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be an integer", name)
+        for name in ("seed", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise InvalidRequestError(f"{name} must be a 64-bit integer", name)
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}]", "n")
         if self.temperature < 0:
@@ -72,24 +110,26 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be in [0, 20]", "logprobs")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be non-empty strings", "stop")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS
+               for s in self.stop):
+            raise InvalidRequestError(
+                f"stop must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+                "stop")
+        if not all(_is_token_id(t) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be token ids", "stop_token_ids")
         if self.allowed_token_ids is not None and (
-                not self.allowed_token_ids
-                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                       for t in self.allowed_token_ids)):
-            raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",
-                                      "allowed_token_ids")
+                not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                or not all(_is_token_id(t) for t in self.allowed_token_ids)):
+            raise InvalidRequestError(
+                f"allowed_token_ids must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                "token ids", "allowed_token_ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise InvalidRequestError(
                 f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens", "logit_bias")
         for token, bias in self.logit_bias.items():
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if not _is_token_id(token):
                 raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                    or not -100.0 <= bias <= 100.0:
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError("logit_bias values must be in [-100, 100]",
                                           "logit_bias")
 

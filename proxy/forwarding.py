@@ -146,7 +146,8 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
     if body.get("echo"):
         return "echo"
     options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+    if (isinstance(options, dict) and options.get("continuous_usage_stats")
+            and options.get("include_usage")):
         return "continuous_usage"  # P's events would lack the usage every chunk must carry
     limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
     limit = next((body[k] for k in limits if body.get(k) is not None), None)

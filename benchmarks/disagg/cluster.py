@@ -82,6 +82,8 @@ class Cluster:
             argv += ["--kv-offloading-size", f"{t.kv_offload_gib:g}"]
         if t.first_token_from_prefill:
             argv.append("--first-token-from-prefill")
+        if t.routing != "round_robin":
+            argv += ["--routing", t.routing]
         if spec.gpus:
             if len(spec.gpus) < t.num_workers:
                 raise ClusterError(f"{t.name} needs {t.num_workers} GPUs, have {spec.gpus}")

@@ -95,6 +95,7 @@ def scraped_deltas(cluster: Cluster, before: dict[str, prometheus.Samples],
             "role": worker["role"], "http_address": worker["http_address"],
             "prefix_cache_queries": prometheus.counter(d, "vllm:prefix_cache_queries"),
             "prefix_cache_hits": prometheus.counter(d, "vllm:prefix_cache_hits"),
+            "requests_finished": prometheus.counter(d, "vllm:request_success"),
             "kv_offload_loaded_blocks": prometheus.counter(d, "pdserve:kv_offload_loaded_blocks"),
             "kv_offload_stored_blocks": prometheus.counter(d, "pdserve:kv_offload_stored_blocks")})
     if cluster.url in before and cluster.url in after:

@@ -12,10 +12,15 @@ Experiments (issue #7):
 - ``proxy_overhead``: a high rate of short requests to one colocated worker, directly and
   through the proxy.
 
-Extra (``--only kv_offload``, not in the default report; one GPU):
+Extra (``--only kv_offload`` / ``--only prefix_affinity``, not in the default report):
 
-- ``kv_offload``: a prefix_repetition workload whose prefixes do not fit a deliberately small
-  device KV cache, on one colocated worker with KV offload to host memory off and on.
+- ``kv_offload`` (one GPU): a prefix_repetition workload whose prefixes do not fit a
+  deliberately small device KV cache, on one colocated worker with KV offload to host
+  memory off and on.
+- ``prefix_affinity`` (two GPUs, or ``--gpus 0,0`` for two workers sharing one): the same
+  workload through the proxy to two colocated workers, each with that small KV cache,
+  routed round robin and by prefix affinity (``--routing prefix_affinity``): round robin
+  makes both caches hold every prefix, affinity each only its share.
 
 Each topology is launched once and serves every run planned on it. Runs on the same
 server get different seeds (no accidental prefix hits), except the proxy-overhead pair,
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from benchmarks.serve.config import DatasetConfig
 
 EXPERIMENTS = ("ttft_overhead", "goodput_2k", "goodput_8k", "prefix_cache", "proxy_overhead")
-EXTRA_EXPERIMENTS = ("kv_offload",)  # run only when named in --only
+EXTRA_EXPERIMENTS = ("kv_offload", "prefix_affinity")  # run only when named in --only
 ALL_EXPERIMENTS = EXPERIMENTS + EXTRA_EXPERIMENTS
 PROXY = "proxy"  # a run's target: the proxy, or a worker role hit directly
 
@@ -48,6 +53,7 @@ class Topology:
     kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes (None: sized from memory)
     kv_offload_gib: float = 0.0        # --kv-offloading-size
     first_token_from_prefill: bool = False  # the proxy's first-token handoff
+    routing: str = "round_robin"       # the proxy's --routing
 
     @property
     def num_workers(self) -> int:
@@ -224,11 +230,7 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
                             "direct and proxied, interleaved", "colocated", short, rate,
                             interleave=PROXY))
     elif experiment == "kv_offload":
-        data = DatasetConfig(name="prefix_repetition", num_prompts=scale.offload_prompts,
-                             seed=seed + 600, prefix_len=scale.offload_prefix_len,
-                             suffix_len=scale.offload_suffix_len,
-                             num_prefixes=scale.offload_num_prefixes,
-                             prefix_output_len=scale.offload_output)
+        data = _small_cache_workload(scale, seed + 600)
         small = Topology("colo1_smallkv", colocated=1,
                          kv_cache_bytes=scale.offload_kv_cache_bytes)
         for topology, state in ((small, "off"),
@@ -237,9 +239,28 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
             add(topology, BenchRun(f"{experiment}__{state}", experiment,
                                    f"colocated, small KV cache, offload {state}", "colocated",
                                    data, scale.offload_rate))
+    elif experiment == "prefix_affinity":
+        data = _small_cache_workload(scale, seed + 700)
+        pair = Topology("colo2_smallkv", colocated=2, kv_cache_bytes=scale.offload_kv_cache_bytes)
+        for topology, label in ((pair, "round robin"),
+                                (replace(pair, name="colo2_affinity",
+                                         routing="prefix_affinity"), "prefix affinity")):
+            add(topology, BenchRun(f"{experiment}__{topology.routing}", experiment,
+                                   f"2x colocated, small KV caches, {label}", PROXY, data,
+                                   scale.offload_rate))
     else:
         raise ValueError(f"unknown experiment {experiment!r}; choose from {ALL_EXPERIMENTS}")
     return runs
+
+
+def _small_cache_workload(scale: Scale, seed: int) -> DatasetConfig:
+    """prefix_repetition whose prefixes overflow one worker's small device KV cache
+    (``offload_*`` sizes): the kv_offload and prefix_affinity experiments."""
+    return DatasetConfig(name="prefix_repetition", num_prompts=scale.offload_prompts,
+                         seed=seed, prefix_len=scale.offload_prefix_len,
+                         suffix_len=scale.offload_suffix_len,
+                         num_prefixes=scale.offload_num_prefixes,
+                         prefix_output_len=scale.offload_output)
 
 
 def build_plan(scale: Scale, experiments: tuple[str, ...] = EXPERIMENTS, seed: int = 0

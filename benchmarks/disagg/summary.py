@@ -301,12 +301,39 @@ def kv_offload(results: Results, figures: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def prefix_affinity(results: Results, figures: dict[str, Any]) -> list[str]:
+    names = ("prefix_affinity__round_robin", "prefix_affinity__prefix_affinity")
+    present = [n for n in names if n in results]
+    if not present:
+        return []
+    lines = ["## Prefix-affinity routing: two colocated workers with small KV caches", "",
+             "| routing | hit rate per worker | hit tokens | requests per worker | p50 TTFT | "
+             "p99 TTFT | mean TTFT | p50 E2EL |", "|---|---|---|---|---|---|---|---|"]
+    section = {}
+    for name in present:
+        r = results[name]
+        workers = r.get("scraped", {}).get("workers", [])
+        hits = sum(w.get("prefix_cache_hits", 0.0) for w in workers)
+        served = ", ".join(f"{w.get('requests_finished', 0.0):.0f}" for w in workers)
+        section[name.split("__")[1]] = {"p50_ttft_ms": r["p50_ttft_ms"],
+                                        "p99_ttft_ms": r["p99_ttft_ms"],
+                                        "mean_ttft_ms": r["mean_ttft_ms"],
+                                        "hit_tokens": hits, "workers": workers}
+        lines.append(f"| {r['label']} | {_hit_rates(r)} | {hits:.0f} | {served} | "
+                     f"{_latency_cells(r)}")
+    lines += ["", "Same prompts both ways; hits are the engines' prefix-cache hit tokens "
+              "(`vllm:prefix_cache_hits`) over the run."]
+    figures["prefix_affinity"] = section
+    return lines + [""]
+
+
 def build_summary(results: Results, header: list[str]) -> tuple[str, dict[str, Any]]:
     """The markdown report and its key figures."""
     figures: dict[str, Any] = {}
     sections: list[Callable[[Results, dict[str, Any]], list[str]]] = [
         ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k"),
-        lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead, kv_offload]
+        lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead, kv_offload,
+        prefix_affinity]
     lines = list(header)
     for section in sections:
         lines += section(results, figures)
@@ -351,6 +378,10 @@ def make_plots(results: Results, out_dir: Path) -> list[Path]:
     if offload:
         written.append(plot_latency_cdfs(offload, out_dir / "kv_offload_cdf.png",
                                          "Small device KV cache: offload off/on"))
+    affinity = runs("prefix_affinity__round_robin", "prefix_affinity__prefix_affinity")
+    if affinity:
+        written.append(plot_latency_cdfs(affinity, out_dir / "prefix_affinity_cdf.png",
+                                         "Two workers, small KV caches: routing"))
     proxy = runs("proxy_overhead__direct", "proxy_overhead__proxy")
     if proxy:
         written.append(plot_latency_cdfs(proxy, out_dir / "proxy_overhead_cdf.png",

@@ -95,11 +95,15 @@ def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
     return value
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body."""
+    """Decode a JSON object body (strict JSON: no NaN or Infinity)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as exc:  # malformed JSON, bad UTF-8, NaN, an integer of >4300 digits
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
@@ -149,7 +153,9 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     if unknown:
         raise InvalidRequestError(f"unknown stream_options {sorted(unknown)}", "stream_options")
     include_usage = _typed(options, "include_usage", (bool,), False)
-    return stream, include_usage, _typed(options, "continuous_usage_stats", (bool,), False)
+    # As vLLM: usage on every chunk only for streams that ask for usage at all.
+    continuous = _typed(options, "continuous_usage_stats", (bool,), False)
+    return stream, include_usage, include_usage and continuous
 
 
 def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:

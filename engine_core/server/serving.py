@@ -23,7 +23,7 @@ from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
 from engine_core.messages import EngineOutput, RequestTimings
 from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, sample_seed
 from engine_core.server import protocol, streaming
 from engine_core.server.http_errors import REQUEST_ID_KEY, exception_body
 from engine_core.server.metrics import ServerMetrics
@@ -317,7 +317,7 @@ class OpenAIServing:
             for sample in range(params.n):
                 index = len(jobs)
                 sample_params = engine_params if params.seed is None or sample == 0 else \
-                    dataclasses.replace(engine_params, seed=params.seed + sample)
+                    dataclasses.replace(engine_params, seed=sample_seed(params.seed, sample))
                 remote = transfer if sample == 0 else _without_transfer(transfer)
                 waits = sample > 0 and bool((transfer or {}).get("do_remote_prefill"))
                 jobs.append(_Job(request_id if single else f"{request_id}-{index}", ids,

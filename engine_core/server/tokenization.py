@@ -25,7 +25,10 @@ class TokenizerService:
         return cls(tokenizer, max_model_len, vocab_size)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate
+            raise InvalidRequestError(f"the text cannot be tokenized: {exc}", "prompt") from None
 
     def encode_prompt(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
         """Token ids of a completion prompt (its last ``truncate`` ones when given), checked

@@ -42,6 +42,13 @@ def test_plan_launches_each_topology_once_in_order() -> None:
     assert off.dataset == on.dataset and off.dataset.name == "prefix_repetition"
     assert extra[1].topology.kv_cache_bytes == extra[2].topology.kv_cache_bytes == 6 << 30
     assert (extra[1].topology.kv_offload_gib, extra[2].topology.kv_offload_gib) == (0, 16)
+    affinity = build_plan(GPU_SCALE, ("prefix_affinity",))
+    assert [(p.topology.name, p.topology.colocated, p.topology.routing) for p in affinity] == [
+        ("colo2_smallkv", 2, "round_robin"), ("colo2_affinity", 2, "prefix_affinity")]
+    rr, aff = (item.runs[0] for item in affinity)
+    assert rr.dataset == aff.dataset and rr.target == aff.target == "proxy"
+    assert rr.dataset.seed != off.dataset.seed  # not the kv_offload run's prompts
+    assert affinity[0].topology.kv_cache_bytes == affinity[1].topology.kv_cache_bytes == 6 << 30
 
 
 def test_compared_runs_share_prompts_and_same_server_runs_do_not() -> None:
@@ -101,6 +108,9 @@ def test_launch_argv(tmp_path: Path) -> None:
     offload = Cluster(spec, replace(COLO1, kv_cache_bytes=1 << 30, kv_offload_gib=2.5)).argv()
     assert flag_of(offload, "--kv-cache-memory-bytes") == str(1 << 30)
     assert flag_of(offload, "--kv-offloading-size") == "2.5"
+    assert "--routing" not in offload
+    routed = Cluster(spec, replace(COLO2, routing="prefix_affinity")).argv()
+    assert flag_of(routed, "--routing") == "prefix_affinity"
 
 
 def flag_of(argv: list[str], name: str) -> str:

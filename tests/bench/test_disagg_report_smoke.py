@@ -93,3 +93,24 @@ def test_report_smoke_kv_offload(tmp_path: Path) -> None:
         run = json.loads((tmp_path / "raw" / f"kv_offload__{state}.json").read_text())
         assert run["completed"] == run["num_prompts"] and run["failed"] == 0
     assert "## KV offload to host memory" in (tmp_path / "summary.md").read_text()
+
+
+def test_report_smoke_prefix_affinity(tmp_path: Path) -> None:
+    """The extra routing experiment on CPU: two colocated workers with small caches behind
+    the proxy, round robin then prefix affinity; every request completes on each, both
+    workers serve, and the affinity proxy was started with that policy."""
+    rc = disagg_report.main(["--smoke", "--only", "prefix_affinity", "--results-dir",
+                             str(tmp_path), "--disable-tqdm"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    section = summary["figures"]["prefix_affinity"]
+    assert set(section) == {"round_robin", "prefix_affinity"}
+    for routing in section:
+        run = json.loads((tmp_path / "raw" / f"prefix_affinity__{routing}.json").read_text())
+        assert run["completed"] == run["num_prompts"] and run["failed"] == 0
+        workers = section[routing]["workers"]
+        assert len(workers) == 2
+        assert sum(w["requests_finished"] for w in workers) == run["num_prompts"]
+    launch = (tmp_path / "logs" / "colo2_affinity" / "launch.log").read_text()
+    assert "routing prefix_affinity" in launch
+    assert "## Prefix-affinity routing" in (tmp_path / "summary.md").read_text()

@@ -374,7 +374,8 @@ async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy)
     client = await make_proxy(p, d, first_token_from_prefill=True)
     for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1},
                  {**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
-                 {**STREAM, "stream_options": {"continuous_usage_stats": True}}):
+                 {**STREAM, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}):
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200
         await resp.read()

@@ -185,6 +185,11 @@ def test_continuous_usage_stats_on_every_chunk(oai):
         assert counts == sorted(counts) and counts[-1] == MAX_TOKENS
         assert len({c.usage.prompt_tokens for c in chunks}) == 1  # known from the start
         assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+        # As vLLM: without include_usage there is no usage, continuous or final.
+        quiet = list(create(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0.0,
+                            stream=True, stream_options={"continuous_usage_stats": True},
+                            **extra))
+        assert quiet and all(c.usage is None for c in quiet)
 
 
 def test_allowed_token_ids_restrict_the_output(oai, offline_llm):

@@ -41,6 +41,7 @@ from proxy.errors import (
     UpstreamUnavailableError,
     sse_error_event,
 )
+from proxy.messages import ROLE_COLOCATED, ROLE_DECODE
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
@@ -277,7 +278,7 @@ class Dispatcher:
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})
         try:
-            await out.prepare(request)
+            await _open_stream(request, out)
             await out.write(first.events)
         except ConnectionResetError:
             return out
@@ -302,11 +303,18 @@ class Dispatcher:
                             or attempt + 1 == self.max_attempts:
                         return await _end_stream(out, err)
                     excluded.add(decode.worker_id)
-                    try:
-                        decode = plan_route(self.registry, self.policy, model, excluded,
-                                            key).decode
-                    except NoWorkerError:
+                    # Another decode worker (it pulls the KV P holds); only when none is left
+                    # a colocated one, which recomputes the prompt (P's hold then lapses with
+                    # its lease): routing the usual way would skip the decode workers, since
+                    # with P excluded no (P, D) pair remains.
+                    role = ROLE_DECODE
+                    others = self.registry.candidates(role, model, excluded)
+                    if not others:
+                        role = ROLE_COLOCATED
+                        others = self.registry.candidates(role, model, excluded)
+                    if not others:
                         return await _end_stream(out, err)
+                    decode = self.policy.choose(role, others, key)
                     logger.warning("request %s: decode leg failed before its first byte (%s); "
                                    "continuing on %s", attempt_id, err, decode.worker_id)
                     self.metrics.retries.labels("handoff_decode").inc()
@@ -430,7 +438,7 @@ class Dispatcher:
         out = web.StreamResponse(status=response.status, headers={
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})
-        await out.prepare(request)
+        await _open_stream(request, out)
         return await self._stream_into(out, response, leg, attempt_id, timer, first)
 
     async def _stream_into(self, out: web.StreamResponse, response: aiohttp.ClientResponse,
@@ -463,7 +471,10 @@ class Dispatcher:
                 return out
         except ConnectionResetError:  # the client went away: the finally aborts the legs
             return out
-        await out.write_eof()
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            pass
         return out
 
     def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
@@ -495,7 +506,7 @@ def _server_timings(body: bytes) -> dict[str, Any] | None:
     """The ``pdserve_timings`` object of a worker's JSON answer, if it has one."""
     try:
         value = json.loads(body).get("pdserve_timings")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -505,6 +516,32 @@ def proxy_overhead(timer: RequestTimer, now: float) -> float | None:
     if timer.dispatched is None or timer.upstream_done is None:
         return None
     return max(0.0, (now - timer.arrival) - (timer.upstream_done - timer.dispatched))
+
+
+# Request key of the client stream once its headers went out (RequestKey: aiohttp >= 3.14).
+OPEN_STREAM: Any = (web.RequestKey("open_stream", web.StreamResponse)
+                    if hasattr(web, "RequestKey") else "pdserve_open_stream")
+
+
+async def _open_stream(request: web.Request, out: web.StreamResponse) -> None:
+    """Send the client stream's headers, and record it on the request: from then on an error
+    can only end it (``end_open_stream``), never replace it with an error response."""
+    await out.prepare(request)
+    request[OPEN_STREAM] = out
+
+
+async def end_open_stream(request: web.Request, exc: BaseException) -> web.StreamResponse | None:
+    """End the request's open client stream with an SSE error event for ``exc``; None when
+    no stream was opened (the caller answers with an error status instead)."""
+    out = request.get(OPEN_STREAM)
+    if out is None:
+        return None
+    try:
+        await out.write(b"\n\n" + sse_error_event(exc))
+        await out.write_eof()
+    except (ConnectionResetError, RuntimeError):  # the client left, or the stream had ended
+        pass
+    return out
 
 
 async def _end_stream(out: web.StreamResponse, err: UpstreamError) -> web.StreamResponse:

@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from engine_core.errors import InvalidRequestError
+from engine_core.server.protocol import stream_options
 from proxy.errors import UpstreamError, UpstreamTimeoutError
 
 # Client headers worth passing on to workers; the rest (Host, Content-Length, ...) are the
@@ -145,9 +147,11 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
         return "n"
     if body.get("echo"):
         return "echo"
-    options = body.get("stream_options")
-    if (isinstance(options, dict) and options.get("continuous_usage_stats")
-            and options.get("include_usage")):
+    try:
+        _, _, continuous_usage = stream_options(body)
+    except InvalidRequestError:  # D will refuse it: no token may stream before that 400
+        return "stream_options"
+    if continuous_usage:
         return "continuous_usage"  # P's events would lack the usage every chunk must carry
     limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
     limit = next((body[k] for k in limits if body.get(k) is not None), None)
@@ -192,7 +196,7 @@ def first_token_of(answer: bytes) -> FirstToken | None:
     request then goes on without the handoff: D computes its first token itself)."""
     try:
         value = json.loads(answer).get("pdserve_first_token")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None

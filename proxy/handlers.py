@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -12,10 +11,11 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
+from engine_core.errors import OverloadedError, PdserveError
+from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
 from proxy import keys
-from proxy.dispatcher import RequestTimer, proxy_overhead
+from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
 from proxy.errors import RequestTooLargeError, to_http
 from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
@@ -47,13 +47,7 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict:
         data += chunk
         if len(data) > max_bytes:
             raise RequestTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
-    try:
-        body = json.loads(data)
-    except ValueError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    return body
+    return parse_json(bytes(data))
 
 
 def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
@@ -90,6 +84,9 @@ async def _serve(request: web.Request, path: str, generates: bool = True) -> web
         status = response.status
         return response
     except PdserveError as exc:
+        opened = await end_open_stream(request, exc)
+        if opened is not None:  # after the first byte the stream can only end with an event
+            return opened
         response = error_response(exc, transfer_id)
         status = response.status
         if status in _REJECT_REASONS and timer.dispatched is None:
@@ -100,7 +97,7 @@ async def _serve(request: web.Request, path: str, generates: bool = True) -> web
         raise
     except Exception as exc:  # a proxy bug must still answer with an error body
         logger.exception("request %s failed inside the proxy", transfer_id)
-        return error_response(exc, transfer_id)
+        return await end_open_stream(request, exc) or error_response(exc, transfer_id)
     finally:
         if acquired:
             limiter.release()

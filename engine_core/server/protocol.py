@@ -103,8 +103,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """Decode a JSON object body (strict JSON: no NaN or Infinity)."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except ValueError as exc:  # malformed JSON, bad UTF-8, NaN, an integer of >4300 digits
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # malformed, bad UTF-8, NaN, an integer of
+        # over 4300 digits, nesting deeper than the interpreter's recursion limit
+        raise InvalidRequestError(f"request body is not valid JSON: {exc!r:.200}") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object")
     return body
@@ -139,7 +140,7 @@ def _check_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
         raise InvalidRequestError("suffix is not supported", "suffix")
 
 
-def _stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(stream, include_usage: a final usage chunk, continuous_usage_stats: usage so far on
     every chunk)."""
     stream = _typed(body, "stream", (bool,), False)
@@ -291,7 +292,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     _check_unsupported(body, _COMPLETION_FIELDS)
     model = _typed(body, "model", (str,))
     prompts = _prompts(body.get("prompt"))
-    stream, include_usage, continuous_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = stream_options(body)
     logprobs = _check_logprobs(body.get("logprobs"), "logprobs")
     params = _sampling_params(body, _max_tokens(body, ("max_tokens",), 16), logprobs)
     if len(prompts) * params.n > MAX_CHOICES:
@@ -353,7 +354,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise InvalidRequestError("tool_choice is not supported", "tool_choice")
     model = _typed(body, "model", (str,))
     messages = _messages(body.get("messages"))
-    stream, include_usage, continuous_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = stream_options(body)
     want_logprobs = _typed(body, "logprobs", (bool,), False)
     top_logprobs = _check_logprobs(body.get("top_logprobs"), "top_logprobs")
     if top_logprobs is not None and not want_logprobs:

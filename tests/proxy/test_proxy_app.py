@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+from aiohttp import web
+
+from engine_core.errors import ModelNotFoundError
 from proxy import keys
+from proxy.dispatcher import _open_stream
 
 MODEL = "tiny"
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
@@ -227,11 +231,13 @@ async def test_oversized_body_is_413(make_worker, make_proxy) -> None:
 async def test_invalid_json_is_400(make_worker, make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D")
     client = await make_proxy(p, d)
-    for payload in (b"{not json", b"[1, 2]"):
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # deeper than the recursion limit
+    for payload in (b"{not json", b"[1, 2]", deep, b'{"prompt": "a", "temperature": NaN}'):
         resp = await client.post("/v1/completions", data=payload,
                                  headers={"Content-Type": "application/json"})
         assert resp.status == 400
         assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    assert p.received == [] and d.received == []
 
 
 async def test_worker_400_forwarded_unchanged(make_worker, make_proxy) -> None:
@@ -375,14 +381,15 @@ async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy)
     for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1},
                  {**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
                  {**STREAM, "stream_options": {"include_usage": True,
-                                               "continuous_usage_stats": True}}):
+                                               "continuous_usage_stats": True}},
+                 {**STREAM, "stream_options": {"include_usage": "yes"}}):
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200
         await resp.read()
     assert not any("first_token_events" in r["body"]["kv_transfer_params"] for r in p.received)
     metrics = await (await client.get("/metrics")).text()
     for reason in ("stop_strings", "logprobs", "max_tokens", "prompt_batch", "not_streaming",
-                   "echo", "continuous_usage"):
+                   "echo", "continuous_usage", "stream_options"):
         assert f'first_token_handoffs_total{{result="{reason}"}} 1.0' in metrics, reason
 
 
@@ -415,6 +422,51 @@ async def test_handoff_asleep_decode_is_replaced(make_worker, make_proxy) -> Non
     metrics = await (await client.get("/metrics")).text()
     assert (f'pdserve:proxy_retries_total{{reason="handoff_decode"}} '
             f'{float(len(asleep.received))}') in metrics
+
+
+async def test_handoff_replacement_prefers_a_decode_worker_to_a_colocated_one(
+        make_worker, make_proxy) -> None:
+    """With P excluded no (P, D) pair is left, so ordinary routing would pick the colocated
+    worker; the replacement is the other D (it pulls P's held KV), and only with no D left
+    the colocated one (which recomputes)."""
+    p = await make_worker("P")
+    asleep, colocated, awake = (await make_worker("D", "asleep"),
+                                await make_worker("colocated"), await make_worker("D"))
+    client = await make_proxy(p, asleep, colocated, awake, first_token_from_prefill=True)
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json=STREAM)
+        events = sse_events(await resp.text())
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == \
+            ["P0", "t0", "t1", "t2"]
+    assert asleep.received and not colocated.received and len(awake.received) == 2
+    p, asleep, colocated = (await make_worker("P"), await make_worker("D", "asleep"),
+                            await make_worker("colocated"))
+    client = await make_proxy(p, asleep, colocated, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200 and sse_events(await resp.text())[-1] == "[DONE]"
+    assert asleep.received and len(colocated.received) == 1
+
+
+async def test_an_error_after_the_stream_opened_ends_it_with_an_event(make_proxy) -> None:
+    """Whatever fails once the client's headers went out, the stream ends with an SSE error
+    event: never a second response written into the open body."""
+    client = await make_proxy()
+
+    async def dispatch(request, path, body, transfer_id, timer, generates):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await _open_stream(request, out)
+        await out.write(b'data: {"choices": [{"text": "P0"}]}\n\n')
+        raise ModelNotFoundError("every worker of the model left")
+
+    client.server.app[keys.DISPATCHER].dispatch = dispatch
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    text = await resp.text()
+    assert "HTTP/1.1" not in text
+    events = sse_events(text)
+    assert json.loads(events[0])["choices"][0]["text"] == "P0"
+    assert "every worker of the model left" in json.loads(events[1])["error"]["message"]
+    assert events[-1] == "[DONE]"
 
 
 async def test_handoff_p_failure_before_any_byte_is_retried(make_worker, make_proxy) -> None:

@@ -99,6 +99,8 @@ CASES = [
     ("allowed_token_ids beyond int64", C, {"prompt": "hi", "allowed_token_ids": [1 << 64]}, 400),
     ("allowed_token_ids too many", C, {"prompt": "hi", "allowed_token_ids": [5] * 1025}, 400),
     ("stop string too long", C, {"prompt": "hi", "stop": ["x" * 1025]}, 400),
+    ("nesting deeper than the recursion limit", C,
+     b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
     ("integer of 5000 digits", C, b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400),
     ("NaN temperature", C, b'{"prompt": "hi", "temperature": NaN}', 400),
     ("Infinity temperature", C, b'{"prompt": "hi", "temperature": Infinity}', 400),

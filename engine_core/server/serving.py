@@ -64,11 +64,15 @@ class _ChoiceResult:
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     timings: RequestTimings | None = None
+    # Characters of the tokens in ``logprobs``: the next entry's ``text_offset`` (the text
+    # itself lags it while stop-string or UTF-8 hold-back keeps characters back).
+    logprob_chars: int = 0
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
+        self.logprob_chars += sum(len(entry.token) for entry in delta.logprobs or [])
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
@@ -146,7 +150,7 @@ def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
 
 def _completion_chunk(head: dict[str, Any], index: int, delta: RequestDelta, offset: int,
                       want_logprobs: bool) -> dict[str, Any]:
-    """One /v1/completions stream chunk; ``offset`` is the choice's text length before it."""
+    """One /v1/completions stream chunk; ``offset`` is its first logprob's ``text_offset``."""
     return {**head, "choices": [{
         "index": index, "text": delta.text,
         "logprobs": (_completion_logprobs(delta.logprobs or [], offset)
@@ -376,7 +380,7 @@ class OpenAIServing:
                 while True:
                     for index, delta in pending:
                         choice = choices[index]
-                        offset = len(choice.text)
+                        offset = choice.logprob_chars
                         choice.add(delta)
                         if not _worth_a_chunk(delta):
                             continue

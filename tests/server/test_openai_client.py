@@ -169,6 +169,24 @@ def test_echo_prepends_each_prompt(oai):
     assert len(by_ids.choices[0].text) > len(detok.choices[0].text)
 
 
+def test_streamed_text_offsets_equal_the_whole_answers_under_hold_back(oai):
+    """text_offset counts the logprob tokens' characters in both paths, also while a stop
+    string's possible start is held back (the streamed text then lags the tokens)."""
+    plain = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                   temperature=0.0, extra_body={"ignore_eos": True}).choices[0]
+    # A stop string that starts like text the answer contains and then never matches: each
+    # time that character ends the output so far, it is held back for a chunk or more.
+    stop = plain.text.strip()[0] + "\u0001\u0002"
+    body = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                logprobs=1, stop=[stop], extra_body={"ignore_eos": True})
+    whole = oai.completions.create(**body).choices[0].logprobs
+    chunks = [c.choices[0] for c in oai.completions.create(stream=True, **body) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert streamed == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i])
+                                 for i in range(len(whole.tokens))]
+
+
 def test_continuous_usage_stats_on_every_chunk(oai):
     """stream_options.continuous_usage_stats: each chunk carries the usage so far, growing
     to the final count (it was accepted and ignored before)."""

@@ -68,6 +68,11 @@ class ConnectorScheduler(Protocol):
         """Return (hold_blocks, kv_transfer_params for the response) for a finished request."""
         ...
 
+    def pins_blocks(self, request: Request) -> bool:
+        """True while a running request's blocks must not be freed (a send of them is
+        scheduled but not done): the scheduler never preempts such a request."""
+        ...
+
     def update_finished(self, finished: FinishedTransfers) -> None:
         """The worker reported these transfers done; forget their state."""
         ...
@@ -157,6 +162,9 @@ class NullConnectorScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
+
+    def pins_blocks(self, request: Request) -> bool:
+        return False
 
     def update_finished(self, finished: FinishedTransfers) -> None:
         return None

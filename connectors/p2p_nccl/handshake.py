@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from connectors.p2p_nccl.messages import is_kv_address
 from engine_core.codec import MessageCodec
 from engine_core.errors import KVTransferError, MessageDecodeError
 
@@ -24,9 +25,9 @@ Handler = Callable[[Any, list[zmq.Frame]], None]
 
 def tcp_endpoint(address: str) -> str:
     """``host:port`` -> ``tcp://host:port`` (brackets IPv6 hosts)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not is_kv_address(address):
         raise KVTransferError(f"bad kv address {address!r}, expected host:port")
+    host, _, port = address.rpartition(":")
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
@@ -131,7 +132,11 @@ class ControlClient:
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(send_timeout_s * 1000)))
         sock.setsockopt(zmq.SNDHWM, high_water_mark)
-        sock.connect(tcp_endpoint(address))
+        try:
+            sock.connect(tcp_endpoint(address))
+        except (zmq.ZMQError, KVTransferError) as exc:  # e.g. a host name ZMQ cannot parse
+            sock.close(0)
+            raise KVTransferError(f"cannot connect to {address!r}: {exc}") from exc
         self._socket = sock
         self.messages_sent = 0
 

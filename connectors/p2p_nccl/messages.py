@@ -155,6 +155,8 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
                 f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
     if not pull.transfer_id:
         return "empty transfer id"
+    if not is_kv_address(pull.consumer_address):
+        return "bad consumer address"
     return None
 
 
@@ -175,3 +177,17 @@ def check_header(header: KVSendHeader, pull: KVPullRequest, last_seq: int | None
     if got != expected:
         return f"header {got} does not match request {expected}"
     return None
+
+
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]")
+
+
+def is_kv_address(address: object) -> bool:
+    """Whether ``address`` is a ``host:port`` a socket can connect to: a host name or IP
+    (IPv6 bracketed or bare) and a port in 1-65535. Addresses arrive in request params, so
+    anything else (spaces, paths, wildcards) is refused before ZMQ sees it."""
+    if not isinstance(address, str) or len(address) > 255:
+        return False
+    host, _, port = address.rpartition(":")
+    return (bool(host) and set(host) <= _HOST_CHARS and port.isdigit()
+            and 0 < int(port) < 65536)

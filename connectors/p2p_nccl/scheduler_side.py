@@ -9,14 +9,18 @@ and its blocks are held after it finishes until the worker reports the send done
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from connectors.p2p_nccl.messages import is_kv_address
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
 from engine_core.config import KVTransferConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers
 from engine_core.request import Request
 from engine_core.sched.outputs import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -40,7 +44,7 @@ def _remote_params(request: Request, flag: str) -> tuple[str, str] | None:
         return None
     transfer_id = params.get("transfer_id")
     address = params.get("remote_kv_address")
-    if not isinstance(transfer_id, str) or not transfer_id or not isinstance(address, str):
+    if not isinstance(transfer_id, str) or not transfer_id or not is_kv_address(address):
         return None
     return transfer_id, address
 
@@ -60,7 +64,8 @@ class P2pConnectorScheduler:
         self._cancels: list[str] = []
         # producer
         self._producing: dict[str, _ProducerRequest] = {}
-        self._holding: set[str] = set()
+        self._holding: dict[str, str] = {}  # request id -> transfer id, blocks held for a send
+        self._transfer_owner: dict[str, str] = {}  # transfer id -> the producer request sending it
         self._sent_early: set[str] = set()
         self._abandons: list[PeerNotice] = []
         self._invalid_params = 0
@@ -83,11 +88,23 @@ class P2pConnectorScheduler:
                 self._invalid_params += 1
         if self._config.is_producer:
             remote = _remote_params(request, "do_remote_decode")
+            if remote is None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+                self._invalid_params += 1
             if remote is not None:
                 state = self._producing.get(request.request_id)
-                if state is None:
+                owner = self._transfer_owner.get(remote[0], request.request_id)
+                if owner != request.request_id:
+                    # One transfer id, one send: the worker keys its pending sends by it,
+                    # so a second request would take the first one's place and leave its
+                    # blocks held for good. This one is computed and answered, not sent.
+                    self._invalid_params += 1
+                    logger.warning("request %s: transfer id %r is in use by request %s; "
+                                   "its KV will not be sent", request.request_id, remote[0],
+                                   owner)
+                elif state is None:
                     self._producing[request.request_id] = _ProducerRequest(
                         remote[0], remote[1], request.num_prompt_tokens)
+                    self._transfer_owner[remote[0]] = request.request_id
                 else:  # rescheduled after preemption: its blocks come anew
                     state.block_ids = []
         return ExternalMatch(0, False)
@@ -151,11 +168,22 @@ class P2pConnectorScheduler:
         self._sent_early.discard(request_id)
         if not state.saved:
             self._abandons.append(PeerNotice(state.transfer_id, state.peer_address))
+            self._transfer_owner.pop(state.transfer_id, None)
             return False, params
         hold = state.num_send_blocks > 0 and not sent
         if hold:
-            self._holding.add(request_id)
+            self._holding[request_id] = state.transfer_id
+        else:
+            self._transfer_owner.pop(state.transfer_id, None)
         return hold, params
+
+    def pins_blocks(self, request: Request) -> bool:
+        """A producer request whose save is scheduled but whose send is not done: the worker
+        side gathers those block ids later (when D's pull arrives), so freeing them by a
+        preemption would send whatever request the blocks went to next."""
+        state = self._producing.get(request.request_id)
+        return (state is not None and state.saved and state.num_send_blocks > 0
+                and request.request_id not in self._sent_early)
 
     def update_finished(self, finished: FinishedTransfers) -> None:
         """Forget finished loads; release held producer blocks whose send is done."""
@@ -164,7 +192,7 @@ class P2pConnectorScheduler:
                 self._loaded.add(request_id)
         for request_id in finished.sending:
             if request_id in self._holding:
-                self._holding.discard(request_id)
+                self._transfer_owner.pop(self._holding.pop(request_id), None)
             elif request_id in self._producing:
                 self._sent_early.add(request_id)
 
@@ -180,6 +208,7 @@ class P2pConnectorScheduler:
     def is_idle(self) -> bool:
         """True when no request state is kept (tests assert this after every run)."""
         return not (self._new_loads or self._loading or self._producing or self._holding
+                    or self._transfer_owner
                     or self._sent_early or self._loaded or self._releases or self._abandons
                     or self._cancels)
 

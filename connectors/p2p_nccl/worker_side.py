@@ -37,6 +37,7 @@ from connectors.p2p_nccl.messages import (
     call_ranges,
     check_header,
     check_pull,
+    is_kv_address,
     layer_nbytes,
     make_codec,
     plan_layers_per_call,
@@ -651,7 +652,7 @@ class P2pConnectorWorker:
         reason = check_pull(pull, num_layers, dtype, block_shape)
         if reason is not None:
             self._reject("pull request", reason)
-            if pull.num_blocks > 0:
+            if pull.num_blocks > 0 and is_kv_address(pull.consumer_address):
                 self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
             return
         with self._lock:

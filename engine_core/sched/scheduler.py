@@ -134,7 +134,10 @@ class Scheduler:
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._preemption_victim()
+                if victim is None:  # every later request's blocks are pinned by a send
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
@@ -242,6 +245,13 @@ class Scheduler:
             request, self.kv.get_block_ids(request.request_id), num_local, num_external)
         self._num_tokens_after_load[request.request_id] = num_local + num_external
         return True
+
+    def _preemption_victim(self) -> Request | None:
+        """The newest running request whose blocks the connector does not pin."""
+        for request in reversed(self.running):
+            if not self.connector.pins_blocks(request):
+                return request
+        return None
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks; it restarts from scratch (recompute)."""

@@ -323,6 +323,22 @@ def test_producer_saves_on_final_chunk_and_holds() -> None:
     assert sched.is_idle()
 
 
+def test_producer_pins_its_blocks_from_save_until_sent() -> None:
+    """Between its save step and the end of its send a producer request must not be
+    preempted: the worker gathers the saved block ids when D's pull arrives."""
+    sched = _sched("kv_producer")
+    req = _req("p", BS + 1, "do_remote_decode")
+    sched.get_num_new_matched_tokens(req, 0)
+    assert not sched.pins_blocks(req)
+    new = NewRequestData("p", req.prompt_token_ids, BS + 1, req.sampling_params, [3, 4], 0)
+    assert sched.build_connector_meta(_out([new], scheduled={"p": BS + 1})).saves
+    assert sched.pins_blocks(req)
+    sched.update_finished(FinishedTransfers(sending={"p"}))
+    assert not sched.pins_blocks(req)  # sent: a preemption can no longer change what went out
+    consumer = _sched("kv_consumer")
+    assert not consumer.pins_blocks(_req("c", BS + 1, "do_remote_prefill"))
+
+
 def test_producer_send_done_before_request_finished() -> None:
     sched = _sched("kv_producer")
     req = _req("p", BS + 1, "do_remote_decode")

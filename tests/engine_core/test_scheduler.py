@@ -162,6 +162,9 @@ class RemoteConnector(NullConnectorScheduler):
     def request_finished(self, request, block_ids):
         return self.hold, {"done": True}
 
+    def pins_blocks(self, request):
+        return False
+
 
 def test_remote_kv_request_parks_without_blocking_others():
     connector = RemoteConnector()

@@ -153,8 +153,11 @@ class P2pConnectorScheduler:
         request_id = request.request_id
         asked = request_id in self._loaded
         self._loaded.discard(request_id)
-        if self._new_loads.pop(request_id, None) is not None or self._loading.pop(request_id, None):
-            self._cancels.append(request_id)
+        unsent = self._new_loads.pop(request_id, None)
+        if unsent is not None:  # the worker never saw this load: P only needs the release
+            self._releases.append(PeerNotice(unsent.transfer_id, unsent.peer_address))
+        elif self._loading.pop(request_id, None) is not None:
+            self._cancels.append(request_id)  # the worker releases P if its pull is unsent
         elif not asked and self._config.is_consumer:
             remote = _remote_params(request, "do_remote_prefill")
             if remote is not None:

@@ -78,6 +78,9 @@ class _Load:
     seq: int = -1
     layers_received: int = 0
     layers_per_call: int = 1
+    # Set once the pull went out; a load that ends before that tells P to drop the KV it
+    # keeps for it (a release) instead of leaving P to its lease.
+    pull_sent: bool = False
     recv_poll: Callable[[], bool] | None = None
     cancelled: bool = False
     reason: str = ""
@@ -394,7 +397,9 @@ class P2pConnectorWorker:
             ready = self._record_event()
             with self._lock:
                 load.buffer, load.buffer_ready, load.state = buffer, ready, REQUESTED
-            if not self._send_pull(load.spec.peer_address, load.pull):
+            if self._send_pull(load.spec.peer_address, load.pull):
+                load.pull_sent = True
+            else:
                 with self._lock:
                     if load.state == REQUESTED:
                         load.state, load.reason = FAILED, "pull request not sent"
@@ -436,6 +441,7 @@ class P2pConnectorWorker:
                 except Exception as exc:
                     with self._lock:
                         load.state, load.reason = FAILED, f"receive failed: {exc}"
+        unasked: list[_Load] = []
         for load in loads:
             with self._lock:
                 state = load.state
@@ -452,6 +458,8 @@ class P2pConnectorWorker:
                 if state not in (DONE, FAILED):
                     continue
                 del self._loads[load.spec.transfer_id]
+            if not load.pull_sent:
+                unasked.append(load)
             if state == DONE and not load.cancelled:
                 self._scatter(load)
             self._recv_buffer.release(load.spec.transfer_id)
@@ -466,6 +474,8 @@ class P2pConnectorWorker:
                     logger.warning("kv load %s failed: %s", load.spec.transfer_id, load.reason)
                     self._failed_recving.add(load.spec.request_id)
                     self._counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
+        for load in unasked:  # cancelled, pushed back past its deadline, or too large
+            self._send_pull(load.spec.peer_address, self._make_pull(load.spec.transfer_id, 0, 0))
 
     def _scatter(self, load: _Load) -> None:
         assert load.buffer is not None

@@ -277,6 +277,55 @@ def test_consumer_abort_while_loading_cancels() -> None:
     assert sched.is_idle()
 
 
+def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> None:
+    """A load aborted before the worker saw it, one larger than kv_buffer_size, and one
+    cancelled while pushed back: none sent its pull, and each tells P to drop what it keeps
+    (a pull of 0 blocks) instead of leaving P to its lease."""
+    from connectors.p2p_nccl.worker_side import P2pConnectorWorker
+
+    got: list[KVPullRequest] = []
+    producer = f"127.0.0.1:{free_port()}"
+    server = ControlServer(producer, make_codec(), lambda message, frames: got.append(message))
+    server.start()
+    block_shape = (16, 2, 64)  # block size, KV heads, head dim
+    per_block = 2 * 2 * 16 * 2 * 64 * 2  # 2 layers x K/V x block x bf16: 16 KiB (a size in
+    # bytes: kv_buffer_size below 1e4 would mean GB)
+    config = KVTransferConfig(kv_role="kv_consumer", kv_port=free_port(),
+                              kv_buffer_size=6 * per_block)
+    sched = P2pConnectorScheduler(config, block_shape[0])
+    worker = P2pConnectorWorker(config, "cpu")
+    worker.register_kv_caches(allocate_kv_caches(KVCacheShape(2, 64, *block_shape, torch.bfloat16),
+                                                 "cpu"))
+
+    def load(request_id: str, blocks: int) -> Request:
+        req = Request(request_id=request_id, prompt_token_ids=list(range(16 * blocks + 1)),
+                      sampling_params=SamplingParams(max_tokens=1),
+                      kv_transfer_params={"do_remote_prefill": True,
+                                          "transfer_id": f"T{request_id}",
+                                          "remote_kv_address": producer})
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, list(range(blocks)), 0, 16 * blocks)
+        return req
+
+    try:
+        aborted = load("aborted", 2)
+        sched.request_finished(aborted, list(range(2)))  # before any metadata was built
+        load("huge", 7)  # over the 6-block buffer
+        load("first", 5)  # takes the buffer and sends its pull
+        queued = load("queued", 5)  # pushed back behind it
+        worker.start_load_kv(sched.build_connector_meta(_out()))
+        sched.request_finished(queued, list(range(5)))
+        worker.start_load_kv(sched.build_connector_meta(_out()))
+        deadline = time.monotonic() + 5.0
+        while len(got) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pulls = sorted((m.transfer_id, m.num_blocks) for m in got)
+        assert pulls == [("Taborted", 0), ("Tfirst", 5), ("Thuge", 0), ("Tqueued", 0)]
+    finally:
+        worker.shutdown()
+        server.stop()
+
+
 def test_consumer_finished_before_asking_releases_the_producer() -> None:
     """Aborted while queued, or ended by the token it continues from: P is told to drop
     the blocks it holds for the transfer at once (not at its lease's end); once only."""

@@ -83,7 +83,12 @@ class AsyncEngineClient:
         self._output = output_socket
         self._contexts = contexts
         self._socket_dir = socket_dir
+        # By engine request id: the caller's id plus a per-call number, so that outputs still
+        # on their way for an ended call (its last token, its abort) never reach a later call
+        # that reuses the caller's id.
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
+        self._in_flight: set[str] = set()  # callers' ids
+        self._generations = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(READY_CALL_ID + 1)
         self._dead: EngineDeadError | None = None
@@ -246,13 +251,15 @@ class AsyncEngineClient:
         after (see ``AddRequest``)."""
         if self._dead is not None:
             raise self._dead
-        if request_id in self._queues:
+        if request_id in self._in_flight:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        engine_id = f"{request_id}#{next(self._generations)}"
         queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[engine_id] = queue
+        self._in_flight.add(request_id)
         finished = False
         try:
-            self._send(AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+            self._send(AddRequest(request_id=engine_id, prompt_token_ids=list(prompt_token_ids),
                                   sampling_params=sampling_params.to_dict(),
                                   arrival_time=time.monotonic(),
                                   kv_transfer_params=kv_transfer_params,
@@ -268,15 +275,11 @@ class AsyncEngineClient:
                 finished = item.finish_reason is not None
                 yield item
         finally:
-            self._queues.pop(request_id, None)
+            self._queues.pop(engine_id, None)
+            self._in_flight.discard(request_id)
             if not finished and self._dead is None and not self._closed:
                 with contextlib.suppress(EngineDeadError):
-                    self._send(AbortRequests(request_ids=[request_id]))
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests in the engine; their blocks are freed."""
-        if request_ids and self._dead is None and not self._closed:
-            self._send(AbortRequests(request_ids=list(request_ids)))
+                    self._send(AbortRequests(request_ids=[engine_id]))
 
     async def call(self, method: str, timeout_s: float = 30.0, **args: Any) -> Any:
         """Run a utility method in the engine (reset_prefix_cache, get_stats, check_health)."""

@@ -70,6 +70,14 @@ class EngineCore:
         self.spec = read_model_spec(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            # Unchunked, a prompt (or a preempted request's prompt and output) longer than one
+            # step's budget could never be scheduled, and would hold up the queue behind it.
+            raise ConfigError(
+                f"--max-num-batched-tokens ({sched.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill off: raise it, "
+                "lower --max-model-len, or enable chunked prefill")
         self.eos_token_ids = self.spec.eos_token_ids
         self.vocab_size = self.spec.vocab_size
         self.tokenizer_path = config.model.tokenizer or str(model_dir)
@@ -273,14 +281,27 @@ class EngineCore:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {len(prompt)} tokens, leaving no room for output.", "prompt")
-        room = self.max_model_len - len(prompt)
+        # A request must fit the whole KV cache, or it would preempt itself forever (and
+        # every request queued behind it would wait): below max_model_len when the cache is
+        # smaller than one full context.
+        capacity = self.kv_manager.num_total_blocks * self.config.cache.block_size
+        if len(prompt) >= capacity:
+            raise InvalidRequestError(
+                f"The prompt has {len(prompt)} tokens but this worker's KV cache holds "
+                f"{capacity}, leaving no room for output.", "prompt")
+        room = min(self.max_model_len, capacity) - len(prompt)
         if params.max_tokens is None:
             params.max_tokens = room
-        elif params.max_tokens > room:
+        elif len(prompt) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
                 f"prompt, {params.max_tokens} for the completion).", "max_tokens")
+        elif params.max_tokens > room:
+            raise InvalidRequestError(
+                f"This worker's KV cache holds {capacity} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, "
+                f"{params.max_tokens} for the completion).", "max_tokens")
         if len(generated) > params.max_tokens:
             raise InvalidRequestError(
                 f"{len(generated)} tokens were already generated, more than max_tokens "

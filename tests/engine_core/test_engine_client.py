@@ -141,6 +141,26 @@ async def test_generate_abort_utilities_and_shutdown():
         os.kill(pid, 0)
 
 
+async def test_an_id_reused_right_after_an_early_exit_gets_only_its_own_outputs():
+    """A caller that stops reading (a stop string, a client gone) and reuses the request id
+    at once: the old request's last tokens and its abort, still on their way, must not reach
+    the new one (they were routed by the caller's id alone); a concurrent reuse is refused."""
+    client = await AsyncEngineClient.start(_config(), fake_factory)
+    try:
+        for _ in range(5):
+            old = client.generate("X", [1], SamplingParams(max_tokens=10_000))
+            await old.__anext__()
+            with pytest.raises(InvalidRequestError, match="already in flight"):
+                await client.generate("X", [1], SamplingParams(max_tokens=3)).__anext__()
+            await old.aclose()
+            outs = await _collect(client, "X", 3)
+            assert sum(len(o.new_token_ids) for o in outs) == 3
+            assert [o.finish_reason for o in outs][-1] == "length"
+            assert all(o.finish_reason is None for o in outs[:-1])
+    finally:
+        await client.shutdown()
+
+
 async def test_tcp_addresses():
     ctx = zmq.Context()
     ports = []

@@ -60,6 +60,7 @@ from engine_core.worker.block_copy import (
 
 logger = logging.getLogger(__name__)
 
+MAX_ABORT_PEERS = 64  # peers a producer starts a sender for only to answer with an abort
 WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requested", "receiving", "done", "failed"
 
 
@@ -573,14 +574,18 @@ class P2pConnectorWorker:
     def _submit(self, job: SendJob) -> None:
         with self._lock:
             self._in_flight[job.transfer_id] = job
-            sender = self._senders.get(job.peer_address)
-            if sender is None:
-                sender = self._senders[job.peer_address] = PeerSender(
-                    job.peer_address, self._own_address, self._epoch, self._codec,
-                    self._transport, self._on_send_done,
-                    send_timeout_s=min(5.0, self._config.transfer_timeout_s))
-                sender.start()
+            sender = self._sender_locked(job.peer_address)
         sender.submit(job)
+
+    def _sender_locked(self, peer_address: str) -> PeerSender:
+        """The peer's sender thread, started on first use (call with the lock held)."""
+        sender = self._senders.get(peer_address)
+        if sender is None:
+            sender = self._senders[peer_address] = PeerSender(
+                peer_address, self._own_address, self._epoch, self._codec, self._transport,
+                self._on_send_done, send_timeout_s=min(5.0, self._config.transfer_timeout_s))
+            sender.start()
+        return sender
 
     def _submit_abort(self, transfer_id: str, peer_address: str, reason: str) -> None:
         job = SendJob(transfer_id=transfer_id, request_id=None, peer_address=peer_address,
@@ -588,12 +593,12 @@ class P2pConnectorWorker:
                       deadline=self._clock() + self._config.transfer_timeout_s,
                       abort_reason=reason)
         with self._lock:
-            sender = self._senders.get(peer_address)
-            if sender is None:
-                sender = self._senders[peer_address] = PeerSender(
-                    peer_address, self._own_address, self._epoch, self._codec, self._transport,
-                    self._on_send_done, send_timeout_s=min(5.0, self._config.transfer_timeout_s))
-                sender.start()
+            if peer_address not in self._senders and len(self._senders) >= MAX_ABORT_PEERS:
+                # An abort is a courtesy (the consumer's deadline covers it): pulls naming
+                # ever new addresses must not start a thread and a socket each.
+                self._counters["messages_rejected"] += 1
+                return
+            sender = self._sender_locked(peer_address)
         sender.submit(job)
 
     def _abandon(self, transfer_id: str, peer_address: str) -> None:

@@ -326,6 +326,32 @@ def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> Non
         server.stop()
 
 
+def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> None:
+    """A producer answers a rejected pull with an abort to the address it names; pulls
+    naming ever new addresses (all on loopback here) must not start a thread each."""
+    from connectors.p2p_nccl.worker_side import MAX_ABORT_PEERS, P2pConnectorWorker
+
+    port = free_port()
+    worker = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu")
+    worker.register_kv_caches(allocate_kv_caches(KVCacheShape(2, 16, 4, 2, 4, torch.bfloat16),
+                                                 "cpu"))
+    client = ControlClient(f"127.0.0.1:{port}", make_codec())
+    try:
+        count = MAX_ABORT_PEERS + 40
+        for i in range(count):  # 3 layers against the producer's 2: rejected, abort owed
+            client.send(KVPullRequest(f"t{i}", f"127.0.0.1:{40000 + i}", 0, 1, 3, "bfloat16",
+                                      [4, 2, 4], 1.0))
+        deadline = time.monotonic() + 5.0
+        while worker.stats()["messages_rejected"] < 2 * count - MAX_ABORT_PEERS \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.stats()["messages_rejected"] == 2 * count - MAX_ABORT_PEERS
+        assert len(worker._senders) == MAX_ABORT_PEERS
+    finally:
+        client.close()
+        worker.shutdown()
+
+
 def test_consumer_finished_before_asking_releases_the_producer() -> None:
     """Aborted while queued, or ended by the token it continues from: P is told to drop
     the blocks it holds for the transfer at once (not at its lease's end); once only."""

@@ -185,6 +185,11 @@ def _latency_cells(result: Mapping[str, Any]) -> str:
             f"{_f(result['mean_ttft_ms'])} | {_f(result['p50_e2el_ms'])} |")
 
 
+def _ttft(result: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's p50/p99/mean TTFT (ms), as the sections' figures record them."""
+    return {key: result[key] for key in ("p50_ttft_ms", "p99_ttft_ms", "mean_ttft_ms")}
+
+
 def prefix_cache(results: Results, figures: dict[str, Any]) -> list[str]:
     names = ["prefix_cache__colo1_on", "prefix_cache__colo1_off", "prefix_cache__pd_on",
              "prefix_cache__pd_off"]
@@ -288,11 +293,8 @@ def kv_offload(results: Results, figures: dict[str, Any]) -> list[str]:
         workers = r.get("scraped", {}).get("workers", [])
         loaded = sum(w.get("kv_offload_loaded_blocks", 0.0) for w in workers)
         stored = sum(w.get("kv_offload_stored_blocks", 0.0) for w in workers)
-        section[name.split("__")[1]] = {"p50_ttft_ms": r["p50_ttft_ms"],
-                                        "p99_ttft_ms": r["p99_ttft_ms"],
-                                        "mean_ttft_ms": r["mean_ttft_ms"],
-                                        "loaded_blocks": loaded, "stored_blocks": stored,
-                                        "workers": workers}
+        section[name.split("__")[1]] = {**_ttft(r), "loaded_blocks": loaded,
+                                        "stored_blocks": stored, "workers": workers}
         lines.append(f"| {r['label']} | {_hit_rates(r)} | {loaded:.0f} | {stored:.0f} | "
                      f"{_latency_cells(r)}")
     lines += ["", "Hits count prefix tokens found on the device or in host memory; blocks from "
@@ -315,10 +317,7 @@ def prefix_affinity(results: Results, figures: dict[str, Any]) -> list[str]:
         workers = r.get("scraped", {}).get("workers", [])
         hits = sum(w.get("prefix_cache_hits", 0.0) for w in workers)
         served = ", ".join(f"{w.get('requests_finished', 0.0):.0f}" for w in workers)
-        section[name.split("__")[1]] = {"p50_ttft_ms": r["p50_ttft_ms"],
-                                        "p99_ttft_ms": r["p99_ttft_ms"],
-                                        "mean_ttft_ms": r["mean_ttft_ms"],
-                                        "hit_tokens": hits, "workers": workers}
+        section[name.split("__")[1]] = {**_ttft(r), "hit_tokens": hits, "workers": workers}
         lines.append(f"| {r['label']} | {_hit_rates(r)} | {hits:.0f} | {served} | "
                      f"{_latency_cells(r)}")
     lines += ["", "Same prompts both ways; hits are the engines' prefix-cache hit tokens "

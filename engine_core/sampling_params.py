@@ -19,12 +19,12 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the engine's socket cod
 MAX_TOKEN_ID = (1 << 31) - 1  # any vocabulary's bound; the engine checks its own size
 
 
-def _is_token_id(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_TOKEN_ID
-
-
 def _is_int(value: Any, low: int = INT64_MIN, high: int = INT64_MAX) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and low <= value <= high
+
+
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value, 0, MAX_TOKEN_ID)
 
 
 def _is_number(value: Any) -> bool:

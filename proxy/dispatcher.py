@@ -536,22 +536,18 @@ async def end_open_stream(request: web.Request, exc: BaseException) -> web.Strea
     out = request.get(OPEN_STREAM)
     if out is None:
         return None
-    try:
-        await out.write(b"\n\n" + sse_error_event(exc))
-        await out.write_eof()
-    except (ConnectionResetError, RuntimeError):  # the client left, or the stream had ended
-        pass
-    return out
+    return await _end_stream(out, exc)
 
 
-async def _end_stream(out: web.StreamResponse, err: UpstreamError) -> web.StreamResponse:
-    """End a client stream whose bytes went out with an SSE error event (the upstream
-    failed before sending its own)."""
+async def _end_stream(out: web.StreamResponse, err: BaseException) -> web.StreamResponse:
+    """End a client stream whose bytes went out with an SSE error event (the upstream, or
+    the proxy itself, failed before sending its own); a blank line first closes any event
+    left half-written."""
     logger.warning("stream ended with an error after the first token: %s", err)
     try:
-        await out.write(sse_error_event(err))
+        await out.write(b"\n\n" + sse_error_event(err))
         await out.write_eof()
-    except ConnectionResetError:
+    except (ConnectionResetError, RuntimeError):  # the client left, or the stream had ended
         pass
     return out
 

@@ -196,7 +196,6 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
     slots = torch.full((1,), context - 1, dtype=torch.int64, device="cuda")
     qsl = torch.arange(2, dtype=torch.int32, device="cuda")
-    counters = torch.zeros(hkv, dtype=torch.int32, device="cuda")  # as StepInputs'
     x = torch.randn(1, hidden, **bf16)
     residual = torch.randn(1, hidden, **bf16)
     cos = torch.rand(1, 1, d, **bf16)
@@ -231,7 +230,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     attn_out = torch.empty(q.shape, **bf16)
                     paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
-                                           rope=rope, split_counters=counters)
+                                           rope=rope)
                 h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling,
                          early_dependents=not late_all)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
@@ -280,7 +279,6 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
     tables[:, :per_seq] = order.view(batch, per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    counters = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")  # as StepInputs'
     default_splits = choose_num_splits(batch, hkv, width, block_size, q.device)
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     rope = NewTokenRope(torch.randn(batch, hkv, 128, **bf16), torch.randn(batch, hkv, 128, **bf16),
@@ -293,7 +291,7 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
         def run(s=splits, bn=block_n, st=stages, w=warps):
             paged_decode_attention(q, cache[0], cache[1], out_t, tables, seq_lens, qsl,
                                    0.088, num_splits=s, block_n=bn, num_warps=w,
-                                   num_stages=st, split_counters=counters)
+                                   num_stages=st)
         key = "default" if block_n is None else str((splits or default_splits, block_n,
                                                       stages, warps))
         try:
@@ -301,8 +299,7 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
         except Exception as exc:  # a tiling over the shared-memory limit: skip it
             print(f"attn {key}: {type(exc).__name__}", flush=True)
     results["rope in kernel"] = graph_us(lambda: paged_decode_attention(
-        q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope,
-        split_counters=counters), reps)
+        q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope), reps)
     best = min(results, key=results.get)
     print(f"attn {model:10} b{batch} ctx{context}: default {results['default']:.2f}, "
           f"rope in kernel {results['rope in kernel']:.2f}; "

@@ -33,9 +33,6 @@ class AttentionPlan:
     prefill_tile_tokens: int = 0
     # Work items a mixed step's decode rows share (attention/decode_work.py); 0: no list.
     decode_work_target: int = 0
-    # int32 counters a sequence needs in the step inputs (the decode kernel's split
-    # arrivals, one per KV head); 0: none.
-    decode_counters_per_seq: int = 0
 
 
 class AttentionBackend(ABC):

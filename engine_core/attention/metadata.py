@@ -51,9 +51,6 @@ class AttentionMetadata:
     # The decode kernel's work list for a general (not decode-only) step
     # (attention/decode_work.py); None: the backend builds it from the host lists.
     decode_work: DecodeWork | None = None
-    # The decode kernel's split-arrival counters: int32, zero between launches, at least
-    # num_seqs * num_kv_heads (kernels/paged_decode.py). None: the kernel allocates them.
-    split_counters: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -83,8 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
             work = decode_work(meta.query_start_loc_cpu, meta.seq_lens_cpu,
                                decode_work_target(k.shape[1], q.device), q.device)
         paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-                               meta.query_start_loc, scale, self.num_decode_splits, work=work,
-                               split_counters=meta.split_counters)
+                               meta.query_start_loc, scale, self.num_decode_splits, work=work)
         return out
 
     def plan(self, shapes: AttentionShapes) -> AttentionPlan:
@@ -95,8 +94,7 @@ class TritonAttentionBackend(AttentionBackend):
                                  shapes.dtype)
         return AttentionPlan(prefill_tile_tokens=tile,
                              decode_work_target=decode_work_target(shapes.num_kv_heads,
-                                                                   shapes.device),
-                             decode_counters_per_seq=shapes.num_kv_heads)
+                                                                   shapes.device))
 
     def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -109,6 +107,5 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables,
                                meta.seq_lens, meta.query_start_loc, scale,
-                               self.num_decode_splits, rope=rope,
-                               split_counters=meta.split_counters)
+                               self.num_decode_splits, rope=rope)
         return out

@@ -45,6 +45,7 @@ from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 # and a tile sized for the usual few splits (one 64-wide tile cost batches of 4-16
 # sequences 1-2 us a layer on an H200 against tiles padded to their own count).
 SPLIT_CHUNK = 16
+MERGE_WARPS = 2
 _ROW_MAX_START = tl.constexpr(-1.0e30)
 
 
@@ -81,10 +82,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    stride_kb, stride_ks, stride_kh, stride_bt,
                    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps, slot_ptr,
                    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct, stride_st,
-                   work_ptr, num_splits, counter_ptr,
+                   work_ptr, num_splits,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                    WORK_LIST: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
@@ -99,25 +100,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         row_splits = tl.load(work_ptr + 3 * item + 2)
         part_base = item.to(tl.int64) * NUM_Q_HEADS
         part_head_stride = 1
-        part_split_stride = NUM_Q_HEADS
     else:
         seq = tl.program_id(0)
         split = tl.program_id(2)
         row_splits = num_splits
         part_base = seq.to(tl.int64) * NUM_Q_HEADS * num_splits + split
         part_head_stride = num_splits
-        part_split_stride = 1
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(seq_len, row_splits), BLOCK_N) * BLOCK_N
-    # The grid's split count follows shapes, not lengths: splits past the context have
-    # nothing to do and leave at once; the merge counts only the ones that ran. A row of
-    # seq_len 0 keeps its first split, which writes zeros.
-    used_splits = tl.maximum(tl.cdiv(seq_len, tl.maximum(per_split, 1)), 1)
-    if split >= used_splits:
-        return
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -197,7 +190,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if used_splits == 1:
+    if row_splits == 1:
         o_rows = q_row.to(tl.int64) * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None] & dim_mask[None, :])
@@ -209,39 +202,36 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                  mask=row_valid[:, None])
         lse = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=row_valid)
-        # The row's last split to finish merges them all: no second kernel, no second
-        # launch and dependency on the decode step's critical path. The barrier orders
-        # every thread's partial stores before the release of the counter increment; the
-        # last arriver's acquire makes the other programs' partials visible to it.
-        tl.debug_barrier()
-        counter = counter_ptr + seq * (NUM_Q_HEADS // GROUP) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == used_splits - 1:
-            tl.store(counter, 0)  # zero again for the next launch (graphs replay it)
-            row_part = part_base - split * part_split_stride
-            o_row = out_ptr + q_row.to(tl.int64) * stride_ot
-            for g in tl.static_range(GROUP):
-                h = kv_head * GROUP + g
-                _merge_head(o_row + h * stride_oh, part_out_ptr, part_lse_ptr,
-                            row_part + h * part_head_stride, part_split_stride, used_splits,
-                            HEAD_DIM, BLOCK_D, SPLIT_CHUNK)
 
 
-@triton.jit
-def _merge_head(out_ptr, part_out_ptr, part_lse_ptr, base, split_stride, num_splits,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    """One query head's split partials (at ``base + split * split_stride``) merged into
-    its output row ``out_ptr`` ``[HEAD_DIM]``.
-
-    One pass, ``SPLIT_CHUNK`` splits at a time, rescaling as the running maximum grows (one
-    chunk covers the usual counts). Each chunk's log-sum-exps and partial outputs are loaded
-    together (one memory round trip), from L2 (``.cg``: other programs wrote them); empty
-    splits never wrote their partial, so it is zeroed by ``used`` after the load instead of
-    masking the load on it. The finite start keeps an all-empty row (seq_len 0) free of
-    -inf - -inf.
-    """
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, rows_ptr,
+                         stride_ot, stride_oh, num_splits,
+                         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                         WORK_LIST: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    if WORK_LIST:  # the row's items are consecutive; one split wrote the output itself
+        num_splits = tl.load(rows_ptr + 2 * seq + 1)
+        if num_splits <= 1:
+            return
+        base = tl.load(rows_ptr + 2 * seq).to(tl.int64) * NUM_Q_HEADS + head
+        split_stride = NUM_Q_HEADS
+    else:
+        base = (seq.to(tl.int64) * NUM_Q_HEADS + head) * num_splits
+        split_stride = 1
     chunk = tl.arange(0, SPLIT_CHUNK)
     dims = tl.arange(0, BLOCK_D)
+    # One pass, SPLIT_CHUNK splits at a time, rescaling as the running maximum grows (one
+    # chunk covers the usual counts). Each chunk's log-sum-exps and partial outputs are
+    # loaded together (one memory round trip); empty splits never wrote their partial, so
+    # it is zeroed by ``used`` after the load instead of masking the load on it. The finite
+    # start keeps an all-empty row (seq_len 0) free of -inf - -inf.
     row_max = tl.max(tl.full([SPLIT_CHUNK], _ROW_MAX_START, tl.float32), 0)
     norm = tl.sum(tl.zeros([SPLIT_CHUNK], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -249,9 +239,9 @@ def _merge_head(out_ptr, part_out_ptr, part_lse_ptr, base, split_stride, num_spl
         splits = first + chunk
         valid = splits < num_splits
         at = base + splits * split_stride
-        lse = tl.load(part_lse_ptr + at, mask=valid, other=-float("inf"), cache_modifier=".cg")
+        lse = tl.load(part_lse_ptr + at, mask=valid, other=-float("inf"))
         partial = tl.load(part_out_ptr + at[:, None] * BLOCK_D + dims[None, :],
-                          mask=valid[:, None], other=0.0, cache_modifier=".cg")
+                          mask=valid[:, None], other=0.0)
         used = lse > -float("inf")
         new_max = tl.maximum(row_max, tl.max(lse, 0))
         rescale = tl.exp2(row_max - new_max)
@@ -261,7 +251,8 @@ def _merge_head(out_ptr, part_out_ptr, part_lse_ptr, base, split_stride, num_spl
         norm = norm * rescale + tl.sum(weight, 0)
         row_max = new_max
     out = acc / tl.where(norm > 0.0, norm, 1.0)
-    tl.store(out_ptr + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @functools.cache
@@ -321,8 +312,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
-                           work: DecodeWork | None = None,
-                           split_counters: torch.Tensor | None = None) -> None:
+                           work: DecodeWork | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -333,11 +323,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``num_splits=None`` picks ``choose_num_splits``. ``work`` (mixed steps,
     ``attention/decode_work.py``) gives each decode row its own split count instead: one
     program per listed item and KV head; ``num_splits`` is then unused.
-
-    ``split_counters``: int32, zero, at least ``num_seqs * Hkv`` (the kernel leaves it zero
-    again): where a row's splits count their arrivals, so that the last one merges them.
-    A step's inputs hold one for every layer and replay (``StepInputs``); None allocates a
-    zeroed one (a memset launch more: tests and one-off calls).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -372,11 +357,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    if split_counters is None:
-        split_counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32,
-                                     device=q.device)
-    assert (split_counters.dtype == torch.int32 and split_counters.is_contiguous()
-            and split_counters.numel() >= num_seqs * num_kv_heads)
     if rope is not None:
         has_norm = rope.q_norm_weight is not None and rope.k_norm_weight is not None
         assert rope.k.shape == rope.v.shape == (q.shape[0], num_kv_heads, head_dim)
@@ -403,9 +383,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *new,
-        seq_lens if work is None else work.items, num_splits, split_counters,
+        seq_lens if work is None else work.items, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        SPLIT_CHUNK=SPLIT_CHUNK,
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
         HAS_NORM=has_norm, WORK_LIST=work is not None, num_warps=num_warps, **extra, **pdl)
+    if num_splits > 1 or work is not None:
+        _merge_splits_kernel[(num_seqs, num_q_heads)](
+            out, part_out, part_lse, query_start_loc,
+            seq_lens if work is None else work.rows, out.stride(0), out.stride(1), num_splits,
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            SPLIT_CHUNK=SPLIT_CHUNK, WORK_LIST=work is not None, num_warps=MERGE_WARPS,
+            **pdl)

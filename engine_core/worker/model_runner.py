@@ -98,8 +98,7 @@ class ModelRunner:
         limits = limits or BatchLimits(1, 1, block_size, block_size)
         self.plan = plan or AttentionPlan()
         self.inputs = StepInputs(limits, device, self.plan.prefill_tile_tokens,
-                                 self.plan.decode_work_target,
-                                 self.plan.decode_counters_per_seq)
+                                 self.plan.decode_work_target)
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)
         self.graphs: StepGraphs | None = None
         self._graphs_paused = False

@@ -165,12 +165,10 @@ class StepInputs:
     """
 
     def __init__(self, limits: BatchLimits, device: torch.device,
-                 prefill_tile_tokens: int = 0, decode_work_target: int = 0,
-                 counters_per_seq: int = 0) -> None:
+                 prefill_tile_tokens: int = 0, decode_work_target: int = 0) -> None:
         self.block_size = limits.block_size
         self.tile_tokens = prefill_tile_tokens
         self.work_target = decode_work_target
-        self.counters_per_seq = counters_per_seq
         self.seq_limit = limits.max_num_seqs
         self.device = device
         self.is_cuda = device.type == "cuda"
@@ -194,10 +192,6 @@ class StepInputs:
         else:  # the host buffers are the device buffers: no copy at all
             self._dev64, self._dev32 = self._host64, self._host32
         self.block_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=self.device)
-        # Zero, and left zero by every kernel that counts in it: never staged or copied.
-        self.split_counters = (torch.zeros(num_seqs * self.counters_per_seq, dtype=torch.int32,
-                                           device=self.device)
-                               if self.counters_per_seq else None)
 
     def reserve(self, num_tokens: int, num_seqs: int, width: int) -> None:
         """Grow the buffers (before ``freeze``) to hold a step of this size."""
@@ -264,7 +258,6 @@ class StepInputs:
             block_size=self.block_size,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
-            split_counters=self.split_counters,
             prefill_tiles=(self._dev32[at.tiles:at.tiles + 2 * at.max_tiles]
                            if self.tile_tokens else None),
             num_prefill_tiles=num_tiles,

@@ -11,6 +11,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
@@ -204,6 +205,24 @@ case "$STAGE" in
         step sleep 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
             tests/engine_core/test_sleep_mode.py tests/engine_core/test_memory_arena.py
         ;;
+    attn_ab)
+        # A decode-attention change A/B against BASE (default afd30a9, before the session-14
+        # attempts) from a worktree, in alternation in one session: the attention cases, the
+        # layer graph and the decode figures.
+        git worktree add -q -f /tmp/pdserve-base "${BASE:-afd30a9}" > "$RUN/worktree.log" 2>&1
+        base=(env -C /tmp/pdserve-base "PYTHONPATH=/tmp/pdserve-base:$PYTHONPATH")
+        kernels=(python3 -m benchmarks.decode_kernels --parts attention,layer --no-attn-sweep
+                 --attn-cases 1x1024,1x8192,64x2048,256x2048
+                 --layer-variants "engine now: RoPE and KV write in attention, SiLU fused;no attention")
+        speed=(python3 -m benchmarks.engine_speed --only limits,decode,small
+               --decode-cases 1x1024,8x1024,64x2048,256x2048)
+        step kernels_new_1 110 "${kernels[@]}" --out "$RUN/kernels_new_1.json"
+        step kernels_base_1 110 "${base[@]}" "${kernels[@]}" --out "$RUN/kernels_base_1.json"
+        step speed_new_1 130 "${speed[@]}" --out "$RUN/speed_new_1.json"
+        step speed_base_1 130 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_1.json"
+        step kernels_new_2 50 "${kernels[@]}" --out "$RUN/kernels_new_2.json"
+        step kernels_base_2 50 "${base[@]}" "${kernels[@]}" --out "$RUN/kernels_base_2.json"
+        ;;
     report1)
         # Colocated prefix caching and the proxy overhead (interleaved A/B); the 1P1D runs
         # are listed as needing two GPUs. Empty Triton cache: a fresh machine's cold start.
@@ -220,7 +239,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|lm_head|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|lm_head|attn_ab|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
         exit 2
         ;;
 esac

@@ -144,6 +144,7 @@ class LayerVariant:
     late_trigger: str = "default"  # GEMVs letting their successor in after their loop:
     # "default" (gemv's choice: gate/up with SiLU fused), "never", "gate_up" or "all"
     splits: int | None = None  # decode-attention splits; None: choose_num_splits
+    down_tiling: tuple[int, int, int, int] | None = None  # None: as the other GEMVs
 
 
 LAYER_VARIANTS = {
@@ -162,6 +163,8 @@ LAYER_VARIANTS = {
     "engine now: RoPE and KV write in attention, SiLU fused": LayerVariant(rope="attention",
                                                                            silu="fused"),
     "attention in 16 splits": LayerVariant(splits=16),
+    "engine now, down at (32, 256, 4, 4)": LayerVariant(rope="attention", silu="fused",
+                                                         down_tiling=(32, 256, 4, 4)),
 }
 
 
@@ -171,7 +174,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     (norm, qkv, [q/k norm, RoPE, KV write], decode attention, o, norm, gate/up, SiLU,
     down). us per layer; the block table is the benchmark engine's width (10k tokens), so
     the default split count is the engine's."""
-    from engine_core.kernels.gemv import NARROW_TILING, gemv
+    from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, gemv
     from engine_core.kernels.kv_write import write_kv
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
@@ -241,7 +244,8 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     gate_up = (gemv(normed, layer["gate_up"], early_dependents=gate_up_early)
                                if v.per_shape else F.linear(normed, layer["gate_up"]))
                     act = silu_and_mul(gate_up) if v.silu == "kernel" else gate_up[:, :inter]
-                h = gemv(act, layer["down"], tiling=tiling, early_dependents=not late_all)
+                down_tiling = GemvTiling(*v.down_tiling) if v.down_tiling else tiling
+                h = gemv(act, layer["down"], tiling=down_tiling, early_dependents=not late_all)
 
         us = graph_us(forward, 1) / num_layers
         out.append({"variant": name, "us_per_layer": us, "layers": num_layers,

@@ -89,8 +89,12 @@ class GemvTiling(NamedTuple):
 # full bandwidth (a 1024-column matrix still gets 64 programs); wide matrices (a fused
 # gate/up is 6x wider than deep) stream best with 64 columns a program, and 4096 columns
 # or more with 32 (Qwen3-8B qkv: 16.7 -> 14.9 us; gate/up 49.5 us with cuBLAS -> 48.4).
+# Deep matrices of many rows (Qwen3-8B's down projection, 4096 x 12288) stream best with
+# 512-wide K chunks: one row, distinct copies, 26.47 -> 25.37 us on an H200 and 38.13 ->
+# 36.67 on an H100 (benchmarks/decode_kernels.py --parts gemv, 2026-11-23 and -25).
 NARROW_TILING = GemvTiling(16, 256, 2, 4)
 MEDIUM_TILING = GemvTiling(32, 256, 4, 4)
+DEEP_TILING = GemvTiling(32, 512, 4, 4)
 WIDE_TILING = GemvTiling(64, 128, 4, 4)
 
 
@@ -99,7 +103,7 @@ def choose_tiling(n: int, k: int) -> GemvTiling:
     if n >= 5 * k:
         return WIDE_TILING
     if n >= 4096:
-        return MEDIUM_TILING
+        return DEEP_TILING if k >= 2 * n else MEDIUM_TILING
     return NARROW_TILING
 
 

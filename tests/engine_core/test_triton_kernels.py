@@ -817,12 +817,14 @@ def test_lm_head_takes_the_gemv_up_to_its_rows(rows: int, vocab: int, hidden: in
 @pytest.mark.parametrize(("device", "case"),
                          params([GemvCase(BF16, m, n, k, True)
                                  for m in (1, 7) for n, k in ((6144, 4096), (24576, 4096),
-                                                              (1024, 3072), (4099, 1000))],
+                                                              (1024, 3072), (4099, 1000),
+                                                              (4096, 12288))],
                                 [GemvCase(BF16, 2, 130, 24, True), GemvCase(FP16, 1, 70, 64, False)]))
 def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
     """Each tiling ``choose_tiling`` can pick computes the same projection, whichever the
-    shape; and the choice follows the shape (wide, >= 4096 columns, narrow)."""
+    shape; and the choice follows the shape (wide, >= 4096 columns, deep, narrow)."""
     from engine_core.kernels.gemv import (
+        DEEP_TILING,
         MEDIUM_TILING,
         NARROW_TILING,
         WIDE_TILING,
@@ -831,10 +833,11 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
     )
 
     x, w, b, expected = gemv_inputs(case, device, seed=6)
-    for tiling in (NARROW_TILING, MEDIUM_TILING, WIDE_TILING):
+    for tiling in (NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING):
         assert_close(gemv(x, w, b, tiling=tiling), expected, case.dtype)
     assert choose_tiling(24576, 4096) == WIDE_TILING and choose_tiling(6144, 1024) == WIDE_TILING
-    assert choose_tiling(6144, 4096) == MEDIUM_TILING and choose_tiling(4096, 12288) == MEDIUM_TILING
+    assert choose_tiling(6144, 4096) == MEDIUM_TILING and choose_tiling(4096, 4096) == MEDIUM_TILING
+    assert choose_tiling(4096, 12288) == DEEP_TILING and choose_tiling(5120, 25600) == DEEP_TILING
     assert choose_tiling(1024, 3072) == NARROW_TILING
 
 
@@ -846,11 +849,17 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
 def test_gemv_silu_mul_equals_projection_then_silu_mul(device: str, case: GemvCase) -> None:
     """SiLU * up in the GEMV's epilogue gives, bit for bit, what the plain GEMV followed by
     ``silu_and_mul`` gives (same tiles, same roundings), under every tiling."""
-    from engine_core.kernels.gemv import MEDIUM_TILING, NARROW_TILING, WIDE_TILING, gemv
+    from engine_core.kernels.gemv import (
+        DEEP_TILING,
+        MEDIUM_TILING,
+        NARROW_TILING,
+        WIDE_TILING,
+        gemv,
+    )
     from engine_core.kernels.silu_mul import silu_and_mul
 
     x, w, b, expected = gemv_inputs(case, device, seed=7)
-    for tiling in (None, NARROW_TILING, MEDIUM_TILING, WIDE_TILING):
+    for tiling in (None, NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING):
         fused = gemv(x, w, b, tiling=tiling, silu_mul=True)
         assert fused.shape == (case.rows, case.n // 2) and fused.dtype == case.dtype
         assert torch.equal(fused, silu_and_mul(gemv(x, w, b, tiling=tiling)))

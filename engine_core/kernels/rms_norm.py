@@ -23,10 +23,13 @@ from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
                      BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # The weight before the wait: no kernel writes it, so under PDL its round trip
+    # overlaps the predecessor's tail instead of following the reduction (kernels/pdl.py).
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    wait_for_predecessor(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -35,7 +38,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, 0) / n_cols
     y = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = weight.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

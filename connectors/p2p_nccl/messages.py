@@ -1,7 +1,8 @@
 """Control messages of the P2P KV connector, encoded with ``engine_core.codec``.
 
 Flow per request (one control round trip, then data):
-  D -> P ``KVPullRequest``   D allocated blocks: the blocks it lacks, its cache geometry.
+  D -> P ``KVPullRequest``   D allocated blocks: the blocks it lacks, its cache geometry,
+                             its epoch (a new one at a known address: D restarted).
   P -> D ``KVSendHeader``    P is about to send: validated by D before it posts receives.
   P -> D ``KVLayerData``     CPU transport only: one message (plus a bytes frame) per data call.
 
@@ -23,6 +24,7 @@ from engine_core.codec import MessageCodec
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "uint8")
 MAX_LAYERS = 1024
 MAX_BLOCKS = 1 << 20
+MAX_EPOCH_CHARS = 64
 
 
 @dataclass
@@ -41,6 +43,10 @@ class KVPullRequest:
     dtype: str
     block_shape: list[int]  # [block_size, num_kv_heads, head_dim]
     timeout_s: float
+    # The consumer process's incarnation (random per start). A producer that sees a new one
+    # for a known address knows the process behind it restarted: its pair with the address
+    # and the sends asked for by the old process are stale. Empty: not said (tools).
+    consumer_epoch: str = ""
 
 
 @dataclass
@@ -157,6 +163,8 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
         return "empty transfer id"
     if not is_kv_address(pull.consumer_address):
         return "bad consumer address"
+    if not is_epoch(pull.consumer_epoch):
+        return "bad consumer epoch"
     return None
 
 
@@ -177,6 +185,15 @@ def check_header(header: KVSendHeader, pull: KVPullRequest, last_seq: int | None
     if got != expected:
         return f"header {got} does not match request {expected}"
     return None
+
+
+_EPOCH_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def is_epoch(epoch: object) -> bool:
+    """Whether ``epoch`` can name a process incarnation: up to 64 letters, digits, ``-`` or
+    ``_`` (empty: none said). It is kept per peer and logged, so nothing else is accepted."""
+    return isinstance(epoch, str) and len(epoch) <= MAX_EPOCH_CHARS and set(epoch) <= _EPOCH_CHARS
 
 
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]")

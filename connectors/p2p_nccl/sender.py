@@ -112,6 +112,7 @@ class SendJob:
     block_shape: list[int]
     deadline: float
     layers_per_call: int = 1
+    peer_epoch: str = ""  # the consumer process that asked (its pull's ``consumer_epoch``)
     call_source: CallSource | None = None
     slots: CallSlots | None = None
     abort_reason: str | None = None
@@ -120,12 +121,18 @@ class SendJob:
 
 
 class PeerSender:
-    """One thread that sends jobs to one consumer in submission order."""
+    """One thread that sends jobs to one consumer in submission order.
+
+    ``current_epoch(address)`` names the consumer process now at the address (the epoch of
+    its latest pull), or None when unknown; a job asked for by another process is failed.
+    """
 
     def __init__(self, peer_address: str, own_address: str, epoch: str, codec: MessageCodec,
                  transport: Any, on_done: Callable[[SendJob], None],
-                 send_timeout_s: float) -> None:
+                 send_timeout_s: float,
+                 current_epoch: Callable[[str], str | None] | None = None) -> None:
         self.peer_address = peer_address
+        self._current_epoch = current_epoch
         self._own_address = own_address
         self._epoch = epoch
         self._codec = codec
@@ -181,8 +188,10 @@ class PeerSender:
                 return
             if time.monotonic() > job.deadline:
                 raise KVTransferError("deadline passed before the send started")
+            self._check_current(job)
             client = self._client_for()
             self._transport.open_pair(client, self.peer_address, job.deadline)
+            self._check_current(job)  # the restart may have been seen while open_pair waited
             self._seq += 1
             header = KVSendHeader(
                 transfer_id=job.transfer_id, producer_address=self._own_address,
@@ -214,6 +223,16 @@ class PeerSender:
                 self._send_abort(job, job.error)
         finally:
             self._finish(job)
+
+    def _check_current(self, job: SendJob) -> None:
+        """Fail a job asked for by an earlier process at the consumer's address (it restarted).
+
+        That process is gone, and the new one would reject the header and abort its new pair,
+        so the data calls would stall on the producer until their deadline.
+        """
+        current = self._current_epoch(self.peer_address) if self._current_epoch else None
+        if job.peer_epoch and current is not None and job.peer_epoch != current:
+            raise KVTransferError("the consumer restarted: the process that asked is gone")
 
     def _send_abort(self, job: SendJob, reason: str) -> None:
         try:

@@ -4,8 +4,11 @@ The producer (rank 0) creates the unique id on first contact and sends it in a
 ``NcclHello`` over the ZMQ control channel; the consumer (rank 1) joins on a helper thread.
 Each pair has its own CUDA stream. Every data call runs under a deadline watched by a
 watchdog thread, which aborts the communicator of a late pair (so no call blocks forever);
-an aborted pair is rebuilt on the next contact. cupy is imported lazily: CPU engines and
-the CPU test suite never need it.
+an aborted pair is rebuilt on the next contact. A restarted process at a known address has
+no pair: a restarted producer sends a hello at first contact (which replaces the consumer's
+pair), and the producer's worker aborts its pair with a consumer whose pulls carry a new
+``consumer_epoch``, so its next send re-handshakes. cupy is imported lazily: CPU engines
+and the CPU test suite never need it.
 
 Run on 2 x H200 on 2026-11-22 (`tests/connectors -m gpu`); the landing watcher (2026-11-23)
 has not run with NCCL yet (only single-GPU machines were lent since).
@@ -338,6 +341,7 @@ class NcclPairTransport:
         if pair.watcher is not None:
             pair.watcher.stop()
         pair.error = pair.error or "aborted"
+        pair.ready.set()  # a sender waiting for it to join (its peer may be gone) fails now
         if pair.comm is not None:
             try:
                 pair.comm.abort()

@@ -61,6 +61,13 @@ from engine_core.worker.block_copy import (
 logger = logging.getLogger(__name__)
 
 MAX_ABORT_PEERS = 64  # peers a producer starts a sender for only to answer with an abort
+MAX_KNOWN_CONSUMERS = 4096  # consumer addresses whose process epoch a producer remembers
+# The worker's event counters (``stats()``; /metrics exports each as a counter).
+EVENT_COUNTERS = (
+    "control_messages_sent", "bytes_sent", "bytes_received", "transfers_sent",
+    "transfers_received", "sends_failed", "transfers_failed", "transfers_timed_out",
+    "messages_rejected", "leases_expired", "registrations_expired", "loads_pushed_back",
+    "consumer_restarts")
 WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requested", "receiving", "done", "failed"
 
 
@@ -129,16 +136,15 @@ class P2pConnectorWorker:
         self._stacked: torch.Tensor | None = None  # the caches as one [layers, 2, blocks, ...]
         self._geometry: tuple[int, str, list[int], int] | None = None
         self._started = False
-        self._counters = {name: 0 for name in (
-            "control_messages_sent", "bytes_sent", "bytes_received", "transfers_sent",
-            "transfers_received", "sends_failed", "transfers_failed", "transfers_timed_out",
-            "messages_rejected", "leases_expired", "registrations_expired",
-            "loads_pushed_back")}
+        self._counters = dict.fromkeys(EVENT_COUNTERS, 0)
         # producer
         self._registrations: dict[str, tuple[KVPullRequest, float]] = {}
         self._pending: dict[str, _Pending] = {}
         self._in_flight: dict[str, SendJob] = {}
         self._senders: dict[str, PeerSender] = {}
+        # Epoch of the consumer process last seen at each address (from its pulls), least
+        # recently heard from first; a new one means that process restarted.
+        self._consumer_epochs: dict[str, str] = {}
         self._step_push: list[tuple[SendJob, torch.Tensor]] = []  # (job, its block index)
         self._step_deferred: list[str] = []
         self._finished_sending: set[str] = set()
@@ -354,7 +360,8 @@ class P2pConnectorWorker:
         return KVPullRequest(transfer_id=transfer_id, consumer_address=self._own_address,
                              first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
                              dtype=dtype, block_shape=list(block_shape),
-                             timeout_s=self._config.transfer_timeout_s)
+                             timeout_s=self._config.transfer_timeout_s,
+                             consumer_epoch=self._epoch)
 
     def _add_load(self, spec: LoadSpec, now: float) -> None:
         num_layers, _, block_shape, element_size = self._require_geometry()
@@ -569,7 +576,8 @@ class P2pConnectorWorker:
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
                        block_shape=list(block_shape),
                        deadline=self._clock() + self._config.transfer_timeout_s,
-                       layers_per_call=self._layers_per_call(pull.num_blocks), **source)
+                       layers_per_call=self._layers_per_call(pull.num_blocks),
+                       peer_epoch=pull.consumer_epoch, **source)
 
     def _submit(self, job: SendJob) -> None:
         with self._lock:
@@ -583,7 +591,8 @@ class P2pConnectorWorker:
         if sender is None:
             sender = self._senders[peer_address] = PeerSender(
                 peer_address, self._own_address, self._epoch, self._codec, self._transport,
-                self._on_send_done, send_timeout_s=min(5.0, self._config.transfer_timeout_s))
+                self._on_send_done, send_timeout_s=min(5.0, self._config.transfer_timeout_s),
+                current_epoch=self._current_consumer_epoch)
             sender.start()
         return sender
 
@@ -670,6 +679,11 @@ class P2pConnectorWorker:
             if pull.num_blocks > 0 and is_kv_address(pull.consumer_address):
                 self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
             return
+        if self._note_consumer_epoch(pull.consumer_address, pull.consumer_epoch):
+            # Our pair's other rank is gone and the new process has none: drop it now (this also
+            # ends a send stalled on it), so the next send re-handshakes with an NcclHello.
+            logger.info("kv consumer at %s restarted: dropping its pair", pull.consumer_address)
+            self._transport.abort(pull.consumer_address)
         with self._lock:
             if pull.transfer_id in self._tombstones:
                 dead = True
@@ -689,6 +703,27 @@ class P2pConnectorWorker:
                 return
             del self._pending[pull.transfer_id]
         self._start_deferred(pending, pull)
+
+    def _note_consumer_epoch(self, address: str, epoch: str) -> bool:
+        """Remember the epoch of the consumer process at ``address``; True when it replaces
+        another one (the process restarted). Recorded before the caller drops the pair, so a
+        sender that builds a pair after the drop sees the new epoch and skips the old jobs."""
+        if not epoch:
+            return False
+        with self._lock:
+            known = self._consumer_epochs.pop(address, None)
+            self._consumer_epochs[address] = epoch
+            while len(self._consumer_epochs) > MAX_KNOWN_CONSUMERS:
+                del self._consumer_epochs[next(iter(self._consumer_epochs))]
+            restarted = known is not None and known != epoch
+            if restarted:
+                self._counters["consumer_restarts"] += 1
+        return restarted
+
+    def _current_consumer_epoch(self, address: str) -> str | None:
+        """The epoch of the consumer process last seen at ``address`` (sender threads ask)."""
+        with self._lock:
+            return self._consumer_epochs.get(address)
 
     def _on_header(self, header: KVSendHeader) -> None:
         key = (header.producer_address, header.producer_epoch)

@@ -227,6 +227,7 @@ def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
     """Consumer process: allocate, park, check every landed request bit for bit."""
     logging.basicConfig(level=logging.WARNING, format="consumer %(name)s: %(message)s")
     engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name), device=device)
+    outbox.put(("consumer_ready", None))
     waiting: dict[str, _Live] = {}
     stopping = False
     try:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.connectors.test_two_process_transfer import assert_idle, make_specs, run_pair
+from tests.connectors.test_two_process_transfer import (
+    assert_idle,
+    make_specs,
+    run_consumer_restart,
+    run_pair,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -75,3 +80,27 @@ def test_nccl_pair_rebuilt_after_producer_restart() -> None:
     assert_idle(consumer)
     assert producer is not None
     assert_idle(producer)
+
+
+def test_nccl_pair_rebuilt_after_consumer_restart() -> None:
+    """Kill D while its pair with P is idle (healthy as far as P can tell) and start a new D
+    at the same address: P sees the new epoch in D's first pull, aborts the old communicator
+    and sends a new NcclHello before its next send; the new transfers are bit-exact. (Before
+    the fix P kept sending on the old communicator, whose rank 1 was gone, and the new D,
+    which had no pair, failed each load at its deadline.)
+
+    The deadline leaves room for the new process's first NCCL init (seconds): all 40 of its
+    transfers are queued at once behind that init.
+    """
+    _two_gpus()
+    first, again = make_specs(8, seed=21), make_specs(40, seed=22)
+    results, consumer, producer = run_consumer_restart(
+        "PUT_ASYNC", first, again, timeout_s=15.0, dtype="bfloat16", devices=("cuda:0", "cuda:1"))
+    assert set(results.values()) <= {"ok", "local"}, results
+    assert "ok" in {results[s["request_id"]] for s in first}
+    assert "ok" in {results[s["request_id"]] for s in again}
+    assert_idle(consumer)
+    assert_idle(producer)
+    p_stats = producer["worker_stats"]
+    assert p_stats["consumer_restarts"] == 1 and p_stats["sends_failed"] == 0
+    assert p_stats["transfers_sent"] == sum(v == "ok" for v in results.values())

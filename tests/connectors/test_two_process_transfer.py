@@ -149,6 +149,82 @@ def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32"
                 proc.kill()
 
 
+def run_consumer_restart(send_type: str, first: list[dict[str, Any]],
+                         again: list[dict[str, Any]], timeout_s: float, dtype: str = "float32",
+                         devices: tuple[str, str] = ("cpu", "cpu"),
+                         ) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+    """Run ``first`` through a producer and a consumer, kill the consumer once all of them
+    ended (its pair idle and, as far as the producer can tell, healthy), start a new consumer
+    at the same address (new epoch) and run ``again`` through it.
+
+    Returns every result and the idle reports of the new consumer and of the producer.
+    """
+    ctx = mp.get_context("spawn")
+    p_port, d_port = free_port(), free_port()
+    p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
+    p_config = make_config("kv_producer", p_port, send_type, transfer_timeout_s=timeout_s,
+                           get_lease_s=timeout_s * 2, orphan_ttl_s=timeout_s * 2)
+    d_config = make_config("kv_consumer", d_port, send_type, transfer_timeout_s=timeout_s)
+    # Each process reports on its own queue: one killed while its queue's feeder thread holds
+    # the queue's write lock would block every other writer of that queue for good.
+    p_in, p_out = ctx.Queue(), ctx.Queue()
+    processes = [ctx.Process(target=run_producer, args=(p_config, p_in, p_out, d_addr, dtype, 0.0,
+                                                        devices[0]))]
+    processes[0].start()
+    sources = [p_out]
+    results: dict[str, str] = {}
+    reports: dict[str, Any] = {}
+    deadline = time.monotonic() + 180
+    rng = random.Random(0)
+
+    def wait_for(done: Any) -> None:
+        while not done() and time.monotonic() < deadline:
+            for source in sources:
+                try:
+                    item = source.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item[0] == "result":
+                    results[item[1]] = item[2]
+                else:
+                    reports[item[0]] = item[1]
+
+    def start_consumer() -> tuple[Any, Any]:
+        # Loads' deadlines start when a request reaches the consumer: feed only once it is up.
+        reports.pop("consumer_ready", None)
+        d_in, d_out = ctx.Queue(), ctx.Queue()
+        consumer = ctx.Process(target=run_consumer, args=(d_config, d_in, d_out, p_addr, dtype,
+                                                          devices[1]))
+        consumer.start()
+        processes.append(consumer)
+        sources[1:] = [d_out]
+        wait_for(lambda: "consumer_ready" in reports)
+        return consumer, d_in
+
+    def run(batch: list[dict[str, Any]], d_in: Any) -> None:
+        for spec in batch:  # both legs, in either order
+            for inbox in rng.sample([p_in, d_in], 2):
+                inbox.put(spec)
+        wait_for(lambda: all(spec["request_id"] in results for spec in batch))
+
+    try:
+        consumer, d_in = start_consumer()
+        run(first, d_in)
+        consumer.kill()
+        consumer.join(10)
+        consumer, d_in = start_consumer()
+        run(again, d_in)
+        d_in.put(None)
+        p_in.put(None)
+        wait_for(lambda: {"consumer_idle", "producer_idle"} <= set(reports))
+        return results, reports["consumer_idle"], reports["producer_idle"]
+    finally:
+        for proc in processes:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
 def assert_idle(report: dict[str, Any]) -> None:
     assert report["free_blocks"] == report["num_blocks"], report
     assert report["scheduler_idle"] and report["worker_idle"], str(report["worker_stats"])
@@ -237,3 +313,19 @@ def test_producer_restarted_at_same_address() -> None:
     # depends on reconnect timing): such orphans are freed by their TTL, so the new producer
     # ends idle either way (the TTL itself: test_p2p_units, orphan pull test).
     assert_idle(producer)
+
+
+def test_consumer_restarted_at_same_address() -> None:
+    """A new consumer process at the same address (new epoch) is served at once, and the
+    producer counts the restart (on NCCL it drops its pair with the address at that moment,
+    so its next send re-handshakes: test_peer_restart and the GPU test)."""
+    first, again = make_specs(8, seed=51), make_specs(20, seed=52)
+    results, consumer, producer = run_consumer_restart("PUT_ASYNC", first, again, timeout_s=5.0)
+    assert set(results.values()) <= {"ok", "local"}, results
+    assert len(results) == len(first) + len(again)
+    assert "ok" in {results[s["request_id"]] for s in first}
+    assert "ok" in {results[s["request_id"]] for s in again}
+    assert_idle(consumer)
+    assert_idle(producer)
+    assert producer["worker_stats"]["consumer_restarts"] == 1
+    assert producer["worker_stats"]["sends_failed"] == 0

@@ -53,3 +53,22 @@ def test_metrics_parse_and_counters_move(server):
         "vllm:request_generation_tokens_sum", 0) + 5
     assert after["vllm:request_params_max_tokens_sum"] == before.get(
         "vllm:request_params_max_tokens_sum", 0) + 5
+
+
+def test_every_connector_counter_of_the_worker_is_exported() -> None:
+    """Each event counter the P2P connector worker keeps reaches /metrics as a Prometheus
+    counter (an operator sees restarts, expired leases and push-backs, not only bytes)."""
+    from connectors.p2p_nccl.worker_side import EVENT_COUNTERS
+    from engine_core.messages import EngineStats
+    from engine_core.server.metrics import CONNECTOR_COUNTERS, ServerMetrics
+
+    # control_messages_sent is kept for tests; control-message counts are not an SLO.
+    missing = set(EVENT_COUNTERS) - set(CONNECTOR_COUNTERS) - {"control_messages_sent"}
+    assert not missing, sorted(missing)
+    metrics = ServerMetrics("m")
+    metrics.engine_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       connector={k: 3.0 for k in CONNECTOR_COUNTERS})
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    for key in CONNECTOR_COUNTERS:
+        family = families[f"pdserve:kv_transfer_{key}"]
+        assert family.type == "counter" and family.samples[0].value == 3.0, key

@@ -7,6 +7,7 @@ subcommand's flags and run it, so a new subcommand is one more row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -45,15 +46,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args
     from engine_core.server.server_args import add_server_arguments
+    from prefill.worker import proxy_address
 
     parser.add_argument("model", nargs="?", default=None,
                         help="HF checkpoint directory (omit, or --demo, for the demo model)")
     parser.add_argument("--demo", action="store_true",
                         help="serve the embedded demo model (built and cached on first use)")
     add_server_arguments(parser)
-    parser.add_argument("--proxy-address", default=None,
+    parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="register with this proxy (registration HOST:PORT) as a colocated "
-                             "worker: it sends whole requests here")
+                             "worker: it sends whole requests here (with a P/D role in "
+                             "--kv-transfer-config: as that worker, overriding proxy_ip/port)")
     parser.add_argument("--heartbeat-interval", type=float, default=3.0,
                         help="seconds between heartbeats to the proxy")
     add_engine_args(parser)
@@ -80,9 +83,12 @@ def run_serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         kv = config.kv_transfer
         if kv is not None and kv.kv_role in ("kv_producer", "kv_consumer"):
-            # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker.
-            from prefill.worker import serve_worker
+            # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
+            # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
+            from prefill.worker import serve_worker, worker_kv_config
 
+            config = dataclasses.replace(
+                config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
             serve_worker(config, options, args.heartbeat_interval)
         elif args.proxy_address:
             from prefill.worker import colocated_hook

@@ -31,6 +31,15 @@ def engine_factory(config: EngineConfig) -> EngineCore:
     return EngineCore(config, connector=create_connector(config, config.device.resolve()))
 
 
+def proxy_address(value: str) -> str:
+    """argparse type of ``--proxy-address``: HOST:PORT, checked when the flags are parsed,
+    so a typo is a usage error rather than a traceback (or a silent zmq failure) later."""
+    host, sep, port = value.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
     from engine_core.arg_utils import add_engine_args
@@ -40,7 +49,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
     add_server_arguments(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
-    parser.add_argument("--proxy-address", default=None,
+    parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="proxy registration HOST:PORT (overrides proxy_ip/proxy_port)")
     parser.add_argument("--heartbeat-interval", type=float, default=3.0, help="seconds")
     add_engine_args(parser)
@@ -54,7 +63,7 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
     if kv.kv_role not in (role, "kv_both"):
         raise SystemExit(f"--kv-transfer-config kv_role is {kv.kv_role!r}; this worker is {role}")
     changes: dict[str, Any] = {"kv_role": role, "http_port": args.port}
-    if args.kv_port is not None:
+    if getattr(args, "kv_port", None) is not None:  # `pdserve serve` has no --kv-port
         changes["kv_port"] = args.kv_port
     if args.proxy_address:
         ip, _, port = args.proxy_address.rpartition(":")

@@ -21,7 +21,7 @@ from proxy import keys
 from proxy.config import ProxyConfig
 from proxy.dispatcher import Dispatcher, InflightLimiter
 from proxy.forwarding import LegTimeouts, create_upstream_session
-from proxy.handlers import add_routes
+from proxy.handlers import add_routes, http_error_middleware
 from proxy.metrics import ProxyMetrics
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
@@ -39,7 +39,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
                id_factory: Callable[[], str] = new_request_id,
                registry: InstanceRegistry | None = None) -> web.Application:
     """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
-    app = web.Application(client_max_size=config.max_body_bytes + 1)
+    app = web.Application(client_max_size=config.max_body_bytes + 1,
+                          middlewares=[http_error_middleware])
     registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
     app[keys.CONFIG] = config
     app[keys.CLOCK] = clock

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -16,7 +16,7 @@ from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
 from proxy import keys
 from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
-from proxy.errors import RequestTooLargeError, to_http
+from proxy.errors import RequestTooLargeError, error_payload, to_http
 from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
 
@@ -55,6 +55,27 @@ def error_response(exc: BaseException, request_id: str | None = None) -> web.Res
     status, payload = to_http(exc)
     headers = {"X-Request-Id": request_id} if request_id else None
     return web.json_response(payload, status=status, headers=headers)
+
+
+_BODY_HEADERS = ("content-type", "content-length")  # json_response sets its own
+
+
+@web.middleware
+async def http_error_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                                ) -> web.StreamResponse:
+    """aiohttp's own errors (an unknown route's 404, a wrong method's 405) as OpenAI error
+    bodies, as every other proxy error is: OpenAI clients parse error bodies as JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = exc.reason.lower().replace(" ", "_")
+        payload = error_payload(f"{exc.reason}: {request.method} {request.path}",
+                                "invalid_request_error", code)
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
+        return web.json_response(payload, status=exc.status, headers=headers)
 
 
 _REJECT_REASONS = {413: "too_large", 429: "overloaded", 400: "invalid", 404: "model_not_found",

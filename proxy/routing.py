@@ -9,6 +9,9 @@ cluster rule on top of a policy:
    one) -> decode-only: D gets the original request and prefills it itself;
 4. else -> ``NoWorkerError`` (HTTP 503).
 
+A request that names no model is for the one model registered; with several it is a 400
+(P and D would otherwise be picked among different models' workers).
+
 Pure: no sockets, no clock of its own.
 """
 
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine_core.errors import ModelNotFoundError, NoWorkerError
+from engine_core.errors import InvalidRequestError, ModelNotFoundError, NoWorkerError
 from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 from proxy.registry import InstanceRegistry, WorkerState
 
@@ -150,6 +153,18 @@ class Route:
         return f"{self.mode} {self.decode.worker_id}"
 
 
+def _only_model(registry: InstanceRegistry) -> str | None:
+    """The model a request naming none is for: the one served, else it is ambiguous.
+
+    Without this, P and D would be picked among every model's workers independently, and
+    P's KV of one model could be sent to a D of another."""
+    models = registry.models()
+    if len(models) > 1:
+        raise InvalidRequestError("model is required: this proxy serves several models "
+                                  f"({', '.join(models)})", "model")
+    return models[0] if models else None
+
+
 def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | None,
                exclude: frozenset[str] | set[str] = frozenset(), key: str | None = None
                ) -> Route:
@@ -158,6 +173,8 @@ def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | N
     if model is not None and registry.workers(model=model) == [] and len(registry) > 0:
         raise ModelNotFoundError(f"The model `{model}` does not exist. "
                                  f"Served models: {', '.join(registry.models())}")
+    if model is None:
+        model = _only_model(registry)
     prefills = registry.candidates(ROLE_PREFILL, model, exclude)
     decodes = registry.candidates(ROLE_DECODE, model, exclude)
     if prefills and decodes:

@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -33,6 +33,7 @@ from engine_core.version import package_version
 logger = logging.getLogger("pdserve.server")
 
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
+_T = TypeVar("_T")
 
 # Called once the server listens; may return an async cleanup run at shutdown (before the
 # engine stops). Workers use it to start their proxy registration heartbeat.
@@ -255,18 +256,41 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
         raise
 
 
+async def _unless_stopped(startup: Awaitable[_T], stop: asyncio.Event) -> _T | None:
+    """``startup``'s result, or None when ``stop`` is set first.
+
+    Startup (engine spawn, model load) can take minutes; a SIGTERM then cancels it, which
+    kills the engine process. Before, SIGTERM's default action killed only this process,
+    and the engine went on loading (holding the GPU) until it noticed its parent was gone.
+    """
+    task = asyncio.ensure_future(startup)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
 async def serve(config: EngineConfig, options: ServerOptions,
                 engine_factory: EngineFactory | None = None,
                 on_startup: Sequence[StartupHook] = ()) -> None:
     """Run the server until SIGINT/SIGTERM, or until the engine dies: then, once shut down,
     raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that)."""
     started = time.monotonic()
-    client, app = await start_engine_and_app(config, options, engine_factory)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    ready = await _unless_stopped(start_engine_and_app(config, options, engine_factory), stop)
+    if ready is None:
+        logger.info("Stopped during startup")
+        return
+    client, app = ready
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     cleanups: list[Callable[[], Awaitable[None]]] = []
     engine_died = False
     try:

@@ -1,0 +1,63 @@
+"""`pdserve` flags take effect wherever they are accepted, and bad values are clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from deploy.cli import build_parser, run_serve
+
+KV_PRODUCER = '{"kv_connector": "P2pNcclConnector", "kv_role": "kv_producer", "kv_port": 21001}'
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What ``serve_worker`` / ``run_server`` were called with (nothing is started)."""
+    import engine_core.server.api_server as api_server
+    import prefill.worker as worker
+
+    calls: dict[str, Any] = {}
+
+    def fake_serve_worker(config: Any, options: Any, interval: float = 3.0) -> None:
+        calls.update(config=config, options=options, interval=interval)
+
+    def fake_run_server(config: Any, options: Any, engine_factory: Any = None,
+                        on_startup: Any = ()) -> None:
+        calls.update(config=config, options=options, on_startup=list(on_startup))
+
+    monkeypatch.setattr(worker, "serve_worker", fake_serve_worker)
+    monkeypatch.setattr(api_server, "run_server", fake_run_server)
+    return calls
+
+
+def test_serve_proxy_address_reaches_a_kv_role_worker(served: dict[str, Any]) -> None:
+    """vLLM-style ``serve --kv-transfer-config`` with a P/D role: ``--proxy-address`` (as on
+    ``pdserve prefill``) names the proxy it registers with, instead of being dropped."""
+    args = build_parser().parse_args([
+        "serve", "/models/x", "--port", "20001", "--kv-transfer-config", KV_PRODUCER,
+        "--proxy-address", "10.1.2.3:31000", "--heartbeat-interval", "1.5"])
+    assert run_serve(args) == 0
+    kv = served["config"].kv_transfer
+    assert (kv.proxy_ip, kv.proxy_port) == ("10.1.2.3", 31000)
+    assert kv.kv_port == 21001 and kv.http_port == 20001
+    assert served["interval"] == 1.5
+
+
+@pytest.mark.parametrize("command", ["serve", "prefill", "decode"])
+@pytest.mark.parametrize("value", ["10.1.2.3", "10.1.2.3:", ":30001", "host:port", "h:70000"])
+def test_bad_proxy_address_is_a_clear_flag_error(command: str, value: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, "/models/x", "--proxy-address", value])
+    assert exc.value.code == 2
+    assert "--proxy-address" in capsys.readouterr().err
+
+
+def test_worker_proxy_address_overrides_the_json() -> None:
+    from prefill.worker import worker_kv_config
+
+    args = argparse.Namespace(port=20001, kv_port=None, proxy_address="[::1]:31000")
+    kv = worker_kv_config(None, "kv_consumer", args)
+    assert (kv.proxy_ip, kv.proxy_port, kv.http_port) == ("[::1]", 31000, 20001)

@@ -6,9 +6,11 @@ we decode a small sliding window (``prefix_offset:``) and emit only the text pas
 window's older part (``prefix_offset:read_offset``) already produced. A window whose text
 ends in U+FFFD is an incomplete character: we wait for the next token.
 
-Stop strings are searched in the text only near its new end. While streaming, the longest
-suffix that could still grow into a stop string is held back, so an excluded stop string
-is never sent to a client and then taken back.
+Stop strings are searched in the text only near its new end, and only in text of tokens
+after the first ``min_tokens`` (vLLM's rule: min_tokens holds back every stop, EOS, stop ids
+and stop strings alike). While streaming, the longest suffix that could still grow into a
+stop string is held back, so an excluded stop string is never sent to a client and then
+taken back.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = [s for s in stop if s]
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._window_ids: list[int] = context
         self._prefix_offset = 0
@@ -104,9 +108,11 @@ class IncrementalDetokenizer:
         """Add tokens; return the text now safe to release (all of it when ``finished``)."""
         if not self.stopped:
             self._window_ids.extend(new_token_ids)
+            self._num_output_tokens += len(new_token_ids)
             new_text = self._decode_next(flush=finished)
             self.output_text += new_text
-            self._check_stop(len(new_text))
+            if self._num_output_tokens > self._min_tokens:
+                self._check_stop(len(new_text))
             # Keep the window short: decoding cost must not grow with the output length.
             if self._prefix_offset > 64:
                 drop = self._prefix_offset

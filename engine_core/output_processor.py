@@ -93,7 +93,8 @@ class RequestState:
             tokenizer, prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens,
             stop=sampling_params.stop,
-            include_stop_str_in_output=sampling_params.include_stop_str_in_output)
+            include_stop_str_in_output=sampling_params.include_stop_str_in_output,
+            min_tokens=sampling_params.min_tokens)
         return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                    sampling_params=sampling_params, detokenizer=detokenizer,
                    token_texts=token_texts or TokenTextCache(tokenizer))

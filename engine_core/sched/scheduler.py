@@ -134,7 +134,7 @@ class Scheduler:
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
-                victim = self._preemption_victim()
+                victim = self._preemption_victim(index)
                 if victim is None:  # every later request's blocks are pinned by a send
                     break
                 self.running.remove(victim)
@@ -246,9 +246,16 @@ class Scheduler:
         self._num_tokens_after_load[request.request_id] = num_local + num_external
         return True
 
-    def _preemption_victim(self) -> Request | None:
-        """The newest running request whose blocks the connector does not pin."""
-        for request in reversed(self.running):
+    def _preemption_victim(self, first: int) -> Request | None:
+        """The newest running request at ``first`` or later whose blocks the connector does
+        not pin.
+
+        Requests before ``first`` are already scheduled in this step: preempting one would
+        free blocks its step still writes (another request gets them in the same step) and
+        schedule a request the runner is told to forget. Older requests keep priority.
+        """
+        for position in range(len(self.running) - 1, first - 1, -1):
+            request = self.running[position]
             if not self.connector.pins_blocks(request):
                 return request
         return None

@@ -191,14 +191,9 @@ class Sampler:
         params = _to_device([temperatures, top_ks, top_ps, min_ps], torch.float32, device)
         logits = logits / params[0, :, None]
         if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
-            top_k, top_p = params[1, :, None], params[2, :, None]
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=device)[None, :]
-            drop = ranks >= top_k
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always the first token).
-            drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-            sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+            sorted_logits = _mask_top_k_top_p(sorted_logits, params[1, :, None],
+                                              params[2, :, None])
             logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         if any(p > 0 for p in min_ps):
@@ -213,6 +208,22 @@ class Sampler:
                 noise[i].exponential_(generator=generator)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential-race form of Gumbel-max).
         return (probs / noise).argmax(dim=-1)
+
+
+def _mask_top_k_top_p(sorted_logits: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits sorted in descending order: first past each row's ``top_k``, then past
+    the smallest prefix whose mass reaches ``top_p`` (always keeping the first token).
+
+    top-p measures mass in the distribution top-k left, renormalised, as vLLM and HF do:
+    measured over the whole vocabulary, a top-k cut leaves less mass above the threshold and
+    top-p would keep tokens that vLLM and HF never sample.
+    """
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, _MASK)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    return sorted_logits.masked_fill((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p,
+                                     _MASK)
 
 
 def _pack_logprobs(raw: torch.Tensor, sampled: torch.Tensor,

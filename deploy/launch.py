@@ -131,6 +131,22 @@ def die_with_parent() -> None:
         pass
 
 
+# --restart backs off: a child that dies again soon after a restart waits twice as long
+# each time, up to RESTART_MAX_DELAY_S (a crash loop restarted every 0.5 s floods its log
+# and the GPU's startup work); one that ran RESTART_RESET_S counts as healthy again.
+RESTART_FIRST_DELAY_S = 0.5
+RESTART_MAX_DELAY_S = 30.0
+RESTART_RESET_S = 60.0
+
+
+def restart_delay(restarts: int, ran_s: float) -> tuple[float, int]:
+    """(seconds to wait before starting a child that died after running ``ran_s``,
+    its restart count after this one) given the restarts it had so far."""
+    if ran_s >= RESTART_RESET_S:
+        restarts = 0
+    return min(RESTART_FIRST_DELAY_S * 2 ** restarts, RESTART_MAX_DELAY_S), restarts + 1
+
+
 @dataclass
 class Child:
     name: str
@@ -141,8 +157,12 @@ class Child:
     proc: subprocess.Popen | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
     restarts: int = 0
+    started_at: float = 0.0
+    restart_at: float | None = None  # when a dead child is due to start again (--restart)
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
+        self.restart_at = None
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
@@ -295,16 +315,23 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
               flush=True)
         reported: set[str] = set()
         while not stopping:
+            now = time.monotonic()
             for child in children:
+                if child.restart_at is not None:
+                    if now >= child.restart_at:
+                        child.start()
+                    continue
                 code = child.proc.poll()
                 if code is None or child.name in reported:
                     continue
                 print(f"pdserve launch: {child.name} (pid {child.proc.pid}) died with {code}; "
                       f"log {child.log_path}", flush=True)
                 if args.restart:
-                    child.restarts += 1
+                    delay, child.restarts = restart_delay(child.restarts, now - child.started_at)
+                    child.restart_at = now + delay
                     child.log.close()
-                    child.start()
+                    print(f"pdserve launch: restarting {child.name} in {delay:.1f} s "
+                          f"(restart {child.restarts})", flush=True)
                 elif child is proxy:
                     return 1
                 else:

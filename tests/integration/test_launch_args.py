@@ -107,3 +107,17 @@ def test_worker_kv_config_role() -> None:
         "kv_consumer", 9000, "10.0.0.1", 30002)
     with pytest.raises(SystemExit, match="kv_producer"):
         worker_kv_config(KVTransferConfig(kv_role="kv_producer"), "kv_consumer", ns)
+
+
+def test_restart_backs_off_and_resets_after_a_healthy_run() -> None:
+    """``--restart`` waits 0.5 s, then twice as long after each quick death, up to 30 s;
+    a child that ran a minute starts over (a crash loop no longer restarts twice a second)."""
+    from deploy.launch import RESTART_MAX_DELAY_S, restart_delay
+
+    delays, restarts = [], 0
+    for _ in range(10):
+        delay, restarts = restart_delay(restarts, ran_s=2.0)
+        delays.append(delay)
+    assert delays[:4] == [0.5, 1.0, 2.0, 4.0] and delays[-1] == RESTART_MAX_DELAY_S
+    assert restarts == 10
+    assert restart_delay(restarts, ran_s=120.0) == (0.5, 1)

@@ -33,6 +33,10 @@ class EngineDeadError(PdserveError):
     """The engine-core process is gone; the API process can no longer serve."""
 
 
+class EngineUnresponsiveError(PdserveError):
+    """The engine-core process is alive but did not answer in time (a health check: 503)."""
+
+
 class KVTransferError(PdserveError):
     """A KV transfer failed or timed out; the consumer recomputes or fails the request."""
 

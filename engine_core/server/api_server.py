@@ -21,7 +21,7 @@ from aiohttp import web
 from engine_core.config import EngineConfig
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.engine_process import EngineFactory
-from engine_core.errors import EngineDeadError, InvalidRequestError
+from engine_core.errors import EngineDeadError, EngineUnresponsiveError, InvalidRequestError
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
 from engine_core.server.loop_watch import LoopWatch
@@ -33,6 +33,7 @@ from engine_core.version import package_version
 logger = logging.getLogger("pdserve.server")
 
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
+HEALTH_TIMEOUT_S = 10.0  # a /health the engine core does not answer in this long is a 503
 _T = TypeVar("_T")
 
 # Called once the server listens; may return an async cleanup run at shutdown (before the
@@ -104,9 +105,16 @@ class _Routes:
             for name in self.serving.model_names]})
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 when the engine core answers; 503 when it is gone or does not answer within
+        ``HEALTH_TIMEOUT_S`` (a hung engine: load balancers take it out of rotation)."""
         if not self.serving.client.is_alive:
             raise EngineDeadError("engine core is not running")
-        await self.serving.client.call("check_health", timeout_s=10.0)
+        try:
+            await self.serving.client.call("check_health", timeout_s=HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+            raise EngineUnresponsiveError(
+                f"engine core did not answer a health check within {HEALTH_TIMEOUT_S:g} s"
+            ) from None
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from engine_core.errors import (
     ConfigError,
     EngineDeadError,
     EngineSleepingError,
+    EngineUnresponsiveError,
     InvalidRequestError,
     KVTransferError,
     ModelNotFoundError,
@@ -51,7 +52,8 @@ def error_status(exc: BaseException) -> int:
         return 404
     if isinstance(exc, OverloadedError):
         return 429
-    if isinstance(exc, (EngineDeadError, EngineSleepingError, NoWorkerError)):
+    if isinstance(exc, (EngineDeadError, EngineUnresponsiveError, EngineSleepingError,
+                        NoWorkerError)):
         return 503
     if isinstance(exc, KVTransferError):
         return 500

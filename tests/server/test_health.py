@@ -1,0 +1,49 @@
+"""/health of a worker: 200 when the engine core answers, 503 (not a 500 with a logged
+traceback) when it is gone or hung, so load balancers and the proxy take it out."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine_core.errors import EngineDeadError, EngineUnresponsiveError
+from engine_core.server import api_server
+from engine_core.server.http_errors import exception_body
+
+
+class _Client:
+    def __init__(self, alive: bool, hang: bool) -> None:
+        self.is_alive = alive
+        self._hang = hang
+
+    async def call(self, method: str, timeout_s: float = 30.0, **args: Any) -> Any:
+        assert method == "check_health"
+        if self._hang:  # as EngineClient.call does when no answer comes
+            return await asyncio.wait_for(asyncio.Event().wait(), timeout_s)
+        return None
+
+
+def _routes(alive: bool, hang: bool) -> Any:
+    serving = SimpleNamespace(client=_Client(alive, hang))
+    return api_server._Routes(serving, options=None, model_path="m")  # type: ignore[arg-type]
+
+
+async def test_health_answers_200_when_the_engine_answers() -> None:
+    response = await _routes(alive=True, hang=False).health(None)
+    assert response.status == 200
+
+
+@pytest.mark.parametrize("alive,hang,error", [(False, False, EngineDeadError),
+                                              (True, True, EngineUnresponsiveError)])
+async def test_health_of_a_dead_or_hung_engine_is_a_503(monkeypatch: pytest.MonkeyPatch,
+                                                        alive: bool, hang: bool,
+                                                        error: type) -> None:
+    monkeypatch.setattr(api_server, "HEALTH_TIMEOUT_S", 0.05)
+    with pytest.raises(error) as caught:
+        await _routes(alive, hang).health(None)
+    status, body = exception_body(caught.value)
+    assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
+    assert "health check" in body["error"]["message"] or not alive

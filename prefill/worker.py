@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import socket
 from typing import Any
 
 from engine_core.config import EngineConfig, KVTransferConfig
@@ -119,11 +120,32 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
                           http_ip=kv.http_ip, fallback_host=kv.kv_ip)
 
 
+def route_source_host(host: str) -> str:
+    """The local address this machine reaches ``host`` from, which ``host`` can call back.
+
+    Connecting a UDP socket picks the route and sends nothing. Used as the advertised HTTP
+    host of a worker bound to a wildcard address: ``127.0.0.1`` would be unreachable from a
+    proxy on another machine. Falls back to ``127.0.0.1`` when there is no route.
+    """
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((bare, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
 def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float) -> Any:
-    """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole requests."""
+    """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole
+    requests. Bound to a wildcard address, it advertises the address it reaches the proxy
+    from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
     from proxy.messages import ROLE_COLOCATED
 
-    return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s)
+    proxy_host = proxy_address.rpartition(":")[0]
+    return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s,
+                          fallback_host=route_source_host(proxy_host))
 
 
 def serve_worker(config: EngineConfig, options: Any, heartbeat_interval_s: float = 3.0) -> None:

@@ -121,3 +121,18 @@ def test_restart_backs_off_and_resets_after_a_healthy_run() -> None:
     assert delays[:4] == [0.5, 1.0, 2.0, 4.0] and delays[-1] == RESTART_MAX_DELAY_S
     assert restarts == 10
     assert restart_delay(restarts, ran_s=120.0) == (0.5, 1)
+
+
+@pytest.mark.parametrize("proxy_host,expected", [("127.0.0.1", "127.0.0.1"), ("[::1]", "::1")])
+def test_colocated_worker_advertises_the_address_it_reaches_the_proxy_from(
+        proxy_host: str, expected: str) -> None:
+    """A colocated worker bound to 0.0.0.0 registered as 127.0.0.1 whatever the proxy's
+    host, so a proxy on another machine could not reach it; it now advertises the local
+    address of its route to the proxy (loopback here: no traffic leaves the machine)."""
+    import socket
+
+    from prefill.worker import route_source_host
+
+    if ":" in expected and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    assert route_source_host(proxy_host) == expected

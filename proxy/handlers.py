@@ -168,10 +168,11 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1/models: the union of the registered workers' models."""
+    """GET /v1/models: the models the registered workers can answer for (a model whose
+    decode workers are all gone is not listed: its requests would get a 503)."""
     created = int(time.time())
     data = [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
-            for model in request.app[keys.REGISTRY].models()]
+            for model in request.app[keys.REGISTRY].servable_models()]
     return web.json_response({"object": "list", "data": data})
 
 

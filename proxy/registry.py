@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.messages import Heartbeat, WorkerLoad
+from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, Heartbeat, WorkerLoad
 
 Clock = Callable[[], float]
 
@@ -144,6 +144,12 @@ class InstanceRegistry:
     def models(self) -> list[str]:
         """The union of served model names, sorted."""
         return sorted({w.model for w in self._workers.values()})
+
+    def servable_models(self) -> list[str]:
+        """Models a request can be answered for now, sorted: those with a decode or
+        colocated worker (a model with only prefill workers gets a 503)."""
+        return sorted({w.model for w in self._workers.values()
+                       if w.role in (ROLE_DECODE, ROLE_COLOCATED)})
 
     def leg_started(self, http_address: str) -> None:
         """Count a request leg sent to a worker."""

@@ -509,3 +509,17 @@ async def test_tokenize_and_version_at_the_proxy(make_worker, make_proxy) -> Non
     assert p.received == []
     version = await (await client.get("/version")).json()
     assert isinstance(version["version"], str) and version["version"]
+
+
+async def test_models_lists_only_what_a_request_can_be_answered_for(make_worker,
+                                                                     make_proxy) -> None:
+    """A model with only prefill workers (its decode workers gone or not yet up) gets a 503
+    for every request, so /v1/models does not list it; a colocated worker's model is."""
+    p = await make_worker("P")
+    client = await make_proxy(p)
+    assert (await (await client.get("/v1/models")).json())["data"] == []
+    assert (await client.post("/v1/completions", json=PROMPT)).status == 503
+    c = await make_worker("colocated")
+    client = await make_proxy(p, c)
+    models = await (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]

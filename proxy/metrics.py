@@ -108,6 +108,24 @@ class ProxyMetrics:
                                           "Seconds the proxy's event loop was held, in stalls",
                                           registry=r)
         r.register(_RegistryCollector(registry, registration_stats))
+        registry.add_removal_listener(self.forget_worker)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop every series labelled with a worker that left: with workers restarting at
+        new ports (or P x D pairs in the routing counts) the series would grow for good."""
+        per_worker = ((self.worker_requests, ("worker", "role")),
+                      (self.worker_errors, ("worker", "role", "kind")),
+                      (self.worker_latency, ("worker", "role")),
+                      (self.routing_decisions, ("mode", "prefill", "decode")))
+        for metric, names in per_worker:
+            stale = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    values = tuple(sample.labels.get(name, "") for name in names)
+                    if worker_id in values:
+                        stale.add(values)
+            for values in stale:
+                metric.remove(*values)
 
     def observe_loop_stall(self, seconds: float) -> None:
         """The event loop came back after being held ``seconds`` (engine_core.server.loop_watch)."""

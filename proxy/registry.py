@@ -89,6 +89,16 @@ class InstanceRegistry:
         self._suspect_s = suspect_s
         self._clock = clock
         self._workers: dict[str, WorkerState] = {}
+        self._on_removed: list[Callable[[str], None]] = []
+
+    def add_removal_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(worker_id)`` whenever a worker leaves (deregistered or expired):
+        the proxy's metrics drop its per-worker series then."""
+        self._on_removed.append(listener)
+
+    def _removed(self, worker_id: str) -> None:
+        for listener in self._on_removed:
+            listener(worker_id)
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -113,7 +123,10 @@ class InstanceRegistry:
 
     def remove(self, http_address: str) -> bool:
         """Drop a worker now (clean deregistration); return whether it was known."""
-        return self._workers.pop(http_address, None) is not None
+        known = self._workers.pop(http_address, None) is not None
+        if known:
+            self._removed(http_address)
+        return known
 
     def expire(self) -> list[str]:
         """Drop workers whose last heartbeat is older than the timeout; return their ids."""
@@ -121,6 +134,7 @@ class InstanceRegistry:
         gone = [wid for wid, w in self._workers.items() if w.last_heartbeat < deadline]
         for wid in gone:
             del self._workers[wid]
+            self._removed(wid)
         return gone
 
     def get(self, http_address: str) -> WorkerState | None:

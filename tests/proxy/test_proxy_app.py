@@ -523,3 +523,17 @@ async def test_models_lists_only_what_a_request_can_be_answered_for(make_worker,
     client = await make_proxy(p, c)
     models = await (await client.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+async def test_a_departed_worker_leaves_no_metric_series(make_worker, make_proxy) -> None:
+    """Per-worker series (legs, errors, latency, routing pairs) are dropped when the worker
+    deregisters or expires: workers restarting at new ports would otherwise grow /metrics
+    for good."""
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    assert (await client.post("/v1/completions", json=PROMPT)).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert p.http_address in text and d.http_address in text
+    client.app[keys.REGISTRY].remove(d.http_address)
+    text = await (await client.get("/metrics")).text()
+    assert d.http_address not in text and p.http_address in text

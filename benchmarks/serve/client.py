@@ -4,7 +4,10 @@ Timing follows ``vllm bench serve``: TTFT is the time from sending to the first 
 chunk carrying content (text, or a chat delta's content); after it, every chunk with
 choices adds one inter-token gap (ITL); E2EL ends at the last chunk with choices. Output
 tokens come from the usage the server reports (``stream_options.include_usage``), else
-from the number of content chunks.
+from the number of content chunks. A stream whose choices never carry content (say every
+token detokenizes to nothing) is timed as vLLM times it: TTFT at its first chunk with
+choices, ITL between the later ones, E2EL at its last. An event that is not a JSON object
+fails the request instead of the benchmark.
 """
 
 from __future__ import annotations
@@ -46,12 +49,15 @@ class StreamTimeline:
         self.output = RequestOutput(prompt_len=prompt_len)
         self.server_timings: dict[str, Any] | None = None
         self._last: float | None = None
-        self._first_choice_at: float | None = None
+        self._choice_times: list[float] = []  # chunks with choices before the first content
         self._content_chunks = 0
         self._usage_tokens: int | None = None
 
-    def feed(self, data: dict[str, Any], now: float) -> None:
+    def feed(self, data: Any, now: float) -> None:
         """One decoded ``data:`` event received at ``now`` (perf_counter seconds)."""
+        if not isinstance(data, dict):  # ``data: null``, a bare number: not an OpenAI event
+            self.output.error = f"bad SSE event: {str(data)[:200]!r}"
+            return
         if "error" in data and not data.get("choices"):
             error = data["error"]
             message = error.get("message", error) if isinstance(error, dict) else error
@@ -69,13 +75,12 @@ class StreamTimeline:
         choices = data.get("choices")
         if not choices:
             return
-        if self._first_choice_at is None:
-            self._first_choice_at = now
         choice = choices[0]
         delta = choice.get("delta")
         content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         if self.output.ttft is None:
             if not content:
+                self._choice_times.append(now)
                 return
             self.output.ttft = now - self.sent_at
         else:
@@ -87,9 +92,8 @@ class StreamTimeline:
     def finish(self, headers: Any = None) -> RequestOutput:
         """The result once the stream ended (``[DONE]`` or end of body)."""
         out = self.output
-        if out.ttft is None and self._first_choice_at is not None:  # choices, never content
-            out.ttft = self._first_choice_at - self.sent_at
-            self._last = self._first_choice_at
+        if out.ttft is None and self._choice_times:
+            self._time_contentless()
         if out.error is None and out.ttft is None:
             out.error = "the stream ended without any choice"
         if out.error is None:
@@ -99,6 +103,14 @@ class StreamTimeline:
                                  else self._content_chunks)
         out.server = request_stages(headers or {}, self.server_timings)
         return out
+
+    def _time_contentless(self) -> None:
+        """Choices but never content: every chunk with choices counts, as vLLM counts them
+        (TTFT the first, ITL the gaps, E2EL the last), not just the first one."""
+        times = self._choice_times
+        self.output.ttft = times[0] - self.sent_at
+        self.output.itl = [later - earlier for earlier, later in zip(times, times[1:])]
+        self._last = times[-1]
 
 
 def build_payload(model: str, request: SampleRequest, chat: bool, ignore_eos: bool,

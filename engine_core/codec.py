@@ -19,6 +19,20 @@ from engine_core.errors import MessageDecodeError
 
 PROTOCOL_VERSION = 1
 _NONE_TYPE = type(None)
+_PREVIEW_CHARS = 80
+
+
+def _preview(value: Any) -> str:
+    """A short description of a received value for an error message.
+
+    Why not ``repr``: a peer controls the value, and the repr of a list nested a thousand
+    deep raises RecursionError (not MessageDecodeError, so it escaped every receiver and
+    killed its thread or process), while a 60 MB one is built in full only to be cut."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    if isinstance(value, (str, bytes)):
+        return repr(value[:_PREVIEW_CHARS])
+    return repr(value)[:_PREVIEW_CHARS]
 
 
 def _check(value: Any, hint: Any, path: str) -> Any:
@@ -27,13 +41,12 @@ def _check(value: Any, hint: Any, path: str) -> Any:
         return value
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        errors = []
         for option in typing.get_args(hint):
             try:
                 return _check(value, option, path)
-            except MessageDecodeError as exc:
-                errors.append(str(exc))
-        raise MessageDecodeError(f"{path}: {value!r:.80} matches none of {hint}")
+            except MessageDecodeError:
+                pass
+        raise MessageDecodeError(f"{path}: {_preview(value)} matches none of {hint}")
     if hint is _NONE_TYPE or hint is None:
         if value is not None:
             raise MessageDecodeError(f"{path}: expected null")
@@ -49,7 +62,7 @@ def _check(value: Any, hint: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise MessageDecodeError(f"{path}: expected a map, got {type(value).__name__}")
         key_hint, value_hint = typing.get_args(hint) or (Any, Any)
-        return {_check(k, key_hint, f"{path}.key"): _check(v, value_hint, f"{path}[{k!r}]")
+        return {_check(k, key_hint, f"{path}.key"): _check(v, value_hint, f"{path}[{_preview(k)}]")
                 for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
@@ -82,7 +95,9 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
             raise MessageDecodeError(f"{path}: missing field {f.name!r}")
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-        raise MessageDecodeError(f"{path}: unknown fields {sorted(unknown)}")
+        # Keys may mix types (msgpack maps allow any key): sorting them raised TypeError.
+        names = sorted(_preview(key) for key in unknown)
+        raise MessageDecodeError(f"{path}: unknown fields {names[:8]}")
     return cls(**kwargs)
 
 
@@ -130,4 +145,9 @@ class MessageCodec:
             raise MessageDecodeError(f"unknown message type {envelope['t']!r}")
         if not isinstance(envelope["d"], dict):
             raise MessageDecodeError("message body must be a map")
-        return _build(cls, envelope["d"], cls.__name__)
+        try:
+            return _build(cls, envelope["d"], cls.__name__)
+        except MessageDecodeError:
+            raise
+        except Exception as exc:  # a validation bug must not escape as another type
+            raise MessageDecodeError(f"{cls.__name__}: {type(exc).__name__}: {exc}") from None

@@ -35,8 +35,9 @@ def engine_factory(config: EngineConfig) -> EngineCore:
 def proxy_address(value: str) -> str:
     """argparse type of ``--proxy-address``: HOST:PORT, checked when the flags are parsed,
     so a typo is a usage error rather than a traceback (or a silent zmq failure) later."""
-    host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+    from engine_core.addresses import is_host_port
+
+    if not is_host_port(value):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return value
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_core.addresses import is_host_port
 from engine_core.codec import MessageCodec
 from engine_core.errors import MessageDecodeError
 
@@ -58,9 +59,8 @@ REGISTRATION_CODEC = MessageCodec([Heartbeat, Deregister, WorkerLoad], max_bytes
 
 
 def _check_address(value: str, what: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise MessageDecodeError(f"{what} must be host:port, got {value!r:.80}")
+    if not is_host_port(value):
+        raise MessageDecodeError(f"{what} must be host:port, got {value[:80]!r}")
 
 
 def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:

@@ -116,7 +116,11 @@ class RegistrationServer:
                 self.num_messages += 1
                 self.num_bad_messages += 1
                 continue
-            self.handle(frames[1])
+            try:
+                self.handle(frames[1])
+            except Exception:  # a bug must cost one message, not every later registration
+                self.num_bad_messages += 1
+                logger.exception("registration message failed")
 
 
 LoadProvider = Callable[[], "WorkerLoad | Awaitable[WorkerLoad]"]

@@ -14,9 +14,9 @@ from typing import Any
 
 import zmq
 
-from connectors.p2p_nccl.messages import is_kv_address
+from engine_core.addresses import is_host_port
 from engine_core.codec import MessageCodec
-from engine_core.errors import KVTransferError, MessageDecodeError
+from engine_core.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ Handler = Callable[[Any, list[zmq.Frame]], None]
 
 def tcp_endpoint(address: str) -> str:
     """``host:port`` -> ``tcp://host:port`` (brackets IPv6 hosts)."""
-    if not is_kv_address(address):
+    if not is_host_port(address):
         raise KVTransferError(f"bad kv address {address!r}, expected host:port")
     host, _, port = address.rpartition(":")
     if ":" in host and not host.startswith("["):
@@ -104,7 +104,7 @@ class ControlServer:
             return
         try:
             message = self._codec.decode(frames[1].bytes)
-        except MessageDecodeError as exc:
+        except Exception as exc:  # MessageDecodeError, or a decoder bug: never the thread
             self.messages_rejected += 1
             logger.warning("dropped malformed kv control message: %s", exc)
             return

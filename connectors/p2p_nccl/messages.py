@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core.addresses import is_host_port
 from engine_core.codec import MessageCodec
 
 # Cache dtypes the wire may carry (names as in torch, without the ``torch.`` prefix).
@@ -161,7 +162,7 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
                 f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
     if not pull.transfer_id:
         return "empty transfer id"
-    if not is_kv_address(pull.consumer_address):
+    if not is_host_port(pull.consumer_address):
         return "bad consumer address"
     if not is_epoch(pull.consumer_epoch):
         return "bad consumer epoch"
@@ -194,17 +195,3 @@ def is_epoch(epoch: object) -> bool:
     """Whether ``epoch`` can name a process incarnation: up to 64 letters, digits, ``-`` or
     ``_`` (empty: none said). It is kept per peer and logged, so nothing else is accepted."""
     return isinstance(epoch, str) and len(epoch) <= MAX_EPOCH_CHARS and set(epoch) <= _EPOCH_CHARS
-
-
-_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]")
-
-
-def is_kv_address(address: object) -> bool:
-    """Whether ``address`` is a ``host:port`` a socket can connect to: a host name or IP
-    (IPv6 bracketed or bare) and a port in 1-65535. Addresses arrive in request params, so
-    anything else (spaces, paths, wildcards) is refused before ZMQ sees it."""
-    if not isinstance(address, str) or len(address) > 255:
-        return False
-    host, _, port = address.rpartition(":")
-    return (bool(host) and set(host) <= _HOST_CHARS and port.isdigit()
-            and 0 < int(port) < 65536)

@@ -13,8 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.p2p_nccl.messages import is_kv_address
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
+from engine_core.addresses import is_host_port
 from engine_core.config import KVTransferConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers
 from engine_core.request import Request
@@ -44,7 +44,7 @@ def _remote_params(request: Request, flag: str) -> tuple[str, str] | None:
         return None
     transfer_id = params.get("transfer_id")
     address = params.get("remote_kv_address")
-    if not isinstance(transfer_id, str) or not transfer_id or not is_kv_address(address):
+    if not isinstance(transfer_id, str) or not transfer_id or not is_host_port(address):
         return None
     return transfer_id, address
 

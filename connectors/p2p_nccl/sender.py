@@ -244,7 +244,12 @@ class PeerSender:
                 self._client = None
 
     def _finish(self, job: SendJob) -> None:
+        """Report the job; a failing report is logged, never the end of this thread (which
+        would leave every later job to this peer queued, and its blocks held, for good)."""
         try:
             self._on_done(job)
+        except Exception:
+            logger.exception("reporting kv send %s to %s failed", job.transfer_id,
+                             self.peer_address)
         finally:
             job.done.set()

@@ -37,7 +37,6 @@ from connectors.p2p_nccl.messages import (
     call_ranges,
     check_header,
     check_pull,
-    is_kv_address,
     layer_nbytes,
     make_codec,
     plan_layers_per_call,
@@ -45,6 +44,7 @@ from connectors.p2p_nccl.messages import (
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
+from engine_core.addresses import is_host_port
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.config import KVTransferConfig
 from engine_core.doorbell import Doorbell
@@ -83,6 +83,9 @@ class _Load:
     # transport's writes wait on it (the memory may have been another tensor's a moment ago).
     buffer_ready: Any = None
     producer_epoch: str = ""
+    # The producer whose header this load accepted: its pair holds the posted receives, so
+    # only it may abort the load, and a deadline aborts its pair (not the pull's address).
+    producer_address: str = ""
     seq: int = -1
     layers_received: int = 0
     layers_per_call: int = 1
@@ -462,7 +465,7 @@ class P2pConnectorWorker:
                         load.reason = "transfer timed out"
                         if was_receiving and not self._transport.uses_data_messages:
                             # Receives are posted into this buffer: abort the pair before freeing it.
-                            self._transport.abort(load.spec.peer_address)
+                            self._transport.abort(load.producer_address)
                 if state not in (DONE, FAILED):
                     continue
                 del self._loads[load.spec.transfer_id]
@@ -676,7 +679,7 @@ class P2pConnectorWorker:
         reason = check_pull(pull, num_layers, dtype, block_shape)
         if reason is not None:
             self._reject("pull request", reason)
-            if pull.num_blocks > 0 and is_kv_address(pull.consumer_address):
+            if pull.num_blocks > 0 and is_host_port(pull.consumer_address):
                 self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
             return
         if self._note_consumer_epoch(pull.consumer_address, pull.consumer_epoch):
@@ -685,13 +688,11 @@ class P2pConnectorWorker:
             logger.info("kv consumer at %s restarted: dropping its pair", pull.consumer_address)
             self._transport.abort(pull.consumer_address)
         with self._lock:
-            if pull.transfer_id in self._tombstones:
-                dead = True
-            elif pull.transfer_id in self._in_flight:
-                self._counters["messages_rejected"] += 1
-                return
-            else:
-                dead = False
+            dead = pull.transfer_id in self._tombstones
+            duplicate = not dead and pull.transfer_id in self._in_flight
+        if duplicate:
+            self._reject("pull request", f"{pull.transfer_id!r:.80} is already being sent")
+            return
         if dead:
             if pull.num_blocks > 0:
                 self._submit_abort(pull.transfer_id, pull.consumer_address, "transfer released")
@@ -736,6 +737,7 @@ class P2pConnectorWorker:
             if reason is None and load is not None:
                 self._last_seq[key] = header.seq
                 load.state, load.producer_epoch, load.seq = RECEIVING, header.producer_epoch, header.seq
+                load.producer_address = header.producer_address
                 load.layers_per_call = header.layers_per_call
                 buffer = load.buffer
             else:
@@ -751,13 +753,28 @@ class P2pConnectorWorker:
             return
         assert buffer is not None
         calls = call_ranges(header.num_layers, header.layers_per_call)
-        poll = self._transport.post_recv(header.producer_address,
-                                         [buffer[first:end] for first, end in calls],
-                                         ready=load.buffer_ready, on_landed=self._doorbell.ring)
+        try:
+            poll = self._transport.post_recv(header.producer_address,
+                                             [buffer[first:end] for first, end in calls],
+                                             ready=load.buffer_ready, on_landed=self._doorbell.ring)
+        except Exception as exc:  # no pair (a header without its hello): fail now, not at the deadline
+            self._fail_unposted(load, header, exc)
+            return
         with self._lock:
             load.recv_poll = poll
             if poll is not None:
                 self._counters["bytes_received"] += load.nbytes
+
+    def _fail_unposted(self, load: _Load, header: KVSendHeader, exc: Exception) -> None:
+        """A header accepted but its receives could not be posted: the load fails at once
+        (it used to sit in RECEIVING, nothing posted, until its deadline) and the producer's
+        pair is aborted, so its data calls fail instead of stalling."""
+        with self._lock:
+            if load.state == RECEIVING:
+                load.state, load.reason = FAILED, f"receives not posted: {exc}"
+        self._reject("header", f"{header.transfer_id!r:.80}: receives not posted: {exc}")
+        self._transport.abort(header.producer_address)
+        self._doorbell.ring()
 
     def _on_layer_data(self, message: KVLayerData, frames: list[Any]) -> None:
         with self._lock:
@@ -771,13 +788,17 @@ class P2pConnectorWorker:
                   and message.producer_epoch == load.producer_epoch and message.seq == load.seq
                   and message.layer == load.layers_received and message.nbytes == expected
                   and len(frames) == 1 and len(frames[0]) == expected)
-            if not ok:
-                self._counters["messages_rejected"] += 1
-                if load is not None and load.state == RECEIVING:
-                    load.state, load.reason = FAILED, "malformed layer data"
-                    self._doorbell.ring()
-                return
-            destination = load.buffer[message.layer:end]
+            receiving = load is not None and load.state == RECEIVING
+            if ok:
+                destination = load.buffer[message.layer:end]
+            elif receiving:
+                load.state, load.reason = FAILED, "malformed layer data"
+                self._doorbell.ring()
+        if not ok:
+            self._reject("layer data", f"{message.transfer_id!r:.80} layer {message.layer}: "
+                         + ("does not match the transfer being received" if receiving
+                            else "no transfer is being received"))
+            return
         self._transport.land(destination.view(torch.uint8).reshape(-1),
                              np.frombuffer(frames[0].buffer, dtype=np.uint8), load.buffer_ready)
         self._transport.count_recv_call()
@@ -790,15 +811,24 @@ class P2pConnectorWorker:
                     self._doorbell.ring()
 
     def _on_abort(self, message: KVSendAbort) -> None:
+        """Fail the load the abort names. Once a header was accepted only its producer may
+        abort: an abort from another address used to fail the load and abort that address's
+        pair, leaving the real producer's receives posted into a buffer about to be freed."""
         with self._lock:
             load = self._loads.get(message.transfer_id)
             if load is None or load.state not in (REQUESTED, RECEIVING):
-                return
+                return  # the load already ended: a late abort is expected
             was_receiving = load.state == RECEIVING
-            load.state, load.reason = FAILED, f"producer aborted: {message.reason}"
-            self._doorbell.ring()
+            stranger = was_receiving and message.producer_address != load.producer_address
+            if not stranger:
+                load.state, load.reason = FAILED, f"producer aborted: {message.reason[:200]}"
+                self._doorbell.ring()
+        if stranger:
+            self._reject("abort", f"{message.transfer_id!r:.80} is received from "
+                                  f"{load.producer_address}, not {message.producer_address!r:.80}")
+            return
         if was_receiving and not self._transport.uses_data_messages:
-            self._transport.abort(message.producer_address)
+            self._transport.abort(load.producer_address)
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -1,0 +1,20 @@
+"""The one check of a ``host:port`` that arrives over the network or on a command line."""
+
+from __future__ import annotations
+
+# A host name or IP (IPv6 bracketed or bare). Anything else (spaces, ``/`` paths, ``?``
+# queries, ``@`` user parts, wildcards) is refused before a socket or URL is built from it:
+# ``http://{address}/...`` with such a "host" would reach another port and path than the one
+# given.
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]")
+MAX_ADDRESS_CHARS = 255
+
+
+def is_host_port(address: object) -> bool:
+    """Whether ``address`` is a ``host:port`` a socket can connect to: a host name or IP and a
+    port in 1-65535, at most 255 characters."""
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
+        return False
+    host, _, port = address.rpartition(":")
+    return (bool(host) and set(host) <= _HOST_CHARS and port.isdigit()
+            and 0 < int(port) < 65536)

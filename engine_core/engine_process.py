@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from engine_core.config import EngineConfig
-from engine_core.errors import InvalidRequestError, MessageDecodeError
+from engine_core.errors import EngineSleepingError, InvalidRequestError, MessageDecodeError
 from engine_core.messages import (
     ENGINE_INPUT_CODEC,
     ENGINE_OUTPUT_CODEC,
@@ -145,7 +145,9 @@ class EngineCoreProc:
         try:
             self._engine.add_request(message)
         except Exception as exc:  # the request fails, the engine lives on
-            if not isinstance(exc, InvalidRequestError):
+            if isinstance(exc, EngineSleepingError):  # a state the client is told of (503)
+                logger.info("request %s refused: %s", message.request_id, exc)
+            elif not isinstance(exc, InvalidRequestError):
                 logger.exception("request %s failed to start", message.request_id)
             error = f"{type(exc).__name__}: {exc}"
             self._send(EngineOutputs(outputs=[EngineOutput(

@@ -108,3 +108,34 @@ def test_engine_loop_counts_hostile_inputs_and_goes_on() -> None:
         inputs.close(0)
         outputs.close(0)
         context.term()
+
+
+class _SleepingEngine(_IdleEngine):
+    def add_request(self, message: Any) -> None:
+        from engine_core.errors import EngineSleepingError
+
+        raise EngineSleepingError("the engine is asleep")
+
+
+def test_a_request_refused_while_asleep_logs_no_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A request that reaches a sleeping engine ends with an error output (the client gets
+    a 503) and one log line; every such request logged a traceback before."""
+    import logging
+
+    context = zmq.Context()
+    inputs, outputs, sink = (context.socket(zmq.PULL), context.socket(zmq.PUSH),
+                             context.socket(zmq.PULL))
+    sink.bind("inproc://outputs")
+    outputs.connect("inproc://outputs")  # the error output needs a peer to go to
+    try:
+        proc = EngineCoreProc(_SleepingEngine(), inputs, outputs)  # type: ignore[arg-type]
+        with caplog.at_level(logging.INFO):
+            proc._handle(_envelope("AddRequest", ADD))
+        assert sink.poll(5000), "no error output"
+        mine = [r for r in caplog.records if "request r" in r.getMessage()]
+        assert len(mine) == 1 and mine[0].exc_info is None, mine
+    finally:
+        for socket in (inputs, outputs, sink):
+            socket.close(0)
+        context.term()

@@ -191,6 +191,21 @@ def check_header(header: KVSendHeader, pull: KVPullRequest, last_seq: int | None
 _EPOCH_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
 
 
+NCCL_UNIQUE_ID_BYTES = 128  # ncclUniqueId: what cupy's get_unique_id gives, as bytes
+
+
+def check_hello(hello: NcclHello) -> str | None:
+    """Why an NcclHello is malformed, or None. Each accepted hello replaces the pair with its
+    address and starts a communicator join, so the fields are checked first."""
+    if not is_host_port(hello.producer_address):
+        return "bad producer address"
+    if not is_epoch(hello.producer_epoch) or not hello.producer_epoch:
+        return "bad producer epoch"
+    if len(hello.unique_id) != NCCL_UNIQUE_ID_BYTES:
+        return f"unique id of {len(hello.unique_id)} bytes, not {NCCL_UNIQUE_ID_BYTES}"
+    return None
+
+
 def is_epoch(epoch: object) -> bool:
     """Whether ``epoch`` can name a process incarnation: up to 64 letters, digits, ``-`` or
     ``_`` (empty: none said). It is kept per peer and logged, so nothing else is accepted."""

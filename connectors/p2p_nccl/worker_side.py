@@ -36,6 +36,7 @@ from connectors.p2p_nccl.messages import (
     NcclHello,
     call_ranges,
     check_header,
+    check_hello,
     check_pull,
     layer_nbytes,
     make_codec,
@@ -664,7 +665,16 @@ class P2pConnectorWorker:
         elif isinstance(message, KVSendAbort):
             self._on_abort(message)
         elif isinstance(message, NcclHello):
-            self._transport.on_hello(message)
+            self._on_hello(message)
+
+    def _on_hello(self, hello: NcclHello) -> None:
+        reason = check_hello(hello)
+        if reason is None and self._transport.uses_data_messages:
+            reason = "this worker's KV transport is not NCCL"
+        if reason is not None:
+            self._reject("hello", reason)
+            return
+        self._transport.on_hello(hello)
 
     def _reject(self, what: str, reason: str) -> None:
         logger.warning("rejected kv %s: %s", what, reason)

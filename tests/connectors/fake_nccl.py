@@ -72,7 +72,7 @@ class FakeNcclTransport:
             pair = self._pairs.get(("send", peer_address))
             if pair is not None and not pair.aborted:
                 return
-            unique_id = os.urandom(16)
+            unique_id = os.urandom(128)  # an ncclUniqueId's size
             self._pairs[("send", peer_address)] = _FakePair(self._fabric.join(unique_id))
             self.hellos_sent += 1
         client.send(NcclHello(self._own_address, self._epoch, unique_id))

@@ -275,3 +275,30 @@ def test_layer_data_for_no_transfer_is_logged_counted_and_harmless(
         assert p.idle()
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("nccl", [True, False])
+def test_malformed_hellos_are_rejected_before_any_pair_is_touched(
+        pair: Any, caplog: pytest.LogCaptureFixture, nccl: bool) -> None:
+    """An NcclHello replaces the pair with its address and starts a communicator join; its
+    fields went unchecked (any address, an empty epoch, a unique id of any length), and on
+    the CPU transport it raised inside the handler. Each is now a logged, counted rejection,
+    and a transfer after them lands untouched."""
+    p = pair(nccl=nccl)
+    client = ControlClient(p.d_addr, make_codec(), send_timeout_s=1.0)
+    good_id = bytes(128)
+    bad = [NcclHello("x y:1", "e", good_id), NcclHello(p.p_addr, "", good_id),
+           NcclHello(p.p_addr, "e", b"short")]
+    expected = len(bad) + (0 if nccl else 1)
+    try:
+        with caplog.at_level(logging.WARNING):
+            for hello in bad + ([] if nccl else [NcclHello(p.p_addr, "e", good_id)]):
+                client.send(hello)
+            assert _wait(lambda: p.consumer.stats()["messages_rejected"] == expected, 5.0)
+        assert caplog.text.count("rejected kv hello") == expected
+        p.ask("after")
+        p.compute("after")
+        assert p.outcome("after") == "ok"
+        assert p.idle()
+    finally:
+        client.close()

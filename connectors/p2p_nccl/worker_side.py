@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 MAX_ABORT_PEERS = 64  # peers a producer starts a sender for only to answer with an abort
 MAX_KNOWN_CONSUMERS = 4096  # consumer addresses whose process epoch a producer remembers
+# Pulls kept while their prefill has not reached the save (each until orphan_ttl_s): more
+# would be a flood of pulls for transfers this producer never runs, not a race.
+MAX_WAITING_PULLS = 4096
 # The worker's event counters (``stats()``; /metrics exports each as a counter).
 EVENT_COUNTERS = (
     "control_messages_sent", "bytes_sent", "bytes_received", "transfers_sent",
@@ -709,10 +712,19 @@ class P2pConnectorWorker:
             return
         with self._lock:
             pending = self._pending.get(pull.transfer_id)
-            if pending is None or not pending.ready:
+            full = (pending is None and pull.transfer_id not in self._registrations
+                    and len(self._registrations) >= MAX_WAITING_PULLS)
+            if not full and (pending is None or not pending.ready):
                 self._registrations[pull.transfer_id] = (pull, self._clock())
                 return
-            del self._pending[pull.transfer_id]
+            if not full:
+                del self._pending[pull.transfer_id]
+        if full:
+            self._reject("pull request", f"{pull.transfer_id!r:.80}: {MAX_WAITING_PULLS} pulls "
+                                         "already wait for their prefill")
+            if pull.num_blocks > 0:
+                self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
+            return
         self._start_deferred(pending, pull)
 
     def _note_consumer_epoch(self, address: str, epoch: str) -> bool:

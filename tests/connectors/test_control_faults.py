@@ -302,3 +302,29 @@ def test_malformed_hellos_are_rejected_before_any_pair_is_touched(
         assert p.idle()
     finally:
         client.close()
+
+
+def test_pulls_waiting_for_their_prefill_are_capped(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Pulls that arrive before their prefill are kept until it runs (or orphan_ttl_s); a
+    flood of pulls for transfers this producer never runs grew that map without bound. Past
+    the cap a pull is rejected (logged, counted) and its consumer told at once."""
+    from connectors.p2p_nccl import worker_side
+    from connectors.p2p_nccl.messages import KVPullRequest
+
+    monkeypatch.setattr(worker_side, "MAX_WAITING_PULLS", 3)
+    port = free_port()
+    producer = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu")
+    producer.register_kv_caches(_caches(1))
+    client = ControlClient(f"127.0.0.1:{port}", make_codec(), send_timeout_s=1.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            for i in range(5):
+                client.send(KVPullRequest(f"t{i}", f"127.0.0.1:{free_port()}", 0, 1, LAYERS,
+                                          "float32", list(BLOCK_SHAPE), 1.0))
+            assert _wait(lambda: producer.stats()["messages_rejected"] == 2, 5.0)
+        assert producer.stats()["pull_requests_waiting"] == 3
+        assert caplog.text.count("pulls already wait for their prefill") == 2
+    finally:
+        client.close()
+        producer.shutdown()

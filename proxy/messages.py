@@ -58,6 +58,12 @@ class Deregister:
 REGISTRATION_CODEC = MessageCodec([Heartbeat, Deregister, WorkerLoad], max_bytes=1 << 20)
 
 
+# The model and version become metric labels and /instances fields: bounded, like vLLM's
+# served model names in practice (a HF repo id is at most 96 characters).
+MAX_MODEL_CHARS = 256
+MAX_VERSION_CHARS = 64
+
+
 def _check_address(value: str, what: str) -> None:
     if not is_host_port(value):
         raise MessageDecodeError(f"{what} must be host:port, got {value[:80]!r}")
@@ -70,8 +76,10 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         return message
     if message.role not in ROLES:
         raise MessageDecodeError(f"role must be one of {ROLES}, got {message.role!r:.20}")
-    if not message.model:
-        raise MessageDecodeError("model must not be empty")
+    if not 0 < len(message.model) <= MAX_MODEL_CHARS:
+        raise MessageDecodeError(f"model must be 1-{MAX_MODEL_CHARS} characters")
+    if len(message.version) > MAX_VERSION_CHARS:
+        raise MessageDecodeError(f"version must be at most {MAX_VERSION_CHARS} characters")
     if message.role != ROLE_COLOCATED:
         if message.zmq_address is None:
             raise MessageDecodeError(f"a {message.role} worker needs a zmq_address")

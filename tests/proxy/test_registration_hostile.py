@@ -73,3 +73,16 @@ def test_an_address_that_is_not_host_port_is_refused(http_address: str) -> None:
 def test_host_port_addresses_still_register(address: str) -> None:
     message = Heartbeat(role="D", http_address=address, model="m", zmq_address=address)
     assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
+
+
+@pytest.mark.parametrize("field,value", [("model", ""), ("model", "m" * 257),
+                                         ("version", "v" * 65)])
+def test_model_and_version_are_bounded(field: str, value: str) -> None:
+    """They become metric labels and /instances fields: an unbounded string from any peer
+    on the registration socket would be kept and exported for as long as it heartbeats."""
+    message = Heartbeat(role="D", http_address="h:1", model="m", zmq_address="h:2")
+    setattr(message, field, value)
+    with pytest.raises(MessageDecodeError, match=field):
+        decode_registration(REGISTRATION_CODEC.encode(message))
+    setattr(message, field, value[:64] or "m")
+    assert decode_registration(REGISTRATION_CODEC.encode(message)) == message

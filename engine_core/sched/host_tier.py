@@ -34,6 +34,9 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pending: set[int] = set()
         self._pinned: set[int] = set()
+        # Pending slots a reset forgot: still written by their download, so not free until
+        # it lands, and never served (their hash is gone).
+        self._forgotten: set[int] = set()
         self.stored_blocks = 0   # downloads started
         self.loaded_blocks = 0   # lookups served (uploads)
         self.dropped_blocks = 0  # evictions that found no slot to take
@@ -69,20 +72,28 @@ class HostTier:
         return slot
 
     def landed(self, slots: list[int]) -> None:
-        """These downloads finished: their slots may be served."""
+        """These downloads finished: their slots may be served (or, forgotten by a reset
+        meanwhile, reused)."""
         self._pending.difference_update(slots)
+        freed = self._forgotten.intersection(slots)
+        self._forgotten -= freed
+        self._free.extend(freed)
 
     def end_pass(self) -> None:
         """The scheduling pass's copies were taken: its lookups no longer pin slots."""
         self._pinned.clear()
 
     def clear(self) -> None:
-        """Forget every hash (a prefix-cache reset); pending slots stay pending until landed."""
-        for slot in list(self._hash_of):
-            if slot not in self._pending:
+        """Forget every hash (a prefix-cache reset). A slot whose download is still in
+        flight is freed once it lands; before, it kept its hash and was served after the
+        reset."""
+        for slot in self._hash_of:
+            if slot in self._pending:
+                self._forgotten.add(slot)
+            else:
                 self._free.append(slot)
-        self._slot_of = OrderedDict((h, s) for h, s in self._slot_of.items() if s in self._pending)
-        self._hash_of = {s: h for h, s in self._slot_of.items()}
+        self._slot_of = OrderedDict()
+        self._hash_of = {}
 
     def _reuse(self) -> int | None:
         for block_hash, slot in self._slot_of.items():
@@ -97,7 +108,8 @@ class HostTier:
         assert len(self._slot_of) == len(self._hash_of)
         for block_hash, slot in self._slot_of.items():
             assert self._hash_of[slot] == block_hash
-        held = set(self._hash_of)
+        held = set(self._hash_of) | self._forgotten
+        assert not set(self._hash_of) & self._forgotten
         assert not held & set(self._free), "a slot is both held and free"
         assert len(held) + len(self._free) == self.num_slots, "a slot was lost"
-        assert self._pending <= held
+        assert self._pending <= held and self._forgotten <= self._pending

@@ -49,7 +49,10 @@ def test_host_tier_reuses_least_recent_unpinned() -> None:
     tier.end_pass()
     assert tier.store(b"w") == slots[b"y"]  # y is now least recent
     tier.clear()
-    assert len(tier) == 1  # only the pending w remains
+    assert len(tier) == 0  # w's download is still in flight: forgotten, its slot held
+    tier.check_integrity()
+    tier.landed([slots[b"y"]])
+    assert tier.lookup(b"w") is None and tier.store(b"v") is not None
     tier.check_integrity()
 
 

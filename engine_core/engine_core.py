@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -48,7 +49,13 @@ from engine_core.worker.loader import (
 from engine_core.worker.memory_arena import MemoryArena
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.pinned_memory import HostBuffer
-from engine_core.worker.sleep import SLEEP_LEVELS, ReleasedWeights, release_weights, restore_weights
+from engine_core.worker.sleep import (
+    SLEEP_LEVELS,
+    WAKE_UP_TAGS,
+    ReleasedWeights,
+    release_weights,
+    restore_weights,
+)
 from engine_core.worker.step_inputs import BatchLimits
 from engine_core.worker.warm_up import WarmUpLimits, warm_up_steps
 
@@ -154,6 +161,8 @@ class EngineCore:
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
+        self._sleep_level = 0  # 0 awake; else until both weights and KV cache are back
+        self._kv_asleep = False
         self._host_weights: HostBuffer | None = None  # level 1's host copy, kept for reuse
 
     def _host_tier(self, shape: kv_cache.KVCacheShape) -> HostTier | None:
@@ -249,7 +258,7 @@ class EngineCore:
 
     def validate(self, msg: AddRequest) -> SamplingParams:
         """Check a request against this engine's limits; raise InvalidRequestError."""
-        if self._asleep is not None:
+        if self._sleep_level:
             raise EngineSleepingError("the engine is asleep; POST /wake_up first")
         if msg.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
@@ -429,8 +438,9 @@ class EngineCore:
 
     @property
     def sleep_level(self) -> int:
-        """0 awake, else the level the engine sleeps at."""
-        return 0 if self._asleep is None else self._asleep.level
+        """0 awake, else the level the engine sleeps at (until weights and KV cache are
+        both back)."""
+        return self._sleep_level
 
     def sleep(self, level: int = 1) -> dict[str, float]:
         """Give back the device memory of the weights (level 1: a host copy is kept; level
@@ -444,7 +454,7 @@ class EngineCore:
         if level not in SLEEP_LEVELS:
             raise InvalidRequestError(f"sleep level must be one of {SLEEP_LEVELS}, got {level}",
                                       "level")
-        if self._asleep is not None:
+        if self._sleep_level:
             return {}
         if self.has_work() or self.has_transfer_state():
             raise InvalidRequestError("the engine has requests or KV transfers in flight; "
@@ -457,6 +467,8 @@ class EngineCore:
         self.kv_manager.reset_prefix_cache(keep_host=True)
         self.connector_worker.release_kv_caches()
         self.kv_arena.release()
+        self._kv_asleep = True
+        self._sleep_level = level
         clock.lap("kv_cache_s")
         self._asleep = release_weights(self.weights_arena, level, self._host_weights)
         self._host_weights = self._asleep.host or self._host_weights
@@ -467,24 +479,37 @@ class EngineCore:
                     clock.summary(), freed, self._asleep.host_bytes / 2**30)
         return clock.phases
 
-    def wake_up(self) -> dict[str, float]:
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, float]:
         """Weights (host copy, or reloaded) and an empty KV cache back at their addresses;
-        the CUDA graphs replay as they were. Returns the seconds of each phase."""
-        if self._asleep is None:
-            return {}
-        assert self.weights_arena is not None and self.kv_arena is not None
+        the CUDA graphs replay as they were. ``tags`` (vLLM's): wake only ``weights`` or only
+        ``kv_cache`` (e.g. the weights first, to update them with the cache's memory still
+        free); None wakes both. The engine serves again once both are back. Waking what is
+        awake is a no-op. Returns the seconds of each phase."""
+        wanted = set(WAKE_UP_TAGS if tags is None else tags)
+        if not wanted or not wanted <= set(WAKE_UP_TAGS):
+            raise InvalidRequestError(f"wake_up tags must be among {list(WAKE_UP_TAGS)}, "
+                                      f"got {sorted(wanted)}", "tags")
         clock = _PhaseClock()
-        restore_weights(self.weights_arena, self._asleep,
-                        lambda: load_weights(self.model, self.config.model, self.spec))
-        self._asleep = None
-        clock.lap("weights_s")
-        self.kv_arena.restore()
-        self.kv_arena.tensor.zero_()
-        self.connector_worker.register_kv_caches(self.kv_caches)
-        if self.kv_arena.device.type == "cuda":
-            torch.cuda.synchronize(self.kv_arena.device)
-        clock.lap("kv_cache_s")
-        logger.info("Wake-up took %.2f s (%s)", clock.total, clock.summary())
+        if "weights" in wanted and self._asleep is not None:
+            assert self.weights_arena is not None
+            restore_weights(self.weights_arena, self._asleep,
+                            lambda: load_weights(self.model, self.config.model, self.spec))
+            self._asleep = None
+            clock.lap("weights_s")
+        if "kv_cache" in wanted and self._kv_asleep:
+            assert self.kv_arena is not None
+            self.kv_arena.restore()
+            self.kv_arena.tensor.zero_()
+            self.connector_worker.register_kv_caches(self.kv_caches)
+            if self.kv_arena.device.type == "cuda":
+                torch.cuda.synchronize(self.kv_arena.device)
+            self._kv_asleep = False
+            clock.lap("kv_cache_s")
+        if self._sleep_level and self._asleep is None and not self._kv_asleep:
+            self._sleep_level = 0
+        if clock.phases:
+            logger.info("Wake-up (%s) took %.2f s (%s)", ", ".join(sorted(wanted)),
+                        clock.total, clock.summary())
         return clock.phases
 
     def _free_device_bytes(self) -> int:

@@ -172,7 +172,11 @@ class EngineCoreProc:
                 self._send_state()
                 result = True
             elif call.method == "wake_up":
-                self._engine.wake_up()
+                tags = call.args.get("tags")
+                if tags is not None and not (isinstance(tags, list)
+                                             and all(isinstance(t, str) for t in tags)):
+                    raise InvalidRequestError("wake_up tags must be a list of names", "tags")
+                self._engine.wake_up(tags)
                 self._send_state()
                 result = True
             elif call.method == "is_sleeping":

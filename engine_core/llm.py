@@ -112,7 +112,7 @@ class LLM:
         returns the seconds of each phase."""
         return self.engine.sleep(level)
 
-    def wake_up(self) -> dict[str, float]:
-        """Back from ``sleep``: weights, an empty KV cache and the graphs restored; returns
-        the seconds of each phase."""
-        return self.engine.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, float]:
+        """Back from ``sleep``: weights, an empty KV cache and the graphs restored (only
+        the ``tags`` given: ``weights``, ``kv_cache``); returns the seconds of each phase."""
+        return self.engine.wake_up(tags)

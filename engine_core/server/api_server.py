@@ -157,8 +157,11 @@ class _Routes:
         return web.Response(status=200)
 
     async def wake_up(self, request: web.Request) -> web.Response:
-        """``POST /wake_up``: weights, KV cache and graphs back."""
-        await self.serving.client.call("wake_up", timeout_s=600.0)
+        """``POST /wake_up[?tags=weights&tags=kv_cache]`` (vLLM's): weights, KV cache and
+        graphs back; with ``tags`` only those (the engine serves once both are back)."""
+        tags = request.query.getall("tags", None)
+        await self.serving.client.call("wake_up", timeout_s=600.0,
+                                       **({} if tags is None else {"tags": list(tags)}))
         return web.Response(status=200)
 
     async def is_sleeping(self, request: web.Request) -> web.Response:

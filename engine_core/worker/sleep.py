@@ -23,6 +23,8 @@ from engine_core.worker.memory_arena import MemoryArena
 from engine_core.worker.pinned_memory import HostBuffer
 
 SLEEP_LEVELS = (1, 2)
+# What ``wake_up(tags=...)`` may wake (vLLM's names); all of them by default.
+WAKE_UP_TAGS = ("weights", "kv_cache")
 
 
 @dataclass

@@ -160,3 +160,27 @@ def test_sleep_on_cuda_gives_the_memory_back(tiny_checkpoint, hf_greedy, level: 
         replayed.clear()
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert replayed, "the startup graphs did not run after waking"
+
+
+def test_staged_wake_up_serves_once_both_are_back(tiny_checkpoint, hf_greedy) -> None:
+    """vLLM's ``wake_up(tags=["weights"])`` then ``["kv_cache"]`` (e.g. to update weights
+    while the cache's memory is still free): the first wakes only the weights and the engine
+    keeps refusing requests; after the second it answers as HF. Tags were ignored before
+    (the first call woke everything)."""
+    path = tiny_checkpoint("qwen3")
+    prompts = mixed_prompts()[:3]
+    expected = hf_greedy(path, prompts, 8)
+    llm = LLM(str(path), device="cpu", enable_sleep_mode=True, num_gpu_blocks_override=32)
+    weights, kv = _weight_bytes(llm), _kv_bytes(llm)
+    llm.sleep(1)
+    with pytest.raises(InvalidRequestError, match="tags"):
+        llm.wake_up(["weights", "bogus"])
+    assert set(llm.wake_up(["weights"])) == {"weights_s"}
+    assert _weight_bytes(llm) == weights and _kv_bytes(llm) == 0
+    assert llm.engine.sleep_level == 1
+    with pytest.raises(EngineSleepingError):
+        llm.generate(prompts[:1], GREEDY)
+    assert llm.wake_up(["weights"]) == {}  # awake already: nothing to do
+    assert set(llm.wake_up(["kv_cache"])) == {"kv_cache_s"}
+    assert llm.engine.sleep_level == 0 and _kv_bytes(llm) == kv
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected

@@ -93,3 +93,18 @@ def test_bad_level_is_a_400(sleepy: ServerHandle, level: str) -> None:
 def test_endpoints_need_the_admin_switch(server: ServerHandle) -> None:
     status, _ = _post(f"{server.url}/sleep?level=1")
     assert status in (401, 404)
+
+
+def test_staged_wake_up_by_tags(sleepy: ServerHandle) -> None:
+    """``/wake_up?tags=weights`` then ``?tags=kv_cache`` (vLLM's): asleep (503s) until both
+    are back; an unknown tag is a 400 and wakes nothing."""
+    url = sleepy.url
+    assert _post(f"{url}/sleep?level=1")[0] == 200
+    status, body = _post(f"{url}/wake_up?tags=weights&tags=gpu")
+    assert status == 400 and "tags" in body["error"]["message"], body
+    assert _post(f"{url}/wake_up?tags=weights")[0] == 200
+    assert _get(f"{url}/is_sleeping") == {"is_sleeping": True}
+    assert _post(f"{url}/v1/completions", BODY)[0] == 503
+    assert _post(f"{url}/wake_up?tags=kv_cache")[0] == 200
+    assert _get(f"{url}/is_sleeping") == {"is_sleeping": False}
+    assert _post(f"{url}/v1/completions", BODY)[0] == 200

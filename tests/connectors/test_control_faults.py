@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import pytest
-import torch
 
 from connectors.p2p_nccl.handshake import ControlClient
 from connectors.p2p_nccl.messages import (
@@ -24,106 +22,27 @@ from connectors.p2p_nccl.messages import (
     NcclHello,
     make_codec,
 )
-from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata
 from connectors.p2p_nccl.worker_side import RECEIVING, P2pConnectorWorker
 from engine_core.config import KVTransferConfig
-from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.fake_nccl import Fabric, FakeNcclTransport
 from tests.connectors.kv_harness import free_port
-
-LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 2, 16, (4, 2, 4)  # block size, KV heads, head dim
-SRC, DST = [1, 5, 7], [2, 3, 9]  # a request's blocks on the producer, on the consumer
-
-
-def _caches(seed: int) -> list[torch.Tensor]:
-    caches = allocate_kv_caches(KVCacheShape(LAYERS, NUM_BLOCKS, *BLOCK_SHAPE, torch.float32), "cpu")
-    gen = torch.Generator().manual_seed(seed)
-    for cache in caches:
-        cache.copy_(torch.randn(cache.shape, generator=gen))
-    return caches
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return False
-
-
-class _Pair:
-    """A producer and a consumer worker on loopback (fake NCCL by default, else CPU)."""
-
-    def __init__(self, timeout_s: float = 4.0, nccl: bool = True) -> None:
-        self.timeout_s = timeout_s
-        p_port, d_port = free_port(), free_port()
-        self.p_addr, self.d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
-        fabric = Fabric()
-        self.p_transport = FakeNcclTransport(fabric, self.p_addr) if nccl else None
-        self.d_transport = FakeNcclTransport(fabric, self.d_addr) if nccl else None
-        self.producer = self._worker("kv_producer", p_port, self.p_transport)
-        self.consumer = self._worker("kv_consumer", d_port, self.d_transport)
-        self.p_caches, self.d_caches = _caches(1), _caches(2)
-        self.producer.register_kv_caches(self.p_caches)
-        self.consumer.register_kv_caches(self.d_caches)
-
-    def _worker(self, role: str, port: int, transport: Any) -> P2pConnectorWorker:
-        config = KVTransferConfig(kv_role=role, kv_port=port, transfer_timeout_s=self.timeout_s,
-                                  min_call_bytes=0)
-        return P2pConnectorWorker(config, "cpu", transport=transport)
-
-    def ask(self, transfer_id: str) -> None:
-        """The consumer reserves the bytes and sends its pull; returns once P holds it."""
-        waiting = self.producer.stats()["pull_requests_waiting"]
-        self.consumer.start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
-            transfer_id, transfer_id, self.p_addr, DST, first_block=0, num_tokens=12)]))
-        assert _wait(lambda: self.producer.stats()["pull_requests_waiting"] == waiting + 1, 5.0)
-
-    def compute(self, transfer_id: str) -> None:
-        """The producer step that computes the request (push: the pull is already there)."""
-        save = SaveSpec(transfer_id, transfer_id, self.d_addr, SRC, num_tokens=12)
-        self.producer.bind_step(P2pConnectorMetadata(saves=[save]), None)
-        for layer, cache in enumerate(self.p_caches):
-            self.producer.after_layer(layer, cache)
-        self.producer.wait_for_save()
-
-    def outcome(self, transfer_id: str) -> str:
-        """Wait until the consumer's load landed ("ok", bytes checked) or failed."""
-        outcome: list[str] = []
-
-        def resolved() -> bool:
-            finished = self.consumer.land_loads()
-            if transfer_id in finished.recving | finished.failed_recving:
-                outcome.append("ok" if transfer_id in finished.recving else "failed")
-            return bool(outcome)
-
-        assert _wait(resolved, self.timeout_s + 5.0), "the load never resolved"
-        if outcome[0] == "ok":
-            for p_cache, d_cache in zip(self.p_caches, self.d_caches):
-                assert torch.equal(d_cache[:, DST], p_cache[:, SRC])
-        return outcome[0]
-
-    def idle(self) -> bool:
-        """Both workers hold nothing (the producer's finished sends handed over)."""
-        def drained() -> bool:
-            self.producer.get_finished()
-            self.consumer.get_finished()
-            return self.producer.is_idle() and self.consumer.is_idle()
-
-        return _wait(drained, 10.0)
-
-    def shutdown(self) -> None:
-        self.consumer.shutdown()
-        self.producer.shutdown()
+from tests.connectors.worker_pair import (
+    BLOCK_SHAPE,
+    DST,
+    LAYERS,
+    WorkerPair,
+    make_caches,
+    wait_until,
+)
 
 
 @pytest.fixture
 def pair() -> Any:
-    made: list[_Pair] = []
+    made: list[WorkerPair] = []
 
-    def make(**kwargs: Any) -> _Pair:
-        made.append(_Pair(**kwargs))
+    def make(**kwargs: Any) -> WorkerPair:
+        made.append(WorkerPair(**kwargs))
         return made[-1]
 
     yield make
@@ -144,10 +63,8 @@ def test_a_message_the_decoder_chokes_on_does_not_kill_the_control_thread(pair: 
     try:
         client._socket.send_multipart([_raw("KVSendAbort", {
             "transfer_id": "t", "producer_address": "127.0.0.1:1", "reason": "r", 1: 2, "x": 3})])
-        assert _wait(lambda: p.producer.stats()["control_messages_rejected"] == 1, 5.0)
-        p.ask("after")  # the control thread still serves
-        p.compute("after")
-        assert p.outcome("after") == "ok"
+        assert wait_until(lambda: p.producer.stats()["control_messages_rejected"] == 1, 5.0)
+        assert p.transfer("after")[0] == "ok"  # the control thread still serves
         assert p.idle()
     finally:
         client.close()
@@ -165,16 +82,16 @@ def test_an_abort_from_another_producer_does_not_fail_a_receiving_load(
     try:
         p.ask("T")
         p.compute("T")
-        assert _wait(lambda: p.consumer._loads["T"].state == RECEIVING, 5.0)
+        assert wait_until(lambda: p.consumer._loads["T"].state == RECEIVING, 5.0)
         with caplog.at_level(logging.WARNING):
             stranger.send(KVSendAbort("T", f"127.0.0.1:{free_port()}", "not yours"))
-            assert _wait(lambda: p.consumer.stats()["messages_rejected"] == 1
+            assert wait_until(lambda: p.consumer.stats()["messages_rejected"] == 1
                          or p.consumer._loads["T"].state != RECEIVING, 5.0)
         start = time.monotonic()
         assert p.outcome("T") == "ok"
         assert time.monotonic() - start < 2.0
         assert "rejected kv abort" in caplog.text
-        assert _wait(lambda: p.producer.stats()["transfers_sent"] == 1, 5.0)
+        assert wait_until(lambda: p.producer.stats()["transfers_sent"] == 1, 5.0)
         assert p.producer.stats()["sends_failed"] == 0
         # The real producer's abort of a receiving load still ends it (and its pair) at once.
         p.ask("U")
@@ -234,17 +151,17 @@ def test_a_header_whose_receives_cannot_be_posted_fails_the_load_at_once() -> No
     consumer = P2pConnectorWorker(
         KVTransferConfig(kv_role="kv_consumer", kv_port=d_port, transfer_timeout_s=30.0),
         "cpu", transport=FakeNcclTransport(Fabric(), f"127.0.0.1:{d_port}"))
-    consumer.register_kv_caches(_caches(2))
+    consumer.register_kv_caches(make_caches(2))
     client = ControlClient(consumer.address, make_codec(), send_timeout_s=1.0)
     try:
         consumer.start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
             "T", "T", p_addr, DST, first_block=0, num_tokens=12)]))
-        assert _wait(lambda: len(pulls) == 1, 5.0)
+        assert wait_until(lambda: len(pulls) == 1, 5.0)
         pull = pulls[0]
         client.send(KVSendHeader("T", p_addr, "e", 1, pull.first_block, pull.num_blocks,
                                  pull.num_layers, pull.dtype, pull.block_shape, 1))
         failed: set[str] = set()
-        assert _wait(lambda: bool(failed.update(consumer.land_loads().failed_recving) or failed),
+        assert wait_until(lambda: bool(failed.update(consumer.land_loads().failed_recving) or failed),
                      3.0), "the load waited for its deadline"
         assert failed == {"T"}
         assert consumer.stats()["messages_rejected"] == 1
@@ -267,11 +184,9 @@ def test_layer_data_for_no_transfer_is_logged_counted_and_harmless(
     try:
         with caplog.at_level(logging.WARNING):
             client.send(KVLayerData("ghost", "e", 1, 0, 4), [b"abcd"])
-            assert _wait(lambda: p.consumer.stats()["messages_rejected"] == 1, 5.0)
+            assert wait_until(lambda: p.consumer.stats()["messages_rejected"] == 1, 5.0)
         assert "rejected kv layer data" in caplog.text and "ghost" in caplog.text
-        p.ask("real")
-        p.compute("real")
-        assert p.outcome("real") == "ok"
+        assert p.transfer("real")[0] == "ok"
         assert p.idle()
     finally:
         client.close()
@@ -294,11 +209,9 @@ def test_malformed_hellos_are_rejected_before_any_pair_is_touched(
         with caplog.at_level(logging.WARNING):
             for hello in bad + ([] if nccl else [NcclHello(p.p_addr, "e", good_id)]):
                 client.send(hello)
-            assert _wait(lambda: p.consumer.stats()["messages_rejected"] == expected, 5.0)
+            assert wait_until(lambda: p.consumer.stats()["messages_rejected"] == expected, 5.0)
         assert caplog.text.count("rejected kv hello") == expected
-        p.ask("after")
-        p.compute("after")
-        assert p.outcome("after") == "ok"
+        assert p.transfer("after")[0] == "ok"
         assert p.idle()
     finally:
         client.close()
@@ -315,14 +228,14 @@ def test_pulls_waiting_for_their_prefill_are_capped(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(worker_side, "MAX_WAITING_PULLS", 3)
     port = free_port()
     producer = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu")
-    producer.register_kv_caches(_caches(1))
+    producer.register_kv_caches(make_caches(1))
     client = ControlClient(f"127.0.0.1:{port}", make_codec(), send_timeout_s=1.0)
     try:
         with caplog.at_level(logging.WARNING):
             for i in range(5):
                 client.send(KVPullRequest(f"t{i}", f"127.0.0.1:{free_port()}", 0, 1, LAYERS,
                                           "float32", list(BLOCK_SHAPE), 1.0))
-            assert _wait(lambda: producer.stats()["messages_rejected"] == 2, 5.0)
+            assert wait_until(lambda: producer.stats()["messages_rejected"] == 2, 5.0)
         assert producer.stats()["pull_requests_waiting"] == 3
         assert caplog.text.count("pulls already wait for their prefill") == 2
     finally:

@@ -16,7 +16,6 @@ from typing import Any
 
 import msgpack
 import pytest
-import torch
 
 from connectors.cpu_transport import CpuTransport
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
@@ -29,36 +28,19 @@ from connectors.p2p_nccl.messages import (
     check_pull,
     make_codec,
 )
-from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.worker_side import P2pConnectorWorker
 from engine_core.config import KVTransferConfig
-from engine_core.errors import KVTransferError, MessageDecodeError
-from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
-from tests.connectors.fake_nccl import Fabric, FakeNcclTransport
+from engine_core.errors import MessageDecodeError
 from tests.connectors.kv_harness import free_port
-
-LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 2, 16, (4, 2, 4)  # block size, KV heads, head dim
-SRC, DST = [1, 5, 7], [2, 3, 9]  # a request's blocks on the producer, on the consumer
-
-
-def _caches(seed: int) -> list[torch.Tensor]:
-    caches = allocate_kv_caches(KVCacheShape(LAYERS, NUM_BLOCKS, *BLOCK_SHAPE, torch.float32), "cpu")
-    gen = torch.Generator().manual_seed(seed)
-    for cache in caches:
-        cache.copy_(torch.randn(cache.shape, generator=gen))
-    return caches
-
-
-def _start(worker: P2pConnectorWorker, caches: list[torch.Tensor]) -> None:
-    """Register the caches and bind; the port a stopped worker just closed may take a moment
-    to free (ZMQ closes sockets on its own thread)."""
-    for _ in range(100):
-        try:
-            worker.register_kv_caches(caches)
-            return
-        except KVTransferError:
-            time.sleep(0.05)
-    raise AssertionError("kv port never became free")
+from tests.connectors.worker_pair import (
+    BLOCK_SHAPE,
+    LAYERS,
+    WorkerPair,
+    make_caches,
+    start_worker,
+    wait_until,
+)
 
 
 def _pull(transfer_id: str, address: str, epoch: str, num_blocks: int = 3) -> KVPullRequest:
@@ -72,105 +54,11 @@ def _envelope(fields: dict[str, Any]) -> bytes:
     return msgpack.packb({"t": "KVPullRequest", "v": WIRE_VERSION, "d": fields}, use_bin_type=True)
 
 
-def _wait(condition: Any, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return False
-
-
-class _Cluster:
-    """A producer and a consumer worker on loopback, their data moving on one fabric."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.fabric = Fabric()
-        self.timeout_s = timeout_s
-        self.p_port, self.d_port = free_port(), free_port()
-        self.p_addr, self.d_addr = f"127.0.0.1:{self.p_port}", f"127.0.0.1:{self.d_port}"
-        self.p_transport = FakeNcclTransport(self.fabric, self.p_addr)
-        self.producer = self._worker("kv_producer", self.p_port, self.p_transport)
-        self.p_caches = _caches(1)
-        _start(self.producer, self.p_caches)
-        self.consumer: P2pConnectorWorker | None = None
-        self.restart_consumer()
-
-    def _worker(self, role: str, port: int, transport: FakeNcclTransport) -> P2pConnectorWorker:
-        config = KVTransferConfig(kv_role=role, kv_port=port, transfer_timeout_s=self.timeout_s,
-                                  min_call_bytes=0)
-        return P2pConnectorWorker(config, "cpu", transport=transport)
-
-    def restart_consumer(self) -> None:
-        """Stop the consumer (if any) and start a new one at the same address."""
-        if self.consumer is not None:
-            self.consumer.shutdown()
-        self.consumer = self._worker("kv_consumer", self.d_port,
-                                     FakeNcclTransport(self.fabric, self.d_addr))
-        self.d_caches = _caches(2)
-        _start(self.consumer, self.d_caches)
-
-    def ask(self, transfer_id: str) -> None:
-        """The consumer's load of P blocks SRC into D blocks DST: it reserves the bytes and
-        sends its pull; returns once the producer holds the pull."""
-        assert self.consumer is not None
-        waiting = self.producer.stats()["pull_requests_waiting"]
-        self.consumer.start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
-            transfer_id, transfer_id, self.p_addr, DST, first_block=0, num_tokens=12)]))
-        assert _wait(lambda: self.producer.stats()["pull_requests_waiting"] == waiting + 1, 5.0)
-
-    def compute(self, *transfer_ids: str) -> None:
-        """The producer step that computes these requests (their saves, in this order)."""
-        saves = [SaveSpec(tid, tid, self.d_addr, SRC, num_tokens=12) for tid in transfer_ids]
-        self.producer.bind_step(P2pConnectorMetadata(saves=saves), None)
-        for layer, cache in enumerate(self.p_caches):
-            self.producer.after_layer(layer, cache)
-        self.producer.wait_for_save()
-
-    def outcome(self, transfer_id: str) -> str:
-        """Wait until the consumer's load landed ("ok", bytes checked) or failed."""
-        consumer = self.consumer
-        assert consumer is not None
-        outcome: list[str] = []
-
-        def resolved() -> bool:
-            finished = consumer.land_loads()
-            if transfer_id in finished.recving | finished.failed_recving:
-                outcome.append("ok" if transfer_id in finished.recving else "failed")
-            return bool(outcome)
-
-        assert _wait(resolved, self.timeout_s + 5.0), "the load never resolved"
-        if outcome[0] == "ok":
-            for p_cache, d_cache in zip(self.p_caches, self.d_caches):
-                assert torch.equal(d_cache[:, DST], p_cache[:, SRC])
-        return outcome[0]
-
-    def transfer(self, transfer_id: str) -> tuple[str, float]:
-        """One request's KV end to end: its outcome and seconds."""
-        start = time.monotonic()
-        self.ask(transfer_id)
-        self.compute(transfer_id)
-        return self.outcome(transfer_id), time.monotonic() - start
-
-    def producer_idle(self) -> bool:
-        """Wait until the producer reported every send and holds nothing."""
-        def drained() -> bool:
-            self.producer.get_finished()  # hands the finished sends over, as the engine does
-            return self.producer.is_idle()
-
-        return _wait(drained, 10.0)
-
-    def shutdown(self) -> None:
-        if self.consumer is not None:
-            self.consumer.shutdown()
-        self.producer.shutdown()
-
-
 def test_restarted_consumer_is_served_at_once_on_a_new_pair() -> None:
     """D restarted at its address: P drops the pair at the new process's first pull and
     re-handshakes before its next send. (Before: P kept sending on the old communicator, the
     new D had no pair to receive on, and the transfer failed at its deadline.)"""
-    cluster = _Cluster(timeout_s=4.0)
+    cluster = WorkerPair(timeout_s=4.0)
     try:
         assert cluster.transfer("before")[0] == "ok"
         assert cluster.p_transport.hellos_sent == 1
@@ -193,7 +81,7 @@ def test_old_process_requests_do_not_stall_the_new_one() -> None:
     send at once (its consumer is gone) instead of sending its header to the new D, which
     would reject it and abort its new pair, leaving P's data calls to stall until their
     deadline, and the new D's transfer behind them with it."""
-    cluster = _Cluster(timeout_s=4.0)
+    cluster = WorkerPair(timeout_s=4.0)
     try:
         assert cluster.transfer("before")[0] == "ok"
         cluster.ask("orphan")
@@ -242,8 +130,8 @@ def test_new_consumer_epoch_drops_the_pair_and_the_old_process_jobs() -> None:
     server = ControlServer(consumer, make_codec(), collect)
     server.start()
     try:
-        caches = _caches(3)
-        _start(producer, caches)
+        caches = make_caches(3)
+        start_worker(producer, caches)
         producer._on_pull(_pull("old", consumer, "epoch-1"))
         assert transport.aborted == []  # first contact: nothing to drop
         producer._on_pull(_pull("new", consumer, "epoch-2"))
@@ -258,7 +146,7 @@ def test_new_consumer_epoch_drops_the_pair_and_the_old_process_jobs() -> None:
             producer.after_layer(layer, cache)
         producer.wait_for_save()
         assert arrived.wait(5.0)
-        assert _wait(lambda: producer.stats()["sends_failed"] == 1
+        assert wait_until(lambda: producer.stats()["sends_failed"] == 1
                      and producer.stats()["transfers_sent"] == 1, 5.0)
         headers = [m.transfer_id for m in got if isinstance(m, KVSendHeader)]
         aborts = [(m.transfer_id, m.reason) for m in got if isinstance(m, KVSendAbort)]
@@ -293,10 +181,10 @@ def test_consumer_epoch_is_validated() -> None:
                                   transport=_RecordingTransport())
     client = ControlClient(f"127.0.0.1:{port}", codec)
     try:
-        _start(producer, _caches(4))
+        start_worker(producer, make_caches(4))
         client.send(_pull("bad", "127.0.0.1:1", "x" * 100, num_blocks=0))
         client.send(_pull("good", "127.0.0.1:1", "e1"))
-        assert _wait(lambda: producer.stats()["pull_requests_waiting"] == 1, 5.0)
+        assert wait_until(lambda: producer.stats()["pull_requests_waiting"] == 1, 5.0)
         assert producer.stats()["messages_rejected"] == 1
     finally:
         client.close()

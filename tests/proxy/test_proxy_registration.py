@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -39,7 +41,25 @@ async def test_client_registers_heartbeats_and_deregisters(wait_until) -> None:
         await server.stop()
 
 
-async def test_bad_messages_counted_not_fatal(wait_until) -> None:
+def _heartbeat_with_deep_zmq_address() -> bytes:
+    """A heartbeat whose ``zmq_address`` (``str | None``) is a list nested 1000 deep."""
+    payload = msgpack.packb({"t": "Heartbeat", "v": 1, "d": {
+        "role": "P", "http_address": "127.0.0.1:8000", "model": "m", "zmq_address": None}})
+    return payload.replace(b"\xc0", b"\x91" * 1000 + b"\x90")
+
+
+MALFORMED = [[b"not msgpack"], [b"two", b"frames"]]
+# Each used to raise out of the decoder as RecursionError or TypeError, ending the server's
+# receive task: the proxy then registered no worker and refreshed no heartbeat (every worker
+# expired) until it restarted.
+HOSTILE = [
+    [_heartbeat_with_deep_zmq_address()],  # repr() of it raised RecursionError
+    [msgpack.packb({"t": "Deregister", "v": 1, "d": {"http_address": "h:1", 1: 1, "x": 1}})],
+]
+
+
+@pytest.mark.parametrize("messages", [MALFORMED, HOSTILE], ids=["malformed", "hostile"])
+async def test_bad_messages_counted_not_fatal(wait_until, messages: list[list[bytes]]) -> None:
     registry = InstanceRegistry()
     server = RegistrationServer(registry, "127.0.0.1", port=0)
     await server.start()
@@ -48,9 +68,9 @@ async def test_bad_messages_counted_not_fatal(wait_until) -> None:
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(f"tcp://127.0.0.1:{server.port}")
     try:
-        await dealer.send(b"not msgpack")
-        await dealer.send_multipart([b"two", b"frames"])
-        await wait_until(lambda: server.num_bad_messages == 2)
+        for frames in messages:
+            await dealer.send_multipart(frames)
+        await wait_until(lambda: server.num_bad_messages == len(messages))
         client = RegistrationClient(f"127.0.0.1:{server.port}", role="colocated",
                                     http_address="127.0.0.1:8000", model="m", interval_s=0.05)
         client.start()

@@ -13,6 +13,7 @@ import logging
 import socket
 from typing import Any
 
+from engine_core.addresses import is_host_port
 from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.engine_core import EngineCore
 
@@ -35,8 +36,6 @@ def engine_factory(config: EngineConfig) -> EngineCore:
 def proxy_address(value: str) -> str:
     """argparse type of ``--proxy-address``: HOST:PORT, checked when the flags are parsed,
     so a typo is a usage error rather than a traceback (or a silent zmq failure) later."""
-    from engine_core.addresses import is_host_port
-
     if not is_host_port(value):
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return value

@@ -714,11 +714,11 @@ class P2pConnectorWorker:
             pending = self._pending.get(pull.transfer_id)
             full = (pending is None and pull.transfer_id not in self._registrations
                     and len(self._registrations) >= MAX_WAITING_PULLS)
-            if not full and (pending is None or not pending.ready):
+            if pending is not None and pending.ready:
+                del self._pending[pull.transfer_id]
+            elif not full:  # its prefill has not reached the save yet: kept until it does
                 self._registrations[pull.transfer_id] = (pull, self._clock())
                 return
-            if not full:
-                del self._pending[pull.transfer_id]
         if full:
             self._reject("pull request", f"{pull.transfer_id!r:.80}: {MAX_WAITING_PULLS} pulls "
                                          "already wait for their prefill")

@@ -99,9 +99,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(exc)
     except Exception as exc:
         request_id = request.get(REQUEST_ID_KEY, "-")
-        if error_status(exc) == 503:  # asleep, engine gone, no worker: a state, not a bug
+        status = error_status(exc)
+        if status == 503:  # asleep, engine gone, no worker: a state, not a bug
             logger.warning("request %s refused (503): %s", request_id, exc)
-        elif error_status(exc) >= 500:
+        elif status >= 500:
             logger.exception("request %s failed", request_id)
         else:
             logger.info("request %s rejected: %s", request_id, exc)

@@ -208,9 +208,16 @@ case "$STAGE" in
     attn_ab)
         # A decode-attention change A/B against BASE (default afd30a9, before the session-14
         # attempts) from a worktree, in alternation in one session: the attention cases, the
-        # layer graph and the decode figures.
-        git worktree add -q -f /tmp/pdserve-base "${BASE:-afd30a9}" > "$RUN/worktree.log" 2>&1
-        base=(env -C /tmp/pdserve-base "PYTHONPATH=/tmp/pdserve-base:$PYTHONPATH")
+        # layer graph and the decode figures. BASE_DIR instead names a copy of the base tree
+        # already here (the device's clone may not hold recent commits), e.g. made with
+        # `git archive COMMIT engine_core benchmarks | tar -x -C ab-base`.
+        if [ -n "${BASE_DIR:-}" ]; then
+            basedir=$(cd "$BASE_DIR" && pwd)
+        else
+            basedir=/tmp/pdserve-base
+            git worktree add -q -f "$basedir" "${BASE:-afd30a9}" > "$RUN/worktree.log" 2>&1
+        fi
+        base=(env -C "$basedir" "PYTHONPATH=$basedir:$PWD:$PYTHONPATH")
         kernels=(python3 -m benchmarks.decode_kernels --parts attention,layer --no-attn-sweep
                  --attn-cases 1x1024,1x8192,64x2048,256x2048
                  --layer-variants "engine now: RoPE and KV write in attention, SiLU fused;no attention")

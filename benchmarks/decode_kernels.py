@@ -145,8 +145,6 @@ class LayerVariant:
     # "default" (gemv's choice: gate/up with SiLU fused), "never", "gate_up" or "all"
     splits: int | None = None  # decode-attention splits; None: choose_num_splits
     down_tiling: tuple[int, int, int, int] | None = None  # None: as the other GEMVs
-    prefetch_o: int = 0  # columns of every o_proj row attention pulls into L2 (0: none)
-    prefetch_evict_last: bool = True  # ...with evict_last (else the normal policy)
 
 
 LAYER_VARIANTS = {
@@ -167,10 +165,6 @@ LAYER_VARIANTS = {
     "attention in 16 splits": LayerVariant(splits=16),
     "engine now, down at (32, 256, 4, 4)": LayerVariant(rope="attention", silu="fused",
                                                          down_tiling=(32, 256, 4, 4)),
-    **{f"engine now, attention prefetches o's first {cols} columns": LayerVariant(
-        rope="attention", silu="fused", prefetch_o=cols) for cols in (1024, 2048, 3072, 4096)},
-    "engine now, attention prefetches o's first 2048 columns, evict normal": LayerVariant(
-        rope="attention", silu="fused", prefetch_o=2048, prefetch_evict_last=False),
 }
 
 
@@ -182,11 +176,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     the default split count is the engine's."""
     from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, gemv
     from engine_core.kernels.kv_write import write_kv
-    from engine_core.kernels.paged_decode import (
-        L2Prefetch,
-        NewTokenRope,
-        paged_decode_attention,
-    )
+    from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
     from engine_core.kernels.rotary import apply_rope
     from engine_core.kernels.silu_mul import silu_and_mul
@@ -241,11 +231,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                                             layer["k_norm"], 1e-6)
                 if v.attention:
                     attn_out = torch.empty(q.shape, **bf16)
-                    prefetch = (L2Prefetch(layer["o"], v.prefetch_o, v.prefetch_evict_last)
-                                if v.prefetch_o else None)
                     paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
-                                           rope=rope, prefetch=prefetch)
+                                           rope=rope)
                 h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling,
                          early_dependents=not late_all)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)

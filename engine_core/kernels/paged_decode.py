@@ -84,33 +84,6 @@ def _norm_rope(x, xp, w_ptr, cos, sin, eps, dtype: tl.constexpr, HEAD_DIM: tl.co
 
 
 @triton.jit
-def _prefetch_idle_share(ptr, rows, row_stride, lines_per_row, idle, idle_splits,
-                         LINE: tl.constexpr, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """This program's share of ``rows`` rows x ``lines_per_row`` 128-byte lines at ``ptr``
-    requested into L2 (no registers, nothing waits for them)."""
-    nprog = tl.num_programs(0) * tl.num_programs(1) * idle_splits
-    me = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * idle_splits + idle
-    total = rows * lines_per_row
-    per = tl.cdiv(total, nprog)
-    first = me * per
-    last = tl.minimum(first + per, total)
-    for start in range(first, last, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < last
-        addr = ptr + (idx // lines_per_row).to(tl.int64) * row_stride + (idx % lines_per_row) * LINE
-        if EVICT_LAST:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-                "@p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-                "@p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _splits_used(seq_len, row_splits, BLOCK_N: tl.constexpr):
     """(positions per split, splits that hold any) of a row cut into ``row_splits``.
 
@@ -133,13 +106,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    stride_kb, stride_ks, stride_kh, stride_bt,
                    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps, slot_ptr,
                    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct, stride_st,
-                   work_ptr, num_splits, pf_ptr, pf_rows, pf_row_stride, pf_lines,
+                   work_ptr, num_splits,
                    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   WORK_LIST: tl.constexpr, PREFETCH: tl.constexpr, PF_LINE: tl.constexpr,
-                   PF_EVICT_LAST: tl.constexpr, USE_PDL: tl.constexpr):
+                   WORK_LIST: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_predecessor(USE_PDL)
     kv_head = tl.program_id(1)
     if WORK_LIST:
@@ -193,9 +165,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         seq_len = tl.load(seq_lens_ptr + seq)
     per_split, used_splits = _splits_used(seq_len, row_splits, BLOCK_N)
     if split >= used_splits:
-        if PREFETCH:  # a split with no positions: it pulls the idle programs' share into L2
-            _prefetch_idle_share(pf_ptr, pf_rows, pf_row_stride, pf_lines, split - used_splits,
-                                 row_splits - used_splits, PF_LINE, 512, PF_EVICT_LAST)
         return
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
@@ -378,22 +347,6 @@ def decode_work_target(num_kv_heads: int, device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class L2Prefetch:
-    """The next projection's weight ``[N, K]``, of which the first ``cols`` columns of every
-    row are requested into L2 while attention runs (with ``evict_last``: kept over lines
-    read once).
-
-    Why: at batch 1 decode attention is a few latency-bound round trips while HBM idles;
-    the o projection after it streams its rows in K order, so with the head of every row
-    already in L2 its programs start from L2 and stream the rest.
-    """
-
-    weight: torch.Tensor
-    cols: int
-    evict_last: bool = True
-
-
-@dataclass(frozen=True)
 class NewTokenRope:
     """This step's new tokens for ``paged_decode_attention`` to finish in its prologue:
     raw k/v ``[T, Hkv, D]`` (views of the qkv projection's output), cos/sin ``[T, 1, D]``
@@ -423,8 +376,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
-                           work: DecodeWork | None = None,
-                           prefetch: L2Prefetch | None = None) -> None:
+                           work: DecodeWork | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -488,14 +440,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         has_norm = False
         new = (q, q, q, q, q, q, 0.0, seq_lens, 0, 0, 0, 0, 0, 0)  # placeholders
-    if prefetch is not None:
-        w = prefetch.weight
-        assert w.dim() == 2 and w.stride(1) == 1 and 0 < prefetch.cols <= w.shape[1]
-        pf_line = 128 // w.element_size()
-        pf = (w, w.shape[0], w.stride(0), triton.cdiv(prefetch.cols, pf_line))
-    else:
-        pf_line = 64
-        pf = (q, 0, 0, 0)
     grid = ((work.count, num_kv_heads, 1) if work is not None
             else (num_seqs, num_kv_heads, num_splits))
     _decode_kernel[grid](
@@ -504,13 +448,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *new,
-        seq_lens if work is None else work.items, num_splits, *pf,
+        seq_lens if work is None else work.items, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
-        HAS_NORM=has_norm, WORK_LIST=work is not None, PREFETCH=prefetch is not None,
-        PF_LINE=pf_line, PF_EVICT_LAST=prefetch is not None and prefetch.evict_last,
-        num_warps=num_warps, **extra, **pdl)
+        HAS_NORM=has_norm, WORK_LIST=work is not None, num_warps=num_warps, **extra, **pdl)
     if num_splits > 1 or work is not None:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc,

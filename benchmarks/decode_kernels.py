@@ -129,6 +129,32 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
+def gemv_l2_cases(reps: int) -> list[dict[str, Any]]:
+    """Each projection at one row with its weight read cold (distinct copies, as a decode
+    step reads them) and hot (one copy, called again and again: as far as it fits, from
+    L2): how much faster a GEMV whose weight is already in L2 would be, i.e. the most that
+    pulling a weight into L2 ahead of its GEMV can give."""
+    from engine_core.kernels.gemv import gemv
+
+    out = []
+    for model, name, n, k in GEMV_SHAPES:
+        nbytes = n * k * 2
+        make = lambda n=n, k=k: torch.randn(n, k, dtype=torch.bfloat16,  # noqa: E731
+                                            device="cuda") / k ** 0.5
+        cold = rotating(make, nbytes, reps)
+        hot = make()
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        case = {"model": model, "proj": name, "weight_bytes": nbytes,
+                "cold_us": graph_us(lambda x=x, w=cold: gemv(x, w()), reps),
+                "hot_us": graph_us(lambda x=x, w=hot: gemv(x, w), reps)}
+        out.append(case)
+        print(f"gemv_l2 {model:10} {name:8} {nbytes / 2**20:6.1f} MiB cold "
+              f"{case['cold_us']:7.2f} us hot {case['hot_us']:7.2f} us", flush=True)
+        del cold, hot, x
+        torch.cuda.empty_cache()
+    return out
+
+
 @dataclass(frozen=True)
 class LayerVariant:
     """What one layer of the layer graph runs. The defaults are the engine's layer minus
@@ -337,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = attention_cases(cases, args.reps, args.attn_sweep)  # type: ignore[arg-type]
     if "gemv" in parts:
         results["gemv"] = gemv_cases(rows, args.reps)
+    if "gemv_l2" in parts:
+        results["gemv_l2"] = gemv_l2_cases(args.reps)
     if "layer" in parts:
         results["layer"] = layer_cases(args.layers, args.layer_variants.split(";"))
     if args.out:

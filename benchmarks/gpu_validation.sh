@@ -219,7 +219,7 @@ case "$STAGE" in
         fi
         base=(env -C "$basedir" "PYTHONPATH=$basedir:$PWD:$PYTHONPATH")
         kernels=(python3 -m benchmarks.decode_kernels --parts attention,layer --no-attn-sweep
-                 --attn-cases 1x1024,1x8192,64x2048,256x2048
+                 --attn-cases ${ATTN_CASES:-1x1024,1x8192,64x2048,256x2048}
                  --layer-variants "engine now: RoPE and KV write in attention, SiLU fused;no attention")
         speed=(python3 -m benchmarks.engine_speed --only limits,decode,small
                --decode-cases 1x1024,8x1024,64x2048,256x2048)

@@ -323,6 +323,10 @@ class StepInputs:
         """
         num_reqs = len(rows)
         num_tokens = len(token_ids)
+        if num_reqs and int(num_new.min()) < 1:
+            # Every kernel takes a scheduled row to add a token; the fused decode attention
+            # takes row i's token to be token i whenever each row adds one.
+            raise ValueError("every scheduled sequence must add at least one token")
         if pad_to is None:
             n, num_seqs = num_tokens, num_reqs
         else:

@@ -83,6 +83,16 @@ def test_padded_decode_follows_the_graph_contract():
     assert captured.seq_lens_cpu == [7, 3, 10, 0, 0] and captured.max_query_len == 1
 
 
+def test_a_row_adding_no_token_is_refused():
+    """The fused decode attention reads row i's new token at token i when every row adds
+    one; a scheduled row of zero tokens would break that silently, so it is an error."""
+    table, rows = table_with([[3, 7], [5], [1, 2, 6]])
+    inputs = StepInputs(BatchLimits(8, 8, 16, BS), CPU)
+    with pytest.raises(ValueError, match="at least one token"):
+        inputs.prepare(table, rows, np.array([6, 2, 9]), np.array([1, 0, 1]), [11, 13],
+                       logits_rows=None)
+
+
 def assert_same_views(batch, ids, positions, captured) -> None:
     meta = batch.attn_metadata
     pairs = [(batch.input_ids, ids), (batch.positions, positions),

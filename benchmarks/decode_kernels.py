@@ -171,6 +171,8 @@ class LayerVariant:
     # "default" (gemv's choice: gate/up with SiLU fused), "never", "gate_up" or "all"
     splits: int | None = None  # decode-attention splits; None: choose_num_splits
     down_tiling: tuple[int, int, int, int] | None = None  # None: as the other GEMVs
+    gemv_prefetch: int | None = None  # K chunks of W requested into L2 before the PDL wait
+    # (None: gemv's default)
 
 
 LAYER_VARIANTS = {
@@ -191,6 +193,8 @@ LAYER_VARIANTS = {
     "attention in 16 splits": LayerVariant(splits=16),
     "engine now, down at (32, 256, 4, 4)": LayerVariant(rope="attention", silu="fused",
                                                          down_tiling=(32, 256, 4, 4)),
+    **{f"engine now, GEMVs prefetch {c} chunks before the wait": LayerVariant(
+        rope="attention", silu="fused", gemv_prefetch=c) for c in (0, 1, 2, 4, 8)},
 }
 
 
@@ -243,7 +247,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             attn_out = torch.empty_like(q_fixed)
             for layer in layers:
                 normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
-                qkv = gemv(normed, layer["qkv"], tiling=tiling, early_dependents=not late_all)
+                pf = v.gemv_prefetch
+                qkv = gemv(normed, layer["qkv"], tiling=tiling, early_dependents=not late_all,
+                           prefetch_chunks=pf)
                 q, rope = q_fixed, None
                 if v.rope != "none":
                     q, k_, v_ = (t.view(1, -1, d) for t in
@@ -261,17 +267,18 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
                                            rope=rope)
                 h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling,
-                         early_dependents=not late_all)
+                         early_dependents=not late_all, prefetch_chunks=pf)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
                     act = gemv(normed, layer["gate_up"], silu_mul=True,
-                               early_dependents=gate_up_early)
+                               early_dependents=gate_up_early, prefetch_chunks=pf)
                 else:
                     gate_up = (gemv(normed, layer["gate_up"], early_dependents=gate_up_early)
                                if v.per_shape else F.linear(normed, layer["gate_up"]))
                     act = silu_and_mul(gate_up) if v.silu == "kernel" else gate_up[:, :inter]
                 down_tiling = GemvTiling(*v.down_tiling) if v.down_tiling else tiling
-                h = gemv(act, layer["down"], tiling=down_tiling, early_dependents=not late_all)
+                h = gemv(act, layer["down"], tiling=down_tiling, early_dependents=not late_all,
+                         prefetch_chunks=pf)
 
         us = graph_us(forward, 1) / num_layers
         out.append({"variant": name, "us_per_layer": us, "layers": num_layers,

@@ -26,11 +26,22 @@ from engine_core.kernels.silu_mul import silu_times_up
 BLOCK_M = 16  # tl.dot's smallest tile; rows beyond M are masked loads
 
 @triton.jit
+def _prefetch_first_lines(w_rows, row_ok, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """The first ``LINES`` 128-byte lines of each of this program's rows of W requested into
+    L2 (fire and forget: no registers, nothing waits)."""
+    cols = tl.arange(0, LINES) * LINE
+    addr = w_rows + cols[None, :]
+    ok = row_ok[:, None] & (cols < K)[None, :]
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    wait_for_predecessor(USE_PDL, EARLY_DEPENDENTS)
+                 PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
     lanes = tl.arange(0, BLOCK_N)
     if SILU_MUL:
         # N = 2 * I weight rows (gate rows, then up rows); I outputs. Lane 2j reads gate row
@@ -43,10 +54,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         cols = tl.program_id(0) * BLOCK_N + lanes
         col_ok = cols < N
         w_idx = cols
+    w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * stride_wn
+    if USE_PDL and PREFETCH_LINES > 0:
+        # Weights are written by no kernel, so their first lines may be requested before
+        # the wait: they land in L2 while the predecessor finishes.
+        _prefetch_first_lines(w_rows, col_ok, K, PREFETCH_LINES, LINE)
+    wait_for_predecessor(USE_PDL, EARLY_DEPENDENTS)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -98,6 +114,15 @@ DEEP_TILING = GemvTiling(32, 512, 4, 4)
 WIDE_TILING = GemvTiling(64, 128, 4, 4)
 
 
+# K chunks of its rows of W each program requests into L2 before its PDL wait, while the
+# predecessor (a norm, the split merge, gate/up) still runs and HBM would idle: the loop's
+# first loads then find them in L2. H100, Qwen3-8B layer graph at batch 1: 150.1-150.7 us
+# a layer without, 148.3-148.5 with one chunk, 148.1-150.3 with two, 150.0-152.4 with four,
+# 156.2 with eight (more requests than the window hides); the 8B b1 step 5.849-5.851 ->
+# 5.784 ms with one chunk (docs/PERFORMANCE.md).
+PREFETCH_CHUNKS = 1
+
+
 def choose_tiling(n: int, k: int) -> GemvTiling:
     """The tiling for a weight ``[n, k]`` (shapes only: a CUDA graph records one for good)."""
     if n >= 5 * k:
@@ -109,7 +134,8 @@ def choose_tiling(n: int, k: int) -> GemvTiling:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          tiling: GemvTiling | None = None, silu_mul: bool = False,
-         early_dependents: bool | None = None) -> torch.Tensor:
+         early_dependents: bool | None = None,
+         prefetch_chunks: int | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` with ``M <= 16``; ``weight`` ``[N, K]``.
 
     ``silu_mul``: ``weight`` is a fused gate/up ``[2 * I, K]`` (gate rows first) and the
@@ -122,6 +148,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     programs pile onto the SMs that gate/up frees first and stream at a fraction of the
     bandwidth (Qwen3-8B layer graph on an H200: 132.2 us a layer, 112.6 with the late
     trigger, against 113.9 with the separate SiLU kernel; docs/PERFORMANCE.md).
+
+    ``prefetch_chunks``: K chunks of each program's rows of ``weight`` requested into L2
+    before the PDL wait (a power of two; None: ``PREFETCH_CHUNKS``; only with PDL).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -131,11 +160,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if m == 0:
         return out
     t = tiling or choose_tiling(n, k)
+    chunks = PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks
+    assert chunks >= 0 and chunks & (chunks - 1) == 0, chunks  # a power of two lines a row
     early = not silu_mul if early_dependents is None else early_dependents
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, EARLY_DEPENDENTS=early, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
+        SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
+        PREFETCH_LINES=chunks * t.block_k * weight.element_size() // 128,
+        LINE=128 // weight.element_size(), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not silu_mul, **pdl_args(x.device))
     return out

@@ -11,7 +11,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE (or BASE_DIR; ATTN_CASES)
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager

@@ -383,7 +383,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     new token, unless ``rope`` is given: then ``q`` is the raw projection, and the kernel
     norms and rotates q and the new k and stores the new k/v into the caches, as
     ``rotary.apply_rope`` then ``kv_write.write_kv`` would (every row must then be a decode
-    row: rows of other lengths get neither attention nor their K/V written).
+    row whose token is token i for row i, padding rows of no token after them: other rows
+    get neither attention nor their K/V written).
     ``num_splits=None`` picks ``choose_num_splits``. ``work`` (mixed steps,
     ``attention/decode_work.py``) gives each decode row its own split count instead: one
     program per listed item and KV head; ``num_splits`` is then unused.

@@ -139,8 +139,9 @@ def gemv_l2_cases(reps: int) -> list[dict[str, Any]]:
     out = []
     for model, name, n, k in GEMV_SHAPES:
         nbytes = n * k * 2
-        make = lambda n=n, k=k: torch.randn(n, k, dtype=torch.bfloat16,  # noqa: E731
-                                            device="cuda") / k ** 0.5
+        def make(n: int = n, k: int = k) -> torch.Tensor:
+            return torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+
         cold = rotating(make, nbytes, reps)
         hot = make()
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")

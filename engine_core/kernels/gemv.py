@@ -161,7 +161,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     t = tiling or choose_tiling(n, k)
     chunks = PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks
-    assert chunks >= 0 and chunks & (chunks - 1) == 0, chunks  # a power of two lines a row
+    assert chunks >= 0 and chunks & (chunks - 1) == 0, chunks  # tl.arange: 2^n lines a row
     early = not silu_mul if early_dependents is None else early_dependents
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,

@@ -137,7 +137,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     row_valid = rows < GROUP
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    one = tl.arange(0, 1)
     if ROPE:
         # What the prologue needs is requested before any branch, so that it arrives in one
         # memory round trip instead of one after each test: the row's length and the new
@@ -147,6 +146,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         # stays behind the test: hoisted there, batches of 64 and 256 lost 12% on an H100.)
         seq_len = tl.load(seq_lens_ptr + seq)
         token = seq.to(tl.int64)
+        one = tl.arange(0, 1)
         cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dim_mask, other=0.0)
         sin = tl.load(sin_ptr + token * stride_st + dims, mask=dim_mask, other=0.0)
         q_raw, q_partner = _load_head_rows(q_ptr + token * stride_qt + head * stride_qh,

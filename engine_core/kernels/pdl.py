@@ -6,11 +6,12 @@ scheduled while the predecessor drains and park at ``griddepcontrol.wait``, whic
 once the predecessor has completed and its writes are visible: the launch gap is hidden.
 
 Rule for every kernel that takes part: call ``wait_for_predecessor`` first thing, before
-any load, store or early return; the one exception is a load of what no kernel of a step
-writes (a weight), which may come first to overlap the predecessor's tail. Then a kernel's completion implies its predecessor's, so
-the chain is ordered exactly as without PDL (kernels launched without PDL, cuBLAS for
-instance, keep ordinary stream order on both sides). On Hopper and newer GPUs only; never
-under the Triton interpreter; ``PDSERVE_TRITON_PDL=0`` turns it off.
+any load, store or early return; the one exception is a load (or L2 prefetch) of what no
+kernel of a step writes (a weight), which may come first to overlap the predecessor's tail.
+Then a kernel's completion implies its predecessor's, so the chain is ordered exactly as
+without PDL (kernels launched without PDL, cuBLAS for instance, keep ordinary stream order
+on both sides). On Hopper and newer GPUs only; never under the Triton interpreter;
+``PDSERVE_TRITON_PDL=0`` turns it off.
 """
 
 from __future__ import annotations

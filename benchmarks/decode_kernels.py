@@ -174,6 +174,11 @@ class LayerVariant:
     down_tiling: tuple[int, int, int, int] | None = None  # None: as the other GEMVs
     gemv_prefetch: int | None = None  # K chunks of W requested into L2 before the PDL wait
     # (None: gemv's default)
+    early_kv: int | None = None  # decode attention's work before its PDL wait (None: the
+    # kernel's default; see paged_decode.EARLY_KV)
+    attn_launch: tuple[int, int, int] | None = None  # decode attention's (BLOCK_N, warps,
+    # stages); None: its defaults
+    gemv_stages: int | None = None  # pipeline stages of every GEMV (None: their tilings')
 
 
 LAYER_VARIANTS = {
@@ -196,6 +201,13 @@ LAYER_VARIANTS = {
                                                          down_tiling=(32, 256, 4, 4)),
     **{f"engine now, GEMVs prefetch {c} chunks before the wait": LayerVariant(
         rope="attention", silu="fused", gemv_prefetch=c) for c in (0, 1, 2, 4, 8)},
+    **{f"engine now, attention early K/V {m}": LayerVariant(
+        rope="attention", silu="fused", early_kv=m) for m in (0, 1, 2)},
+    **{f"engine now, attention at {a}": LayerVariant(rope="attention", silu="fused",
+                                                     attn_launch=a)
+       for a in ((32, 4, 3), (64, 8, 3), (64, 4, 1), (64, 4, 2))},
+    **{f"engine now, GEMVs with {s} stages": LayerVariant(rope="attention", silu="fused",
+                                                          gemv_stages=s) for s in (2, 3)},
 }
 
 
@@ -205,7 +217,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     (norm, qkv, [q/k norm, RoPE, KV write], decode attention, o, norm, gate/up, SiLU,
     down). us per layer; the block table is the benchmark engine's width (10k tokens), so
     the default split count is the engine's."""
-    from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, gemv
+    from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
     from engine_core.kernels.kv_write import write_kv
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
@@ -241,6 +253,12 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
 
         def forward(v: LayerVariant = v) -> None:
             tiling = None if v.per_shape else NARROW_TILING
+
+            def staged(w: torch.Tensor, given: GemvTiling | None) -> GemvTiling | None:
+                if v.gemv_stages is None:
+                    return given
+                return (given or choose_tiling(*w.shape))._replace(num_stages=v.gemv_stages)
+
             late_all = v.late_trigger == "all"
             # None: gemv's own choice (late with the SiLU epilogue, else early).
             gate_up_early = {"default": None, "never": True}.get(v.late_trigger, False)
@@ -249,9 +267,11 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             for layer in layers:
                 normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
                 pf = v.gemv_prefetch
-                qkv = gemv(normed, layer["qkv"], tiling=tiling, early_dependents=not late_all,
-                           prefetch_chunks=pf)
+                qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], tiling),
+                           early_dependents=not late_all, prefetch_chunks=pf)
                 q, rope = q_fixed, None
+                attn_launch = ({} if v.attn_launch is None else dict(
+                    zip(("block_n", "num_warps", "num_stages"), v.attn_launch)))
                 if v.rope != "none":
                     q, k_, v_ = (t.view(1, -1, d) for t in
                                  qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
@@ -266,19 +286,23 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     attn_out = torch.empty(q.shape, **bf16)
                     paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
-                                           rope=rope)
-                h = gemv(attn_out.view(1, hq * d), layer["o"], tiling=tiling,
-                         early_dependents=not late_all, prefetch_chunks=pf)
+                                           rope=rope, early_kv=v.early_kv,
+                                           **attn_launch)
+                h = gemv(attn_out.view(1, hq * d), layer["o"],
+                         tiling=staged(layer["o"], tiling), early_dependents=not late_all,
+                         prefetch_chunks=pf)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
                     act = gemv(normed, layer["gate_up"], silu_mul=True,
+                               tiling=staged(layer["gate_up"], None),
                                early_dependents=gate_up_early, prefetch_chunks=pf)
                 else:
                     gate_up = (gemv(normed, layer["gate_up"], early_dependents=gate_up_early)
                                if v.per_shape else F.linear(normed, layer["gate_up"]))
                     act = silu_and_mul(gate_up) if v.silu == "kernel" else gate_up[:, :inter]
                 down_tiling = GemvTiling(*v.down_tiling) if v.down_tiling else tiling
-                h = gemv(act, layer["down"], tiling=down_tiling, early_dependents=not late_all,
+                h = gemv(act, layer["down"], tiling=staged(layer["down"], down_tiling),
+                         early_dependents=not late_all,
                          prefetch_chunks=pf)
 
         us = graph_us(forward, 1) / num_layers
@@ -338,6 +362,11 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
             print(f"attn {key}: {type(exc).__name__}", flush=True)
     results["rope in kernel"] = graph_us(lambda: paged_decode_attention(
         q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope), reps)
+    for mode in (0, 1, 2):
+        results[f"rope in kernel, early K/V {mode}"] = graph_us(
+            lambda m=mode: paged_decode_attention(q, cache[0], cache[1], out_t, tables,
+                                                  seq_lens, qsl, 0.088, rope=rope,
+                                                  early_kv=m), reps)
     best = min(results, key=results.get)
     print(f"attn {model:10} b{batch} ctx{context}: default {results['default']:.2f}, "
           f"rope in kernel {results['rope in kernel']:.2f}; "

@@ -20,7 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.kernels.pdl import launch_dependents, pdl_args, wait_for_predecessor
+from engine_core.kernels.pdl import (
+    launch_dependents,
+    pdl_args,
+    prefetch_l2,
+    wait_for_predecessor,
+)
 from engine_core.kernels.silu_mul import silu_times_up
 
 BLOCK_M = 16  # tl.dot's smallest tile; rows beyond M are masked loads
@@ -31,10 +36,7 @@ def _prefetch_first_lines(w_rows, row_ok, K, LINES: tl.constexpr, LINE: tl.const
     L2 (fire and forget: no registers, nothing waits)."""
     cols = tl.arange(0, LINES) * LINE
     addr = w_rows + cols[None, :]
-    ok = row_ok[:, None] & (cols < K)[None, :]
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    prefetch_l2(addr, row_ok[:, None] & (cols < K)[None, :])
 
 
 @triton.jit

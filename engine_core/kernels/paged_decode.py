@@ -35,7 +35,7 @@ import triton.language as tl
 from engine_core.attention.decode_work import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, DecodeWork
 from engine_core.kernels import next_power_of_2
 from engine_core.kernels.paged_prefill import LOG2E, dot_precision
-from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
+from engine_core.kernels.pdl import pdl_args, prefetch_l2, wait_for_predecessor
 
 # MIN_TOKENS_PER_SPLIT: a split below it costs more in the merge than it gains in
 # parallelism. MAX_SPLITS: an H200 sweep (32 q / 8 KV heads, d 128, bf16) ran one 32k-token
@@ -47,6 +47,9 @@ from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 SPLIT_CHUNK = 16
 MERGE_WARPS = 2
 _ROW_MAX_START = tl.constexpr(-1.0e30)
+# With RoPE in the kernel (decode-only steps), what each split does before its PDL wait:
+# 0 nothing, 1 its first K/V tile requested into L2, 2 its first K/V tile loaded.
+EARLY_KV = 2
 
 
 @triton.jit
@@ -96,6 +99,21 @@ def _splits_used(seq_len, row_splits, BLOCK_N: tl.constexpr):
     return per_split, tl.maximum(tl.cdiv(seq_len, tl.maximum(per_split, 1)), 1)
 
 
+@triton.jit
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One tile of K/V ``[N, D]`` (positions where ``valid``) folded into the online
+    softmax's (max, normaliser, weighted sum) of the query rows ``q``."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(valid[None, :], s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # ``num_splits`` is a plain argument, never specialised on: it follows the batch size, and
 # as a compile-time constant every new eager batch size compiled another variant while
 # serving (~1 s each; 13 in the first seconds of a 200 req/s run on an H200).
@@ -111,9 +129,45 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   WORK_LIST: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_predecessor(USE_PDL)
+                   WORK_LIST: tl.constexpr, EARLY_KV: tl.constexpr,
+                   ROW_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
     kv_head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    if ROPE and EARLY_KV > 0:
+        # Before the wait: the predecessor (the qkv GEMV) writes neither the step's inputs
+        # (seq_lens, block tables: copied before the step) nor the cache's older positions
+        # (written by earlier steps; this step's new K/V is stored by this kernel), so the
+        # split's extent and its first tile of K/V are requested while the GEMV finishes.
+        # A split past the context leaves here, freeing its slot for the others.
+        seq = tl.program_id(0)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        per_split, used_splits = _splits_used(seq_len, num_splits, BLOCK_N)
+        if split >= used_splits:  # never split 0: every row still waits for its q
+            return
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, seq_len)
+        cached_hi = tl.minimum(hi, seq_len - 1)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        pos0 = lo + tl.arange(0, BLOCK_N)
+        valid0 = pos0 < cached_hi
+        block0 = tl.load(table + pos0 // BLOCK_SIZE, mask=valid0, other=0).to(tl.int64)
+        kv_rows0 = block0 * stride_kb + (pos0 % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        if EARLY_KV == 1:
+            if USE_PDL:
+                lines = tl.arange(0, ROW_LINES) * LINE
+                addr = kv_rows0[:, None] + lines[None, :]
+                line_ok = valid0[:, None] & (lines < HEAD_DIM)[None, :]
+                prefetch_l2(k_cache_ptr + addr, line_ok)
+                prefetch_l2(v_cache_ptr + addr, line_ok)
+        else:
+            tile_mask0 = valid0[:, None] & dim_mask[None, :]
+            k0 = tl.load(k_cache_ptr + kv_rows0[:, None] + dims[None, :], mask=tile_mask0,
+                         other=0.0)
+            v0 = tl.load(v_cache_ptr + kv_rows0[:, None] + dims[None, :], mask=tile_mask0,
+                         other=0.0)
+    wait_for_predecessor(USE_PDL)
     if WORK_LIST:
         # One listed (sequence, split, its row's split count); partials by item.
         item = tl.program_id(0)
@@ -135,8 +189,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
     rows = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + rows
     row_valid = rows < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
     if ROPE:
         # What the prologue needs is requested before any branch, so that it arrives in one
         # memory round trip instead of one after each test: the row's length and the new
@@ -144,7 +196,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         # token a row, so row ``seq``'s token is token ``seq``; a row whose bounds say
         # otherwise is skipped, never read with the wrong token. (Without ROPE the length
         # stays behind the test: hoisted there, batches of 64 and 256 lost 12% on an H100.)
-        seq_len = tl.load(seq_lens_ptr + seq)
+        if EARLY_KV == 0:
+            seq_len = tl.load(seq_lens_ptr + seq)
         token = seq.to(tl.int64)
         one = tl.arange(0, 1)
         cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dim_mask, other=0.0)
@@ -163,14 +216,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         if q_end - q_row != 1:
             return
         seq_len = tl.load(seq_lens_ptr + seq)
-    per_split, used_splits = _splits_used(seq_len, row_splits, BLOCK_N)
-    if split >= used_splits:
-        return
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
-    cached_hi = hi
-    if ROPE:
-        cached_hi = tl.minimum(hi, seq_len - 1)
+    if (not ROPE) or EARLY_KV == 0:
+        per_split, used_splits = _splits_used(seq_len, row_splits, BLOCK_N)
+        if split >= used_splits:
+            return
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, seq_len)
+        cached_hi = hi
+        if ROPE:
+            cached_hi = tl.minimum(hi, seq_len - 1)
 
     m_i = tl.full([GROUP_PAD], _ROW_MAX_START, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -209,7 +263,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                     mask=row_valid[:, None] & dim_mask[None, :], other=0.0)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, cached_hi, BLOCK_N):
+    first = lo
+    if ROPE and EARLY_KV == 2:  # the first tile arrived before the wait
+        m_i, l_i, acc = _attend_tile(q, k0, v0, valid0, m_i, l_i, acc, scale_log2,
+                                     DOT_PRECISION)
+        first = lo + BLOCK_N
+    for start in range(first, cached_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < cached_hi
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -219,15 +278,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         # V is loaded beside K, before the QK^T dot (no measurable change at batch 1 on an
         # H200: a one-tile split stayed 7.7 us, latency-bound).
         v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, scale_log2,
+                                     DOT_PRECISION)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -376,7 +428,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
-                           work: DecodeWork | None = None) -> None:
+                           work: DecodeWork | None = None,
+                           early_kv: int | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -453,7 +506,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
-        HAS_NORM=has_norm, WORK_LIST=work is not None, num_warps=num_warps, **extra, **pdl)
+        HAS_NORM=has_norm, WORK_LIST=work is not None,
+        EARLY_KV=(EARLY_KV if num_splits > 1 else 0) if early_kv is None else early_kv,
+        ROW_LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
+        LINE=128 // k_cache.element_size(), num_warps=num_warps, **extra, **pdl)
     if num_splits > 1 or work is not None:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc,

@@ -45,6 +45,16 @@ def launch_dependents(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(addr, ok):
+    """Request the 128-byte lines at ``addr`` (where ``ok``) into L2: fire and forget, no
+    registers held and nothing waits, so it may precede ``wait_for_predecessor`` for what
+    the predecessor does not write."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @functools.cache
 def _supported(device_index: int) -> bool:
     if os.environ.get("PDSERVE_TRITON_PDL", "1") == "0":

@@ -174,8 +174,8 @@ class LayerVariant:
     down_tiling: tuple[int, int, int, int] | None = None  # None: as the other GEMVs
     gemv_prefetch: int | None = None  # K chunks of W requested into L2 before the PDL wait
     # (None: gemv's default)
-    early_kv: int | None = None  # decode attention's work before its PDL wait (None: the
-    # kernel's default; see paged_decode.EARLY_KV)
+    early_kv: bool | None = None  # decode attention's first K/V tile before its PDL wait
+    # (None: paged_decode_attention's choice)
     attn_launch: tuple[int, int, int] | None = None  # decode attention's (BLOCK_N, warps,
     # stages); None: its defaults
     gemv_stages: int | None = None  # pipeline stages of every GEMV (None: their tilings')
@@ -201,11 +201,11 @@ LAYER_VARIANTS = {
                                                          down_tiling=(32, 256, 4, 4)),
     **{f"engine now, GEMVs prefetch {c} chunks before the wait": LayerVariant(
         rope="attention", silu="fused", gemv_prefetch=c) for c in (0, 1, 2, 4, 8)},
-    **{f"engine now, attention early K/V {m}": LayerVariant(
-        rope="attention", silu="fused", early_kv=m) for m in (0, 1, 2)},
+    "engine now, attention without early K/V": LayerVariant(rope="attention", silu="fused",
+                                                            early_kv=False),
     **{f"engine now, attention at {a}": LayerVariant(rope="attention", silu="fused",
                                                      attn_launch=a)
-       for a in ((32, 4, 3), (64, 8, 3), (64, 4, 1), (64, 4, 2))},
+       for a in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (64, 4, 1), (64, 4, 2))},
     **{f"engine now, GEMVs with {s} stages": LayerVariant(rope="attention", silu="fused",
                                                           gemv_stages=s) for s in (2, 3)},
 }
@@ -362,11 +362,12 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
             print(f"attn {key}: {type(exc).__name__}", flush=True)
     results["rope in kernel"] = graph_us(lambda: paged_decode_attention(
         q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope), reps)
-    for mode in (0, 1, 2):
-        results[f"rope in kernel, early K/V {mode}"] = graph_us(
-            lambda m=mode: paged_decode_attention(q, cache[0], cache[1], out_t, tables,
-                                                  seq_lens, qsl, 0.088, rope=rope,
-                                                  early_kv=m), reps)
+    results["rope in kernel, 4 warps"] = graph_us(lambda: paged_decode_attention(
+        q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope, num_warps=4),
+        reps)
+    results["rope in kernel, no early K/V"] = graph_us(lambda: paged_decode_attention(
+        q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope,
+        early_kv=False), reps)
     best = min(results, key=results.get)
     print(f"attn {model:10} b{batch} ctx{context}: default {results['default']:.2f}, "
           f"rope in kernel {results['rope in kernel']:.2f}; "

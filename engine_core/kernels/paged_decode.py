@@ -35,7 +35,7 @@ import triton.language as tl
 from engine_core.attention.decode_work import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, DecodeWork
 from engine_core.kernels import next_power_of_2
 from engine_core.kernels.paged_prefill import LOG2E, dot_precision
-from engine_core.kernels.pdl import pdl_args, prefetch_l2, wait_for_predecessor
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 # MIN_TOKENS_PER_SPLIT: a split below it costs more in the merge than it gains in
 # parallelism. MAX_SPLITS: an H200 sweep (32 q / 8 KV heads, d 128, bf16) ran one 32k-token
@@ -47,9 +47,7 @@ from engine_core.kernels.pdl import pdl_args, prefetch_l2, wait_for_predecessor
 SPLIT_CHUNK = 16
 MERGE_WARPS = 2
 _ROW_MAX_START = tl.constexpr(-1.0e30)
-# With RoPE in the kernel (decode-only steps), what each split does before its PDL wait:
-# 0 nothing, 1 its first K/V tile requested into L2, 2 its first K/V tile loaded.
-EARLY_KV = 2
+
 
 
 @triton.jit
@@ -129,12 +127,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                   WORK_LIST: tl.constexpr, EARLY_KV: tl.constexpr,
-                   ROW_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
+                   WORK_LIST: tl.constexpr, EARLY_KV: tl.constexpr, USE_PDL: tl.constexpr):
     kv_head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    if ROPE and EARLY_KV > 0:
+    if ROPE and EARLY_KV:
         # Before the wait: the predecessor (the qkv GEMV) writes neither the step's inputs
         # (seq_lens, block tables: copied before the step) nor the cache's older positions
         # (written by earlier steps; this step's new K/V is stored by this kernel), so the
@@ -154,19 +151,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         valid0 = pos0 < cached_hi
         block0 = tl.load(table + pos0 // BLOCK_SIZE, mask=valid0, other=0).to(tl.int64)
         kv_rows0 = block0 * stride_kb + (pos0 % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        if EARLY_KV == 1:
-            if USE_PDL:
-                lines = tl.arange(0, ROW_LINES) * LINE
-                addr = kv_rows0[:, None] + lines[None, :]
-                line_ok = valid0[:, None] & (lines < HEAD_DIM)[None, :]
-                prefetch_l2(k_cache_ptr + addr, line_ok)
-                prefetch_l2(v_cache_ptr + addr, line_ok)
-        else:
-            tile_mask0 = valid0[:, None] & dim_mask[None, :]
-            k0 = tl.load(k_cache_ptr + kv_rows0[:, None] + dims[None, :], mask=tile_mask0,
-                         other=0.0)
-            v0 = tl.load(v_cache_ptr + kv_rows0[:, None] + dims[None, :], mask=tile_mask0,
-                         other=0.0)
+        tile_mask0 = valid0[:, None] & dim_mask[None, :]
+        k0 = tl.load(k_cache_ptr + kv_rows0[:, None] + dims[None, :], mask=tile_mask0,
+                     other=0.0)
+        v0 = tl.load(v_cache_ptr + kv_rows0[:, None] + dims[None, :], mask=tile_mask0,
+                     other=0.0)
     wait_for_predecessor(USE_PDL)
     if WORK_LIST:
         # One listed (sequence, split, its row's split count); partials by item.
@@ -196,7 +185,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         # token a row, so row ``seq``'s token is token ``seq``; a row whose bounds say
         # otherwise is skipped, never read with the wrong token. (Without ROPE the length
         # stays behind the test: hoisted there, batches of 64 and 256 lost 12% on an H100.)
-        if EARLY_KV == 0:
+        if not EARLY_KV:
             seq_len = tl.load(seq_lens_ptr + seq)
         token = seq.to(tl.int64)
         one = tl.arange(0, 1)
@@ -216,7 +205,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         if q_end - q_row != 1:
             return
         seq_len = tl.load(seq_lens_ptr + seq)
-    if (not ROPE) or EARLY_KV == 0:
+    if not (ROPE and EARLY_KV):
         per_split, used_splits = _splits_used(seq_len, row_splits, BLOCK_N)
         if split >= used_splits:
             return
@@ -264,7 +253,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
                     mask=row_valid[:, None] & dim_mask[None, :], other=0.0)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     first = lo
-    if ROPE and EARLY_KV == 2:  # the first tile arrived before the wait
+    if ROPE and EARLY_KV:  # the first tile arrived before the wait
         m_i, l_i, acc = _attend_tile(q, k0, v0, valid0, m_i, l_i, acc, scale_log2,
                                      DOT_PRECISION)
         first = lo + BLOCK_N
@@ -425,11 +414,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, num_splits: int | None = None,
-                           block_n: int | None = None, num_warps: int = 4,
+                           block_n: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
                            work: DecodeWork | None = None,
-                           early_kv: int | None = None) -> None:
+                           early_kv: bool | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -494,6 +483,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         has_norm = False
         new = (q, q, q, q, q, q, 0.0, seq_lens, 0, 0, 0, 0, 0, 0)  # placeholders
+    # One sequence whose row is cut into splits, with RoPE in the kernel (batch-1 decode):
+    # each split loads its first K/V tile before the PDL wait, while the qkv GEMV finishes,
+    # with 8 warps (its used splits fit the GPU one program an SM). H100, Qwen3-8B heads,
+    # b1 ctx 1k: 8.1-8.3 -> 6.8-7.0 us (7.5 with 4 warps); layer graph 149.7-149.9 ->
+    # 147.1-147.9 us. Not for batches: at b8 the step lost 0.3% with 4 warps and 2% with
+    # 8 (an 8-warp program takes an SM's registers: three waves), and with one split a row
+    # the tile held across the prologue spilled in the loop (b64 ctx 2k: 186 -> 211 us).
+    # 8-bit caches keep 4 warps: with 8, four fp8 cases of the GPU tests failed (at batch
+    # 5, not looked into).
+    early = rope is not None and (num_seqs == 1 and num_splits > 1 if early_kv is None
+                                  else early_kv)
+    if num_warps is None:
+        num_warps = 8 if early and num_seqs == 1 and k_cache.element_size() >= 2 else 4
     grid = ((work.count, num_kv_heads, 1) if work is not None
             else (num_seqs, num_kv_heads, num_splits))
     _decode_kernel[grid](
@@ -507,9 +509,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
         HAS_NORM=has_norm, WORK_LIST=work is not None,
-        EARLY_KV=(EARLY_KV if num_splits > 1 else 0) if early_kv is None else early_kv,
-        ROW_LINES=next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
-        LINE=128 // k_cache.element_size(), num_warps=num_warps, **extra, **pdl)
+        EARLY_KV=early, num_warps=num_warps, **extra, **pdl)
     if num_splits > 1 or work is not None:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc,

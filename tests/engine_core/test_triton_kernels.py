@@ -399,6 +399,9 @@ ROPE_DECODE_CASES_CUDA = (
     + [AttnCase(BF16, 8, 4, 128, (1023,), (1,), block_size=16, num_splits=33),
        AttnCase(BF16, 2, 5, 96, (95, 1500), (1, 1), block_size=32, num_splits=4),
        AttnCase(BF16, 8, 4, 128, tuple(range(0, 6000, 97)), (1,) * 62, block_size=32)]
+    # one sequence (8 warps with a 16-bit cache), its splits of several tiles
+    + [AttnCase(dt, 8, 4, 128, (4100,), (1,), cache_dtype=c, block_size=16)
+       for dt, c in ((BF16, None), (FP16, None), (BF16, E4M3))]
 )
 
 

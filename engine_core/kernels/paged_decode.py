@@ -387,6 +387,24 @@ def decode_work_target(num_kv_heads: int, device: torch.device) -> int:
     return triton.cdiv(2 * num_sms, max(num_kv_heads, 1))
 
 
+def early_kv_launch(rope: bool, num_seqs: int, num_splits: int, cache_element_size: int,
+                    early_kv: bool | None = None) -> tuple[bool, int]:
+    """(whether each split loads its first K/V tile before the PDL wait, warps) for a
+    decode launch, from shapes only (CUDA-graph safe); ``early_kv`` overrides the first.
+
+    Why: one sequence cut into splits with RoPE in the kernel (batch-1 decode) can have
+    its K/V tiles arrive while the qkv GEMV finishes, and 8 warps a split (its used splits
+    fit the GPU one program an SM). H100, Qwen3-8B heads, b1 ctx 1k: 8.1-8.3 -> 6.8-7.0 us
+    (7.5 with 4 warps); layer graph 149.7-149.9 -> 147.1-147.9 us. Not for batches: at b8
+    the step lost 0.3% with 4 warps and 2% with 8 (an 8-warp program takes an SM's
+    registers: three waves), and with one split a row the tile held across the prologue
+    spilled in the loop (b64 ctx 2k: 186 -> 211 us). 8-bit caches keep 4 warps: with 8,
+    four fp8 cases of the GPU tests failed (at batch 5, not looked into).
+    """
+    early = rope and (num_seqs == 1 and num_splits > 1 if early_kv is None else early_kv)
+    return early, 8 if early and num_seqs == 1 and cache_element_size >= 2 else 4
+
+
 @dataclass(frozen=True)
 class NewTokenRope:
     """This step's new tokens for ``paged_decode_attention`` to finish in its prologue:
@@ -483,19 +501,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         has_norm = False
         new = (q, q, q, q, q, q, 0.0, seq_lens, 0, 0, 0, 0, 0, 0)  # placeholders
-    # One sequence whose row is cut into splits, with RoPE in the kernel (batch-1 decode):
-    # each split loads its first K/V tile before the PDL wait, while the qkv GEMV finishes,
-    # with 8 warps (its used splits fit the GPU one program an SM). H100, Qwen3-8B heads,
-    # b1 ctx 1k: 8.1-8.3 -> 6.8-7.0 us (7.5 with 4 warps); layer graph 149.7-149.9 ->
-    # 147.1-147.9 us. Not for batches: at b8 the step lost 0.3% with 4 warps and 2% with
-    # 8 (an 8-warp program takes an SM's registers: three waves), and with one split a row
-    # the tile held across the prologue spilled in the loop (b64 ctx 2k: 186 -> 211 us).
-    # 8-bit caches keep 4 warps: with 8, four fp8 cases of the GPU tests failed (at batch
-    # 5, not looked into).
-    early = rope is not None and (num_seqs == 1 and num_splits > 1 if early_kv is None
-                                  else early_kv)
-    if num_warps is None:
-        num_warps = 8 if early and num_seqs == 1 and k_cache.element_size() >= 2 else 4
+    early, default_warps = early_kv_launch(rope is not None, num_seqs, num_splits,
+                                           k_cache.element_size(), early_kv)
+    num_warps = default_warps if num_warps is None else num_warps
     grid = ((work.count, num_kv_heads, 1) if work is not None
             else (num_seqs, num_kv_heads, num_splits))
     _decode_kernel[grid](

@@ -6,11 +6,14 @@ scheduled while the predecessor drains and park at ``griddepcontrol.wait``, whic
 once the predecessor has completed and its writes are visible: the launch gap is hidden.
 
 Rule for every kernel that takes part: call ``wait_for_predecessor`` first thing, before
-any load, store or early return; the one exception is a load (or L2 prefetch) of what no
-kernel of a step writes (a weight), which may come first to overlap the predecessor's tail.
-Then a kernel's completion implies its predecessor's, so the chain is ordered exactly as
-without PDL (kernels launched without PDL, cuBLAS for instance, keep ordinary stream order
-on both sides). On Hopper and newer GPUs only; never under the Triton interpreter;
+any store; loads (or L2 prefetches) may come first only for what the predecessor does not
+write, and an early return only where the kernel stores nothing. Why that is safe: a
+kernel's blocks start once every block of its predecessor has passed its own wait, so the
+kernel two back has completed, and a predecessor stores nothing before its wait. Weights
+qualify (no kernel writes them), and so do, for batch-1 decode attention after the qkv
+GEMV, the step's inputs and the cache's older positions. Then a kernel's completion implies
+its predecessor's, so the chain is ordered exactly as without PDL (kernels launched without
+PDL, cuBLAS for instance, keep ordinary stream order on both sides). On Hopper and newer GPUs only; never under the Triton interpreter;
 ``PDSERVE_TRITON_PDL=0`` turns it off.
 """
 

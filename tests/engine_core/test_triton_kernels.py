@@ -469,6 +469,24 @@ def test_split_choice_depends_on_shapes_only() -> None:
     assert choose_num_splits(512, 8, 4096, 16, cpu) == 1      # the batch fills the GPU
 
 
+def test_early_kv_only_for_one_sequence_cut_into_splits() -> None:
+    """The first K/V tile before the PDL wait (and 8 warps with a 16-bit cache) only for
+    batch-1 decode with RoPE in the kernel and several splits; batches keep the old launch."""
+    from engine_core.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from engine_core.kernels.paged_decode import early_kv_launch
+
+    assert early_kv_launch(True, 1, 33, 2) == (True, 8)
+    assert early_kv_launch(True, 1, 33, 1) == (True, 4)      # fp8 cache: 4 warps
+    assert early_kv_launch(True, 8, 5, 2) == (False, 4)      # a batch
+    assert early_kv_launch(True, 1, 1, 2) == (False, 4)      # one split walks the row
+    assert early_kv_launch(False, 1, 33, 2) == (False, 4)    # mixed steps: no RoPE
+    assert early_kv_launch(True, 8, 5, 2, early_kv=True) == (True, 4)
+    assert early_kv_launch(False, 1, 33, 2, early_kv=True) == (False, 4)
+
+
 # ---- the backend: write + attention, two steps, mixed batches ---------------------------
 
 BACKEND_CASES_CUDA = [

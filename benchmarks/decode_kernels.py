@@ -205,7 +205,10 @@ LAYER_VARIANTS = {
                                                             early_kv=False),
     **{f"engine now, attention at {a}": LayerVariant(rope="attention", silu="fused",
                                                      attn_launch=a)
-       for a in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (64, 4, 1), (64, 4, 2))},
+       for a in ((32, 4, 3), (64, 4, 3), (64, 8, 3), (64, 4, 1), (64, 4, 2), (64, 8, 1),
+                 (64, 8, 2), (64, 8, 4), (32, 8, 3), (128, 8, 2))},
+    "engine now, attention in 8 splits": LayerVariant(rope="attention", silu="fused",
+                                                      splits=8),
     **{f"engine now, GEMVs with {s} stages": LayerVariant(rope="attention", silu="fused",
                                                           gemv_stages=s) for s in (2, 3)},
 }

@@ -172,6 +172,8 @@ class LayerVariant:
     # "default" (gemv's choice: gate/up with SiLU fused), "never", "gate_up" or "all"
     splits: int | None = None  # decode-attention splits; None: choose_num_splits
     down_tiling: tuple[int, int, int, int] | None = None  # None: as the other GEMVs
+    qkv_tiling: tuple[int, int, int, int] | None = None  # the same for qkv and o
+    o_tiling: tuple[int, int, int, int] | None = None
     gemv_prefetch: int | None = None  # K chunks of W requested into L2 before the PDL wait
     # (None: gemv's default)
     early_kv: bool | None = None  # decode attention's first K/V tile before its PDL wait
@@ -209,6 +211,10 @@ LAYER_VARIANTS = {
                  (64, 8, 2), (64, 8, 4), (32, 8, 3), (128, 8, 2))},
     "engine now, attention in 8 splits": LayerVariant(rope="attention", silu="fused",
                                                       splits=8),
+    **{f"engine now, qkv at {t}": LayerVariant(rope="attention", silu="fused", qkv_tiling=t)
+       for t in ((16, 256, 2, 4), (16, 512, 2, 4), (32, 512, 4, 4), (64, 128, 4, 4))},
+    **{f"engine now, o at {t}": LayerVariant(rope="attention", silu="fused", o_tiling=t)
+       for t in ((16, 256, 2, 4), (32, 512, 4, 4))},
     **{f"engine now, GEMVs with {s} stages": LayerVariant(rope="attention", silu="fused",
                                                           gemv_stages=s) for s in (2, 3)},
 }
@@ -270,7 +276,8 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             for layer in layers:
                 normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
                 pf = v.gemv_prefetch
-                qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], tiling),
+                qkv_tiling = GemvTiling(*v.qkv_tiling) if v.qkv_tiling else tiling
+                qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], qkv_tiling),
                            early_dependents=not late_all, prefetch_chunks=pf)
                 q, rope = q_fixed, None
                 attn_launch = ({} if v.attn_launch is None else dict(
@@ -291,8 +298,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
                                            rope=rope, early_kv=v.early_kv,
                                            **attn_launch)
+                o_tiling = GemvTiling(*v.o_tiling) if v.o_tiling else tiling
                 h = gemv(attn_out.view(1, hq * d), layer["o"],
-                         tiling=staged(layer["o"], tiling), early_dependents=not late_all,
+                         tiling=staged(layer["o"], o_tiling), early_dependents=not late_all,
                          prefetch_chunks=pf)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":

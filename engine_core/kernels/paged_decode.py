@@ -398,8 +398,9 @@ def early_kv_launch(rope: bool, num_seqs: int, num_splits: int, cache_element_si
     (7.5 with 4 warps); layer graph 149.7-149.9 -> 147.1-147.9 us. Not for batches: at b8
     the step lost 0.3% with 4 warps and 2% with 8 (an 8-warp program takes an SM's
     registers: three waves), and with one split a row the tile held across the prologue
-    spilled in the loop (b64 ctx 2k: 186 -> 211 us). 8-bit caches keep 4 warps: with 8,
-    four fp8 cases of the GPU tests failed (at batch 5, not looked into).
+    spilled in the loop (b64 ctx 2k: 186 -> 211 us). 8-bit caches keep 4 warps: forced to 8
+    warps, every GPU test case passed but bf16 queries over an e5m2 cache (28-63% of the
+    outputs wrong, with and without q/k norm; not looked into further).
     """
     early = rope and (num_seqs == 1 and num_splits > 1 if early_kv is None else early_kv)
     return early, 8 if early and num_seqs == 1 and cache_element_size >= 2 else 4

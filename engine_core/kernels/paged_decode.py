@@ -21,6 +21,9 @@ Decode-only steps pass ``NewTokenRope``: q arrives raw from the qkv projection a
 program norms and rotates its query heads; the split holding the last position norms and
 rotates the new key, stores the new K/V at its slot and starts its softmax with that key,
 so the q/k norm + RoPE kernel and the KV write are not launched (rounded as they round).
+With one sequence cut into splits (batch-1 decode, ``early_kv_launch``) each split also
+reads its extent and loads its first K/V tile before its PDL wait, which the qkv GEMV
+before it cannot change (``kernels/pdl.py``'s rule).
 """
 
 from __future__ import annotations

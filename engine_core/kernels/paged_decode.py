@@ -52,7 +52,6 @@ MERGE_WARPS = 2
 _ROW_MAX_START = tl.constexpr(-1.0e30)
 
 
-
 @triton.jit
 def _load_head_rows(row_ptrs, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows of heads ``[R, D]`` at ``row_ptrs`` ``[R]`` and the same rows with their halves

@@ -13,8 +13,8 @@ kernel two back has completed, and a predecessor stores nothing before its wait.
 qualify (no kernel writes them), and so do, for batch-1 decode attention after the qkv
 GEMV, the step's inputs and the cache's older positions. Then a kernel's completion implies
 its predecessor's, so the chain is ordered exactly as without PDL (kernels launched without
-PDL, cuBLAS for instance, keep ordinary stream order on both sides). On Hopper and newer GPUs only; never under the Triton interpreter;
-``PDSERVE_TRITON_PDL=0`` turns it off.
+PDL, cuBLAS for instance, keep ordinary stream order on both sides). On Hopper and newer
+GPUs only; never under the Triton interpreter; ``PDSERVE_TRITON_PDL=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -92,8 +92,7 @@ def gemv_cases() -> list[dict[str, Any]]:
         silu = name == "wide"  # the fused gate/up takes the wide tiling
         constants = dict(HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=gemv_module.BLOCK_M,
                          BLOCK_N=t.block_n, BLOCK_K=t.block_k, EARLY_DEPENDENTS=not silu,
-                         PREFETCH_LINES=gemv_module.PREFETCH_CHUNKS * t.block_k * 2 // 128,
-                         LINE=64, USE_PDL=True)
+                         **gemv_module.prefetch_args(t, 2), USE_PDL=True)
         used = compile_sm90(fn, types, constants, num_warps=t.num_warps,
                             num_stages=t.num_stages, enable_fp_fusion=not silu)
         out.append({"kernel": f"gemv {name}{' + SiLU' if silu else ''}",

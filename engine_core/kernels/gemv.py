@@ -30,6 +30,7 @@ from engine_core.kernels.silu_mul import silu_times_up
 
 BLOCK_M = 16  # tl.dot's smallest tile; rows beyond M are masked loads
 
+
 @triton.jit
 def _prefetch_first_lines(w_rows, row_ok, K, LINES: tl.constexpr, LINE: tl.constexpr):
     """The first ``LINES`` 128-byte lines of each of this program's rows of W requested into
@@ -125,6 +126,15 @@ WIDE_TILING = GemvTiling(64, 128, 4, 4)
 PREFETCH_CHUNKS = 1
 
 
+def prefetch_args(tiling: GemvTiling, element_size: int,
+                  chunks: int = PREFETCH_CHUNKS) -> dict[str, int]:
+    """The kernel's ``PREFETCH_LINES`` and ``LINE`` (elements a 128-byte line) for
+    ``chunks`` K chunks of ``tiling`` over weights of ``element_size`` bytes."""
+    assert chunks >= 0 and chunks & (chunks - 1) == 0, chunks  # tl.arange: 2^n lines a row
+    return {"PREFETCH_LINES": chunks * tiling.block_k * element_size // 128,
+            "LINE": 128 // element_size}
+
+
 def choose_tiling(n: int, k: int) -> GemvTiling:
     """The tiling for a weight ``[n, k]`` (shapes only: a CUDA graph records one for good)."""
     if n >= 5 * k:
@@ -163,14 +173,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     t = tiling or choose_tiling(n, k)
     chunks = PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks
-    assert chunks >= 0 and chunks & (chunks - 1) == 0, chunks  # tl.arange: 2^n lines a row
     early = not silu_mul if early_dependents is None else early_dependents
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
-        PREFETCH_LINES=chunks * t.block_k * weight.element_size() // 128,
-        LINE=128 // weight.element_size(), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
+        **prefetch_args(t, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not silu_mul, **pdl_args(x.device))
     return out

@@ -450,7 +450,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     get neither attention nor their K/V written).
     ``num_splits=None`` picks ``choose_num_splits``. ``work`` (mixed steps,
     ``attention/decode_work.py``) gives each decode row its own split count instead: one
-    program per listed item and KV head; ``num_splits`` is then unused.
+    program per listed item and KV head; ``num_splits`` is then unused. ``early_kv`` and
+    ``num_warps`` (benchmarks) override ``early_kv_launch``'s choice.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]

@@ -22,6 +22,7 @@ now, and variants without a part (priced by difference) or with a candidate kern
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import itertools
 import json
 import statistics
@@ -44,6 +45,9 @@ GEMV_SHAPES = [
 # (BLOCK_N, BLOCK_K, warps, stages)
 GEMV_SWEEP = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
     (16, 32, 64), (128, 256, 512), (4,), (3, 4))] + [(16, 256, 2, 4), (32, 256, 8, 4)]
+# staged_gemv's (K chunks staged, rows a program, warps)
+STAGED_CONFIGS = [(12, 32, 4), (12, 32, 8), (11, 32, 4), (6, 32, 4), (10, 16, 4), (10, 16, 8),
+                  (5, 16, 4), (5, 16, 2), (4, 8, 2), (2, 8, 1)]
 # (model, q heads, kv heads)
 ATTN_SHAPES = [("qwen3-8b", 32, 8), ("qwen3-0.6b", 16, 8)]
 # (splits, BLOCK_N, stages, warps); None: the kernel's own choice.
@@ -129,6 +133,33 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
+def staged_cases(reps: int) -> list[dict[str, Any]]:
+    """The staged GEMV (weights into shared memory before the PDL wait) at one row over
+    distinct weight copies, each call PDL-chained to the last, against ``gemv``: Qwen3-8B's
+    o and qkv projections, in ``STAGED_CONFIGS``."""
+    from benchmarks.staged_gemv import staged_gemv
+    from engine_core.kernels.gemv import gemv
+
+    out = []
+    for name, n, k in (("o", 4096, 4096), ("qkv", 6144, 4096)):
+        weight = rotating(lambda n=n, k=k: torch.randn(n, k, dtype=torch.bfloat16,
+                                                        device="cuda") / k ** 0.5, n * k * 2, reps)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        case: dict[str, Any] = {"proj": name, "n": n, "k": k,
+                                "gemv_us": graph_us(lambda x=x, w=weight: gemv(x, w()), reps)}
+        for chunks, rows, warps in STAGED_CONFIGS:
+            case[str((chunks, rows, warps))] = graph_us(
+                lambda x=x, w=weight, c=chunks, r=rows, nw=warps: staged_gemv(
+                    x, w(), staged_chunks=c, block_n=r, num_warps=nw), reps)
+        out.append(case)
+        print(f"staged {name}: " + ", ".join(f"{key} {value:.2f}" for key, value in case.items()
+                                             if key.endswith("us") or key.startswith("(")),
+              flush=True)
+        del weight, x
+        torch.cuda.empty_cache()
+    return out
+
+
 def gemv_l2_cases(reps: int) -> list[dict[str, Any]]:
     """Each projection at one row with its weight read cold (distinct copies, as a decode
     step reads them) and hot (one copy, called again and again: as far as it fits, from
@@ -181,6 +212,11 @@ class LayerVariant:
     attn_launch: tuple[int, int, int] | None = None  # decode attention's (BLOCK_N, warps,
     # stages); None: its defaults
     gemv_stages: int | None = None  # pipeline stages of every GEMV (None: their tilings')
+    o_staged: tuple[int, int, int] | None = None  # o by staged_gemv: (K chunks staged before
+    # its wait, rows a program, warps); None: gemv
+    merge_early: bool = False  # the split merge lets its successor in before its wait
+    carveout: bool = False  # every kernel prefers the most shared memory (L1 carveout), so
+    # a staged GEMV's programs fit on SMs that attention's occupy
 
 
 LAYER_VARIANTS = {
@@ -217,7 +253,59 @@ LAYER_VARIANTS = {
        for t in ((16, 256, 2, 4), (32, 512, 4, 4))},
     **{f"engine now, GEMVs with {s} stages": LayerVariant(rope="attention", silu="fused",
                                                           gemv_stages=s) for s in (2, 3)},
+    **{f"engine now, o staged {c}{m}{', attention 4 warps' if w == 4 else ''}{cv}": LayerVariant(
+        rope="attention", silu="fused", o_staged=(c, 32, 4), merge_early=bool(m),
+        attn_launch=None if w == 8 else (64, 4, 3), carveout=bool(cv))
+       for c in (4, 8, 11, 12) for m in ("", ", merge early") for w in (4, 8)
+       for cv in ("", ", max shared")},
+    **{f"engine now, o staged {t}{m}": LayerVariant(
+        rope="attention", silu="fused", o_staged=t, merge_early=bool(m))
+       for t in STAGED_CONFIGS for m in ("", ", merge early")},
+    **{f"engine now{cv}{', attention 4 warps' if w == 4 else ''}": LayerVariant(
+        rope="attention", silu="fused", attn_launch=None if w == 8 else (64, 4, 3),
+        carveout=bool(cv)) for w in (4, 8) for cv in ("", ", max shared")},
 }
+
+
+def expand_variants(spec: str) -> list[str]:
+    """``LAYER_VARIANTS`` names from ';'-separated items; an item with ``*`` or ``?`` is a
+    shell pattern standing for every name it matches, in table order."""
+    names = []
+    for item in spec.split(";"):
+        if any(c in item for c in "*?"):
+            matched = fnmatch.filter(LAYER_VARIANTS, item)
+            assert matched, f"no layer variant matches {item!r}"
+            names += matched
+        else:
+            names.append(item)
+    return names
+
+
+def set_carveout(percent: int) -> None:
+    """Every compiled kernel of ``engine_core.kernels`` (and the staged GEMV) prefers ``percent`` of the unified
+    L1 as shared memory (-1: the driver's default). Why: an SM runs blocks of different
+    kernels side by side only in one carveout, so a kernel that needs most of the shared
+    memory cannot join an SM configured for its predecessor's small needs."""
+    import ctypes
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import engine_core.kernels as kernels
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    names = [f"engine_core.kernels.{info.name}" for info in pkgutil.iter_modules(kernels.__path__)]
+    for name in names + ["benchmarks.staged_gemv"]:
+        for fn in vars(importlib.import_module(name)).values():
+            if not isinstance(fn, JITFunction):
+                continue
+            for cache, *_ in fn.device_caches.values():
+                for compiled in cache.values():
+                    compiled._init_handles()
+                    rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(compiled.function), 9,
+                                                 ctypes.c_int(percent))
+                    assert rc == 0, (fn, rc)
 
 
 def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
@@ -226,6 +314,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     (norm, qkv, [q/k norm, RoPE, KV write], decode attention, o, norm, gate/up, SiLU,
     down). us per layer; the block table is the benchmark engine's width (10k tokens), so
     the default split count is the engine's."""
+    from benchmarks.staged_gemv import staged_gemv
     from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
     from engine_core.kernels.kv_write import write_kv
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
@@ -297,11 +386,16 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
                                            rope=rope, early_kv=v.early_kv,
-                                           **attn_launch)
+                                           merge_early_trigger=v.merge_early, **attn_launch)
                 o_tiling = GemvTiling(*v.o_tiling) if v.o_tiling else tiling
-                h = gemv(attn_out.view(1, hq * d), layer["o"],
-                         tiling=staged(layer["o"], o_tiling), early_dependents=not late_all,
-                         prefetch_chunks=pf)
+                if v.o_staged is not None:
+                    chunks, rows, warps = v.o_staged
+                    h = staged_gemv(attn_out.view(1, hq * d), layer["o"], staged_chunks=chunks,
+                                    block_n=rows, num_warps=warps)
+                else:
+                    h = gemv(attn_out.view(1, hq * d), layer["o"],
+                             tiling=staged(layer["o"], o_tiling),
+                             early_dependents=not late_all, prefetch_chunks=pf)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
                     act = gemv(normed, layer["gate_up"], silu_mul=True,
@@ -316,6 +410,8 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                          early_dependents=not late_all,
                          prefetch_chunks=pf)
 
+        forward()
+        set_carveout(100 if v.carveout else -1)
         us = graph_us(forward, 1) / num_layers
         out.append({"variant": name, "us_per_layer": us, "layers": num_layers,
                     "options": asdict(v)})
@@ -412,10 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = attention_cases(cases, args.reps, args.attn_sweep)  # type: ignore[arg-type]
     if "gemv" in parts:
         results["gemv"] = gemv_cases(rows, args.reps)
+    if "staged" in parts:
+        results["staged"] = staged_cases(args.reps)
     if "gemv_l2" in parts:
         results["gemv_l2"] = gemv_l2_cases(args.reps)
     if "layer" in parts:
-        results["layer"] = layer_cases(args.layers, args.layer_variants.split(";"))
+        results["layer"] = layer_cases(args.layers, expand_variants(args.layer_variants))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -215,8 +215,6 @@ class LayerVariant:
     o_staged: tuple[int, int, int] | None = None  # o by staged_gemv: (K chunks staged before
     # its wait, rows a program, warps); None: gemv
     merge_early: bool = False  # the split merge lets its successor in before its wait
-    balanced: bool | None = None  # GEMVs in a multiple of the SM count of programs, rows
-    # spread evenly (gemv(balanced=True)); None: gemv's default
     carveout: bool = False  # every kernel prefers the most shared memory (L1 carveout), so
     # a staged GEMV's programs fit on SMs that attention's occupy
 
@@ -263,8 +261,6 @@ LAYER_VARIANTS = {
     **{f"engine now, o staged {t}{m}": LayerVariant(
         rope="attention", silu="fused", o_staged=t, merge_early=bool(m))
        for t in STAGED_CONFIGS for m in ("", ", merge early")},
-    "engine now, balanced GEMVs": LayerVariant(rope="attention", silu="fused", balanced=True),
-    "engine now, plain GEMV grid": LayerVariant(rope="attention", silu="fused", balanced=False),
     **{f"engine now{cv}{', attention 4 warps' if w == 4 else ''}": LayerVariant(
         rope="attention", silu="fused", attn_launch=None if w == 8 else (64, 4, 3),
         carveout=bool(cv)) for w in (4, 8) for cv in ("", ", max shared")},
@@ -371,8 +367,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                 pf = v.gemv_prefetch
                 qkv_tiling = GemvTiling(*v.qkv_tiling) if v.qkv_tiling else tiling
                 qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], qkv_tiling),
-                           early_dependents=not late_all, prefetch_chunks=pf,
-                           balanced=v.balanced)
+                           early_dependents=not late_all, prefetch_chunks=pf)
                 q, rope = q_fixed, None
                 attn_launch = ({} if v.attn_launch is None else dict(
                     zip(("block_n", "num_warps", "num_stages"), v.attn_launch)))
@@ -400,22 +395,20 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                 else:
                     h = gemv(attn_out.view(1, hq * d), layer["o"],
                              tiling=staged(layer["o"], o_tiling),
-                             early_dependents=not late_all, prefetch_chunks=pf,
-                             balanced=v.balanced)
+                             early_dependents=not late_all, prefetch_chunks=pf)
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
                     act = gemv(normed, layer["gate_up"], silu_mul=True,
                                tiling=staged(layer["gate_up"], None),
-                               early_dependents=gate_up_early, prefetch_chunks=pf,
-                               balanced=v.balanced)
+                               early_dependents=gate_up_early, prefetch_chunks=pf)
                 else:
                     gate_up = (gemv(normed, layer["gate_up"], early_dependents=gate_up_early)
                                if v.per_shape else F.linear(normed, layer["gate_up"]))
                     act = silu_and_mul(gate_up) if v.silu == "kernel" else gate_up[:, :inter]
                 down_tiling = GemvTiling(*v.down_tiling) if v.down_tiling else tiling
                 h = gemv(act, layer["down"], tiling=staged(layer["down"], down_tiling),
-                         early_dependents=not late_all, prefetch_chunks=pf,
-                         balanced=v.balanced)
+                         early_dependents=not late_all,
+                         prefetch_chunks=pf)
 
         forward()
         set_carveout(100 if v.carveout else -1)

@@ -90,7 +90,7 @@ def gemv_cases() -> list[dict[str, Any]]:
                "deep": gemv_module.DEEP_TILING, "wide": gemv_module.WIDE_TILING}
     for name, t in tilings.items():
         silu = name == "wide"  # the fused gate/up takes the wide tiling
-        constants = dict(HAS_BIAS=False, BALANCED=False, SILU_MUL=silu, BLOCK_M=gemv_module.BLOCK_M,
+        constants = dict(HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=gemv_module.BLOCK_M,
                          BLOCK_N=t.block_n, BLOCK_K=t.block_k, EARLY_DEPENDENTS=not silu,
                          **gemv_module.prefetch_args(t, 2), USE_PDL=True)
         used = compile_sm90(fn, types, constants, num_warps=t.num_warps,

@@ -14,7 +14,6 @@ and at most ``--triton-gemv-max-rows`` rows; larger batches are GEMMs and stay w
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,31 +42,20 @@ def _prefetch_first_lines(w_rows, row_ok, K, LINES: tl.constexpr, LINE: tl.const
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 per_program, extra_programs, HAS_BIAS: tl.constexpr, BALANCED: tl.constexpr,
-                 SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
     lanes = tl.arange(0, BLOCK_N)
-    pid = tl.program_id(0)
-    outputs = N // 2 if SILU_MUL else N
-    width = BLOCK_N // 2 if SILU_MUL else BLOCK_N
-    if BALANCED:
-        # The first ``extra_programs`` programs take ``per_program + 1`` outputs, the rest
-        # ``per_program``: no program more than one output above another.
-        first = pid * per_program + tl.minimum(pid, extra_programs)
-        end = first + per_program + (pid < extra_programs).to(tl.int32)
-    else:
-        first = pid * width
-        end = tl.minimum(first + width, outputs)
     if SILU_MUL:
         # N = 2 * I weight rows (gate rows, then up rows); I outputs. Lane 2j reads gate row
         # c_j and lane 2j + 1 up row c_j, so both halves of an output sit in one tile.
-        half = outputs
-        cols = first + lanes // 2
-        col_ok = cols < end
+        half = N // 2
+        cols = tl.program_id(0) * (BLOCK_N // 2) + lanes // 2
+        col_ok = cols < half
         w_idx = cols + (lanes % 2) * half
     else:
-        cols = first + lanes
-        col_ok = cols < end
+        cols = tl.program_id(0) * BLOCK_N + lanes
+        col_ok = cols < N
         w_idx = cols
     w_rows = w_ptr + w_idx.to(tl.int64)[:, None] * stride_wn
     if USE_PDL and PREFETCH_LINES > 0:
@@ -95,26 +83,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32),
                                        [BLOCK_M, BLOCK_N // 2, 2]))
         result = silu_times_up(gate, up, dtype)
-        out_cols = first + tl.arange(0, BLOCK_N // 2)
-        out_ok = out_cols < end
+        out_cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out_ok = out_cols < half
     else:
         result = acc.to(dtype)
         out_cols = cols
         out_ok = col_ok
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
     tl.store(out, result, mask=row_ok[:, None] & out_ok[None, :])
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (8 off CUDA: the Triton interpreter's tests)."""
-    if device.type != "cuda":
-        return 8
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class GemvTiling(NamedTuple):
@@ -150,10 +126,6 @@ WIDE_TILING = GemvTiling(64, 128, 4, 4)
 PREFETCH_CHUNKS = 1
 
 
-# Programs in a multiple of the SM count, outputs spread evenly over them (to be measured).
-BALANCED = True
-
-
 def prefetch_args(tiling: GemvTiling, element_size: int,
                   chunks: int = PREFETCH_CHUNKS) -> dict[str, int]:
     """The kernel's ``PREFETCH_LINES`` and ``LINE`` (elements a 128-byte line) for
@@ -175,7 +147,7 @@ def choose_tiling(n: int, k: int) -> GemvTiling:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          tiling: GemvTiling | None = None, silu_mul: bool = False,
          early_dependents: bool | None = None,
-         prefetch_chunks: int | None = None, balanced: bool | None = None) -> torch.Tensor:
+         prefetch_chunks: int | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` with ``M <= 16``; ``weight`` ``[N, K]``.
 
     ``silu_mul``: ``weight`` is a fused gate/up ``[2 * I, K]`` (gate rows first) and the
@@ -202,16 +174,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     t = tiling or choose_tiling(n, k)
     chunks = PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks
     early = not silu_mul if early_dependents is None else early_dependents
-    programs = triton.cdiv(n, t.block_n)
-    balanced = BALANCED if balanced is None else balanced
-    outputs = n // 2 if silu_mul else n
-    if balanced:
-        sms = num_sms(x.device)
-        programs = triton.cdiv(programs, sms) * sms
-    _gemv_kernel[(programs,)](
+    _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), outputs // programs, outputs % programs,
-        HAS_BIAS=bias is not None, BALANCED=bool(balanced),
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
         **prefetch_args(t, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,

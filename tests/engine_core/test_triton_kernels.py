@@ -888,33 +888,6 @@ def test_gemv_silu_mul_equals_projection_then_silu_mul(device: str, case: GemvCa
     assert_close(fused, torch.nn.functional.silu(gate) * up, case.dtype)
 
 
-@pytest.mark.parametrize(("device", "case"),
-                         params([GemvCase(BF16, m, n, k, b) for m in (1, 4)
-                                 for n, k, b in ((6144, 4096, False), (4096, 12288, False),
-                                                 (24576, 4096, False), (4099, 1000, True))],
-                                [GemvCase(BF16, 1, 130, 64, True), GemvCase(FP16, 3, 262, 32, False)]))
-def test_gemv_balanced_equals_plain(device: str, case: GemvCase) -> None:
-    """Rows spread evenly over a multiple of the SM count of programs (``balanced``) give,
-    bit for bit, what the plain grid gives, with and without the SiLU epilogue, under every
-    tiling: a row's dot product does not depend on which program holds it."""
-    from engine_core.kernels.gemv import (
-        DEEP_TILING,
-        MEDIUM_TILING,
-        NARROW_TILING,
-        WIDE_TILING,
-        gemv,
-    )
-
-    x, w, b, expected = gemv_inputs(case, device, seed=8)
-    for tiling in (None, NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING):
-        got = gemv(x, w, b, tiling=tiling, balanced=True)
-        assert torch.equal(got, gemv(x, w, b, tiling=tiling))
-        if case.n % 2 == 0:
-            assert torch.equal(gemv(x, w, b, tiling=tiling, silu_mul=True, balanced=True),
-                               gemv(x, w, b, tiling=tiling, silu_mul=True))
-    assert_close(got, expected, case.dtype)
-
-
 # ---- CUDA only: capture and replay ----------------------------------------------------------
 
 

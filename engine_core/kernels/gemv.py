@@ -77,7 +77,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         launch_dependents(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + w_idx, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # rounded to the model dtype, then stored as out's
     if SILU_MUL:
         # Rounded where the unfused path rounds: the projection's output, then silu(gate).
         gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32),
@@ -90,7 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         out_cols = cols
         out_ok = col_ok
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
-    tl.store(out, result, mask=row_ok[:, None] & out_ok[None, :])
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
 
 
 class GemvTiling(NamedTuple):
@@ -147,7 +147,8 @@ def choose_tiling(n: int, k: int) -> GemvTiling:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          tiling: GemvTiling | None = None, silu_mul: bool = False,
          early_dependents: bool | None = None,
-         prefetch_chunks: int | None = None) -> torch.Tensor:
+         prefetch_chunks: int | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` with ``M <= 16``; ``weight`` ``[N, K]``.
 
     ``silu_mul``: ``weight`` is a fused gate/up ``[2 * I, K]`` (gate rows first) and the
@@ -163,12 +164,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     ``prefetch_chunks``: K chunks of each program's rows of ``weight`` requested into L2
     before the PDL wait (a power of two; None: ``PREFETCH_CHUNKS``; only with PDL).
+
+    ``out_dtype`` (the LM head's float32 logits): the result, rounded to ``x``'s dtype as
+    always, is stored in this dtype, so no cast kernel follows.
     """
     m, k = x.shape
     n = weight.shape[0]
     assert m <= BLOCK_M and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert not silu_mul or n % 2 == 0
-    out = torch.empty(m, n // 2 if silu_mul else n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if silu_mul else n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     t = tiling or choose_tiling(n, k)

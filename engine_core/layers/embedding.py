@@ -43,5 +43,5 @@ class LMHead(nn.Module):
         if takes_gemv(hidden, self.gemv_max_rows):
             from engine_core.kernels.gemv import gemv
 
-            return gemv(hidden, self.weight).float()
+            return gemv(hidden, self.weight, out_dtype=torch.float32)
         return F.linear(hidden, self.weight).float()

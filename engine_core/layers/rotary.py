@@ -61,17 +61,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin for a step's positions once; every layer then rotates q and k."""
+    """Computes cos/sin for a step's positions once; every layer then rotates q and k.
+
+    ``use_triton`` (the Triton backend) computes them in one kernel on CUDA
+    (``kernels.rotary.rope_cos_sin``: the same float32 math, one launch instead of six).
+    """
 
     def __init__(self, head_dim: int, rope_theta: float,
-                 rope_scaling: dict[str, Any] | None = None) -> None:
+                 rope_scaling: dict[str, Any] | None = None, use_triton: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.use_triton = use_triton
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope_theta, rope_scaling),
                              persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, head_dim]`` cos and sin for positions ``[T]``, cast to ``dtype`` like HF."""
+        if self.use_triton and positions.is_cuda:
+            from engine_core.kernels.rotary import rope_cos_sin
+
+            return rope_cos_sin(positions, self.inv_freq, dtype)
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

@@ -159,7 +159,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(spec, attn_backend, i, qkv_bias, o_bias, qk_norm)
             for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, attn_backend.triton_layers)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                                          attn_backend.triton_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:

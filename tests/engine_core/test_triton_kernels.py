@@ -666,6 +666,33 @@ def test_rope_matches_reference_exactly(device: str, case: RopeCase) -> None:
     assert torch.equal(k_out, RotaryEmbedding.apply(k, cos, sin))
 
 
+@pytest.mark.parametrize(("device", "case"), params(ROPE_CASES_CUDA, ROPE_CASES_INTERPRET))
+def test_rope_cos_sin_kernel_matches_torch(device: str, case: RopeCase) -> None:
+    """``rope_cos_sin`` (one launch) against ``RotaryEmbedding.cos_sin``'s torch ops on the
+    same positions: bit for bit on CUDA (both call libdevice's cosf/sinf); under the
+    interpreter (numpy's cos) within one unit of the dtype."""
+    from engine_core.kernels.rotary import rope_cos_sin
+    from engine_core.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(4)
+    rope = RotaryEmbedding(case.head_dim, 1000000.0, _SCALINGS[case.scaling]).to(device)
+    positions = torch.cat([torch.arange(0, 40), torch.randint(0, 40960, (37,), generator=gen),
+                           torch.tensor([40959, 131071])]).to(device)
+    cos, sin = rope_cos_sin(positions, rope.inv_freq, case.dtype)
+    ref_cos, ref_sin = rope.cos_sin(positions, case.dtype)
+    assert cos.shape == ref_cos.shape and cos.dtype == case.dtype
+    if device == "cuda":
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+        via_module = RotaryEmbedding(case.head_dim, 1000000.0, _SCALINGS[case.scaling],
+                                     use_triton=True).to(device)
+        assert torch.equal(via_module.cos_sin(positions, case.dtype)[0], ref_cos)
+    else:
+        ulp = {FP32: 1e-6, FP16: 2 ** -10, BF16: 2 ** -7}[case.dtype]
+        assert (cos.float() - ref_cos.float()).abs().max() <= ulp
+        assert (sin.float() - ref_sin.float()).abs().max() <= ulp
+    assert rope_cos_sin(positions[:0], rope.inv_freq, case.dtype)[0].shape == (0, 1, case.head_dim)
+
+
 @dataclass(frozen=True)
 class QkvCase:
     dtype: torch.dtype
@@ -809,6 +836,17 @@ def test_gemv_matches_linear(device: str, case: GemvCase) -> None:
         # Small weights take the GEMV; large ones stay with cuBLAS.
         small = case.n * case.k <= GEMV_MAX_WEIGHT_ELEMENTS
         assert torch.equal(layer(x), got if small else F.linear(x, w, b))
+
+
+@pytest.mark.parametrize(("device", "case"), params(GEMV_CASES_CUDA[:8], GEMV_CASES_INTERPRET))
+def test_gemv_float32_out_is_the_rounded_result_upcast(device: str, case: GemvCase) -> None:
+    """``out_dtype=float32`` (the LM head's logits) stores the result rounded to the model
+    dtype, as ``gemv(...).float()`` would, without the cast kernel."""
+    from engine_core.kernels.gemv import gemv
+
+    x, w, b, _ = gemv_inputs(case, device, seed=9)
+    got = gemv(x, w, b, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, gemv(x, w, b).float())
 
 
 @pytest.mark.gpu

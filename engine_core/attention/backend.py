@@ -33,6 +33,8 @@ class AttentionPlan:
     prefill_tile_tokens: int = 0
     # Work items a mixed step's decode rows share (attention/decode_work.py); 0: no list.
     decode_work_target: int = 0
+    # Greedy sampling's argmax by the Triton kernel (kernels/argmax.py) on CUDA.
+    triton_sampling: bool = False
 
 
 class AttentionBackend(ABC):

@@ -94,7 +94,8 @@ class TritonAttentionBackend(AttentionBackend):
                                  shapes.dtype)
         return AttentionPlan(prefill_tile_tokens=tile,
                              decode_work_target=decode_work_target(shapes.num_kv_heads,
-                                                                   shapes.device))
+                                                                   shapes.device),
+                             triton_sampling=True)
 
     def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -93,10 +93,10 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.connector = connector
-        self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         limits = limits or BatchLimits(1, 1, block_size, block_size)
         self.plan = plan or AttentionPlan()
+        self.sampler = Sampler(self.plan.triton_sampling)
         self.inputs = StepInputs(limits, device, self.plan.prefill_tile_tokens,
                                  self.plan.decode_work_target)
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)

@@ -54,7 +54,19 @@ class Sampler:
     Every decision about which passes to run is taken from the host-side parameters, and
     parameter tensors reach the device by non-blocking copies from pinned memory, so the
     step's only host sync is reading the sampled tokens (logprobs add one more read).
+    ``use_triton`` (the Triton backend) takes greedy rows' argmax with ``kernels.argmax``
+    on CUDA.
     """
+
+    def __init__(self, use_triton: bool = False) -> None:
+        self.use_triton = use_triton
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and logits.is_cuda:
+            from engine_core.kernels.argmax import row_argmax
+
+            return row_argmax(logits)
+        return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
                  ) -> tuple[list[int], list[SampledLogprobs | None]]:
@@ -73,12 +85,12 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
-            sampled = logits.argmax(dim=-1)
+            sampled = self._argmax(logits)
         elif not any(greedy):
             sampled = self._sample_random(logits, rows)
         else:
             sampled = torch.where(_to_device(greedy, torch.bool, logits.device),
-                                  logits.argmax(dim=-1), self._sample_random(logits, rows))
+                                  self._argmax(logits), self._sample_random(logits, rows))
         packed = None if raw_logprobs is None else _pack_logprobs(raw_logprobs, sampled,
                                                                     num_logprobs)
         return DeviceSamples(sampled, packed, num_logprobs)

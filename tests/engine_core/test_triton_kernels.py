@@ -1086,3 +1086,30 @@ def test_decode_replays_in_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, expected_output(fresh, cache_with_new_tokens(fresh)), BF16)
+
+
+@pytest.mark.parametrize(("device", "shape"),
+                         params([(1, 151936), (3, 151936), (64, 32003), (300, 1000), (2, 4096),
+                                 (1, 1)],
+                                [(1, 9000), (3, 4097), (2, 5)]))
+def test_row_argmax_matches_torch(device: str, shape: tuple[int, int]) -> None:
+    """The first index of each row's maximum, as ``torch.argmax``: random rows, a maximum
+    repeated (the first wins), a row of -inf only, a row with NaN (the maximum), bf16."""
+    from engine_core.kernels.argmax import row_argmax
+
+    rows, vocab = shape
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    if vocab > 1:
+        top = x[0].max() + 1.0
+        x[0, vocab - 1] = top
+        x[0, vocab // 2] = top  # a tie: the first one is the answer
+    if rows > 1:
+        x[1] = -float("inf")
+    if rows > 2:
+        x[2, vocab // 3] = float("nan")
+    x = x.to(device)
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    half = x.to(BF16)  # many ties
+    assert torch.equal(row_argmax(half), half.argmax(dim=-1))
+    assert torch.equal(row_argmax(x[:, : max(1, vocab // 2)]), x[:, : max(1, vocab // 2)].argmax(-1))

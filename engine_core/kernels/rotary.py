@@ -102,7 +102,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q_out, k_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # follows the batch: one variant for all
 def _cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, num_tokens,
                     HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
                     USE_PDL: tl.constexpr):

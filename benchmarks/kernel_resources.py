@@ -3,8 +3,11 @@
 Why: whether a kernel's blocks can sit on an SM beside its predecessor's (what PDL overlap
 and pre-wait loads depend on) is set by these numbers, and Triton with its bundled ptxas
 compiles for an H100 on any machine. Compiles the decode-attention kernel (RoPE and q/k
-norm in it, Qwen3 heads, bf16) with and without the early K/V tile at 4 and 8 warps, and
-the GEMV at its tilings; prints one line each (and JSON with ``--out``).
+norm in it, Qwen3 heads, bf16) with and without the early K/V tile at 4 and 8 warps, the
+GEMV at its tilings and the step's cos/sin and argmax kernels; prints one line each (and
+JSON with ``--out``). Run under the GPU machine's Triton release too (e.g. a venv with
+``--system-site-packages`` and that ``triton`` wheel): releases differ in what a kernel may
+use (Triton 3.6 rejects module globals that 3.9 accepts).
 
     python3 -m benchmarks.kernel_resources [--out f.json]
 """
@@ -100,12 +103,33 @@ def gemv_cases() -> list[dict[str, Any]]:
     return out
 
 
+def step_tail_cases() -> list[dict[str, Any]]:
+    """The step's small kernels outside the layers: RoPE cos/sin and greedy argmax."""
+    from engine_core.kernels import argmax, rotary
+
+    cases = [
+        ("rope cos/sin", rotary._cos_sin_kernel,
+         {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+          "num_tokens": "i32"},
+         dict(HALF=64, BLOCK_T=16, BLOCK_HALF=64, USE_PDL=True), 4),
+        ("argmax pieces", argmax._piece_argmax_kernel,
+         {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "vocab": "i32",
+          "stride_r": "i32", "pieces": "i32"},
+         dict(CHUNK=argmax.CHUNK, BLOCK=1024, USE_PDL=True), 4),
+        ("argmax pick", argmax._pick_piece_kernel,
+         {"val_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64", "pieces": "i32"},
+         dict(BLOCK_P=64, USE_PDL=True), 1),
+    ]
+    return [{"kernel": name, **compile_sm90(fn, types, constants, num_warps=warps)}
+            for name, fn, types, constants, warps in cases]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    rows = decode_cases() + gemv_cases()
+    rows = decode_cases() + gemv_cases() + step_tail_cases()
     for row in rows:
         shape = ", ".join(f"{k} {v}" for k, v in row.items()
                           if k not in ("kernel", "reg", "stack", "shared", "local",

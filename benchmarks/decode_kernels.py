@@ -45,6 +45,8 @@ GEMV_SHAPES = [
 # (BLOCK_N, BLOCK_K, warps, stages)
 GEMV_SWEEP = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
     (16, 32, 64), (128, 256, 512), (4,), (3, 4))] + [(16, 256, 2, 4), (32, 256, 8, 4)]
+# The RoPE decode kernel's (BLOCK_N, stages, warps) for --rope-sweep.
+ROPE_CONFIGS = [(bn, st, w) for bn in (32, 64) for st in (1, 2, 3) for w in (4, 8)]
 # staged_gemv's (K chunks staged, rows a program, warps)
 STAGED_CONFIGS = [(12, 32, 4), (12, 32, 8), (11, 32, 4), (6, 32, 4), (10, 16, 4), (10, 16, 8),
                   (5, 16, 4), (5, 16, 2), (4, 8, 2), (2, 8, 1)]
@@ -419,17 +421,18 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def attention_cases(cases: list[tuple[int, int]], reps: int, sweep: bool
-                    ) -> list[dict[str, Any]]:
-    return [attention_case(model, hq, hkv, batch, context, reps, sweep)
+def attention_cases(cases: list[tuple[int, int]], reps: int, sweep: bool,
+                    rope_sweep: bool = False) -> list[dict[str, Any]]:
+    return [attention_case(model, hq, hkv, batch, context, reps, sweep, rope_sweep)
             for batch, context in cases for model, hq, hkv in ATTN_SHAPES]
 
 
 def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
-                   reps: int, sweep: bool) -> dict[str, Any]:
+                   reps: int, sweep: bool, rope_sweep: bool = False) -> dict[str, Any]:
     """The decode kernel's default tiling against the ``ATTN_CONFIGS`` sweep (``sweep``),
     and the default tiling finishing q/k norm, RoPE and the KV write itself
-    (``NewTokenRope``, as decode steps run it: "rope in kernel")."""
+    (``NewTokenRope``, as decode steps run it: "rope in kernel"), over ``ROPE_CONFIGS``
+    too with ``rope_sweep``."""
     from engine_core.kernels.paged_decode import (
         NewTokenRope,
         choose_num_splits,
@@ -469,6 +472,11 @@ def attention_case(model: str, hq: int, hkv: int, batch: int, context: int,
             print(f"attn {key}: {type(exc).__name__}", flush=True)
     results["rope in kernel"] = graph_us(lambda: paged_decode_attention(
         q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope), reps)
+    for block_n, stages, warps in ROPE_CONFIGS if rope_sweep else []:
+        results[f"rope in kernel at {(block_n, stages, warps)}"] = graph_us(
+            lambda bn=block_n, st=stages, w=warps: paged_decode_attention(
+                q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope,
+                block_n=bn, num_stages=st, num_warps=w), reps)
     results["rope in kernel, 4 warps"] = graph_us(lambda: paged_decode_attention(
         q, cache[0], cache[1], out_t, tables, seq_lens, qsl, 0.088, rope=rope, num_warps=4),
         reps)
@@ -493,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="BATCHxCONTEXT list for the attention sweep")
     parser.add_argument("--attn-sweep", action=argparse.BooleanOptionalAction, default=True,
                         help="time every ATTN_CONFIGS tiling, not just the default")
+    parser.add_argument("--rope-sweep", action="store_true",
+                        help="time the RoPE decode kernel at every ROPE_CONFIGS launch too")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--parts", default="attention,gemv,layer")
     parser.add_argument("--layers", type=int, default=36, help="layers in the layer graph")
@@ -505,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "attention" in parts:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.attn_cases.split(",")]
-        results["attention"] = attention_cases(cases, args.reps, args.attn_sweep)  # type: ignore[arg-type]
+        results["attention"] = attention_cases(cases, args.reps, args.attn_sweep,  # type: ignore[arg-type]
+                                               args.rope_sweep)
     if "gemv" in parts:
         results["gemv"] = gemv_cases(rows, args.reps)
     if "staged" in parts:

@@ -65,10 +65,11 @@ def _pick_piece_kernel(val_ptr, idx_ptr, out_ptr, pieces, BLOCK_P: tl.constexpr,
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (int64 ``[R]``) for ``logits`` ``[R, V]`` with unit column
-    stride."""
+    """``logits.argmax(dim=-1)`` (int64 ``[R]``) for ``logits`` ``[R, V]``."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and vocab > 0
+    assert vocab > 0
+    if logits.stride(1) != 1:  # the kernels read rows as contiguous runs
+        logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out

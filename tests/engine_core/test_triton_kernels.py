@@ -1113,3 +1113,4 @@ def test_row_argmax_matches_torch(device: str, shape: tuple[int, int]) -> None:
     half = x.to(BF16)  # many ties
     assert torch.equal(row_argmax(half), half.argmax(dim=-1))
     assert torch.equal(row_argmax(x[:, : max(1, vocab // 2)]), x[:, : max(1, vocab // 2)].argmax(-1))
+    assert torch.equal(row_argmax(x.t().contiguous().t()), x.argmax(dim=-1))  # column-major

@@ -216,7 +216,6 @@ class LayerVariant:
     gemv_stages: int | None = None  # pipeline stages of every GEMV (None: their tilings')
     o_staged: tuple[int, int, int] | None = None  # o by staged_gemv: (K chunks staged before
     # its wait, rows a program, warps); None: gemv
-    merge_early: bool = False  # the split merge lets its successor in before its wait
     carveout: bool = False  # every kernel prefers the most shared memory (L1 carveout), so
     # a staged GEMV's programs fit on SMs that attention's occupy
 
@@ -255,14 +254,13 @@ LAYER_VARIANTS = {
        for t in ((16, 256, 2, 4), (32, 512, 4, 4))},
     **{f"engine now, GEMVs with {s} stages": LayerVariant(rope="attention", silu="fused",
                                                           gemv_stages=s) for s in (2, 3)},
-    **{f"engine now, o staged {c}{m}{', attention 4 warps' if w == 4 else ''}{cv}": LayerVariant(
-        rope="attention", silu="fused", o_staged=(c, 32, 4), merge_early=bool(m),
+    **{f"engine now, o staged {c}{', attention 4 warps' if w == 4 else ''}{cv}": LayerVariant(
+        rope="attention", silu="fused", o_staged=(c, 32, 4),
         attn_launch=None if w == 8 else (64, 4, 3), carveout=bool(cv))
-       for c in (4, 8, 11, 12) for m in ("", ", merge early") for w in (4, 8)
+       for c in (4, 8, 11, 12) for w in (4, 8)
        for cv in ("", ", max shared")},
-    **{f"engine now, o staged {t}{m}": LayerVariant(
-        rope="attention", silu="fused", o_staged=t, merge_early=bool(m))
-       for t in STAGED_CONFIGS for m in ("", ", merge early")},
+    **{f"engine now, o staged {t}": LayerVariant(rope="attention", silu="fused", o_staged=t)
+       for t in STAGED_CONFIGS},
     **{f"engine now{cv}{', attention 4 warps' if w == 4 else ''}": LayerVariant(
         rope="attention", silu="fused", attn_launch=None if w == 8 else (64, 4, 3),
         carveout=bool(cv)) for w in (4, 8) for cv in ("", ", max shared")},
@@ -388,7 +386,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
                                            tables, seq_lens, qsl, 0.088, num_splits=v.splits,
                                            rope=rope, early_kv=v.early_kv,
-                                           merge_early_trigger=v.merge_early, **attn_launch)
+                                           **attn_launch)
                 o_tiling = GemvTiling(*v.o_tiling) if v.o_tiling else tiling
                 if v.o_staged is not None:
                     chunks, rows, warps = v.o_staged

@@ -6,8 +6,8 @@ variants "engine now, o staged ...") and docs/PERFORMANCE.md.
 Why it was tried: at batch 1 decode attention and its split merge are latency-bound (~5 us
 a layer on an H100) while HBM idles, and the o projection can only start streaming its
 32 MB after them. Weights are written by no kernel, so o's programs may fetch them while
-attention still runs if they are resident by then: the merge can let its successor in
-before its own wait (``paged_decode_attention(merge_early_trigger=True)``), and each
+attention still runs if they are resident by then: the merge could let its successor in
+before its own wait (a switch measured at 4efd59a, removed since), and each
 program here (one or two an SM: 90-200 KB of shared memory) issues ``cp.async`` copies of
 its first ``STAGED`` K chunks, then waits, reads ``x`` once into shared memory and reduces
 chunk by chunk as the copies land; the chunks past ``STAGED`` are loaded after the wait
@@ -51,6 +51,7 @@ def _griddepcontrol(token, INSTRUCTION: gl.constexpr):
 
 @gluon.jit
 def _prefetch_l2(addr, ok):
+    """``kernels.pdl.prefetch_l2`` for Gluon, which cannot call a ``triton.jit`` function."""
     gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r", [addr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)

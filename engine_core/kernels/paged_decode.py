@@ -38,7 +38,7 @@ import triton.language as tl
 from engine_core.attention.decode_work import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, DecodeWork
 from engine_core.kernels import next_power_of_2
 from engine_core.kernels.paged_prefill import LOG2E, dot_precision
-from engine_core.kernels.pdl import launch_dependents, pdl_args, wait_for_predecessor
+from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 # MIN_TOKENS_PER_SPLIT: a split below it costs more in the merge than it gains in
 # parallelism. MAX_SPLITS: an H200 sweep (32 q / 8 KV heads, d 128, bf16) ran one 32k-token
@@ -311,12 +311,8 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_pt
                          NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLIT_CHUNK: tl.constexpr, WORK_LIST: tl.constexpr,
-                         EARLY_TRIGGER: tl.constexpr, USE_PDL: tl.constexpr):
-    if EARLY_TRIGGER:
-        # The successor (a staged GEMV) loads only weights before its own wait: its
-        # programs may become resident while attention still runs.
-        launch_dependents(USE_PDL)
-    wait_for_predecessor(USE_PDL, not EARLY_TRIGGER)
+                         USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     # The row's bounds, its length and its first chunk of splits are all requested before
@@ -443,8 +439,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
                            work: DecodeWork | None = None,
-                           early_kv: bool | None = None,
-                           merge_early_trigger: bool = False) -> None:
+                           early_kv: bool | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -457,9 +452,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``attention/decode_work.py``) gives each decode row its own split count instead: one
     program per listed item and KV head; ``num_splits`` is then unused. ``early_kv`` and
     ``num_warps`` (benchmarks) override ``early_kv_launch``'s choice.
-    ``merge_early_trigger`` (benchmarks: ``benchmarks/staged_gemv.py``, which lost) lets the
-    split merge's successor in before the merge's own wait; only for a successor that reads
-    nothing before its wait but weights.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -536,6 +528,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             seq_lens if work is None else work.rows, seq_lens, out.stride(0), out.stride(1),
             num_splits, NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=block_n,
-            SPLIT_CHUNK=SPLIT_CHUNK, WORK_LIST=work is not None,
-            EARLY_TRIGGER=merge_early_trigger, num_warps=MERGE_WARPS,
+            SPLIT_CHUNK=SPLIT_CHUNK, WORK_LIST=work is not None, num_warps=MERGE_WARPS,
             **pdl)

@@ -83,14 +83,21 @@ case "$STAGE" in
         ;;
     handoff)
         # The first-token handoff over NCCL: greedy output equal to colocated, then the
-        # report's item 1. Without REPORT_DIR it resumes from a copy of the last committed
-        # item-1 run (same prompts: its colocated and 1P1D runs stand), so only the new
-        # pd_handoff run is made (~3 min); a REPORT_DIR given is used as it is.
+        # report's item 1. Without REPORT_DIR it resumes from a copy of the committed item-1
+        # run of this card (same prompts), less its pd_handoff run, so the handoff is measured
+        # again (~3 min) beside the committed colocated and 1P1D runs; the report itself runs
+        # again any run saved on another GPU model (~6 min for all four). A REPORT_DIR given
+        # is used as it is.
         step handoff_test 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
             tests/integration/test_cluster_gpu.py -k "p-first-token"
         if [ -z "${REPORT_DIR:-}" ]; then
-            cp -r benchmarks/results/serve/2026-11-24-h200x2-c154dff-ttft-overhead "$RUN/report"
-            rm -f "$RUN/report/summary.json" "$RUN/report/summary.md"
+            case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+                *H100*) base=2026-11-25-h100x2-1c3c702-ttft-overhead ;;
+                *) base=2026-11-24-h200x2-c154dff-ttft-overhead ;;
+            esac
+            cp -r "benchmarks/results/serve/$base" "$RUN/report"
+            rm -f "$RUN/report/summary.json" "$RUN/report/summary.md" \
+                "$RUN/report/raw/ttft_overhead__pd_handoff.json"
         fi
         step handoff_report 340 python3 -m benchmarks.disagg_report --only ttft_overhead \
             --gpus 0,1 --results-dir "${REPORT_DIR:-$RUN/report}" --disable-tqdm

@@ -1,7 +1,9 @@
 """Run a report plan: launch each topology once, run its benchmarks, save one JSON per run.
 
 A run whose JSON already exists is skipped (unless ``force``), so an interrupted report
-resumes where it stopped and a long report can be run in pieces. Around each run the
+resumes where it stopped and a long report can be run in pieces; but only a run made on the
+same kind of device: one saved on another GPU model is run again, since the summary compares
+runs with each other (an H100's colocated run against an H200's 1P1D run is no overhead). Around each run the
 workers' and the proxy's ``/metrics`` are scraped, and the deltas that the summary needs
 (prefix-cache counters, the proxy's own overhead histogram) are stored with the result.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from benchmarks.disagg.cluster import Cluster, ClusterError, ClusterSpec
 from benchmarks.disagg.plan import PROXY, BenchRun, Scale, TopologyPlan
+from benchmarks.disagg.summary import device_models
 from benchmarks.serve import prometheus
 from benchmarks.serve.config import METRICS, BenchConfig
 from benchmarks.serve.datasets import load_tokenizer
@@ -195,13 +198,38 @@ def _fits(options: ExecuteOptions, seconds: float) -> bool:
     return options.deadline is None or time.monotonic() + seconds <= options.deadline
 
 
+def _done(path: Path, models: frozenset[str]) -> bool:
+    """True when ``path`` holds a run made on ``models`` (an unreadable one is not done)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and device_models(saved.get("provenance")) == models
+
+
+def _pending(item: TopologyPlan, options: ExecuteOptions) -> list[BenchRun]:
+    """The runs of ``item`` still to make here: all with ``force``; else those without a
+    saved result from this kind of device (one from another is replaced, and logged)."""
+    if options.force:
+        return list(item.runs)
+    models = device_models(options.provenance)
+    pending = []
+    for run in item.runs:
+        path = options.raw_dir / f"{run.name}.json"
+        if not _done(path, models):
+            if path.is_file():
+                logger.info("%s: saved on other devices (or unreadable); run again here",
+                            run.name)
+            pending.append(run)
+    return pending
+
+
 def run_plan(plan: list[TopologyPlan], options: ExecuteOptions) -> PlanOutcome:
     """Run every pending run of the plan that fits before the deadline."""
     tokenizer = None
     outcome = PlanOutcome([], [])
     for item in plan:
-        pending = [r for r in item.runs
-                   if options.force or not (options.raw_dir / f"{r.name}.json").is_file()]
+        pending = _pending(item, options)
         if not pending:
             logger.info("%s: every run already has results; skipped", item.topology.name)
             continue

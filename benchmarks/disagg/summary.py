@@ -4,6 +4,10 @@ Differences of percentiles (1P1D p99 minus colocated p99) compare two distributi
 are not percentiles of per-request differences. "Max goodput" is the highest goodput seen
 over a sweep; "rate at 90% SLO" is the highest swept rate at which at least 90% of the
 requests met both SLOs.
+
+Only runs made on one device model are compared: where an experiment's runs come from
+different GPU models (a report resumed on another machine and stopped by its time budget),
+the runs of other models than its newest run's are set aside and listed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,32 @@ Results = Mapping[str, Mapping[str, Any]]  # run name -> bench result
 GOALS = {"ttft_overhead_p50_ms": 3.0, "ttft_overhead_p99_ms": 10.0, "goodput_ratio": 1.5,
          "proxy_overhead_p50_ms": 1.0}
 ATTAINMENT_TARGET = 0.9
+
+
+def device_models(provenance: Mapping[str, Any] | None) -> frozenset[str]:
+    """The device models a run's provenance names (``nvidia-smi``'s name column; a CPU's
+    line as it is): what decides whether two runs may be compared. Counts, memory and driver
+    are left out, so a one-GPU and a two-GPU machine of the same card agree."""
+    devices = (provenance or {}).get("devices") or []
+    return frozenset(str(d).split(",")[0].strip() for d in devices)
+
+
+def comparable(results: Results) -> tuple[dict[str, Mapping[str, Any]], list[str]]:
+    """``results`` less the runs whose experiment's newest run (by provenance date) was made
+    on other device models; the names set aside."""
+    newest: dict[str, tuple[str, frozenset[str]]] = {}
+    for name, result in results.items():
+        where = result.get("provenance") or {}
+        experiment, date = name.split("__")[0], str(where.get("date") or "")
+        if experiment not in newest or date > newest[experiment][0]:
+            newest[experiment] = (date, device_models(where))
+    kept, aside = {}, []
+    for name, result in results.items():
+        if device_models(result.get("provenance")) == newest[name.split("__")[0]][1]:
+            kept[name] = result
+        else:
+            aside.append(name)
+    return kept, aside
 
 
 def load_results(raw_dir: Path) -> dict[str, dict[str, Any]]:
@@ -333,11 +363,18 @@ def build_summary(results: Results, header: list[str]) -> tuple[str, dict[str, A
         ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k"),
         lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead, kv_offload,
         prefix_affinity]
+    results, aside = comparable(results)
     lines = list(header)
     for section in sections:
         lines += section(results, figures)
     if len(lines) == len(header):
         lines.append("No results yet.")
+    if aside:
+        figures["set_aside"] = aside
+        lines += ["## Set aside: runs from other devices", "",
+                  "Made on other GPU models than the newest run of their experiment, so not "
+                  "compared with it (run the report again on one machine to replace them): "
+                  + ", ".join(f"`{n}`" for n in sorted(aside)) + ".", ""]
     return "\n".join(lines) + "\n", figures
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -141,6 +142,62 @@ def test_topologies_needing_more_gpus_wait_for_a_bigger_machine(tmp_path: Path) 
     assert sorted(outcome.left) == ["prefix_cache__colo1_off", "prefix_cache__colo1_on",
                                     "proxy_overhead__direct", "proxy_overhead__interleaved",
                                     "proxy_overhead__proxy"]
+
+
+H100 = "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04"
+H200 = "NVIDIA H200, 143771 MiB, 580.159.04"
+
+
+def _where(*devices: str, date: str = "2026-11-25T20:00:00") -> dict:
+    return {"date": date, "devices": list(devices), "gpus_used": ["0", "1"],
+            "git_commit": "abc1234", "torch": "2.11"}
+
+
+@pytest.mark.parametrize("saved, here, reused", [
+    ((H200,), (H100, H100), False),  # the 2026-11-25 handoff stage: H200 runs beside H100s
+    ((H200,), (H200, H200), True),  # one card or two of the same model: comparable
+    (None, (H100,), False),  # saved before provenance was kept: cannot be shown comparable
+])
+def test_resume_reuses_only_runs_from_the_same_device_model(tmp_path: Path, saved, here,
+                                                            reused) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    result = {"label": "colocated"}
+    if saved is not None:
+        result["provenance"] = _where(*saved)
+    (raw / "ttft_overhead__colocated_direct.json").write_text(json.dumps(result))
+    (raw / "ttft_overhead__pd.json").write_text("{not json")  # unreadable: run again
+    plan = build_plan(SMOKE_SCALE, ("ttft_overhead",))
+    options = ExecuteOptions(results_dir=tmp_path, spec=ClusterSpec("/m", "m"),
+                             tokenizer_path="/no/tokenizer", scale=SMOKE_SCALE,
+                             deadline=time.monotonic(), provenance=_where(*here))
+    outcome = run_plan(plan, options)
+    expected = {"ttft_overhead__colocated_proxy", "ttft_overhead__pd",
+                "ttft_overhead__pd_handoff"} | (set() if reused else
+                                                {"ttft_overhead__colocated_direct"})
+    assert outcome.problems == [] and set(outcome.left) == expected
+
+
+def test_summary_compares_no_runs_across_device_models() -> None:
+    """An experiment left half redone on another GPU model keeps its newest model's runs."""
+    new, old = _where(H100, H100, date="2026-11-25T20:49:44"), _where(H200, H200,
+                                                                       date="2026-11-24T07:02:07")
+    results = {
+        "ttft_overhead__colocated_direct": {**_result("colocated", 1, p50_ttft_ms=60.0),
+                                            "provenance": new},
+        "ttft_overhead__pd_handoff": {**_result("handoff", 1, p50_ttft_ms=61.0),
+                                      "provenance": new},
+        "ttft_overhead__pd": {**_result("1P1D", 1, p50_ttft_ms=63.0), "provenance": old},
+        "goodput_2k__pd__r2": {**_result("1P1D", 2, request_goodput=2.0), "provenance": old},
+    }
+    markdown, figures = build_summary(results, ["# report"])
+    section = figures["ttft_overhead"]
+    assert set(section) == {"handoff_vs_direct"}
+    assert section["handoff_vs_direct"]["p50_ms"] == pytest.approx(1.0)
+    assert figures["set_aside"] == ["ttft_overhead__pd"]
+    assert "1P1D minus colocated" not in markdown
+    assert "runs from other devices" in markdown and "`ttft_overhead__pd`" in markdown
+    assert "goodput_2k" in figures  # another experiment, all on one model: kept
 
 
 def _result(label: str, rate: float, **values: float) -> dict:

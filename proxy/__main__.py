@@ -54,7 +54,8 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="stream the prefill worker's sampled token to the client as soon "
                         "as it answers and let the decode worker continue after it, instead "
                         "of the decode worker computing the first token (streams without stop "
-                        "strings or logprobs)")
+                        "strings or logprobs): colocated's TTFT, while the second token waits "
+                        "for the KV transfer, which no longer overlaps the prefill")
     return parser
 
 

@@ -3,8 +3,9 @@
 Timing follows ``vllm bench serve``: TTFT is the time from sending to the first streamed
 chunk carrying content (text, or a chat delta's content); after it, every chunk with
 choices adds one inter-token gap (ITL); E2EL ends at the last chunk with choices. Output
-tokens come from the usage the server reports (``stream_options.include_usage``), else
-from the number of content chunks. A stream whose choices never carry content (say every
+tokens come from the usage the server reports (``stream_options.include_usage``); without
+it, ``count_output_tokens`` tokenizes the generated text after the run (a chunk may carry
+several tokens, or none), as vLLM does. A stream whose choices never carry content (say every
 token detokenizes to nothing) is timed as vLLM times it: TTFT at its first chunk with
 choices, ITL between the later ones, E2EL at its last. An event that is not a JSON object
 fails the request instead of the benchmark.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,8 @@ class RequestOutput:
     latency: float | None = None
     start_offset: float = 0.0  # when it was sent, from the run's start
     cached_tokens: int | None = None
+    generated_text: str = ""
+    usage_reported: bool = False  # output_tokens is the server's; else counted from the text
     status: int | None = None
     error: str | None = None
     server: dict[str, float] = field(default_factory=dict)  # breakdown stage -> ms
@@ -87,6 +91,7 @@ class StreamTimeline:
             self.output.itl.append(now - self._last)
         if content:
             self._content_chunks += 1
+            self.output.generated_text += content
         self._last = now
 
     def finish(self, headers: Any = None) -> RequestOutput:
@@ -99,7 +104,8 @@ class StreamTimeline:
         if out.error is None:
             out.success = True
             out.latency = self._last - self.sent_at
-            out.output_tokens = (self._usage_tokens if self._usage_tokens is not None
+            out.usage_reported = bool(self._usage_tokens)  # 0: recounted, as vLLM does
+            out.output_tokens = (self._usage_tokens if out.usage_reported
                                  else self._content_chunks)
         out.server = request_stages(headers or {}, self.server_timings)
         return out
@@ -111,6 +117,15 @@ class StreamTimeline:
         self.output.ttft = times[0] - self.sent_at
         self.output.itl = [later - earlier for earlier, later in zip(times, times[1:])]
         self._last = times[-1]
+
+
+def count_output_tokens(outputs: Iterable[RequestOutput], tokenizer: Any) -> None:
+    """Set the output tokens of successful requests whose server reported no usage to the
+    tokens of their generated text (vLLM's count); done after the run, off the clock."""
+    for out in outputs:
+        if out.success and not out.usage_reported:
+            out.output_tokens = len(tokenizer.encode(out.generated_text,
+                                                     add_special_tokens=False))
 
 
 def build_payload(model: str, request: SampleRequest, chat: bool, ignore_eos: bool,

@@ -57,8 +57,10 @@ def load_tokenizer(path: str) -> Any:
 
 
 def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:
-    low = max(1, int(np.floor(mean * (1 - ratio))))
-    high = max(low, int(np.ceil(mean * (1 + ratio))))
+    """``n`` lengths uniform in [floor(mean*(1-ratio)), ceil(mean*(1+ratio))], at least 1.
+    The products are rounded first: 100 * 1.1 is 110.00000000000001, whose ceil is 111."""
+    low = max(1, int(np.floor(round(mean * (1 - ratio), 9))))
+    high = max(low, int(np.ceil(round(mean * (1 + ratio), 9))))
     return rng.integers(low, high + 1, size=n)
 
 
@@ -110,8 +112,9 @@ def sharegpt_requests(config: DatasetConfig, tokenizer: Any) -> list[SampleReque
         prompt_len = len(tokenizer.encode(prompt))
         output_len = (config.sharegpt_output_len if config.sharegpt_output_len is not None
                       else len(tokenizer.encode(reply)))
-        if config.sharegpt_output_len is None and (
-                prompt_len < SHAREGPT_MIN_LEN or output_len < SHAREGPT_MIN_LEN
+        # A fixed output length lifts only the reply's floor; prompts are filtered anyway.
+        reply_too_short = config.sharegpt_output_len is None and output_len < SHAREGPT_MIN_LEN
+        if (reply_too_short or prompt_len < SHAREGPT_MIN_LEN
                 or prompt_len > SHAREGPT_MAX_PROMPT_LEN
                 or prompt_len + output_len > SHAREGPT_MAX_TOTAL_LEN):
             continue

@@ -20,7 +20,12 @@ from typing import Any
 import aiohttp
 
 from benchmarks.serve.breakdown import summarize_stages
-from benchmarks.serve.client import RequestOutput, build_payload, send_request
+from benchmarks.serve.client import (
+    RequestOutput,
+    build_payload,
+    count_output_tokens,
+    send_request,
+)
 from benchmarks.serve.config import BenchConfig
 from benchmarks.serve.datasets import (
     SampleRequest,
@@ -205,6 +210,7 @@ async def _run_all(config: BenchConfig, tokenizer: Any) -> list[dict[str, Any]]:
                 on_done=bar.update if bar is not None else None)
             if bar is not None:
                 bar.close()
+            count_output_tokens(outputs, tokenizer)
             results.append(_result(config, model, tokenizer_id, rate, seed, outputs, duration))
         return results
 

@@ -43,6 +43,18 @@ def test_random_range_ratio_bounds() -> None:
     assert min(outputs) >= 5 and max(outputs) <= 15
 
 
+@pytest.mark.parametrize(("mean", "ratio"), [(100, 0.1), (10, 0.1), (1000, 0.3), (100, 0.7)])
+def test_random_range_ratio_float_products_stay_in_range(mean: int, ratio: float) -> None:
+    """100 * 1.1 is 110.00000000000001 in floats: its ceil must not admit 111."""
+    config = DatasetConfig(num_prompts=3000, random_input_len=mean, random_output_len=mean,
+                           random_range_ratio=ratio, seed=2)
+    requests = random_requests(config, VOCAB)
+    low, high = round(mean * (1 - ratio)), round(mean * (1 + ratio))
+    for lengths in ([r.prompt_len for r in requests],
+                    [r.expected_output_len for r in requests]):
+        assert min(lengths) == low and max(lengths) == high
+
+
 def test_random_is_seeded() -> None:
     config = DatasetConfig(num_prompts=5, random_input_len=32, seed=7)
     assert random_requests(config, VOCAB) == random_requests(config, VOCAB)
@@ -80,7 +92,26 @@ def test_sharegpt_filters_and_overrides(tmp_path: Path) -> None:
     assert sorted((r.prompt_len, r.expected_output_len) for r in requests) == [(10, 20), (12, 8)]
     fixed = sharegpt_requests(dataclasses.replace(config, sharegpt_output_len=7),
                               _SpaceTokenizer())
-    assert len(fixed) == 5 and all(r.expected_output_len == 7 for r in fixed)
+    # A fixed output length lifts only the reply's floor: prompts are still filtered.
+    assert sorted(r.prompt_len for r in fixed) == [10, 12, 30]
+    assert all(r.expected_output_len == 7 for r in fixed)
+
+
+def test_sharegpt_fixed_output_len_still_filters_prompt_lengths(tmp_path: Path) -> None:
+    """vLLM's filter with --sharegpt-output-len: a short reply is fine, but a prompt under
+    4 or over 1024 tokens, or prompt + output over 2048, is still dropped (it used to send
+    every conversation, so over-long prompts hit the server's length limit)."""
+    def conv(prompt_words: int) -> dict:
+        return {"conversations": [{"from": "human", "value": "w " * prompt_words},
+                                  {"from": "gpt", "value": "r"}]}
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([conv(10), conv(2), conv(2000), conv(1000), conv(900)]))
+    config = DatasetConfig(name="sharegpt", path=str(path), num_prompts=10,
+                           sharegpt_output_len=1100)
+    requests = sharegpt_requests(config, _SpaceTokenizer())
+    assert sorted(r.prompt_len for r in requests) == [10, 900]
+    assert all(r.expected_output_len == 1100 for r in requests)
 
 
 def test_infinite_rate_sends_everything_at_once() -> None:

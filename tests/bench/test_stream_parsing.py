@@ -16,7 +16,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks.serve.client import RequestOutput, StreamTimeline, send_request
+from benchmarks.serve.client import (
+    RequestOutput,
+    StreamTimeline,
+    count_output_tokens,
+    send_request,
+)
 from benchmarks.serve.metrics import compute_metrics, request_tpot
 
 
@@ -107,3 +112,31 @@ def test_contentless_stream_is_timed_to_its_last_chunk() -> None:
     assert out.itl == pytest.approx([0.2, 0.3])
     assert out.latency == pytest.approx(0.6)
     assert request_tpot(out) == pytest.approx(0.25)
+
+
+class _WordTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(len(text.split())))
+
+
+def test_without_usage_output_tokens_are_the_generated_texts_tokens() -> None:
+    """A server that reports no usage and sends several tokens per chunk: output tokens are
+    the tokens of the generated text (vLLM's count), not the number of chunks (3 here),
+    which understated output throughput and overstated TPOT."""
+    events = [_event(_chunk("ab cd")), _event(_chunk("")), _event(_chunk(" ef gh ij")),
+              _event(_chunk(" kl")), _event(b"[DONE]")]
+    out = asyncio.run(_serve_once(events))
+    assert out.success and out.generated_text == "ab cd ef gh ij kl"
+    count_output_tokens([out], _WordTokenizer())
+    assert out.output_tokens == 6
+    assert request_tpot(out) == pytest.approx((out.latency - out.ttft) / 5)
+
+
+def test_reported_usage_is_kept_and_failures_are_not_counted() -> None:
+    timeline = StreamTimeline(0.0, 3)
+    timeline.feed(_chunk("a b c d"), 0.1)
+    timeline.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}}, 0.2)
+    with_usage = timeline.finish()
+    failed = RequestOutput(error="HTTP 500: boom")
+    count_output_tokens([with_usage, failed], _WordTokenizer())
+    assert with_usage.output_tokens == 9 and failed.output_tokens == 0

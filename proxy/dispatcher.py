@@ -148,6 +148,7 @@ class Dispatcher:
         key = fw.affinity_key(path, body, self.affinity_prefix_chars)
         excluded: set[str] = set()
         last_error: UpstreamError | None = None
+        handoff_counted = False  # the handoff metric counts requests, not attempts
         for attempt in range(self.max_attempts):
             attempt_id = transfer_id if attempt == 0 else f"{transfer_id}-retry{attempt}"
             try:
@@ -169,7 +170,8 @@ class Dispatcher:
                     if refusal is None:
                         return await self._run_pd_handoff(request, path, body, route,
                                                           attempt_id, timer, model, key)
-                    if refusal != "off":
+                    if refusal != "off" and not handoff_counted:
+                        handoff_counted = True
                         self.metrics.first_token_handoffs.labels(refusal).inc()
                     return await self._run_pd(request, path, body, route, attempt_id, timer)
                 return await self._run_one_leg(request, path, fw.decode_body(body, attempt_id, None),

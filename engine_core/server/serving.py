@@ -309,6 +309,12 @@ class OpenAIServing:
         """
         for ids in prompts:
             self.tokenizer.check_length(len(ids), params.max_tokens)
+        generated = handoff.generated_token_ids
+        if generated and max(generated) >= self.tokenizer.vocab_size:
+            # The detokenizer decodes them before the engine checks them, and the tokenizer
+            # fails (a 500) on ids past 32 bits.
+            raise InvalidRequestError(f"generated token ids must be in [0, "
+                                      f"{self.tokenizer.vocab_size})", "kv_transfer_params")
         engine_params = dataclasses.replace(params, n=1)
         if handoff.first_events:
             engine_params = dataclasses.replace(engine_params, max_tokens=1,

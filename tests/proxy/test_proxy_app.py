@@ -393,6 +393,16 @@ async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy)
         assert f'first_token_handoffs_total{{result="{reason}"}} 1.0' in metrics, reason
 
 
+async def test_handoff_refusal_counts_requests_not_attempts(make_worker, make_proxy) -> None:
+    """A request P fails for is tried again: its reason is still one request's."""
+    bad, good, d = await make_worker("P", "error500"), await make_worker("P"), await make_worker("D")
+    client = await make_proxy(bad, good, d, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 200 and len(bad.received) == len(good.received) == 1
+    metrics = await (await client.get("/metrics")).text()
+    assert 'first_token_handoffs_total{result="not_streaming"} 1.0' in metrics
+
+
 async def test_handoff_d_refusal_after_first_token_is_an_sse_error(make_worker,
                                                                    make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D", "error400")

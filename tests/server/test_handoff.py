@@ -83,3 +83,21 @@ async def test_first_events_plus_continuation_is_the_whole_stream(server, auth, 
     assert len(roles) == (1 if path.endswith("chat/completions") else 0)
     ids = {e["id"] for e in glued} | {e["id"] for e in whole}
     assert len({i.split("-")[0] for i in ids}) == 1
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": "The quick brown fox"}),
+                                        ("/v1/chat/completions", {"messages": MSG})])
+@pytest.mark.parametrize("token_id", [1 << 32, 10 ** 12])
+async def test_generated_token_beyond_the_vocabulary_is_a_400(server, auth, path, extra,
+                                                              token_id) -> None:
+    """The front end decodes handed-over tokens before the engine checks them: an id the
+    tokenizer cannot even take (past 32 bits) must be the client's 400, not a 500."""
+    async with aiohttp.ClientSession(headers=auth) as session:
+        for stream in (False, True):
+            body = {"model": MODEL_NAME, "max_tokens": 4, "stream": stream, **extra,
+                    "kv_transfer_params": {"generated_token_ids": [token_id]}}
+            async with session.post(server.url + path, json=body) as response:
+                assert response.status == 400, await response.text()
+                error = (await response.json())["error"]
+            assert "generated token ids" in error["message"]
+    assert server.wait_idle().num_running == 0

@@ -257,8 +257,10 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
     try:
         stage = time.monotonic()
         tokenizer = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: TokenizerService.load(info.tokenizer_path, info.max_model_len,
-                                                info.vocab_size, config.model.trust_remote_code))
+            None, lambda: TokenizerService.load(
+                info.tokenizer_path, info.max_model_len, info.vocab_size,
+                config.model.trust_remote_code,
+                kv_capacity=info.num_total_blocks * config.cache.block_size))
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
         return client, build_app(client, tokenizer, config, options)

@@ -11,18 +11,22 @@ from engine_core.server.protocol import Prompt
 class TokenizerService:
     """Wraps the HF tokenizer the engine names (``EngineInfo.tokenizer_path``)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 kv_capacity: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # Tokens the worker's whole KV cache holds (None: unknown, the engine checks alone).
+        self.kv_capacity = kv_capacity
 
     @classmethod
     def load(cls, path: str, max_model_len: int, vocab_size: int,
-             trust_remote_code: bool = False) -> TokenizerService:
+             trust_remote_code: bool = False, kv_capacity: int | None = None
+             ) -> TokenizerService:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(tokenizer, max_model_len, vocab_size)
+        return cls(tokenizer, max_model_len, vocab_size, kv_capacity)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -63,16 +67,31 @@ class TokenizerService:
         return ids
 
     def check_length(self, num_tokens: int, max_tokens: int | None = None) -> None:
-        """Reject prompts that leave no room for output, or output beyond the context."""
+        """Reject prompts that leave no room for output, or output beyond the context or the
+        whole KV cache, with the engine's words. The engine checks again what it is asked
+        to run; this check also covers the client's own limit where the engine runs fewer
+        tokens (a prefill worker sampling the first token for the handoff)."""
         if num_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {num_tokens} tokens, leaving no room for output.", "prompt")
-        if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
+        capacity = self.kv_capacity
+        if capacity is not None and num_tokens >= capacity:
+            raise InvalidRequestError(
+                f"The prompt has {num_tokens} tokens but this worker's KV cache holds "
+                f"{capacity}, leaving no room for output.", "prompt")
+        if max_tokens is None:
+            return
+        if num_tokens + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_tokens + max_tokens} tokens ({num_tokens} in the prompt, "
                 f"{max_tokens} for the completion).", "max_tokens")
+        if capacity is not None and num_tokens + max_tokens > capacity:
+            raise InvalidRequestError(
+                f"This worker's KV cache holds {capacity} tokens. However, you requested "
+                f"{num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} "
+                "for the completion).", "max_tokens")
 
     def decode(self, token_ids: list[int]) -> str:
         if token_ids and max(token_ids) >= self.vocab_size:

@@ -101,3 +101,39 @@ async def test_generated_token_beyond_the_vocabulary_is_a_400(server, auth, path
                 error = (await response.json())["error"]
             assert "generated token ids" in error["message"]
     assert server.wait_idle().num_running == 0
+
+
+async def test_first_token_request_is_checked_with_the_clients_limit_against_the_cache(
+        demo_checkpoint, auth) -> None:
+    """A prefill worker's engine samples one token for the handoff, so its own admission
+    check sees ``max_tokens`` 1: the client's limit must still be checked against the KV
+    cache (as D will check it) before the first token streams, not fail on D after it."""
+    from engine_core.config import CacheConfig, EngineConfig, ModelConfig
+    from engine_core.server.api_server import ServerOptions
+    from tests.server.conftest import API_KEY, MAX_MODEL_LEN, ServerHandle
+
+    config = EngineConfig(  # 4 blocks of 16 tokens: a cache of 64, below max_model_len
+        model=ModelConfig(model=str(demo_checkpoint), max_model_len=MAX_MODEL_LEN,
+                          served_model_name=MODEL_NAME),
+        cache=CacheConfig(num_gpu_blocks_override=4, block_size=16))
+    small = ServerHandle(config, ServerOptions(api_key=API_KEY, log_stats_interval_s=0))
+    try:
+        async with aiohttp.ClientSession(headers=auth) as session:
+            for handoff in ({"first_token_events": True}, None):
+                for max_tokens, status in ((100, 400), (20, 200)):
+                    body = {"model": MODEL_NAME, "prompt": "The quick brown fox",
+                            "max_tokens": max_tokens, "ignore_eos": True}
+                    if handoff:
+                        body["kv_transfer_params"] = handoff
+                    async with session.post(small.url + "/v1/completions",
+                                            json=body) as response:
+                        assert response.status == status, await response.text()
+                        answer = await response.json()
+                    if status == 400:
+                        assert "KV cache holds 64 tokens" in answer["error"]["message"]
+                        assert answer["error"]["param"] == "max_tokens"
+                    elif handoff:
+                        assert answer["usage"]["completion_tokens"] == 1
+        assert small.wait_idle().num_running == 0
+    finally:
+        small.stop()

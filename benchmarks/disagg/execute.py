@@ -3,9 +3,10 @@
 A run whose JSON already exists is skipped (unless ``force``), so an interrupted report
 resumes where it stopped and a long report can be run in pieces; but only a run made on the
 same kind of device: one saved on another GPU model is run again, since the summary compares
-runs with each other (an H100's colocated run against an H200's 1P1D run is no overhead). Around each run the
-workers' and the proxy's ``/metrics`` are scraped, and the deltas that the summary needs
-(prefix-cache counters, the proxy's own overhead histogram) are stored with the result.
+runs with each other (an H100's colocated run against an H200's 1P1D run is no overhead).
+Around each run the workers' and the proxy's ``/metrics`` are scraped, and the deltas that
+the summary needs (prefix-cache counters, the proxy's own overhead histogram) are stored
+with the result.
 """
 
 from __future__ import annotations

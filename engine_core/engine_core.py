@@ -27,6 +27,7 @@ from engine_core.kv_connector import (
 )
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
 from engine_core.request import Request, RequestStatus
+from engine_core.request_limits import check_context, check_generated_ids
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.block_hash import BlockHasher
 from engine_core.sched.block_pool import BlockPool
@@ -269,9 +270,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         generated = msg.generated_token_ids
-        if generated and (min(generated) < 0 or max(generated) >= self.vocab_size):
-            raise InvalidRequestError(
-                f"generated token ids must be in [0, {self.vocab_size})", "kv_transfer_params")
+        check_generated_ids(generated, self.vocab_size)
         params = SamplingParams.from_dict(msg.sampling_params)
         if params.n != 1:
             raise InvalidRequestError("an engine request is one sample (n=1); the API server "
@@ -286,31 +285,10 @@ class EngineCore:
             # min_tokens masks them by index in the sampler
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {len(prompt)} tokens, leaving no room for output.", "prompt")
-        # A request must fit the whole KV cache, or it would preempt itself forever (and
-        # every request queued behind it would wait): below max_model_len when the cache is
-        # smaller than one full context.
         capacity = self.kv_manager.num_total_blocks * self.config.cache.block_size
-        if len(prompt) >= capacity:
-            raise InvalidRequestError(
-                f"The prompt has {len(prompt)} tokens but this worker's KV cache holds "
-                f"{capacity}, leaving no room for output.", "prompt")
-        room = min(self.max_model_len, capacity) - len(prompt)
+        check_context(len(prompt), params.max_tokens, self.max_model_len, capacity)
         if params.max_tokens is None:
-            params.max_tokens = room
-        elif len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
-                f"prompt, {params.max_tokens} for the completion).", "max_tokens")
-        elif params.max_tokens > room:
-            raise InvalidRequestError(
-                f"This worker's KV cache holds {capacity} tokens. However, you requested "
-                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, "
-                f"{params.max_tokens} for the completion).", "max_tokens")
+            params.max_tokens = min(self.max_model_len, capacity) - len(prompt)
         if len(generated) > params.max_tokens:
             raise InvalidRequestError(
                 f"{len(generated)} tokens were already generated, more than max_tokens "

@@ -23,6 +23,7 @@ from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
 from engine_core.messages import EngineOutput, RequestTimings
 from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
+from engine_core.request_limits import check_generated_ids
 from engine_core.sampling_params import SamplingParams, sample_seed
 from engine_core.server import protocol, streaming
 from engine_core.server.http_errors import REQUEST_ID_KEY, exception_body
@@ -309,12 +310,9 @@ class OpenAIServing:
         """
         for ids in prompts:
             self.tokenizer.check_length(len(ids), params.max_tokens)
-        generated = handoff.generated_token_ids
-        if generated and max(generated) >= self.tokenizer.vocab_size:
-            # The detokenizer decodes them before the engine checks them, and the tokenizer
-            # fails (a 500) on ids past 32 bits.
-            raise InvalidRequestError(f"generated token ids must be in [0, "
-                                      f"{self.tokenizer.vocab_size})", "kv_transfer_params")
+        # The detokenizer decodes handed-over ids before the engine checks them (the
+        # tokenizer fails, a 500, on ids past 32 bits): the engine's rule, checked first here.
+        check_generated_ids(handoff.generated_token_ids, self.tokenizer.vocab_size)
         engine_params = dataclasses.replace(params, n=1)
         if handoff.first_events:
             engine_params = dataclasses.replace(engine_params, max_tokens=1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_core.errors import InvalidRequestError
+from engine_core.request_limits import check_context
 from engine_core.server.protocol import Prompt
 
 
@@ -68,30 +69,10 @@ class TokenizerService:
 
     def check_length(self, num_tokens: int, max_tokens: int | None = None) -> None:
         """Reject prompts that leave no room for output, or output beyond the context or the
-        whole KV cache, with the engine's words. The engine checks again what it is asked
-        to run; this check also covers the client's own limit where the engine runs fewer
-        tokens (a prefill worker sampling the first token for the handoff)."""
-        if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {num_tokens} tokens, leaving no room for output.", "prompt")
-        capacity = self.kv_capacity
-        if capacity is not None and num_tokens >= capacity:
-            raise InvalidRequestError(
-                f"The prompt has {num_tokens} tokens but this worker's KV cache holds "
-                f"{capacity}, leaving no room for output.", "prompt")
-        if max_tokens is None:
-            return
-        if num_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_tokens + max_tokens} tokens ({num_tokens} in the prompt, "
-                f"{max_tokens} for the completion).", "max_tokens")
-        if capacity is not None and num_tokens + max_tokens > capacity:
-            raise InvalidRequestError(
-                f"This worker's KV cache holds {capacity} tokens. However, you requested "
-                f"{num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} "
-                "for the completion).", "max_tokens")
+        whole KV cache (``request_limits.check_context``, the engine's own rule): this also
+        covers the client's own limit where the engine runs fewer tokens (a prefill worker
+        sampling the first token for the handoff)."""
+        check_context(num_tokens, max_tokens, self.max_model_len, self.kv_capacity)
 
     def decode(self, token_ids: list[int]) -> str:
         if token_ids and max(token_ids) >= self.vocab_size:

@@ -20,7 +20,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh report1   # one H200 (~5 min): the report's one-GPU pieces
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh report    # two GPUs (~10 min a call): the whole report, resumable
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh report    # two GPUs (~10 min a call): the whole report (or REPORT_ONLY), resumable
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
 # the number of failed steps. Logs and results go to a run folder packed into ONE file,
@@ -246,9 +246,11 @@ case "$STAGE" in
             --disable-tqdm
         ;;
     report)
-        # The whole report on GPUs 0,1; exit 3 = time budget reached: copy serve/ back into
-        # the repo's results folder and run again (finished runs are skipped).
+        # The whole report on GPUs 0,1 (REPORT_ONLY: a comma-separated subset of its
+        # experiments); exit 3 = time budget reached: copy serve/ back into the repo's
+        # results folder and run again (finished runs are skipped).
         step report 560 python3 -m benchmarks.disagg_report --gpus 0,1 \
+            ${REPORT_ONLY:+--only "$REPORT_ONLY"} \
             --results-dir "${REPORT_DIR:-$RUN/serve}" --time-budget 530 --disable-tqdm
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;

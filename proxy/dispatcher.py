@@ -271,10 +271,19 @@ class Dispatcher:
             return verdict
         first = fw.first_token_of(verdict)
         if first is None:  # an older P, or one that sampled nothing: D computes the token
-            self.metrics.first_token_handoffs.labels("decode").inc()
-            return await self._run_one_leg(
-                request, path, fw.decode_body(body, attempt_id, prefill.zmq_address), decode,
-                "decode", attempt_id, timer)
+            # Counted unless this D sends the request round again (unreachable, asleep):
+            # then the attempt that serves it counts it, so one request counts once.
+            retried = False
+            try:
+                return await self._run_one_leg(
+                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address),
+                    decode, "decode", attempt_id, timer)
+            except _Retry:
+                retried = True
+                raise
+            finally:
+                if not retried:
+                    self.metrics.first_token_handoffs.labels("decode").inc()
         self.metrics.first_token_handoffs.labels("prefill").inc()
         out = web.StreamResponse(status=200, headers={
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",

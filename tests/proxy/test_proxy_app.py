@@ -403,6 +403,43 @@ async def test_handoff_refusal_counts_requests_not_attempts(make_worker, make_pr
     assert 'first_token_handoffs_total{result="not_streaming"} 1.0' in metrics
 
 
+def handoff_counts(metrics: str) -> dict[str, float]:
+    """The first-token handoff counter's value per result label."""
+    prefix = 'pdserve:proxy_first_token_handoffs_total{result="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines() if line.startswith(prefix)}
+
+
+async def test_handoff_fallback_decode_retry_counts_the_request_once(make_worker,
+                                                                     make_proxy) -> None:
+    """P answers no token and the fallback D cannot be reached (or is asleep): the request
+    goes round again, and only the attempt that serves it counts, under its own result."""
+    for mode in ("unreachable", "asleep"):
+        p = await make_worker("P", "no_first_token")
+        bad, good = await make_worker("D", "ok" if mode == "unreachable" else mode), \
+            await make_worker("D")
+        client = await make_proxy(p, bad, good, first_token_from_prefill=True)
+        if mode == "unreachable":
+            await bad.server.close()
+        resp = await client.post("/v1/completions", json=STREAM)  # round robin: bad D first
+        events = sse_events(await resp.text())
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2"]
+        assert len(p.received) == 2 and len(good.received) == 1, mode
+        metrics = await (await client.get("/metrics")).text()
+        assert handoff_counts(metrics) == {"decode": 1.0}, mode
+    # The retry's P sends its token: the request counts as P's, not also as D's.
+    no_token, p = await make_worker("P", "no_first_token"), await make_worker("P")
+    bad, good = await make_worker("D"), await make_worker("D")
+    client = await make_proxy(no_token, p, bad, good, first_token_from_prefill=True)
+    await bad.server.close()
+    resp = await client.post("/v1/completions", json=STREAM)
+    events = sse_events(await resp.text())
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["P0", "t0", "t1", "t2"]
+    assert len(no_token.received) == len(p.received) == 1
+    metrics = await (await client.get("/metrics")).text()
+    assert handoff_counts(metrics) == {"prefill": 1.0}
+
+
 async def test_handoff_d_refusal_after_first_token_is_an_sse_error(make_worker,
                                                                    make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D", "error400")

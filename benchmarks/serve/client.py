@@ -1,7 +1,8 @@
 """One streamed OpenAI request and what the benchmark measures of it.
 
 Timing follows ``vllm bench serve``: TTFT is the time from sending to the first streamed
-chunk carrying content (text, or a chat delta's content); after it, every chunk with
+chunk carrying content (text, or a chat delta's content or reasoning: a reasoning model
+streams its thinking first, and those are generated tokens too); after it, every chunk with
 choices adds one inter-token gap (ITL); E2EL ends at the last chunk with choices. Output
 tokens come from the usage the server reports (``stream_options.include_usage``); without
 it, ``count_output_tokens`` tokenizes the generated text after the run (a chunk may carry
@@ -79,9 +80,7 @@ class StreamTimeline:
         choices = data.get("choices")
         if not choices:
             return
-        choice = choices[0]
-        delta = choice.get("delta")
-        content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        content = _chunk_text(choices[0])
         if self.output.ttft is None:
             if not content:
                 self._choice_times.append(now)
@@ -117,6 +116,21 @@ class StreamTimeline:
         self.output.ttft = times[0] - self.sent_at
         self.output.itl = [later - earlier for earlier, later in zip(times, times[1:])]
         self._last = times[-1]
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    """The generated text of one chunk's choice: a completion's ``text``, or a chat delta's
+    reasoning then its content. Reasoning models stream their thinking as
+    ``reasoning_content`` (newer vLLM servers: ``reasoning``) before any ``content``, and it
+    is output the server counts in its usage, so it times the first token as vLLM does."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        text = choice.get("text")
+        return text if isinstance(text, str) else ""
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+    content = delta.get("content")
+    return ((reasoning if isinstance(reasoning, str) else "")
+            + (content if isinstance(content, str) else ""))
 
 
 def count_output_tokens(outputs: Iterable[RequestOutput], tokenizer: Any) -> None:

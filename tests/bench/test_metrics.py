@@ -55,6 +55,34 @@ def test_chat_role_chunk_is_not_the_first_token() -> None:
     assert out.output_tokens == 2  # no usage: the content chunks
 
 
+def test_chat_reasoning_chunks_are_tokens() -> None:
+    """A reasoning model streams ``reasoning_content`` before any ``content``: its first
+    reasoning chunk is the first token (vLLM's count), and reasoning text is generated text
+    with its own ITL gaps; TTFT used to wait for the first content chunk."""
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+
+    def reasoning(text: str) -> dict:
+        return {"choices": [{"index": 0, "delta": {"reasoning_content": text}}]}
+
+    content = {"choices": [{"index": 0, "delta": {"content": " ok"}}]}
+    out = _timeline([(0.01, role), (0.10, reasoning("think")), (0.15, reasoning(" more")),
+                     (0.30, content), (0.34, content)])
+    assert out.success and out.ttft == pytest.approx(0.10)
+    assert out.itl == pytest.approx([0.05, 0.15, 0.04])
+    assert out.latency == pytest.approx(0.34)
+    assert out.generated_text == "think more ok ok"
+    assert out.output_tokens == 4  # no usage: every chunk that carried text
+    # Reasoning only (say max_tokens ran out while thinking): still text, still timed.
+    only = _timeline([(0.01, role), (0.20, reasoning("a")), (0.25, reasoning(" b"))])
+    assert only.ttft == pytest.approx(0.20) and only.itl == pytest.approx([0.05])
+    assert only.generated_text == "a b" and only.output_tokens == 2
+    # Newer vLLM servers name the field ``reasoning``; one that sends both is counted once.
+    both = {"choices": [{"index": 0, "delta": {"reasoning_content": "x", "reasoning": "x"}}]}
+    renamed = {"choices": [{"index": 0, "delta": {"reasoning": " y"}}]}
+    out = _timeline([(0.01, role), (0.05, both), (0.07, renamed)])
+    assert out.ttft == pytest.approx(0.05) and out.generated_text == "x y"
+
+
 def test_stream_error_event_fails_the_request() -> None:
     out = _timeline([(0.1, _completion_chunk("a")),
                      (0.2, {"error": {"message": "KV transfer failed", "code": 500}})])

@@ -68,21 +68,28 @@ class CpuTransport:
         with self._on_side_stream(event):
             yield
 
-    def land(self, target: torch.Tensor, data: np.ndarray, ready: Any) -> None:
-        """Write one data call's bytes into ``target`` (uint8, flat); on CUDA after ``ready``
-        (the buffer's allocation on the engine's stream), finished when this returns."""
+    def land(self, target: torch.Tensor, data: np.ndarray, ready: Any,
+             then: Callable[[], None]) -> None:
+        """Write one data call's bytes into ``target`` (uint8, flat), then run ``then`` (the
+        consumer's scatter of the call); on CUDA after ``ready`` (the buffer's allocation on
+        the engine's stream), on the side stream. Both are finished when this returns: the
+        next call may reuse ``target``, and the engine may run the request."""
         if not target.is_cuda:
             target.numpy()[:] = data
+            then()
             return
         with self._on_side_stream(ready), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only frame, only ever read
             target.copy_(torch.from_numpy(data))  # pageable source: synchronous
+            then()
+            torch.cuda.current_stream().synchronize()
 
     def finish_sends(self, peer_address: str, deadline: float) -> None:
         return None
 
     def post_recv(self, peer_address: str, buffers: list[torch.Tensor], ready: Any = None,
-                  on_landed: Callable[[], None] | None = None) -> Callable[[], bool] | None:
+                  on_landed: Callable[[], None] | None = None,
+                  after_each: Callable[[int], None] | None = None) -> None:
         """Bytes arrive as ``KVLayerData`` messages (the control thread rings on the last);
         nothing to post."""
         return None

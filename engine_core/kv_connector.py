@@ -65,7 +65,9 @@ class ConnectorScheduler(Protocol):
         ...
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Return (hold_blocks, kv_transfer_params for the response) for a finished request."""
+        """Return (hold_blocks, kv_transfer_params for the response) for a finished request.
+        Held blocks are freed once the request's id is reported in a ``FinishedTransfers``
+        (a send done, or a load ended)."""
         ...
 
     def pins_blocks(self, request: Request) -> bool:

@@ -147,24 +147,28 @@ class P2pConnectorScheduler:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Producer: hold the blocks while a send is due or running; consumer: cancel loads,
-        or tell the producer to drop what it keeps when no load was ever asked for (a request
-        aborted while queued, or finished by the token it continues from)."""
+        """Producer: hold the blocks while a send is due or running; consumer: cancel a
+        running load and hold the blocks until the worker reports it ended (its receives
+        scatter into them as they land), or tell the producer to drop what it keeps when no
+        load was ever asked for (a request aborted while queued, or finished by the token it
+        continues from)."""
         request_id = request.request_id
         asked = request_id in self._loaded
         self._loaded.discard(request_id)
         unsent = self._new_loads.pop(request_id, None)
+        loading = False
         if unsent is not None:  # the worker never saw this load: P only needs the release
             self._releases.append(PeerNotice(unsent.transfer_id, unsent.peer_address))
         elif self._loading.pop(request_id, None) is not None:
             self._cancels.append(request_id)  # the worker releases P if its pull is unsent
+            loading = True
         elif not asked and self._config.is_consumer:
             remote = _remote_params(request, "do_remote_prefill")
             if remote is not None:
                 self._releases.append(PeerNotice(remote[0], remote[1]))
         state = self._producing.pop(request_id, None)
         if state is None:
-            return False, None
+            return loading, None
         params = {"transfer_id": state.transfer_id, "remote_kv_address": self._own_address,
                   "num_kv_blocks": state.num_send_blocks}
         sent = request_id in self._sent_early

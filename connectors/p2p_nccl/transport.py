@@ -110,6 +110,18 @@ class LandingWatcher:
                 logger.exception("KV landing callback failed")
 
 
+@dataclass(frozen=True)
+class PostedRecv:
+    """A transfer's posted receives. ``poll``: True once every call landed (and its
+    ``after_each`` work ran), raises once the pair failed. ``drained``: whether the pair's
+    stream has passed all of it, landed or not: after a failure (an aborted pair's kernels
+    end), the work queued behind the receives still runs, so what it writes is only safe to
+    reuse once this is True."""
+
+    poll: Callable[[], bool]
+    drained: Callable[[], bool]
+
+
 @dataclass
 class _Pair:
     peer_address: str
@@ -145,7 +157,8 @@ class NcclPairTransport:
         self._watchdog = threading.Thread(target=self._watch, name="kv-nccl-watchdog", daemon=True)
         self._watchdog.start()
         self.data_calls = 0
-        self.recv_gpu_seconds = 0.0  # GPU time from posting a transfer's receives to their end
+        self.recv_gpu_seconds = 0.0  # GPU time from posting a transfer's receives (and
+        # scatters) to their end
         self.send_gpu_seconds = 0.0  # GPU time from a transfer's first send (data ready) to its end
         if config.nccl_num_channels is not None:
             set_nccl_channels(config.nccl_num_channels)
@@ -239,11 +252,14 @@ class NcclPairTransport:
         self._init_async(pair, hello.unique_id)
 
     def post_recv(self, peer_address: str, buffers: list[torch.Tensor], ready: Any = None,
-                  on_landed: Callable[[], None] | None = None) -> Callable[[], bool]:
+                  on_landed: Callable[[], None] | None = None,
+                  after_each: Callable[[int], None] | None = None) -> PostedRecv:
         """Post one ncclRecv per call on the pair's stream, after ``ready`` (the buffers'
         allocation on the engine's stream: until then their memory may still be read by an
-        earlier tensor's kernels); returns a non-blocking poll. ``on_landed`` is called from
-        the pair's watcher thread once they completed."""
+        earlier tensor's kernels), each followed by ``after_each(i)`` on the same stream (the
+        consumer's scatter of call i, so a buffer may serve several calls in turn); returns
+        non-blocking polls. ``on_landed`` is called from the pair's watcher thread once they
+        completed."""
         with self._lock:
             pair = self._pairs.get(("recv", peer_address))
         if pair is None or not pair.ready.wait(5.0) or pair.error is not None or pair.aborted:
@@ -256,11 +272,13 @@ class NcclPairTransport:
             pair.op_deadline = deadline
             start = torch.cuda.Event(enable_timing=True)
             start.record(pair.stream)
-            for buffer in buffers:
+            for index, buffer in enumerate(buffers):
                 buffer.record_stream(pair.stream)
                 pair.comm.recv(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                nccl.NCCL_UINT8, 0, pair.stream.cuda_stream)
                 self.data_calls += 1
+                if after_each is not None:
+                    after_each(index)
             done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(pair.stream)
         if on_landed is not None:
@@ -277,7 +295,7 @@ class NcclPairTransport:
                 return True
             return False
 
-        return poll
+        return PostedRecv(poll=poll, drained=done.query)
 
     def count_recv_call(self) -> None:
         return None

@@ -8,9 +8,14 @@ calls of ``layers_per_call`` consecutive layers: after the last layer of a call,
 tells the peer's sender thread once; every other layer's hook does nothing.
 
 Consumer (D): ``start_load_kv`` reserves receive-buffer bytes for each new load, sends the
-pull request (push back: no reservation, no pull), scatters completed transfers into the
-paged cache and fails the ones past their deadline. The control thread validates headers
-and (CPU transport) copies layer bytes in.
+pull request (push back: no reservation, no pull), reports landed transfers and fails the
+ones past their deadline. The control thread validates headers and posts the receives, each
+data call followed by its scatter into the paged cache on the receiving stream (CPU
+transport: it copies each call's bytes in and scatters them). A load needs only a whole
+number of layers of receive buffer, not its whole size: when the transfer is larger than
+``kv_buffer_size``, its calls take turns in the buffer (the stream orders each call's
+receive after the scatter of the call that used the space before), so a long prompt streams
+through a bounded buffer instead of failing.
 """
 
 from __future__ import annotations
@@ -71,18 +76,29 @@ EVENT_COUNTERS = (
     "control_messages_sent", "bytes_sent", "bytes_received", "transfers_sent",
     "transfers_received", "sends_failed", "transfers_failed", "transfers_timed_out",
     "messages_rejected", "leases_expired", "registrations_expired", "loads_pushed_back",
-    "consumer_restarts")
+    "consumer_restarts", "loads_streamed")
 WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requested", "receiving", "done", "failed"
+# A failed load whose receives were posted is reported once its pair's stream has passed
+# the scatters queued behind them (an aborted pair's kernels end, so it does): until then
+# they could still write into its blocks, which the scheduler holds until the report. A
+# stream still busy after this long is logged and the load reported anyway.
+DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
     pull: KVPullRequest
-    nbytes: int
+    nbytes: int  # the whole transfer
+    staging_bytes: int  # its receive buffer: all of it, or the whole layers kv_buffer_size holds
     deadline: float
     state: str = WAITING_BUFFER
-    buffer: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None  # flat, ``staging_bytes``
+    # Per data call, its place in ``buffer`` (calls share it in turn when it is smaller than
+    # the transfer), and the block ids its scatter writes (uploaded on the scattering stream).
+    views: list[torch.Tensor] | None = None
+    first_layers: list[int] | None = None
+    scatter_ids: torch.Tensor | None = None
     # Recorded on the allocating (engine) stream right after ``buffer`` was allocated: the
     # transport's writes wait on it (the memory may have been another tensor's a moment ago).
     buffer_ready: Any = None
@@ -96,7 +112,11 @@ class _Load:
     # Set once the pull went out; a load that ends before that tells P to drop the KV it
     # keeps for it (a release) instead of leaving P to its lease.
     pull_sent: bool = False
-    recv_poll: Callable[[], bool] | None = None
+    posted: Any = None  # the transport's PostedRecv (NCCL), or None
+    drain_deadline: float | None = None
+    # The control thread is posting its receives or landing a call (outside the lock): its
+    # scatters may be on the way, so the load is not ended meanwhile.
+    busy: bool = False
     cancelled: bool = False
     reason: str = ""
     timed_out: bool = False
@@ -373,8 +393,11 @@ class P2pConnectorWorker:
     def _add_load(self, spec: LoadSpec, now: float) -> None:
         num_layers, _, block_shape, element_size = self._require_geometry()
         pull = self._make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids))
-        nbytes = num_layers * layer_nbytes(len(spec.block_ids), block_shape, element_size)
-        load = _Load(spec=spec, pull=pull, nbytes=nbytes,
+        layer_bytes = layer_nbytes(len(spec.block_ids), block_shape, element_size)
+        nbytes = num_layers * layer_bytes
+        capacity = self._recv_buffer.capacity_bytes
+        staging = nbytes if nbytes <= capacity else capacity // max(layer_bytes, 1) * layer_bytes
+        load = _Load(spec=spec, pull=pull, nbytes=nbytes, staging_bytes=staging,
                      deadline=now + self._config.transfer_timeout_s)
         with self._lock:
             if spec.transfer_id in self._loads:
@@ -382,14 +405,14 @@ class P2pConnectorWorker:
                 self._failed_recving.add(spec.request_id)
                 return
             self._loads[spec.transfer_id] = load
-            if not self._recv_buffer.fits_ever(nbytes):
-                load.state, load.reason = FAILED, f"{nbytes} bytes exceed kv_buffer_size"
+            if not self._recv_buffer.fits_ever(layer_bytes):
+                load.state, load.reason = FAILED, (
+                    f"one layer of this transfer ({layer_bytes} bytes) exceeds kv_buffer_size")
                 return
             self._waiting.append(spec.transfer_id)
 
     def _admit_waiting(self) -> None:
         """Push back: a load sends its pull request only once its bytes are reserved (FIFO)."""
-        num_layers, _, block_shape, _ = self._require_geometry() if self._waiting else (0, "", [], 0)
         while True:
             with self._lock:
                 if not self._waiting:
@@ -398,13 +421,16 @@ class P2pConnectorWorker:
                 if load is None or load.state != WAITING_BUFFER:
                     self._waiting.popleft()
                     continue
-                if not self._recv_buffer.try_reserve(load.spec.transfer_id, load.nbytes):
+                if not self._recv_buffer.try_reserve(load.spec.transfer_id, load.staging_bytes):
                     self._counters["loads_pushed_back"] += 1
                     return
                 self._waiting.popleft()
+                if load.staging_bytes < load.nbytes:  # larger than the buffer: calls take turns
+                    self._counters["loads_streamed"] += 1
             try:
-                buffer = torch.empty(wire_shape(num_layers, len(load.spec.block_ids), block_shape),
-                                     dtype=self._require_stacked().dtype, device=self._device)
+                stacked = self._require_stacked()
+                buffer = torch.empty(load.staging_bytes // stacked.element_size(),
+                                     dtype=stacked.dtype, device=self._device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
                 with self._lock:
                     load.state, load.reason = FAILED, f"buffer allocation failed: {exc}"
@@ -447,9 +473,9 @@ class P2pConnectorWorker:
         with self._lock:
             loads = list(self._loads.values())
         for load in loads:
-            if load.state == RECEIVING and load.recv_poll is not None:
+            if load.state == RECEIVING and load.posted is not None:
                 try:
-                    if load.recv_poll():
+                    if load.posted.poll():
                         with self._lock:
                             if load.state == RECEIVING:
                                 load.state = DONE
@@ -464,23 +490,22 @@ class P2pConnectorWorker:
                     if load.cancelled and state == WAITING_BUFFER:
                         state = load.state = FAILED
                     elif now > load.deadline:
-                        was_receiving = state == RECEIVING
                         state, load.state, load.timed_out = FAILED, FAILED, True
                         load.reason = "transfer timed out"
-                        if was_receiving and not self._transport.uses_data_messages:
-                            # Receives are posted into this buffer: abort the pair before freeing it.
-                            self._transport.abort(load.producer_address)
                 if state not in (DONE, FAILED):
+                    continue
+                if state == FAILED and not self._drained(load, now):
                     continue
                 del self._loads[load.spec.transfer_id]
             if not load.pull_sent:
                 unasked.append(load)
-            if state == DONE and not load.cancelled:
-                self._scatter(load)
             self._recv_buffer.release(load.spec.transfer_id)
-            load.buffer = None
+            load.buffer = load.views = load.scatter_ids = None
             with self._lock:
                 if load.cancelled:
+                    # Its request ended while the load ran; the scheduler holds the blocks
+                    # the scatters write until this report (ids are never reused).
+                    self._failed_recving.add(load.spec.request_id)
                     continue
                 if state == DONE:
                     self._finished_recving.add(load.spec.request_id)
@@ -492,10 +517,35 @@ class P2pConnectorWorker:
         for load in unasked:  # cancelled, pushed back past its deadline, or too large
             self._send_pull(load.spec.peer_address, self._make_pull(load.spec.transfer_id, 0, 0))
 
-    def _scatter(self, load: _Load) -> None:
-        assert load.buffer is not None
-        scatter_layers(self._require_stacked(), block_ids_tensor(load.spec.block_ids, self._device),
-                       load.buffer)
+    def _drained(self, load: _Load, now: float) -> bool:
+        """Whether a failed load's posted receives and scatters are behind its pair's stream
+        (call with the lock held). A load past its deadline aborts its pair first, so that
+        receives waiting for data that is not coming end; every other failure of a posted
+        load (the producer's abort, a failed pair) has aborted it already."""
+        if load.busy:
+            return False
+        if load.posted is None:
+            return True
+        if load.drain_deadline is None:
+            load.drain_deadline = now + DRAIN_TIMEOUT_S
+            if load.timed_out:
+                self._transport.abort(load.producer_address)
+        if load.posted.drained():
+            return True
+        if now > load.drain_deadline:
+            logger.error("kv load %s: its pair's stream is still busy %.0f s after the load "
+                         "failed; reporting it anyway", load.spec.transfer_id, DRAIN_TIMEOUT_S)
+            return True
+        return False
+
+    def _scatter_call(self, load: _Load, call: int) -> None:
+        """Scatter one landed data call into the load's blocks, on the current stream (the
+        receiving one): the block ids are uploaded on it the first time."""
+        assert load.views is not None and load.first_layers is not None
+        if load.scatter_ids is None:
+            load.scatter_ids = block_ids_tensor(load.spec.block_ids, self._device)
+        scatter_layers(self._require_stacked(), load.scatter_ids, load.views[call],
+                       load.first_layers[call])
 
     # ---- producer -----------------------------------------------------------------------
 
@@ -755,13 +805,15 @@ class P2pConnectorWorker:
             if load is None or load.state != REQUESTED:
                 reason = "no load is waiting for this transfer"
             else:
-                reason = check_header(header, load.pull, self._last_seq.get(key))
+                reason = (check_header(header, load.pull, self._last_seq.get(key))
+                          or self._plan_calls(load, header.layers_per_call))
             if reason is None and load is not None:
                 self._last_seq[key] = header.seq
                 load.state, load.producer_epoch, load.seq = RECEIVING, header.producer_epoch, header.seq
                 load.producer_address = header.producer_address
                 load.layers_per_call = header.layers_per_call
-                buffer = load.buffer
+                load.busy = True
+                views = load.views
             else:
                 self._counters["messages_rejected"] += 1
                 if load is not None and load.state == REQUESTED:
@@ -773,19 +825,39 @@ class P2pConnectorWorker:
                 # The producer's sends would never be matched: abort so they fail fast.
                 self._transport.abort(header.producer_address)
             return
-        assert buffer is not None
-        calls = call_ranges(header.num_layers, header.layers_per_call)
+        assert views is not None
         try:
-            poll = self._transport.post_recv(header.producer_address,
-                                             [buffer[first:end] for first, end in calls],
-                                             ready=load.buffer_ready, on_landed=self._doorbell.ring)
+            posted = self._transport.post_recv(
+                header.producer_address, views, ready=load.buffer_ready,
+                on_landed=self._doorbell.ring, after_each=lambda call: self._scatter_call(load, call))
         except Exception as exc:  # no pair (a header without its hello): fail now, not at the deadline
+            with self._lock:
+                load.busy = False
             self._fail_unposted(load, header, exc)
             return
         with self._lock:
-            load.recv_poll = poll
-            if poll is not None:
+            load.posted, load.busy = posted, False
+            if posted is not None:
                 self._counters["bytes_received"] += load.nbytes
+
+    def _plan_calls(self, load: _Load, layers_per_call: int) -> str | None:
+        """Place each data call of ``load`` in its buffer: calls take the buffer's slots in
+        turn, so a buffer of whole layers smaller than the transfer still serves it. Why it
+        cannot, or None (call with the lock held)."""
+        assert load.buffer is not None
+        num_layers = load.pull.num_layers
+        calls = call_ranges(num_layers, layers_per_call)
+        layer_elems = load.nbytes // num_layers // load.buffer.element_size()
+        slot_elems = layers_per_call * layer_elems
+        slots = load.buffer.numel() // slot_elems
+        if slots == 0:
+            return (f"data calls of {slot_elems * load.buffer.element_size()} bytes exceed the "
+                    f"{load.staging_bytes}-byte receive buffer")
+        shape = wire_shape(1, len(load.spec.block_ids), list(load.pull.block_shape))[1:]
+        load.views = [load.buffer[(i % slots) * slot_elems:][:(end - first) * layer_elems]
+                      .view(end - first, *shape) for i, (first, end) in enumerate(calls)]
+        load.first_layers = [first for first, _ in calls]
+        return None
 
     def _fail_unposted(self, load: _Load, header: KVSendHeader, exc: Exception) -> None:
         """A header accepted but its receives could not be posted: the load fails at once
@@ -812,7 +884,10 @@ class P2pConnectorWorker:
                   and len(frames) == 1 and len(frames[0]) == expected)
             receiving = load is not None and load.state == RECEIVING
             if ok:
-                destination = load.buffer[message.layer:end]
+                assert load.views is not None
+                call = message.layer // load.layers_per_call
+                destination = load.views[call]
+                load.busy = True
             elif receiving:
                 load.state, load.reason = FAILED, "malformed layer data"
                 self._doorbell.ring()
@@ -821,8 +896,13 @@ class P2pConnectorWorker:
                          + ("does not match the transfer being received" if receiving
                             else "no transfer is being received"))
             return
-        self._transport.land(destination.view(torch.uint8).reshape(-1),
-                             np.frombuffer(frames[0].buffer, dtype=np.uint8), load.buffer_ready)
+        try:
+            self._transport.land(destination.view(torch.uint8).reshape(-1),
+                                 np.frombuffer(frames[0].buffer, dtype=np.uint8),
+                                 load.buffer_ready, then=lambda: self._scatter_call(load, call))
+        finally:
+            with self._lock:
+                load.busy = False
         self._transport.count_recv_call()
         with self._lock:
             if load.state == RECEIVING and load.seq == message.seq:

@@ -339,7 +339,9 @@ class Scheduler:
         ones (after a step, or before a pass for loads landed early)."""
         outputs: list[EngineOutput] = []
         self.connector.update_finished(finished)
-        for request_id in finished.sending:
+        # Held for a send that finished, or (consumer) for a load still writing into the
+        # blocks when its request ended: the load's end is reported like any other.
+        for request_id in finished.sending | finished.recving | finished.failed_recving:
             request = self.held.pop(request_id, None)
             if request is not None:
                 self.kv.free(request)

@@ -71,9 +71,11 @@ CONNECTOR_COUNTERS = {
     "registrations_expired": "Pulls that arrived before their prefill and expired waiting (P).",
     "loads_pushed_back": "Times a KV load waited for receive-buffer space (D).",
     "consumer_restarts": "Decode worker processes seen restarted at a known address (P).",
+    "loads_streamed": "KV loads larger than kv_buffer_size, received through it in turns (D).",
     "data_calls": "Data calls (NCCL send/recv or CPU frames) issued.",
     "send_gpu_seconds": "GPU time from a transfer's first send to its end (P, NCCL).",
-    "recv_gpu_seconds": "GPU time from posting a transfer's receives to their end (D, NCCL).",
+    "recv_gpu_seconds": "GPU time from posting a transfer's receives (and scatters) to their "
+                        "end (D, NCCL).",
 }
 
 

@@ -49,14 +49,17 @@ def gather_layers(stacked: torch.Tensor, first: int, end: int, block_ids: torch.
     return out
 
 
-def scatter_layers(stacked: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Write a wire-layout buffer of every layer into ``block_ids`` of the paged cache."""
+def scatter_layers(stacked: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor,
+                   first: int = 0) -> None:
+    """Write a wire-layout buffer of layers ``[first, first + len(buffer))`` into
+    ``block_ids`` of the paged cache."""
+    layers = stacked[first:first + buffer.shape[0]]
     if stacked.is_cuda:
         from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
 
-        copy_blocks(buffer, stacked, None, block_ids)
+        copy_blocks(buffer, layers, None, block_ids)
     else:
-        as_int_words(stacked).index_copy_(2, block_ids, as_int_words(buffer))
+        as_int_words(layers).index_copy_(2, block_ids, as_int_words(buffer))
 
 
 def copy_indexed_blocks(source: torch.Tensor, dest: torch.Tensor, src_ids: torch.Tensor,

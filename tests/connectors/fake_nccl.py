@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from connectors.p2p_nccl.messages import KVSendHeader, NcclHello
+from connectors.p2p_nccl.transport import PostedRecv
 from engine_core.errors import KVTransferError
 
 
@@ -107,10 +108,13 @@ class FakeNcclTransport:
             self._pairs[("recv", hello.producer_address)] = _FakePair(self._fabric.join(hello.unique_id))
 
     def post_recv(self, peer_address: str, buffers: list[torch.Tensor], ready: Any = None,
-                  on_landed: Callable[[], None] | None = None) -> Callable[[], bool]:
-        """Raises without a pair, as the real one; the poll takes the sends in order."""
+                  on_landed: Callable[[], None] | None = None,
+                  after_each: Callable[[int], None] | None = None) -> PostedRecv:
+        """Raises without a pair, as the real one; the poll takes the sends in order, each
+        followed by ``after_each`` (a stream runs them in that order); nothing runs after an
+        abort, so the posted work is drained at once."""
         pair = self._live("recv", peer_address)
-        pending = list(buffers)
+        pending = list(enumerate(buffers))
         self.data_calls += len(buffers)
 
         def poll() -> bool:
@@ -119,12 +123,15 @@ class FakeNcclTransport:
             with self._fabric.lock:
                 while pending and pair.comm.taken < len(pair.comm.sent):
                     data = pair.comm.sent[pair.comm.taken]
-                    target = pending.pop(0).view(torch.uint8).reshape(-1)
+                    index, buffer = pending.pop(0)
+                    target = buffer.view(torch.uint8).reshape(-1)
                     target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                     pair.comm.taken += 1
+                    if after_each is not None:
+                        after_each(index)
             return not pending
 
-        return poll
+        return PostedRecv(poll=poll, drained=lambda: True)
 
     def count_recv_call(self) -> None:
         return None

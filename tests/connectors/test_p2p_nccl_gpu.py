@@ -25,15 +25,20 @@ def _two_gpus() -> None:
     pytest.importorskip("cupy")
 
 
-@pytest.mark.parametrize("send_type,dtype,min_call_bytes", [
-    ("PUT", "bfloat16", 0), ("GET", "float16", 32 << 20), ("PUT_ASYNC", "bfloat16", 32 << 20),
-    ("PUT_ASYNC", "float16", 0)])
-def test_nccl_transfer_bit_exact(send_type: str, dtype: str, min_call_bytes: int) -> None:
+@pytest.mark.parametrize("send_type,dtype,min_call_bytes,buffer", [
+    ("PUT", "bfloat16", 0, None), ("GET", "float16", 32 << 20, None),
+    ("PUT_ASYNC", "bfloat16", 32 << 20, None), ("PUT_ASYNC", "float16", 0, None),
+    # Smaller than the longest requests (12 KiB): they stream through it, each call's
+    # receive ordered after the scatter of the call that used its slot before.
+    ("PUT_ASYNC", "float32", 0, 10_000)])
+def test_nccl_transfer_bit_exact(send_type: str, dtype: str, min_call_bytes: int,
+                                 buffer: int | None) -> None:
     _two_gpus()
     specs = make_specs(110, seed=7)
-    results, consumer, producer, _ = run_pair(send_type, specs, dtype=dtype, timeout_s=30.0,
-                                              devices=("cuda:0", "cuda:1"),
-                                              min_call_bytes=min_call_bytes)
+    results, consumer, producer, _ = run_pair(
+        send_type, specs, dtype=dtype, timeout_s=30.0, devices=("cuda:0", "cuda:1"),
+        min_call_bytes=min_call_bytes,
+        consumer_extra=None if buffer is None else {"kv_buffer_size": buffer})
     bad = {k: v for k, v in results.items() if v not in ("ok", "local")}
     assert not bad, bad
     transferred = sum(v == "ok" for v in results.values())
@@ -45,6 +50,8 @@ def test_nccl_transfer_bit_exact(send_type: str, dtype: str, min_call_bytes: int
     calls_per_transfer = 3 if min_call_bytes == 0 else 1
     assert p_stats["data_calls"] == d_stats["data_calls"] == calls_per_transfer * transferred
     assert d_stats["recv_gpu_seconds"] > 0
+    if buffer is not None:
+        assert d_stats["loads_streamed"] > 0
 
 
 def test_nccl_producer_killed_mid_transfer() -> None:

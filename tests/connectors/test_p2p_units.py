@@ -267,19 +267,29 @@ def test_consumer_load_lifecycle_and_preemption() -> None:
     assert sched.is_idle()
 
 
-def test_consumer_abort_while_loading_cancels() -> None:
+def test_consumer_abort_while_loading_cancels_and_holds_the_blocks() -> None:
+    """A request ended while its load runs: the load is cancelled, and its blocks are held
+    (the receives scatter into them as calls land) until the worker reports the load ended."""
     sched = _sched("kv_consumer")
     req = _req("r", 10, "do_remote_prefill")
     sched.update_state_after_alloc(req, [1, 2, 3], 0, 9)
     sched.build_connector_meta(_out())
-    assert sched.request_finished(req, [1, 2, 3]) == (False, None)
+    assert sched.request_finished(req, [1, 2, 3]) == (True, None)
     assert sched.build_connector_meta(_out()).cancels == ["r"]
     assert sched.is_idle()
 
 
+def test_consumer_abort_before_the_worker_saw_the_load_holds_nothing() -> None:
+    sched = _sched("kv_consumer")
+    req = _req("r", 10, "do_remote_prefill")
+    sched.update_state_after_alloc(req, [1, 2, 3], 0, 9)
+    assert sched.request_finished(req, [1, 2, 3]) == (False, None)
+    assert sched.build_connector_meta(_out()).cancels == []
+
+
 def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> None:
-    """A load aborted before the worker saw it, one larger than kv_buffer_size, and one
-    cancelled while pushed back: none sent its pull, and each tells P to drop what it keeps
+    """A load aborted before the worker saw it, one with a layer larger than kv_buffer_size,
+    and one cancelled while pushed back: none sent its pull, and each tells P to drop what it keeps
     (a pull of 0 blocks) instead of leaving P to its lease."""
     from connectors.p2p_nccl.worker_side import P2pConnectorWorker
 
@@ -310,7 +320,7 @@ def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> Non
     try:
         aborted = load("aborted", 2)
         sched.request_finished(aborted, list(range(2)))  # before any metadata was built
-        load("huge", 7)  # over the 6-block buffer
+        load("huge", 13)  # one layer of it (13 x 8 KiB) is over the buffer: it cannot stream
         load("first", 5)  # takes the buffer and sends its pull
         queued = load("queued", 5)  # pushed back behind it
         worker.start_load_kv(sched.build_connector_meta(_out()))

@@ -26,9 +26,10 @@ LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 2, 16, (4, 2, 4)  # block size, KV heads, head
 SRC, DST = [1, 5, 7], [2, 3, 9]  # a request's blocks on the producer, on the consumer
 
 
-def make_caches(seed: int) -> list[torch.Tensor]:
-    """Float32 KV caches of ``LAYERS`` layers filled with seeded random values."""
-    caches = allocate_kv_caches(KVCacheShape(LAYERS, NUM_BLOCKS, *BLOCK_SHAPE, torch.float32),
+def make_caches(seed: int, layers: int = LAYERS,
+                block_shape: tuple[int, int, int] = BLOCK_SHAPE) -> list[torch.Tensor]:
+    """Float32 KV caches of ``layers`` layers filled with seeded random values."""
+    caches = allocate_kv_caches(KVCacheShape(layers, NUM_BLOCKS, *block_shape, torch.float32),
                                 "cpu")
     gen = torch.Generator().manual_seed(seed)
     for cache in caches:
@@ -59,17 +60,25 @@ def start_worker(worker: P2pConnectorWorker, caches: list[torch.Tensor]) -> None
 
 
 class WorkerPair:
-    """A producer and a consumer worker on loopback (fake NCCL by default, else CPU)."""
+    """A producer and a consumer worker on loopback (fake NCCL by default, else CPU);
+    ``kv_buffer_size`` (the consumer's, bytes), ``min_call_bytes`` (the producer's), and the
+    caches' layer count and block shape may be given."""
 
-    def __init__(self, timeout_s: float = 4.0, nccl: bool = True) -> None:
+    def __init__(self, timeout_s: float = 4.0, nccl: bool = True,
+                 kv_buffer_size: float | None = None, min_call_bytes: int = 0,
+                 layers: int = LAYERS,
+                 block_shape: tuple[int, int, int] = BLOCK_SHAPE) -> None:
         self.timeout_s = timeout_s
         self.nccl = nccl
+        self.kv_buffer_size = kv_buffer_size
+        self.min_call_bytes = min_call_bytes
+        self.layers, self.block_shape = layers, block_shape
         self.fabric = Fabric()
         self.p_port, self.d_port = free_port(), free_port()
         self.p_addr, self.d_addr = f"127.0.0.1:{self.p_port}", f"127.0.0.1:{self.d_port}"
         self.p_transport = self._transport(self.p_addr)
         self.producer = self._worker("kv_producer", self.p_port, self.p_transport)
-        self.p_caches = make_caches(1)
+        self.p_caches = make_caches(1, layers, block_shape)
         start_worker(self.producer, self.p_caches)
         self.consumer: P2pConnectorWorker | None = None
         self.restart_consumer()
@@ -78,8 +87,9 @@ class WorkerPair:
         return FakeNcclTransport(self.fabric, address) if self.nccl else None
 
     def _worker(self, role: str, port: int, transport: Any) -> P2pConnectorWorker:
+        extra = {} if self.kv_buffer_size is None else {"kv_buffer_size": self.kv_buffer_size}
         config = KVTransferConfig(kv_role=role, kv_port=port, transfer_timeout_s=self.timeout_s,
-                                  min_call_bytes=0)
+                                  min_call_bytes=self.min_call_bytes, **extra)
         return P2pConnectorWorker(config, "cpu", transport=transport)
 
     def restart_consumer(self) -> None:
@@ -88,7 +98,7 @@ class WorkerPair:
             self.consumer.shutdown()
         self.d_transport = self._transport(self.d_addr)
         self.consumer = self._worker("kv_consumer", self.d_port, self.d_transport)
-        self.d_caches = make_caches(2)
+        self.d_caches = make_caches(2, self.layers, self.block_shape)
         start_worker(self.consumer, self.d_caches)
 
     def _consumer(self) -> P2pConnectorWorker:

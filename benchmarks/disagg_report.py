@@ -204,6 +204,8 @@ def _header(env: dict, scale: Scale) -> list[str]:
              f"- software: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), "
              f"commit {env['git_commit']}",
              f"- command: `{env['command']}`",
+             *([f"- summary rebuilt by: `{env['summary_command']}`"]
+               if env.get("summary_command") else []),
              f"- SLOs: TTFT <= {scale.slo_ttft_ms:g} ms, TPOT <= {scale.slo_tpot_ms:g} ms; "
              "every request uses ignore_eos; percentiles are of per-request values", ""]
     if env["smoke"]:
@@ -238,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     scale = _scale(args)
     outcome = PlanOutcome([], [])
     env = environment(spec, args.smoke)
+    env_path = results_dir / "env.json"
+    if args.summary_only and env_path.is_file():
+        # The runs' machine, not this one: only the summary is made here.
+        env = {**json.loads(env_path.read_text()), "summary_command": env["command"]}
     if not args.summary_only:
         plan = build_plan(scale, experiments, args.seed)
         deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
@@ -246,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                                  deadline=deadline, provenance=provenance(env))
         outcome = run_plan(plan, options)
     problems = outcome.problems
-    (results_dir / "env.json").write_text(json.dumps(env, indent=2))
+    env_path.write_text(json.dumps(env, indent=2))
     results = load_results(results_dir / "raw")
-    markdown, figures = build_summary(results, _header(env, scale))
+    markdown, figures = build_summary(results, _header(env, scale),
+                                      {"ttft": scale.slo_ttft_ms, "tpot": scale.slo_tpot_ms})
     plots = make_plots(results, results_dir)
     markdown += "\n## Files\n\n" + "\n".join(
         [f"- `{p.relative_to(results_dir)}`" for p in plots]

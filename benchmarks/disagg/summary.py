@@ -5,6 +5,13 @@ are not percentiles of per-request differences. "Max goodput" is the highest goo
 over a sweep; "rate at 90% SLO" is the highest swept rate at which at least 90% of the
 requests met both SLOs.
 
+Goodput is scored at the report's SLOs (``slos_ms``): a run saved under other SLOs (a summary
+rebuilt with ``--summary-only --slo-tpot-ms``) is scored again from its per-request TTFT and
+TPOT, as ``bench serve`` scores them. Each sweep also gets the goodput ratio at the TTFT SLO
+and a range of TPOT SLOs (``TPOT_SLO_SWEEP_MS``): where disaggregation pays depends on how
+tight the TPOT SLO is (1P1D keeps decode steps free of prefill chunks; two colocated replicas
+have twice the prefill capacity).
+
 Only runs made on one device model are compared: where an experiment's runs come from
 different GPU models (a report resumed on another machine and stopped by its time budget),
 the runs of other models than its newest run's are set aside and listed.
@@ -26,6 +33,7 @@ Results = Mapping[str, Mapping[str, Any]]  # run name -> bench result
 GOALS = {"ttft_overhead_p50_ms": 3.0, "ttft_overhead_p99_ms": 10.0, "goodput_ratio": 1.5,
          "proxy_overhead_p50_ms": 1.0}
 ATTAINMENT_TARGET = 0.9
+TPOT_SLO_SWEEP_MS = (10.0, 15.0, 20.0, 40.0)
 
 
 def device_models(provenance: Mapping[str, Any] | None) -> frozenset[str]:
@@ -145,9 +153,59 @@ def ttft_overhead(results: Results, figures: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def rescore(run: Mapping[str, Any], slos_ms: Mapping[str, float]) -> Mapping[str, Any] | None:
+    """``run`` with ``request_goodput`` and ``slo_attainment`` at ``slos_ms`` (TTFT and/or
+    TPOT, ms), from its per-request ``ttfts`` and ``tpots`` as ``bench serve`` counts them
+    (good requests over the run's duration, and over every request sent); the run itself
+    when it was scored at these SLOs. None when it cannot be: other SLO kinds, or per-request
+    lists that do not pair up (a request of one output token has no TPOT in the list)."""
+    if dict(run.get("goodput_slos_ms") or {}) == dict(slos_ms):
+        return run
+    ttfts, tpots, done = run.get("ttfts"), run.get("tpots"), run.get("completed")
+    if (set(slos_ms) - {"ttft", "tpot"} or ttfts is None or tpots is None
+            or not len(ttfts) == len(tpots) == done or not run.get("duration")):
+        return None
+    limit_ttft, limit_tpot = (slos_ms.get(k, float("inf")) for k in ("ttft", "tpot"))
+    good = sum(1 for ttft, tpot in zip(ttfts, tpots)
+               if ttft * 1e3 <= limit_ttft and tpot * 1e3 <= limit_tpot)
+    sent = done + (run.get("failed") or 0)
+    return {**run, "goodput_slos_ms": dict(slos_ms), "request_goodput": good / run["duration"],
+            "slo_attainment": good / max(sent, 1)}
+
+
 def _sweep(results: Results, experiment: str, topology: str) -> list[Mapping[str, Any]]:
     runs = [r for n, r in results.items() if n.startswith(f"{experiment}__{topology}__r")]
     return sorted(runs, key=lambda r: float(r["request_rate"]))
+
+
+def _scored(runs: list[Mapping[str, Any]], slos_ms: Mapping[str, float] | None
+            ) -> tuple[list[Mapping[str, Any]], int]:
+    """``runs`` scored at ``slos_ms`` (None: as saved), and how many could not be."""
+    if slos_ms is None:
+        return runs, 0
+    scored = [rescore(r, slos_ms) for r in runs]
+    return [s if s is not None else r for s, r in zip(scored, runs)], scored.count(None)
+
+
+def _tpot_sensitivity(pd: list[Mapping[str, Any]], colo: list[Mapping[str, Any]],
+                      ttft_ms: float) -> tuple[list[str], dict[str, Any]]:
+    """Max goodput of both sweeps, and their ratio, at the TTFT SLO and each of
+    ``TPOT_SLO_SWEEP_MS``: lines and figures (empty where the runs cannot be rescored)."""
+    rows, figures = [], {}
+    for tpot in TPOT_SLO_SWEEP_MS:
+        slos = {"ttft": ttft_ms, "tpot": tpot}
+        a = [rescore(r, slos) for r in pd]
+        b = [rescore(r, slos) for r in colo]
+        if not a or not b or None in a or None in b:
+            return [], {}
+        best_a, best_b = (_sweep_figures(x)["max_goodput"] for x in (a, b))
+        ratio = best_a / best_b if best_b else None
+        figures[f"{tpot:g}"] = {"pd": best_a, "colo2": best_b, "ratio": ratio}
+        rows.append(f"| {tpot:g} | {_f(best_a, 2)} | {_f(best_b, 2)} | {_f(ratio, 2)}x |")
+    lines = ["", f"Max goodput by TPOT SLO (TTFT <= {ttft_ms:g} ms, the same runs scored "
+             "again):", "", "| TPOT SLO ms | 1P1D | 2x colocated | ratio |", "|---|---|---|---|",
+             *rows]
+    return lines, figures
 
 
 def _sweep_figures(runs: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -156,10 +214,12 @@ def _sweep_figures(runs: list[Mapping[str, Any]]) -> dict[str, Any]:
             "rate_at_90pct_slo": max((float(r["request_rate"]) for r in good), default=None)}
 
 
-def goodput(results: Results, figures: dict[str, Any], experiment: str) -> list[str]:
+def goodput(results: Results, figures: dict[str, Any], experiment: str,
+            slos_ms: Mapping[str, float] | None = None) -> list[str]:
     pd, colo = _sweep(results, experiment, "pd"), _sweep(results, experiment, "colo2")
     if not pd and not colo:
         return []
+    (pd, unscored_pd), (colo, unscored_colo) = _scored(pd, slos_ms), _scored(colo, slos_ms)
     sample = (pd or colo)[0]
     slos = " and ".join(f"{k.upper()} <= {v:g} ms" for k, v in sample["goodput_slos_ms"].items())
     input_len = sample["total_input_tokens"] // max(sample["completed"], 1)
@@ -197,6 +257,16 @@ def goodput(results: Results, figures: dict[str, Any], experiment: str) -> list[
               f"{_f(section['pd']['rate_at_90pct_slo'], 2)}, 2x colocated "
               f"{_f(section['colo2']['rate_at_90pct_slo'], 2)} req/s. 1P1D p99 TPOT lower at "
               f"{lower_tpot} of {section['points_compared']} rates."]
+    if unscored_pd or unscored_colo:
+        lines += ["", f"{unscored_pd + unscored_colo} runs could not be scored at these SLOs "
+                  "(their per-request lists do not pair up): they keep the SLOs they were run "
+                  "with."]
+    ttft_ms = sample["goodput_slos_ms"].get("ttft")
+    if ttft_ms is not None:
+        more, by_tpot = _tpot_sensitivity(pd, colo, ttft_ms)
+        lines += more
+        if by_tpot:
+            section["by_tpot_slo"] = by_tpot
     figures[experiment] = section
     return lines + [""]
 
@@ -356,13 +426,15 @@ def prefix_affinity(results: Results, figures: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def build_summary(results: Results, header: list[str]) -> tuple[str, dict[str, Any]]:
-    """The markdown report and its key figures."""
+def build_summary(results: Results, header: list[str],
+                  slos_ms: Mapping[str, float] | None = None) -> tuple[str, dict[str, Any]]:
+    """The markdown report and its key figures; goodput at ``slos_ms`` (None: each run's
+    own)."""
     figures: dict[str, Any] = {}
     sections: list[Callable[[Results, dict[str, Any]], list[str]]] = [
-        ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k"),
-        lambda r, f: goodput(r, f, "goodput_8k"), prefix_cache, proxy_overhead, kv_offload,
-        prefix_affinity]
+        ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k", slos_ms),
+        lambda r, f: goodput(r, f, "goodput_8k", slos_ms), prefix_cache, proxy_overhead,
+        kv_offload, prefix_affinity]
     results, aside = comparable(results)
     lines = list(header)
     for section in sections:

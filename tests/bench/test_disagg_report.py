@@ -269,3 +269,62 @@ def test_transfer_failures_name_the_worker_and_counter() -> None:
     assert transfer_failures(before, worse) == [
         "http://d: pdserve:kv_transfer_transfers_failed +1",
         "http://p: pdserve:kv_transfer_sends_failed +1"]
+
+
+def _scored_run(label: str, rate: float, ttfts: list[float], tpots: list[float]) -> dict:
+    return _result(label, rate, completed=len(ttfts), num_prompts=len(ttfts), duration=10.0,
+                   ttfts=ttfts, tpots=tpots, request_goodput=len(ttfts) / 10.0,
+                   slo_attainment=1.0)
+
+
+def test_rescore_counts_requests_meeting_both_slos() -> None:
+    from benchmarks.disagg.summary import rescore
+
+    run = _scored_run("1P1D", 2, [0.1, 0.2, 1.5, 0.3], [0.012, 0.030, 0.010, 0.009])
+    assert rescore(run, {"ttft": 1000.0, "tpot": 40.0}) is run  # its own SLOs
+    tight = rescore(run, {"ttft": 1000.0, "tpot": 15.0})
+    assert tight is not None
+    assert tight["slo_attainment"] == pytest.approx(2 / 4)  # 1.5 s TTFT, 30 ms TPOT fail
+    assert tight["request_goodput"] == pytest.approx(2 / 10.0)
+    with_failed = rescore({**run, "failed": 4}, {"ttft": 1000.0, "tpot": 15.0})
+    assert with_failed is not None and with_failed["slo_attainment"] == pytest.approx(2 / 8)
+    assert rescore({**run, "tpots": run["tpots"][:3]}, {"ttft": 1000.0, "tpot": 15.0}) is None
+    assert rescore(run, {"ttft": 1000.0, "e2el": 5000.0}) is None
+
+
+def test_summary_scores_goodput_at_the_report_slos_and_by_tpot_slo() -> None:
+    """Runs saved at TPOT <= 40 ms, summarised at 15 ms: 1P1D's steady 12 ms TPOT still
+    meets it, the colocated replicas' 30 ms does not; at 40 ms both do."""
+    results = {
+        "goodput_8k__pd__r1": _scored_run("1P1D", 1, [0.3] * 10, [0.012] * 10),
+        "goodput_8k__colo2__r1": _scored_run("2x", 1, [0.2] * 10, [0.030] * 10),
+    }
+    markdown, figures = build_summary(results, ["# report"], {"ttft": 1000.0, "tpot": 15.0})
+    g = figures["goodput_8k"]
+    assert g["pd"]["max_goodput"] == pytest.approx(1.0)
+    assert g["colo2"]["max_goodput"] == pytest.approx(0.0)
+    assert "TPOT <= 15 ms" in markdown
+    by_tpot = g["by_tpot_slo"]
+    assert by_tpot["40"] == pytest.approx({"pd": 1.0, "colo2": 1.0, "ratio": 1.0})
+    assert by_tpot["10"]["pd"] == pytest.approx(0.0)
+    assert "| 15 | 1.00 | 0.00 |" in markdown
+
+
+def test_summary_only_keeps_the_runs_environment(tmp_path: Path) -> None:
+    from benchmarks.disagg_report import main
+
+    (tmp_path / "raw").mkdir()
+    env = {"date": "2026-11-25T22:08:50", "devices": ["NVIDIA H100 80GB HBM3, 81559 MiB"],
+           "gpus_used": ["0", "1"], "model": "m", "served_model_name": "m",
+           "engine_args": [], "python": "3.12", "torch": "2.11", "cuda": "13.0",
+           "git_commit": "abc1234", "command": "python3 -m benchmarks.disagg_report ...",
+           "smoke": False}
+    (tmp_path / "env.json").write_text(json.dumps(env))
+    run = _scored_run("1P1D", 1, [0.3] * 10, [0.012] * 10)
+    (tmp_path / "raw" / "goodput_8k__pd__r1.json").write_text(json.dumps(run))
+    assert main(["--summary-only", "--results-dir", str(tmp_path), "--slo-tpot-ms", "15",
+                 "--model", str(tmp_path)]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "NVIDIA H100 80GB HBM3" in summary and "commit abc1234" in summary
+    assert "summary rebuilt by:" in summary and "TPOT <= 15 ms" in summary
+    assert json.loads((tmp_path / "env.json").read_text())["devices"] == env["devices"]

@@ -363,9 +363,9 @@ class EngineCore:
         return outputs
 
     def _land_loads(self) -> list[EngineOutput]:
-        """KV loads that arrived since the last pass join this one (their scatter is queued
-        on the engine stream ahead of this step): a disaggregated request's first token
-        comes one step after its KV landed, not three."""
+        """KV loads that arrived since the last pass join this one (their calls were
+        scattered as they landed, and the host saw the last scatter end): a disaggregated
+        request's first token comes one step after its KV landed, not three."""
         landed = self.connector_worker.land_loads()
         if not (landed.recving or landed.failed_recving):
             return []

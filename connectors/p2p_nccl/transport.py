@@ -75,6 +75,13 @@ def set_nccl_channels(num_channels: int) -> None:
         os.environ[name] = str(num_channels)
 
 
+def _raise(exc: Exception) -> Callable[[], bool]:
+    def poll() -> bool:
+        raise KVTransferError(str(exc))
+
+    return poll
+
+
 class LandingWatcher:
     """One thread per receiving pair: waits for each posted receive's completion event, in
     posting order, and calls its callback (the consumer's doorbell).
@@ -120,6 +127,15 @@ class PostedRecv:
 
     poll: Callable[[], bool]
     drained: Callable[[], bool]
+
+
+class RecvPostError(KVTransferError):
+    """``post_recv`` failed after queuing part of its work: ``posted`` says when the pair's
+    stream has passed that part (its scatters may still write until then)."""
+
+    def __init__(self, message: str, posted: PostedRecv) -> None:
+        super().__init__(message)
+        self.posted = posted
 
 
 @dataclass
@@ -272,13 +288,19 @@ class NcclPairTransport:
             pair.op_deadline = deadline
             start = torch.cuda.Event(enable_timing=True)
             start.record(pair.stream)
-            for index, buffer in enumerate(buffers):
-                buffer.record_stream(pair.stream)
-                pair.comm.recv(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
-                               nccl.NCCL_UINT8, 0, pair.stream.cuda_stream)
-                self.data_calls += 1
-                if after_each is not None:
-                    after_each(index)
+            try:
+                for index, buffer in enumerate(buffers):
+                    buffer.record_stream(pair.stream)
+                    pair.comm.recv(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+                                   nccl.NCCL_UINT8, 0, pair.stream.cuda_stream)
+                    self.data_calls += 1
+                    if after_each is not None:
+                        after_each(index)
+            except Exception as exc:  # e.g. the pair aborted meanwhile: part is queued
+                queued = torch.cuda.Event()
+                queued.record(pair.stream)
+                raise RecvPostError(f"posting receives from {peer_address} failed: {exc}",
+                                    PostedRecv(poll=_raise(exc), drained=queued.query)) from exc
             done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(pair.stream)
         if on_landed is not None:

@@ -81,7 +81,8 @@ WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requeste
 # A failed load whose receives were posted is reported once its pair's stream has passed
 # the scatters queued behind them (an aborted pair's kernels end, so it does): until then
 # they could still write into its blocks, which the scheduler holds until the report. A
-# stream still busy after this long is logged and the load reported anyway.
+# stream still busy after this long is logged as an error; the load keeps its blocks (a
+# leak is better than another request's KV overwritten).
 DRAIN_TIMEOUT_S = 30.0
 
 
@@ -114,6 +115,7 @@ class _Load:
     pull_sent: bool = False
     posted: Any = None  # the transport's PostedRecv (NCCL), or None
     drain_deadline: float | None = None
+    drain_overdue: bool = False
     # The control thread is posting its receives or landing a call (outside the lock): its
     # scatters may be on the way, so the load is not ended meanwhile.
     busy: bool = False
@@ -231,8 +233,8 @@ class P2pConnectorWorker:
     # ---- runner hooks -------------------------------------------------------------------
 
     def land_loads(self) -> FinishedTransfers:
-        """Consumer, before the scheduling pass: scatter the loads that arrived and report
-        them (and the failed ones) at once. Reported only by ``get_finished`` after the
+        """Consumer, before the scheduling pass: report the loads that landed (their calls
+        were scattered as they arrived) and the failed ones at once. Reported only by ``get_finished`` after the
         step, a landed request waited a step to be seen and (async scheduling) another to
         be scheduled: two decode steps added to its first token."""
         with self._lock:
@@ -395,8 +397,11 @@ class P2pConnectorWorker:
         pull = self._make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids))
         layer_bytes = layer_nbytes(len(spec.block_ids), block_shape, element_size)
         nbytes = num_layers * layer_bytes
+        # Larger than the buffer: whole layers of half of it (at least one layer), so that
+        # smaller loads are not all pushed back behind it; its calls take turns in them.
         capacity = self._recv_buffer.capacity_bytes
-        staging = nbytes if nbytes <= capacity else capacity // max(layer_bytes, 1) * layer_bytes
+        staging = (nbytes if nbytes <= capacity
+                   else max(layer_bytes, capacity // 2 // max(layer_bytes, 1) * layer_bytes))
         load = _Load(spec=spec, pull=pull, nbytes=nbytes, staging_bytes=staging,
                      deadline=now + self._config.transfer_timeout_s)
         with self._lock:
@@ -469,7 +474,7 @@ class P2pConnectorWorker:
                     load.cancelled = True
 
     def _land_and_expire(self, now: float) -> None:
-        """Scatter completed loads, report failed and late ones, free what they held."""
+        """Report landed, failed and late loads and free the buffer they held."""
         with self._lock:
             loads = list(self._loads.values())
         for load in loads:
@@ -532,10 +537,11 @@ class P2pConnectorWorker:
                 self._transport.abort(load.producer_address)
         if load.posted.drained():
             return True
-        if now > load.drain_deadline:
+        if now > load.drain_deadline and not load.drain_overdue:
+            load.drain_overdue = True
             logger.error("kv load %s: its pair's stream is still busy %.0f s after the load "
-                         "failed; reporting it anyway", load.spec.transfer_id, DRAIN_TIMEOUT_S)
-            return True
+                         "failed; its blocks stay held until it drains",
+                         load.spec.transfer_id, DRAIN_TIMEOUT_S)
         return False
 
     def _scatter_call(self, load: _Load, call: int) -> None:
@@ -832,6 +838,8 @@ class P2pConnectorWorker:
                 on_landed=self._doorbell.ring, after_each=lambda call: self._scatter_call(load, call))
         except Exception as exc:  # no pair (a header without its hello): fail now, not at the deadline
             with self._lock:
+                # Part may be queued (the pair failed midway): drained before it is reported.
+                load.posted = getattr(exc, "posted", None)
                 load.busy = False
             self._fail_unposted(load, header, exc)
             return
@@ -871,6 +879,11 @@ class P2pConnectorWorker:
         self._doorbell.ring()
 
     def _on_layer_data(self, message: KVLayerData, frames: list[Any]) -> None:
+        if not self._transport.uses_data_messages:
+            # NCCL moves the bytes: a data message is no part of any load here.
+            self._reject("layer data", f"{message.transfer_id!r:.80}: this consumer receives "
+                                       "over NCCL, not in data messages")
+            return
         with self._lock:
             load = self._loads.get(message.transfer_id)
             end, expected = -1, -1

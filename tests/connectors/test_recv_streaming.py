@@ -14,30 +14,35 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata
+from connectors.p2p_nccl.transport import PostedRecv, RecvPostError
 from tests.connectors.worker_pair import DST, WorkerPair, wait_until
 
 # Four layers of 16-token blocks, 4 KV heads of 32 dims, float32: a layer of the
 # request's 3 blocks is 48 KiB, the whole request 192 KiB.
 LAYERS, BLOCK_SHAPE = 4, (16, 4, 32)
 LAYER_BYTES = 2 * len(DST) * 16 * 4 * 32 * 4
-BUFFER = 100_000  # bytes (two layers: 96 KiB)
+BUFFER = 150_000  # bytes (three layers); a load larger than it takes whole layers of half
 
 
 @pytest.mark.parametrize("nccl", [True, False], ids=["fake-nccl", "cpu-transport"])
 def test_transfer_larger_than_the_buffer_streams_through_it(nccl: bool) -> None:
-    """One call a layer (min_call_bytes 0): four calls through two slots, twice round; the
-    blocks arrive bit for bit (``outcome`` compares them) and the reservation never exceeds
-    the buffer."""
+    """One call a layer (min_call_bytes 0): four calls through the one layer of half the
+    buffer, in turn; the blocks arrive bit for bit (``outcome`` compares them, and each
+    round sends new values) and the reservation stays within half the buffer."""
     pair = WorkerPair(nccl=nccl, kv_buffer_size=BUFFER, layers=LAYERS, block_shape=BLOCK_SHAPE)
     try:
         assert pair.consumer is not None
+        gen = torch.Generator().manual_seed(5)
         for round_ in range(3):
+            for cache in pair.p_caches:
+                cache.copy_(torch.randn(cache.shape, generator=gen))
             tid = f"big-{round_}"
             pair.ask(tid)
             reserved = pair.consumer.stats()["recv_buffer_bytes_in_use"]
-            assert reserved == 2 * LAYER_BYTES <= BUFFER < LAYERS * LAYER_BYTES
+            assert reserved == LAYER_BYTES <= BUFFER // 2 < LAYERS * LAYER_BYTES
             pair.compute(tid)
             assert pair.outcome(tid) == "ok"
         assert pair.idle()
@@ -52,7 +57,7 @@ def test_transfer_larger_than_the_buffer_streams_through_it(nccl: bool) -> None:
 @pytest.mark.parametrize("nccl", [True, False], ids=["fake-nccl", "cpu-transport"])
 def test_calls_larger_than_the_buffer_fail_at_the_header(nccl: bool) -> None:
     """The producer groups all four layers into one call (min_call_bytes above the request),
-    which no slot of the two-layer buffer holds: the consumer rejects the header and the
+    which the load's one-layer slot does not hold: the consumer rejects the header and the
     load fails at once, not at its deadline (NCCL: the producer's send, never matched, gives
     up at its own)."""
     pair = WorkerPair(nccl=nccl, kv_buffer_size=BUFFER, min_call_bytes=1 << 30, layers=LAYERS,
@@ -91,13 +96,19 @@ def test_a_failed_load_is_reported_only_once_its_stream_drained() -> None:
     consumer = pair.consumer
     assert consumer is not None
     drained = {"now": False}
-    real_post = pair.d_transport.post_recv
+    aborted: list[str] = []
+    real_post, real_abort = pair.d_transport.post_recv, pair.d_transport.abort
 
     def post_never_landing(*args: Any, **kwargs: Any) -> Any:
         posted = real_post(*args, **kwargs)
         return type(posted)(poll=lambda: False, drained=lambda: drained["now"])
 
+    def abort(peer_address: str) -> None:
+        aborted.append(peer_address)
+        real_abort(peer_address)
+
     pair.d_transport.post_recv = post_never_landing  # type: ignore[method-assign]
+    pair.d_transport.abort = abort  # type: ignore[method-assign]
     try:
         pair.ask("stuck")
         pair.compute("stuck")
@@ -110,9 +121,40 @@ def test_a_failed_load_is_reported_only_once_its_stream_drained() -> None:
 
         assert not wait_until(failed, 1.5)  # past its deadline, not drained: held
         assert consumer.stats()["loads_in_flight"] == 1
+        assert aborted == [pair.p_addr]  # its receives wait for nothing: the pair is aborted
         drained["now"] = True
         assert wait_until(failed, 5.0) and reported == {"stuck"}
         assert consumer.stats()["transfers_timed_out"] == 1
         assert consumer.stats()["recv_buffer_bytes_in_use"] == 0
+    finally:
+        pair.shutdown()
+
+
+def test_a_post_that_failed_midway_drains_before_it_is_reported() -> None:
+    """The pair failed while the receives were being posted: part of them (and their
+    scatters) is queued, so the load, failed at once, is reported only once that drained."""
+    pair = WorkerPair(layers=LAYERS, block_shape=BLOCK_SHAPE)
+    consumer = pair.consumer
+    assert consumer is not None
+    drained = {"now": False}
+
+    def post_failing_midway(*args: Any, **kwargs: Any) -> Any:
+        raise RecvPostError("pair aborted midway", PostedRecv(
+            poll=lambda: False, drained=lambda: drained["now"]))
+
+    pair.d_transport.post_recv = post_failing_midway  # type: ignore[method-assign]
+    try:
+        pair.ask("midway")
+        pair.compute("midway")
+        reported: set[str] = set()
+
+        def failed() -> bool:
+            reported.update(consumer.land_loads().failed_recving)
+            return bool(reported)
+
+        assert not wait_until(failed, 1.0)
+        assert consumer.stats()["loads_in_flight"] == 1
+        drained["now"] = True
+        assert wait_until(failed, 5.0) and reported == {"midway"}
     finally:
         pair.shutdown()

@@ -211,3 +211,24 @@ def test_finished_request_blocks_held_until_sent():
     runner.finished.sending = {"p"}
     run_until_idle(scheduler, runner)
     assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("ended", ["recving", "failed_recving"])
+def test_request_aborted_mid_load_holds_its_blocks_until_the_load_ends(ended):
+    """A consumer request aborted while its KV arrives: its blocks stay allocated (the
+    receives still scatter into them) until the worker reports the load's end, landed or
+    failed, and are freed then."""
+    scheduler, runner = make_scheduler(connector=RemoteConnector(hold=True)), FakeRunner()
+    scheduler.add_request(make_request("remote", 10, kv_transfer_params={"do_remote_prefill": True}))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner.execute(out))
+    assert "remote" in scheduler.parked
+    scheduler.abort_requests(["remote"])
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner.execute(out))
+    assert "remote" in scheduler.held
+    assert scheduler.kv.num_free_blocks < scheduler.kv.num_total_blocks
+    setattr(runner.finished, ended, {"remote"})
+    run_until_idle(scheduler, runner)
+    assert not scheduler.held
+    assert_all_free(scheduler)

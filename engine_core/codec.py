@@ -9,6 +9,7 @@ receiver can log it, count it and carry on. Never pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Union
@@ -35,13 +36,42 @@ def _preview(value: Any) -> str:
     return repr(value)[:_PREVIEW_CHARS]
 
 
+@functools.cache
+def _shape(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A hint's origin and arguments, computed once per hint: decoding runs per message on
+    the API server's event loop (a batch of 75 engine outputs took 10.6 ms to decode with
+    these and the dataclasses' type hints worked out per value)."""
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """A message dataclass's init fields: (name, hint, required), and every field name."""
+
+    init: tuple[tuple[str, Any, bool], ...]
+    names: frozenset[str]
+
+
+@functools.cache
+def _fields(cls: type) -> _Fields:
+    hints = typing.get_type_hints(cls)
+    init = tuple((f.name, hints[f.name], f.default is dataclasses.MISSING
+                  and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls) if f.init)
+    return _Fields(init, frozenset(f.name for f in dataclasses.fields(cls)))
+
+
 def _check(value: Any, hint: Any, path: str) -> Any:
     """Validate ``value`` against a type hint; rebuild nested dataclasses; return the value."""
     if hint is Any:
         return value
-    origin = typing.get_origin(hint)
+    if hint is int and type(value) is int:  # the commonest case first (bool is not int here)
+        return value
+    origin, args = _shape(hint)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(hint):
+        if value is None and _NONE_TYPE in args:  # optional fields are mostly unset
+            return None
+        for option in args:
             try:
                 return _check(value, option, path)
             except MessageDecodeError:
@@ -54,14 +84,16 @@ def _check(value: Any, hint: Any, path: str) -> Any:
     if origin in (list, tuple, set, frozenset):
         if not isinstance(value, (list, tuple)):
             raise MessageDecodeError(f"{path}: expected a list, got {type(value).__name__}")
-        args = typing.get_args(hint)
         inner = args[0] if args else Any
-        items = [_check(item, inner, f"{path}[{i}]") for i, item in enumerate(value)]
+        if inner is int and all(type(item) is int for item in value):
+            items = list(value)  # token ids: no per-item path unless one is wrong
+        else:
+            items = [_check(item, inner, f"{path}[{i}]") for i, item in enumerate(value)]
         return origin(items) if origin is not tuple else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
             raise MessageDecodeError(f"{path}: expected a map, got {type(value).__name__}")
-        key_hint, value_hint = typing.get_args(hint) or (Any, Any)
+        key_hint, value_hint = args or (Any, Any)
         return {_check(k, key_hint, f"{path}.key"): _check(v, value_hint, f"{path}[{_preview(k)}]")
                 for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
@@ -84,16 +116,14 @@ def _check(value: Any, hint: Any, path: str) -> Any:
 
 
 def _build(cls: type, data: dict[str, Any], path: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    fields = _fields(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if f.name in data:
-            kwargs[f.name] = _check(data[f.name], hints[f.name], f"{path}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise MessageDecodeError(f"{path}: missing field {f.name!r}")
-    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    for name, hint, required in fields.init:
+        if name in data:
+            kwargs[name] = _check(data[name], hint, f"{path}.{name}")
+        elif required:
+            raise MessageDecodeError(f"{path}: missing field {name!r}")
+    unknown = data.keys() - fields.names
     if unknown:
         # Keys may mix types (msgpack maps allow any key): sorting them raised TypeError.
         names = sorted(_preview(key) for key in unknown)
@@ -101,10 +131,19 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     return cls(**kwargs)
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _to_plain(obj: Any) -> Any:
+    if type(obj) in (int, float, str, bool, bytes) or obj is None:
+        return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {name: _to_plain(getattr(obj, name)) for name in _field_names(type(obj))}
     if isinstance(obj, (list, tuple, set, frozenset)):
+        if all(type(x) is int for x in obj):  # token ids
+            return list(obj)
         return [_to_plain(x) for x in obj]
     if isinstance(obj, dict):
         return {k: _to_plain(v) for k, v in obj.items()}

@@ -224,11 +224,20 @@ def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
 
 def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype_name: str,
                  device: str = "cpu") -> None:
-    """Consumer process: allocate, park, check every landed request bit for bit."""
+    """Consumer process: allocate, park, check every landed request bit for bit. An aborted
+    request whose blocks the scheduler holds (its load still running) frees them only when
+    the worker reports the load's end, as the engine's scheduler does."""
     logging.basicConfig(level=logging.WARNING, format="consumer %(name)s: %(message)s")
     engine = FakeEngine(config, num_blocks=4096, dtype=getattr(torch, dtype_name), device=device)
     outbox.put(("consumer_ready", None))
     waiting: dict[str, _Live] = {}
+    held: dict[str, list[int]] = {}
+
+    def release_held(finished: Any) -> None:
+        for request_id in finished.recving | finished.failed_recving:
+            if request_id in held:
+                engine.free(held.pop(request_id))
+
     stopping = False
     try:
         while not (stopping and not waiting):
@@ -247,6 +256,7 @@ def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
             engine.worker.wait_for_save()
             finished = engine.worker.get_finished()
             engine.scheduler.update_finished(finished)
+            release_held(finished)
             for request_id in finished.recving | finished.failed_recving:
                 live = waiting.pop(request_id, None)
                 if live is None:
@@ -269,16 +279,21 @@ def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
                 if live.spec.get("abort_after_s") is not None and \
                         time.monotonic() > live.spec["_admitted"] + live.spec["abort_after_s"]:
                     del waiting[live.request.request_id]
-                    engine.scheduler.request_finished(live.request, live.block_ids)
-                    engine.free(live.block_ids)
+                    hold, _ = engine.scheduler.request_finished(live.request, live.block_ids)
+                    if hold:
+                        held[live.request.request_id] = live.block_ids
+                    else:
+                        engine.free(live.block_ids)
                     outbox.put(("result", live.request.request_id, "aborted"))
             time.sleep(0.002)
         # Let cancelled loads drain (they complete or reach their deadline), then report.
         deadline = time.monotonic() + config.kv_transfer.transfer_timeout_s + 2
-        while not engine.worker.is_idle() and time.monotonic() < deadline:
+        while (held or not engine.worker.is_idle()) and time.monotonic() < deadline:
             meta = engine.scheduler.build_connector_meta(SchedulerOutput([], [], {}, 0))
             engine.worker.start_load_kv(meta)
-            engine.scheduler.update_finished(engine.worker.get_finished())
+            finished = engine.worker.get_finished()
+            engine.scheduler.update_finished(finished)
+            release_held(finished)
             time.sleep(0.01)
         outbox.put(("consumer_idle", engine.idle_report()))
     finally:

@@ -21,6 +21,7 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh report1   # one H200 (~5 min): the report's one-GPU pieces
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh report    # two GPUs (~10 min a call): the whole report (or REPORT_ONLY), resumable
+#   source .device/env.sh && bash benchmarks/gpu_validation.sh stall     # two GPUs (~3 min): 1P1D at 2k, 16 and 20 req/s again; D's loop-watch lines
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
 # the number of failed steps. Logs and results go to a run folder packed into ONE file,
@@ -245,6 +246,19 @@ case "$STAGE" in
             --only proxy_overhead,prefix_cache --results-dir "$RUN/serve" --time-budget 400 \
             --disable-tqdm
         ;;
+    stall)
+        # D's event loop under load (2026-11-25: held 1.2-2.3 s at 2k prompts, 16-20 req/s,
+        # before 61d4966): the 1P1D goodput points there again, from a copy of the committed
+        # sweep without them (the colocated points and the other rates are kept, not rerun),
+        # then every loop-watch line of the workers' logs.
+        cp -r benchmarks/results/serve/2026-11-25-h100x2-goodput "$RUN/serve"
+        rm -f "$RUN"/serve/raw/goodput_2k__pd__r16.json "$RUN"/serve/raw/goodput_2k__pd__r20.json
+        step stall 300 python3 -m benchmarks.disagg_report --gpus 0,1 --only goodput_2k \
+            --rates-2k 16,20 --point-seconds 15 --results-dir "$RUN/serve" --time-budget 1000 \
+            --disable-tqdm
+        grep -h "loop_watch" "$RUN"/serve/logs/pd/*.log > "$RUN/loop_watch.txt" || true
+        echo "   loop-watch lines: $(wc -l < "$RUN/loop_watch.txt")"
+        ;;
     report)
         # The whole report on GPUs 0,1 (REPORT_ONLY: a comma-separated subset of its
         # experiments); exit 3 = time budget reached: copy serve/ back into the repo's
@@ -255,7 +269,7 @@ case "$STAGE" in
         if [ -n "${REPORT_DIR:-}" ]; then cp -r "$REPORT_DIR" "$RUN/serve"; fi  # into the tgz
         ;;
     *)
-        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|lm_head|attn_ab|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report" >&2
+        echo "usage: $0 engine|kernels|decode|cluster|pd1|offload_sleep|speed|lm_head|attn_ab|mixed|worklist|hooked|serve_ab|host|transfer|async|report1|report|stall" >&2
         exit 2
         ;;
 esac

@@ -253,6 +253,7 @@ case "$STAGE" in
         # then every loop-watch line of the workers' logs.
         cp -r benchmarks/results/serve/2026-11-25-h100x2-goodput "$RUN/serve"
         rm -f "$RUN"/serve/raw/goodput_2k__pd__r16.json "$RUN"/serve/raw/goodput_2k__pd__r20.json
+        rm -rf "$RUN"/serve/logs/pd  # the launcher appends: only this run's lines
         step stall 300 python3 -m benchmarks.disagg_report --gpus 0,1 --only goodput_2k \
             --rates-2k 16,20 --point-seconds 15 --results-dir "$RUN/serve" --time-budget 1000 \
             --disable-tqdm

@@ -223,8 +223,7 @@ def main() -> None:
     text = json.dumps(measure(args.streams, args.tokens, args.step_ms), indent=2)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

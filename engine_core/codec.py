@@ -46,10 +46,11 @@ def _shape(hint: Any) -> tuple[Any, tuple[Any, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class _Fields:
-    """A message dataclass's init fields: (name, hint, required), and every field name."""
+    """A message dataclass's init fields: (name, hint, required), and every field name in
+    declaration order (encoding walks them, decoding rejects keys outside them)."""
 
     init: tuple[tuple[str, Any, bool], ...]
-    names: frozenset[str]
+    names: tuple[str, ...]
 
 
 @functools.cache
@@ -58,7 +59,7 @@ def _fields(cls: type) -> _Fields:
     init = tuple((f.name, hints[f.name], f.default is dataclasses.MISSING
                   and f.default_factory is dataclasses.MISSING)
                  for f in dataclasses.fields(cls) if f.init)
-    return _Fields(init, frozenset(f.name for f in dataclasses.fields(cls)))
+    return _Fields(init, tuple(f.name for f in dataclasses.fields(cls)))
 
 
 def _check(value: Any, hint: Any, path: str) -> Any:
@@ -131,16 +132,11 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     return cls(**kwargs)
 
 
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
 def _to_plain(obj: Any) -> Any:
     if type(obj) in (int, float, str, bool, bytes) or obj is None:
         return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {name: _to_plain(getattr(obj, name)) for name in _field_names(type(obj))}
+        return {name: _to_plain(getattr(obj, name)) for name in _fields(type(obj)).names}
     if isinstance(obj, (list, tuple, set, frozenset)):
         if all(type(x) is int for x in obj):  # token ids
             return list(obj)

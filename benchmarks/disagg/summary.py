@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve.breakdown import STAGES
+from benchmarks.serve.metrics import within_slos
 from benchmarks.serve.plots import plot_latency_cdfs, plot_vs_rate
 
 Results = Mapping[str, Mapping[str, Any]]  # run name -> bench result
@@ -165,9 +166,8 @@ def rescore(run: Mapping[str, Any], slos_ms: Mapping[str, float]) -> Mapping[str
     if (set(slos_ms) - {"ttft", "tpot"} or ttfts is None or tpots is None
             or not len(ttfts) == len(tpots) == done or not run.get("duration")):
         return None
-    limit_ttft, limit_tpot = (slos_ms.get(k, float("inf")) for k in ("ttft", "tpot"))
-    good = sum(1 for ttft, tpot in zip(ttfts, tpots)
-               if ttft * 1e3 <= limit_ttft and tpot * 1e3 <= limit_tpot)
+    good = sum(within_slos({"ttft": ttft, "tpot": tpot}, slos_ms)
+               for ttft, tpot in zip(ttfts, tpots))
     sent = done + (run.get("failed") or 0)
     return {**run, "goodput_slos_ms": dict(slos_ms), "request_goodput": good / run["duration"],
             "slo_attainment": good / max(sent, 1)}

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,11 +51,17 @@ def request_tpot(output: RequestOutput) -> float | None:
     return (output.latency - output.ttft) / (output.output_tokens - 1)
 
 
+def within_slos(values_s: Mapping[str, float | None], slos_ms: Mapping[str, float]) -> bool:
+    """Whether a request's values (seconds, by SLO name) meet every SLO (ms); a value it
+    lacks meets none. Shared by runs and by summaries scoring saved runs again."""
+    return all((value := values_s.get(name)) is not None and value * 1e3 <= slo
+               for name, slo in slos_ms.items())
+
+
 def meets_slos(output: RequestOutput, slos_ms: dict[str, float]) -> bool:
     """Whether a successful request meets every SLO (TPOT 0 when undefined)."""
-    values = {"ttft": output.ttft, "tpot": request_tpot(output) or 0.0, "e2el": output.latency}
-    return all(values[name] is not None and values[name] * 1e3 <= slo
-               for name, slo in slos_ms.items())
+    return within_slos({"ttft": output.ttft, "tpot": request_tpot(output) or 0.0,
+                        "e2el": output.latency}, slos_ms)
 
 
 def summarize_errors(outputs: Iterable[RequestOutput]) -> list[dict[str, Any]]:

@@ -98,7 +98,6 @@ class _Load:
     # Per data call, its place in ``buffer`` (calls share it in turn when it is smaller than
     # the transfer), and the block ids its scatter writes (uploaded on the scattering stream).
     views: list[torch.Tensor] | None = None
-    first_layers: list[int] | None = None
     scatter_ids: torch.Tensor | None = None
     # Recorded on the allocating (engine) stream right after ``buffer`` was allocated: the
     # transport's writes wait on it (the memory may have been another tensor's a moment ago).
@@ -234,9 +233,9 @@ class P2pConnectorWorker:
 
     def land_loads(self) -> FinishedTransfers:
         """Consumer, before the scheduling pass: report the loads that landed (their calls
-        were scattered as they arrived) and the failed ones at once. Reported only by ``get_finished`` after the
-        step, a landed request waited a step to be seen and (async scheduling) another to
-        be scheduled: two decode steps added to its first token."""
+        were scattered as they arrived) and the failed ones at once. Reported only by
+        ``get_finished`` after the step, a landed request waited a step to be seen and (async
+        scheduling) another to be scheduled: two decode steps added to its first token."""
         with self._lock:
             idle = not self._loads and not self._waiting
         if not idle:
@@ -547,11 +546,11 @@ class P2pConnectorWorker:
     def _scatter_call(self, load: _Load, call: int) -> None:
         """Scatter one landed data call into the load's blocks, on the current stream (the
         receiving one): the block ids are uploaded on it the first time."""
-        assert load.views is not None and load.first_layers is not None
+        assert load.views is not None
         if load.scatter_ids is None:
             load.scatter_ids = block_ids_tensor(load.spec.block_ids, self._device)
         scatter_layers(self._require_stacked(), load.scatter_ids, load.views[call],
-                       load.first_layers[call])
+                       call * load.layers_per_call)
 
     # ---- producer -----------------------------------------------------------------------
 
@@ -864,7 +863,6 @@ class P2pConnectorWorker:
         shape = wire_shape(1, len(load.spec.block_ids), list(load.pull.block_shape))[1:]
         load.views = [load.buffer[(i % slots) * slot_elems:][:(end - first) * layer_elems]
                       .view(end - first, *shape) for i, (first, end) in enumerate(calls)]
-        load.first_layers = [first for first, _ in calls]
         return None
 
     def _fail_unposted(self, load: _Load, header: KVSendHeader, exc: Exception) -> None:

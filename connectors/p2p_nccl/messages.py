@@ -48,6 +48,10 @@ class KVPullRequest:
     # for a known address knows the process behind it restarted: its pair with the address
     # and the sends asked for by the old process are stale. Empty: not said (tools).
     consumer_epoch: str = ""
+    # The most layers one data call may carry (0: no limit). A load larger than D's receive
+    # buffer streams through slots of whole layers; P sizes its calls to fit one, instead of
+    # having a larger call's header refused and its pair aborted.
+    max_layers_per_call: int = 0
 
 
 @dataclass
@@ -99,9 +103,10 @@ CONTROL_MESSAGES = (KVPullRequest, KVSendHeader, KVLayerData, KVSendAbort, NcclH
 
 
 # Version of the connector's control messages AND of the data layout they announce
-# (2: kv-major ``[layers, 2, blocks, ...]`` call buffers); a peer of another version is
-# rejected at its first message instead of receiving bytes it would misread.
-WIRE_VERSION = 2
+# (2: kv-major ``[layers, 2, blocks, ...]`` call buffers; 3: the pull's
+# ``max_layers_per_call``); a peer of another version is rejected at its first message
+# instead of receiving bytes it would misread or calls it cannot hold.
+WIRE_VERSION = 3
 
 
 def make_codec() -> MessageCodec:
@@ -117,19 +122,22 @@ def layer_nbytes(num_blocks: int, block_shape: list[int], element_size: int) -> 
     return size
 
 
-def plan_layers_per_call(num_layers: int, layer_bytes: int, min_call_bytes: int) -> int:
+def plan_layers_per_call(num_layers: int, layer_bytes: int, min_call_bytes: int,
+                         max_layers: int = 0) -> int:
     """Layers per data call so that each call carries about ``min_call_bytes`` or more.
 
     Why: a point-to-point call costs ~15 us of latency whatever its size, so a small request
     sent layer by layer is latency-bound (36 calls of 0.5 MB reach a fraction of the link).
     Grouping consecutive layers keeps large prompts layer-wise (a layer over the threshold is
     its own call, overlapping the next layer's compute) and sends small ones in one call.
-    ``min_call_bytes <= 0`` sends every layer alone.
+    ``min_call_bytes <= 0`` sends every layer alone. ``max_layers > 0`` caps a call at that
+    many layers: the consumer's receive slot (the pull's ``max_layers_per_call``).
     """
     if min_call_bytes <= 0 or num_layers <= 1:
         return 1
     num_calls = max(1, min(num_layers, (num_layers * layer_bytes) // min_call_bytes))
-    return -(-num_layers // num_calls)
+    planned = -(-num_layers // num_calls)
+    return min(planned, max_layers) if max_layers > 0 else planned
 
 
 def call_ranges(num_layers: int, layers_per_call: int) -> list[tuple[int, int]]:
@@ -166,6 +174,8 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
         return "bad consumer address"
     if not is_epoch(pull.consumer_epoch):
         return "bad consumer epoch"
+    if not 0 <= pull.max_layers_per_call <= MAX_LAYERS:
+        return f"max_layers_per_call {pull.max_layers_per_call} out of range"
     return None
 
 
@@ -178,6 +188,9 @@ def check_header(header: KVSendHeader, pull: KVPullRequest, last_seq: int | None
         return "transfer id mismatch"
     if not 1 <= header.layers_per_call <= header.num_layers:
         return f"layers_per_call {header.layers_per_call} out of range"
+    if 0 < pull.max_layers_per_call < header.layers_per_call:
+        return (f"layers_per_call {header.layers_per_call} above the requested "
+                f"{pull.max_layers_per_call}")
     if last_seq is not None and header.seq <= last_seq:
         return f"sequence number {header.seq} not after {last_seq}"
     expected = (pull.first_block, pull.num_blocks, pull.num_layers, pull.dtype, list(pull.block_shape))

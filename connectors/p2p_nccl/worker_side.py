@@ -383,24 +383,28 @@ class P2pConnectorWorker:
 
     # ---- consumer -----------------------------------------------------------------------
 
-    def _make_pull(self, transfer_id: str, first_block: int, num_blocks: int) -> KVPullRequest:
+    def _make_pull(self, transfer_id: str, first_block: int, num_blocks: int,
+                   max_layers_per_call: int = 0) -> KVPullRequest:
         num_layers, dtype, block_shape, _ = self._require_geometry()
         return KVPullRequest(transfer_id=transfer_id, consumer_address=self._own_address,
                              first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
                              dtype=dtype, block_shape=list(block_shape),
                              timeout_s=self._config.transfer_timeout_s,
-                             consumer_epoch=self._epoch)
+                             consumer_epoch=self._epoch, max_layers_per_call=max_layers_per_call)
 
     def _add_load(self, spec: LoadSpec, now: float) -> None:
         num_layers, _, block_shape, element_size = self._require_geometry()
-        pull = self._make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids))
         layer_bytes = layer_nbytes(len(spec.block_ids), block_shape, element_size)
         nbytes = num_layers * layer_bytes
         # Larger than the buffer: whole layers of half of it (at least one layer), so that
-        # smaller loads are not all pushed back behind it; its calls take turns in them.
+        # smaller loads are not all pushed back behind it; its calls take turns in them, and
+        # the pull tells P to keep each call within them.
         capacity = self._recv_buffer.capacity_bytes
         staging = (nbytes if nbytes <= capacity
                    else max(layer_bytes, capacity // 2 // max(layer_bytes, 1) * layer_bytes))
+        pull = self._make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids),
+                               max_layers_per_call=(0 if staging >= nbytes
+                                                    else staging // max(layer_bytes, 1)))
         load = _Load(spec=spec, pull=pull, nbytes=nbytes, staging_bytes=staging,
                      deadline=now + self._config.transfer_timeout_s)
         with self._lock:
@@ -566,7 +570,7 @@ class P2pConnectorWorker:
                 return
             index = block_ids_tensor(save.block_ids[pull.first_block:], self._device)
             num_layers, _, block_shape, _ = self._require_geometry()
-            layers_per_call = self._layers_per_call(pull.num_blocks)
+            layers_per_call = self._layers_per_call(pull)
             calls = call_ranges(num_layers, layers_per_call)
             try:
                 staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
@@ -626,10 +630,11 @@ class P2pConnectorWorker:
         self._finish_send(save.request_id)
         return False
 
-    def _layers_per_call(self, num_blocks: int) -> int:
+    def _layers_per_call(self, pull: KVPullRequest) -> int:
         num_layers, _, block_shape, element_size = self._require_geometry()
-        per_layer = layer_nbytes(num_blocks, block_shape, element_size)
-        return plan_layers_per_call(num_layers, per_layer, self._config.min_call_bytes)
+        per_layer = layer_nbytes(pull.num_blocks, block_shape, element_size)
+        return plan_layers_per_call(num_layers, per_layer, self._config.min_call_bytes,
+                                    max_layers=pull.max_layers_per_call)
 
     def _make_job(self, save: SaveSpec, pull: KVPullRequest, **source: Any) -> SendJob:
         num_layers, dtype, block_shape, _ = self._require_geometry()
@@ -638,7 +643,7 @@ class P2pConnectorWorker:
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
                        block_shape=list(block_shape),
                        deadline=self._clock() + self._config.transfer_timeout_s,
-                       layers_per_call=self._layers_per_call(pull.num_blocks),
+                       layers_per_call=self._layers_per_call(pull),
                        peer_epoch=pull.consumer_epoch, **source)
 
     def _submit(self, job: SendJob) -> None:

@@ -84,6 +84,12 @@ def test_check_pull_and_header() -> None:
     assert check_header(_header(layers_per_call=2), pull, None) is None
     assert "layers_per_call" in check_header(_header(layers_per_call=0), pull, None)
     assert "layers_per_call" in check_header(_header(layers_per_call=3), pull, None)
+    capped = _pull(max_layers_per_call=1)  # the consumer's receive slot holds one layer
+    assert check_header(_header(layers_per_call=1), capped, None) is None
+    assert "above the requested" in check_header(_header(layers_per_call=2), capped, None)
+    assert "max_layers_per_call" in check_pull(_pull(max_layers_per_call=-1), 2, "bfloat16",
+                                               [4, 2, 8])
+    assert check_pull(_pull(max_layers_per_call=5000), 2, "bfloat16", [4, 2, 8])
 
 
 def test_plan_layers_per_call() -> None:
@@ -93,6 +99,9 @@ def test_plan_layers_per_call() -> None:
     assert plan_layers_per_call(36, mb // 2, 32 * mb) == 36  # 18 MB in all: one call
     assert plan_layers_per_call(36, 2 * mb, 32 * mb) == 18   # 72 MB: two calls of 36 MB
     assert plan_layers_per_call(1, mb, 32 * mb) == 1
+    assert plan_layers_per_call(36, mb // 2, 32 * mb, max_layers=14) == 14  # D's slot caps it
+    assert plan_layers_per_call(36, 2 * mb, 32 * mb, max_layers=20) == 18  # under the cap
+    assert plan_layers_per_call(36, 2 * mb, 0, max_layers=20) == 1
     assert call_ranges(5, 2) == [(0, 2), (2, 4), (4, 5)]
     assert call_ranges(3, 3) == [(0, 3)]
 

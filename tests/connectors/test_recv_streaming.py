@@ -55,13 +55,34 @@ def test_transfer_larger_than_the_buffer_streams_through_it(nccl: bool) -> None:
 
 
 @pytest.mark.parametrize("nccl", [True, False], ids=["fake-nccl", "cpu-transport"])
-def test_calls_larger_than_the_buffer_fail_at_the_header(nccl: bool) -> None:
-    """The producer groups all four layers into one call (min_call_bytes above the request),
-    which the load's one-layer slot does not hold: the consumer rejects the header and the
-    load fails at once, not at its deadline (NCCL: the producer's send, never matched, gives
-    up at its own)."""
+def test_the_producer_keeps_its_calls_within_the_consumers_slot(nccl: bool) -> None:
+    """The producer would group all four layers into one call (min_call_bytes above the
+    request), which the load's one-layer slot does not hold: the pull says so
+    (``max_layers_per_call``) and the producer sends one layer a call. Before, the header was
+    refused and the pair aborted, so such a producer could never serve this consumer."""
+    pair = WorkerPair(nccl=nccl, kv_buffer_size=BUFFER, min_call_bytes=1 << 30, layers=LAYERS,
+                      block_shape=BLOCK_SHAPE)
+    try:
+        assert pair.consumer is not None
+        pair.ask("grouped")
+        pair.compute("grouped")
+        assert pair.outcome("grouped") == "ok"
+        stats = pair.consumer.stats()
+        assert stats["data_calls"] == LAYERS and stats["loads_streamed"] == 1
+        assert stats["messages_rejected"] == 0
+        assert pair.idle()
+    finally:
+        pair.shutdown()
+
+
+@pytest.mark.parametrize("nccl", [True, False], ids=["fake-nccl", "cpu-transport"])
+def test_calls_larger_than_the_slot_fail_at_the_header(nccl: bool) -> None:
+    """A producer that ignores the pull's cap (another implementation, or a bug) sends all
+    four layers in one call: the consumer rejects the header and the load fails at once, not
+    at its deadline (NCCL: the producer's send, never matched, gives up at its own)."""
     pair = WorkerPair(nccl=nccl, kv_buffer_size=BUFFER, min_call_bytes=1 << 30, layers=LAYERS,
                       block_shape=BLOCK_SHAPE, timeout_s=3.0)
+    pair.producer._layers_per_call = lambda pull: LAYERS  # type: ignore[method-assign]
     try:
         assert pair.consumer is not None
         start = time.monotonic()

@@ -150,6 +150,9 @@ class _Pair:
     aborted: bool = False
     op_deadline: float | None = None  # set while a data call is outstanding (watchdog)
     send_start: Any = None  # timing event before the current transfer's first send
+    # Receiving pairs: the event after the latest posted receives. Only its completion clears
+    # ``op_deadline``: an earlier load landing says nothing of receives queued behind it.
+    last_posted: Any = None
     watcher: LandingWatcher | None = None  # receiving pairs: wakes the engine on each landing
 
 
@@ -303,6 +306,7 @@ class NcclPairTransport:
                                     PostedRecv(poll=_raise(exc), drained=queued.query)) from exc
             done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(pair.stream)
+            pair.last_posted = done
         if on_landed is not None:
             if pair.watcher is None:
                 pair.watcher = LandingWatcher(f"kv-landing-{peer_address}")
@@ -312,7 +316,8 @@ class NcclPairTransport:
             if pair.aborted or pair.error is not None:
                 raise KVTransferError(f"NCCL pair with {peer_address} failed: {pair.error}")
             if done.query():
-                pair.op_deadline = None
+                if pair.last_posted is done:
+                    pair.op_deadline = None
                 self.recv_gpu_seconds += start.elapsed_time(done) / 1e3
                 return True
             return False

@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="goodput_2k sweep (default 2,4,6,8,12,16)")
     run.add_argument("--rates-8k", type=parse_rates, default=None,
                      help="goodput_8k sweep (default 0.5,1,1.5,2,3)")
+    run.add_argument("--prefill-overflow", type=int, default=None, metavar="N",
+                     help="overflow_2k: the proxy's --prefill-overflow (default 8)")
     run.add_argument("--point-seconds", type=float, default=None,
                      help="seconds of traffic per sweep point (default 20)")
     run.add_argument("--low-load-prompts", type=int, default=None,
@@ -111,6 +113,8 @@ def _scale(args: argparse.Namespace) -> Scale:
                                     args.rates_8k)
     if args.point_seconds is not None:
         changes["point_seconds"] = args.point_seconds
+    if args.prefill_overflow is not None:
+        changes["prefill_overflow"] = args.prefill_overflow
     if args.low_load_prompts is not None:
         changes["low_load_prompts"] = args.low_load_prompts
     return dataclasses.replace(scale, **changes)

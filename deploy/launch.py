@@ -58,6 +58,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-token-from-prefill", action="store_true",
                         help="the proxy streams P's sampled token at once and D continues "
                              "after it (see python -m proxy --help)")
+    parser.add_argument("--prefill-overflow", type=int, default=0, metavar="N",
+                        help="the proxy sends a request to D alone (D prefills it) when every "
+                             "P has N prefills in flight; 0 never (see python -m proxy --help)")
     from engine_core.arg_utils import add_engine_args
 
     add_engine_args(parser)  # passed on to every worker (--kv-transfer-config is per worker)
@@ -201,7 +204,9 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
                             str(args.port), "--registration-port", str(reg_port),
                             "--routing", args.routing]
-                  + (["--first-token-from-prefill"] if args.first_token_from_prefill else []),
+                  + (["--first-token-from-prefill"] if args.first_token_from_prefill else [])
+                  + (["--prefill-overflow", str(args.prefill_overflow)]
+                     if args.prefill_overflow else []),
                   base_env, log_dir / "proxy.log")
     gpus = detect_gpus(args.gpus)
     num_colocated = args.colocated

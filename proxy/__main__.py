@@ -56,6 +56,12 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "of the decode worker computing the first token (streams without stop "
                         "strings or logprobs): colocated's TTFT, while the second token waits "
                         "for the KV transfer, which no longer overlaps the prefill")
+    parser.add_argument("--prefill-overflow", type=int, default=d.prefill_overflow,
+                        metavar="N",
+                        help="when every prefill worker has N prefill legs in flight, send "
+                        "the request to a decode worker alone, which prefills it itself "
+                        "(conditional disaggregation: P's overload spills to D instead of "
+                        "queueing); 0 (default) never")
     return parser
 
 
@@ -69,7 +75,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
-        first_token_from_prefill=args.first_token_from_prefill)
+        first_token_from_prefill=args.first_token_from_prefill,
+        prefill_overflow=args.prefill_overflow)
 
 
 def run_proxy(args: argparse.Namespace) -> int:

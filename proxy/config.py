@@ -30,12 +30,16 @@ class ProxyConfig:
     suspect_s: float = 5.0
     # Stream P's sampled token at once and let D continue after it (else D computes it).
     first_token_from_prefill: bool = False
+    # Prefill legs in flight on every P from which D prefills a request itself (0: never).
+    prefill_overflow: int = 0
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ConfigError(f"--routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
         if self.affinity_max_imbalance < 0:
             raise ConfigError("affinity_max_imbalance must be >= 0")
+        if self.prefill_overflow < 0:
+            raise ConfigError("prefill_overflow must be >= 0 (0: off)")
         for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts",
                      "affinity_prefix_chars"):
             if getattr(self, name) < 1:

@@ -124,7 +124,8 @@ class Dispatcher:
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
                  metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
-                 affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False
+                 affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False,
+                 prefill_overflow: int = 0
                  ) -> None:
         self.registry = registry
         self.policy = policy
@@ -136,6 +137,7 @@ class Dispatcher:
         self.max_response_bytes = max_response_bytes
         self.affinity_prefix_chars = affinity_prefix_chars
         self.first_token_from_prefill = first_token_from_prefill
+        self.prefill_overflow = prefill_overflow
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
                        transfer_id: str, timer: RequestTimer,
@@ -152,7 +154,8 @@ class Dispatcher:
         for attempt in range(self.max_attempts):
             attempt_id = transfer_id if attempt == 0 else f"{transfer_id}-retry{attempt}"
             try:
-                route = plan_route(self.registry, self.policy, model, excluded, key)
+                route = plan_route(self.registry, self.policy, model, excluded, key,
+                                   self.prefill_overflow if generates else 0)
             except NoWorkerError:
                 if last_error is not None:
                     raise last_error from None

@@ -3,7 +3,11 @@
 ``RoutingPolicy`` picks one worker among candidates of a role; ``plan_route`` applies the
 cluster rule on top of a policy:
 
-1. a prefill worker and a decode worker exist for the model -> disaggregated (P, D);
+1. a prefill worker and a decode worker exist for the model -> disaggregated (P, D),
+   unless ``prefill_overflow`` is set and every prefill worker already has that many
+   prefill legs in flight -> prefill overflow: D gets the original request and prefills it
+   itself, so a burst beyond P's capacity queues on neither alone (conditional
+   disaggregation);
 2. else a colocated worker exists -> the whole request goes to it;
 3. else a decode worker exists (no prefill worker left, or the prefill leg failed on every
    one) -> decode-only: D gets the original request and prefills it itself;
@@ -29,6 +33,7 @@ from proxy.registry import InstanceRegistry, WorkerState
 MODE_PD = "pd"
 MODE_COLOCATED = "colocated"
 MODE_DECODE_ONLY = "decode_only"
+MODE_PREFILL_OVERFLOW = "prefill_overflow"
 
 
 class RoutingPolicy(Protocol):
@@ -166,10 +171,11 @@ def _only_model(registry: InstanceRegistry) -> str | None:
 
 
 def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | None,
-               exclude: frozenset[str] | set[str] = frozenset(), key: str | None = None
-               ) -> Route:
+               exclude: frozenset[str] | set[str] = frozenset(), key: str | None = None,
+               prefill_overflow: int = 0) -> Route:
     """Apply the cluster rule (module docstring) for one attempt; ``exclude`` lists failed
-    workers, ``key`` is the request's prefix key for the policy."""
+    workers, ``key`` is the request's prefix key for the policy, ``prefill_overflow`` the
+    prefill legs in flight on every P from which D prefills alone (0: never)."""
     if model is not None and registry.workers(model=model) == [] and len(registry) > 0:
         raise ModelNotFoundError(f"The model `{model}` does not exist. "
                                  f"Served models: {', '.join(registry.models())}")
@@ -178,6 +184,8 @@ def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | N
     prefills = registry.candidates(ROLE_PREFILL, model, exclude)
     decodes = registry.candidates(ROLE_DECODE, model, exclude)
     if prefills and decodes:
+        if prefill_overflow > 0 and min(p.in_flight for p in prefills) >= prefill_overflow:
+            return Route(MODE_PREFILL_OVERFLOW, decode=policy.choose(ROLE_DECODE, decodes, key))
         return Route(MODE_PD, decode=policy.choose(ROLE_DECODE, decodes, key),
                      prefill=policy.choose(ROLE_PREFILL, prefills, key))
     colocated = registry.candidates(ROLE_COLOCATED, model, exclude)

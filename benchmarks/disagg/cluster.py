@@ -84,6 +84,8 @@ class Cluster:
             argv.append("--first-token-from-prefill")
         if t.routing != "round_robin":
             argv += ["--routing", t.routing]
+        if t.prefill_overflow:
+            argv += ["--prefill-overflow", str(t.prefill_overflow)]
         if spec.gpus:
             if len(spec.gpus) < t.num_workers:
                 raise ClusterError(f"{t.name} needs {t.num_workers} GPUs, have {spec.gpus}")

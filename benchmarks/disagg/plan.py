@@ -12,7 +12,8 @@ Experiments (issue #7):
 - ``proxy_overhead``: a high rate of short requests to one colocated worker, directly and
   through the proxy.
 
-Extra (``--only kv_offload`` / ``--only prefix_affinity``, not in the default report):
+Extra (``--only kv_offload`` / ``--only prefix_affinity`` / ``--only overflow_2k``, not in
+the default report):
 
 - ``kv_offload`` (one GPU): a prefix_repetition workload whose prefixes do not fit a
   deliberately small device KV cache, on one colocated worker with KV offload to host
@@ -21,6 +22,9 @@ Extra (``--only kv_offload`` / ``--only prefix_affinity``, not in the default re
   workload through the proxy to two colocated workers, each with that small KV cache,
   routed round robin and by prefix affinity (``--routing prefix_affinity``): round robin
   makes both caches hold every prefix, affinity each only its share.
+- ``overflow_2k`` (two GPUs): goodput_2k's points (the same prompts) on 1P1D with the proxy's
+  ``--prefill-overflow`` (``Scale.prefill_overflow``): once P has that many prefills in
+  flight, D prefills a request itself. Compared with goodput_2k's 1P1D and two replicas.
 
 Each topology is launched once and serves every run planned on it. Runs on the same
 server get different seeds (no accidental prefix hits), except the proxy-overhead pair,
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from benchmarks.serve.config import DatasetConfig
 
 EXPERIMENTS = ("ttft_overhead", "goodput_2k", "goodput_8k", "prefix_cache", "proxy_overhead")
-EXTRA_EXPERIMENTS = ("kv_offload", "prefix_affinity")  # run only when named in --only
+EXTRA_EXPERIMENTS = ("kv_offload", "prefix_affinity", "overflow_2k")  # only when named in --only
 ALL_EXPERIMENTS = EXPERIMENTS + EXTRA_EXPERIMENTS
 PROXY = "proxy"  # a run's target: the proxy, or a worker role hit directly
 
@@ -54,6 +58,7 @@ class Topology:
     kv_offload_gib: float = 0.0        # --kv-offloading-size
     first_token_from_prefill: bool = False  # the proxy's first-token handoff
     routing: str = "round_robin"       # the proxy's --routing
+    prefill_overflow: int = 0          # the proxy's --prefill-overflow (0: off)
 
     @property
     def num_workers(self) -> int:
@@ -119,6 +124,7 @@ class Scale:
     offload_host_gib: float = 16.0
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
+    prefill_overflow: int = 8  # overflow_2k: P's prefills in flight from which D prefills
 
     def point_prompts(self, rate: float) -> int:
         """Prompts at one sweep point: ``point_seconds`` of traffic, within the bounds."""
@@ -204,6 +210,16 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
             add(PD, BenchRun(f"{experiment}__pd__r{tag}", experiment, "1P1D", PROXY, data, rate))
             add(COLO2, BenchRun(f"{experiment}__colo2__r{tag}", experiment,
                                 "2x colocated (round robin)", PROXY, data, rate))
+    elif experiment == "overflow_2k":
+        sweep = scale.sweep_2k
+        overflow = Topology(f"pd_overflow{scale.prefill_overflow}", prefill=1, decode=1,
+                            prefill_overflow=scale.prefill_overflow)
+        for index, rate in enumerate(sweep.rates):  # goodput_2k's prompts at each rate
+            data = _random(scale.point_prompts(rate), sweep.input_len, sweep.output_len,
+                           seed + 200 + index)
+            add(overflow, BenchRun(f"{experiment}__{overflow.name}__r{rate_tag(rate)}", experiment,
+                                   f"1P1D, prefill overflow at {scale.prefill_overflow}", PROXY,
+                                   data, rate))
     elif experiment == "prefix_cache":
         data = DatasetConfig(name="prefix_repetition", num_prompts=scale.prefix_prompts,
                              seed=seed + 400, prefix_len=scale.prefix_len,

@@ -271,6 +271,45 @@ def goodput(results: Results, figures: dict[str, Any], experiment: str,
     return lines + [""]
 
 
+def prefill_overflow(results: Results, figures: dict[str, Any],
+                     slos_ms: Mapping[str, float] | None = None) -> list[str]:
+    """overflow_2k: 1P1D with the proxy's --prefill-overflow at goodput_2k's points (same
+    prompts), beside goodput_2k's 1P1D and two replicas where they ran."""
+    variants = sorted({n.split("__")[1] for n in results if n.startswith("overflow_2k__")})
+    if not variants:
+        return []
+    base = {name: {float(r["request_rate"]): r for r in _scored(
+        _sweep(results, "goodput_2k", name), slos_ms)[0]} for name in ("pd", "colo2")}
+    lines = ["## Prefill overflow: 1P1D whose D prefills once P is full (random 2k, "
+             "goodput_2k's prompts)", "",
+             "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | 1P1D goodput | "
+             "2x colocated goodput |", "|---|---|---|---|---|---|---|---|"]
+    section: dict[str, Any] = {}
+    for variant in variants:
+        runs, _ = _scored(_sweep(results, "overflow_2k", variant), slos_ms)
+        for r in runs:
+            rate = float(r["request_rate"])
+            pd, colo = base["pd"].get(rate), base["colo2"].get(rate)
+            lines.append(
+                f"| {variant} | {rate:g} | {_f(r.get('request_goodput'), 2)} | "
+                f"{_f(r.get('slo_attainment'), 2)} | {_f(r['p99_ttft_ms'])} | "
+                f"{_f(r['p99_tpot_ms'])} | {_f(pd.get('request_goodput') if pd else None, 2)} | "
+                f"{_f(colo.get('request_goodput') if colo else None, 2)} |")
+        mine = _sweep_figures(runs)
+        colo_max = _sweep_figures(list(base["colo2"].values()))["max_goodput"]
+        pd_max = _sweep_figures(list(base["pd"].values()))["max_goodput"]
+        mine["ratio_to_colo2"] = (mine["max_goodput"] / colo_max
+                                  if mine["max_goodput"] is not None and colo_max else None)
+        mine["ratio_to_pd"] = (mine["max_goodput"] / pd_max
+                               if mine["max_goodput"] is not None and pd_max else None)
+        section[variant] = mine
+        lines += ["", f"{variant}: max goodput {_f(mine['max_goodput'], 2)} req/s, "
+                  f"{_f(mine['ratio_to_pd'], 2)}x 1P1D's and {_f(mine['ratio_to_colo2'], 2)}x "
+                  "two replicas' (over the rates each ran).", ""]
+    figures["overflow_2k"] = section
+    return lines
+
+
 def _hit_rates(result: Mapping[str, Any]) -> str:
     parts = []
     for w in result.get("scraped", {}).get("workers", []):
@@ -433,7 +472,8 @@ def build_summary(results: Results, header: list[str],
     figures: dict[str, Any] = {}
     sections: list[Callable[[Results, dict[str, Any]], list[str]]] = [
         ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k", slos_ms),
-        lambda r, f: goodput(r, f, "goodput_8k", slos_ms), prefix_cache, proxy_overhead,
+        lambda r, f: goodput(r, f, "goodput_8k", slos_ms),
+        lambda r, f: prefill_overflow(r, f, slos_ms), prefix_cache, proxy_overhead,
         kv_offload, prefix_affinity]
     results, aside = comparable(results)
     lines = list(header)

@@ -328,3 +328,39 @@ def test_summary_only_keeps_the_runs_environment(tmp_path: Path) -> None:
     assert "NVIDIA H100 80GB HBM3" in summary and "commit abc1234" in summary
     assert "summary rebuilt by:" in summary and "TPOT <= 15 ms" in summary
     assert json.loads((tmp_path / "env.json").read_text())["devices"] == env["devices"]
+
+
+def test_overflow_plan_reuses_goodput_2k_prompts_and_sets_the_proxy_flag(tmp_path: Path) -> None:
+    scale = replace(GPU_SCALE, prefill_overflow=6)
+    plan = build_plan(scale, ("overflow_2k",))
+    assert [(p.topology.name, p.topology.prefill, p.topology.decode,
+             p.topology.prefill_overflow) for p in plan] == [("pd_overflow6", 1, 1, 6)]
+    runs = _runs_by_name()
+    for run in plan[0].runs:
+        twin = runs[run.name.replace("overflow_2k__pd_overflow6", "goodput_2k__pd")][1]
+        assert run.dataset == twin.dataset and run.rate == twin.rate and run.target == PROXY
+    assert [run.rate for run in plan[0].runs] == list(scale.sweep_2k.rates)
+    argv = Cluster(ClusterSpec("/m", "m", log_dir=tmp_path), plan[0].topology).argv()
+    assert flag_of(argv, "--prefill-overflow") == "6"
+    assert "--prefill-overflow" not in Cluster(ClusterSpec("/m", "m", log_dir=tmp_path),
+                                               PD).argv()
+    assert "overflow_2k" not in {r.experiment for p in build_plan(GPU_SCALE) for r in p.runs}
+
+
+def test_summary_sets_overflow_beside_1p1d_and_two_replicas() -> None:
+    results = {
+        "goodput_2k__pd__r20": _result("1P1D", 20, request_goodput=15.0, slo_attainment=1.0),
+        "goodput_2k__pd__r24": _result("1P1D", 24, request_goodput=6.0, slo_attainment=0.3),
+        "goodput_2k__colo2__r24": _result("2x", 24, request_goodput=19.0, slo_attainment=1.0),
+        "overflow_2k__pd_overflow8__r20": _result("of", 20, request_goodput=16.0,
+                                                  slo_attainment=1.0),
+        "overflow_2k__pd_overflow8__r24": _result("of", 24, request_goodput=19.0,
+                                                  slo_attainment=0.95),
+    }
+    markdown, figures = build_summary(results, ["# report"])
+    section = figures["overflow_2k"]["pd_overflow8"]
+    assert section["max_goodput"] == 19.0 and section["rate_at_90pct_slo"] == 24.0
+    assert section["ratio_to_pd"] == pytest.approx(19.0 / 15.0)
+    assert section["ratio_to_colo2"] == pytest.approx(1.0)
+    assert "| pd_overflow8 | 24 | 19.00 | 0.95 | 1.0 | 1.0 | 6.00 | 19.00 |" in markdown
+    assert "| pd_overflow8 | 20 | 16.00 | 1.00 | 1.0 | 1.0 | 15.00 | n/a |" in markdown

@@ -47,6 +47,22 @@ def test_gpus_one_per_worker_and_env_passes_through(tmp_path: Path,
     assert len({w.log_path for w in workers}) == 3
 
 
+def test_proxy_flags_reach_the_proxy(tmp_path: Path) -> None:
+    from proxy.__main__ import add_proxy_args, config_from_args
+
+    args = _parse("--prefill", "1", "--decode", "1", "--prefill-overflow", "6",
+                  "--first-token-from-prefill")
+    proxy, _, _ = build_children(args, engine_argv(args), tmp_path)
+    assert _flag(proxy.argv, "--prefill-overflow") == "6"
+    assert "--first-token-from-prefill" in proxy.argv
+    default, _, _ = build_children(_parse(), engine_argv(_parse()), tmp_path)
+    assert "--prefill-overflow" not in default.argv
+    parser = argparse.ArgumentParser()
+    add_proxy_args(parser)
+    config = config_from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1:]))
+    assert config.prefill_overflow == 6 and config.first_token_from_prefill
+
+
 def test_too_few_gpus(tmp_path: Path) -> None:
     args = _parse("--gpus", "0")
     with pytest.raises(SystemExit, match="need 2 GPUs"):

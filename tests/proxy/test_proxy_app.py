@@ -112,6 +112,26 @@ async def test_prefill_timeout_goes_decode_only_and_aborts_d(make_worker, make_p
     await wait_until(lambda: p.cancelled == ["id1"])
 
 
+async def test_prefill_overflow_sends_d_alone_while_p_is_full(make_worker, make_proxy,
+                                                            wait_until) -> None:
+    """With --prefill-overflow 1, a request arriving while P's one prefill is still running
+    goes to D alone (no transfer params: D prefills it); the held one still goes P then D."""
+    p, d = await make_worker("P", "hang"), await make_worker("D")
+    client = await make_proxy(p, d, prefill_overflow=1, prefill_timeout_s=30.0)
+    first = asyncio.create_task(client.post("/v1/completions", json=PROMPT))
+    await wait_until(lambda: len(p.received) == 1)
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status == 200
+    assert sse_events(await resp.text())[-1] == "[DONE]"
+    assert len(p.received) == 1  # the second request never reached P
+    alone = [r for r in d.received if r["request_id"] == "id2"]
+    assert len(alone) == 1 and "kv_transfer_params" not in alone[0]["body"]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'mode="prefill_overflow"' in metrics
+    first.cancel()
+    await wait_until(lambda: p.cancelled == ["id1"])
+
+
 async def test_decode_failure_mid_stream_ends_with_error_event(make_worker, make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D", "fail_mid")
     client = await make_proxy(p, d)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.errors import ModelNotFoundError, NoWorkerError
+from engine_core.errors import ConfigError, ModelNotFoundError, NoWorkerError
+from proxy.config import ProxyConfig
 from proxy.messages import Heartbeat, WorkerLoad
 from proxy.registry import InstanceRegistry
 from proxy.routing import (
     MODE_COLOCATED,
     MODE_DECODE_ONLY,
     MODE_PD,
+    MODE_PREFILL_OVERFLOW,
     LeastLoadPolicy,
     RoundRobinPolicy,
     make_policy,
@@ -75,6 +77,26 @@ def test_decode_only_when_prefill_excluded_or_missing() -> None:
     route = plan_route(registry, RoundRobinPolicy(), "m", exclude={"p:1"})
     assert route.mode == MODE_DECODE_ONLY and route.decode.worker_id == "d:1"
     assert plan_route(registry_with(("D", "d:1")), RoundRobinPolicy(), "m").mode == MODE_DECODE_ONLY
+
+
+def test_prefill_overflow_sends_d_alone_once_every_p_is_full() -> None:
+    registry = registry_with(("P", "p:1"), ("P", "p:2"), ("D", "d:1"))
+    policy = make_policy("least_load")
+    assert plan_route(registry, policy, "m", prefill_overflow=2).mode == MODE_PD
+    for _ in range(2):
+        registry.leg_started("p:1")
+    registry.leg_started("p:2")  # p:2 still has room: disaggregated, on p:2
+    route = plan_route(registry, policy, "m", prefill_overflow=2)
+    assert route.mode == MODE_PD and route.prefill.worker_id == "p:2"
+    registry.leg_started("p:2")
+    route = plan_route(registry, policy, "m", prefill_overflow=2)
+    assert route.mode == MODE_PREFILL_OVERFLOW and route.prefill is None
+    assert route.decode.worker_id == "d:1"
+    assert plan_route(registry, policy, "m").mode == MODE_PD  # 0: never
+    registry.leg_finished("p:1", ok=True)
+    assert plan_route(registry, policy, "m", prefill_overflow=2).mode == MODE_PD
+    with pytest.raises(ConfigError, match="prefill_overflow"):
+        ProxyConfig(prefill_overflow=-1)
 
 
 def test_no_worker_and_unknown_model() -> None:

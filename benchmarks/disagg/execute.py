@@ -109,6 +109,8 @@ def scraped_deltas(cluster: Cluster, before: dict[str, prometheus.Samples],
             for q in (0.5, 0.99):
                 stats[f"p{int(q * 100)}_ms"] = prometheus.histogram_quantile(d, name, q)
             out["proxy"][key] = {k: (None if v is None else v * 1e3) for k, v in stats.items()}
+        routes = prometheus.by_mode(d, "pdserve:proxy_routing_decisions")
+        out["proxy"]["routes"] = {mode: n for mode, n in routes.items() if n > 0}
     return out
 
 

@@ -282,18 +282,22 @@ def prefill_overflow(results: Results, figures: dict[str, Any],
         _sweep(results, "goodput_2k", name), slos_ms)[0]} for name in ("pd", "colo2")}
     lines = ["## Prefill overflow: 1P1D whose D prefills once P is full (random 2k, "
              "goodput_2k's prompts)", "",
-             "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | 1P1D goodput | "
-             "2x colocated goodput |", "|---|---|---|---|---|---|---|---|"]
+             "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | D alone | 1P1D goodput "
+             "| 2x colocated goodput |", "|---|---|---|---|---|---|---|---|---|"]
     section: dict[str, Any] = {}
     for variant in variants:
         runs, _ = _scored(_sweep(results, "overflow_2k", variant), slos_ms)
         for r in runs:
             rate = float(r["request_rate"])
             pd, colo = base["pd"].get(rate), base["colo2"].get(rate)
+            routes = r.get("scraped", {}).get("proxy", {}).get("routes") or {}
+            alone = (f"{routes.get('prefill_overflow', 0) / sum(routes.values()):.0%}"
+                     if routes else "n/a")
             lines.append(
                 f"| {variant} | {rate:g} | {_f(r.get('request_goodput'), 2)} | "
                 f"{_f(r.get('slo_attainment'), 2)} | {_f(r['p99_ttft_ms'])} | "
-                f"{_f(r['p99_tpot_ms'])} | {_f(pd.get('request_goodput') if pd else None, 2)} | "
+                f"{_f(r['p99_tpot_ms'])} | {alone} | "
+                f"{_f(pd.get('request_goodput') if pd else None, 2)} | "
                 f"{_f(colo.get('request_goodput') if colo else None, 2)} |")
         mine = _sweep_figures(runs)
         colo_max = _sweep_figures(list(base["colo2"].values()))["max_goodput"]

@@ -17,15 +17,31 @@ Samples = dict[str, float]
 
 
 def parse_samples(text: str) -> Samples:
-    """Every sample of a Prometheus text page, summed over labels except ``le``."""
+    """Every sample of a Prometheus text page, summed over labels except ``le``; samples
+    with a ``mode`` label (the proxy's routes) are also kept per mode, as ``name{mode=X}``."""
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if "le" in sample.labels:
                 name = f"{name}{{le={sample.labels['le']}}}"
+            elif "mode" in sample.labels:
+                by_mode = f"{name}{{mode={sample.labels['mode']}}}"
+                samples[by_mode] = samples.get(by_mode, 0.0) + sample.value
             samples[name] = samples.get(name, 0.0) + sample.value
     return samples
+
+
+def by_mode(samples: Mapping[str, float], name: str) -> dict[str, float]:
+    """A counter's value per ``mode`` label (``parse_samples`` keeps them)."""
+    out: dict[str, float] = {}
+    for key, value in samples.items():
+        for base in (name + "_total", name):
+            prefix = base + "{mode="
+            if key.startswith(prefix) and key.endswith("}"):
+                out[key[len(prefix):-1]] = value
+                break
+    return out
 
 
 def scrape(base_url: str, timeout_s: float = 10.0) -> Samples:

@@ -70,3 +70,18 @@ x_seconds_sum{mode="pd"} 0.15
     assert histogram_quantile(samples, "x_seconds", 0.05) == pytest.approx(0.0005)
     assert histogram_quantile(samples, "x_seconds", 0.99) == pytest.approx(0.002)
     assert histogram_mean(samples, "x_seconds") == pytest.approx(0.0015)
+
+
+def test_prometheus_counter_by_mode() -> None:
+    from benchmarks.serve.prometheus import by_mode, counter
+
+    text = """# HELP r_total routes
+# TYPE r_total counter
+r_total{mode="pd",prefill="p:1",decode="d:1"} 7.0
+r_total{mode="pd",prefill="p:2",decode="d:1"} 3.0
+r_total{mode="prefill_overflow",prefill="",decode="d:1"} 4.0
+"""
+    samples = parse_samples(text)
+    assert counter(samples, "r") == 14.0
+    assert by_mode(samples, "r") == {"pd": 10.0, "prefill_overflow": 4.0}
+    assert by_mode(samples, "other") == {}

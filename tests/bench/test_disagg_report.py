@@ -354,13 +354,14 @@ def test_summary_sets_overflow_beside_1p1d_and_two_replicas() -> None:
         "goodput_2k__colo2__r24": _result("2x", 24, request_goodput=19.0, slo_attainment=1.0),
         "overflow_2k__pd_overflow8__r20": _result("of", 20, request_goodput=16.0,
                                                   slo_attainment=1.0),
-        "overflow_2k__pd_overflow8__r24": _result("of", 24, request_goodput=19.0,
-                                                  slo_attainment=0.95),
+        "overflow_2k__pd_overflow8__r24": _result(
+            "of", 24, request_goodput=19.0, slo_attainment=0.95,
+            scraped={"proxy": {"routes": {"pd": 300.0, "prefill_overflow": 100.0}}}),
     }
     markdown, figures = build_summary(results, ["# report"])
     section = figures["overflow_2k"]["pd_overflow8"]
     assert section["max_goodput"] == 19.0 and section["rate_at_90pct_slo"] == 24.0
     assert section["ratio_to_pd"] == pytest.approx(19.0 / 15.0)
     assert section["ratio_to_colo2"] == pytest.approx(1.0)
-    assert "| pd_overflow8 | 24 | 19.00 | 0.95 | 1.0 | 1.0 | 6.00 | 19.00 |" in markdown
-    assert "| pd_overflow8 | 20 | 16.00 | 1.00 | 1.0 | 1.0 | 15.00 | n/a |" in markdown
+    assert "| pd_overflow8 | 24 | 19.00 | 0.95 | 1.0 | 1.0 | 25% | 6.00 | 19.00 |" in markdown
+    assert "| pd_overflow8 | 20 | 16.00 | 1.00 | 1.0 | 1.0 | n/a | 15.00 | n/a |" in markdown

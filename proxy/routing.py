@@ -3,11 +3,12 @@
 ``RoutingPolicy`` picks one worker among candidates of a role; ``plan_route`` applies the
 cluster rule on top of a policy:
 
-1. a prefill worker and a decode worker exist for the model -> disaggregated (P, D),
-   unless ``prefill_overflow`` is set and every prefill worker already has that many
-   prefill legs in flight -> prefill overflow: D gets the original request and prefills it
-   itself, so a burst beyond P's capacity queues on neither alone (conditional
-   disaggregation);
+1. a prefill worker and a decode worker exist for the model -> disaggregated (P, D).
+   With ``prefill_overflow`` N, a P with N prefill legs in flight takes no more; when every
+   P has N, D gets the original request and prefills it itself (conditional
+   disaggregation: P's overload spills to D instead of queueing). D's own load is not
+   consulted: on two H100s, overflow into a D whose KV cache was full still served more
+   than the P queue did (docs/PERFORMANCE.md);
 2. else a colocated worker exists -> the whole request goes to it;
 3. else a decode worker exists (no prefill worker left, or the prefill leg failed on every
    one) -> decode-only: D gets the original request and prefills it itself;
@@ -184,8 +185,13 @@ def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | N
     prefills = registry.candidates(ROLE_PREFILL, model, exclude)
     decodes = registry.candidates(ROLE_DECODE, model, exclude)
     if prefills and decodes:
-        if prefill_overflow > 0 and min(p.in_flight for p in prefills) >= prefill_overflow:
-            return Route(MODE_PREFILL_OVERFLOW, decode=policy.choose(ROLE_DECODE, decodes, key))
+        if prefill_overflow > 0:
+            # A P at the cap takes no more; when none has room, D prefills alone.
+            room = [p for p in prefills if p.in_flight < prefill_overflow]
+            if not room:
+                return Route(MODE_PREFILL_OVERFLOW,
+                             decode=policy.choose(ROLE_DECODE, decodes, key))
+            prefills = room
         return Route(MODE_PD, decode=policy.choose(ROLE_DECODE, decodes, key),
                      prefill=policy.choose(ROLE_PREFILL, prefills, key))
     colocated = registry.candidates(ROLE_COLOCATED, model, exclude)

@@ -282,7 +282,7 @@ def prefill_overflow(results: Results, figures: dict[str, Any],
         _sweep(results, "goodput_2k", name), slos_ms)[0]} for name in ("pd", "colo2")}
     lines = ["## Prefill overflow: 1P1D whose D prefills once P is full (random 2k, "
              "goodput_2k's prompts)", "",
-             "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | D alone | 1P1D goodput "
+             "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | D alone (of routes) | 1P1D goodput "
              "| 2x colocated goodput |", "|---|---|---|---|---|---|---|---|---|"]
     section: dict[str, Any] = {}
     for variant in variants:

@@ -7,8 +7,10 @@ Flow per request (one control round trip, then data):
   P -> D ``KVLayerData``     CPU transport only: one message (plus a bytes frame) per data call.
 
 The data of a transfer moves in calls of ``layers_per_call`` consecutive layers (the last
-call may hold fewer), chosen by P and announced in the header, so both sides post matching
-operations without any per-call control message. A call's bytes are its layers' blocks in
+call may hold fewer), chosen by P within the pull's ``max_layers_per_call`` (D's receive
+slot, when the transfer streams through D's buffer; D refuses a header above it) and
+announced in the header, so both sides post matching operations without any per-call
+control message. A call's bytes are its layers' blocks in
 the layout of ``block_copy`` (``[layers, 2, blocks, block_size, heads, head_dim]``).
   P -> D ``KVSendAbort``     P cannot send (bad geometry, allocation failure, deadline).
   P -> D ``NcclHello``       NCCL transport only: the unique id of a new pair communicator.

@@ -150,9 +150,10 @@ class _Pair:
     aborted: bool = False
     op_deadline: float | None = None  # set while a data call is outstanding (watchdog)
     send_start: Any = None  # timing event before the current transfer's first send
-    # Receiving pairs: the event after the latest posted receives. Only its completion clears
-    # ``op_deadline``: an earlier load landing says nothing of receives queued behind it.
-    last_posted: Any = None
+    # Receiving pairs: how many times receives were posted. Only the landing of the latest
+    # post clears ``op_deadline`` (both under the transport's lock): an earlier load landing,
+    # even while the next one is being posted, says nothing of receives queued behind it.
+    posts: int = 0
     watcher: LandingWatcher | None = None  # receiving pairs: wakes the engine on each landing
 
 
@@ -284,11 +285,13 @@ class NcclPairTransport:
         if pair is None or not pair.ready.wait(5.0) or pair.error is not None or pair.aborted:
             raise KVTransferError(f"no NCCL pair with {peer_address}")
         nccl = _nccl()
-        deadline = time.monotonic() + INIT_TIMEOUT_S
+        with self._lock:
+            pair.posts += 1
+            post = pair.posts
+            pair.op_deadline = time.monotonic() + INIT_TIMEOUT_S
         with torch.cuda.stream(pair.stream):
             if ready is not None:
                 pair.stream.wait_event(ready)
-            pair.op_deadline = deadline
             start = torch.cuda.Event(enable_timing=True)
             start.record(pair.stream)
             try:
@@ -306,7 +309,6 @@ class NcclPairTransport:
                                     PostedRecv(poll=_raise(exc), drained=queued.query)) from exc
             done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(pair.stream)
-            pair.last_posted = done
         if on_landed is not None:
             if pair.watcher is None:
                 pair.watcher = LandingWatcher(f"kv-landing-{peer_address}")
@@ -316,8 +318,9 @@ class NcclPairTransport:
             if pair.aborted or pair.error is not None:
                 raise KVTransferError(f"NCCL pair with {peer_address} failed: {pair.error}")
             if done.query():
-                if pair.last_posted is done:
-                    pair.op_deadline = None
+                with self._lock:
+                    if pair.posts == post:
+                        pair.op_deadline = None
                 self.recv_gpu_seconds += start.elapsed_time(done) / 1e3
                 return True
             return False

@@ -99,6 +99,16 @@ def test_prefill_overflow_sends_d_alone_once_every_p_is_full() -> None:
         ProxyConfig(prefill_overflow=-1)
 
 
+def test_prefill_overflow_caps_each_p_whatever_the_policy() -> None:
+    """Round robin ignores load: a P at the cap is still skipped while another has room."""
+    registry = registry_with(("P", "p:1"), ("P", "p:2"), ("D", "d:1"))
+    policy = RoundRobinPolicy()
+    registry.leg_started("p:1")
+    registry.leg_started("p:1")
+    picks = [plan_route(registry, policy, "m", prefill_overflow=2) for _ in range(4)]
+    assert [(r.mode, r.prefill.worker_id) for r in picks] == [(MODE_PD, "p:2")] * 4
+
+
 def test_no_worker_and_unknown_model() -> None:
     with pytest.raises(NoWorkerError, match="No worker is registered"):
         plan_route(InstanceRegistry(), RoundRobinPolicy(), "m")

@@ -2,9 +2,10 @@
 
 Order of business each step: running requests first (decodes and unfinished prefill chunks,
 in arrival order), preempting the newest running request by recompute when blocks run
-out; then waiting requests FCFS within the token budget and ``max_num_seqs``. Requests
-whose prompt KV comes from a remote worker are parked in WAITING_FOR_REMOTE_KV without
-blocking anyone; finished requests whose KV is still being sent keep their blocks until
+out; then landed remote loads (they own all their blocks) and waiting requests FCFS, within
+the token budget and ``max_num_seqs``. Requests whose prompt KV comes from a remote worker
+are parked in WAITING_FOR_REMOTE_KV, with blocks for their whole prompt, without blocking
+anyone; finished requests whose KV is still being sent keep their blocks until
 the connector reports the send done.
 """
 
@@ -57,6 +58,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
+        # Parked requests whose KV landed, in landing order: admitted before ``waiting``.
+        self.landed: deque[Request] = deque()
         # Finished requests whose blocks stay allocated until the connector sent them.
         self.held: dict[str, Request] = {}
         # Parked request id -> the number of computed tokens once its remote KV has landed.
@@ -97,12 +100,14 @@ class Scheduler:
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             self.parked.pop(request.request_id, None)
             self._num_tokens_after_load.pop(request.request_id, None)
+        elif request in self.landed:
+            self.landed.remove(request)
         else:
             self.waiting.remove(request)
 
     def has_runnable(self) -> bool:
         """True when a step would schedule tokens (or flush pending outputs)."""
-        return bool(self.running or self.waiting or self._pending_outputs)
+        return bool(self.running or self.waiting or self.landed or self._pending_outputs)
 
     def has_unfinished(self) -> bool:
         """True while any request holds engine state, including remote waits and held sends."""
@@ -110,7 +115,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.landed)
 
     # ---- scheduling -------------------------------------------------------------------
 
@@ -153,10 +158,14 @@ class Scheduler:
             index += 1
 
         # Newly admitted requests must not take the blocks a preemption just freed from an
-        # older running request: skip admissions on a step that preempted.
-        while (self.waiting and budget > 0 and not preempted_any
+        # older running request: skip admissions on a step that preempted. Landed remote
+        # loads go first: they own blocks for every known token, so admitting them takes no
+        # free block, while behind a head that needs blocks they would sit on theirs (before
+        # 2026-11-26 that wedged a decode worker whose cache they filled).
+        while ((self.landed or self.waiting) and budget > 0 and not preempted_any
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            queue = self.landed if self.landed else self.waiting
+            request = queue[0]
             hit_blocks, num_local = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_local = self.kv.get_computed_blocks(request)
@@ -172,7 +181,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
-            self.waiting.popleft()
+            queue.popleft()
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_local
             request.num_computed_tokens = num_computed
@@ -230,9 +239,14 @@ class Scheduler:
             if request.num_computed_tokens >= request.num_tokens_with_pending:
                 request.num_pending_tokens += 1
 
-    def _park(self, request: Request, hit_blocks: list, num_local: int, num_external: int) -> bool:
-        """Allocate blocks for a request whose prompt KV arrives from a remote worker."""
-        if self.kv.allocate_slots(request, 0, hit_blocks, num_external_tokens=num_external) is None:
+    def _park(self, request: Request, hit_blocks: list, num_local: int,
+              num_external: int) -> bool:
+        """Allocate blocks for a request whose prompt KV arrives from a remote worker: for
+        all its known tokens, the ones it computes itself after the load included, so that
+        once landed (``landed``) it needs no new block to be admitted."""
+        num_after = request.num_tokens - num_local - num_external
+        if self.kv.allocate_slots(request, num_after, hit_blocks,
+                                  num_external_tokens=num_external) is None:
             return False
         self.waiting.popleft()
         request.num_cached_tokens = num_local
@@ -355,7 +369,7 @@ class Scheduler:
             request.remote_kv_ready_time = time.monotonic()
             self.kv.cache_blocks(request, num_loaded)
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self.landed.append(request)
         for request_id in finished.failed_recving:
             request = self.parked.pop(request_id, None)
             self._num_tokens_after_load.pop(request_id, None)

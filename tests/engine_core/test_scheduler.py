@@ -232,3 +232,62 @@ def test_request_aborted_mid_load_holds_its_blocks_until_the_load_ends(ended):
     run_until_idle(scheduler, runner)
     assert not scheduler.held
     assert_all_free(scheduler)
+
+
+def _run_landing_loads(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 300) -> list:
+    """Run to idle, every parked load landing at the next step."""
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return outputs
+        runner.finished.recving = set(scheduler.parked)
+        out = scheduler.schedule()
+        outputs.extend(scheduler.update_from_output(out, runner.execute(out)))
+    raise AssertionError("scheduler did not become idle")
+
+
+def _tokens_by_request(outputs: list) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for o in outputs:
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens
+
+
+def test_landed_loads_that_fill_the_cache_still_run():
+    """Two remote requests of 9 prompt tokens + 4 outputs in a 16-token cache. Parked with
+    blocks for only their loaded 8 tokens, both used to land with the cache full, each
+    needing a third block for its last prompt token, and nothing ran again. A parked
+    request now holds blocks for its whole prompt: the second waits until the first ends."""
+    scheduler, runner = make_scheduler(num_blocks=4, connector=RemoteConnector()), FakeRunner()
+    for rid in ("a", "b"):
+        scheduler.add_request(make_request(rid, 9, start=100 if rid == "a" else 200,
+                                           kv_transfer_params={"do_remote_prefill": True}))
+    out = scheduler.schedule()
+    assert list(scheduler.parked) == ["a"] and scheduler.kv.num_blocks_of("a") == 3
+    scheduler.update_from_output(out, runner.execute(out))
+    tokens = _tokens_by_request(_run_landing_loads(scheduler, runner))
+    assert {rid: len(t) for rid, t in tokens.items()} == {"a": 4, "b": 4}
+    assert_all_free(scheduler)
+
+
+def test_a_landed_load_passes_a_head_that_found_no_blocks():
+    """A local request grows until it preempts itself and waits at the head for more blocks
+    than are free, while a landed remote request behind it owns its blocks: the landed one
+    runs (it takes no free block), ends, and its blocks let the head resume. Before, the
+    head blocked admission and both waited forever."""
+    scheduler, runner = make_scheduler(num_blocks=6, connector=RemoteConnector()), FakeRunner()
+    scheduler.add_request(make_request("local", 11, max_tokens=13))  # 24 tokens: 6 blocks
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, runner.execute(out))
+    scheduler.add_request(make_request("remote", 9, max_tokens=2, start=500,
+                                       kv_transfer_params={"do_remote_prefill": True}))
+    out = scheduler.schedule()
+    assert "remote" in scheduler.parked and scheduler.kv.num_free_blocks == 0
+    outputs += scheduler.update_from_output(out, runner.execute(out))
+    outputs += _run_landing_loads(scheduler, runner)
+    assert scheduler.counters.num_preemptions >= 1
+    finished = [o.request_id for o in outputs if o.finish_reason]
+    assert finished == ["remote", "local"]
+    assert {rid: len(t) for rid, t in _tokens_by_request(outputs).items()} == {
+        "remote": 2, "local": 13}
+    assert_all_free(scheduler)

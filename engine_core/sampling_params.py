@@ -27,10 +27,32 @@ def _is_token_id(value: Any) -> bool:
     return _is_int(value, 0, MAX_TOKEN_ID)
 
 
+# Sampling runs in float32: a parameter beyond its range becomes inf on the device (a
+# temperature of 1e300 made every logit NaN and the sampler pick token 0).
+FLOAT32_MAX = 3.4028234663852886e38
+# repetition_penalty divides or multiplies logits: further out, they overflow float32.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
 def _is_number(value: Any) -> bool:
-    """A finite int or float (JSON's NaN and Infinity are not)."""
-    return (not isinstance(value, bool) and isinstance(value, (int, float))
-            and math.isfinite(value))
+    """An int or float that is finite in float32 (JSON's NaN and Infinity are not, nor an
+    integer of hundreds of digits, which float() cannot even convert)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and abs(float(value)) <= FLOAT32_MAX
+    except OverflowError:
+        return False
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate, which JSON's \\ud800 escape
+    gives, does not, and the engine socket could not carry it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def sample_seed(seed: int, sample: int) -> int:
@@ -102,8 +124,10 @@ class SamplingParams:
             raise InvalidRequestError("presence_penalty must be in [-2, 2]", "presence_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise InvalidRequestError("frequency_penalty must be in [-2, 2]", "frequency_penalty")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError("repetition_penalty must be > 0", "repetition_penalty")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise InvalidRequestError(f"repetition_penalty must be in [{low:g}, {high:g}]",
+                                      "repetition_penalty")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be >= 1", "max_tokens")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -111,7 +135,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be in [0, 20]", "logprobs")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS
-               for s in self.stop):
+               or not _is_utf8(s) for s in self.stop):
             raise InvalidRequestError(
                 f"stop must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
                 "stop")

@@ -32,6 +32,7 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_co
                                  "parallel_tool_calls"}
 
 Prompt = str | list[int]
+MAX_PARAMS_DEPTH = 8  # kv_transfer_params nesting (the proxy's are two deep)
 
 
 # At most this many output tokens may come from elsewhere (the proxy sends one).
@@ -160,7 +161,35 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
 
 
 def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
-    return _typed(body, "kv_transfer_params", (dict,), None)
+    params = _typed(body, "kv_transfer_params", (dict,), None)
+    if params is not None and not _fits_the_wire(params):
+        raise InvalidRequestError(
+            f"kv_transfer_params must be JSON of string keys, 64-bit integers and UTF-8 "
+            f"strings, nested at most {MAX_PARAMS_DEPTH} deep", "kv_transfer_params")
+    return params
+
+
+
+def _fits_the_wire(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` can cross the engine socket (msgpack) as it is: before, a lone
+    surrogate, an integer past 64 bits or 600 levels of nesting in kv_transfer_params
+    failed its encoding with a 500."""
+    if depth > MAX_PARAMS_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _fits_the_wire(k, depth)
+                   and _fits_the_wire(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_fits_the_wire(v, depth + 1) for v in value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return True
+    return isinstance(value, int) and -(1 << 63) <= value < (1 << 64)
 
 
 def _handoff(params: dict[str, Any] | None) -> Handoff:
@@ -234,6 +263,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
                                       "logit_bias") from None
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise InvalidRequestError("logit_bias values must be numbers", "logit_bias")
+        if not -100 <= bias <= 100:  # compared before float(): a huge integer overflows it
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
         out[token] = float(bias)
     return out
 
@@ -324,7 +355,7 @@ def _message_text(content: Any, index: int) -> str:
                 raise InvalidRequestError(
                     f"messages[{index}].content: only text parts are supported", "messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins a message's text parts
     if content is None:
         return ""
     raise InvalidRequestError(f"messages[{index}].content must be a string or text parts",

@@ -108,6 +108,27 @@ CASES = [
                                      b'"repetition_penalty": NaN}', 400),
     ("lone surrogate in the prompt", C, b'{"prompt": "a\\ud800b"}', 400),
     ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "a\\ud800b"}', 400),
+    # Session 20's review: each of these was a 500 (float() or msgpack failing on them), or
+    # sampled token 0 (a temperature beyond float32 became inf on the device).
+    *[(f"huge integer {key}", C, b'{"prompt": "hi", "' + key.encode() + b'": 1'
+       + b"0" * 400 + b"}", 400)
+      for key in ("temperature", "top_p", "presence_penalty", "repetition_penalty")],
+    ("huge integer chat min_p", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+                                      b'"min_p": 1' + b"0" * 400 + b"}", 400),
+    ("huge integer logit_bias", C, b'{"prompt": "hi", "logit_bias": {"5": 1' + b"0" * 400
+     + b"}}", 400),
+    ("temperature beyond float32", C, {"prompt": "hi", "temperature": 1e300}, 400),
+    ("repetition_penalty that float32 rounds to zero", C,
+     {"prompt": "hi", "repetition_penalty": 1e-300}, 400),
+    ("lone surrogate in a stop string", C, b'{"prompt": "hi", "stop": ["\\ud800"]}', 400),
+    ("lone surrogate in a chat stop string", CHAT,
+     b'{"messages": [{"role": "user", "content": "hi"}], "stop": "x\\udfff"}', 400),
+    ("lone surrogate in kv_transfer_params", C,
+     b'{"prompt": "hi", "kv_transfer_params": {"x": "\\ud800"}}', 400),
+    ("integer past 64 bits in kv_transfer_params", C,
+     b'{"prompt": "hi", "kv_transfer_params": {"x": ' + b"9" * 30 + b"}}", 400),
+    ("kv_transfer_params 600 deep", C, b'{"prompt": "hi", "kv_transfer_params": '
+     + b'{"a":' * 600 + b"1" + b"}" * 600 + b"}", 400),
     ("truncate_prompt_tokens zero", C, {"prompt": "hi", "truncate_prompt_tokens": 0}, 400),
     ("truncate_prompt_tokens wrong type", CHAT, {"messages": OK_MSG,
                                                  "truncate_prompt_tokens": "5"}, 400),

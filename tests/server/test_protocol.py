@@ -27,7 +27,7 @@ def test_chat_request_fields():
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}],
         "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 5, "max_tokens": 9})
-    assert req.messages == [{"role": "user", "content": "ab"}]
+    assert req.messages == [{"role": "user", "content": "a\nb"}]  # joined as vLLM joins them
     assert req.sampling_params.logprobs == 3 and req.sampling_params.max_tokens == 5
     assert protocol.parse_chat_request(
         {"messages": [{"role": "user", "content": "x"}]}).sampling_params.max_tokens is None

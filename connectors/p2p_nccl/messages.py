@@ -28,6 +28,10 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
 MAX_LAYERS = 1024
 MAX_BLOCKS = 1 << 20
 MAX_EPOCH_CHARS = 64
+MAX_TIMEOUT_S = 86400.0
+# A transfer id is kept (registrations, tombstones) and logged: bounded like a request id
+# (the server's X-Request-Id limit is 256) with room for "-pN" and "-retryN" suffixes.
+MAX_TRANSFER_ID_CHARS = 1024
 
 
 @dataclass
@@ -45,6 +49,8 @@ class KVPullRequest:
     num_layers: int
     dtype: str
     block_shape: list[int]  # [block_size, num_kv_heads, head_dim]
+    # How long the consumer still waits for this transfer (from when it sends the pull): the
+    # producer's send must end by then.
     timeout_s: float
     # The consumer process's incarnation (random per start). A producer that sees a new one
     # for a known address knows the process behind it restarted: its pair with the address
@@ -170,12 +176,14 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
     if (pull.num_layers, pull.dtype, list(pull.block_shape)) != (num_layers, dtype, list(block_shape)):
         return (f"geometry mismatch: peer has {pull.num_layers} layers {pull.dtype} "
                 f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
-    if not pull.transfer_id:
-        return "empty transfer id"
+    if not 0 < len(pull.transfer_id) <= MAX_TRANSFER_ID_CHARS:
+        return f"transfer id of {len(pull.transfer_id)} characters"
     if not is_host_port(pull.consumer_address):
         return "bad consumer address"
     if not is_epoch(pull.consumer_epoch):
         return "bad consumer epoch"
+    if not 0.0 <= pull.timeout_s <= MAX_TIMEOUT_S:  # also false for NaN
+        return f"timeout_s {pull.timeout_s} out of range"
     if not 0 <= pull.max_layers_per_call <= MAX_LAYERS:
         return f"max_layers_per_call {pull.max_layers_per_call} out of range"
     return None

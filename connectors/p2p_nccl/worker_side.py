@@ -84,6 +84,9 @@ WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requeste
 # stream still busy after this long is logged as an error; the load keeps its blocks (a
 # leak is better than another request's KV overwritten).
 DRAIN_TIMEOUT_S = 30.0
+# A producer's send ends this long before the consumer's deadline that the pull announced,
+# so that its header never reaches a consumer that already gave up (control latency).
+PULL_DEADLINE_MARGIN_S = 0.25
 
 
 @dataclass
@@ -302,7 +305,7 @@ class P2pConnectorWorker:
         """End of step: deferred saves become sendable; PUT waits for this step's sends."""
         event = self._record_event()
         now = self._clock()
-        to_start: list[tuple[_Pending, KVPullRequest]] = []
+        to_start: list[tuple[_Pending, KVPullRequest, float]] = []
         with self._lock:
             for transfer_id in self._step_deferred:
                 pending = self._pending.get(transfer_id)
@@ -312,9 +315,9 @@ class P2pConnectorWorker:
                 registration = self._registrations.pop(transfer_id, None)
                 if registration is not None:
                     del self._pending[transfer_id]
-                    to_start.append((pending, registration[0]))
-        for pending, pull in to_start:
-            self._start_deferred(pending, pull)
+                    to_start.append((pending, *registration))
+        for pending, pull, arrived in to_start:
+            self._start_deferred(pending, pull, arrived)
         if self._config.send_type == "PUT":
             for job, _ in self._step_push:
                 job.done.wait(max(0.0, job.deadline - now))
@@ -446,6 +449,8 @@ class P2pConnectorWorker:
             ready = self._record_event()
             with self._lock:
                 load.buffer, load.buffer_ready, load.state = buffer, ready, REQUESTED
+                # The producer's send must end by this load's deadline: say how long it has.
+                load.pull.timeout_s = max(0.0, load.deadline - self._clock())
             if self._send_pull(load.spec.peer_address, load.pull):
                 load.pull_sent = True
             else:
@@ -562,7 +567,7 @@ class P2pConnectorWorker:
         with self._lock:
             registration = self._registrations.pop(save.transfer_id, None)
         if registration is not None and self._config.send_type != "GET":
-            pull = registration[0]
+            pull, arrived = registration
             if pull.num_blocks == 0:
                 self._finish_send(save.request_id)
                 return
@@ -576,11 +581,12 @@ class P2pConnectorWorker:
                 staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
                                       dtype=self._require_stacked().dtype, device=self._device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
-                job = self._make_job(save, pull, slots=CallSlots(torch.empty(num_layers, 0), calls))
+                job = self._make_job(save, pull, arrived,
+                                     slots=CallSlots(torch.empty(num_layers, 0), calls))
                 job.slots.fail(exc)
                 self._submit(job)
                 return
-            job = self._make_job(save, pull, slots=CallSlots(staging, calls))
+            job = self._make_job(save, pull, arrived, slots=CallSlots(staging, calls))
             self._step_push.append((job, index))
             self._submit(job)
             return
@@ -591,7 +597,7 @@ class P2pConnectorWorker:
                 self._registrations[save.transfer_id] = registration
         self._step_deferred.append(save.transfer_id)
 
-    def _start_deferred(self, pending: _Pending, pull: KVPullRequest) -> None:
+    def _start_deferred(self, pending: _Pending, pull: KVPullRequest, arrived: float) -> None:
         save = pending.save
         if pull.num_blocks == 0:
             self._finish_send(save.request_id)
@@ -617,7 +623,7 @@ class P2pConnectorWorker:
                                   dtype=stacked.dtype, device=self._device)
                 return gather_layers(stacked, first, end, index, out=out), None
 
-        self._submit(self._make_job(save, pull, call_source=gather_call))
+        self._submit(self._make_job(save, pull, arrived, call_source=gather_call))
 
     def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
         if pull.first_block + pull.num_blocks == len(save.block_ids):
@@ -636,13 +642,20 @@ class P2pConnectorWorker:
         return plan_layers_per_call(num_layers, per_layer, self._config.min_call_bytes,
                                     max_layers=pull.max_layers_per_call)
 
-    def _make_job(self, save: SaveSpec, pull: KVPullRequest, **source: Any) -> SendJob:
+    def _make_job(self, save: SaveSpec, pull: KVPullRequest, arrived: float,
+                  **source: Any) -> SendJob:
+        """The send of ``save`` that ``pull`` (received at ``arrived``) asked for. Its deadline
+        is also the consumer's, less a margin (the pull says how long it still waits): a
+        header sent after the consumer gave up is refused and, on NCCL, its pair aborted, and
+        the sends of every later transfer on that pair queued behind it (one sender thread a
+        consumer) failed with it."""
         num_layers, dtype, block_shape, _ = self._require_geometry()
+        deadline = min(self._clock() + self._config.transfer_timeout_s,
+                       arrived + pull.timeout_s - PULL_DEADLINE_MARGIN_S)
         return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
                        peer_address=pull.consumer_address, first_block=pull.first_block,
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
-                       block_shape=list(block_shape),
-                       deadline=self._clock() + self._config.transfer_timeout_s,
+                       block_shape=list(block_shape), deadline=deadline,
                        layers_per_call=self._layers_per_call(pull),
                        peer_epoch=pull.consumer_epoch, **source)
 
@@ -740,7 +753,7 @@ class P2pConnectorWorker:
         self._transport.on_hello(hello)
 
     def _reject(self, what: str, reason: str) -> None:
-        logger.warning("rejected kv %s: %s", what, reason)
+        logger.warning("rejected kv %s: %.300s", what, reason)
         with self._lock:
             self._counters["messages_rejected"] += 1
 
@@ -785,7 +798,7 @@ class P2pConnectorWorker:
             if pull.num_blocks > 0:
                 self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
             return
-        self._start_deferred(pending, pull)
+        self._start_deferred(pending, pull, self._clock())
 
     def _note_consumer_epoch(self, address: str, epoch: str) -> bool:
         """Remember the epoch of the consumer process at ``address``; True when it replaces
@@ -814,6 +827,12 @@ class P2pConnectorWorker:
             load = self._loads.get(header.transfer_id)
             if load is None or load.state != REQUESTED:
                 reason = "no load is waiting for this transfer"
+            elif header.producer_address != load.spec.peer_address:
+                # Another producer's bytes would land in this request's blocks (on NCCL its
+                # next real transfer would be matched into them): refused.
+                reason = (f"header from {header.producer_address!r:.80}, but the load pulled "
+                          f"from {load.spec.peer_address}")
+                load = None  # not this load's failure: it keeps waiting for its producer
             else:
                 reason = (check_header(header, load.pull, self._last_seq.get(key))
                           or self._plan_calls(load, header.layers_per_call))
@@ -829,7 +848,7 @@ class P2pConnectorWorker:
                 if load is not None and load.state == REQUESTED:
                     load.state, load.reason = FAILED, f"bad header: {reason}"
         if reason is not None:
-            logger.warning("rejected kv header %s: %s", header.transfer_id, reason)
+            logger.warning("rejected kv header %.80r: %.300s", header.transfer_id, reason)
             self._doorbell.ring()
             if not self._transport.uses_data_messages:
                 # The producer's sends would never be matched: abort so they fail fast.
@@ -937,13 +956,15 @@ class P2pConnectorWorker:
             if load is None or load.state not in (REQUESTED, RECEIVING):
                 return  # the load already ended: a late abort is expected
             was_receiving = load.state == RECEIVING
-            stranger = was_receiving and message.producer_address != load.producer_address
+            # Only the producer the load pulled from (then: whose header it accepted).
+            expected = load.producer_address if was_receiving else load.spec.peer_address
+            stranger = message.producer_address != expected
             if not stranger:
                 load.state, load.reason = FAILED, f"producer aborted: {message.reason[:200]}"
                 self._doorbell.ring()
         if stranger:
-            self._reject("abort", f"{message.transfer_id!r:.80} is received from "
-                                  f"{load.producer_address}, not {message.producer_address!r:.80}")
+            self._reject("abort", f"{message.transfer_id!r:.80} is pulled from {expected}, "
+                                  f"not {message.producer_address!r:.80}")
             return
         if was_receiving and not self._transport.uses_data_messages:
             self._transport.abort(load.producer_address)

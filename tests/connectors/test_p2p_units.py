@@ -90,6 +90,10 @@ def test_check_pull_and_header() -> None:
     assert "max_layers_per_call" in check_pull(_pull(max_layers_per_call=-1), 2, "bfloat16",
                                                [4, 2, 8])
     assert check_pull(_pull(max_layers_per_call=5000), 2, "bfloat16", [4, 2, 8])
+    assert "transfer id" in check_pull(_pull(transfer_id="x" * 1025), 2, "bfloat16", [4, 2, 8])
+    assert check_pull(_pull(transfer_id="x" * 1024), 2, "bfloat16", [4, 2, 8]) is None
+    for timeout in (-1.0, float("nan"), 1e9):
+        assert "timeout_s" in check_pull(_pull(timeout_s=timeout), 2, "bfloat16", [4, 2, 8])
 
 
 def test_plan_layers_per_call() -> None:
@@ -508,7 +512,8 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
         monkeypatch.setattr(worker, "_submit", jobs.append)
         save = SaveSpec("r", "t", "127.0.0.1:1", block_ids=[9, 4, 11, 2], num_tokens=15)
         pull = _pull(first_block=1, num_blocks=3)  # the consumer caches block 9 already
-        worker._start_deferred(worker_side._Pending(save, lease_deadline=0.0, ready=True), pull)
+        worker._start_deferred(worker_side._Pending(save, lease_deadline=0.0, ready=True), pull,
+                               worker._clock())
         (job,) = jobs
         assert uploads == []  # nothing uploaded before the sender gathers
         first, second = job.call_source(0, 1), job.call_source(1, 2)

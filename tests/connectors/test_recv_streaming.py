@@ -145,7 +145,10 @@ def test_a_failed_load_is_reported_only_once_its_stream_drained() -> None:
         assert aborted == [pair.p_addr]  # its receives wait for nothing: the pair is aborted
         drained["now"] = True
         assert wait_until(failed, 5.0) and reported == {"stuck"}
-        assert consumer.stats()["transfers_timed_out"] == 1
+        # Its deadline passed on both sides: the producer, whose sends now end with the
+        # consumer's deadline less a margin, may give up (and say so) first.
+        stats = consumer.stats()
+        assert stats["transfers_timed_out"] + stats["transfers_failed"] == 1
         assert consumer.stats()["recv_buffer_bytes_in_use"] == 0
     finally:
         pair.shutdown()

@@ -126,9 +126,10 @@ class _Routes:
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
         if is_chat:
-            ids = tokenizer.encode_chat(prompt, body.get("add_generation_prompt") is not False)
+            ids = await tokenizer.call(tokenizer.encode_chat, prompt,
+                                       body.get("add_generation_prompt") is not False)
         else:
-            ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+            ids = await tokenizer.call(tokenizer.encode, prompt, add_special)
         return web.json_response({"tokens": ids, "count": len(ids),
                                   "max_model_len": tokenizer.max_model_len})
 
@@ -136,7 +137,8 @@ class _Routes:
         body = await _read_json(request)
         model, tokens = protocol.parse_detokenize_request(body)
         self.serving.check_model(model)
-        return web.json_response({"prompt": self.serving.tokenizer.decode(tokens)})
+        tokenizer = self.serving.tokenizer
+        return web.json_response({"prompt": await tokenizer.call(tokenizer.decode, tokens)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         client = self.serving.client
@@ -241,6 +243,12 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
         await watch.stop()
 
     app.cleanup_ctx.append(loop_watch)
+
+    async def tokenizer_thread(app: web.Application) -> Any:
+        yield
+        tokenizer.close()
+
+    app.cleanup_ctx.append(tokenizer_thread)
     return app
 
 

@@ -339,12 +339,13 @@ class OpenAIServing:
         parsed = protocol.parse_completion_request(body)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
-        prompts = [self.tokenizer.encode_prompt(p, parsed.truncate_prompt_tokens)
+        tokenizer = self.tokenizer
+        prompts = [await tokenizer.call(tokenizer.encode_prompt, p, parsed.truncate_prompt_tokens)
                    for p in parsed.prompts]
         # echo: each choice starts with its prompt, as given (token ids or a truncated
         # prompt: what was used, decoded).
         echoes = [(p if isinstance(p, str) and parsed.truncate_prompt_tokens is None
-                   else self.tokenizer.decode(ids)) if parsed.echo else ""
+                   else await tokenizer.call(tokenizer.decode, ids)) if parsed.echo else ""
                   for p, ids in zip(parsed.prompts, prompts, strict=True)]
         jobs = self._jobs(request_id, prompts, parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
@@ -411,8 +412,9 @@ class OpenAIServing:
         parsed = protocol.parse_chat_request(body)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
-        prompt = self.tokenizer.encode_chat(parsed.messages, parsed.add_generation_prompt,
-                                            parsed.truncate_prompt_tokens)
+        prompt = await self.tokenizer.call(self.tokenizer.encode_chat, parsed.messages,
+                                           parsed.add_generation_prompt,
+                                           parsed.truncate_prompt_tokens)
         jobs = self._jobs(request_id, [prompt], parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
         events = self._run_jobs(jobs, parsed.handoff)

@@ -2,23 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from engine_core.errors import InvalidRequestError
 from engine_core.request_limits import check_context
 from engine_core.server.protocol import Prompt
+
+_T = TypeVar("_T")
 
 
 class TokenizerService:
     """Wraps the HF tokenizer the engine names (``EngineInfo.tokenizer_path``)."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 kv_capacity: int | None = None) -> None:
+                 kv_capacity: int | None = None, own_thread: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # Tokens the worker's whole KV cache holds (None: unknown, the engine checks alone).
         self.kv_capacity = kv_capacity
+        # ``call`` runs tokenizer work here: one thread, so it never overlaps itself.
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+                        if own_thread else None)
+
+    async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` (this service's encode or decode work) on the tokenizer's thread, so
+        that a long prompt holds that thread and not the event loop: before, 8 MiB sent to
+        /tokenize held every stream, /health and the proxy's heartbeats for ~6 s (the HF
+        tokenizer releases the GIL while it works). Inline without a thread (tests)."""
+        if self._thread is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        """Stop the tokenizer's thread (calls already running finish)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
 
     @classmethod
     def load(cls, path: str, max_model_len: int, vocab_size: int,
@@ -27,7 +51,7 @@ class TokenizerService:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(tokenizer, max_model_len, vocab_size, kv_capacity)
+        return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 
@@ -70,3 +71,30 @@ async def test_disconnect_50_clients_frees_blocks(server):
     async with aiohttp.ClientSession() as session:
         async with session.get(server.url + "/health") as response:
             assert response.status == 200
+
+
+async def test_tokenizing_a_long_prompt_does_not_hold_the_event_loop(server):
+    """Four /tokenize calls of ~1 MB each (about 2.5 s of tokenizer work on the dev machine)
+    while /v1/models is asked ten times: the tokenizer works on its own thread, so each
+    answer comes at once. Before, tokenization ran on the event loop and /v1/models waited
+    ~2 s behind it (streams, /health and the proxy's heartbeats with it)."""
+    body = json.dumps({"prompt": "hello world, the quick brown fox " * 30000}).encode()
+    async with aiohttp.ClientSession() as session:
+        async def tokenize() -> None:
+            async with session.post(server.url + "/tokenize", data=body) as response:
+                assert response.status == 200
+                await response.read()
+
+        async def slowest_models_answer() -> float:
+            await asyncio.sleep(0.05)
+            slowest = 0.0
+            for _ in range(10):
+                started = time.monotonic()
+                async with session.get(server.url + "/v1/models") as response:
+                    await response.read()
+                slowest = max(slowest, time.monotonic() - started)
+            return slowest
+
+        *_, slowest = await asyncio.gather(*(tokenize() for _ in range(4)),
+                                           slowest_models_answer())
+    assert slowest < 0.5, f"/v1/models waited {slowest:.2f} s behind tokenization"

@@ -93,6 +93,8 @@ class _Leg:
         wid = self.worker.worker_id
         self._d.registry.leg_finished(wid, ok=error is None,
                                       connection_failed=error is not None and error.connect_failed)
+        if self._d.registry.get(wid) is None:
+            return  # the worker left: its series were dropped, and recording would revive them
         if error is not None:
             self._d.metrics.worker_errors.labels(wid, self.role, error.kind).inc()
         elif not aborted:

@@ -221,8 +221,9 @@ def leg_headers(client_headers: Any, transfer_id: str) -> dict[str, str]:
 def _upstream_error(exc: BaseException, url: str) -> UpstreamError:
     if isinstance(exc, asyncio.TimeoutError):  # aiohttp's timeouts subclass it
         return UpstreamTimeoutError(f"worker {url} did not answer in time")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamError(f"cannot connect to worker {url}: {exc.os_error}", kind="connect",
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.InvalidURL)):
+        why = getattr(exc, "os_error", exc)
+        return UpstreamError(f"cannot connect to worker {url}: {why}", kind="connect",
                              connect_failed=True)
     return UpstreamError(f"worker {url} failed: {type(exc).__name__}: {exc}", kind="disconnect")
 
@@ -276,10 +277,17 @@ class SSETracker:
         self.done_seen = False
 
     def feed(self, chunk: bytes) -> None:
-        """Account for bytes just written to the client."""
+        """Account for bytes just written to the client. ``[DONE]`` counts only as a line of
+        its own: generated text may contain "data: [DONE]" inside an event's JSON, and
+        taken for the end it made a stream cut right after look complete."""
         window = self._tail + chunk
-        if self._DONE in window:
-            self.done_seen = True
+        start = 0
+        while (found := window.find(self._DONE, start)) >= 0:
+            end = found + len(self._DONE)
+            line_start = found == 0 or window[found - 1:found] == b"\n"
+            if line_start and window[end:end + 1] in (b"\n", b"\r"):
+                self.done_seen = True
+            start = end
         self._tail = window[-(len(self._DONE) + 2):]
 
     @property

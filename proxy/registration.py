@@ -31,6 +31,9 @@ from proxy.registry import InstanceRegistry
 
 logger = logging.getLogger(__name__)
 
+YIELD_EVERY = 32  # registration messages handled between turns given back to the event loop
+LOG_EVERY_BAD = 1000  # malformed registration messages per logged warning (all are counted)
+
 DEFAULT_REGISTRATION_PORT = 30001
 # Heartbeats that could not leave (no connection yet) are retried after 10, 20, 40 ... ms,
 # at most 200 ms apart.
@@ -93,7 +96,11 @@ class RegistrationServer:
             message = decode_registration(payload)
         except MessageDecodeError as exc:
             self.num_bad_messages += 1
-            logger.warning("dropped a malformed registration message: %s", exc)
+            # Every one is counted; the log gets the first and then one in LOG_EVERY_BAD
+            # (a flood of them must not flood the log too).
+            if self.num_bad_messages % LOG_EVERY_BAD == 1:
+                logger.warning("dropped a malformed registration message (%d so far): %.200s",
+                               self.num_bad_messages, exc)
             return
         if isinstance(message, Deregister):
             if self._registry.remove(message.http_address):
@@ -121,6 +128,10 @@ class RegistrationServer:
             except Exception:  # a bug must cost one message, not every later registration
                 self.num_bad_messages += 1
                 logger.exception("registration message failed")
+            if self.num_messages % YIELD_EVERY == 0:
+                # recv_multipart returns at once while messages wait: without this, a backlog
+                # (or a flood on this unauthenticated port) held HTTP and streams until drained.
+                await asyncio.sleep(0)
 
 
 LoadProvider = Callable[[], "WorkerLoad | Awaitable[WorkerLoad]"]

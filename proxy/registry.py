@@ -43,7 +43,12 @@ class WorkerState:
 
     @property
     def url(self) -> str:
-        """Base URL of the worker's OpenAI server."""
+        """Base URL of the worker's OpenAI server (an IPv6 host in brackets: a worker started
+        with ``--host ::1`` says ``::1:PORT``, which as ``http://::1:PORT`` no URL parser
+        takes, so every request to it failed)."""
+        host, _, port = self.http_address.rpartition(":")
+        if ":" in host and not host.startswith("["):
+            return f"http://[{host}]:{port}"
         return f"http://{self.http_address}"
 
     def to_json(self, now: float) -> dict[str, Any]:
@@ -115,10 +120,14 @@ class InstanceRegistry:
             existing.last_heartbeat = now
             existing.suspect_until = None  # it is alive again
             return False
+        # Legs already sent to this address still end against it: the new state keeps their
+        # count (before, they decremented a fresh zero and the in-flight count ran low, under
+        # --prefill-overflow's cap and least load's view).
         self._workers[message.http_address] = WorkerState(
             role=message.role, http_address=message.http_address, model=message.model,
             zmq_address=message.zmq_address, version=message.version, load=message.load,
-            registered_at=now, last_heartbeat=now)
+            registered_at=now, last_heartbeat=now,
+            in_flight=existing.in_flight if existing is not None else 0)
         return True
 
     def remove(self, http_address: str) -> bool:

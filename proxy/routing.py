@@ -117,7 +117,9 @@ class PrefixAffinityPolicy:
 
     @staticmethod
     def _rank(key: str, worker: WorkerState) -> bytes:
-        return hashlib.blake2b(f"{key}\x00{worker.worker_id}".encode(), digest_size=8).digest()
+        # surrogatepass: a prompt may hold a lone surrogate (valid JSON; the worker decides).
+        return hashlib.blake2b(f"{key}\x00{worker.worker_id}".encode("utf-8", "surrogatepass"),
+                               digest_size=8).digest()
 
     def choose(self, role: str, candidates: Sequence[WorkerState],
                key: str | None = None) -> WorkerState:

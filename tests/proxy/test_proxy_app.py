@@ -604,3 +604,45 @@ async def test_a_departed_worker_leaves_no_metric_series(make_worker, make_proxy
     client.app[keys.REGISTRY].remove(d.http_address)
     text = await (await client.get("/metrics")).text()
     assert d.http_address not in text and p.http_address in text
+
+
+async def test_a_leg_ending_after_its_worker_left_revives_no_metric_series(
+        make_worker, make_proxy) -> None:
+    """A worker that deregisters (or expires) while a stream runs has its metric series
+    dropped; the leg ending afterwards used to create them again, for good."""
+    p, d = await make_worker("P"), await make_worker("D", "slow")
+    client = await make_proxy(p, d)
+    resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+    assert resp.status == 200
+    await resp.content.readany()
+    client.app[keys.REGISTRY].remove(d.http_address)
+    await resp.text()
+    text = await (await client.get("/metrics")).text()
+    assert [line for line in text.splitlines() if d.http_address in line] == []
+
+
+async def test_prefix_affinity_routes_a_prompt_with_a_lone_surrogate(make_worker,
+                                                                    make_proxy) -> None:
+    """Valid JSON may carry a lone surrogate: the routing key hashed it with str.encode(),
+    which raised, and the client got a 500 instead of the worker's answer."""
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d, routing="prefix_affinity")
+    resp = await client.post("/v1/completions",
+                             data=b'{"model": "tiny", "prompt": "hi \\ud800", "max_tokens": 4}',
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
+def test_sse_tracker_takes_done_only_as_a_line_of_its_own() -> None:
+    """Generated text may hold "data: [DONE]" inside an event's JSON: taken for the end, a
+    stream cut right after looked complete to the client (no error event)."""
+    from proxy.forwarding import SSETracker
+
+    tracker = SSETracker()
+    tracker.feed(b'data: {"choices":[{"index":0,"text":"data: [DONE]"}]}\n\n')
+    assert not tracker.done_seen
+    tracker.feed(b"data: [DO")
+    tracker.feed(b"NE]")
+    assert not tracker.done_seen  # its line has not ended yet
+    tracker.feed(b"\n\n")
+    assert tracker.done_seen

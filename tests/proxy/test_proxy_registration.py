@@ -145,3 +145,41 @@ async def test_proxy_app_registers_over_zmq_and_expires(make_worker, wait_until)
         for heartbeat in heartbeats:
             await heartbeat.stop()
         await client.close()
+
+
+async def test_a_backlog_of_registration_messages_does_not_hold_the_event_loop() -> None:
+    """recv_multipart returns at once while messages wait, so the receive loop never gave
+    the event loop back: 20k queued heartbeats (a flood on this unauthenticated port, or a
+    backlog) held HTTP and streams until drained. It now yields every few messages."""
+    import threading
+    import time
+
+    from proxy.messages import REGISTRATION_CODEC, Heartbeat
+
+    server = RegistrationServer(InstanceRegistry(), "127.0.0.1", port=0)
+    await server.start()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    payload = REGISTRATION_CODEC.encode(Heartbeat(role="D", http_address="10.0.0.1:1",
+                                                  model="m", zmq_address="10.0.0.1:2"))
+    count = 20000
+    try:
+        await asyncio.sleep(0.2)
+        sender = threading.Thread(target=lambda: [sock.send(payload) for _ in range(count)])
+        sender.start()
+        sender.join()  # the loop is held here on purpose: the backlog builds up
+        time.sleep(0.3)
+        slowest, last = 0.0, time.monotonic()
+        deadline = last + 30.0
+        while server.num_messages < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            slowest, last = max(slowest, now - last), now
+        assert server.num_messages == count
+        assert slowest < 0.2, f"the event loop was held {slowest:.2f} s draining the backlog"
+    finally:
+        await server.stop()
+        sock.close(0)
+        context.term()

@@ -146,3 +146,36 @@ def test_expiry_skips_a_round_that_wakes_late() -> None:
         return after_stall, heard, len(registry.workers())
 
     assert asyncio.run(scenario()) == (1, 1, 0)
+
+
+def test_a_replaced_worker_keeps_its_legs_in_flight(proxy_clock) -> None:
+    """A worker that re-registers changed (a new KV port after a restart) gets a new state;
+    the legs already sent to its address still end against it, so the count carries over.
+    Before, they decremented a fresh zero, and --prefill-overflow's cap let more in."""
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat())
+    registry.leg_started("127.0.0.1:8100")
+    moved = beat()
+    moved.zmq_address = "127.0.0.1:29999"
+    assert registry.heartbeat(moved) is True
+    registry.leg_started("127.0.0.1:8100")
+    registry.leg_finished("127.0.0.1:8100", ok=True)  # the leg sent before the change
+    worker = registry.get("127.0.0.1:8100")
+    assert worker is not None and worker.zmq_address == "127.0.0.1:29999"
+    assert worker.in_flight == 1
+
+
+@pytest.mark.parametrize("address,url", [
+    ("127.0.0.1:8000", "http://127.0.0.1:8000"),
+    ("::1:8000", "http://[::1]:8000"),
+    ("fe80::1:8000", "http://[fe80::1]:8000"),
+    ("[::1]:8000", "http://[::1]:8000"),
+    ("host.example:80", "http://host.example:80"),
+])
+def test_worker_urls_bracket_ipv6_hosts(proxy_clock, address: str, url: str) -> None:
+    """A worker started with --host ::1 advertises ``::1:PORT``; as ``http://::1:PORT`` no
+    URL parser takes it and every request to the worker failed."""
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat(address))
+    worker = registry.get(address)
+    assert worker is not None and worker.url == url

@@ -155,6 +155,11 @@ class MessageCodec:
         self._version = version
         self._max_bytes = max_bytes
 
+    @property
+    def max_bytes(self) -> int:
+        """The largest payload ``decode`` accepts (so the largest one worth sending)."""
+        return self._max_bytes
+
     def encode(self, message: Any) -> bytes:
         name = type(message).__name__
         if name not in self._types:

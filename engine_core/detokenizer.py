@@ -81,9 +81,11 @@ class IncrementalDetokenizer:
         """Truncate ``output_text`` at the earliest stop string touching the new text."""
         if not self._stop or num_new_chars == 0:
             return
-        start = max(0, len(self.output_text) - num_new_chars - self._max_stop_len + 1)
         best: tuple[int, str] | None = None
         for stop in self._stop:
+            # Each stop string looks back only its own length into the older text: looking
+            # back the longest one's let a short stop match in text min_tokens protected.
+            start = max(0, len(self.output_text) - num_new_chars - len(stop) + 1)
             index = self.output_text.find(stop, start)
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)

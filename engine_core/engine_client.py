@@ -187,7 +187,18 @@ class AsyncEngineClient:
         if self._dead is not None:
             raise self._dead
         try:
-            self._input.send(ENGINE_INPUT_CODEC.encode(message), flags=zmq.NOBLOCK)
+            payload = ENGINE_INPUT_CODEC.encode(message)
+        except (ValueError, TypeError, OverflowError) as exc:  # msgpack cannot carry a value
+            raise InvalidRequestError(f"the request cannot be sent to the engine: {exc}",
+                                             None) from None
+        if len(payload) > ENGINE_INPUT_CODEC.max_bytes:
+            # The engine would drop it as malformed without a word, and the request would
+            # wait for its outputs forever.
+            raise InvalidRequestError(
+                f"the request is {len(payload)} bytes encoded, over the engine's limit of "
+                f"{ENGINE_INPUT_CODEC.max_bytes}", None)
+        try:
+            self._input.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
             # After start() the engine is connected; a PUSH with no peer means it is gone.
             error = EngineDeadError("the engine process is not accepting input (it exited)")
@@ -308,9 +319,12 @@ class AsyncEngineClient:
             return
         self._closed = True
         if self._dead is None and self._process.is_alive():
+            # NOBLOCK: an engine already tearing down (its sockets closed, the process still
+            # alive) would never take it, and a blocking send froze the event loop for good.
             with contextlib.suppress(Exception):
                 self._input.send(ENGINE_INPUT_CODEC.encode(
-                    UtilityCall(call_id=next(self._call_ids), method="shutdown")))
+                    UtilityCall(call_id=next(self._call_ids), method="shutdown")),
+                    flags=zmq.NOBLOCK)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._process.join, timeout_s)
         if self._process.is_alive():

@@ -121,7 +121,13 @@ class RequestState:
         if self.finished:
             return None
         engine_finished = output.finish_reason is not None
-        update = self.detokenizer.update(output.new_token_ids, finished=engine_finished)
+        text_ids = output.new_token_ids
+        if (output.finish_reason == "stop" and text_ids
+                and not self.sampling_params.include_stop_str_in_output):
+            # As vLLM: the token that stopped the request (EOS or a stop_token_ids entry; the
+            # engine stops on tokens only) counts as output, its text does not.
+            text_ids = text_ids[:-1]
+        update = self.detokenizer.update(text_ids, finished=engine_finished)
         self.output_token_ids.extend(output.new_token_ids)
         self.output_text += update.text
         stopped_here = update.stop_str is not None

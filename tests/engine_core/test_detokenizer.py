@@ -112,3 +112,51 @@ def test_output_processor_engine_finish(tokenizer):
     assert deltas[0].finished and deltas[0].finish_reason == "length"
     assert deltas[0].num_output_tokens == len(ids)
     assert not proc.has_unfinished()
+
+
+SENTENCE = "the quick brown fox jumps over the lazy dog."
+
+
+def _feed(state: RequestState, ids: list[int], last_finish: str, last_stop_reason=None):
+    streamed, delta = "", None
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        delta = state.process(EngineOutput("r", [token], 0, 0,
+                                           finish_reason=last_finish if last else None,
+                                           stop_reason=last_stop_reason if last else None))
+        streamed += delta.text
+        if delta.finished:
+            break
+    return streamed, delta
+
+
+def test_a_short_stop_string_inside_min_tokens_text_is_not_matched_later(tokenizer):
+    """With two stop strings, the search looked back the longest one's length: a short stop
+    seen only in text that min_tokens protects matched once min_tokens passed, after the
+    client had been streamed that text (vLLM looks back each stop's own length)."""
+    ids = tokenizer.encode(SENTENCE, add_special_tokens=False)
+    protected = next(k for k in range(1, len(ids) + 1) if "q" in tokenizer.decode(ids[:k]))
+    state = RequestState.create("r", [], SamplingParams(
+        stop=["q", "zzzzzzzzzzzz"], min_tokens=protected, max_tokens=len(ids)), tokenizer)
+    streamed, delta = _feed(state, ids, "length")
+    assert (delta.finish_reason, delta.stop_reason) == ("length", None)
+    assert streamed == state.output_text == SENTENCE
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_tokens_text_is_left_out_as_vllm_does(tokenizer, include):
+    """A request the engine stopped on a token (finish_reason "stop": EOS or stop_token_ids)
+    counts that token but leaves its text out, unless include_stop_str_in_output."""
+    dot = tokenizer.encode(".", add_special_tokens=False)
+    assert len(dot) == 1
+    words = tokenizer.encode("the lazy dog", add_special_tokens=False)
+    for params, stop_id, reason in (
+            (SamplingParams(stop_token_ids=dot, include_stop_str_in_output=include), dot[0], dot[0]),
+            (SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include),
+             tokenizer.eos_token_id, None)):
+        state = RequestState.create("r", [], params, tokenizer)
+        streamed, delta = _feed(state, words + [stop_id], "stop", reason)
+        expected = tokenizer.decode(words + ([stop_id] if include else []),
+                                    skip_special_tokens=False)
+        assert streamed == state.output_text == expected
+        assert delta.num_output_tokens == len(words) + 1

@@ -17,7 +17,7 @@ import zmq
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import EngineDeadError, InvalidRequestError
-from engine_core.messages import AddRequest, EngineOutput, EngineStats
+from engine_core.messages import ENGINE_INPUT_CODEC, AddRequest, EngineOutput, EngineStats
 from engine_core.sampling_params import SamplingParams
 
 TOTAL_BLOCKS = 64
@@ -206,3 +206,56 @@ async def test_sigterm_stops_engine_cleanly():
         assert client._process.exitcode == 0
     finally:
         await client.shutdown()
+
+
+async def test_a_request_too_large_for_the_engine_socket_is_refused_not_lost():
+    """The engine drops a message over its codec's limit as malformed, without a word: the
+    request used to wait for outputs forever. The client now refuses to send it (a 400)."""
+    client = await AsyncEngineClient.start(_config(), fake_factory)
+    try:
+        big = {"x": "a" * (ENGINE_INPUT_CODEC.max_bytes + 1)}
+        with pytest.raises(InvalidRequestError, match="limit"):
+            async for _ in client.generate("big", [1, 2], SamplingParams(max_tokens=2),
+                                           kv_transfer_params=big):
+                pass
+        outputs = [o async for o in client.generate("fine", [1, 2], SamplingParams(max_tokens=2))]
+        assert outputs and outputs[-1].finish_reason is not None
+    finally:
+        await client.shutdown()
+
+
+def _slow_teardown_factory(config: EngineConfig) -> FakeEngine:
+    import atexit
+
+    atexit.register(time.sleep, 4.0)  # stands for torch / CUDA / NCCL teardown at exit
+    return FakeEngine(config)
+
+
+def test_shutdown_while_the_engine_is_exiting_does_not_hang():
+    """An engine that closed its sockets but is still tearing down (SIGTERM to the process
+    group) takes no "shutdown" message: a blocking send of it froze the API server for
+    good. The send no longer blocks, and shutdown waits for the process instead."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    client = loop.run_until_complete(AsyncEngineClient.start(_config(), _slow_teardown_factory))
+    try:
+        os.kill(client.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert client._process.is_alive()  # its sockets are closed, its teardown runs
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (loop.run_until_complete(client.shutdown()),
+                                                  done.set()), daemon=True)
+        thread.start()
+        finished = done.wait(12.0)
+        if not finished:  # unblock the stuck send so that this process can exit
+            context = zmq.Context()
+            sock = context.socket(zmq.PULL)
+            sock.connect(f"ipc://{client._socket_dir}/input")
+            sock.recv()
+            sock.close()
+            context.term()
+            done.wait(10.0)
+        assert finished, "shutdown() blocked on its send to an exiting engine"
+    finally:
+        loop.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 # A host name or IP (IPv6 bracketed or bare). Anything else (spaces, ``/`` paths, ``?``
 # queries, ``@`` user parts, wildcards) is refused before a socket or URL is built from it:
 # ``http://{address}/...`` with such a "host" would reach another port and path than the one
@@ -18,3 +20,20 @@ def is_host_port(address: object) -> bool:
     host, _, port = address.rpartition(":")
     return (bool(host) and set(host) <= _HOST_CHARS and port.isdigit()
             and 0 < int(port) < 65536)
+
+
+def route_source_host(host: str) -> str:
+    """The local address this machine reaches ``host`` from, which ``host`` can call back.
+
+    Connecting a UDP socket picks the route and sends nothing. Used as the advertised HTTP
+    host of a worker bound to a wildcard address: ``127.0.0.1`` would be unreachable from a
+    proxy on another machine. Falls back to ``127.0.0.1`` when there is no route.
+    """
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((bare, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from engine_core.addresses import route_source_host
 from engine_core.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -175,7 +176,11 @@ class KVTransferConfig:
     kv_parallel_size: int = 1
     # vLLM's P2P connector reads this as GB of GPU receive buffer ("1e1" = 10 GB).
     kv_buffer_size: float = 1e9
+    # The KV socket's address, bound and advertised to the proxy. Not given in the JSON (as in
+    # vLLM's examples, where the engine uses the host's own address), it is the address this
+    # host reaches the proxy from: 127.0.0.1 told a proxy on another host an unreachable one.
     kv_ip: str = "127.0.0.1"
+    kv_ip_given: bool = True  # False: derived from the proxy's address (re-derived with it)
     kv_port: int = 14579
     proxy_ip: str | None = None
     proxy_port: int | None = None
@@ -265,6 +270,10 @@ class KVTransferConfig:
                 kwargs[key] = _as_float(extra[key], key)
         if "kv_load_failure_policy" in extra:
             kwargs["kv_load_failure_policy"] = str(extra["kv_load_failure_policy"])
+        if "kv_ip" not in data:
+            kwargs["kv_ip_given"] = False
+            if kwargs.get("proxy_ip"):
+                kwargs["kv_ip"] = route_source_host(kwargs["proxy_ip"])
         kwargs["extra"] = dict(extra)
         return cls(**kwargs)
 

@@ -10,10 +10,9 @@ import argparse
 import dataclasses
 import json
 import logging
-import socket
 from typing import Any
 
-from engine_core.addresses import is_host_port
+from engine_core.addresses import is_host_port, route_source_host
 from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.engine_core import EngineCore
 
@@ -60,7 +59,8 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
                      ) -> KVTransferConfig:
     """The worker's transfer config: the given JSON (role checked) or the 1P1D default."""
     if kv is None:
-        kv = KVTransferConfig(kv_role=role, proxy_ip=DEFAULT_PROXY[0], proxy_port=DEFAULT_PROXY[1])
+        kv = KVTransferConfig(kv_role=role, proxy_ip=DEFAULT_PROXY[0], proxy_port=DEFAULT_PROXY[1],
+                              kv_ip_given=False)
     if kv.kv_role not in (role, "kv_both"):
         raise SystemExit(f"--kv-transfer-config kv_role is {kv.kv_role!r}; this worker is {role}")
     changes: dict[str, Any] = {"kv_role": role, "http_port": args.port}
@@ -69,6 +69,8 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
     if args.proxy_address:
         ip, _, port = args.proxy_address.rpartition(":")
         changes.update(proxy_ip=ip, proxy_port=int(port))
+        if not kv.kv_ip_given:  # advertise the address the (new) proxy is reached from
+            changes["kv_ip"] = route_source_host(ip)
     return dataclasses.replace(kv, **changes)
 
 
@@ -118,23 +120,6 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
     return heartbeat_hook(ROLE_LETTER[kv.kv_role], f"{kv.proxy_ip}:{kv.proxy_port}",
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
                           http_ip=kv.http_ip, fallback_host=kv.kv_ip)
-
-
-def route_source_host(host: str) -> str:
-    """The local address this machine reaches ``host`` from, which ``host`` can call back.
-
-    Connecting a UDP socket picks the route and sends nothing. Used as the advertised HTTP
-    host of a worker bound to a wildcard address: ``127.0.0.1`` would be unreachable from a
-    proxy on another machine. Falls back to ``127.0.0.1`` when there is no route.
-    """
-    bare = host.strip("[]")
-    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((bare, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float) -> Any:

@@ -149,8 +149,33 @@ def test_colocated_worker_advertises_the_address_it_reaches_the_proxy_from(
     address of its route to the proxy (loopback here: no traffic leaves the machine)."""
     import socket
 
-    from prefill.worker import route_source_host
+    from engine_core.addresses import route_source_host
 
     if ":" in expected and not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")
     assert route_source_host(proxy_host) == expected
+
+
+def test_kv_ip_not_given_is_the_address_the_proxy_is_reached_from() -> None:
+    """vLLM's example configs give no kv_ip (its engine uses the host's own address); ours
+    defaulted to 127.0.0.1, which a proxy on another host was told and could not reach. It
+    is now the address this host reaches the proxy from, re-derived with --proxy-address."""
+    from engine_core.addresses import route_source_host
+    from engine_core.config import KVTransferConfig
+
+    remote = "10.255.255.1"
+    kv = KVTransferConfig.from_json({"kv_role": "kv_producer", "kv_port": 21001,
+                                     "kv_connector_extra_config": {"proxy_ip": remote,
+                                                                   "proxy_port": 30001}})
+    assert not kv.kv_ip_given and kv.kv_ip == route_source_host(remote)
+    given = KVTransferConfig.from_json({"kv_role": "kv_producer", "kv_ip": "10.0.0.7",
+                                        "kv_connector_extra_config": {"proxy_ip": remote}})
+    assert given.kv_ip_given and given.kv_ip == "10.0.0.7"
+    local = KVTransferConfig.from_json({"kv_role": "kv_consumer"})
+    assert not local.kv_ip_given and local.kv_ip == "127.0.0.1"  # no proxy named: loopback
+    args = argparse.Namespace(port=8100, kv_port=None, proxy_address="10.255.255.2:30001")
+    moved = worker_kv_config(kv, "kv_producer", args)
+    assert moved.kv_ip == route_source_host("10.255.255.2") and moved.proxy_port == 30001
+    assert worker_kv_config(given, "kv_producer", args).kv_ip == "10.0.0.7"
+    default = worker_kv_config(None, "kv_producer", args)
+    assert default.kv_ip == route_source_host("10.255.255.2")

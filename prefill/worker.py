@@ -42,7 +42,7 @@ def proxy_address(value: str) -> str:
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
-    from engine_core.arg_utils import add_engine_args
+    from engine_core.arg_utils import add_engine_args, positive_seconds
     from engine_core.server.server_args import add_server_arguments
 
     parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
@@ -51,7 +51,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="proxy registration HOST:PORT (overrides proxy_ip/proxy_port)")
-    parser.add_argument("--heartbeat-interval", type=float, default=3.0, help="seconds")
+    parser.add_argument("--heartbeat-interval", type=positive_seconds, default=3.0, help="seconds")
     add_engine_args(parser)
 
 

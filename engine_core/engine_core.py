@@ -441,7 +441,9 @@ class EngineCore:
         clock = _PhaseClock()
         free_before = self._free_device_bytes()
         if self.host_kv is not None:
-            self.host_kv.drain()  # host memory keeps its blocks: they are valid after wake-up
+            # Host memory keeps its blocks: valid after a level-1 wake-up (the same weights);
+            # a level-2 wake-up reloads the weights and drops them.
+            self.host_kv.drain()
         self.kv_manager.reset_prefix_cache(keep_host=True)
         self.connector_worker.release_kv_caches()
         self.kv_arena.release()
@@ -473,6 +475,11 @@ class EngineCore:
             restore_weights(self.weights_arena, self._asleep,
                             lambda: load_weights(self.model, self.config.model, self.spec))
             self._asleep = None
+            if self._sleep_level == 2 and self.kv_manager.host_tier is not None:
+                # Level 2 reloads the checkpoint, which may have changed meanwhile (vLLM's
+                # weight-update level): KV in host memory was computed with the old weights,
+                # and served it as prefix hits. Level 1 restores the same bytes and keeps it.
+                self.kv_manager.host_tier.clear()
             clock.lap("weights_s")
         if "kv_cache" in wanted and self._kv_asleep:
             assert self.kv_arena is not None

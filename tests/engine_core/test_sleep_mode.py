@@ -184,3 +184,47 @@ def test_staged_wake_up_serves_once_both_are_back(tiny_checkpoint, hf_greedy) ->
     assert set(llm.wake_up(["kv_cache"])) == {"kv_cache_s"}
     assert llm.engine.sleep_level == 0 and _kv_bytes(llm) == kv
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_level_two_wake_up_drops_host_kv_of_the_old_weights(tmp_path) -> None:
+    """Level 2 reloads the checkpoint at wake-up, which may have changed meanwhile (vLLM's
+    weight-update level): prefixes offloaded to host memory hold the old weights' KV and
+    used to come back as prefix hits. Level 1 restores the same weights and keeps them."""
+    import random
+
+    from engine_core.demo_model import build_checkpoint
+    from tests.conftest import TINY_SHAPES
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    rng = random.Random(3)
+    first = [[rng.randrange(3, 1000) for _ in range(70)] for _ in range(4)]
+    others = [[rng.randrange(3, 1000) for _ in range(70)] for _ in range(6)]
+    path, new = tmp_path / "ckpt", tmp_path / "new"
+    build_checkpoint(path, arch="qwen3", seed=1234, dtype="float32", **TINY_SHAPES["qwen3"])
+    build_checkpoint(new, arch="qwen3", seed=999, dtype="float32", **TINY_SHAPES["qwen3"])
+    llm = LLM(str(path), num_gpu_blocks_override=24, kv_offloading_size=0.01, max_num_seqs=4,
+              enable_sleep_mode=True)
+    tier = llm.engine.kv_manager.host_tier
+    assert tier is not None
+
+    def host_hits_of(prompts) -> tuple[int, list]:
+        before = tier.loaded_blocks
+        outputs = llm.generate(prompts, greedy)
+        return tier.loaded_blocks - before, [[e.logprob for e in o.logprobs] for o in outputs]
+
+    llm.generate(first, greedy)
+    llm.generate(others, greedy)  # pushes first's prefixes out to host memory
+    llm.sleep(1)
+    llm.wake_up()
+    hits, _ = host_hits_of(first)
+    assert hits > 0  # level 1: the same weights, the host prefixes still serve
+    llm.generate(others, greedy)
+    llm.sleep(2)
+    for weights in new.glob("*.safetensors"):  # the trainer writes the new weights
+        (path / weights.name).write_bytes(weights.read_bytes())
+    llm.wake_up()
+    hits, got = host_hits_of(first)
+    assert hits == 0
+    fresh = LLM(str(new), num_gpu_blocks_override=24, max_num_seqs=4)
+    want = [[e.logprob for e in o.logprobs] for o in fresh.generate(first, greedy)]
+    assert got == want

@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,12 @@ from aiohttp import web
 from engine_core.config import EngineConfig
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.engine_process import EngineFactory
-from engine_core.errors import EngineDeadError, EngineUnresponsiveError, InvalidRequestError
+from engine_core.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineUnresponsiveError,
+    InvalidRequestError,
+)
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
 from engine_core.server.loop_watch import LoopWatch
@@ -302,6 +308,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
     """Run the server until SIGINT/SIGTERM, or until the engine dies: then, once shut down,
     raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that)."""
     started = time.monotonic()
+    check_port_free(options.host, options.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -342,6 +349,34 @@ async def serve(config: EngineConfig, options: ServerOptions,
         await client.shutdown()
     if engine_died:
         raise EngineDeadError("the engine core process died while serving")
+
+
+def check_port_free(host: str | None, port: int) -> None:
+    """Raise ConfigError when the HTTP port cannot be bound, before the engine starts: the
+    server binds only once the model is loaded, and a taken port used to show only then
+    (minutes on a GPU). A probe, not a reservation: a port taken in between still fails
+    late, but the usual mistake is caught at once."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r} cannot be resolved: {exc}") from None
+    for family, kind, proto, _, address in addresses:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # e.g. no IPv6 on this host: the server will not bind it either
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ConfigError(f"cannot serve HTTP on port {port} of "
+                                  f"{host or 'every interface'}: {exc.strerror}") from None
 
 
 def run_server(config: EngineConfig, options: ServerOptions,

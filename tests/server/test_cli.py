@@ -120,3 +120,21 @@ def test_server_exits_nonzero_when_its_engine_dies():
             proc.communicate()
     assert proc.returncode == 1, output
     assert "engine core died" in output
+
+
+def test_a_taken_http_port_fails_before_the_engine_starts() -> None:
+    """The server binds once the model is loaded; a taken port used to show only then
+    (minutes on a GPU). It is now probed first, and `pdserve serve` exits 1 at once."""
+    import socket
+    import time
+
+    from deploy.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["serve", "--demo", "--device", "cpu", "--host", "127.0.0.1",
+                     "--port", str(port)]) == 1
+        assert time.monotonic() - started < 20  # no engine was started

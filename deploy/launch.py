@@ -75,7 +75,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "P has N prefills in flight; 0 never (see python -m proxy --help)")
     from engine_core.arg_utils import add_engine_args
 
-    add_engine_args(parser)  # passed on to every worker (--kv-transfer-config is per worker)
+    add_engine_args(parser)  # passed on to every worker (--kv-transfer-config merged per worker)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -228,6 +228,34 @@ def _registered(proxy_url: str) -> set[str]:
     return {str(x.get("http_address")) for x in items or [] if isinstance(x, dict)}
 
 
+# What launch decides for each worker itself: a user's --kv-transfer-config may not set it.
+LAUNCH_KV_KEYS = frozenset({"kv_role", "kv_rank", "kv_ip", "kv_port"})
+LAUNCH_EXTRA_KEYS = frozenset({"proxy_ip", "proxy_port", "http_ip", "http_port"})
+
+
+def user_kv_settings(text: str | None) -> tuple[dict, dict]:
+    """The user's ``--kv-transfer-config`` (top-level keys, extra-config keys), applied to
+    every launched P and D worker (``kv_buffer_size``, ``send_type``,
+    ``kv_load_failure_policy``, timeouts...): before, launch accepted it and dropped it.
+    Validated here as a worker would, and refused when it names what launch assigns."""
+    from engine_core.config import KVTransferConfig
+    from engine_core.errors import ConfigError
+
+    if not text:
+        return {}, {}
+    try:
+        KVTransferConfig.from_json(text)  # a bad key or value fails now, not in every worker
+    except ConfigError as exc:
+        raise SystemExit(f"pdserve launch: {exc}") from None
+    data = json.loads(text)
+    extra = dict(data.pop("kv_connector_extra_config", None) or {})
+    owned = sorted((set(data) & LAUNCH_KV_KEYS) | (set(extra) & LAUNCH_EXTRA_KEYS))
+    if owned:
+        raise SystemExit(f"pdserve launch: --kv-transfer-config may not set {owned}: launch "
+                         "assigns them to each worker")
+    return data, extra
+
+
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
@@ -250,6 +278,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     if gpus and len(gpus) < total:
         raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
     cpu_env = {} if gpus else cpu_thread_env(base_env, total)
+    user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
     if transport == "auto" and len(set(gpus[:args.prefill + args.decode])) < len(
             gpus[:args.prefill + args.decode]):
@@ -260,11 +289,11 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         module, index = ("prefill", i) if i < args.prefill else ("decode", i - args.prefill)
         http_port, kv_port = next(ports), next(ports)
         role = "kv_producer" if module == "prefill" else "kv_consumer"
-        kv = {"kv_connector": "P2pNcclConnector", "kv_role": role, "kv_rank": i,
-              "kv_buffer_size": "1e9", "kv_ip": HOST, "kv_port": kv_port,
-              "kv_connector_extra_config": {"proxy_ip": HOST, "proxy_port": reg_port,
-                                            "http_port": http_port, "send_type": "PUT_ASYNC",
-                                            "transport": transport}}
+        kv = {"kv_connector": "P2pNcclConnector", "kv_buffer_size": "1e9", **user_kv,
+              "kv_role": role, "kv_rank": i, "kv_ip": HOST, "kv_port": kv_port,
+              "kv_connector_extra_config": {
+                  "send_type": "PUT_ASYNC", "transport": transport, **user_extra,
+                  "proxy_ip": HOST, "proxy_port": reg_port, "http_port": http_port}}
         env = dict(base_env)
         device_args: list[str] = []
         if gpus:

@@ -220,3 +220,22 @@ def test_serve_refuses_a_connector_without_a_p_or_d_role(kv: str) -> None:
     from deploy.cli import main
 
     assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 1
+
+
+def test_a_users_kv_transfer_config_reaches_every_p_and_d_worker(tmp_path: Path) -> None:
+    """`pdserve launch --kv-transfer-config` used to be accepted and dropped; its keys now go
+    into each P and D worker's config, while what launch assigns per worker stays launch's."""
+    user = {"kv_buffer_size": "5e9", "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"send_type": "GET", "transfer_timeout_s": 60}}
+    args = _parse("--prefill", "1", "--decode", "1", "--kv-transfer-config", json.dumps(user))
+    _, workers, _ = build_children(args, engine_argv(args), tmp_path)
+    for worker in workers:
+        kv = json.loads(_flag(worker.argv, "--kv-transfer-config"))
+        assert (kv["kv_buffer_size"], kv["kv_load_failure_policy"]) == ("5e9", "fail")
+        extra = kv["kv_connector_extra_config"]
+        assert (extra["send_type"], extra["transfer_timeout_s"]) == ("GET", 60)
+        assert extra["proxy_ip"] == "127.0.0.1" and kv["kv_role"] in ("kv_producer", "kv_consumer")
+    for bad in ('{"kv_port": 1}', '{"kv_connector_extra_config": {"proxy_port": 1}}',
+                '{"kv_buffer_size": "lots"}', "{not json"):
+        with pytest.raises(SystemExit):
+            build_children(_parse("--kv-transfer-config", bad), [], tmp_path)

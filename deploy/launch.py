@@ -10,6 +10,7 @@ everything: terminate, then kill after a deadline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -203,6 +204,14 @@ class Child:
                                      preexec_fn=die_with_parent)
         logger.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left of the child's process group (it leads its own session):
+        a worker that died can leave its engine process behind, still loading or holding
+        its GPU memory, and a restarted worker would then find the GPU taken."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
 
 def _get_json(url: str, timeout: float = 2.0) -> object:
     with urllib.request.urlopen(url, timeout=timeout) as response:
@@ -335,6 +344,7 @@ def stop_all(children: list[Child], timeout_s: float) -> None:
             os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
     for child in children:
+        child.kill_group()  # what a dead or stopped child left behind (its engine)
         if child.log is not None:
             child.log.close()
 
@@ -401,6 +411,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
                     continue
                 print(f"pdserve launch: {child.name} (pid {child.proc.pid}) died with {code}; "
                       f"log {child.log_path}", flush=True)
+                child.kill_group()
                 if args.restart:
                     delay, child.restarts = restart_delay(child.restarts, now - child.started_at)
                     child.restart_at = now + delay

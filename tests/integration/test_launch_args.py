@@ -239,3 +239,39 @@ def test_a_users_kv_transfer_config_reaches_every_p_and_d_worker(tmp_path: Path)
                 '{"kv_buffer_size": "lots"}', "{not json"):
         with pytest.raises(SystemExit):
             build_children(_parse("--kv-transfer-config", bad), [], tmp_path)
+
+
+def test_a_dead_childs_leftovers_are_killed(tmp_path: Path) -> None:
+    """A worker that dies can leave its engine process behind (its own process group),
+    holding the GPU a restarted worker needs: its group is now killed when its death is
+    seen and at shutdown."""
+    import os
+    import sys
+    import time
+
+    from deploy.launch import Child
+
+    script = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+              "'import time; time.sleep(60)']); print(p.pid, flush=True)")
+    child = Child("w", [sys.executable, "-c", script], dict(os.environ), tmp_path / "w.log")
+    child.start()
+    assert child.proc is not None
+    child.proc.wait(30)
+    assert child.log is not None
+    child.log.flush()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "w.log").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leftover = int((tmp_path / "w.log").read_text().split()[0])
+    os.kill(leftover, 0)  # alive after its parent died
+    child.kill_group()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(leftover, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the dead child's leftover process is still running")
+    child.log.close()

@@ -160,3 +160,37 @@ def test_the_stop_tokens_text_is_left_out_as_vllm_does(tokenizer, include):
                                     skip_special_tokens=False)
         assert streamed == state.output_text == expected
         assert delta.num_output_tokens == len(words) + 1
+
+
+def _holdback_brute_force(text: str, stops: list[str]) -> int:
+    for length in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
+        if any(len(stop) > length and stop.startswith(text[-length:]) for stop in stops):
+            return length
+    return 0
+
+
+def test_holdback_matches_the_definition_and_stays_cheap():
+    """The hold-back (the longest text suffix that is a proper prefix of a stop string) now
+    tries only places where a stop's first character occurs: the same answer as trying every
+    length, checked on random texts, at a fraction of the cost (it took ~1 ms a token at the
+    limits, 16 stop strings of 1024 characters, on the event loop)."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 4))]
+        detok = IncrementalDetokenizer(None, [], stop=stops)
+        detok.output_text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        assert detok._holdback() == _holdback_brute_force(detok.output_text, stops)
+
+    class Letters:
+        def decode(self, ids, **kwargs):
+            return "".join("ab"[i % 2] for i in ids)
+
+    detok = IncrementalDetokenizer(Letters(), [0], stop=["c" * (1024 - i) for i in range(16)])
+    started = time.perf_counter()
+    for i in range(1000):
+        detok.update([i])
+    assert time.perf_counter() - started < 0.3  # was ~1 s

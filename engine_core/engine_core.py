@@ -8,6 +8,7 @@ it through ``add_request`` / ``abort_requests`` / ``step``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +79,13 @@ class EngineCore:
         self.spec = read_model_spec(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
+        if (self.max_model_len > self.spec.trained_max_len
+                and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
+            # As vLLM: positions past the trained length give garbage, not an error.
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's "
+                f"{self.spec.trained_max_len} (max_position_embeddings and RoPE scaling); "
+                "set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
             # Unchunked, a prompt (or a preempted request's prompt and output) longer than one

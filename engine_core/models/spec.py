@@ -34,6 +34,19 @@ class ModelSpec:
     bos_token_id: int | None = None
     mlp_bias: bool = False     # Llama's optional bias on gate/up/down
 
+    @property
+    def trained_max_len(self) -> int:
+        """The longest context the checkpoint supports, as vLLM derives it: the position
+        embeddings, times a RoPE scaling factor (YaRN: of the original length); llama3 and
+        longrope already state the extended length."""
+        scaling = self.rope_scaling or {}
+        if "factor" not in scaling or scaling["rope_type"] in ("llama3", "longrope", "su"):
+            return self.max_position_embeddings
+        base = self.max_position_embeddings
+        if scaling["rope_type"] == "yarn":
+            base = int(scaling.get("original_max_position_embeddings", base))
+        return int(base * float(scaling["factor"]))
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         """Parse a config.json dict; raise ModelLoadError for an unsupported architecture."""

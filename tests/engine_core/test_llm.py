@@ -108,3 +108,28 @@ def test_abort_mid_prefill_or_decode_frees_every_block(tiny_checkpoint, steps_be
     assert not engine.has_work()
     engine.kv_manager.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
+
+
+def test_max_model_len_beyond_the_trained_length_is_refused(tiny_checkpoint, monkeypatch):
+    """As vLLM: a --max-model-len past max_position_embeddings (times a RoPE scaling factor)
+    is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; positions past the trained length give
+    garbage, not an error, so it used to be accepted without a word."""
+    import dataclasses
+
+    from engine_core.errors import ConfigError
+    from engine_core.worker.loader import read_model_spec
+
+    path = tiny_checkpoint("qwen3")
+    trained = read_model_spec(path).max_position_embeddings
+    with pytest.raises(ConfigError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        LLM(str(path), max_model_len=trained + 1)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert LLM(str(path), max_model_len=trained + 1).engine.max_model_len == trained + 1
+    spec = read_model_spec(path)
+    yarn = dataclasses.replace(spec, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 512})
+    assert yarn.trained_max_len == 2048
+    linear = dataclasses.replace(spec, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert linear.trained_max_len == 2 * spec.max_position_embeddings
+    llama3 = dataclasses.replace(spec, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    assert llama3.trained_max_len == spec.max_position_embeddings

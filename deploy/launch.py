@@ -29,14 +29,6 @@ logger = logging.getLogger("pdserve.launch")
 HOST = "127.0.0.1"
 
 
-def _non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0 (refused here, not by a proxy child dying at startup)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
@@ -71,7 +63,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-token-from-prefill", action="store_true",
                         help="the proxy streams P's sampled token at once and D continues "
                              "after it (see python -m proxy --help)")
-    parser.add_argument("--prefill-overflow", type=_non_negative_int, default=0, metavar="N",
+    from engine_core.arg_utils import non_negative_int
+
+    parser.add_argument("--prefill-overflow", type=non_negative_int, default=0, metavar="N",
                         help="the proxy sends a request to D alone (D prefills it) when every "
                              "P has N prefills in flight; 0 never (see python -m proxy --help)")
     from engine_core.arg_utils import add_engine_args
@@ -289,8 +283,8 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     cpu_env = {} if gpus else cpu_thread_env(base_env, total)
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
-    if transport == "auto" and len(set(gpus[:args.prefill + args.decode])) < len(
-            gpus[:args.prefill + args.decode]):
+    pd_gpus = gpus[:args.prefill + args.decode]
+    if transport == "auto" and len(set(pd_gpus)) < len(pd_gpus):
         # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
         transport = "cpu"
     workers = []

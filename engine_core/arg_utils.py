@@ -28,6 +28,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (refused here, not by a proxy child dying at startup)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (defaults from the config dataclasses) to ``parser``."""
     cache, sched = CacheConfig(), SchedulerConfig()

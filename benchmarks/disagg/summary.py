@@ -284,6 +284,8 @@ def prefill_overflow(results: Results, figures: dict[str, Any],
              "goodput_2k's prompts)", "",
              "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | D alone (of routes) | 1P1D goodput "
              "| 2x colocated goodput |", "|---|---|---|---|---|---|---|---|---|"]
+    base_max = {name: _sweep_figures(list(runs.values()))["max_goodput"]
+                for name, runs in base.items()}
     section: dict[str, Any] = {}
     for variant in variants:
         runs, _ = _scored(_sweep(results, "overflow_2k", variant), slos_ms)
@@ -300,12 +302,9 @@ def prefill_overflow(results: Results, figures: dict[str, Any],
                 f"{_f(pd.get('request_goodput') if pd else None, 2)} | "
                 f"{_f(colo.get('request_goodput') if colo else None, 2)} |")
         mine = _sweep_figures(runs)
-        colo_max = _sweep_figures(list(base["colo2"].values()))["max_goodput"]
-        pd_max = _sweep_figures(list(base["pd"].values()))["max_goodput"]
-        mine["ratio_to_colo2"] = (mine["max_goodput"] / colo_max
-                                  if mine["max_goodput"] is not None and colo_max else None)
-        mine["ratio_to_pd"] = (mine["max_goodput"] / pd_max
-                               if mine["max_goodput"] is not None and pd_max else None)
+        for name, best in base_max.items():
+            mine[f"ratio_to_{name}"] = (mine["max_goodput"] / best
+                                        if mine["max_goodput"] is not None and best else None)
         section[variant] = mine
         lines += ["", f"{variant}: max goodput {_f(mine['max_goodput'], 2)} req/s, "
                   f"{_f(mine['ratio_to_pd'], 2)}x 1P1D's and {_f(mine['ratio_to_colo2'], 2)}x "

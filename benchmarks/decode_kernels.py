@@ -218,6 +218,25 @@ class LayerVariant:
     # its wait, rows a program, warps); None: gemv
     carveout: bool = False  # every kernel prefers the most shared memory (L1 carveout), so
     # a staged GEMV's programs fit on SMs that attention's occupy
+    mlp_split_k: tuple[int, int, int, int, int] | None = None  # the MLP as one split_k_mlp
+    # launch with this SplitKMlpTiling (its float32 sums cleared by norm2, rounded by the
+    # next norm1); None: gate/up + down GEMVs
+    down_transposed: bool = False  # split_k_mlp reads down stored [I, H]
+    merge_o: tuple[int, int, bool] | None = None  # attention's split merge folded into o
+    # (merge_o_proj with this MergeOTiling; float32 sums cleared by norm1, rounded by norm2)
+    o_transposed: bool = False  # merge_o_proj reads W_o stored [in, out]
+
+
+# SplitKMlpTiling candidates (intermediate columns a program, gate/up K chunk, down output
+# chunk, warps, stages) for the layer variants "engine now, MLP split-K ...".
+SPLIT_K_MLP_CONFIGS = ((32, 128, 256, 4, 4), (16, 256, 256, 2, 4), (32, 256, 256, 4, 4),
+                       (32, 128, 512, 4, 3), (64, 128, 128, 8, 4), (32, 128, 128, 4, 4),
+                       (16, 128, 256, 2, 4), (32, 128, 256, 4, 3))
+
+# MergeOTiling candidates (outputs a program, warps, W loaded before the PDL wait) for the
+# layer variants "engine now, merge in o ...".
+MERGE_O_CONFIGS = ((128, 4, False), (128, 8, False), (128, 8, True), (64, 4, False),
+                   (64, 4, True), (256, 8, False), (64, 2, True))
 
 
 LAYER_VARIANTS = {
@@ -264,6 +283,14 @@ LAYER_VARIANTS = {
     **{f"engine now{cv}{', attention 4 warps' if w == 4 else ''}": LayerVariant(
         rope="attention", silu="fused", attn_launch=None if w == 8 else (64, 4, 3),
         carveout=bool(cv)) for w in (4, 8) for cv in ("", ", max shared")},
+    **{f"engine now, MLP split-K {t}{', down stored [I, H]' if dt else ''}": LayerVariant(
+        rope="attention", silu="fused", mlp_split_k=t, down_transposed=dt)
+       for t in SPLIT_K_MLP_CONFIGS for dt in (False, True)},
+    **{f"engine now, merge in o {t}{', W_o stored [in, out]' if ot else ''}{m}": LayerVariant(
+        rope="attention", silu="fused", merge_o=t, o_transposed=ot,
+        mlp_split_k=SPLIT_K_MLP_CONFIGS[0] if m else None, down_transposed=bool(m))
+       for t in MERGE_O_CONFIGS for ot in (False, True)
+       for m in ("", ", MLP split-K, down stored [I, H]")},
 }
 
 
@@ -317,10 +344,12 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     from benchmarks.staged_gemv import staged_gemv
     from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
     from engine_core.kernels.kv_write import write_kv
+    from engine_core.kernels.merge_o_proj import MergeOTiling, merge_o_proj
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
     from engine_core.kernels.rotary import apply_rope
     from engine_core.kernels.silu_mul import silu_and_mul
+    from engine_core.kernels.split_k_mlp import SplitKMlpTiling, split_k_mlp
 
     hidden, inter, hq, hkv, d, context, block_size = 4096, 12288, 32, 8, 128, 1024, 16
     width = 10240 // block_size
@@ -345,6 +374,14 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     cos = torch.rand(1, 1, d, **bf16)
     sin = torch.rand(1, 1, d, **bf16)
     q_fixed = torch.randn(1, hq, d, **bf16)
+    mlp_acc = torch.empty(1, hidden, dtype=torch.float32, device="cuda")
+    o_acc = torch.empty(1, hidden, dtype=torch.float32, device="cuda")
+    if any(LAYER_VARIANTS[name].down_transposed for name in names):
+        for layer in layers:
+            layer["down_t"] = layer["down"].t().contiguous()
+    if any(LAYER_VARIANTS[name].o_transposed for name in names):
+        for layer in layers:
+            layer["o_t"] = layer["o"].t().contiguous()
     out = []
     for name in names:
         v = LAYER_VARIANTS[name]
@@ -363,7 +400,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             h, r = x, residual
             attn_out = torch.empty_like(q_fixed)
             for layer in layers:
-                normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
+                clear = o_acc if v.merge_o is not None else None
+                normed, r = (rms_norm(h, layer["norm1"], 1e-6, r, clear=clear) if v.norms
+                             else (h, r))
                 pf = v.gemv_prefetch
                 qkv_tiling = GemvTiling(*v.qkv_tiling) if v.qkv_tiling else tiling
                 qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], qkv_tiling),
@@ -383,12 +422,20 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                                             layer["k_norm"], 1e-6)
                 if v.attention:
                     attn_out = torch.empty(q.shape, **bf16)
-                    paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
-                                           tables, seq_lens, qsl, 0.088, num_splits=v.splits,
-                                           rope=rope, early_kv=v.early_kv,
-                                           **attn_launch)
+                    parts = paged_decode_attention(
+                        q, layer["cache"][0], layer["cache"][1], attn_out, tables, seq_lens,
+                        qsl, 0.088, num_splits=v.splits, rope=rope, early_kv=v.early_kv,
+                        merge=v.merge_o is None, **attn_launch)
+                if v.merge_o is not None:
+                    assert parts is not None
+                    h = merge_o_proj(attn_out, parts.out, parts.lse, seq_lens,
+                                     layer["o_t"] if v.o_transposed else layer["o"], o_acc,
+                                     parts.block_n, MergeOTiling(*v.merge_o),
+                                     w_transposed=v.o_transposed)
                 o_tiling = GemvTiling(*v.o_tiling) if v.o_tiling else tiling
-                if v.o_staged is not None:
+                if v.merge_o is not None:
+                    pass
+                elif v.o_staged is not None:
                     chunks, rows, warps = v.o_staged
                     h = staged_gemv(attn_out.view(1, hq * d), layer["o"], staged_chunks=chunks,
                                     block_n=rows, num_warps=warps)
@@ -396,6 +443,13 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     h = gemv(attn_out.view(1, hq * d), layer["o"],
                              tiling=staged(layer["o"], o_tiling),
                              early_dependents=not late_all, prefetch_chunks=pf)
+                if v.mlp_split_k is not None:
+                    normed, r = rms_norm(h, layer["norm2"], 1e-6, r, clear=mlp_acc)
+                    down = layer["down_t"] if v.down_transposed else layer["down"]
+                    h = split_k_mlp(normed, layer["gate_up"], down, mlp_acc,
+                                    SplitKMlpTiling(*v.mlp_split_k),
+                                    down_transposed=v.down_transposed)
+                    continue
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
                     act = gemv(normed, layer["gate_up"], silu_mul=True,

@@ -103,6 +103,28 @@ def gemv_cases() -> list[dict[str, Any]]:
     return out
 
 
+def split_k_mlp_cases() -> list[dict[str, Any]]:
+    """The one-launch MLP (gate/up, SiLU, down by float32 atomics) at its candidate tilings."""
+    from benchmarks.decode_kernels import SPLIT_K_MLP_CONFIGS
+    from engine_core.kernels import split_k_mlp
+
+    fn = split_k_mlp._split_k_mlp_kernel
+    types = {n: ("*fp32" if n == "acc_ptr" else "*bf16") if n.endswith("_ptr") else "i32"
+             for n in fn.arg_names}
+    out = []
+    for config in SPLIT_K_MLP_CONFIGS:
+        t = split_k_mlp.SplitKMlpTiling(*config)
+        for transposed in (False, True):
+            constants = dict(DOWN_TRANSPOSED=transposed, BLOCK_M=gemv_module.BLOCK_M,
+                             BLOCK_I=t.block_i, BLOCK_K=t.block_k, BLOCK_H=t.block_h,
+                             PREFETCH_LINES=t.block_k * 2 // 128, LINE=64, USE_PDL=True)
+            used = compile_sm90(fn, types, constants, num_warps=t.num_warps,
+                                num_stages=t.num_stages, enable_fp_fusion=False)
+            out.append({"kernel": f"split-K MLP{' down [I, H]' if transposed else ''}",
+                        "tiling": list(t), **used})
+    return out
+
+
 def step_tail_cases() -> list[dict[str, Any]]:
     """The step's small kernels outside the layers: RoPE cos/sin and greedy argmax."""
     from engine_core.kernels import argmax, rotary
@@ -128,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default=None,
+                        help="comma-separated parts: decode, gemv, split_k_mlp, tail")
     args = parser.parse_args(argv)
-    rows = decode_cases() + gemv_cases() + step_tail_cases()
+    parts = {"decode": decode_cases, "gemv": gemv_cases, "split_k_mlp": split_k_mlp_cases,
+             "tail": step_tail_cases}
+    chosen = args.only.split(",") if args.only else list(parts)
+    rows = [row for name in chosen for row in parts[name]()]
     for row in rows:
         shape = ", ".join(f"{k} {v}" for k, v in row.items()
                           if k not in ("kernel", "reg", "stack", "shared", "local",

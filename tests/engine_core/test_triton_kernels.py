@@ -926,6 +926,141 @@ def test_gemv_silu_mul_equals_projection_then_silu_mul(device: str, case: GemvCa
     assert_close(fused, torch.nn.functional.silu(gate) * up, case.dtype)
 
 
+@dataclass(frozen=True)
+class MlpCase:
+    """A SwiGLU MLP at decode: ``rows`` tokens, hidden ``h``, intermediate ``inter``."""
+
+    dtype: torch.dtype
+    rows: int
+    h: int
+    inter: int
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}-m{self.rows}-h{self.h}-i{self.inter}"
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params([MlpCase(dt, m, h, i) for dt in (BF16, FP16) for m in (1, 5, 16)
+                                 for h, i in ((4096, 12288), (1024, 3072), (1000, 2999))],
+                                [MlpCase(BF16, 1, 64, 96), MlpCase(FP16, 3, 40, 70)]))
+def test_split_k_mlp_equals_gate_up_then_down(device: str, case: MlpCase) -> None:
+    """The one-launch MLP adds to its float32 accumulator what gate/up (SiLU fused) then the
+    down GEMV compute, for either layout of the down weight and every tiling: its rounded
+    result is the two GEMVs' up to the order of the float32 sums, and it adds to what the
+    accumulator held."""
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.split_k_mlp import DEFAULT_TILING, SplitKMlpTiling, split_k_mlp
+
+    gen = torch.Generator().manual_seed(case.rows + case.h + case.inter)
+    x = torch.randn(case.rows, case.h, generator=gen).to(device, case.dtype)
+    gate_up = (torch.randn(2 * case.inter, case.h, generator=gen) / case.h ** 0.5).to(
+        device, case.dtype)
+    down = (torch.randn(case.h, case.inter, generator=gen) / case.inter ** 0.5).to(
+        device, case.dtype)
+    act = gemv(x, gate_up, silu_mul=True)
+    two_gemvs = gemv(act, down)
+    expected = act.float() @ down.float().T
+    start = torch.randn(case.rows, case.h, generator=gen).to(device)
+    small = device == "cpu"
+    tilings = ([DEFAULT_TILING, SplitKMlpTiling(16, 32, 16, 1, 1)] if small else
+               [DEFAULT_TILING, SplitKMlpTiling(16, 256, 256, 2, 4),
+                SplitKMlpTiling(64, 128, 128, 8, 4)])
+    for tiling in tilings:
+        for transposed in (False, True):
+            weight = down.t().contiguous() if transposed else down
+            acc = torch.zeros(case.rows, case.h, dtype=torch.float32, device=device)
+            got = split_k_mlp(x, gate_up, weight, acc, tiling, down_transposed=transposed)
+            assert got is acc
+            assert_close(got, expected, case.dtype)
+            # Only the float32 sums' order differs: a unit in the last place, plus what
+            # reordering float32 sums of these magnitudes can move.
+            bound = (torch.finfo(case.dtype).eps * two_gemvs.float().abs()
+                     + 1e-5 * (act.float().abs() @ down.float().abs().T))
+            diff = (got.to(case.dtype).float() - two_gemvs.float()).abs()
+            assert (diff <= bound).all(), (tiling, transposed, diff.max())
+            acc = start.clone()
+            split_k_mlp(x, gate_up, weight, acc, tiling, down_transposed=transposed)
+            torch.testing.assert_close(acc, start + got, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params([MlpCase(dt, m, 4096, 0) for dt in (BF16, FP16) for m in (1, 7)],
+                                [MlpCase(BF16, 2, 100, 0)]))
+def test_rms_norm_rounds_a_float32_accumulator_and_clears(device: str, case: MlpCase) -> None:
+    """A float32 split-K accumulator as the norm's input gives, bit for bit, what its value
+    rounded to the residual's dtype gives; ``clear`` zeroes the buffer it is given, which
+    may not be the input (the zero stores could overtake the loads)."""
+    from engine_core.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator().manual_seed(case.rows)
+    acc = (torch.randn(case.rows, case.h, generator=gen) * 3).to(device)
+    residual = torch.randn(case.rows, case.h, generator=gen).to(device, case.dtype)
+    weight = (torch.rand(case.h, generator=gen) + 0.5).to(device, case.dtype)
+    out_ref, res_ref = rms_norm(acc.to(case.dtype), weight, 1e-6, residual)
+    other = torch.ones(case.rows, case.h, device=device)
+    out, res = rms_norm(acc, weight, 1e-6, residual, clear=other)
+    assert out.dtype == case.dtype and res.dtype == case.dtype
+    assert torch.equal(out, out_ref) and torch.equal(res, res_ref)
+    assert not other.any()
+    with pytest.raises(AssertionError, match="alias"):
+        rms_norm(acc, weight, 1e-6, residual, clear=acc)
+
+
+MERGE_O_CASES_CUDA = [AttnCase(dt, 8, 4, 128, (c,), (1,), num_splits=s)
+                      for dt in (BF16, FP16) for c, s in ((1023, 33), (5, 33), (16000, 33),
+                                                          (700, 2))]
+MERGE_O_CASES_INTERPRET = [AttnCase(BF16, 2, 2, 16, (150,), (1,), num_splits=5, block_size=8),
+                           AttnCase(FP16, 1, 4, 32, (3,), (1,), num_splits=3, block_size=4),
+                           AttnCase(BF16, 1, 2, 16, (1199,), (1,), num_splits=40,
+                                    block_size=16)]
+
+
+@pytest.mark.parametrize(("device", "case"),
+                         params(MERGE_O_CASES_CUDA, MERGE_O_CASES_INTERPRET))
+def test_merge_o_proj_equals_merge_then_o_gemv(device: str, case: AttnCase) -> None:
+    """Batch-1 decode with the split merge folded into the o projection: what it adds to
+    the float32 accumulator, rounded, is the merge kernel's output through the o GEMV up to
+    the order of the float32 sums, for both layouts of W_o and several tilings, whether one
+    split or several held the context."""
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.merge_o_proj import MergeOTiling, merge_o_proj
+    from engine_core.kernels.paged_decode import paged_decode_attention
+
+    batch = make_batch(case, device)
+    kv_cache = cache_with_new_tokens(batch)
+    meta = batch.metadata
+    num_q_heads, head_dim = batch.q.shape[1], batch.q.shape[2]
+    merged = torch.empty_like(batch.q)
+    paged_decode_attention(batch.q, kv_cache[0], kv_cache[1], merged, meta.block_tables,
+                           meta.seq_lens, meta.query_start_loc, batch.scale, case.num_splits)
+    hidden = 3 * num_q_heads * head_dim + 5  # an output count no tile divides
+    gen = torch.Generator().manual_seed(case.cached[0])
+    weight = (torch.randn(hidden, num_q_heads * head_dim, generator=gen)
+              / (num_q_heads * head_dim) ** 0.5).to(device, case.dtype)
+    reference = gemv(merged.view(1, -1), weight)
+    expected = merged.view(1, -1).float() @ weight.float().T
+    bound = (torch.finfo(case.dtype).eps * reference.float().abs()
+             + 1e-5 * (merged.view(1, -1).float().abs() @ weight.float().abs().T))
+    tilings = ([MergeOTiling(16, 1, False), MergeOTiling(32, 2, True)] if device == "cpu"
+               else [MergeOTiling(128, 4, False), MergeOTiling(64, 4, True),
+                     MergeOTiling(256, 8, False)])
+    for tiling in tilings:
+        for transposed in (False, True):
+            out = torch.full_like(batch.q, float("nan"))
+            parts = paged_decode_attention(batch.q, kv_cache[0], kv_cache[1], out,
+                                           meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, batch.scale,
+                                           case.num_splits, merge=False)
+            assert parts is not None and parts.lse.shape == (1, num_q_heads, case.num_splits)
+            acc = torch.zeros(1, hidden, dtype=torch.float32, device=device)
+            w = weight.t().contiguous() if transposed else weight
+            merge_o_proj(out, parts.out, parts.lse, meta.seq_lens, w, acc, parts.block_n,
+                         tiling, w_transposed=transposed)
+            assert_close(acc, expected, case.dtype)
+            diff = (acc.to(case.dtype).float() - reference.float()).abs()
+            assert (diff <= bound).all(), (tiling, transposed, diff.max())
+
+
 # ---- CUDA only: capture and replay ----------------------------------------------------------
 
 

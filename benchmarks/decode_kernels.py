@@ -135,6 +135,52 @@ def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
+# SplitKGemvTiling candidates (columns a program, K rows a program, K chunk, warps, stages)
+# for --parts gemv_t.
+GEMV_T_CONFIGS = ((128, 1024, 64, 4, 4), (64, 2048, 64, 4, 4), (256, 512, 64, 8, 4),
+                  (128, 2048, 64, 4, 4), (128, 512, 64, 4, 4), (128, 1024, 32, 4, 4),
+                  (64, 1024, 128, 4, 4), (256, 1024, 32, 8, 4))
+
+
+def gemv_t_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
+    """Qwen3-8B's down projection at ``rows_list`` rows: the Triton GEMV over ``[H, I]``
+    (the plain layout) and cuBLAS over both layouts against ``split_k_gemv_t`` over the
+    transposed ``[I, H]`` at each ``GEMV_T_CONFIGS`` tiling, its float32 accumulator
+    cleared by a memset in the timed loop (the engine clears it in the norm); distinct
+    weight copies. us per call."""
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.split_k_mlp import SplitKGemvTiling, split_k_gemv_t
+
+    hidden, inter = 4096, 12288
+    nbytes = hidden * inter * 2
+    plain = rotating(lambda: torch.randn(hidden, inter, dtype=torch.bfloat16, device="cuda")
+                     / inter ** 0.5, nbytes, reps)
+    stored_t = rotating(lambda: torch.randn(inter, hidden, dtype=torch.bfloat16,
+                                            device="cuda") / inter ** 0.5, nbytes, reps)
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, inter, dtype=torch.bfloat16, device="cuda")
+        acc = torch.zeros(rows, hidden, dtype=torch.float32, device="cuda")
+        case: dict[str, Any] = {"rows": rows, "weight_bytes": nbytes}
+        case["gemv_us"] = graph_us(lambda x=x: gemv(x, plain()), reps)
+        case["cublas_us"] = graph_us(lambda x=x: F.linear(x, plain()), reps)
+        case["cublas_transposed_us"] = graph_us(lambda x=x: F.linear(x, stored_t().t()), reps)
+        case["memset_us"] = graph_us(lambda a=acc: a.zero_(), reps)
+        sweep = {}
+        for config in GEMV_T_CONFIGS:
+            t = SplitKGemvTiling(*config)
+            sweep[str(config)] = graph_us(
+                lambda x=x, a=acc, t=t: split_k_gemv_t(x, stored_t(), a.zero_(), t), reps)
+        case["split_k_t_us"] = sweep
+        out.append(case)
+        best = min(sweep, key=sweep.get)
+        print(f"down m{rows:<2} gemv {case['gemv_us']:6.2f} cublas {case['cublas_us']:6.2f} "
+              f"cublas [I, H] {case['cublas_transposed_us']:6.2f} memset "
+              f"{case['memset_us']:5.2f} split-K [I, H] best {sweep[best]:6.2f} {best}; "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sweep.items()), flush=True)
+    return out
+
+
 def staged_cases(reps: int) -> list[dict[str, Any]]:
     """The staged GEMV (weights into shared memory before the PDL wait) at one row over
     distinct weight copies, each call PDL-chained to the last, against ``gemv``: Qwen3-8B's
@@ -222,22 +268,17 @@ class LayerVariant:
     # launch with this SplitKMlpTiling (its float32 sums cleared by norm2, rounded by the
     # next norm1); None: gate/up + down GEMVs
     down_transposed: bool = False  # split_k_mlp reads down stored [I, H]
-    merge_o: tuple[int, int, bool] | None = None  # attention's split merge folded into o
-    # (merge_o_proj with this MergeOTiling; float32 sums cleared by norm1, rounded by norm2)
-    o_transposed: bool = False  # merge_o_proj reads W_o stored [in, out]
+    mlp_early: bool = False  # split_k_mlp lets the next norm in once its programs start
+    mlp_prefetch: int = 1  # K chunks of gate/up split_k_mlp requests into L2 before its wait
 
 
 # SplitKMlpTiling candidates (intermediate columns a program, gate/up K chunk, down output
 # chunk, warps, stages) for the layer variants "engine now, MLP split-K ...".
 SPLIT_K_MLP_CONFIGS = ((32, 128, 256, 4, 4), (16, 256, 256, 2, 4), (32, 256, 256, 4, 4),
                        (32, 128, 512, 4, 3), (64, 128, 128, 8, 4), (32, 128, 128, 4, 4),
-                       (16, 128, 256, 2, 4), (32, 128, 256, 4, 3))
-
-# MergeOTiling candidates (outputs a program, warps, W loaded before the PDL wait) for the
-# layer variants "engine now, merge in o ...".
-MERGE_O_CONFIGS = ((128, 4, False), (128, 8, False), (128, 8, True), (64, 4, False),
-                   (64, 4, True), (256, 8, False), (64, 2, True))
-
+                       (16, 128, 256, 2, 4), (32, 128, 256, 4, 3), (32, 256, 128, 4, 4),
+                       (32, 256, 256, 8, 4), (32, 128, 256, 8, 4), (32, 256, 256, 4, 3),
+                       (32, 512, 256, 8, 3), (32, 256, 512, 8, 3), (64, 256, 256, 8, 3))
 
 LAYER_VARIANTS = {
     "shape tilings, Triton gate/up": LayerVariant(),
@@ -286,11 +327,12 @@ LAYER_VARIANTS = {
     **{f"engine now, MLP split-K {t}{', down stored [I, H]' if dt else ''}": LayerVariant(
         rope="attention", silu="fused", mlp_split_k=t, down_transposed=dt)
        for t in SPLIT_K_MLP_CONFIGS for dt in (False, True)},
-    **{f"engine now, merge in o {t}{', W_o stored [in, out]' if ot else ''}{m}": LayerVariant(
-        rope="attention", silu="fused", merge_o=t, o_transposed=ot,
-        mlp_split_k=SPLIT_K_MLP_CONFIGS[0] if m else None, down_transposed=bool(m))
-       for t in MERGE_O_CONFIGS for ot in (False, True)
-       for m in ("", ", MLP split-K, down stored [I, H]")},
+    **{f"engine now, MLP split-K {t}, down stored [I, H], early trigger": LayerVariant(
+        rope="attention", silu="fused", mlp_split_k=t, down_transposed=True, mlp_early=True)
+       for t in SPLIT_K_MLP_CONFIGS[:3]},
+    **{f"engine now, MLP split-K {t}, down stored [I, H], prefetch {c}": LayerVariant(
+        rope="attention", silu="fused", mlp_split_k=t, down_transposed=True, mlp_prefetch=c)
+       for t in SPLIT_K_MLP_CONFIGS[:3:2] for c in (0, 2)},
 }
 
 
@@ -344,7 +386,6 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     from benchmarks.staged_gemv import staged_gemv
     from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
     from engine_core.kernels.kv_write import write_kv
-    from engine_core.kernels.merge_o_proj import MergeOTiling, merge_o_proj
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm
     from engine_core.kernels.rotary import apply_rope
@@ -375,13 +416,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     sin = torch.rand(1, 1, d, **bf16)
     q_fixed = torch.randn(1, hq, d, **bf16)
     mlp_acc = torch.empty(1, hidden, dtype=torch.float32, device="cuda")
-    o_acc = torch.empty(1, hidden, dtype=torch.float32, device="cuda")
     if any(LAYER_VARIANTS[name].down_transposed for name in names):
         for layer in layers:
             layer["down_t"] = layer["down"].t().contiguous()
-    if any(LAYER_VARIANTS[name].o_transposed for name in names):
-        for layer in layers:
-            layer["o_t"] = layer["o"].t().contiguous()
     out = []
     for name in names:
         v = LAYER_VARIANTS[name]
@@ -400,9 +437,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             h, r = x, residual
             attn_out = torch.empty_like(q_fixed)
             for layer in layers:
-                clear = o_acc if v.merge_o is not None else None
-                normed, r = (rms_norm(h, layer["norm1"], 1e-6, r, clear=clear) if v.norms
-                             else (h, r))
+                normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
                 pf = v.gemv_prefetch
                 qkv_tiling = GemvTiling(*v.qkv_tiling) if v.qkv_tiling else tiling
                 qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], qkv_tiling),
@@ -422,20 +457,12 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                                             layer["k_norm"], 1e-6)
                 if v.attention:
                     attn_out = torch.empty(q.shape, **bf16)
-                    parts = paged_decode_attention(
-                        q, layer["cache"][0], layer["cache"][1], attn_out, tables, seq_lens,
-                        qsl, 0.088, num_splits=v.splits, rope=rope, early_kv=v.early_kv,
-                        merge=v.merge_o is None, **attn_launch)
-                if v.merge_o is not None:
-                    assert parts is not None
-                    h = merge_o_proj(attn_out, parts.out, parts.lse, seq_lens,
-                                     layer["o_t"] if v.o_transposed else layer["o"], o_acc,
-                                     parts.block_n, MergeOTiling(*v.merge_o),
-                                     w_transposed=v.o_transposed)
+                    paged_decode_attention(q, layer["cache"][0], layer["cache"][1], attn_out,
+                                           tables, seq_lens, qsl, 0.088, num_splits=v.splits,
+                                           rope=rope, early_kv=v.early_kv,
+                                           **attn_launch)
                 o_tiling = GemvTiling(*v.o_tiling) if v.o_tiling else tiling
-                if v.merge_o is not None:
-                    pass
-                elif v.o_staged is not None:
+                if v.o_staged is not None:
                     chunks, rows, warps = v.o_staged
                     h = staged_gemv(attn_out.view(1, hq * d), layer["o"], staged_chunks=chunks,
                                     block_n=rows, num_warps=warps)
@@ -448,7 +475,9 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     down = layer["down_t"] if v.down_transposed else layer["down"]
                     h = split_k_mlp(normed, layer["gate_up"], down, mlp_acc,
                                     SplitKMlpTiling(*v.mlp_split_k),
-                                    down_transposed=v.down_transposed)
+                                    down_transposed=v.down_transposed,
+                                    prefetch_chunks=v.mlp_prefetch,
+                                    early_dependents=v.mlp_early)
                     continue
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
@@ -573,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         results["gemv"] = gemv_cases(rows, args.reps)
     if "staged" in parts:
         results["staged"] = staged_cases(args.reps)
+    if "gemv_t" in parts:
+        results["gemv_t"] = gemv_t_cases(rows, args.reps)
     if "gemv_l2" in parts:
         results["gemv_l2"] = gemv_l2_cases(args.reps)
     if "layer" in parts:

@@ -117,7 +117,8 @@ def split_k_mlp_cases() -> list[dict[str, Any]]:
         for transposed in (False, True):
             constants = dict(DOWN_TRANSPOSED=transposed, BLOCK_M=gemv_module.BLOCK_M,
                              BLOCK_I=t.block_i, BLOCK_K=t.block_k, BLOCK_H=t.block_h,
-                             PREFETCH_LINES=t.block_k * 2 // 128, LINE=64, USE_PDL=True)
+                             PREFETCH_LINES=t.block_k * 2 // 128, LINE=64,
+                             EARLY_DEPENDENTS=False, USE_PDL=True)
             used = compile_sm90(fn, types, constants, num_warps=t.num_warps,
                                 num_stages=t.num_stages, enable_fp_fusion=False)
             out.append({"kernel": f"split-K MLP{' down [I, H]' if transposed else ''}",

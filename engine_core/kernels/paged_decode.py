@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -409,16 +408,6 @@ def early_kv_launch(rope: bool, num_seqs: int, num_splits: int, cache_element_si
     return early, 8 if early and num_seqs == 1 and cache_element_size >= 2 else 4
 
 
-class SplitPartials(NamedTuple):
-    """A split launch's unmerged partial outputs ``[S, Hq, splits, BLOCK_D]`` and
-    log-sum-exps ``[S, Hq, splits]`` (float32), and its ``BLOCK_N`` (which sets how a row's
-    positions were cut into splits)."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    block_n: int
-
-
 @dataclass(frozen=True)
 class NewTokenRope:
     """This step's new tokens for ``paged_decode_attention`` to finish in its prologue:
@@ -450,8 +439,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
                            work: DecodeWork | None = None,
-                           early_kv: bool | None = None,
-                           merge: bool = True) -> SplitPartials | None:
+                           early_kv: bool | None = None) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -464,10 +452,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``attention/decode_work.py``) gives each decode row its own split count instead: one
     program per listed item and KV head; ``num_splits`` is then unused. ``early_kv`` and
     ``num_warps`` (benchmarks) override ``early_kv_launch``'s choice.
-
-    ``merge=False`` (sequence grid only): a launch of several splits leaves its partials
-    unmerged and returns them, for ``merge_o_proj`` to merge inside the o projection (rows
-    whose one used split wrote ``out`` keep that); otherwise returns None.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -538,9 +522,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
         HAS_NORM=has_norm, WORK_LIST=work is not None,
         EARLY_KV=early, num_warps=num_warps, **extra, **pdl)
-    if not merge and num_splits > 1:
-        assert work is None
-        return SplitPartials(part_out, part_lse, block_n)
     if num_splits > 1 or work is not None:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc,

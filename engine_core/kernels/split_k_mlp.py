@@ -36,7 +36,8 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, strid
                         stride_wd, stride_am, DOWN_TRANSPOSED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_H: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE: tl.constexpr, USE_PDL: tl.constexpr):
+                        LINE: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     # Gate/up: lane 2j reads gate row c_j, lane 2j + 1 up row c_j (as gemv's SILU_MUL).
     lanes = tl.arange(0, 2 * BLOCK_I)
@@ -45,9 +46,7 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, strid
     gu_rows = wgu_ptr + (cols + (lanes % 2) * N_INTER).to(tl.int64)[:, None] * stride_wgu
     if USE_PDL and PREFETCH_LINES > 0:
         _prefetch_first_lines(gu_rows, col_ok, K, PREFETCH_LINES, LINE)
-    # The successor (the next norm) comes in after the main loops: scheduled early, its
-    # programs would only park on SMs this kernel still streams on.
-    wait_for_predecessor(USE_PDL, False)
+    wait_for_predecessor(USE_PDL, EARLY_DEPENDENTS)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
@@ -76,7 +75,8 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, strid
         part = tl.dot(act, wd)
         tl.atomic_add(acc_rows + hs[None, :], part, mask=row_ok[:, None] & h_ok[None, :],
                       sem="relaxed")
-    launch_dependents(USE_PDL)
+    if not EARLY_DEPENDENTS:
+        launch_dependents(USE_PDL)
 
 
 class SplitKMlpTiling(NamedTuple):
@@ -89,12 +89,17 @@ class SplitKMlpTiling(NamedTuple):
     num_stages: int
 
 
-DEFAULT_TILING = SplitKMlpTiling(32, 128, 256, 4, 4)
+DEFAULT_TILING = SplitKMlpTiling(32, 256, 256, 4, 4)
+# Rows up to which the model takes this launch; more take gate/up's GEMV and
+# ``split_k_gemv_t`` (its float32 atomics, one set a 32-column intermediate slice, grow with
+# the rows: Qwen3-8B on an H100, b6-b8 steps 6% slower than the two GEMVs; docs/PERFORMANCE.md).
+SPLIT_K_MAX_ROWS = 2
 
 
 def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 acc: torch.Tensor, tiling: SplitKMlpTiling | None = None,
-                down_transposed: bool = False, prefetch_chunks: int = 1) -> torch.Tensor:
+                down_transposed: bool = False, prefetch_chunks: int = 1,
+                early_dependents: bool = False) -> torch.Tensor:
     """Add ``down(silu(gate(x)) * up(x))`` to the float32 ``acc`` ``[M, H]`` (zero on entry
     for the MLP alone) and return it; ``x`` ``[M, K]`` with ``M <= 16``, ``gate_up``
     ``[2 * I, K]`` (gate rows first), ``down`` ``[H, I]`` or, with ``down_transposed``,
@@ -115,6 +120,71 @@ def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         down.stride(0), acc.stride(0), DOWN_TRANSPOSED=down_transposed, BLOCK_M=BLOCK_M,
         BLOCK_I=t.block_i, BLOCK_K=t.block_k, BLOCK_H=t.block_h,
         PREFETCH_LINES=prefetch_chunks * t.block_k * gate_up.element_size() // 128,
-        LINE=128 // gate_up.element_size(), num_warps=t.num_warps, num_stages=t.num_stages,
-        enable_fp_fusion=False, **pdl_args(x.device))
+        LINE=128 // gate_up.element_size(), EARLY_DEPENDENTS=early_dependents,
+        num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=False,
+        **pdl_args(x.device))
+    return acc
+
+
+@triton.jit
+def _split_k_gemv_t_kernel(x_ptr, wt_ptr, acc_ptr, M, N, K, stride_xm, stride_wt, stride_am,
+                           K_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    k_lo = tl.program_id(1) * K_PER_PROGRAM
+    wait_for_predecessor(USE_PDL)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + K_PER_PROGRAM, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(wt_ptr + ks.to(tl.int64)[:, None] * stride_wt + cols[None, :],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, w)
+    tl.atomic_add(acc_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :], acc,
+                  mask=row_ok[:, None] & col_ok[None, :], sem="relaxed")
+
+
+class SplitKGemvTiling(NamedTuple):
+    """Output columns a program, K rows a program, K chunk, warps, stages."""
+
+    block_n: int
+    k_per_program: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+GEMV_T_TILING = SplitKGemvTiling(128, 1024, 32, 4, 4)
+
+
+def split_k_gemv_t(x: torch.Tensor, weight_t: torch.Tensor, acc: torch.Tensor,
+                   tiling: SplitKGemvTiling | None = None) -> torch.Tensor:
+    """Add ``x @ weight_t`` to the float32 ``acc`` ``[M, N]`` and return it: ``x`` ``[M, K]``
+    with ``M <= 16``, ``weight_t`` a contiguous ``[K, N]`` (a projection's weight stored
+    transposed). Programs own ``block_n`` columns and ``k_per_program`` rows of it, so
+    each streams whole runs of rows and the K slices meet in float32 atomics.
+
+    Why: the MLP of three to eight rows, with the down weight in the split-K layout
+    (``split_k_mlp`` pays float32 atomics per intermediate slice, which grow with the
+    rows), runs gate/up's GEMV and then this (docs/PERFORMANCE.md)."""
+    m, k = x.shape
+    n = weight_t.shape[1]
+    assert m <= BLOCK_M and weight_t.shape[0] == k and weight_t.is_contiguous()
+    assert x.stride(1) == 1 and acc.dtype == torch.float32 and acc.shape == (m, n)
+    assert acc.stride(1) == 1
+    if m == 0:
+        return acc
+    t = tiling or GEMV_T_TILING
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(k, t.k_per_program))
+    _split_k_gemv_t_kernel[grid](
+        x, weight_t, acc, m, n, k, x.stride(0), weight_t.stride(0), acc.stride(0),
+        K_PER_PROGRAM=t.k_per_program, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        **pdl_args(x.device))
     return acc

@@ -30,6 +30,11 @@ def takes_gemv(x: torch.Tensor, max_rows: int) -> bool:
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; ``weight`` is ``[out_features, in_features]`` as in HF.
 
+    ``transposed``: ``weight`` is that shape's view of ``[in_features, out_features]``
+    storage (each input's column of W contiguous), for kernels that stream W by input
+    slices (``kernels/split_k_mlp.py``); loading fills it by name as any weight, and
+    cuBLAS takes either layout.
+
     ``gemv_max_rows`` > 0 (the Triton path) sends inputs of at most that many rows with
     16-bit CUDA weights to the Triton GEMV when the weight is small enough
     (``GEMV_MAX_WEIGHT_ELEMENTS``); the choice depends on shapes only, so a CUDA graph of a
@@ -37,13 +42,16 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 gemv_max_rows: int = 0) -> None:
+                 gemv_max_rows: int = 0, transposed: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         small = in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
-        self.gemv_max_rows = gemv_max_rows if small else 0
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        # The GEMV streams rows of W, so a transposed weight never takes it.
+        self.gemv_max_rows = gemv_max_rows if small and not transposed else 0
+        shape = (in_features, out_features) if transposed else (out_features, in_features)
+        weight = torch.empty(shape)
+        self.weight = nn.Parameter(weight.t() if transposed else weight, requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         else:

@@ -34,15 +34,21 @@ class RMSNorm(nn.Module):
         # HF casts back before the weight multiply; doing the same keeps bf16 outputs identical.
         return self.weight * x32.to(input_dtype)
 
-    def add_and_norm(self, x: torch.Tensor,
-                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the pre-norm block's residual step, fused."""
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     clear: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the pre-norm block's residual step, fused.
+
+        On the Triton path ``x`` may be a split-K projection's float32 accumulator (rounded
+        to the residual's dtype first) and ``clear`` a float32 buffer to zero for the next
+        one (``kernels/rms_norm.py``).
+        """
         if self._triton(x):
             from engine_core.kernels.rms_norm import rms_norm
 
-            out, summed = rms_norm(x, self.weight, self.eps, residual)
+            out, summed = rms_norm(x, self.weight, self.eps, residual, clear)
             assert summed is not None
             return out, summed
+        assert clear is None, "clear is for the Triton path's split-K accumulators"
         summed = x + residual
         return self.forward(summed), summed
 

@@ -12,7 +12,7 @@ from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.layers.activation import SiluAndMul
 from engine_core.layers.embedding import LMHead, VocabEmbedding
-from engine_core.layers.linear import Linear, MergedLinear
+from engine_core.layers.linear import GEMV_MAX_WEIGHT_ELEMENTS, Linear, MergedLinear
 from engine_core.layers.norm import RMSNorm
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.models.spec import ModelSpec
@@ -95,7 +95,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+
+    On the Triton path, without biases and with weights the GEMV takes, the down weight is
+    stored transposed and the GEMV's rows run split-K (``kernels/split_k_mlp.py``),
+    returning the float32 sums: the caller gives a zeroed accumulator (``takes_split_k``)
+    and the next norm rounds it.
+    """
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -103,11 +109,35 @@ class LlamaMLP(nn.Module):
         rows = attn_backend.gemv_max_rows
         self.gate_up_proj = MergedLinear(hidden, (inter, inter), ("gate_proj", "up_proj"),
                                          spec.mlp_bias, rows)
-        self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows)
+        self.split_k = (attn_backend.triton_layers and not spec.mlp_bias
+                        and self.gate_up_proj.gemv_max_rows > 0
+                        and inter * hidden <= GEMV_MAX_WEIGHT_ELEMENTS)
+        self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows, transposed=self.split_k)
         self.act_fn = SiluAndMul(attn_backend.triton_layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_split_k(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` of rows shaped as ``x`` sums into a float32 accumulator
+        (shapes, dtype and device only: a CUDA graph records one choice)."""
+        return self.split_k and self.gate_up_proj.takes_gemv(x)
+
+    def forward(self, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of ``x``; with ``acc`` (zeroed float32 ``[T, hidden]``, when
+        ``takes_split_k``) the sums are added there and ``acc`` returned: up to
+        ``SPLIT_K_MAX_ROWS`` rows by the one split-K launch, more by gate/up's GEMV and
+        the split-K GEMV over the transposed down weight."""
         gate_up = self.gate_up_proj
+        if acc is not None:
+            from engine_core.kernels.gemv import gemv
+            from engine_core.kernels.split_k_mlp import (
+                SPLIT_K_MAX_ROWS,
+                split_k_gemv_t,
+                split_k_mlp,
+            )
+
+            down_t = self.down_proj.weight.t()
+            if x.shape[0] <= SPLIT_K_MAX_ROWS:
+                return split_k_mlp(x, gate_up.weight, down_t, acc, down_transposed=True)
+            return split_k_gemv_t(gemv(x, gate_up.weight, silu_mul=True), down_t, acc)
         if self.act_fn.use_triton and gate_up.takes_gemv(x):
             # SiLU * up in the GEMV's epilogue (the same roundings as the separate kernel):
             # one launch and the [T, 2 * I] round trip less per layer at decode.
@@ -122,7 +152,8 @@ class LlamaDecoderLayer(nn.Module):
 
     The residual stream is carried apart from the block output so that each residual add
     fuses with the norm that follows it (``add_and_norm``); the sums and their rounding
-    are the same as ``x + f(norm(x))``.
+    are the same as ``x + f(norm(x))``. The block output may be the split-K MLP's float32
+    sums (``LlamaMLP``), which the next norm rounds where the down projection would.
     """
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
@@ -144,8 +175,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, attn_metadata, kv_cache)
-        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(normed), residual
+        acc = (torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+               if self.mlp.takes_split_k(hidden) else None)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, acc)
+        return self.mlp(normed, acc), residual
 
 
 class LlamaModel(nn.Module):

@@ -105,7 +105,8 @@ def load_weights(model: nn.Module, model_config: ModelConfig, spec: ModelSpec) -
 def _materialize(model: nn.Module, device: str, dtype: torch.dtype,
                  arena: MemoryArena | None) -> None:
     """Replace meta parameters with real, uninitialised ones (tied ones stay tied), taken
-    from ``arena`` when given.
+    from ``arena`` when given, in the meta parameter's layout (a transposed 2-D view stays
+    one: ``Linear(transposed=True)``).
 
     Buffers (RoPE frequencies) were built on CPU in float32 on purpose and keep their dtype.
     """
@@ -115,9 +116,13 @@ def _materialize(model: nn.Module, device: str, dtype: torch.dtype,
             if param is None:
                 continue
             if id(param) not in replaced:
-                storage = (torch.empty(param.shape, dtype=dtype, device=device) if arena is None
-                           else arena.take(param.shape, dtype))
-                replaced[id(param)] = nn.Parameter(storage, requires_grad=False)
+                transposed = param.dim() == 2 and not param.is_contiguous()
+                assert not transposed or param.stride() == (1, param.shape[0]), name
+                shape = param.shape[::-1] if transposed else param.shape
+                storage = (torch.empty(shape, dtype=dtype, device=device) if arena is None
+                           else arena.take(shape, dtype))
+                replaced[id(param)] = nn.Parameter(storage.t() if transposed else storage,
+                                                   requires_grad=False)
             module._parameters[name] = replaced[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
@@ -131,8 +136,11 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        else:
+        elif param.is_contiguous():
             param.data.uniform_(-1e-3, 1e-3, generator=generator)
+        else:  # drawn in the logical order, so the values do not depend on the layout
+            drawn = torch.empty(param.shape, dtype=param.dtype, device=device)
+            param.data.copy_(drawn.uniform_(-1e-3, 1e-3, generator=generator))
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_core.attention.backend import get_attention_backend
+from engine_core.attention.torch_ref import TorchRefAttentionBackend
 from engine_core.config import ModelConfig
 from engine_core.errors import ModelLoadError
 from engine_core.worker.loader import (
@@ -143,3 +144,48 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("auto", None, "cuda") == torch.float32
     assert resolve_dtype("bf16", "float32", "cpu") == torch.bfloat16   # explicit wins
     assert resolve_dtype("half", None, "cuda") == torch.float16
+
+
+class _SplitKLayoutBackend(TorchRefAttentionBackend):
+    """The torch reference with the Triton path's model options, so that the MLP stores its
+    down weight transposed (the split-K layout) on any device; on CPU every layer still
+    runs torch code."""
+
+    triton_layers = True
+    gemv_max_rows = 8
+
+
+@pytest.mark.parametrize("sleepable", [False, True])
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_transposed_down_weight_loads_and_computes_alike(model_checkpoint, tmp_path,
+                                                         sleepable: bool,
+                                                         load_format: str) -> None:
+    """With the split-K layout the down weight is a transposed view of its own storage
+    (in the sleep arena too), filled by name from the checkpoint or drawn from the seed
+    exactly as the plain layout is, and the model computes the same logits."""
+    path = model_checkpoint(VARIANT)
+    if load_format == "dummy":
+        path = tmp_path / "config-only"
+        path.mkdir()
+        shutil.copy(model_checkpoint(VARIANT) / "config.json", path / "config.json")
+    config = ModelConfig(model=str(path), load_format=load_format, seed=5)
+    spec = read_model_spec(path)
+    plain = load_model(config, spec, "cpu", torch.float32, TorchRefAttentionBackend())
+    split = load_model(config, spec, "cpu", torch.float32, _SplitKLayoutBackend(),
+                       sleepable=sleepable)
+    for layer, reference in zip(split.model.layers, plain.model.layers):
+        down = layer.mlp.down_proj.weight
+        assert layer.mlp.split_k and not reference.mlp.split_k
+        assert down.shape == reference.mlp.down_proj.weight.shape
+        assert down.stride() == (1, down.shape[0]) and down.t().is_contiguous()
+        assert not layer.mlp.down_proj.takes_gemv(torch.zeros(1, down.shape[1]))
+    plain_state = plain.state_dict()
+    for name, tensor in split.state_dict().items():
+        assert torch.equal(tensor, plain_state[name]), name
+    if sleepable:
+        arena = split.weights_arena
+        base, end = arena.tensor.data_ptr(), arena.tensor.data_ptr() + arena.nbytes
+        assert all(base <= p.data_ptr() < end for p in split.parameters())
+    hidden = torch.randn(8, spec.hidden_size)
+    for layer, reference in zip(split.model.layers, plain.model.layers):
+        torch.testing.assert_close(layer.mlp(hidden), reference.mlp(hidden))

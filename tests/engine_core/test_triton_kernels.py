@@ -984,6 +984,38 @@ def test_split_k_mlp_equals_gate_up_then_down(device: str, case: MlpCase) -> Non
 
 
 @pytest.mark.parametrize(("device", "case"),
+                         params([MlpCase(dt, m, h, i) for dt in (BF16, FP16) for m in (1, 3, 8, 16)
+                                 for h, i in ((4096, 12288), (1000, 2999))],
+                                [MlpCase(BF16, 3, 40, 70), MlpCase(FP16, 1, 64, 96)]))
+def test_split_k_gemv_t_equals_the_gemv(device: str, case: MlpCase) -> None:
+    """The split-K GEMV over a transposed weight adds to its float32 accumulator what the
+    GEMV over the plain weight computes (up to the float32 sums' order), at each tiling."""
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.split_k_mlp import GEMV_T_TILING, SplitKGemvTiling, split_k_gemv_t
+
+    gen = torch.Generator().manual_seed(case.rows + case.h)
+    x = torch.randn(case.rows, case.inter, generator=gen).to(device, case.dtype)
+    down = (torch.randn(case.h, case.inter, generator=gen) / case.inter ** 0.5).to(
+        device, case.dtype)
+    reference = gemv(x, down)
+    bound = (torch.finfo(case.dtype).eps * reference.float().abs()
+             + 1e-5 * (x.float().abs() @ down.float().abs().T))
+    tilings = ([GEMV_T_TILING, SplitKGemvTiling(16, 32, 16, 1, 1)] if device == "cpu" else
+               [GEMV_T_TILING, SplitKGemvTiling(64, 2048, 64, 4, 4),
+                SplitKGemvTiling(256, 512, 64, 8, 4)])
+    start = torch.randn(case.rows, case.h, generator=gen).to(device)
+    for tiling in tilings:
+        acc = torch.zeros(case.rows, case.h, dtype=torch.float32, device=device)
+        assert split_k_gemv_t(x, down.t().contiguous(), acc, tiling) is acc
+        assert_close(acc, x.float() @ down.float().T, case.dtype)
+        diff = (acc.to(case.dtype).float() - reference.float()).abs()
+        assert (diff <= bound).all(), (tiling, diff.max())
+        again = start.clone()
+        split_k_gemv_t(x, down.t().contiguous(), again, tiling)
+        torch.testing.assert_close(again, start + acc, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("device", "case"),
                          params([MlpCase(dt, m, 4096, 0) for dt in (BF16, FP16) for m in (1, 7)],
                                 [MlpCase(BF16, 2, 100, 0)]))
 def test_rms_norm_rounds_a_float32_accumulator_and_clears(device: str, case: MlpCase) -> None:
@@ -1004,61 +1036,6 @@ def test_rms_norm_rounds_a_float32_accumulator_and_clears(device: str, case: Mlp
     assert not other.any()
     with pytest.raises(AssertionError, match="alias"):
         rms_norm(acc, weight, 1e-6, residual, clear=acc)
-
-
-MERGE_O_CASES_CUDA = [AttnCase(dt, 8, 4, 128, (c,), (1,), num_splits=s)
-                      for dt in (BF16, FP16) for c, s in ((1023, 33), (5, 33), (16000, 33),
-                                                          (700, 2))]
-MERGE_O_CASES_INTERPRET = [AttnCase(BF16, 2, 2, 16, (150,), (1,), num_splits=5, block_size=8),
-                           AttnCase(FP16, 1, 4, 32, (3,), (1,), num_splits=3, block_size=4),
-                           AttnCase(BF16, 1, 2, 16, (1199,), (1,), num_splits=40,
-                                    block_size=16)]
-
-
-@pytest.mark.parametrize(("device", "case"),
-                         params(MERGE_O_CASES_CUDA, MERGE_O_CASES_INTERPRET))
-def test_merge_o_proj_equals_merge_then_o_gemv(device: str, case: AttnCase) -> None:
-    """Batch-1 decode with the split merge folded into the o projection: what it adds to
-    the float32 accumulator, rounded, is the merge kernel's output through the o GEMV up to
-    the order of the float32 sums, for both layouts of W_o and several tilings, whether one
-    split or several held the context."""
-    from engine_core.kernels.gemv import gemv
-    from engine_core.kernels.merge_o_proj import MergeOTiling, merge_o_proj
-    from engine_core.kernels.paged_decode import paged_decode_attention
-
-    batch = make_batch(case, device)
-    kv_cache = cache_with_new_tokens(batch)
-    meta = batch.metadata
-    num_q_heads, head_dim = batch.q.shape[1], batch.q.shape[2]
-    merged = torch.empty_like(batch.q)
-    paged_decode_attention(batch.q, kv_cache[0], kv_cache[1], merged, meta.block_tables,
-                           meta.seq_lens, meta.query_start_loc, batch.scale, case.num_splits)
-    hidden = 3 * num_q_heads * head_dim + 5  # an output count no tile divides
-    gen = torch.Generator().manual_seed(case.cached[0])
-    weight = (torch.randn(hidden, num_q_heads * head_dim, generator=gen)
-              / (num_q_heads * head_dim) ** 0.5).to(device, case.dtype)
-    reference = gemv(merged.view(1, -1), weight)
-    expected = merged.view(1, -1).float() @ weight.float().T
-    bound = (torch.finfo(case.dtype).eps * reference.float().abs()
-             + 1e-5 * (merged.view(1, -1).float().abs() @ weight.float().abs().T))
-    tilings = ([MergeOTiling(16, 1, False), MergeOTiling(32, 2, True)] if device == "cpu"
-               else [MergeOTiling(128, 4, False), MergeOTiling(64, 4, True),
-                     MergeOTiling(256, 8, False)])
-    for tiling in tilings:
-        for transposed in (False, True):
-            out = torch.full_like(batch.q, float("nan"))
-            parts = paged_decode_attention(batch.q, kv_cache[0], kv_cache[1], out,
-                                           meta.block_tables, meta.seq_lens,
-                                           meta.query_start_loc, batch.scale,
-                                           case.num_splits, merge=False)
-            assert parts is not None and parts.lse.shape == (1, num_q_heads, case.num_splits)
-            acc = torch.zeros(1, hidden, dtype=torch.float32, device=device)
-            w = weight.t().contiguous() if transposed else weight
-            merge_o_proj(out, parts.out, parts.lse, meta.seq_lens, w, acc, parts.block_n,
-                         tiling, w_transposed=transposed)
-            assert_close(acc, expected, case.dtype)
-            diff = (acc.to(case.dtype).float() - reference.float()).abs()
-            assert (diff <= bound).all(), (tiling, transposed, diff.max())
 
 
 # ---- CUDA only: capture and replay ----------------------------------------------------------

@@ -200,6 +200,7 @@ class BenchConfig:
     max_num_batched_tokens: int
     gpu_memory_utilization: float
     triton_gemv_max_rows: int | None = None
+    split_k_mlp: str = "auto"
     async_scheduling: bool = True
     cuda_graph_mode: str = "full"
 
@@ -223,6 +224,7 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
                                   async_scheduling=bench.async_scheduling),
         device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
                             triton_gemv_max_rows=bench.triton_gemv_max_rows,
+                            split_k_mlp=bench.split_k_mlp,
                             cuda_graph_mode=bench.cuda_graph_mode),
     )
     t0 = time.perf_counter()
@@ -247,6 +249,7 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "cuda_graph_pool_reserved_bytes": engine.graph_pool_reserve,
         "enforce_eager": engine.config.device.enforce_eager,
         "gemv_max_rows": engine.attn_backend.gemv_max_rows,
+        "split_k_mlp": engine.attn_backend.split_k_mlp,
         "async_scheduling": engine.async_scheduling,
     }
 
@@ -612,6 +615,7 @@ class Bench:
                            max_num_batched_tokens=a.max_num_batched_tokens,
                            gpu_memory_utilization=a.gpu_memory_utilization,
                            triton_gemv_max_rows=a.triton_gemv_max_rows,
+                           split_k_mlp=a.split_k_mlp,
                            async_scheduling=a.async_scheduling,
                            cuda_graph_mode=a.cuda_graph_mode)
 
@@ -645,6 +649,7 @@ class Bench:
             engine.runner.connector = HookedStandIn()
         try:
             self.results["engine"] = engine_info(engine, startup)
+            print(f"engine: split-K MLP {engine.attn_backend.split_k_mlp}", flush=True)
             driver = Driver(engine, self.args.seed)
             if "decode" in parts:
                 self.guarded("decode", lambda: self.decode(driver))
@@ -897,6 +902,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--triton-gemv-max-rows", type=int, default=None,
                         help="the engine flag (default: the engine's default)")
+    parser.add_argument("--split-k-mlp", choices=("auto", "on", "off"), default="auto",
+                        help="the engine flag (default: auto, as in pdserve)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True, help="the engine flag (default on, as in pdserve)")
     parser.add_argument("--cuda-graph-mode", default="full",

@@ -11,6 +11,7 @@ from engine_core.config import (
     HASH_ALGOS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    SPLIT_K_MLP_MODES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -98,6 +99,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="decode batches of at most this many rows run their projections "
                             "on the Triton GEMV instead of cuBLAS (0: never; default: "
                             "the measured default of the Triton path)")
+    group.add_argument("--split-k-mlp", choices=SPLIT_K_MLP_MODES, default="auto",
+                       help="Triton path: store the MLP's down weight transposed and sum it "
+                            "split-K with float32 atomics at decode (auto: on the GPUs it "
+                            "was measured faster on, e.g. H100 SXM; off on the H200)")
     group.add_argument("--kv-transfer-config", default=None,
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -135,7 +140,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             attention_backend=args.attention_backend,
                             cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                             cuda_graph_mode=args.cuda_graph_mode,
-                            triton_gemv_max_rows=args.triton_gemv_max_rows),
+                            triton_gemv_max_rows=args.triton_gemv_max_rows,
+                            split_k_mlp=args.split_k_mlp),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
     )

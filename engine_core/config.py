@@ -23,6 +23,9 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch_ref")
 # vLLM's cudagraph_mode values we support (lower case): graphs of every step kind, or of
 # decode-only steps.
 CUDA_GRAPH_MODES = ("full", "full_decode_only")
+# The decode MLP's split-K kernels (kernels/split_k_mlp.py): auto takes them on the GPUs
+# they were measured faster on.
+SPLIT_K_MLP_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class DeviceConfig:
     # Projections of at most this many rows use the Triton GEMV (Triton path, 16-bit
     # weights). None: the backend's measured default; 0: always cuBLAS.
     triton_gemv_max_rows: int | None = None
+    # The decode MLP split-K with the down weight stored transposed (Triton path): auto on
+    # the GPUs where it measured faster (kernels/split_k_mlp.py), on, or off.
+    split_k_mlp: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -135,6 +141,9 @@ class DeviceConfig:
         if any(s < 1 for s in sizes):
             raise ConfigError(f"--cuda-graph-sizes must be positive, got {list(sizes)}")
         object.__setattr__(self, "cuda_graph_sizes", sizes)  # lists from LLM(...) kwargs
+        if self.split_k_mlp not in SPLIT_K_MLP_MODES:
+            raise ConfigError(f"--split-k-mlp must be one of {SPLIT_K_MLP_MODES}, "
+                              f"got {self.split_k_mlp!r}")
         rows = self.triton_gemv_max_rows
         if rows is not None and not 0 <= rows <= 16:
             raise ConfigError(f"--triton-gemv-max-rows must be within 0..16, got {rows}")

@@ -103,7 +103,8 @@ class EngineCore:
         cache_dtype = kv_cache.kv_cache_dtype(config.cache, self.dtype)
         backend = get_attention_backend(self.device, cache_dtype,
                                         config.device.attention_backend,
-                                        config.device.triton_gemv_max_rows)
+                                        config.device.triton_gemv_max_rows,
+                                        config.device.split_k_mlp)
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,

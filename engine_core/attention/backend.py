@@ -51,6 +51,8 @@ class AttentionBackend(ABC):
     triton_layers: bool = False
     # Projections of at most this many rows (16-bit weights) run the Triton GEMV; 0: cuBLAS.
     gemv_max_rows: int = 0
+    # The model's MLP runs split-K at decode (kernels/split_k_mlp.py; Triton path only).
+    split_k_mlp: bool = False
 
     def plan(self, shapes: AttentionShapes) -> AttentionPlan:
         """What the runner must know of this backend's kernels for one model."""
@@ -65,14 +67,16 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None = None,
                           name: str = "auto",
-                          gemv_max_rows: int | None = None) -> AttentionBackend:
+                          gemv_max_rows: int | None = None,
+                          split_k_mlp: str = "auto") -> AttentionBackend:
     """Pick the backend for ``--attention-backend`` (auto | triton | torch_ref).
 
     ``auto`` takes Triton on CUDA when triton is installed and the GPU can run the cache
     dtype, else the torch reference (which runs everywhere and defines correct results).
     ``triton`` where it cannot run is a ConfigError rather than a silent fallback.
     ``gemv_max_rows`` (``--triton-gemv-max-rows``; None: the Triton backend's default)
-    applies to the Triton path only.
+    applies to the Triton path only, as does ``split_k_mlp`` (``--split-k-mlp``: auto, on,
+    off; auto asks ``kernels/split_k_mlp.split_k_mlp_pays`` for the device).
     """
     from engine_core.attention.torch_ref import TorchRefAttentionBackend
 
@@ -81,8 +85,11 @@ def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None 
     problem = _triton_problem(device, kv_cache_dtype)
     if problem is None:
         from engine_core.attention.triton_backend import TritonAttentionBackend
+        from engine_core.kernels.split_k_mlp import split_k_mlp_pays
 
-        return TritonAttentionBackend(gemv_max_rows=gemv_max_rows)
+        split_k = split_k_mlp == "on" or (split_k_mlp == "auto"
+                                          and split_k_mlp_pays(torch.device(device)))
+        return TritonAttentionBackend(gemv_max_rows=gemv_max_rows, split_k_mlp=split_k)
     if name == "triton":
         raise ConfigError(f"--attention-backend triton: {problem}")
     if torch.device(device).type == "cuda":

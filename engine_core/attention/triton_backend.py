@@ -44,10 +44,11 @@ class TritonAttentionBackend(AttentionBackend):
     triton_layers = True
 
     def __init__(self, num_decode_splits: int | None = None,
-                 gemv_max_rows: int | None = None) -> None:
+                 gemv_max_rows: int | None = None, split_k_mlp: bool = False) -> None:
         # None: choose_num_splits decides from shapes; tests force a count to cover merges.
         self.num_decode_splits = num_decode_splits
         self.gemv_max_rows = DEFAULT_GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
+        self.split_k_mlp = split_k_mlp
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,

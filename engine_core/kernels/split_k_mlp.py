@@ -79,6 +79,21 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, strid
         launch_dependents(USE_PDL)
 
 
+# GPUs (torch.cuda.get_device_name) on which the model takes these kernels by default
+# (--split-k-mlp auto). H100 SXM, Qwen3-8B at ctx 1k: b1 step 5.73 -> 5.58 ms, b2-b8
+# 0.4-1% faster. Not the H200: there every one-launch tiling lost in the layer graph
+# (107.5-108.3 -> 109.2-135.7 us a layer) and the b1 step went 4.20 -> 4.41 ms
+# (docs/PERFORMANCE.md).
+SPLIT_K_MLP_DEVICES = frozenset({"NVIDIA H100 80GB HBM3"})
+
+
+def split_k_mlp_pays(device: torch.device) -> bool:
+    """Whether ``device`` is one of ``SPLIT_K_MLP_DEVICES``."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_name(device) in SPLIT_K_MLP_DEVICES
+
+
 class SplitKMlpTiling(NamedTuple):
     """Intermediate columns a program, gate/up K chunk, down output chunk, warps, stages."""
 

@@ -97,7 +97,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
 
-    On the Triton path, without biases and with weights the GEMV takes, the down weight is
+    On the Triton path with ``split_k_mlp`` (``--split-k-mlp``), without biases and with
+    weights the GEMV takes, the down weight is
     stored transposed and the GEMV's rows run split-K (``kernels/split_k_mlp.py``),
     returning the float32 sums: the caller gives a zeroed accumulator (``takes_split_k``)
     and the next norm rounds it.
@@ -109,7 +110,8 @@ class LlamaMLP(nn.Module):
         rows = attn_backend.gemv_max_rows
         self.gate_up_proj = MergedLinear(hidden, (inter, inter), ("gate_proj", "up_proj"),
                                          spec.mlp_bias, rows)
-        self.split_k = (attn_backend.triton_layers and not spec.mlp_bias
+        self.split_k = (attn_backend.triton_layers and attn_backend.split_k_mlp
+                        and not spec.mlp_bias
                         and self.gate_up_proj.gemv_max_rows > 0
                         and inter * hidden <= GEMV_MAX_WEIGHT_ELEMENTS)
         self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows, transposed=self.split_k)

@@ -94,6 +94,10 @@ def test_flags_reach_the_config():
     assert default.cuda_graph_mode == "full"
     with pytest.raises(ConfigError, match="cuda-graph-mode"):
         EngineConfig.from_kwargs("m", cuda_graph_mode="piecewise")
+    split = engine_config_from_args(parser.parse_args(["m", "--split-k-mlp", "off"]))
+    assert split.device.split_k_mlp == "off" and default.split_k_mlp == "auto"
+    with pytest.raises(ConfigError, match="split-k-mlp"):
+        EngineConfig.from_kwargs("m", split_k_mlp="yes")
 
 
 def test_gemv_rows_reach_the_projections(tiny_checkpoint):

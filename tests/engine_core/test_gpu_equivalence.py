@@ -39,13 +39,23 @@ def test_float32_greedy_matches_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, var
     assert manager.num_free_blocks == manager.num_total_blocks
 
 
+@pytest.mark.parametrize(("split_k_mlp", "max_num_seqs"),
+                         [("auto", 256), ("on", 2), ("on", 6), ("off", 6)],
+                         ids=["default", "split-k-1-2-rows", "split-k-3-6-rows", "plain-mlp"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_close_to_hf_on_cuda(tiny_checkpoint, hf_greedy, arch):
+def test_bfloat16_close_to_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, split_k_mlp,
+                                      max_num_seqs):
+    """bf16 greedy near HF; small batches cover the decode MLP split-K (one launch up to two
+    rows, the split-K GEMV beyond, float32 atomics) and the plain GEMVs."""
     path = tiny_checkpoint(arch)
     prompts = mixed_prompts()
     expected = hf_greedy(path, prompts, 16, device="cuda", dtype=torch.bfloat16)
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+              split_k_mlp=split_k_mlp, max_num_seqs=max_num_seqs)
     assert llm.engine.attn_backend.name == "triton", "the fast path must serve CUDA"
+    if split_k_mlp != "auto":
+        layers = llm.engine.model.model.layers
+        assert all(layer.mlp.split_k == (split_k_mlp == "on") for layer in layers)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     equal = sum(g == e for g, e in zip(got, expected))

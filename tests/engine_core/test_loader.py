@@ -153,6 +153,13 @@ class _SplitKLayoutBackend(TorchRefAttentionBackend):
 
     triton_layers = True
     gemv_max_rows = 8
+    split_k_mlp = True
+
+
+class _NoSplitKBackend(_SplitKLayoutBackend):
+    """The same with ``--split-k-mlp off`` (or auto on a GPU not measured faster)."""
+
+    split_k_mlp = False
 
 
 @pytest.mark.parametrize("sleepable", [False, True])
@@ -173,6 +180,9 @@ def test_transposed_down_weight_loads_and_computes_alike(model_checkpoint, tmp_p
     plain = load_model(config, spec, "cpu", torch.float32, TorchRefAttentionBackend())
     split = load_model(config, spec, "cpu", torch.float32, _SplitKLayoutBackend(),
                        sleepable=sleepable)
+    off = load_model(config, spec, "cpu", torch.float32, _NoSplitKBackend())
+    assert not any(layer.mlp.split_k or not layer.mlp.down_proj.weight.is_contiguous()
+                   for layer in off.model.layers)
     for layer, reference in zip(split.model.layers, plain.model.layers):
         down = layer.mlp.down_proj.weight
         assert layer.mlp.split_k and not reference.mlp.split_k

@@ -250,6 +250,9 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "enforce_eager": engine.config.device.enforce_eager,
         "gemv_max_rows": engine.attn_backend.gemv_max_rows,
         "split_k_mlp": engine.attn_backend.split_k_mlp,
+        "split_k_mlp_layers": sum(bool(getattr(getattr(layer, "mlp", None), "split_k", False))
+                                  for layer in engine.model.modules()
+                                  if layer.__class__.__name__.endswith("DecoderLayer")),
         "async_scheduling": engine.async_scheduling,
     }
 
@@ -649,7 +652,9 @@ class Bench:
             engine.runner.connector = HookedStandIn()
         try:
             self.results["engine"] = engine_info(engine, startup)
-            print(f"engine: split-K MLP {engine.attn_backend.split_k_mlp}", flush=True)
+            info = self.results["engine"]
+            print(f"engine: split-K MLP {info['split_k_mlp']} "
+                  f"({info['split_k_mlp_layers']} layers take it)", flush=True)
             driver = Driver(engine, self.args.seed)
             if "decode" in parts:
                 self.guarded("decode", lambda: self.decode(driver))

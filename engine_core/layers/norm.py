@@ -49,6 +49,7 @@ class RMSNorm(nn.Module):
             assert summed is not None
             return out, summed
         assert clear is None, "clear is for the Triton path's split-K accumulators"
+        assert x.dtype == residual.dtype, "a float32 accumulator is for the Triton path"
         summed = x + residual
         return self.forward(summed), summed
 

@@ -183,12 +183,14 @@ def test_transposed_down_weight_loads_and_computes_alike(model_checkpoint, tmp_p
     off = load_model(config, spec, "cpu", torch.float32, _NoSplitKBackend())
     assert not any(layer.mlp.split_k or not layer.mlp.down_proj.weight.is_contiguous()
                    for layer in off.model.layers)
-    for layer, reference in zip(split.model.layers, plain.model.layers):
+    for layer, reference, unsplit in zip(split.model.layers, plain.model.layers,
+                                         off.model.layers):
         down = layer.mlp.down_proj.weight
         assert layer.mlp.split_k and not reference.mlp.split_k
         assert down.shape == reference.mlp.down_proj.weight.shape
         assert down.stride() == (1, down.shape[0]) and down.t().is_contiguous()
-        assert not layer.mlp.down_proj.takes_gemv(torch.zeros(1, down.shape[1]))
+        assert layer.mlp.down_proj.gemv_max_rows == 0  # the GEMV streams rows of W
+        assert unsplit.mlp.down_proj.gemv_max_rows == 8
     plain_state = plain.state_dict()
     for name, tensor in split.state_dict().items():
         assert torch.equal(tensor, plain_state[name]), name

@@ -202,15 +202,18 @@ class Sampler:
         min_ps = [r.params.min_p for r in rows]
         params = _to_device([temperatures, top_ks, top_ps, min_ps], torch.float32, device)
         logits = logits / params[0, :, None]
+        if any(p > 0 for p in min_ps):
+            # min_p after temperature and before top-k/top-p, as vLLM V1 orders them: top-p
+            # then measures mass among the tokens min_p kept.
+            probs = logits.softmax(dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * params[3, :, None]
+            logits = logits.masked_fill(probs < threshold, _MASK)
         if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_logits = _mask_top_k_top_p(sorted_logits, params[1, :, None],
                                               params[2, :, None])
             logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        if any(p > 0 for p in min_ps):
-            threshold = probs.max(dim=-1, keepdim=True).values * params[3, :, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
         noise = torch.empty_like(probs).exponential_()
         for i, row in enumerate(rows):
             seed = row.params.seed
@@ -224,18 +227,21 @@ class Sampler:
 
 def _mask_top_k_top_p(sorted_logits: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits sorted in descending order: first past each row's ``top_k``, then past
-    the smallest prefix whose mass reaches ``top_p`` (always keeping the first token).
+    """Mask logits sorted in descending order: those below each row's ``top_k``-th value
+    (tokens tied with it stay, as in vLLM and HF, so which of them survive does not hang
+    on the sort's order), then those past the smallest prefix whose mass reaches ``top_p``
+    (always keeping the first token; rows at ``top_p`` 1 keep everything, where a float
+    cumsum reaching 1 early would drop the tail).
 
     top-p measures mass in the distribution top-k left, renormalised, as vLLM and HF do:
     measured over the whole vocabulary, a top-k cut leaves less mass above the threshold and
     top-p would keep tokens that vLLM and HF never sample.
     """
-    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, _MASK)
+    kth = sorted_logits.gather(-1, top_k.long().clamp(min=1) - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
     sorted_probs = sorted_logits.softmax(dim=-1)
-    return sorted_logits.masked_fill((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p,
-                                     _MASK)
+    past = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
+    return sorted_logits.masked_fill(past, _MASK)
 
 
 def _pack_logprobs(raw: torch.Tensor, sampled: torch.Tensor,

@@ -95,7 +95,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or (_is_int(self.top_k) and self.top_k == -1):
             self.top_k = 0  # vLLM accepts -1 and 0 for "off"
         self.validate()
 
@@ -112,6 +112,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise InvalidRequestError(f"{name} must be a 64-bit integer", name)
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k must be -1 or 0 (off), or at least 1", "top_k")
         if not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be in [1, {MAX_N}]", "n")
         if self.temperature < 0:

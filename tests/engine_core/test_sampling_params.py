@@ -24,7 +24,8 @@ BAD = [
     ("max_tokens", 1 << 64), ("n", True), ("stop_token_ids", [1 << 40]),
     ("stop_token_ids", [True]), ("allowed_token_ids", [5] * (MAX_ALLOWED_TOKEN_IDS + 1)),
     ("allowed_token_ids", [1 << 64]), ("logit_bias", {1 << 64: 1.0}),
-    ("logit_bias", {5: math.nan}), ("stop", ["x" * 1025]),
+    ("logit_bias", {5: math.nan}), ("stop", ["x" * 1025]), ("top_k", -5), ("top_k", -2),
+    ("top_k", "5"), ("top_k", 2.5),
 ]
 
 
@@ -39,6 +40,7 @@ def test_edge_values_are_accepted() -> None:
     SamplingParams(seed=INT64_MAX, top_k=-1, temperature=0.0, stop=["x" * 1024],
                    allowed_token_ids=[0] * MAX_ALLOWED_TOKEN_IDS, logit_bias={5: -100})
     SamplingParams(seed=INT64_MIN, repetition_penalty=2.0, stop_token_ids=[(1 << 31) - 1])
+    assert SamplingParams(top_k=-1).top_k == SamplingParams(top_k=0).top_k == 0
 
 
 def test_sample_seeds_are_seed_plus_index_wrapped_into_int64() -> None:

@@ -35,7 +35,7 @@ from engine_core.worker.cuda_graphs import (
 )
 from engine_core.worker.forward_timer import ForwardTimer
 from engine_core.worker.host_kv import HostKVStore
-from engine_core.worker.sampler import DeviceSamples, Sampler, SamplingRow
+from engine_core.worker.sampler import DeviceSamples, PromptTokens, Sampler, SamplingRow
 from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
 
@@ -52,6 +52,8 @@ class RunnerRequestState:
     # ``pending_index`` is this request's row in the last launched step's samples.
     num_pending: int = 0
     pending_index: int = -1
+    # The prompt's tokens on the device once a step samples with repetition penalty.
+    prompt_tokens: PromptTokens = field(default_factory=PromptTokens)
 
     @property
     def num_tokens_with_pending(self) -> int:
@@ -314,7 +316,8 @@ class ModelRunner:
         rows_to_sample = [SamplingRow(params=s.sampling_params, token_ids=s.token_ids,
                                       num_prompt_tokens=s.num_prompt_tokens,
                                       eos_token_ids=self.eos_token_ids,
-                                      num_pending=s.num_pending)
+                                      num_pending=s.num_pending,
+                                      prompt_tokens=s.prompt_tokens)
                           for s in sampled]
         samples = self.sampler.sample(logits, rows_to_sample)
         host = self._host_tokens[self._num_launched % 2] if self._host_tokens else None

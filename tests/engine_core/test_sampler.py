@@ -72,6 +72,41 @@ def test_penalties_push_away_repeated_tokens():
     assert Sampler()(logits, rows(SamplingParams(temperature=0.0)))[0] == [0]
 
 
+def test_penalties_equal_their_definition_and_upload_each_prompt_once():
+    """vLLM's penalties, row by row: repetition over prompt and output tokens (divide a
+    positive logit, multiply a negative one), frequency by output count, presence by output
+    membership. A request's prompt reaches the device once (PromptTokens) however many
+    steps it samples."""
+    from engine_core.worker.sampler import PromptTokens
+
+    generator = torch.Generator().manual_seed(2)
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=generator) * 3
+    prompts = [[1, 2, 2, 7, 9], [3, 3, 4], [5, 6]]
+    outputs = [[7, 7, 11], [4, 12, 12, 12], [6]]
+    params = [SamplingParams(repetition_penalty=1.7, frequency_penalty=0.3),
+              SamplingParams(presence_penalty=0.9, frequency_penalty=-0.4),
+              SamplingParams(repetition_penalty=1.3)]
+    holders = [PromptTokens() for _ in prompts]
+    rows = [SamplingRow(p, prompt + out, len(prompt), (0,), prompt_tokens=h)
+            for p, prompt, out, h in zip(params, prompts, outputs, holders)]
+    expected = logits.clone()
+    for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs)):
+        for token in set(prompt) | set(out):
+            value = expected[i, token]
+            expected[i, token] = (value / p.repetition_penalty if value > 0
+                                  else value * p.repetition_penalty)
+        for token in set(out):
+            expected[i, token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
+    got = Sampler._apply_penalties(logits, rows)
+    torch.testing.assert_close(got, expected)
+    uploaded = [h.tensor for h in holders]
+    assert uploaded[1] is None  # no repetition penalty: the prompt is not needed
+    assert sorted(uploaded[0].tolist()) == [1, 2, 7, 9]
+    torch.testing.assert_close(Sampler._apply_penalties(logits, rows), expected)
+    assert all(h.tensor is u for h, u in zip(holders, uploaded))
+
+
 def test_logprobs_of_sampled_token_and_top_alternatives():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     _, lps = Sampler()(logits, rows(SamplingParams(temperature=0.0, logprobs=2)))

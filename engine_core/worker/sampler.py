@@ -278,7 +278,8 @@ def _pack_logprobs(raw: torch.Tensor, sampled: torch.Tensor,
     below 2**24 are exact in float32), so the host reads everything in one copy."""
     k = max(n for n in num_logprobs if n is not None)
     chosen = raw.gather(-1, sampled[:, None])
-    ranks = (raw > chosen).sum(dim=-1) + 1
+    # vLLM's rank: tokens at least as likely as the chosen one, itself included (ties count).
+    ranks = (raw >= chosen).sum(dim=-1).clamp(min=1)
     top_values, top_ids = raw.topk(max(k, 1), dim=-1)
     return torch.cat([chosen, ranks[:, None].float(), top_values, top_ids.float()], dim=-1)
 

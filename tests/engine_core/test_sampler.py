@@ -117,6 +117,17 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
     assert lp.top_token_ids == [1, 2]
 
 
+def test_logprob_rank_counts_ties_as_vllm_does():
+    """Rank = tokens whose logprob is at least the chosen one's (vLLM): a token tied with
+    another is rank 2, not 1."""
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    _, logprobs = Sampler()(logits, rows(params))
+    assert logprobs[0].token_id == 0 and logprobs[0].rank == 2
+    _, logprobs = Sampler()(torch.tensor([[3.0, 2.0, 2.0]]), rows(params))
+    assert logprobs[0].rank == 1
+
+
 def test_logit_bias_is_added_per_request_before_sampling():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(9))
     top = logits.argmax(-1).tolist()

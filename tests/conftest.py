@@ -49,7 +49,8 @@ def hf_greedy():
     """Return ``f(checkpoint_dir, prompts, max_new_tokens) -> list[list[int]]`` from HF generate.
 
     EOS does not stop HF here, matching engine requests sent with ignore_eos=True.
-    ``logit_bias`` ({token: bias}) becomes HF's ``sequence_bias`` over one-token sequences.
+    ``logit_bias`` ({token: bias}) becomes HF's ``sequence_bias`` over one-token sequences;
+    ``repetition_penalty`` is HF's (prompt and generated tokens, as vLLM's).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -58,7 +59,7 @@ def hf_greedy():
     @functools.cache
     def run(checkpoint: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int,
             device: str, dtype: torch.dtype,
-            bias: tuple[tuple[int, float], ...]) -> list[list[int]]:
+            bias: tuple[tuple[int, float], ...], repetition_penalty: float) -> list[list[int]]:
         key = (str(checkpoint), device, dtype)
         if key not in models:
             models[key] = AutoModelForCausalLM.from_pretrained(
@@ -66,7 +67,8 @@ def hf_greedy():
         model = models[key]
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=0, eos_token_id=None, pad_token_id=0,
-                                  sequence_bias={(t,): b for t, b in bias} or None)
+                                  sequence_bias={(t,): b for t, b in bias} or None,
+                                  repetition_penalty=repetition_penalty)
         outputs = []
         with torch.no_grad():
             for prompt in prompts:
@@ -78,8 +80,9 @@ def hf_greedy():
 
     def call(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int,
              device: str = "cpu", dtype: torch.dtype = torch.float32,
-             logit_bias: dict[int, float] | None = None) -> list[list[int]]:
+             logit_bias: dict[int, float] | None = None,
+             repetition_penalty: float = 1.0) -> list[list[int]]:
         return run(Path(checkpoint), tuple(tuple(p) for p in prompts), max_new_tokens,
-                   device, dtype, tuple(sorted((logit_bias or {}).items())))
+                   device, dtype, tuple(sorted((logit_bias or {}).items())), repetition_penalty)
 
     return call

@@ -7,7 +7,10 @@ import torch
 
 from engine_core import LLM, SamplingParams
 from tests.engine_core.test_engine_vs_hf import VARIANTS, mixed_prompts
-from tests.engine_core.test_logit_bias_vs_hf import check_logit_bias_matches_hf
+from tests.engine_core.test_logit_bias_vs_hf import (
+    check_logit_bias_matches_hf,
+    check_repetition_penalty_matches_hf,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -82,3 +85,10 @@ def test_float32_logit_bias_matches_hf_on_cuda(tiny_checkpoint, hf_greedy):
     """The sampler's bias pass (an index_put on the device) on CUDA, in a mixed batch."""
     check_logit_bias_matches_hf(tiny_checkpoint("qwen3"), hf_greedy, "cuda", dtype="float32",
                                 gpu_memory_utilization=0.3)
+
+
+def test_float32_repetition_penalty_matches_hf_on_cuda(tiny_checkpoint, hf_greedy):
+    """Penalties on CUDA: each request's prompt tokens reach the device once (pinned
+    staging), the batch's concatenated for the mask."""
+    check_repetition_penalty_matches_hf(tiny_checkpoint("qwen3"), hf_greedy, "cuda",
+                                        dtype="float32", gpu_memory_utilization=0.3)

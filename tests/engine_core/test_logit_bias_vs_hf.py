@@ -33,3 +33,27 @@ def check_logit_bias_matches_hf(path, hf_greedy, device: str, **engine_args) -> 
 
 def test_logit_bias_matches_hf(tiny_checkpoint, hf_greedy) -> None:
     check_logit_bias_matches_hf(tiny_checkpoint("qwen3"), hf_greedy, "cpu")
+
+
+def check_repetition_penalty_matches_hf(path, hf_greedy, device: str, **engine_args) -> None:
+    """Engine greedy with repetition penalty equals HF's ``repetition_penalty`` (over prompt
+    and generated tokens, as vLLM's), over several steps of the same requests (their prompt
+    tokens stay on the device between steps); unpenalised requests in the same batch equal
+    HF without."""
+    prompts = mixed_prompts()[:8]
+    plain = hf_greedy(path, prompts, MAX_NEW, device=device)
+    expected = hf_greedy(path, prompts, MAX_NEW, device=device, repetition_penalty=1.8)
+    assert expected != plain
+    llm = LLM(str(path), device=device, **engine_args)
+    penalised = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                               repetition_penalty=1.8)
+    unpenalised = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = llm.generate(prompts + prompts,
+                           [penalised] * len(prompts) + [unpenalised] * len(prompts))
+    got = [o.token_ids for o in outputs]
+    assert got[:len(prompts)] == expected
+    assert got[len(prompts):] == plain
+
+
+def test_repetition_penalty_matches_hf(tiny_checkpoint, hf_greedy) -> None:
+    check_repetition_penalty_matches_hf(tiny_checkpoint("qwen3"), hf_greedy, "cpu")

@@ -19,8 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Prompt tokens kept as decoding context, so the first output token gets its leading space.
+# Prompt tokens kept as decoding context, so the first output token gets its leading space:
+# the shortest suffix of at least _CONTEXT_TOKENS that decodes without U+FFFD, up to
+# _MAX_CONTEXT_TOKENS. A suffix starting inside a multi-byte character decodes to U+FFFD, and
+# byte-fallback decoders (Llama-2, Mistral, Gemma) then turn the whole byte run, the output's
+# first bytes included, into U+FFFD.
 _CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 24
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -45,13 +50,23 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         self._num_output_tokens = 0
-        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context = self._context(prompt_token_ids)
         self._window_ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.output_text = ""
         self._num_released = 0
         self.stop_str: str | None = None
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt suffix the window starts with (see ``_CONTEXT_TOKENS``); the shortest
+        one when every suffix holds U+FFFD (a prompt may contain the character itself)."""
+        shortest = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        for length in range(_CONTEXT_TOKENS, min(len(prompt_token_ids), _MAX_CONTEXT_TOKENS) + 1):
+            context = list(prompt_token_ids[-length:])
+            if _REPLACEMENT_CHAR not in self._decode(context):
+                return context
+        return shortest
 
     @property
     def stopped(self) -> bool:

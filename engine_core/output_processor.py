@@ -81,8 +81,15 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     token_texts: TokenTextCache
     output_token_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
+    # The released text in pieces: appending to one growing string copies it all each token,
+    # a cost that grows with the output (nothing on the serving path reads the whole text).
+    text_pieces: list[str] = field(default_factory=list)
     finished: bool = False
+
+    @property
+    def output_text(self) -> str:
+        """All text released so far."""
+        return "".join(self.text_pieces)
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: Sequence[int],
@@ -105,7 +112,7 @@ class RequestState:
         again, and later deltas are exactly what an uninterrupted stream would carry."""
         update = self.detokenizer.update(list(token_ids), finished=False)
         self.output_token_ids.extend(token_ids)
-        self.output_text += update.text
+        self.text_pieces.append(update.text)
 
     def _logprob_entries(self, logprobs: list[TokenLogprob]) -> list[LogprobEntry]:
         entries = []
@@ -129,7 +136,7 @@ class RequestState:
             text_ids = text_ids[:-1]
         update = self.detokenizer.update(text_ids, finished=engine_finished)
         self.output_token_ids.extend(output.new_token_ids)
-        self.output_text += update.text
+        self.text_pieces.append(update.text)
         stopped_here = update.stop_str is not None
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if stopped_here:

@@ -194,3 +194,71 @@ def test_holdback_matches_the_definition_and_stays_cheap():
     for i in range(1000):
         detok.update([i])
     assert time.perf_counter() - started < 0.3  # was ~1 s
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer: BPE over ``▁``-joined text with byte-fallback tokens
+    ``<0xNN>`` for characters it has no piece for, decoded by Replace + ByteFallback + Fuse
+    + Strip (what Llama-2's, Mistral's and Gemma's tokenizer.json do). Its vocabulary is
+    ASCII only, so every emoji and CJK character is a run of byte tokens."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    alphabet = [chr(c) for c in range(32, 127)] + ["▁"]
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet,
+                                  limit_alphabet=len(alphabet),
+                                  special_tokens=["<unk>", "<s>", "</s>"] + byte_tokens)
+    tok.train_from_iterator(["▁" + text.replace(" ", "▁") for text in CORPUS], trainer=trainer)
+    # Byte tokens are ordinary vocabulary in such checkpoints, not added tokens.
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("prompt,output", [("Party time 🎉🎉", "🚀 yes!"), ("中文", "字符测试"),
+                                           ("the fox 日本語", "のテキスト ok")])
+def test_byte_fallback_output_after_a_multibyte_prompt_end(byte_fallback_tokenizer, prompt,
+                                                           output):
+    """The output's first characters continue a run of byte tokens that began in the prompt:
+    the decoding context must start on a character boundary, or the byte-fallback decoder
+    turns the whole run into U+FFFD (vLLM picks a context that decodes cleanly too)."""
+    tok = byte_fallback_tokenizer
+    prompt_ids = tok(prompt, add_special_tokens=False).input_ids
+    full_ids = tok(prompt + output, add_special_tokens=False).input_ids
+    assert full_ids[:len(prompt_ids)] == prompt_ids
+    output_ids = full_ids[len(prompt_ids):]
+    expected = tok.decode(full_ids)[len(tok.decode(prompt_ids)):]
+    assert "\ufffd" not in expected
+    for chunk in (1, 3):
+        detok = IncrementalDetokenizer(tok, prompt_ids)
+        assert "".join(_stream(detok, output_ids, chunk)) == expected
+
+
+def test_byte_fallback_streaming_equals_full_decode(byte_fallback_tokenizer):
+    """Random cuts of mixed ASCII, CJK and emoji text: the streamed text is what decoding
+    the whole sequence adds to the prompt's text."""
+    import random
+
+    tok = byte_fallback_tokenizer
+    rng = random.Random(4)
+    pieces = ["hello ", "world", " 中文", "字符", "🎉", "🚀 ", "naïve ", "café", "日本語", "!"]
+    for _ in range(60):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(3, 12)))
+        ids = tok(text, add_special_tokens=False).input_ids
+        cut = rng.randrange(1, len(ids))
+        prompt_ids, output_ids = ids[:cut], ids[cut:]
+        expected = tok.decode(ids)[len(tok.decode(prompt_ids)):]
+        if "\ufffd" in tok.decode(prompt_ids):
+            continue  # the prompt itself ends inside a character: nothing to compare
+        detok = IncrementalDetokenizer(tok, prompt_ids)
+        assert "".join(_stream(detok, output_ids)) == expected, (text, cut)

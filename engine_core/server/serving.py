@@ -55,7 +55,8 @@ class _Job:
 class _ChoiceResult:
     """Everything one choice accumulated, for non-streaming responses and usage."""
 
-    text: str = ""
+    # The text in pieces: one growing string was copied whole at every delta.
+    text_pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     num_prompt_tokens: int = 0
@@ -69,8 +70,12 @@ class _ChoiceResult:
     # itself lags it while stop-string or UTF-8 hold-back keeps characters back).
     logprob_chars: int = 0
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
     def add(self, delta: RequestDelta) -> None:
-        self.text += delta.text
+        self.text_pieces.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
         self.logprob_chars += sum(len(entry.token) for entry in delta.logprobs or [])

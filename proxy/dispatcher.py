@@ -41,7 +41,7 @@ from proxy.errors import (
     UpstreamUnavailableError,
     sse_error_event,
 )
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE
+from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_LABELS
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
@@ -79,11 +79,13 @@ class _Leg:
     def __init__(self, dispatcher: Dispatcher, worker: WorkerState, role: str) -> None:
         self._d = dispatcher
         self.worker = worker
-        self.role = role
+        self.role = role  # the leg's part in the request, for logs and retry reasons
+        # The metrics' role label is the worker's role, as in the heartbeat gauges.
+        self.role_label = ROLE_LABELS.get(worker.role, role)
         self.started = dispatcher.clock()
         self._finished = False
         dispatcher.registry.leg_started(worker.worker_id)
-        dispatcher.metrics.worker_requests.labels(worker.worker_id, role).inc()
+        dispatcher.metrics.worker_requests.labels(worker.worker_id, self.role_label).inc()
 
     def finish(self, error: UpstreamError | None = None, aborted: bool = False) -> None:
         """Record the leg's end once: ok, failed with ``error``, or aborted by the proxy."""
@@ -96,9 +98,9 @@ class _Leg:
         if self._d.registry.get(wid) is None:
             return  # the worker left: its series were dropped, and recording would revive them
         if error is not None:
-            self._d.metrics.worker_errors.labels(wid, self.role, error.kind).inc()
+            self._d.metrics.worker_errors.labels(wid, self.role_label, error.kind).inc()
         elif not aborted:
-            self._d.metrics.worker_latency.labels(wid, self.role).observe(
+            self._d.metrics.worker_latency.labels(wid, self.role_label).observe(
                 self._d.clock() - self.started)
 
 

@@ -18,6 +18,8 @@ ROLE_PREFILL = "P"
 ROLE_DECODE = "D"
 ROLE_COLOCATED = "colocated"
 ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED)
+# A role's ``role`` label value in the proxy's metrics (every family uses these).
+ROLE_LABELS = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode", ROLE_COLOCATED: "colocated"}
 
 
 @dataclass

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.messages import ROLES
+from proxy.messages import ROLE_LABELS, ROLES
 from proxy.registry import InstanceRegistry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -36,7 +36,7 @@ class _RegistryCollector(Collector):
         registered = GaugeMetricFamily(P + "registered_workers", "Registered workers by role",
                                        labels=["role"])
         for role in ROLES:
-            registered.add_metric([role], sum(1 for w in workers if w.role == role))
+            registered.add_metric([ROLE_LABELS[role]], sum(1 for w in workers if w.role == role))
         labels = ["worker", "role"]
         in_flight = GaugeMetricFamily(P + "worker_in_flight", "Legs in flight per worker", labels=labels)
         running = GaugeMetricFamily(P + "worker_num_requests_running",
@@ -46,10 +46,12 @@ class _RegistryCollector(Collector):
         kv_usage = GaugeMetricFamily(P + "worker_kv_cache_usage_perc",
                                      "KV cache usage 0..1 (last heartbeat)", labels=labels)
         for w in workers:
-            key = [w.worker_id, w.role]
+            key = [w.worker_id, ROLE_LABELS[w.role]]
             in_flight.add_metric(key, w.in_flight)
             running.add_metric(key, w.load.num_running)
-            waiting.add_metric(key, w.load.num_waiting)
+            # As the worker's vllm:num_requests_waiting: a decode worker's requests parked
+            # for their remote KV wait too.
+            waiting.add_metric(key, w.load.num_waiting + w.load.num_waiting_for_remote_kv)
             kv_usage.add_metric(key, w.load.kv_cache_usage)
         received, bad = self._registration_stats()
         messages = CounterMetricFamily(P + "registration_messages", "Registration messages received")

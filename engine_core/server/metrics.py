@@ -1,8 +1,9 @@
 """Prometheus metrics of one API server, with vLLM's metric names, in a private registry.
 
-Request-level metrics (latencies, token counters, successes) are observed in the API
-process; engine-level ones (queue sizes, KV usage, prefix-cache counters, preemptions) are
-read from the latest ``EngineStats`` at scrape time by a collector.
+Request-level metrics (latencies, successes, per-request token histograms) are observed in
+the API process; engine-level ones (queue sizes, KV usage, prefix-cache counters,
+preemptions, and the prompt/generation token counters, which move every step as vLLM's do)
+are read from the latest ``EngineStats`` at scrape time by a collector.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from engine_core.messages import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# The upper ends vLLM's histograms reach (TTFT 2560 s; whole requests and their phases 7680
+# s), so an overloaded queue or a long decode is not flattened at 80 s.
+_TTFT_BUCKETS = _LATENCY_BUCKETS + (160.0, 640.0, 2560.0)
+_REQUEST_BUCKETS = _LATENCY_BUCKETS + (160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -96,6 +101,10 @@ class _EngineStatsCollector(Collector):
                                           stats.num_waiting + stats.num_waiting_for_remote_kv),
             "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
                                          stats.kv_cache_usage),
+            # vLLM's name before 0.9, still queried by older dashboards and autoscalers.
+            "vllm:gpu_cache_usage_perc": ("GPU KV-cache usage (deprecated: "
+                                          "vllm:kv_cache_usage_perc). 1 means 100 percent.",
+                                          stats.kv_cache_usage),
         }
         for key, doc in CONNECTOR_GAUGES.items():
             if key in stats.connector:
@@ -110,6 +119,10 @@ class _EngineStatsCollector(Collector):
             family.add_metric(labels, value)
             yield family
         counters = {
+            "vllm:prompt_tokens": ("Number of prefill tokens processed.",
+                                   stats.prompt_tokens_total),
+            "vllm:generation_tokens": ("Number of generation tokens processed.",
+                                       stats.generation_tokens_total),
             "vllm:prefix_cache_queries": ("Prefix cache queries, in tokens.",
                                           stats.prefix_cache_queries),
             "vllm:prefix_cache_hits": ("Prefix cache hits, in tokens.", stats.prefix_cache_hits),
@@ -140,21 +153,18 @@ class ServerMetrics:
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds",
                              "Histogram of inter-token latency in seconds.", labels,
                              buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of end-to-end request latency in seconds.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                     labels, registry=self.registry)
-        self.generation_tokens = Counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.", labels,
-                                         registry=self.registry)
+                             buckets=_REQUEST_BUCKETS, registry=self.registry)
         self.request_success = Counter("vllm:request_success",
                                        "Count of successfully processed requests.",
                                        labels + ["finished_reason"], registry=self.registry)
+        for reason in ("stop", "length"):  # present at 0 from the start, as in vLLM
+            self.request_success.labels(model_name, reason)
         self.request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
             buckets=_TOKEN_BUCKETS, registry=self.registry)
@@ -166,7 +176,7 @@ class ServerMetrics:
             labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
         # Server-side breakdown of each request (engine_core.server.timings), by key.
         self.breakdown = {
-            key: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+            key: Histogram(name, doc, labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
             for key, (name, doc) in _BREAKDOWN_METRICS.items()}
         self.registry.register(_EngineStatsCollector(self))
         self.loop_stalls = Counter("pdserve:event_loop_stalls",
@@ -191,9 +201,7 @@ class ServerMetrics:
                          num_prompt_tokens: int, num_output_tokens: int,
                          max_tokens: int | None) -> None:
         """One request ended (finished, aborted or failed); ``num_output_tokens`` counts the
-        tokens this worker generated."""
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
-        self.generation_tokens.labels(self.model_name).inc(num_output_tokens)
+        tokens this worker generated. (The token counters come from the engine.)"""
         if finish_reason in ("stop", "length"):
             self.e2e.labels(self.model_name).observe(e2e_seconds)
             self.request_success.labels(self.model_name, finish_reason).inc()

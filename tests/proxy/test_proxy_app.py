@@ -307,7 +307,8 @@ async def test_models_health_instances_metrics(make_worker, make_proxy) -> None:
                    'pdserve:proxy_time_to_first_byte_seconds_count{mode="pd"} 1.0',
                    'pdserve:proxy_overhead_seconds_count{mode="pd"} 1.0',
                    'pdserve:proxy_queue_time_seconds_count 1.0',
-                   'pdserve:proxy_registered_workers{role="P"} 1.0',
+                   'pdserve:proxy_registered_workers{role="prefill"} 1.0',
+                   f'pdserve:proxy_worker_in_flight{{role="decode",worker="{d.http_address}"}} 0.0',
                    'pdserve:proxy_in_flight_requests 0.0',
                    'pdserve:proxy_event_loop_stalls_total '):
         assert needle in text, needle

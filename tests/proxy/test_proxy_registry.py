@@ -179,3 +179,25 @@ def test_worker_urls_bracket_ipv6_hosts(proxy_clock, address: str, url: str) -> 
     registry.heartbeat(beat(address))
     worker = registry.get(address)
     assert worker is not None and worker.url == url
+
+
+def test_metrics_label_roles_alike_and_count_remote_kv_waits(proxy_clock) -> None:
+    """Every proxy family labels a role the same way (prefill / decode / colocated), and a
+    worker's waiting gauge is its vllm:num_requests_waiting (KV-parked requests included)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from proxy.metrics import ProxyMetrics
+
+    registry = InstanceRegistry(clock=proxy_clock)
+    registry.heartbeat(beat("127.0.0.1:1", role="P"))
+    registry.heartbeat(beat("127.0.0.1:2", role="D", num_waiting=2, num_waiting_for_remote_kv=3))
+    metrics = ProxyMetrics(registry)
+    metrics.worker_requests.labels("127.0.0.1:2", "decode").inc()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render().decode())
+               for s in family.samples}
+    roles = {dict(labels).get("role") for _, labels in samples} - {None}
+    assert roles == {"prefill", "decode", "colocated"}
+    d = (("role", "decode"), ("worker", "127.0.0.1:2"))
+    assert samples[("pdserve:proxy_worker_num_requests_waiting", d)] == 5
+    assert samples[("pdserve:proxy_worker_requests_total", d)] == 1

@@ -55,6 +55,30 @@ def test_metrics_parse_and_counters_move(server):
         "vllm:request_params_max_tokens_sum", 0) + 5
 
 
+def test_token_counters_follow_the_engine_and_long_latencies_have_buckets() -> None:
+    """vllm:prompt_tokens / generation_tokens come from the engine's live totals (vLLM adds
+    them every step; counting them when a request ends left rate() at 0 through a long
+    generation), the deprecated gpu_cache_usage_perc mirrors kv_cache_usage_perc, and the
+    latency histograms reach vLLM's upper ends (TTFT 2560 s, requests 7680 s)."""
+    from engine_core.messages import EngineStats
+    from engine_core.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.engine_stats = EngineStats(3, 1, 0, 0.25, 0, 0, 0, 0, 0, 1200, 345, 0)
+    metrics.observe_first_token(1000.0)
+    metrics.observe_finished(5000.0, "length", 10, 5, 5)
+    samples = {(s.name, s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples}
+    assert samples[("vllm:prompt_tokens_total", None)] == 1200
+    assert samples[("vllm:generation_tokens_total", None)] == 345
+    assert samples[("vllm:gpu_cache_usage_perc", None)] == 0.25
+    assert samples[("vllm:time_to_first_token_seconds_bucket", "640.0")] == 0
+    assert samples[("vllm:time_to_first_token_seconds_bucket", "2560.0")] == 1
+    assert samples[("vllm:e2e_request_latency_seconds_bucket", "2560.0")] == 0
+    assert samples[("vllm:e2e_request_latency_seconds_bucket", "7680.0")] == 1
+
+
 def test_every_connector_counter_of_the_worker_is_exported() -> None:
     """Each event counter the P2P connector worker keeps reaches /metrics as a Prometheus
     counter (an operator sees restarts, expired leases and push-backs, not only bytes)."""

@@ -29,6 +29,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine_process import READY_CALL_ID, EngineFactory, run_engine_core
 from engine_core.errors import (
     EngineDeadError,
+    EngineUnresponsiveError,
     InvalidRequestError,
     MessageDecodeError,
     PdserveError,
@@ -71,6 +72,12 @@ def request_error(message: str | None) -> PdserveError:
     return PdserveError(text)
 
 
+# Utility calls that may run for minutes (a level-2 wake-up reloads the weights): while one
+# is in flight the engine answers nothing else, and /health reports it busy, not hung.
+LONG_OPERATIONS = frozenset({"sleep", "wake_up"})
+_REAP_TIMEOUT_S = 1.0
+
+
 class AsyncEngineClient:
     """Talks to one engine-core process over ZMQ; use ``await AsyncEngineClient.start(...)``."""
 
@@ -91,6 +98,7 @@ class AsyncEngineClient:
         self._generations = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(READY_CALL_ID + 1)
+        self._long_calls: dict[int, str] = {}  # call id -> method, for LONG_OPERATIONS
         self._dead: EngineDeadError | None = None
         self._closed = False
         self.latest_stats: EngineStats | None = None
@@ -218,7 +226,10 @@ class AsyncEngineClient:
     def _on_process_exit(self) -> None:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        self._process.join(0)
+        # The sentinel turns readable when the child closes its descriptors, which can be a
+        # moment before it can be reaped: join(0) then read no exit code (an OOM kill's -9
+        # reported as None).
+        self._process.join(_REAP_TIMEOUT_S)
         if not self._closed:
             logger.error("engine core process died (exit code %s); failing %d requests",
                          self._process.exitcode, len(self._queues))
@@ -297,21 +308,44 @@ class AsyncEngineClient:
                     self._send(AbortRequests(request_ids=[engine_id]))
 
     async def call(self, method: str, timeout_s: float = 30.0, **args: Any) -> Any:
-        """Run a utility method in the engine (reset_prefix_cache, get_stats, check_health)."""
+        """Run a utility method in the engine (reset_prefix_cache, get_stats, check_health);
+        ``EngineUnresponsiveError`` (503) when it does not answer within ``timeout_s``."""
         if self._dead is not None:
             raise self._dead
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(UtilityCall(call_id=call_id, method=method, args=dict(args)))
+        if method in LONG_OPERATIONS:
+            self._long_calls[call_id] = method
         try:
+            self._send(UtilityCall(call_id=call_id, method=method, args=dict(args)))
             return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+            raise EngineUnresponsiveError(
+                f"engine core did not answer {method} within {timeout_s:g} s") from None
         finally:
             self._calls.pop(call_id, None)
+            self._long_calls.pop(call_id, None)
 
-    async def get_stats(self) -> EngineStats:
+    @property
+    def long_operation(self) -> str | None:
+        """A ``LONG_OPERATIONS`` call in flight (the engine is busy with it, not hung)."""
+        return next(iter(self._long_calls.values()), None)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generate calls in flight."""
+        return len(self._in_flight)
+
+    def fail_in_flight(self, error: EngineDeadError) -> None:
+        """End every generate call in flight with ``error`` (a shutdown past its drain: each
+        stream then ends with an error event, not a cut connection)."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    async def get_stats(self, timeout_s: float = 30.0) -> EngineStats:
         """A fresh stats snapshot from the engine."""
-        return EngineStats(**await self.call("get_stats"))
+        return EngineStats(**await self.call("get_stats", timeout_s=timeout_s))
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process (gracefully, then by force) and release the sockets."""

@@ -25,7 +25,6 @@ from engine_core.engine_process import EngineFactory
 from engine_core.errors import (
     ConfigError,
     EngineDeadError,
-    EngineUnresponsiveError,
     InvalidRequestError,
 )
 from engine_core.server import protocol
@@ -40,6 +39,12 @@ logger = logging.getLogger("pdserve.server")
 
 SERVING_KEY = web.AppKey("serving", OpenAIServing)
 HEALTH_TIMEOUT_S = 10.0  # a /health the engine core does not answer in this long is a 503
+# /metrics asks the engine for fresh stats this long at most, then renders the last ones it
+# pushed: a scrape must not wait behind a long step or a wake-up (Prometheus gives up at 10 s).
+METRICS_STATS_TIMEOUT_S = 1.0
+# After the drain, handlers still running get this long before aiohttp cancels them (its
+# default, 60 s, applied twice, held a SIGTERM for minutes behind a hung engine).
+_HANDLER_SHUTDOWN_S = 5.0
 _T = TypeVar("_T")
 
 # Called once the server listens; may return an async cleanup run at shutdown (before the
@@ -59,6 +64,10 @@ class ServerOptions:
     enable_admin_endpoints: bool = False
     client_max_size: int = 32 << 20
     log_stats_interval_s: float = 10.0
+    # On SIGTERM/SIGINT: stop accepting connections, let requests in flight finish for this
+    # long, then end the rest with an error (streams get an error event and [DONE]). Below
+    # `pdserve launch`'s --stop-timeout (15 s), so a launcher's stop drains before it kills.
+    shutdown_drain_s: float = 10.0
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
@@ -111,16 +120,15 @@ class _Routes:
             for name in self.serving.model_names]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when the engine core answers; 503 when it is gone or does not answer within
-        ``HEALTH_TIMEOUT_S`` (a hung engine: load balancers take it out of rotation)."""
-        if not self.serving.client.is_alive:
+        """200 when the engine core answers, or is alive and busy with a long operation (a
+        sleep or wake-up: a liveness probe must not restart a worker mid-reload); 503 when it
+        is gone or does not answer within ``HEALTH_TIMEOUT_S`` (a hung engine: load
+        balancers take it out of rotation)."""
+        client = self.serving.client
+        if not client.is_alive:
             raise EngineDeadError("engine core is not running")
-        try:
-            await self.serving.client.call("check_health", timeout_s=HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-            raise EngineUnresponsiveError(
-                f"engine core did not answer a health check within {HEALTH_TIMEOUT_S:g} s"
-            ) from None
+        if client.long_operation is None:
+            await client.call("check_health", timeout_s=HEALTH_TIMEOUT_S)
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
@@ -149,7 +157,7 @@ class _Routes:
     async def metrics(self, request: web.Request) -> web.Response:
         client = self.serving.client
         with contextlib.suppress(Exception):
-            client.latest_stats = await client.get_stats()
+            client.latest_stats = await client.get_stats(timeout_s=METRICS_STATS_TIMEOUT_S)
         self.serving.metrics.engine_stats = client.latest_stats
         return web.Response(body=self.serving.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -318,13 +326,16 @@ async def serve(config: EngineConfig, options: ServerOptions,
         logger.info("Stopped during startup")
         return
     client, app = ready
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=_HANDLER_SHUTDOWN_S)
+    site: web.TCPSite | None = None
     cleanups: list[Callable[[], Awaitable[None]]] = []
     engine_died = False
     try:
         stage = time.monotonic()
         await runner.setup()
-        await web.TCPSite(runner, options.host, options.port).start()
+        site = web.TCPSite(runner, options.host, options.port)
+        await site.start()
         logger.info("HTTP server listening on http://%s:%d in %.2fs (total startup %.2fs)",
                     options.host, options.port, time.monotonic() - stage,
                     time.monotonic() - started)
@@ -345,6 +356,9 @@ async def serve(config: EngineConfig, options: ServerOptions,
                 await cleanup()
             except Exception:
                 logger.exception("shutdown hook failed")
+        if site is not None:
+            await site.stop()  # no new connections while the requests in flight finish
+        await _drain(client, options.shutdown_drain_s if client.is_alive else 0.0)
         await runner.cleanup()
         await client.shutdown()
     if engine_died:
@@ -379,6 +393,22 @@ def check_port_free(host: str | None, port: int) -> None:
                                   f"{host or 'every interface'}: {exc.strerror}") from None
 
 
+async def _drain(client: AsyncEngineClient, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the requests in flight, then end the rest with an error
+    (their handlers answer it: an error event and [DONE] on a stream)."""
+    deadline = time.monotonic() + timeout_s
+    if client.num_in_flight:
+        logger.info("Waiting up to %.0f s for %d requests in flight", timeout_s,
+                    client.num_in_flight)
+    while client.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if client.num_in_flight:
+        logger.warning("Ending %d requests still in flight: the server is shutting down",
+                       client.num_in_flight)
+        client.fail_in_flight(EngineDeadError("the server is shutting down"))
+        await asyncio.sleep(0.5)  # let their handlers write the error out
+
+
 def run_server(config: EngineConfig, options: ServerOptions,
                engine_factory: EngineFactory | None = None,
                on_startup: Sequence[StartupHook] = ()) -> None:
@@ -386,6 +416,8 @@ def run_server(config: EngineConfig, options: ServerOptions,
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, options, engine_factory, on_startup))
-    else:
-        uvloop.run(serve(config, options, engine_factory, on_startup))
+        uvloop = None
+    # Outside the except clause: every traceback the server logs would be chained to the
+    # ImportError otherwise.
+    (asyncio.run if uvloop is None else uvloop.run)(
+        serve(config, options, engine_factory, on_startup))

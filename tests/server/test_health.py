@@ -15,19 +15,24 @@ from engine_core.server.http_errors import exception_body
 
 
 class _Client:
-    def __init__(self, alive: bool, hang: bool) -> None:
+    def __init__(self, alive: bool, hang: bool, long_operation: str | None = None) -> None:
         self.is_alive = alive
         self._hang = hang
+        self.long_operation = long_operation
 
     async def call(self, method: str, timeout_s: float = 30.0, **args: Any) -> Any:
         assert method == "check_health"
         if self._hang:  # as EngineClient.call does when no answer comes
-            return await asyncio.wait_for(asyncio.Event().wait(), timeout_s)
+            try:
+                return await asyncio.wait_for(asyncio.Event().wait(), timeout_s)
+            except asyncio.TimeoutError:
+                raise EngineUnresponsiveError(
+                    f"engine core did not answer {method} within {timeout_s:g} s") from None
         return None
 
 
-def _routes(alive: bool, hang: bool) -> Any:
-    serving = SimpleNamespace(client=_Client(alive, hang))
+def _routes(alive: bool, hang: bool, long_operation: str | None = None) -> Any:
+    serving = SimpleNamespace(client=_Client(alive, hang, long_operation))
     return api_server._Routes(serving, options=None, model_path="m")  # type: ignore[arg-type]
 
 
@@ -46,4 +51,13 @@ async def test_health_of_a_dead_or_hung_engine_is_a_503(monkeypatch: pytest.Monk
         await _routes(alive, hang).health(None)
     status, body = exception_body(caught.value)
     assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
-    assert "health check" in body["error"]["message"] or not alive
+    assert "check_health" in body["error"]["message"] or not alive
+
+
+async def test_health_of_an_engine_busy_waking_up_is_200() -> None:
+    """A wake-up (or sleep) in flight: the engine answers nothing else for minutes, and a
+    liveness probe must not restart the worker mid-reload."""
+    response = await _routes(alive=True, hang=True, long_operation="wake_up").health(None)
+    assert response.status == 200
+    with pytest.raises(EngineDeadError):
+        await _routes(alive=False, hang=True, long_operation="wake_up").health(None)

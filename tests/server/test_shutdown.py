@@ -73,3 +73,95 @@ def test_signal_during_engine_startup_stops_the_engine_too(signum: int) -> None:
         for pid in engines:  # never leave the test's own orphan behind
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# Serves a real engine on the demo checkpoint whose steps take 0.2 s, with a short drain.
+_DRAIN_SCRIPT = """
+import sys
+from engine_core.config import EngineConfig, ModelConfig
+from engine_core.server.api_server import ServerOptions, run_server
+from tests.server.test_shutdown import slow_step_engine_factory
+
+run_server(EngineConfig(model=ModelConfig(model=sys.argv[2], max_model_len=256,
+                                          served_model_name="demo")),
+           ServerOptions(port=int(sys.argv[1]), log_stats_interval_s=0, shutdown_drain_s=2.0),
+           slow_step_engine_factory)
+"""
+
+
+def slow_step_engine_factory(config: object) -> object:
+    """Runs in the engine process: the real engine, 0.2 s a step (a long generation)."""
+    from engine_core.engine_core import EngineCore
+
+    class SlowSteps(EngineCore):
+        def step(self):  # type: ignore[no-untyped-def]
+            time.sleep(0.2)
+            return super().step()
+
+    return SlowSteps(config)  # type: ignore[arg-type]
+
+
+def test_sigterm_drains_then_ends_the_remaining_streams_with_an_error(demo_checkpoint) -> None:
+    """On SIGTERM the server stops accepting connections, lets requests in flight finish for
+    ``shutdown_drain_s`` (a short one completes), then ends the rest with an error event and
+    [DONE] (not a cut connection), and exits 0 promptly with its engine gone."""
+    import json
+    import threading
+    import urllib.request
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _DRAIN_SCRIPT, str(port), str(demo_checkpoint)],
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    results: dict[str, list[str]] = {}
+
+    def stream(name: str, max_tokens: int) -> None:
+        body = json.dumps({"prompt": "drain me", "max_tokens": max_tokens, "ignore_eos": True,
+                           "stream": True}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            results[name] = [line.decode().strip() for line in response if line.strip()]
+
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).read()
+                break
+            except OSError:
+                time.sleep(0.2)
+        engines = _engine_pids(proc.pid)
+        threads = [threading.Thread(target=stream, args=("short", 4)),
+                   threading.Thread(target=stream, args=("long", 200))]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # both are in flight; the short one needs ~1 s more
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+        output, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 0, output
+        assert elapsed < 15, f"shutdown took {elapsed:.1f} s:\n{output}"
+        short, long = results["short"], results["long"]
+        assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(
+            short).replace(" ", ""), short
+        assert long[-1] == "data: [DONE]", long[-3:]
+        assert "shutting down" in long[-2] and '"error"' in long[-2], long[-3:]
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in engines if alive(pid)], output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in engines:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

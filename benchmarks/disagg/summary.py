@@ -166,7 +166,9 @@ def rescore(run: Mapping[str, Any], slos_ms: Mapping[str, float]) -> Mapping[str
     if (set(slos_ms) - {"ttft", "tpot"} or ttfts is None or tpots is None
             or not len(ttfts) == len(tpots) == done or not run.get("duration")):
         return None
-    good = sum(within_slos({"ttft": ttft, "tpot": tpot}, slos_ms)
+    # A request of one output token has no TPOT: it meets a TPOT SLO (bench serve and
+    # vLLM count it as 0).
+    good = sum(within_slos({"ttft": ttft, "tpot": 0.0 if tpot is None else tpot}, slos_ms)
                for ttft, tpot in zip(ttfts, tpots))
     sent = done + (run.get("failed") or 0)
     return {**run, "goodput_slos_ms": dict(slos_ms), "request_goodput": good / run["duration"],
@@ -198,20 +200,56 @@ def _tpot_sensitivity(pd: list[Mapping[str, Any]], colo: list[Mapping[str, Any]]
         b = [rescore(r, slos) for r in colo]
         if not a or not b or None in a or None in b:
             return [], {}
-        best_a, best_b = (_sweep_figures(x)["max_goodput"] for x in (a, b))
-        ratio = best_a / best_b if best_b else None
-        figures[f"{tpot:g}"] = {"pd": best_a, "colo2": best_b, "ratio": ratio}
-        rows.append(f"| {tpot:g} | {_f(best_a, 2)} | {_f(best_b, 2)} | {_f(ratio, 2)}x |")
+        fig_a, fig_b = _sweep_figures(a), _sweep_figures(b)
+        ratio, kind = _ratio(fig_a, fig_b)
+        best_a, best_b = fig_a["max_goodput"], fig_b["max_goodput"]
+        figures[f"{tpot:g}"] = {"pd": best_a, "colo2": best_b, "ratio": ratio,
+                                "ratio_bound": kind}
+        mark = {None: "", "upper bound": "<= ", "lower bound": ">= ", "unresolved": "~"}[kind]
+        rows.append(f"| {tpot:g} | {_f(best_a, 2)} | {_f(best_b, 2)} | {mark}{_f(ratio, 2)}x |")
     lines = ["", f"Max goodput by TPOT SLO (TTFT <= {ttft_ms:g} ms, the same runs scored "
-             "again):", "", "| TPOT SLO ms | 1P1D | 2x colocated | ratio |", "|---|---|---|---|",
-             *rows]
+             "again; <= / >= : a sweep that never saturated bounds the ratio):", "",
+             "| TPOT SLO ms | 1P1D | 2x colocated | ratio |", "|---|---|---|---|", *rows]
     return lines, figures
 
 
 def _sweep_figures(runs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The sweep's best goodput, the highest rate meeting the attainment target, and whether
+    the best is at the sweep's top rate with the target still met (``peak_at_top_rate``):
+    then the sweep never saturated and the true peak is at least the figure."""
+    runs = sorted(runs, key=lambda r: float(r["request_rate"]))
     good = [r for r in runs if r.get("slo_attainment", 0) >= ATTAINMENT_TARGET]
-    return {"max_goodput": max((r.get("request_goodput", 0.0) for r in runs), default=None),
-            "rate_at_90pct_slo": max((float(r["request_rate"]) for r in good), default=None)}
+    best = max(runs, key=lambda r: r.get("request_goodput", 0.0), default=None)
+    return {"max_goodput": None if best is None else best.get("request_goodput", 0.0),
+            "rate_at_90pct_slo": max((float(r["request_rate"]) for r in good), default=None),
+            "peak_at_top_rate": bool(runs) and best is runs[-1] and best in good}
+
+
+def _ratio(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float | None, str | None]:
+    """``a``'s max goodput over ``b``'s (``_sweep_figures``), and what kind of figure it is:
+    None when both peaks were reached, else "upper bound" (``b`` never saturated), "lower
+    bound" (``a`` never did) or "unresolved" (neither did)."""
+    if a["max_goodput"] is None or not b["max_goodput"]:
+        return None, None
+    kind = {(False, False): None, (False, True): "upper bound", (True, False): "lower bound",
+            (True, True): "unresolved"}[(a["peak_at_top_rate"], b["peak_at_top_rate"])]
+    return a["max_goodput"] / b["max_goodput"], kind
+
+
+def _bound_note(kind: str | None, a_name: str, b_name: str) -> str:
+    if kind is None:
+        return ""
+    unsaturated = {"upper bound": b_name, "lower bound": a_name,
+                   "unresolved": f"{a_name} and {b_name}"}[kind]
+    return (f" ({kind}: {unsaturated} still met {ATTAINMENT_TARGET:.0%} of the SLOs at the "
+            "sweep's top rate, so its peak is at least its figure)")
+
+
+def _shared_rates(*sweeps: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """Each sweep cut to the rates every one of them ran: a maximum over rates only one ran
+    (a sweep cut short) is no basis for a ratio."""
+    shared = set.intersection(*({float(r["request_rate"]) for r in runs} for runs in sweeps))
+    return [[r for r in runs if float(r["request_rate"]) in shared] for runs in sweeps]
 
 
 def goodput(results: Results, figures: dict[str, Any], experiment: str,
@@ -245,13 +283,19 @@ def goodput(results: Results, figures: dict[str, Any], experiment: str,
         a, b = row.get("pd"), row.get("colo2")
         if a and b and a["p99_tpot_ms"] is not None and b["p99_tpot_ms"] is not None:
             lower_tpot += a["p99_tpot_ms"] < b["p99_tpot_ms"]
-    section = {"pd": _sweep_figures(pd), "colo2": _sweep_figures(colo),
+    shared_pd, shared_colo = _shared_rates(pd, colo) if pd and colo else (pd, colo)
+    section = {"pd": _sweep_figures(shared_pd), "colo2": _sweep_figures(shared_colo),
                "pd_lower_p99_tpot_points": lower_tpot,
                "points_compared": sum(1 for v in by_rate.values() if len(v) == 2)}
     a, b = section["pd"]["max_goodput"], section["colo2"]["max_goodput"]
-    section["goodput_ratio"] = a / b if a is not None and b else None
-    lines += ["", f"Max goodput: 1P1D {_f(a, 2)} req/s, 2x colocated {_f(b, 2)} req/s, ratio "
-              f"**{_f(section['goodput_ratio'], 2)}x** (goal >= {GOALS['goodput_ratio']:g}x: "
+    section["goodput_ratio"], section["goodput_ratio_bound"] = _ratio(section["pd"],
+                                                                      section["colo2"])
+    only_shared = (f" (over the {section['points_compared']} rates both ran)"
+                   if len(shared_pd) != len(pd) or len(shared_colo) != len(colo) else "")
+    lines += ["", f"Max goodput{only_shared}: 1P1D {_f(a, 2)} req/s, 2x colocated {_f(b, 2)} "
+              f"req/s, ratio **{_f(section['goodput_ratio'], 2)}x**"
+              f"{_bound_note(section['goodput_ratio_bound'], '1P1D', '2x colocated')} "
+              f"(goal >= {GOALS['goodput_ratio']:g}x: "
               f"{_verdict(section['goodput_ratio'], GOALS['goodput_ratio'], False)}). "
               f"Highest rate with >= {ATTAINMENT_TARGET:.0%} SLO attainment: 1P1D "
               f"{_f(section['pd']['rate_at_90pct_slo'], 2)}, 2x colocated "
@@ -263,7 +307,7 @@ def goodput(results: Results, figures: dict[str, Any], experiment: str,
                   "with."]
     ttft_ms = sample["goodput_slos_ms"].get("ttft")
     if ttft_ms is not None:
-        more, by_tpot = _tpot_sensitivity(pd, colo, ttft_ms)
+        more, by_tpot = _tpot_sensitivity(shared_pd, shared_colo, ttft_ms)
         lines += more
         if by_tpot:
             section["by_tpot_slo"] = by_tpot
@@ -284,8 +328,6 @@ def prefill_overflow(results: Results, figures: dict[str, Any],
              "goodput_2k's prompts)", "",
              "| variant | rate | goodput | attain. | p99 TTFT | p99 TPOT | D alone (of routes) | 1P1D goodput "
              "| 2x colocated goodput |", "|---|---|---|---|---|---|---|---|---|"]
-    base_max = {name: _sweep_figures(list(runs.values()))["max_goodput"]
-                for name, runs in base.items()}
     section: dict[str, Any] = {}
     for variant in variants:
         runs, _ = _scored(_sweep(results, "overflow_2k", variant), slos_ms)
@@ -302,13 +344,18 @@ def prefill_overflow(results: Results, figures: dict[str, Any],
                 f"{_f(pd.get('request_goodput') if pd else None, 2)} | "
                 f"{_f(colo.get('request_goodput') if colo else None, 2)} |")
         mine = _sweep_figures(runs)
-        for name, best in base_max.items():
-            mine[f"ratio_to_{name}"] = (mine["max_goodput"] / best
-                                        if mine["max_goodput"] is not None and best else None)
+        notes = []
+        for name, label, whose in (("pd", "1P1D", "1P1D's"),
+                                   ("colo2", "two replicas", "two replicas'")):
+            ours, theirs = (_shared_rates(runs, list(base[name].values())) if base[name]
+                            else (runs, []))
+            ratio, kind = _ratio(_sweep_figures(ours), _sweep_figures(theirs))
+            mine[f"ratio_to_{name}"], mine[f"ratio_to_{name}_bound"] = ratio, kind
+            notes.append(f"{_f(ratio, 2)}x {whose}{_bound_note(kind, variant, label)}"
+                         if ratio is not None else f"no {label} run to compare with")
         section[variant] = mine
         lines += ["", f"{variant}: max goodput {_f(mine['max_goodput'], 2)} req/s, "
-                  f"{_f(mine['ratio_to_pd'], 2)}x 1P1D's and {_f(mine['ratio_to_colo2'], 2)}x "
-                  "two replicas' (over the rates each ran).", ""]
+                  f"{' and '.join(notes)} (over the rates both ran).", ""]
     figures["overflow_2k"] = section
     return lines
 

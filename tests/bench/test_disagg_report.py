@@ -234,9 +234,13 @@ def test_summary_figures() -> None:
     assert "1P1D with P's first token minus colocated hit directly: p50 **1.00 ms**" in markdown
     assert "missed by 5.00" in markdown  # p99 goal 10 ms
     g = figures["goodput_2k"]
-    assert g["pd"] == {"max_goodput": 3.6, "rate_at_90pct_slo": 4.0}
-    assert g["colo2"] == {"max_goodput": 2.0, "rate_at_90pct_slo": 2.0}
+    # 1P1D's best is its top rate, SLOs still met: it never saturated, the ratio is a bound.
+    assert g["pd"] == {"max_goodput": 3.6, "rate_at_90pct_slo": 4.0, "peak_at_top_rate": True}
+    assert g["colo2"] == {"max_goodput": 2.0, "rate_at_90pct_slo": 2.0,
+                          "peak_at_top_rate": False}
     assert g["goodput_ratio"] == pytest.approx(1.8)
+    assert g["goodput_ratio_bound"] == "lower bound"
+    assert "ratio **1.80x** (lower bound: 1P1D still met 90% of the SLOs" in markdown
     assert g["pd_lower_p99_tpot_points"] == 2 and g["points_compared"] == 2
     assert "goodput_8k" not in figures
 
@@ -305,7 +309,8 @@ def test_summary_scores_goodput_at_the_report_slos_and_by_tpot_slo() -> None:
     assert g["colo2"]["max_goodput"] == pytest.approx(0.0)
     assert "TPOT <= 15 ms" in markdown
     by_tpot = g["by_tpot_slo"]
-    assert by_tpot["40"] == pytest.approx({"pd": 1.0, "colo2": 1.0, "ratio": 1.0})
+    assert by_tpot["40"]["ratio"] == pytest.approx(1.0)
+    assert by_tpot["40"]["ratio_bound"] == "unresolved"  # one rate each, both met
     assert by_tpot["10"]["pd"] == pytest.approx(0.0)
     assert "| 15 | 1.00 | 0.00 |" in markdown
 
@@ -345,6 +350,35 @@ def test_overflow_plan_reuses_goodput_2k_prompts_and_sets_the_proxy_flag(tmp_pat
     assert "--prefill-overflow" not in Cluster(ClusterSpec("/m", "m", log_dir=tmp_path),
                                                PD).argv()
     assert "overflow_2k" not in {r.experiment for p in build_plan(GPU_SCALE) for r in p.runs}
+
+
+def test_rescore_lets_a_one_token_request_meet_a_tpot_slo() -> None:
+    """bench serve and vLLM count a request of one output token (no TPOT) as TPOT 0."""
+    from benchmarks.disagg.summary import rescore
+
+    run = _scored_run("1P1D", 2, [0.1, 0.2, 0.3], [None, 0.030, 0.010])  # type: ignore[list-item]
+    scored = rescore(run, {"ttft": 1000.0, "tpot": 15.0})
+    assert scored is not None and scored["slo_attainment"] == pytest.approx(2 / 3)
+
+
+def test_goodput_ratio_only_over_the_rates_both_sweeps_ran() -> None:
+    """A sweep cut short is compared at the rates the other also ran, and the summary says
+    so; the replicas' sweep that still met its SLOs at the top rate makes the ratio an upper
+    bound."""
+    results = {
+        "goodput_2k__pd__r4": _result("1P1D", 4, request_goodput=4.0, slo_attainment=1.0),
+        "goodput_2k__pd__r8": _result("1P1D", 8, request_goodput=5.0, slo_attainment=0.5),
+        "goodput_2k__colo2__r4": _result("2x", 4, request_goodput=4.0, slo_attainment=1.0),
+        "goodput_2k__colo2__r8": _result("2x", 8, request_goodput=8.0, slo_attainment=1.0),
+        "goodput_2k__colo2__r16": _result("2x", 16, request_goodput=12.0,
+                                          slo_attainment=0.6),
+    }
+    markdown, figures = build_summary(results, ["# report"])
+    g = figures["goodput_2k"]
+    assert g["colo2"]["max_goodput"] == 8.0  # not 12: 1P1D never ran 16 req/s
+    assert g["goodput_ratio"] == pytest.approx(5.0 / 8.0)
+    assert g["goodput_ratio_bound"] == "upper bound"
+    assert "Max goodput (over the 2 rates both ran)" in markdown
 
 
 def test_summary_sets_overflow_beside_1p1d_and_two_replicas() -> None:

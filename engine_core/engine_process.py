@@ -247,6 +247,29 @@ class EngineCoreProc:
                 self._send(EngineOutputs(outputs=[], stats=self._stats()))
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Linux: have the kernel SIGKILL this process when the thread that spawned it exits.
+
+    Why: the engine also checks its parent between steps, but a step or a startup that does
+    not return (a hung NCCL call, a model loading for minutes, a wake-up reload) outlived a
+    SIGKILLed API process, holding its GPU memory and ports. Checked again afterwards: a
+    parent already gone before the call would never deliver the signal."""
+    if sys.platform != "linux" or parent_pid is None:
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl here: the between-steps check remains
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
                     engine_factory: EngineFactory | None = None, parent_pid: int | None = None,
                     log_level: int = logging.INFO, stats_interval_s: float = 1.0) -> None:
@@ -254,6 +277,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and stops us
+    _die_with_parent(parent_pid)
     if config.kv_transfer is not None:
         sys.setswitchinterval(CONNECTOR_SWITCH_INTERVAL_S)
     context = zmq.Context()

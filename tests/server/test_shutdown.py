@@ -165,3 +165,33 @@ def test_sigterm_drains_then_ends_the_remaining_streams_with_an_error(demo_check
         for pid in engines:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_engine_dies_with_a_killed_api_process_even_inside_a_long_startup() -> None:
+    """SIGKILL to the API process (a supervisor's last resort, an OOM kill): the engine child
+    goes too at once, though it is inside a startup that would take minutes (the kernel's
+    parent-death signal; the engine's own parent check runs only between steps)."""
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(free_port())], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not engines:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "no engine process appeared"
+            time.sleep(0.1)
+            engines = _engine_pids(proc.pid)
+        time.sleep(1.0)  # inside its (endless) startup
+        proc.kill()
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in engines if alive(pid)], "the engine outlived its API process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in engines:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

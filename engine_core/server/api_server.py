@@ -216,7 +216,13 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
               options: ServerOptions) -> web.Application:
     """The aiohttp application over a started engine client."""
     names = [config.model.name]
-    metrics = ServerMetrics(names[0])
+    cache = config.cache
+    metrics = ServerMetrics(names[0], cache_info={
+        "block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
+        "kv_offloading_size": str(cache.kv_offloading_size)})
     serving = OpenAIServing(client, tokenizer, names, metrics)
     app = web.Application(client_max_size=options.client_max_size,
                           middlewares=[error_middleware, _auth_middleware(options.api_key)])

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine_core.messages import EngineStats
+
+# vLLM V1's labels on every metric: the served model and the engine's index (one engine a
+# worker here: "0"), so dashboards filtering or grouping by either work unchanged.
+LABELS = ["model_name", "engine"]
+ENGINE_INDEX = "0"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -91,7 +96,7 @@ class _EngineStatsCollector(Collector):
         self._owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        stats, labels = self._owner.engine_stats, [self._owner.model_name]
+        stats, labels = self._owner.engine_stats, [self._owner.model_name, ENGINE_INDEX]
         if stats is None:
             return
         gauges = {
@@ -115,7 +120,7 @@ class _EngineStatsCollector(Collector):
         gauges["pdserve:engine_sleep_level"] = (
             "Sleep mode: 0 awake, else the level the engine sleeps at.", stats.sleep_level)
         for name, (doc, value) in gauges.items():
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
             family.add_metric(labels, value)
             yield family
         counters = {
@@ -138,7 +143,7 @@ class _EngineStatsCollector(Collector):
             if key in stats.connector:
                 counters[f"pdserve:kv_transfer_{key}"] = (doc, stats.connector[key])
         for name, (doc, value) in counters.items():
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family = CounterMetricFamily(name, doc, labels=LABELS)
             family.add_metric(labels, value)
             yield family
 
@@ -146,11 +151,14 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """All metrics of one server; ``render()`` gives the Prometheus text."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None) -> None:
+        """``cache_info``: the KV cache settings exported as vLLM's ``cache_config_info``
+        (an info gauge: labels carry the values, the sample is 1)."""
         self.model_name = model_name
+        self._label_values = (model_name, ENGINE_INDEX)
         self.registry = CollectorRegistry(auto_describe=True)
         self.engine_stats: EngineStats | None = None
-        labels = ["model_name"]
+        labels = LABELS
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", labels,
                               buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -164,7 +172,11 @@ class ServerMetrics:
                                        "Count of successfully processed requests.",
                                        labels + ["finished_reason"], registry=self.registry)
         for reason in ("stop", "length"):  # present at 0 from the start, as in vLLM
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*self._label_values, reason)
+        if cache_info:
+            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                  LABELS + sorted(cache_info), registry=self.registry).labels(
+                *self._label_values, *(cache_info[k] for k in sorted(cache_info))).set(1)
         self.request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels,
             buckets=_TOKEN_BUCKETS, registry=self.registry)
@@ -192,10 +204,10 @@ class ServerMetrics:
         self.loop_stall_seconds.inc(seconds)
 
     def observe_first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name).observe(seconds)
+        self.ttft.labels(*self._label_values).observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+        self.itl.labels(*self._label_values).observe(seconds)
 
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None,
                          num_prompt_tokens: int, num_output_tokens: int,
@@ -203,19 +215,19 @@ class ServerMetrics:
         """One request ended (finished, aborted or failed); ``num_output_tokens`` counts the
         tokens this worker generated. (The token counters come from the engine.)"""
         if finish_reason in ("stop", "length"):
-            self.e2e.labels(self.model_name).observe(e2e_seconds)
-            self.request_success.labels(self.model_name, finish_reason).inc()
-            self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
-            self.request_generation_tokens.labels(self.model_name).observe(num_output_tokens)
+            self.e2e.labels(*self._label_values).observe(e2e_seconds)
+            self.request_success.labels(*self._label_values, finish_reason).inc()
+            self.request_prompt_tokens.labels(*self._label_values).observe(num_prompt_tokens)
+            self.request_generation_tokens.labels(*self._label_values).observe(num_output_tokens)
             if max_tokens is not None:
-                self.request_max_tokens.labels(self.model_name).observe(max_tokens)
+                self.request_max_tokens.labels(*self._label_values).observe(max_tokens)
 
     def observe_breakdown(self, timings: dict[str, float]) -> None:
         """One finished request's ``pdserve_timings`` (milliseconds) into the histograms."""
         for key, histogram in self.breakdown.items():
             value = timings.get(key)
             if value is not None:
-                histogram.labels(self.model_name).observe(max(0.0, value) / 1e3)
+                histogram.labels(*self._label_values).observe(max(0.0, value) / 1e3)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -79,6 +79,25 @@ def test_token_counters_follow_the_engine_and_long_latencies_have_buckets() -> N
     assert samples[("vllm:e2e_request_latency_seconds_bucket", "7680.0")] == 1
 
 
+def test_every_vllm_series_carries_model_name_and_engine_labels() -> None:
+    """vLLM V1 labels its metrics {model_name, engine}: every vllm:* sample here has both,
+    and the cache settings are exported as vllm:cache_config_info."""
+    from engine_core.messages import EngineStats
+    from engine_core.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", cache_info={"block_size": "16", "cache_dtype": "auto"})
+    metrics.engine_stats = EngineStats(1, 0, 0, 0.5, 0, 0, 0, 0, 0, 10, 2, 0)
+    metrics.observe_first_token(0.1)
+    metrics.observe_finished(1.0, "stop", 10, 2, 4)
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples if s.name.startswith("vllm:")]
+    assert len(samples) > 50
+    assert all(s.labels.get("model_name") == "m" and s.labels.get("engine") == "0"
+               for s in samples), [s for s in samples if "engine" not in s.labels][:3]
+    (info,) = [s for s in samples if s.name == "vllm:cache_config_info"]
+    assert info.value == 1 and info.labels["block_size"] == "16"
+
+
 def test_every_connector_counter_of_the_worker_is_exported() -> None:
     """Each event counter the P2P connector worker keeps reaches /metrics as a Prometheus
     counter (an operator sees restarts, expired leases and push-backs, not only bytes)."""

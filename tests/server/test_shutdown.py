@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,8 +47,10 @@ def _engine_pids(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_during_engine_startup_stops_the_engine_too(signum: int) -> None:
+@contextlib.contextmanager
+def _server_inside_engine_startup() -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """The server process and its engine process(es), the engine inside its endless
+    startup; on leaving, whatever is still running is killed (no orphan left behind)."""
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(free_port())], env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     engines: list[int] = []
@@ -56,16 +60,9 @@ def test_signal_during_engine_startup_stops_the_engine_too(signum: int) -> None:
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "no engine process appeared"
             time.sleep(0.1)
-            engines = _engine_pids(proc.pid)
+            engines.extend(_engine_pids(proc.pid))
         time.sleep(1.0)  # the engine is inside its (endless) startup now
-        proc.send_signal(signum)
-        output, _ = proc.communicate(timeout=30)
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in engines if alive(pid)], \
-            f"engine process left running after the server exited ({proc.returncode}):\n{output}"
-        assert proc.returncode == 0, output
+        yield proc, engines
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -73,6 +70,24 @@ def test_signal_during_engine_startup_stops_the_engine_too(signum: int) -> None:
         for pid in engines:  # never leave the test's own orphan behind
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The ``pids`` still alive after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_during_engine_startup_stops_the_engine_too(signum: int) -> None:
+    with _server_inside_engine_startup() as (proc, engines):
+        proc.send_signal(signum)
+        output, _ = proc.communicate(timeout=30)
+        assert not _wait_gone(engines, 10), \
+            f"engine process left running after the server exited ({proc.returncode}):\n{output}"
+        assert proc.returncode == 0, output
 
 
 # Serves a real engine on the demo checkpoint whose steps take 0.2 s, with a short drain.
@@ -154,10 +169,7 @@ def test_sigterm_drains_then_ends_the_remaining_streams_with_an_error(demo_check
             short).replace(" ", ""), short
         assert long[-1] == "data: [DONE]", long[-3:]
         assert "shutting down" in long[-2] and '"error"' in long[-2], long[-3:]
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in engines if alive(pid)], output
+        assert not _wait_gone(engines, 10), output
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -171,27 +183,7 @@ def test_the_engine_dies_with_a_killed_api_process_even_inside_a_long_startup() 
     """SIGKILL to the API process (a supervisor's last resort, an OOM kill): the engine child
     goes too at once, though it is inside a startup that would take minutes (the kernel's
     parent-death signal; the engine's own parent check runs only between steps)."""
-    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(free_port())], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    engines: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while not engines:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "no engine process appeared"
-            time.sleep(0.1)
-            engines = _engine_pids(proc.pid)
-        time.sleep(1.0)  # inside its (endless) startup
+    with _server_inside_engine_startup() as (proc, engines):
         proc.kill()
         proc.communicate(timeout=30)
-        deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in engines if alive(pid)], "the engine outlived its API process"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in engines:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        assert not _wait_gone(engines, 5), "the engine outlived its API process"

@@ -55,7 +55,14 @@ from typing import Any
 import torch
 
 from benchmarks.model_shapes import write_model_dir
-from engine_core.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine_core.config import (
+    SPLIT_K_MLP_MODES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine_core.engine_core import EngineCore
 from engine_core.kv_connector import NullConnectorWorker
 from engine_core.messages import AddRequest
@@ -250,9 +257,9 @@ def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
         "enforce_eager": engine.config.device.enforce_eager,
         "gemv_max_rows": engine.attn_backend.gemv_max_rows,
         "split_k_mlp": engine.attn_backend.split_k_mlp,
-        "split_k_mlp_layers": sum(bool(getattr(getattr(layer, "mlp", None), "split_k", False))
-                                  for layer in engine.model.modules()
-                                  if layer.__class__.__name__.endswith("DecoderLayer")),
+        # Layers whose MLP runs split-K (the flag's auto may leave them all off).
+        "split_k_mlp_layers": sum(bool(getattr(module, "split_k", False))
+                                  for module in engine.model.modules()),
         "async_scheduling": engine.async_scheduling,
     }
 
@@ -907,7 +914,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--triton-gemv-max-rows", type=int, default=None,
                         help="the engine flag (default: the engine's default)")
-    parser.add_argument("--split-k-mlp", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--split-k-mlp", choices=SPLIT_K_MLP_MODES, default="auto",
                         help="the engine flag (default: auto, as in pdserve)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True, help="the engine flag (default on, as in pdserve)")

@@ -95,7 +95,7 @@ def gemv_cases() -> list[dict[str, Any]]:
         silu = name == "wide"  # the fused gate/up takes the wide tiling
         constants = dict(HAS_BIAS=False, SILU_MUL=silu, BLOCK_M=gemv_module.BLOCK_M,
                          BLOCK_N=t.block_n, BLOCK_K=t.block_k, EARLY_DEPENDENTS=not silu,
-                         **gemv_module.prefetch_args(t, 2), USE_PDL=True)
+                         **gemv_module.prefetch_args(t.block_k, 2), USE_PDL=True)
         used = compile_sm90(fn, types, constants, num_warps=t.num_warps,
                             num_stages=t.num_stages, enable_fp_fusion=not silu)
         out.append({"kernel": f"gemv {name}{' + SiLU' if silu else ''}",
@@ -117,7 +117,7 @@ def split_k_mlp_cases() -> list[dict[str, Any]]:
         for transposed in (False, True):
             constants = dict(DOWN_TRANSPOSED=transposed, BLOCK_M=gemv_module.BLOCK_M,
                              BLOCK_I=t.block_i, BLOCK_K=t.block_k, BLOCK_H=t.block_h,
-                             PREFETCH_LINES=t.block_k * 2 // 128, LINE=64,
+                             **gemv_module.prefetch_args(t.block_k, 2),
                              EARLY_DEPENDENTS=False, USE_PDL=True)
             used = compile_sm90(fn, types, constants, num_warps=t.num_warps,
                                 num_stages=t.num_stages, enable_fp_fusion=False)

@@ -126,12 +126,13 @@ WIDE_TILING = GemvTiling(64, 128, 4, 4)
 PREFETCH_CHUNKS = 1
 
 
-def prefetch_args(tiling: GemvTiling, element_size: int,
+def prefetch_args(block_k: int, element_size: int,
                   chunks: int = PREFETCH_CHUNKS) -> dict[str, int]:
-    """The kernel's ``PREFETCH_LINES`` and ``LINE`` (elements a 128-byte line) for
-    ``chunks`` K chunks of ``tiling`` over weights of ``element_size`` bytes."""
+    """A kernel's ``PREFETCH_LINES`` and ``LINE`` (elements a 128-byte line) for ``chunks``
+    K chunks of ``block_k`` over weights of ``element_size`` bytes (``_prefetch_first_lines``:
+    this GEMV's and ``split_k_mlp``'s)."""
     assert chunks >= 0 and chunks & (chunks - 1) == 0, chunks  # tl.arange: 2^n lines a row
-    return {"PREFETCH_LINES": chunks * tiling.block_k * element_size // 128,
+    return {"PREFETCH_LINES": chunks * block_k * element_size // 128,
             "LINE": 128 // element_size}
 
 
@@ -182,7 +183,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
-        **prefetch_args(t, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
+        **prefetch_args(t.block_k, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not silu_mul, **pdl_args(x.device))
     return out

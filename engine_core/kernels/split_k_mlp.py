@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.kernels.gemv import BLOCK_M, _prefetch_first_lines
+from engine_core.kernels.gemv import BLOCK_M, _prefetch_first_lines, prefetch_args
 from engine_core.kernels.pdl import launch_dependents, pdl_args, wait_for_predecessor
 from engine_core.kernels.silu_mul import silu_times_up
 
@@ -134,8 +134,8 @@ def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         x, gate_up, down, acc, m, inter, k, h, x.stride(0), gate_up.stride(0),
         down.stride(0), acc.stride(0), DOWN_TRANSPOSED=down_transposed, BLOCK_M=BLOCK_M,
         BLOCK_I=t.block_i, BLOCK_K=t.block_k, BLOCK_H=t.block_h,
-        PREFETCH_LINES=prefetch_chunks * t.block_k * gate_up.element_size() // 128,
-        LINE=128 // gate_up.element_size(), EARLY_DEPENDENTS=early_dependents,
+        **prefetch_args(t.block_k, gate_up.element_size(), prefetch_chunks),
+        EARLY_DEPENDENTS=early_dependents,
         num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=False,
         **pdl_args(x.device))
     return acc

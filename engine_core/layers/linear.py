@@ -20,6 +20,11 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 GEMV_MAX_WEIGHT_ELEMENTS = 128 << 20
 
 
+def gemv_sized(in_features: int, out_features: int) -> bool:
+    """Whether a projection's weight is small enough for the Triton GEMV (and split-K)."""
+    return in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
+
+
 def takes_gemv(x: torch.Tensor, max_rows: int) -> bool:
     """Whether a projection of ``x`` goes to the Triton GEMV: at most ``max_rows`` rows of a
     16-bit CUDA input (shapes, dtype and device only, so a CUDA graph records one choice)."""
@@ -46,7 +51,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        small = in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
+        small = gemv_sized(in_features, out_features)
         # The GEMV streams rows of W, so a transposed weight never takes it.
         self.gemv_max_rows = gemv_max_rows if small and not transposed else 0
         shape = (in_features, out_features) if transposed else (out_features, in_features)

@@ -12,7 +12,7 @@ from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.layers.activation import SiluAndMul
 from engine_core.layers.embedding import LMHead, VocabEmbedding
-from engine_core.layers.linear import GEMV_MAX_WEIGHT_ELEMENTS, Linear, MergedLinear
+from engine_core.layers.linear import Linear, MergedLinear, gemv_sized
 from engine_core.layers.norm import RMSNorm
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.models.spec import ModelSpec
@@ -113,7 +113,7 @@ class LlamaMLP(nn.Module):
         self.split_k = (attn_backend.triton_layers and attn_backend.split_k_mlp
                         and not spec.mlp_bias
                         and self.gate_up_proj.gemv_max_rows > 0
-                        and inter * hidden <= GEMV_MAX_WEIGHT_ELEMENTS)
+                        and gemv_sized(inter, hidden))
         self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows, transposed=self.split_k)
         self.act_fn = SiluAndMul(attn_backend.triton_layers)
 

@@ -24,8 +24,9 @@ class PromptTokens:
     """A request's distinct prompt token ids on the sampling device, made the first time a
     step needs them (repetition penalty) and kept with the request's runner state.
 
-    Why: rebuilding every prompt token on the host and copying it each step cost ~0.26 s a
-    step for 64 requests of 8k-token prompts; the prompt never changes."""
+    Why: the prompt never changes, and rebuilding its (row, token) pairs on the host every
+    step took ~140 ms of host time a step for 64 requests of 8k-token prompts (dev machine,
+    2026-11-26; 20 ms with this)."""
 
     tensor: torch.Tensor | None = None
 
@@ -180,8 +181,6 @@ class Sampler:
             return logits
         device = logits.device
         num_rows, vocab = logits.shape
-        # (row, token) pairs of every output token, and of prompt tokens where repetition
-        # penalty applies, gathered on the host and sent in one copy each.
         # Output tokens as (row, token) pairs gathered on the host and sent in one copy; the
         # prompts' distinct tokens, where repetition penalty applies, from each request's
         # device copy (PromptTokens), one concatenation for the batch.

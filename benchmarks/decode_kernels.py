@@ -270,11 +270,6 @@ class LayerVariant:
     down_transposed: bool = False  # split_k_mlp reads down stored [I, H]
     mlp_early: bool = False  # split_k_mlp lets the next norm in once its programs start
     mlp_prefetch: int = 1  # K chunks of gate/up split_k_mlp requests into L2 before its wait
-    fold_norm2: bool = False  # o adds the residual and sums squares, split_k_mlp norms its
-    # input (norm=); norm1 clears accumulator and sums (two of each in turn: norm1 reads the
-    # previous layer's accumulator)
-    side_prefetch: tuple[int, int] | None = None  # (columns, programs): a kernel on a side
-    # stream, started when qkv ends, requests o's first columns of every row into L2
 
 
 # SplitKMlpTiling candidates (intermediate columns a program, gate/up K chunk, down output
@@ -335,13 +330,6 @@ LAYER_VARIANTS = {
     **{f"engine now, MLP split-K {t}, down stored [I, H], early trigger": LayerVariant(
         rope="attention", silu="fused", mlp_split_k=t, down_transposed=True, mlp_early=True)
        for t in SPLIT_K_MLP_CONFIGS[:3]},
-    "engine now, MLP split-K, norm2 in o and the MLP": LayerVariant(
-        rope="attention", silu="fused", mlp_split_k=SPLIT_K_MLP_CONFIGS[2],
-        down_transposed=True, fold_norm2=True),
-    **{f"engine now, MLP split-K, side stream prefetches o {c} columns, {p} programs":
-       LayerVariant(rope="attention", silu="fused", mlp_split_k=SPLIT_K_MLP_CONFIGS[2],
-                    down_transposed=True, side_prefetch=(c, p))
-       for c in (1024, 2048) for p in (4, 32)},
     **{f"engine now, MLP split-K {t}, down stored [I, H], prefetch {c}": LayerVariant(
         rope="attention", silu="fused", mlp_split_k=t, down_transposed=True, mlp_prefetch=c)
        for t in SPLIT_K_MLP_CONFIGS[:3:2] for c in (0, 2)},
@@ -389,14 +377,6 @@ def set_carveout(percent: int) -> None:
                     assert rc == 0, (fn, rc)
 
 
-def l2_prefetch_columns(w: torch.Tensor, columns: int, programs: int) -> None:
-    """Request the first ``columns`` of every row of ``w`` into L2 with ``programs``
-    programs (fire and forget; the layer variants' side-stream prefetch)."""
-    from benchmarks.l2_prefetch import prefetch_columns
-
-    prefetch_columns(w, columns, programs)
-
-
 def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     """Qwen3-8B decoder layers at batch 1, context 1k, as a graph of ``num_layers`` layers
     with distinct weights and caches, in the variants ``names`` of ``LAYER_VARIANTS``
@@ -404,7 +384,6 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     down). us per layer; the block table is the benchmark engine's width (10k tokens), so
     the default split count is the engine's."""
     from benchmarks.staged_gemv import staged_gemv
-    from engine_core.kernels.folded_norm import FoldedNorm
     from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
     from engine_core.kernels.kv_write import write_kv
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
@@ -437,9 +416,6 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     sin = torch.rand(1, 1, d, **bf16)
     q_fixed = torch.randn(1, hq, d, **bf16)
     mlp_acc = torch.empty(1, hidden, dtype=torch.float32, device="cuda")
-    mlp_accs = (mlp_acc, torch.empty_like(mlp_acc))  # in turn, for the folded norm
-    mlp_sums = (torch.empty(1, device="cuda"), torch.empty(1, device="cuda"))
-    side = torch.cuda.Stream()
     if any(LAYER_VARIANTS[name].down_transposed for name in names):
         for layer in layers:
             layer["down_t"] = layer["down"].t().contiguous()
@@ -460,22 +436,12 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             gate_up_early = {"default": None, "never": True}.get(v.late_trigger, False)
             h, r = x, residual
             attn_out = torch.empty_like(q_fixed)
-            main = torch.cuda.current_stream()
-            for i, layer in enumerate(layers):
+            for layer in layers:
+                normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
                 pf = v.gemv_prefetch
                 qkv_tiling = GemvTiling(*v.qkv_tiling) if v.qkv_tiling else tiling
-                acc_now = mlp_accs[i % 2] if v.fold_norm2 else mlp_acc
-                sums_now = mlp_sums[i % 2]
-                normed, r = (rms_norm(h, layer["norm1"], 1e-6, r,
-                                      clear=acc_now if v.fold_norm2 else None,
-                                      clear_sums=sums_now if v.fold_norm2 else None)
-                             if v.norms else (h, r))
                 qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], qkv_tiling),
                            early_dependents=not late_all, prefetch_chunks=pf)
-                if v.side_prefetch is not None:
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        l2_prefetch_columns(layer["o"], *v.side_prefetch)
                 q, rope = q_fixed, None
                 attn_launch = ({} if v.attn_launch is None else dict(
                     zip(("block_n", "num_warps", "num_stages"), v.attn_launch)))
@@ -500,27 +466,18 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                     chunks, rows, warps = v.o_staged
                     h = staged_gemv(attn_out.view(1, hq * d), layer["o"], staged_chunks=chunks,
                                     block_n=rows, num_warps=warps)
-                elif v.fold_norm2:
-                    h = r = gemv(attn_out.view(1, hq * d), layer["o"],
-                                 tiling=staged(layer["o"], o_tiling),
-                                 early_dependents=not late_all, prefetch_chunks=pf,
-                                 residual=r, sum_squares=sums_now)
                 else:
                     h = gemv(attn_out.view(1, hq * d), layer["o"],
                              tiling=staged(layer["o"], o_tiling),
                              early_dependents=not late_all, prefetch_chunks=pf)
                 if v.mlp_split_k is not None:
+                    normed, r = rms_norm(h, layer["norm2"], 1e-6, r, clear=mlp_acc)
                     down = layer["down_t"] if v.down_transposed else layer["down"]
-                    if v.fold_norm2:
-                        norm2 = FoldedNorm(layer["norm2"], 1e-6, sums_now)
-                    else:
-                        norm2 = None
-                        h, r = rms_norm(h, layer["norm2"], 1e-6, r, clear=mlp_acc)
-                    h = split_k_mlp(h, layer["gate_up"], down, acc_now,
+                    h = split_k_mlp(normed, layer["gate_up"], down, mlp_acc,
                                     SplitKMlpTiling(*v.mlp_split_k),
                                     down_transposed=v.down_transposed,
                                     prefetch_chunks=v.mlp_prefetch,
-                                    early_dependents=v.mlp_early, norm=norm2)
+                                    early_dependents=v.mlp_early)
                     continue
                 normed, r = rms_norm(h, layer["norm2"], 1e-6, r) if v.norms else (h, r)
                 if v.silu == "fused":
@@ -535,8 +492,6 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                 h = gemv(act, layer["down"], tiling=staged(layer["down"], down_tiling),
                          early_dependents=not late_all,
                          prefetch_chunks=pf)
-            if v.side_prefetch is not None:
-                main.wait_stream(side)
 
         forward()
         set_carveout(100 if v.carveout else -1)

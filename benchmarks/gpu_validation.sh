@@ -12,7 +12,6 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE (or BASE_DIR; ATTN_CASES)
-#   source .device/env.sh && BASE_DIR=ab-base bash benchmarks/gpu_validation.sh norm_fold  # one H100 (~9 min): the folded norm, o's side-stream prefetch: layer graph, engine A/B, tests
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
@@ -238,29 +237,6 @@ case "$STAGE" in
         step speed_base_1 130 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_1.json"
         step kernels_new_2 50 "${kernels[@]}" --out "$RUN/kernels_new_2.json"
         step kernels_base_2 50 "${base[@]}" "${kernels[@]}" --out "$RUN/kernels_base_2.json"
-        ;;
-    norm_fold)
-        # The norm before the MLP folded into o's epilogue (residual add, sums of squares)
-        # and the one-launch split-K MLP, and o's weights requested into L2 from a side
-        # stream: the layer graph's variants twice, the engine against BASE_DIR (a copy of
-        # the tree before, as in attn_ab) in alternation, then the kernel and HF tests.
-        basedir=$(cd "${BASE_DIR:?BASE_DIR names the base tree}" && pwd)
-        base=(env -C "$basedir" "PYTHONPATH=$basedir:$PWD:$PYTHONPATH")
-        layer=(python3 -m benchmarks.decode_kernels --parts layer --layer-variants
-               "engine now, MLP split-K (32, 256, 256, 4, 4), down stored [I, H];engine now, MLP split-K, norm2*;engine now, MLP split-K, side*")
-        speed=(python3 -m benchmarks.engine_speed --only limits,decode
-               --decode-cases ${DECODE_CASES:-1x1024,2x1024,4x1024})
-        step layer_1 100 "${layer[@]}" --out "$RUN/layer_1.json"
-        step speed_new_1 100 "${speed[@]}" --out "$RUN/speed_new_1.json"
-        step speed_base_1 100 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_1.json"
-        step speed_new_2 100 "${speed[@]}" --out "$RUN/speed_new_2.json"
-        step speed_base_2 100 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_2.json"
-        step layer_2 100 "${layer[@]}" --out "$RUN/layer_2.json"
-        step kernel_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/engine_core/test_triton_kernels.py \
-            -k "folds or residual_and_sums or rounds_a_float32 or split_k_mlp_equals"
-        step equivalence 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/engine_core/test_gpu_equivalence.py -k "split-k"
         ;;
     report1)
         # Colocated prefix caching and the proxy overhead (interleaved A/B); the 1P1D runs

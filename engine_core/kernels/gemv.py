@@ -41,8 +41,7 @@ def _prefetch_first_lines(w_rows, row_ok, K, LINES: tl.constexpr, LINE: tl.const
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, sums_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, stride_rm, RESIDUAL: tl.constexpr, SUM_SQUARES: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
                  PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
@@ -66,9 +65,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, sums_ptr, M, N, K, stride_
     wait_for_predecessor(USE_PDL, EARLY_DEPENDENTS)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    if RESIDUAL:  # requested now, used after the loop
-        residual = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :],
-                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
@@ -93,11 +89,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, sums_ptr, M, N, K, stride_
         result = acc.to(dtype)
         out_cols = cols
         out_ok = col_ok
-    if RESIDUAL:  # the residual add's rounding, as torch's x + residual
-        result = (result.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-    if SUM_SQUARES:
-        r32 = result.to(tl.float32)
-        tl.atomic_add(sums_ptr + rows, tl.sum(r32 * r32, 1), mask=row_ok, sem="relaxed")
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
 
@@ -158,8 +149,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          tiling: GemvTiling | None = None, silu_mul: bool = False,
          early_dependents: bool | None = None,
          prefetch_chunks: int | None = None,
-         out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
-         sum_squares: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` with ``M <= 16``; ``weight`` ``[N, K]``.
 
     ``silu_mul``: ``weight`` is a fused gate/up ``[2 * I, K]`` (gate rows first) and the
@@ -178,35 +168,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     ``out_dtype`` (the LM head's float32 logits): the result, rounded to ``x``'s dtype as
     always, is stored in this dtype, so no cast kernel follows.
-
-    ``residual`` (``[M, N]``): the result is ``round(x @ weight.T) + residual``, rounded,
-    the pre-norm block's residual add. ``sum_squares`` (float32 ``[M]``, zeroed before):
-    each row's sum of the squared results is added there, for the norm that the next
-    projection computes itself (``rms_norm.FoldedNorm``).
     """
     m, k = x.shape
     n = weight.shape[0]
     assert m <= BLOCK_M and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert not silu_mul or n % 2 == 0
     out = torch.empty(m, n // 2 if silu_mul else n, dtype=out_dtype or x.dtype, device=x.device)
-    r = sums = x  # placeholders
-    if residual is not None:
-        assert not silu_mul and residual.shape == (m, n) and residual.stride(1) == 1
-        assert residual.dtype == x.dtype
-        r = residual
-    if sum_squares is not None:
-        assert not silu_mul and sum_squares.dtype == torch.float32
-        assert sum_squares.shape == (m,) and sum_squares.is_contiguous()
-        sums = sum_squares
     if m == 0:
         return out
     t = tiling or choose_tiling(n, k)
     chunks = PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks
     early = not silu_mul if early_dependents is None else early_dependents
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
-        x, weight, weight if bias is None else bias, out, r, sums, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), r.stride(0), RESIDUAL=residual is not None,
-        SUM_SQUARES=sum_squares is not None, HAS_BIAS=bias is not None,
+        x, weight, weight if bias is None else bias, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
         **prefetch_args(t.block_k, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,

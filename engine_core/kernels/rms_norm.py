@@ -12,11 +12,6 @@ match the reference's bf16 roundings:
 residual: it is rounded to the residual's dtype first, where the unsplit projection
 rounds its output. ``clear`` zeroes such an accumulator for the projection that follows
 the norm, so that no memset node (which PDL cannot chain) enters the graph.
-
-``folded_rstd`` and ``normed_chunk`` are the same arithmetic for a norm computed inside the
-projection after it (``split_k_mlp(norm=...)``), from the sums of squares the projection
-before it accumulated (``gemv(sum_squares=...)``): one launch and one round trip less a
-norm at decode. Only the order of the float32 sum of squares differs from this kernel's.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, clear_ptr,
-                     clear_sums_ptr, stride_x, stride_r, stride_o, stride_ro, stride_c, n_cols,
-                     eps, CLEAR_SUMS: tl.constexpr,
+                     stride_x, stride_r, stride_o, stride_ro, stride_c, n_cols, eps,
                      BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CLEAR: tl.constexpr,
                      USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -45,8 +39,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if CLEAR:
         tl.store(clear_ptr + row * stride_c + cols, tl.zeros([BLOCK], tl.float32), mask=mask)
-    if CLEAR_SUMS:
-        tl.store(clear_sums_ptr + row, 0.0)
     if HAS_RESIDUAL:
         dtype = residual_ptr.dtype.element_ty
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -61,24 +53,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def folded_rstd(sums_ptr, rows, row_ok, K, eps):
-    """``rsqrt(mean(x^2) + eps)`` of ``rows`` from their float32 sums of squares."""
-    sums = tl.load(sums_ptr + rows, mask=row_ok, other=0.0)
-    return tl.rsqrt(sums / K + eps)
-
-
-@triton.jit
-def normed_chunk(x_rows, weight_ptr, ks, ok, k_ok, rstd):
-    """Columns ``ks`` of the norm's output, ``weight * round(x * rstd)``, rounded as
-    ``_rms_norm_kernel`` rounds them (``ok``: rows and columns in range; ``k_ok``: columns)."""
-    x = tl.load(x_rows + ks[None, :], mask=ok, other=0.0)
-    dtype = x.dtype
-    y = (x.to(tl.float32) * rstd[:, None]).to(dtype)
-    weight = tl.load(weight_ptr + ks, mask=k_ok, other=0.0)
-    return (weight.to(tl.float32)[None, :] * y.to(tl.float32)).to(dtype)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, cols]`` view with unit column stride (copying if needed)."""
     flat = x.reshape(-1, x.shape[-1])
@@ -87,15 +61,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None,
-             clear: torch.Tensor | None = None,
-             clear_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             clear: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight * norm(x + residual), x + residual)``; without a residual the second is None.
 
     The sum is rounded to the residual's dtype before the norm, as ``x + residual`` in
     torch is (a float32 ``x``, a split-K accumulator, is rounded to it first). ``clear``:
     a float32 ``[rows, cols]`` buffer (not ``x``) set to zero, for a split-K projection
-    after the norm; ``clear_sums`` a float32 ``[rows]`` one, for a later ``gemv``'s sums of
-    squares (``FoldedNorm``).
+    after the norm.
     """
     n_cols = x.shape[-1]
     x2 = _rows(x)
@@ -114,16 +86,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         # Not the input: a thread's zero store may land before another's load of it.
         assert clear.data_ptr() != x2.data_ptr(), "clear must not alias x"
         c2 = clear
-    cs = c2  # placeholder when there are no sums to clear
-    if clear_sums is not None:
-        assert clear_sums.dtype == torch.float32 and clear_sums.shape == (x2.shape[0],)
-        cs = clear_sums
     block = next_power_of_2(n_cols)
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, ro2, c2, cs, x2.stride(0), r2.stride(0), out.stride(0),
-            ro2.stride(0), c2.stride(0), n_cols, eps, CLEAR_SUMS=clear_sums is not None,
-            BLOCK=block,
+            x2, r2, weight, out, ro2, c2, x2.stride(0), r2.stride(0), out.stride(0),
+            ro2.stride(0), c2.stride(0), n_cols, eps, BLOCK=block,
             HAS_RESIDUAL=residual is not None, CLEAR=clear is not None,
             num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
             **pdl_args(x.device))

@@ -12,7 +12,7 @@ float32 accumulator ``[M, H]``. No program waits for another, so the weight stre
 not stop between the two projections.
 
 The accumulator must be zero when the kernel starts (``rms_norm(clear=...)`` zeroes it in
-the layer's first norm) and holds the down projection's float32 sums when it ends; its
+the norm before the MLP) and holds the down projection's float32 sums when it ends; its
 consumer rounds it to the model dtype first, which is where the separate down GEMV rounds.
 Only the order of the float32 additions differs from the separate GEMVs (and varies from
 run to run: atomics land in arrival order).
@@ -26,17 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_core.kernels.folded_norm import FoldedNorm, check_folded_norm
 from engine_core.kernels.gemv import BLOCK_M, _prefetch_first_lines, prefetch_args
 from engine_core.kernels.pdl import launch_dependents, pdl_args, wait_for_predecessor
-from engine_core.kernels.rms_norm import folded_rstd, normed_chunk
 from engine_core.kernels.silu_mul import silu_times_up
 
 
 @triton.jit
-def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, nw_ptr, sums_ptr, M, N_INTER, K, H,
-                        stride_xm, stride_wgu, stride_wd, stride_am, eps,
-                        DOWN_TRANSPOSED: tl.constexpr, NORM: tl.constexpr,
+def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, stride_xm, stride_wgu,
+                        stride_wd, stride_am, DOWN_TRANSPOSED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_H: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                         LINE: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
@@ -53,17 +50,12 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, nw_ptr, sums_ptr, M, N_
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    if NORM:  # x is the residual sum: norm it here, from its sums of squares
-        rstd = folded_rstd(sums_ptr, rows, row_ok, K, eps)
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_I], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         w = tl.load(gu_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            x = normed_chunk(x_rows, nw_ptr, ks, row_ok[:, None] & k_ok[None, :], k_ok, rstd)
-        else:
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
     dtype = x_ptr.dtype.element_ty
     gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [BLOCK_M, BLOCK_I, 2]))
@@ -122,16 +114,11 @@ SPLIT_K_MAX_ROWS = 2
 def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 acc: torch.Tensor, tiling: SplitKMlpTiling | None = None,
                 down_transposed: bool = False, prefetch_chunks: int = 1,
-                early_dependents: bool = False, norm: FoldedNorm | None = None) -> torch.Tensor:
+                early_dependents: bool = False) -> torch.Tensor:
     """Add ``down(silu(gate(x)) * up(x))`` to the float32 ``acc`` ``[M, H]`` (zero on entry
     for the MLP alone) and return it; ``x`` ``[M, K]`` with ``M <= 16``, ``gate_up``
     ``[2 * I, K]`` (gate rows first), ``down`` ``[H, I]`` or, with ``down_transposed``,
-    ``[I, H]`` (contiguous: a program's slice is then one contiguous run).
-
-    ``norm``: the MLP's input is ``norm.weight * rmsnorm(x)``, normed by every program
-    from the sums of squares the o projection accumulated (``gemv(sum_squares=...)``), so
-    the separate norm kernel, its launch and its output's round trip leave the decode
-    chain (``rms_norm``'s roundings)."""
+    ``[I, H]`` (contiguous: a program's slice is then one contiguous run)."""
     m, k = x.shape
     n2 = gate_up.shape[0]
     inter = n2 // 2
@@ -140,17 +127,12 @@ def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     assert down.shape == ((inter, h) if down_transposed else (h, inter))
     assert x.stride(1) == 1 and gate_up.stride(1) == 1 and down.stride(1) == 1
     assert acc.dtype == torch.float32 and acc.shape == (m, h) and acc.stride(1) == 1
-    nw, eps, sums = gate_up, 0.0, acc  # placeholders without a norm
-    if norm is not None:
-        check_folded_norm(norm, x, gate_up)
-        nw, eps, sums = norm
     if m == 0:
         return acc
     t = tiling or DEFAULT_TILING
     _split_k_mlp_kernel[(triton.cdiv(inter, t.block_i),)](
-        x, gate_up, down, acc, nw, sums, m, inter, k, h, x.stride(0), gate_up.stride(0),
-        down.stride(0), acc.stride(0), eps,
-        DOWN_TRANSPOSED=down_transposed, NORM=norm is not None, BLOCK_M=BLOCK_M,
+        x, gate_up, down, acc, m, inter, k, h, x.stride(0), gate_up.stride(0),
+        down.stride(0), acc.stride(0), DOWN_TRANSPOSED=down_transposed, BLOCK_M=BLOCK_M,
         BLOCK_I=t.block_i, BLOCK_K=t.block_k, BLOCK_H=t.block_h,
         **prefetch_args(t.block_k, gate_up.element_size(), prefetch_chunks),
         EARLY_DEPENDENTS=early_dependents,

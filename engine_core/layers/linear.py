@@ -66,16 +66,11 @@ class Linear(nn.Module):
         """Whether ``forward(x)`` runs the Triton GEMV (shapes, dtype and device only)."""
         return takes_gemv(x, self.gemv_max_rows)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                sum_squares: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T + bias``; on the GEMV only, ``residual`` is added (rounded as a
-        separate add) and each row's sum of squares added to ``sum_squares``
-        (``kernels/gemv.py``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_gemv(x):
             from engine_core.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias, residual=residual, sum_squares=sum_squares)
-        assert residual is None and sum_squares is None, "the GEMV's epilogue only"
+            return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -22,14 +22,11 @@ class RMSNorm(nn.Module):
     def _triton(self, x: torch.Tensor) -> bool:
         return self.use_triton and x.is_cuda
 
-    def forward(self, x: torch.Tensor, clear: torch.Tensor | None = None,
-                clear_sums: torch.Tensor | None = None) -> torch.Tensor:
-        """``norm(x)``; ``clear`` and ``clear_sums`` as in ``add_and_norm``."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton(x):
             from engine_core.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, clear=clear, clear_sums=clear_sums)[0]
-        assert clear is None and clear_sums is None, "for the Triton path's split-K MLP"
+            return rms_norm(x, self.weight, self.eps)[0]
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -38,22 +35,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(input_dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
-                     clear: torch.Tensor | None = None,
-                     clear_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     clear: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the pre-norm block's residual step, fused.
 
         On the Triton path ``x`` may be a split-K projection's float32 accumulator (rounded
-        to the residual's dtype first), ``clear`` a float32 buffer to zero for the next
-        one and ``clear_sums`` a float32 ``[rows]`` buffer to zero for a folded norm's sums
-        of squares (``kernels/rms_norm.py``).
+        to the residual's dtype first) and ``clear`` a float32 buffer to zero for the next
+        one (``kernels/rms_norm.py``).
         """
         if self._triton(x):
             from engine_core.kernels.rms_norm import rms_norm
 
-            out, summed = rms_norm(x, self.weight, self.eps, residual, clear, clear_sums)
+            out, summed = rms_norm(x, self.weight, self.eps, residual, clear)
             assert summed is not None
             return out, summed
-        assert clear is None and clear_sums is None, "for the Triton path's split-K MLP"
+        assert clear is None, "clear is for the Triton path's split-K accumulators"
         assert x.dtype == residual.dtype, "a float32 accumulator is for the Triton path"
         summed = x + residual
         return self.forward(summed), summed

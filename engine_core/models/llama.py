@@ -10,7 +10,6 @@ from torch import nn
 
 from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
-from engine_core.kernels.folded_norm import FoldedNorm
 from engine_core.layers.activation import SiluAndMul
 from engine_core.layers.embedding import LMHead, VocabEmbedding
 from engine_core.layers.linear import Linear, MergedLinear, gemv_sized
@@ -46,11 +45,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None,
-                residual: torch.Tensor | None = None,
-                sum_squares: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention block's output; with ``residual`` (o on the GEMV only) the residual
-        sum instead, its rows' sums of squares added to ``sum_squares``."""
+                attn_metadata: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         # Views into the one qkv output (row stride = its width); the kernels take strides.
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -68,8 +63,7 @@ class LlamaAttention(nn.Module):
             out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         if hooks is not None and kv_cache is not None:
             hooks.after_layer(self.layer_idx, kv_cache)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim), residual,
-                           sum_squares)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def _decode_from_projections(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  cos: torch.Tensor, sin: torch.Tensor,
@@ -107,8 +101,7 @@ class LlamaMLP(nn.Module):
     weights the GEMV takes, the down weight is
     stored transposed and the GEMV's rows run split-K (``kernels/split_k_mlp.py``),
     returning the float32 sums: the caller gives a zeroed accumulator (``takes_split_k``)
-    and the next norm rounds it. At up to ``SPLIT_K_MAX_ROWS`` rows the one launch can
-    compute the norm before the MLP too (``folds_norm``).
+    and the next norm rounds it.
     """
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
@@ -129,30 +122,23 @@ class LlamaMLP(nn.Module):
         (shapes, dtype and device only: a CUDA graph records one choice)."""
         return self.split_k and self.gate_up_proj.takes_gemv(x)
 
-    def folds_norm(self, x: torch.Tensor) -> bool:
-        """Whether rows shaped as ``x`` take the one split-K launch, which can also compute
-        the norm before it (``forward(norm=...)``; shapes only, as ``takes_split_k``)."""
-        from engine_core.kernels.split_k_mlp import SPLIT_K_MAX_ROWS
-
-        return self.takes_split_k(x) and x.shape[0] <= SPLIT_K_MAX_ROWS
-
-    def forward(self, x: torch.Tensor, acc: torch.Tensor | None = None,
-                norm: FoldedNorm | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP of ``x``; with ``acc`` (zeroed float32 ``[T, hidden]``, when
         ``takes_split_k``) the sums are added there and ``acc`` returned: up to
         ``SPLIT_K_MAX_ROWS`` rows by the one split-K launch, more by gate/up's GEMV and
-        the split-K GEMV over the transposed down weight. ``norm`` (``folds_norm`` rows):
-        ``x`` is the residual sum, normed inside the launch."""
+        the split-K GEMV over the transposed down weight."""
         gate_up = self.gate_up_proj
         if acc is not None:
             from engine_core.kernels.gemv import gemv
-            from engine_core.kernels.split_k_mlp import split_k_gemv_t, split_k_mlp
+            from engine_core.kernels.split_k_mlp import (
+                SPLIT_K_MAX_ROWS,
+                split_k_gemv_t,
+                split_k_mlp,
+            )
 
             down_t = self.down_proj.weight.t()
-            if self.folds_norm(x):
-                return split_k_mlp(x, gate_up.weight, down_t, acc, down_transposed=True,
-                                   norm=norm)
-            assert norm is None, "the norm folds into the one-launch MLP only"
+            if x.shape[0] <= SPLIT_K_MAX_ROWS:
+                return split_k_mlp(x, gate_up.weight, down_t, acc, down_transposed=True)
             return split_k_gemv_t(gemv(x, gate_up.weight, silu_mul=True), down_t, acc)
         if self.act_fn.use_triton and gate_up.takes_gemv(x):
             # SiLU * up in the GEMV's epilogue (the same roundings as the separate kernel):
@@ -184,27 +170,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block output, residual stream); the first layer gets ``residual=None``.
-
-        A split-K MLP's accumulator is zeroed by the first norm. Where the MLP is one launch
-        and o a GEMV (``folds_norm``), the second norm runs inside both: o adds the residual
-        and sums the squares, the MLP norms its input (one launch and round trip less)."""
-        acc = sums = None
-        if self.mlp.takes_split_k(hidden):
-            acc = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-            if self.mlp.folds_norm(hidden) and self.self_attn.o_proj.takes_gemv(hidden):
-                sums = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        """(block output, residual stream); the first layer gets ``residual=None``."""
         if residual is None:
             residual = hidden
-            normed = self.input_layernorm(hidden, acc, sums)
+            normed = self.input_layernorm(hidden)
         else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual, acc, sums)
-        if sums is not None:
-            post = self.post_attention_layernorm
-            summed = self.self_attn(normed, cos, sin, attn_metadata, kv_cache, residual, sums)
-            return self.mlp(summed, acc, FoldedNorm(post.weight, post.eps, sums)), summed
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, attn_metadata, kv_cache)
-        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        acc = (torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+               if self.mlp.takes_split_k(hidden) else None)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, acc)
         return self.mlp(normed, acc), residual
 
 

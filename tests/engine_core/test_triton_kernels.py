@@ -984,71 +984,6 @@ def test_split_k_mlp_equals_gate_up_then_down(device: str, case: MlpCase) -> Non
 
 
 @pytest.mark.parametrize(("device", "case"),
-                         params([GemvCase(dt, m, n, k, b) for dt in (BF16, FP16)
-                                 for m in (1, 2, 5) for n, k, b in ((4096, 4096, False),
-                                                                    (1000, 1024, True))],
-                                [GemvCase(BF16, 2, 96, 300, False),
-                                 GemvCase(FP16, 1, 40, 64, True)]))
-def test_gemv_adds_the_residual_and_sums_squares(device: str, case: GemvCase) -> None:
-    """``residual`` gives, bit for bit, the plain GEMV's result plus the residual as torch
-    rounds the add; ``sum_squares`` adds each row's sum of the squared results (float32,
-    any order) to what it held."""
-    from engine_core.kernels.gemv import MEDIUM_TILING, NARROW_TILING, gemv
-
-    x, w, b, _ = gemv_inputs(case, device, seed=11)
-    gen = torch.Generator().manual_seed(case.n)
-    residual = (torch.randn(case.rows, case.n, generator=gen) * 3).to(device, case.dtype)
-    for tiling in (None, NARROW_TILING, MEDIUM_TILING):
-        expected = gemv(x, w, b, tiling=tiling) + residual
-        start = torch.rand(case.rows, generator=gen).to(device)
-        sums = start.clone()
-        got = gemv(x, w, b, tiling=tiling, residual=residual, sum_squares=sums)
-        assert torch.equal(got, expected), tiling
-        torch.testing.assert_close(sums, start + expected.float().square().sum(1),
-                                   rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("device", "case"),
-                         params([MlpCase(dt, m, h, i) for dt in (BF16, FP16) for m in (1, 2, 5)
-                                 for h, i in ((4096, 12288), (1000, 2999))],
-                                [MlpCase(BF16, 2, 300, 96), MlpCase(FP16, 1, 40, 70)]))
-def test_split_k_mlp_folds_the_norm(device: str, case: MlpCase) -> None:
-    """With ``norm`` the one-launch MLP norms its input itself from the rows' sums of
-    squares: its sums are those of ``rms_norm`` then the MLP, up to the float32 order of
-    the sums (of squares too: the scale's last bit may flip a normed element's rounding)."""
-    from engine_core.kernels.folded_norm import FoldedNorm
-    from engine_core.kernels.rms_norm import rms_norm
-    from engine_core.kernels.split_k_mlp import DEFAULT_TILING, SplitKMlpTiling, split_k_mlp
-
-    gen = torch.Generator().manual_seed(case.rows * 7 + case.h)
-    x = (torch.randn(case.rows, case.h, generator=gen) * 4).to(device, case.dtype)
-    weight = (torch.rand(case.h, generator=gen) + 0.5).to(device, case.dtype)
-    gate_up = (torch.randn(2 * case.inter, case.h, generator=gen) / case.h ** 0.5).to(
-        device, case.dtype)
-    down_t = (torch.randn(case.inter, case.h, generator=gen) / case.inter ** 0.5).to(
-        device, case.dtype)
-    normed, _ = rms_norm(x, weight, 1e-6)
-    sums = x.float().square().sum(1)
-    tilings = ([DEFAULT_TILING, SplitKMlpTiling(16, 32, 16, 1, 1)] if device == "cpu" else
-               [DEFAULT_TILING, SplitKMlpTiling(16, 256, 256, 2, 4)])
-    eps = torch.finfo(case.dtype).eps
-    expected = (torch.nn.functional.silu(normed.float() @ gate_up.float()[:case.inter].T)
-                * (normed.float() @ gate_up.float()[case.inter:].T)) @ down_t.float()
-    for tiling in tilings:
-        unfolded = split_k_mlp(normed, gate_up, down_t, torch.zeros(
-            case.rows, case.h, device=device), tiling, down_transposed=True)
-        acc = torch.zeros(case.rows, case.h, device=device)
-        got = split_k_mlp(x, gate_up, down_t, acc, tiling, down_transposed=True,
-                          norm=FoldedNorm(weight, 1e-6, sums))
-        assert got is acc
-        # A flipped rounding moves an output by about a unit of the normed input times a
-        # weight; a wrong scale or weight moves every output by far more.
-        torch.testing.assert_close(got, unfolded, rtol=2 * eps,
-                                   atol=2 * eps * unfolded.abs().max().item())
-        assert_close(got, expected, case.dtype)
-
-
-@pytest.mark.parametrize(("device", "case"),
                          params([MlpCase(dt, m, h, i) for dt in (BF16, FP16) for m in (1, 3, 8, 16)
                                  for h, i in ((4096, 12288), (1000, 2999))],
                                 [MlpCase(BF16, 3, 40, 70), MlpCase(FP16, 1, 64, 96)]))
@@ -1095,11 +1030,10 @@ def test_rms_norm_rounds_a_float32_accumulator_and_clears(device: str, case: Mlp
     weight = (torch.rand(case.h, generator=gen) + 0.5).to(device, case.dtype)
     out_ref, res_ref = rms_norm(acc.to(case.dtype), weight, 1e-6, residual)
     other = torch.ones(case.rows, case.h, device=device)
-    sums = torch.ones(case.rows, device=device)
-    out, res = rms_norm(acc, weight, 1e-6, residual, clear=other, clear_sums=sums)
+    out, res = rms_norm(acc, weight, 1e-6, residual, clear=other)
     assert out.dtype == case.dtype and res.dtype == case.dtype
     assert torch.equal(out, out_ref) and torch.equal(res, res_ref)
-    assert not other.any() and not sums.any()
+    assert not other.any()
     with pytest.raises(AssertionError, match="alias"):
         rms_norm(acc, weight, 1e-6, residual, clear=acc)
 

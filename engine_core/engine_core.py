@@ -403,6 +403,8 @@ class EngineCore:
             prompt_tokens_total=counters.prompt_tokens,
             generation_tokens_total=counters.generation_tokens,
             num_computed_prompt_tokens_total=counters.computed_prompt_tokens,
+            iteration_token_counts=list(counters.iteration_token_counts),
+            iteration_tokens_sum=counters.iteration_tokens_sum,
             rejected_messages=self.rejected_messages,
             # Both halves: the worker side holds the transfer buffers and threads.
             connector={**scheduler.connector.stats(), **self.connector_worker.stats()},

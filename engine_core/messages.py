@@ -91,6 +91,11 @@ class EngineOutput:
     timings: RequestTimings | None = None
 
 
+# Upper bounds of vLLM's ``iteration_tokens_total`` buckets (tokens an engine step ran);
+# ``EngineStats.iteration_token_counts`` has one more entry, for steps above the last.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class EngineStats:
     """Snapshot of scheduler and cache state for /metrics and heartbeats."""
@@ -115,6 +120,10 @@ class EngineStats:
     kv_offload_loaded_blocks: int = 0
     kv_offload_usage: float = 0.0
     sleep_level: int = 0  # sleep mode: 0 awake, else the level it sleeps at
+    # Steps by the tokens they ran, per ITERATION_TOKEN_BUCKETS bucket (not cumulative),
+    # and the tokens' sum.
+    iteration_token_counts: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 @dataclass

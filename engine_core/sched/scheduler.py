@@ -11,15 +11,21 @@ the connector reports the send done.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
-from engine_core.messages import EngineOutput, RequestTimings, TokenLogprob
+from engine_core.messages import (
+    ITERATION_TOKEN_BUCKETS,
+    EngineOutput,
+    RequestTimings,
+    TokenLogprob,
+)
 from engine_core.request import Request, RequestStatus
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import (
@@ -40,6 +46,15 @@ class SchedulerCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     computed_prompt_tokens: int = 0
+    # Steps by their scheduled tokens (ITERATION_TOKEN_BUCKETS, one more for the rest).
+    iteration_token_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
+
+    def count_iteration(self, num_tokens: int) -> None:
+        """One step that ran ``num_tokens`` tokens."""
+        self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens
 
 
 class Scheduler:
@@ -212,6 +227,8 @@ class Scheduler:
             scheduled_requests=scheduled,
         )
         self._forget = set()
+        if output.total_num_scheduled_tokens:
+            self.counters.count_iteration(output.total_num_scheduled_tokens)
         output.host_copies = self.kv.take_host_copies()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._advance_scheduled(output)

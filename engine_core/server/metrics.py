@@ -11,10 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from engine_core.messages import EngineStats
+from engine_core.messages import ITERATION_TOKEN_BUCKETS, EngineStats
 
 # vLLM V1's labels on every metric: the served model and the engine's index (one engine a
 # worker here: "0"), so dashboards filtering or grouping by either work unchanged.
@@ -49,6 +54,7 @@ _BREAKDOWN_METRICS = {
 }
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # the n request parameter
 
 # KV connector gauges (``EngineStats.connector`` keys of both halves), exported as
 # ``pdserve:kv_transfer_<key>``. Each reads 0 on an idle worker, so a soak run can assert
@@ -146,6 +152,23 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=LABELS)
             family.add_metric(labels, value)
             yield family
+        if stats.iteration_token_counts:
+            yield _iteration_tokens(stats, labels)
+
+
+def _iteration_tokens(stats: EngineStats, labels: list[str]) -> HistogramMetricFamily:
+    """vLLM's ``iteration_tokens_total``: engine steps by the tokens they ran, from the
+    engine's per-bucket counts."""
+    family = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                   "Histogram of number of tokens per engine_step.",
+                                   labels=LABELS)
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(float, ITERATION_TOKEN_BUCKETS), float("inf")],
+                            stats.iteration_token_counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    family.add_metric(labels, buckets, sum_value=stats.iteration_tokens_sum)
+    return family
 
 
 class ServerMetrics:
@@ -165,6 +188,16 @@ class ServerMetrics:
         self.itl = Histogram("vllm:inter_token_latency_seconds",
                              "Histogram of inter-token latency in seconds.", labels,
                              buckets=_ITL_BUCKETS, registry=self.registry)
+        # vLLM's name of the same observations before inter_token_latency (0.10), which
+        # dashboards and autoscalers still query.
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (deprecated: "
+                              "vllm:inter_token_latency_seconds).", labels,
+                              buckets=_ITL_BUCKETS, registry=self.registry)
+        self.request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", labels,
+            buckets=_ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of end-to-end request latency in seconds.", labels,
                              buckets=_REQUEST_BUCKETS, registry=self.registry)
@@ -186,10 +219,24 @@ class ServerMetrics:
         self.request_max_tokens = Histogram(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
             labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.request_n = Histogram("vllm:request_params_n",
+                                   "Histogram of the n request parameter.", labels,
+                                   buckets=_N_BUCKETS, registry=self.registry)
+        self.request_max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", labels,
+            buckets=_TOKEN_BUCKETS, registry=self.registry)
         # Server-side breakdown of each request (engine_core.server.timings), by key.
         self.breakdown = {
             key: Histogram(name, doc, labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
             for key, (name, doc) in _BREAKDOWN_METRICS.items()}
+        # Every request series exists from the start at zero, as in vLLM (a dashboard or an
+        # alert on a fresh worker sees 0, not "no data").
+        for histogram in (self.ttft, self.itl, self.tpot, self.request_tpot, self.e2e,
+                          self.request_prompt_tokens, self.request_generation_tokens,
+                          self.request_max_tokens, self.request_n,
+                          self.request_max_generation_tokens, *self.breakdown.values()):
+            histogram.labels(*self._label_values)
         self.registry.register(_EngineStatsCollector(self))
         self.loop_stalls = Counter("pdserve:event_loop_stalls",
                                    "Times this server's event loop was held over 1 s.",
@@ -208,19 +255,31 @@ class ServerMetrics:
 
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.labels(*self._label_values).observe(seconds)
+        self.tpot.labels(*self._label_values).observe(seconds)
 
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None,
                          num_prompt_tokens: int, num_output_tokens: int,
-                         max_tokens: int | None) -> None:
+                         max_tokens: int | None, decode_seconds: float | None = None) -> None:
         """One request ended (finished, aborted or failed); ``num_output_tokens`` counts the
-        tokens this worker generated. (The token counters come from the engine.)"""
+        tokens this worker generated, ``decode_seconds`` the time from its first to its last
+        (None if it generated none). (The token counters come from the engine.)"""
         if finish_reason in ("stop", "length"):
             self.e2e.labels(*self._label_values).observe(e2e_seconds)
+            if decode_seconds is not None and num_output_tokens > 1:
+                self.request_tpot.labels(*self._label_values).observe(
+                    decode_seconds / (num_output_tokens - 1))
             self.request_success.labels(*self._label_values, finish_reason).inc()
             self.request_prompt_tokens.labels(*self._label_values).observe(num_prompt_tokens)
             self.request_generation_tokens.labels(*self._label_values).observe(num_output_tokens)
             if max_tokens is not None:
                 self.request_max_tokens.labels(*self._label_values).observe(max_tokens)
+
+    def observe_group(self, n: int, max_output_tokens: int) -> None:
+        """One prompt's ``n`` samples all finished; the most tokens one of them generated
+        (vLLM's sequence-group metrics)."""
+        self.request_n.labels(*self._label_values).observe(n)
+        self.request_max_generation_tokens.labels(*self._label_values).observe(
+            max_output_tokens)
 
     def observe_breakdown(self, timings: dict[str, float]) -> None:
         """One finished request's ``pdserve_timings`` (milliseconds) into the histograms."""

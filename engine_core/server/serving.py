@@ -8,6 +8,7 @@ the pumps, and cancelling a pump aborts its request in the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -228,6 +229,7 @@ class OpenAIServing:
                                     self.tokenizer.tokenizer, self._token_texts)
         state.assume_delivered(generated)
         arrival = time.monotonic()
+        first_token_time: float | None = None
         last_token_time: float | None = None
         finish_reason, num_output = None, 0
         try:
@@ -242,8 +244,10 @@ class OpenAIServing:
                     if delta.token_ids:
                         if last_token_time is not None:
                             self.metrics.observe_inter_token(now - last_token_time)
-                        elif not generated:
-                            self.metrics.observe_first_token(now - arrival)
+                        else:
+                            first_token_time = now
+                            if not generated:
+                                self.metrics.observe_first_token(now - arrival)
                         last_token_time = now
                     num_output = delta.num_output_tokens
                     if delta.finished:
@@ -256,9 +260,12 @@ class OpenAIServing:
                         # A stop string ended it here: closing the stream aborts it in the engine.
                         break
         finally:
+            decode_s = (None if first_token_time is None or last_token_time is None
+                        else last_token_time - first_token_time)
             self.metrics.observe_finished(time.monotonic() - arrival, finish_reason,
                                           len(job.prompt_token_ids),
-                                          max(0, num_output - len(generated)), params.max_tokens)
+                                          max(0, num_output - len(generated)), params.max_tokens,
+                                          decode_s)
 
     async def _run_jobs(self, jobs: list[_Job], handoff: protocol.Handoff
                         ) -> AsyncIterator[tuple[int, RequestDelta]]:
@@ -285,6 +292,10 @@ class OpenAIServing:
                 started[index].set()
 
         tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        # Per prompt: samples not finished yet, and the most tokens one of them generated.
+        group_size = collections.Counter(job.prompt_index for job in jobs)  # the request's n
+        unfinished = group_size.copy()
+        most_tokens = dict.fromkeys(unfinished, 0)
         try:
             remaining = len(tasks)
             while remaining:
@@ -294,6 +305,12 @@ class OpenAIServing:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if item.finished and item.finish_reason in ("stop", "length"):
+                        prompt = jobs[index].prompt_index
+                        most_tokens[prompt] = max(most_tokens[prompt], item.num_output_tokens)
+                        unfinished[prompt] -= 1
+                        if not unfinished[prompt]:
+                            self.metrics.observe_group(group_size[prompt], most_tokens[prompt])
                     yield index, item
         finally:
             for task in tasks:

@@ -53,6 +53,24 @@ def test_metrics_parse_and_counters_move(server):
         "vllm:request_generation_tokens_sum", 0) + 5
     assert after["vllm:request_params_max_tokens_sum"] == before.get(
         "vllm:request_params_max_tokens_sum", 0) + 5
+    # vLLM's other request and step series: the deprecated TPOT alias sees every inter-token
+    # interval, the per-request TPOT one sample, n and the group's longest output one each,
+    # and the engine's steps (at least the prefill and four decode steps) their tokens.
+    assert after["vllm:time_per_output_token_seconds_count"] - before.get(
+        "vllm:time_per_output_token_seconds_count", 0) == after[
+        "vllm:inter_token_latency_seconds_count"] - before.get(
+        "vllm:inter_token_latency_seconds_count", 0)
+    for name, value in (("vllm:request_time_per_output_token_seconds", None),
+                        ("vllm:request_params_n", 1), ("vllm:request_max_num_generation_tokens", 5)):
+        assert after[f"{name}_count"] == before.get(f"{name}_count", 0) + 1, name
+        if value is not None:
+            assert after[f"{name}_sum"] == before.get(f"{name}_sum", 0) + value, name
+    steps = after["vllm:iteration_tokens_total_count"] - before.get(
+        "vllm:iteration_tokens_total_count", 0)
+    tokens = after["vllm:iteration_tokens_total_sum"] - before.get(
+        "vllm:iteration_tokens_total_sum", 0)
+    assert steps >= 5 and tokens == (after["vllm:prompt_tokens_total"]
+                                     - before.get("vllm:prompt_tokens_total", 0) + 4), (steps, tokens)
 
 
 def test_token_counters_follow_the_engine_and_long_latencies_have_buckets() -> None:
@@ -115,3 +133,39 @@ def test_every_connector_counter_of_the_worker_is_exported() -> None:
     for key in CONNECTOR_COUNTERS:
         family = families[f"pdserve:kv_transfer_{key}"]
         assert family.type == "counter" and family.samples[0].value == 3.0, key
+
+
+def test_step_tokens_and_sample_groups_are_histograms() -> None:
+    """vllm:iteration_tokens_total is a histogram of the engine's steps by their tokens,
+    built from the engine's per-bucket counts (cumulative in the export); a request's TPOT
+    is its decode time over its tokens after the first, and a prompt's n samples count once
+    in request_params_n and request_max_num_generation_tokens, with the longest output."""
+    from engine_core.messages import ITERATION_TOKEN_BUCKETS, EngineStats
+    from engine_core.sched.scheduler import SchedulerCounters
+    from engine_core.server.metrics import ServerMetrics
+
+    counters = SchedulerCounters()
+    for tokens in (1, 1, 7, 8, 9, 100000):
+        counters.count_iteration(tokens)
+    metrics = ServerMetrics("m")
+    metrics.engine_stats = EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       iteration_token_counts=counters.iteration_token_counts,
+                                       iteration_tokens_sum=counters.iteration_tokens_sum)
+    metrics.observe_finished(2.0, "stop", 10, 5, 8, decode_seconds=1.0)
+    metrics.observe_finished(2.0, "stop", 10, 1, 8, decode_seconds=0.0)  # no TPOT of 1 token
+    metrics.observe_group(3, 7)
+    samples = {(s.name, s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples}
+    assert len(counters.iteration_token_counts) == len(ITERATION_TOKEN_BUCKETS) + 1
+    assert samples[("vllm:iteration_tokens_total_bucket", "1.0")] == 2
+    assert samples[("vllm:iteration_tokens_total_bucket", "8.0")] == 4
+    assert samples[("vllm:iteration_tokens_total_bucket", "16.0")] == 5
+    assert samples[("vllm:iteration_tokens_total_bucket", "16384.0")] == 5
+    assert samples[("vllm:iteration_tokens_total_bucket", "+Inf")] == 6
+    assert samples[("vllm:iteration_tokens_total_count", None)] == 6
+    assert samples[("vllm:iteration_tokens_total_sum", None)] == 100026
+    assert samples[("vllm:request_time_per_output_token_seconds_count", None)] == 1
+    assert samples[("vllm:request_time_per_output_token_seconds_sum", None)] == 0.25
+    assert samples[("vllm:request_params_n_sum", None)] == 3
+    assert samples[("vllm:request_max_num_generation_tokens_sum", None)] == 7

@@ -30,7 +30,21 @@ def _want(llm, prompt: str, n: int, **params) -> list:
         for s in range(n)]
 
 
-def test_completions_n_samples_per_prompt(oai, offline_llm) -> None:
+def _histogram(server, name: str) -> tuple[float, float]:
+    """(count, sum) of a histogram on the server's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name in (f"{name}_count", f"{name}_sum")}
+    return values[f"{name}_count"], values[f"{name}_sum"]
+
+
+def test_completions_n_samples_per_prompt(oai, offline_llm, server) -> None:
+    n_before = _histogram(server, "vllm:request_params_n")
+    longest_before = _histogram(server, "vllm:request_max_num_generation_tokens")
     got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS, n=3, max_tokens=MAX_TOKENS,
                                  temperature=1.0, seed=11)
     want = [w for p in PROMPTS for w in _want(offline_llm, p, 3, temperature=1.0, seed=11)]
@@ -40,6 +54,12 @@ def test_completions_n_samples_per_prompt(oai, offline_llm) -> None:
     prompt_tokens = sum(len(want[3 * i].prompt_token_ids) for i in range(len(PROMPTS)))
     assert got.usage.prompt_tokens == prompt_tokens  # each prompt once
     assert got.usage.completion_tokens == 6 * MAX_TOKENS
+    # vLLM's sequence-group series: each prompt's group of 3 once, with its longest output.
+    n_after = _histogram(server, "vllm:request_params_n")
+    longest_after = _histogram(server, "vllm:request_max_num_generation_tokens")
+    assert (n_after[0] - n_before[0], n_after[1] - n_before[1]) == (2, 6)
+    assert (longest_after[0] - longest_before[0],
+            longest_after[1] - longest_before[1]) == (2, 2 * MAX_TOKENS)
     stream = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS, n=3,
                                     max_tokens=MAX_TOKENS, temperature=1.0, seed=11,
                                     stream=True, stream_options={"include_usage": True})

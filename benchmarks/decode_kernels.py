@@ -270,7 +270,6 @@ class LayerVariant:
     down_transposed: bool = False  # split_k_mlp reads down stored [I, H]
     mlp_early: bool = False  # split_k_mlp lets the next norm in once its programs start
     mlp_prefetch: int = 1  # K chunks of gate/up split_k_mlp requests into L2 before its wait
-    residual_early: bool = False  # the norms load the residual before their PDL wait
 
 
 # SplitKMlpTiling candidates (intermediate columns a program, gate/up K chunk, down output
@@ -331,9 +330,6 @@ LAYER_VARIANTS = {
     **{f"engine now, MLP split-K {t}, down stored [I, H], early trigger": LayerVariant(
         rope="attention", silu="fused", mlp_split_k=t, down_transposed=True, mlp_early=True)
        for t in SPLIT_K_MLP_CONFIGS[:3]},
-    "engine now, MLP split-K, norms load the residual early": LayerVariant(
-        rope="attention", silu="fused", mlp_split_k=SPLIT_K_MLP_CONFIGS[2],
-        down_transposed=True, residual_early=True),
     **{f"engine now, MLP split-K {t}, down stored [I, H], prefetch {c}": LayerVariant(
         rope="attention", silu="fused", mlp_split_k=t, down_transposed=True, mlp_prefetch=c)
        for t in SPLIT_K_MLP_CONFIGS[:3:2] for c in (0, 2)},
@@ -441,9 +437,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
             h, r = x, residual
             attn_out = torch.empty_like(q_fixed)
             for layer in layers:
-                normed, r = (rms_norm(h, layer["norm1"], 1e-6, r,
-                                      residual_early=v.residual_early)
-                             if v.norms else (h, r))
+                normed, r = rms_norm(h, layer["norm1"], 1e-6, r) if v.norms else (h, r)
                 pf = v.gemv_prefetch
                 qkv_tiling = GemvTiling(*v.qkv_tiling) if v.qkv_tiling else tiling
                 qkv = gemv(normed, layer["qkv"], tiling=staged(layer["qkv"], qkv_tiling),
@@ -477,8 +471,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
                              tiling=staged(layer["o"], o_tiling),
                              early_dependents=not late_all, prefetch_chunks=pf)
                 if v.mlp_split_k is not None:
-                    normed, r = rms_norm(h, layer["norm2"], 1e-6, r, clear=mlp_acc,
-                                         residual_early=v.residual_early)
+                    normed, r = rms_norm(h, layer["norm2"], 1e-6, r, clear=mlp_acc)
                     down = layer["down_t"] if v.down_transposed else layer["down"]
                     h = split_k_mlp(normed, layer["gate_up"], down, mlp_acc,
                                     SplitKMlpTiling(*v.mlp_split_k),

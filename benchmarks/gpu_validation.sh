@@ -12,7 +12,6 @@
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE (or BASE_DIR; ATTN_CASES)
-#   source .device/env.sh && BASE_DIR=ab-base bash benchmarks/gpu_validation.sh residual_early  # one H100 (~9 min): the norms' residual before the PDL wait: layer graph, engine A/B, tests
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
 #   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
@@ -238,27 +237,6 @@ case "$STAGE" in
         step speed_base_1 130 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_1.json"
         step kernels_new_2 50 "${kernels[@]}" --out "$RUN/kernels_new_2.json"
         step kernels_base_2 50 "${base[@]}" "${kernels[@]}" --out "$RUN/kernels_base_2.json"
-        ;;
-    residual_early)
-        # The norms loading the residual before their PDL wait: the layer graph's variant
-        # twice, the engine against BASE_DIR (a copy of the tree before, as in attn_ab) in
-        # alternation, then the norm kernel cases, CUDA graphs and HF equivalence.
-        basedir=$(cd "${BASE_DIR:?BASE_DIR names the base tree}" && pwd)
-        base=(env -C "$basedir" "PYTHONPATH=$basedir:$PWD:$PYTHONPATH")
-        layer=(python3 -m benchmarks.decode_kernels --parts layer --layer-variants
-               "engine now, MLP split-K (32, 256, 256, 4, 4), down stored [I, H];engine now, MLP split-K, norms load the residual early")
-        speed=(python3 -m benchmarks.engine_speed --only limits,decode,small
-               --decode-cases ${DECODE_CASES:-1x1024,2x1024,4x1024,8x1024,64x2048})
-        step layer_1 100 "${layer[@]}" --out "$RUN/layer_1.json"
-        step speed_new_1 100 "${speed[@]}" --out "$RUN/speed_new_1.json"
-        step speed_base_1 100 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_1.json"
-        step speed_new_2 100 "${speed[@]}" --out "$RUN/speed_new_2.json"
-        step speed_base_2 100 "${base[@]}" "${speed[@]}" --out "$RUN/speed_base_2.json"
-        step layer_2 100 "${layer[@]}" --out "$RUN/layer_2.json"
-        step kernel_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/engine_core/test_triton_kernels.py -k "rms_norm"
-        step graphs_equivalence 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/engine_core/test_cuda_graphs.py tests/engine_core/test_gpu_equivalence.py
         ;;
     report1)
         # Colocated prefix caching and the proxy overhead (interleaved A/B); the 1P1D runs

@@ -28,26 +28,20 @@ from engine_core.kernels.pdl import pdl_args, wait_for_predecessor
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, clear_ptr,
                      stride_x, stride_r, stride_o, stride_ro, stride_c, n_cols, eps,
                      BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CLEAR: tl.constexpr,
-                     RESIDUAL_EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     # The weight before the wait: no kernel writes it, so under PDL its round trip
     # overlaps the predecessor's tail instead of following the reduction (kernels/pdl.py).
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL and RESIDUAL_EARLY:
-        # The caller vouches that the predecessor does not write it (kernels/pdl.py): at
-        # decode the residual was stored a few hundred MB of weights ago and has left L2,
-        # so its trip to HBM overlaps the predecessor's tail too.
-        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
     wait_for_predecessor(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if CLEAR:
         tl.store(clear_ptr + row * stride_c + cols, tl.zeros([BLOCK], tl.float32), mask=mask)
     if HAS_RESIDUAL:
         dtype = residual_ptr.dtype.element_ty
-        if not RESIDUAL_EARLY:
-            residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     else:
@@ -67,16 +61,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None,
-             clear: torch.Tensor | None = None,
-             residual_early: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             clear: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight * norm(x + residual), x + residual)``; without a residual the second is None.
 
     The sum is rounded to the residual's dtype before the norm, as ``x + residual`` in
     torch is (a float32 ``x``, a split-K accumulator, is rounded to it first). ``clear``:
     a float32 ``[rows, cols]`` buffer (not ``x``) set to zero, for a split-K projection
-    after the norm. ``residual_early``: the residual is loaded before the PDL wait, which
-    the caller allows only when the kernel launched just before this one does not write it
-    (the decoder layer's residual stream, stored two or more kernels back).
+    after the norm.
     """
     n_cols = x.shape[-1]
     x2 = _rows(x)
@@ -101,7 +92,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, r2, weight, out, ro2, c2, x2.stride(0), r2.stride(0), out.stride(0),
             ro2.stride(0), c2.stride(0), n_cols, eps, BLOCK=block,
             HAS_RESIDUAL=residual is not None, CLEAR=clear is not None,
-            RESIDUAL_EARLY=residual_early,
             num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
             **pdl_args(x.device))
     out = out.view(*x.shape[:-1], n_cols)

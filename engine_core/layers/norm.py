@@ -40,15 +40,12 @@ class RMSNorm(nn.Module):
 
         On the Triton path ``x`` may be a split-K projection's float32 accumulator (rounded
         to the residual's dtype first) and ``clear`` a float32 buffer to zero for the next
-        one (``kernels/rms_norm.py``). There the residual is loaded before the kernel's PDL
-        wait, so it must not be the output of the kernel just before: the decoder's residual
-        stream never is (``x`` is, and stays after the wait).
+        one (``kernels/rms_norm.py``).
         """
         if self._triton(x):
             from engine_core.kernels.rms_norm import rms_norm
 
-            out, summed = rms_norm(x, self.weight, self.eps, residual, clear,
-                                   residual_early=True)
+            out, summed = rms_norm(x, self.weight, self.eps, residual, clear)
             assert summed is not None
             return out, summed
         assert clear is None, "clear is for the Triton path's split-K accumulators"

@@ -42,6 +42,10 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="client requests in flight before answering 429")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                         help="largest request body accepted (413 beyond)")
+    parser.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                        help="seconds a client may take to send its whole request body once "
+                        "its headers arrived (408 beyond; a slow or stalled upload holds an "
+                        "--max-inflight slot while it is read)")
     parser.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s,
                         help="seconds for the whole prefill leg before it is retried elsewhere")
     parser.add_argument("--decode-timeout", type=float, default=d.decode_timeout_s,
@@ -72,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         registration_port=args.registration_port, heartbeat_timeout_s=args.heartbeat_timeout,
         routing=args.routing, affinity_prefix_chars=args.affinity_prefix_chars,
         affinity_max_imbalance=args.affinity_max_imbalance, max_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
         first_token_from_prefill=args.first_token_from_prefill,

@@ -22,6 +22,9 @@ class ProxyConfig:
     affinity_max_imbalance: float = 8.0  # prefix_affinity: load gap that overrides affinity
     max_inflight: int = 1024
     max_body_bytes: int = 16 << 20
+    # Seconds a client may take to send its whole body (408 beyond): the body is read while
+    # the request holds an admission slot, so a stalled upload must not hold it for good.
+    body_timeout_s: float = 30.0
     max_response_bytes: int = 64 << 20
     prefill_timeout_s: float = 120.0
     decode_timeout_s: float = 600.0
@@ -45,7 +48,7 @@ class ProxyConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                     "connect_timeout_s"):
+                     "connect_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         for name in ("port", "registration_port"):

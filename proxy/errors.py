@@ -23,6 +23,10 @@ class RequestTooLargeError(InvalidRequestError):
     """The request body exceeds ``--max-body-bytes`` (HTTP 413)."""
 
 
+class RequestTimeoutError(InvalidRequestError):
+    """The client did not send its whole body within ``--body-timeout`` (HTTP 408)."""
+
+
 class UpstreamError(PdserveError):
     """A worker leg failed: connection, protocol, timeout or 5xx (HTTP 502).
 
@@ -54,6 +58,7 @@ class UpstreamTimeoutError(UpstreamError):
 # exception type -> (HTTP status, OpenAI error type, code); the first matching entry wins.
 _HTTP_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (RequestTooLargeError, 413, "invalid_request_error", "request_too_large"),
+    (RequestTimeoutError, 408, "invalid_request_error", "request_timeout"),
     (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
     (OverloadedError, 429, "rate_limit_error", "too_many_requests"),

@@ -16,7 +16,7 @@ from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
 from proxy import keys
 from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
-from proxy.errors import RequestTooLargeError, error_payload, to_http
+from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
 from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
 
@@ -37,24 +37,41 @@ def make_transfer_id(client_request_id: str | None, new_id: Callable[[], str]) -
     return unique
 
 
-async def read_json_object(request: web.Request, max_bytes: int) -> dict:
-    """The request body as a JSON object, at most ``max_bytes``; the worker validates the rest."""
+async def read_json_object(request: web.Request, max_bytes: int, timeout_s: float) -> dict:
+    """The request body as a JSON object, at most ``max_bytes``, all of it within
+    ``timeout_s``: it is read under an admission slot, which a client that sends slowly or
+    stops mid-body would otherwise hold for good. The worker validates the rest."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise RequestTooLargeError(f"request body of {request.content_length} bytes exceeds "
                                    f"the limit of {max_bytes} bytes")
+    try:
+        data = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
+                                  ) from None
+    return parse_json(data)
+
+
+async def _read_body(request: web.Request, max_bytes: int) -> bytes:
+    """The whole body, refused once past ``max_bytes`` (a chunked body has no length)."""
     data = bytearray()
     while chunk := await request.content.readany():
         data += chunk
         if len(data) > max_bytes:
             raise RequestTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
-    return parse_json(bytes(data))
+    return bytes(data)
 
 
 def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
     """An OpenAI-style error response for an exception."""
     status, payload = to_http(exc)
     headers = {"X-Request-Id": request_id} if request_id else None
-    return web.json_response(payload, status=status, headers=headers)
+    response = web.json_response(payload, status=status, headers=headers)
+    if isinstance(exc, RequestTimeoutError):
+        # The rest of the body stays unread, so the connection cannot carry another
+        # request: say so, and aiohttp closes it after its lingering close.
+        response.force_close()
+    return response
 
 
 _BODY_HEADERS = ("content-type", "content-length")  # json_response sets its own
@@ -78,8 +95,8 @@ async def http_error_middleware(request: web.Request,
         return web.json_response(payload, status=exc.status, headers=headers)
 
 
-_REJECT_REASONS = {413: "too_large", 429: "overloaded", 400: "invalid", 404: "model_not_found",
-                   503: "no_worker"}
+_REJECT_REASONS = {413: "too_large", 408: "body_timeout", 429: "overloaded", 400: "invalid",
+                   404: "model_not_found", 503: "no_worker"}
 
 
 async def _serve(request: web.Request, path: str, generates: bool = True) -> web.StreamResponse:
@@ -99,7 +116,7 @@ async def _serve(request: web.Request, path: str, generates: bool = True) -> web
                                   "retry later")
         acquired = True
         metrics.in_flight.inc()
-        body = await read_json_object(request, config.max_body_bytes)
+        body = await read_json_object(request, config.max_body_bytes, config.body_timeout_s)
         response = await app[keys.DISPATCHER].dispatch(request, path, body, transfer_id, timer,
                                                        generates)
         status = response.status

@@ -346,18 +346,14 @@ class EngineCore:
         With async scheduling the step launched here is collected by the next call, after
         that call has launched its own: the host schedules and stages step N+1 while the
         device still runs step N. Outputs therefore trail by one step; a step that
-        sampled nothing, or one whose requests need their full token history on the host
-        (penalties), does not wait.
+        sampled nothing is collected at once. Penalties read the in-flight step's tokens on
+        the device (``Sampler``), so they do not stop the overlap.
         """
         started = time.perf_counter()
         if self.host_kv is not None:
             self.host_kv.poll()  # downloads that landed may serve this pass's lookups
         outputs = self._land_loads()
         scheduler_output = self.scheduler.schedule()
-        if self._in_flight is not None and (
-                not self.async_scheduling or self.runner.needs_token_history(scheduler_output)):
-            outputs += self._complete(*self._in_flight)
-            self._in_flight = None
         launched = self.runner.launch(scheduler_output)
         if self._in_flight is not None:
             outputs += self._complete(*self._in_flight)

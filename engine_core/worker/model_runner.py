@@ -172,18 +172,6 @@ class ModelRunner:
             self.block_table.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
-        """True when a scheduled request samples with penalties: its sampler reads every
-        output token, so pending ones must be collected before this step launches."""
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.sampling_params.needs_penalties:
-                return True
-        for cached in scheduler_output.scheduled_cached_reqs:
-            state = self.requests.get(cached.request_id)
-            if state is not None and state.sampling_params.needs_penalties:
-                return True
-        return False
-
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for it: ``launch`` then ``collect``."""
         return self.collect(self.launch(scheduler_output))
@@ -317,9 +305,11 @@ class ModelRunner:
                                       num_prompt_tokens=s.num_prompt_tokens,
                                       eos_token_ids=self.eos_token_ids,
                                       num_pending=s.num_pending,
+                                      pending_index=s.pending_index if s.num_pending else -1,
                                       prompt_tokens=s.prompt_tokens)
                           for s in sampled]
-        samples = self.sampler.sample(logits, rows_to_sample)
+        # _last_samples is still the step in flight's: pending tokens are read from it.
+        samples = self.sampler.sample(logits, rows_to_sample, self._last_samples)
         host = self._host_tokens[self._num_launched % 2] if self._host_tokens else None
         self._num_launched += 1
         samples.start_copy(host)

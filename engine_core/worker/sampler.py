@@ -52,8 +52,11 @@ class SamplingRow:
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
     # Output tokens already sampled on the device but not yet in ``token_ids`` (async
-    # scheduling); they count for min_tokens and seeded draws. Penalties need none pending.
+    # scheduling, at most one); they count for min_tokens, seeded draws and penalties.
     num_pending: int = 0
+    # With one pending: its row in the last launched step's sampled tokens (the tensor the
+    # sampler gets as ``pending_tokens``), where penalties read it without a host sync.
+    pending_index: int = -1
     # The request's prompt tokens on the device, kept across steps (repetition penalty).
     prompt_tokens: PromptTokens | None = None
 
@@ -95,8 +98,11 @@ class Sampler:
         """Sample and read the results back (one sync)."""
         return self.sample(logits, rows).read()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
-        """Sample on the device; nothing is read back until ``DeviceSamples.read``."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               pending_tokens: torch.Tensor | None = None) -> DeviceSamples:
+        """Sample on the device; nothing is read back until ``DeviceSamples.read``.
+        ``pending_tokens``: the last launched step's sampled ids, which rows with a pending
+        token index (``SamplingRow.pending_index``)."""
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
@@ -104,7 +110,7 @@ class Sampler:
         logits = self._apply_logit_bias(logits, rows)
         logits = self._apply_allowed_tokens(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
-        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_penalties(logits, rows, pending_tokens)
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
             sampled = self._argmax(logits)
@@ -176,16 +182,21 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow],
+                         pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         if not any(r.params.needs_penalties for r in rows):
             return logits
         device = logits.device
         num_rows, vocab = logits.shape
-        # Output tokens as (row, token) pairs gathered on the host and sent in one copy; the
-        # prompts' distinct tokens, where repetition penalty applies, from each request's
-        # device copy (PromptTokens), one concatenation for the batch.
+        # Output tokens as (row, token) pairs gathered on the host and sent in one copy, and
+        # a pending token (sampled by the step in flight, async scheduling) read where it
+        # lies on the device, so penalties never wait for that step; the prompts' distinct
+        # tokens, where repetition penalty applies, from each request's device copy
+        # (PromptTokens), one concatenation for the batch.
         out_rows: list[int] = []
         out_tokens: list[int] = []
+        pending_rows: list[int] = []
+        pending_at: list[int] = []
         prompt_rows: list[int] = []
         prompt_lengths: list[int] = []
         prompts: list[torch.Tensor] = []
@@ -195,6 +206,11 @@ class Sampler:
             output = row.output_token_ids
             out_rows.extend([i] * len(output))
             out_tokens.extend(output)
+            if row.num_pending:
+                assert row.num_pending == 1 and row.pending_index >= 0, row.num_pending
+                assert pending_tokens is not None, "a pending token without its step's samples"
+                pending_rows.append(i)
+                pending_at.append(row.pending_index)
             if row.params.repetition_penalty != 1.0:
                 holder = row.prompt_tokens or PromptTokens()
                 prompts.append(holder.on(row.prompt_token_ids, device))
@@ -205,6 +221,11 @@ class Sampler:
             index = _to_device([out_rows, out_tokens], torch.long, device)
             counts.index_put_((index[0], index[1]), torch.ones(len(out_rows), device=device),
                               accumulate=True)
+        if pending_rows:
+            assert pending_tokens is not None
+            where = _to_device([pending_rows, pending_at], torch.long, device)
+            counts.index_put_((where[0], pending_tokens[where[1]].long()),
+                              torch.ones(len(pending_rows), device=device), accumulate=True)
         seen = counts > 0
         if prompts:
             spans = _to_device([prompt_rows, prompt_lengths], torch.long, device)

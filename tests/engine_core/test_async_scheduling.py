@@ -139,9 +139,12 @@ def test_steps_overlap_and_outputs_trail_by_one(tiny_checkpoint):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
 
 
-def test_penalties_collect_before_launch(tiny_checkpoint):
-    """A request with penalties needs its previous token on the host: no overlap."""
-    engine = _engine(tiny_checkpoint("llama"))
+def test_penalties_overlap_and_count_the_token_in_flight(tiny_checkpoint):
+    """Penalties read the in-flight step's token on the device: a request with them
+    overlaps its steps like any other, and its tokens are those of one-step-at-a-time
+    scheduling (repeated tokens penalised, the pending one included)."""
+    path = tiny_checkpoint("llama")
+    engine = _engine(path)
     overlapped: list[bool] = []
     launch = engine.runner.launch
 
@@ -151,16 +154,18 @@ def test_penalties_collect_before_launch(tiny_checkpoint):
         return launch(out)
 
     engine.runner.launch = spy
-    _add(engine, "p", [5, 6, 7], temperature=0.0, max_tokens=4, ignore_eos=True,
-         frequency_penalty=1.0)
+    penalties = dict(repetition_penalty=1.8, frequency_penalty=1.5, presence_penalty=1.0)
+    _add(engine, "p", [5, 6, 7], temperature=0.0, max_tokens=12, ignore_eos=True, **penalties)
     tokens, _ = _tokens_until_done(engine, "p")
-    assert len(tokens) == 4
-    assert len(overlapped) == 4 and not any(overlapped)
-    # The same request without penalties does overlap.
-    _add(engine, "q", [5, 6, 7], temperature=0.0, max_tokens=4, ignore_eos=True)
-    overlapped.clear()
-    _tokens_until_done(engine, "q")
-    assert overlapped == [False, True, True, True]
+    assert len(tokens) == 12
+    assert overlapped == [False] + [True] * 11
+    sync = _engine(path, async_scheduling=False)
+    _add(sync, "p", [5, 6, 7], temperature=0.0, max_tokens=12, ignore_eos=True, **penalties)
+    want, _ = _tokens_until_done(sync, "p")
+    assert tokens == want
+    _add(sync, "q", [5, 6, 7], temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain, _ = _tokens_until_done(sync, "q")
+    assert plain != want  # the penalties changed the greedy tokens
 
 
 def test_abort_with_a_step_in_flight_gets_no_more_tokens(tiny_checkpoint):

@@ -105,6 +105,13 @@ def test_penalties_equal_their_definition_and_upload_each_prompt_once():
     assert sorted(uploaded[0].tolist()) == [1, 2, 7, 9]
     torch.testing.assert_close(Sampler._apply_penalties(logits, rows), expected)
     assert all(h.tensor is u for h, u in zip(holders, uploaded))
+    # Async scheduling: each request's last output token still pending, read from the
+    # in-flight step's samples at its row there, gives the same penalties.
+    in_flight = torch.tensor([0, 6, 12, 11, 0])  # rows 3, 2 and 1 of that step
+    pending = [SamplingRow(p, prompt + out[:-1], len(prompt), (0,), num_pending=1,
+                           pending_index=at, prompt_tokens=h)
+               for p, prompt, out, h, at in zip(params, prompts, outputs, holders, (3, 2, 1))]
+    torch.testing.assert_close(Sampler._apply_penalties(logits, pending, in_flight), expected)
 
 
 def test_logprobs_of_sampled_token_and_top_alternatives():

@@ -7,6 +7,8 @@ here and ``RequestDelta.needs_engine_abort`` tells the caller to abort it in the
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +55,9 @@ class RequestDelta:
     error: str | None = None
     # A stop string ended the request here: the engine still runs it until aborted.
     needs_engine_abort: bool = False
-    timings: RequestTimings | None = None  # the engine's, on its final output only
+    # On the final delta only: the engine's, or where a stop string ended the request here,
+    # the engine's last stamps (from its first token's output) ending now.
+    timings: RequestTimings | None = None
 
 
 class TokenTextCache:
@@ -85,6 +89,7 @@ class RequestState:
     # a cost that grows with the output (nothing on the serving path reads the whole text).
     text_pieces: list[str] = field(default_factory=list)
     finished: bool = False
+    engine_timings: RequestTimings | None = None  # the latest the engine sent
 
     @property
     def output_text(self) -> str:
@@ -142,6 +147,15 @@ class RequestState:
         if stopped_here:
             finish_reason, stop_reason = "stop", update.stop_str
         self.finished = engine_finished or stopped_here
+        if output.timings is not None:
+            self.engine_timings = output.timings
+        timings = None
+        if engine_finished:
+            timings = output.timings
+        elif stopped_here and self.engine_timings is not None:
+            # Ended here, not in the engine: its stamps so far, finished now (the engine and
+            # API processes share the host's monotonic clock).
+            timings = dataclasses.replace(self.engine_timings, finished_time=time.monotonic())
         logprobs = None
         if self.sampling_params.logprobs is not None:
             logprobs = self._logprob_entries(output.new_logprobs or [])
@@ -154,7 +168,7 @@ class RequestState:
             finished=self.finished, finish_reason=finish_reason, stop_reason=stop_reason,
             kv_transfer_params=output.kv_transfer_params, error=output.error,
             needs_engine_abort=stopped_here and not engine_finished,
-            timings=output.timings)
+            timings=timings)
 
 
 class OutputProcessor:

@@ -337,13 +337,15 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, status)
                     break
-            if request.first_token_time is None:
+            first = request.first_token_time is None
+            if first:
                 request.first_token_time = now
             token_logprobs = None
             if lp is not None:
                 token_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
                                                lp.top_token_ids, lp.top_logprobs)]
-            outputs.append(self._make_output(request, new_tokens, token_logprobs))
+            outputs.append(self._make_output(request, new_tokens, token_logprobs,
+                                             with_timings=first))
         outputs.extend(self.apply_finished_transfers(FinishedTransfers(
             sending=runner_output.finished_sending,
             recving=runner_output.finished_recving,
@@ -420,7 +422,10 @@ class Scheduler:
 
     def _make_output(self, request: Request, new_tokens: list[int],
                      logprobs: list[TokenLogprob] | None = None,
-                     error: str | None = None) -> EngineOutput:
+                     error: str | None = None, with_timings: bool = False) -> EngineOutput:
+        """The output of ``request``; its timings ride on the final output and, with
+        ``with_timings``, on the first token's (the API may end the request itself on a stop
+        string, and then has only those stamps)."""
         finished = request.is_finished
         return EngineOutput(
             request_id=request.request_id,
@@ -439,7 +444,7 @@ class Scheduler:
                 finished_time=time.monotonic() if finished else None,
                 compute_start_time=request.compute_start_time,
                 remote_kv_ready_time=request.remote_kv_ready_time,
-            ) if finished else None,
+            ) if finished or with_timings else None,
         )
 
 

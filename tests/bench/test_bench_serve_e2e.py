@@ -122,6 +122,29 @@ def test_ready_check_fails_fast_on_a_client_error(demo_server: str) -> None:
     assert time.monotonic() - started < 30
 
 
+def test_a_stop_string_ending_the_request_keeps_its_timings(demo_server: str) -> None:
+    """A stop string is matched in the API process, which ends the request before the engine
+    does: its pdserve_timings come from the engine's first-token stamps, ended there."""
+    def complete(**extra) -> dict:
+        request = urllib.request.Request(
+            demo_server + "/v1/completions", method="POST",
+            data=json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0.0,
+                             "ignore_eos": True, **extra}).encode(),
+            headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+    text = complete()["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), text
+    body = complete(stop=[stop])
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+    assert body["usage"]["completion_tokens"] < 16  # the API ended it, not max_tokens
+    timings = body["pdserve_timings"]
+    assert timings["queue_ms"] >= 0 and timings["prefill_ms"] > 0
+    assert timings["decode_ms"] >= 0 and timings["inference_ms"] >= timings["prefill_ms"]
+
+
 def test_worker_reports_its_timings_in_body_and_metrics(demo_server: str) -> None:
     request = urllib.request.Request(
         demo_server + "/v1/completions", method="POST",

@@ -31,6 +31,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 DEMO_MODEL_NAME = "pdserve-demo"
+# vLLM's name for the engine startup timeout: the default of --engine-startup-timeout, so a
+# vLLM deployment's setting carries over.
+ENGINE_READY_TIMEOUT_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 
 
 def _resolve(target: str) -> Callable:
@@ -40,6 +43,20 @@ def _resolve(target: str) -> Callable:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_seconds(name: str) -> float | None:
+    """``name``'s value as seconds > 0, None when unset or empty. A bad value is an error:
+    ignored, it would leave the user believing in a timeout they do not get."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    from engine_core.arg_utils import positive_seconds
+
+    try:
+        return positive_seconds(raw)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +153,8 @@ def _apply_environment(args: argparse.Namespace) -> None:
     if hasattr(args, "enable_admin_endpoints"):
         args.enable_admin_endpoints = (args.enable_admin_endpoints
                                        or _env_flag("VLLM_SERVER_DEV_MODE"))
+    if hasattr(args, "engine_startup_timeout") and args.engine_startup_timeout is None:
+        args.engine_startup_timeout = _env_seconds(ENGINE_READY_TIMEOUT_ENV)  # flag wins
 
 
 if __name__ == "__main__":

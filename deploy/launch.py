@@ -3,8 +3,9 @@
 Each worker is a subprocess (``python -m prefill|decode``) with its own free HTTP and KV
 ports, one GPU each (``CUDA_VISIBLE_DEVICES``) or all on CPU. The launcher waits until
 every worker is registered with the proxy and healthy, prints the endpoint, watches the
-children (reports a death, restarts it with ``--restart``) and on SIGINT/SIGTERM stops
-everything: terminate, then kill after a deadline.
+children (reports a death, restarts it with ``--restart``, gives up and exits 1 on a crash
+loop past ``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill
+after a deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -46,13 +48,23 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", choices=("auto", "nccl", "cpu"), default="auto",
                         help="the P/D data plane: NCCL between GPUs, or bytes over ZMQ "
                              "(CPU workers, or P and D sharing one GPU); auto picks by device")
-    parser.add_argument("--restart", action="store_true", help="restart workers that die")
+    parser.add_argument("--restart", action="store_true",
+                        help="restart a child that dies (backing off 0.5 s, doubling up to "
+                             "30 s), up to --max-restarts per --restart-window")
+    from engine_core.arg_utils import positive_int, positive_seconds
+
+    parser.add_argument("--max-restarts", type=positive_int, default=None, metavar="N",
+                        help="with --restart: a child that needs more than N restarts within "
+                             "--restart-window is crash looping; the launcher then stops "
+                             f"everything and exits 1 (default {RestartPolicy.max_restarts})")
+    parser.add_argument("--restart-window", type=positive_seconds, default=None,
+                        metavar="SECONDS",
+                        help="with --restart: the window --max-restarts counts restarts in "
+                             f"(default {RestartPolicy.window_s:g})")
     parser.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--stop-timeout", type=float, default=15.0,
                         help="seconds between SIGTERM and SIGKILL at shutdown")
-    from engine_core.arg_utils import positive_seconds
-
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=2.0,
                         help="seconds between a worker's heartbeats (the proxy drops a worker "
                              "after max(10 s, 3 intervals) without one)")
@@ -176,6 +188,45 @@ def restart_delay(restarts: int, ran_s: float) -> tuple[float, int]:
     return min(RESTART_FIRST_DELAY_S * 2 ** restarts, RESTART_MAX_DELAY_S), restarts + 1
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """The bound on ``--restart``: at most ``max_restarts`` restarts of one child within
+    any ``window_s`` seconds.
+
+    Why a bound: backoff alone restarted a worker that can never come up (a model that no
+    longer fits, a bad checkpoint) every 30 s for ever, and the launcher kept running, so
+    the supervisor above it (systemd, Kubernetes) and the operator never saw a failure. A
+    window, not a lifetime count: a worker that dies once a day is restarted every time.
+    5 in 10 minutes covers a crash loop of models that take minutes to load."""
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 1 or not 0 < self.window_s < float("inf"):
+            raise ValueError(f"restart policy needs max_restarts >= 1 and window_s > 0, "
+                             f"got {self.max_restarts}, {self.window_s}")
+
+    def recent(self, restart_times: list[float], now: float) -> list[float]:
+        """The restarts of ``restart_times`` that still count at ``now``."""
+        return [t for t in restart_times if now - t < self.window_s]
+
+    def describe(self) -> str:
+        return f"--max-restarts {self.max_restarts} within --restart-window {self.window_s:g} s"
+
+
+def restart_policy(args: argparse.Namespace) -> RestartPolicy | None:
+    """The ``--restart`` policy from the flags; None without ``--restart``."""
+    if not args.restart:
+        if args.max_restarts is not None or args.restart_window is not None:
+            raise SystemExit("pdserve launch: --max-restarts and --restart-window need "
+                             "--restart (without it no child is restarted)")
+        return None
+    default = RestartPolicy()
+    return RestartPolicy(max_restarts=args.max_restarts or default.max_restarts,
+                         window_s=args.restart_window or default.window_s)
+
+
 @dataclass
 class Child:
     name: str
@@ -185,9 +236,10 @@ class Child:
     http_address: str | None = None
     proc: subprocess.Popen | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
-    restarts: int = 0
+    restarts: int = 0  # in the current backoff run (restart_delay)
     started_at: float = 0.0
     restart_at: float | None = None  # when a dead child is due to start again (--restart)
+    restart_times: list[float] = field(default_factory=list)  # when it died and was restarted
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -343,7 +395,58 @@ def stop_all(children: list[Child], timeout_s: float) -> None:
             child.log.close()
 
 
+def _on_death(child: Child, policy: RestartPolicy, now: float) -> bool:
+    """Schedule a restart of ``child``, which just died; False when ``policy`` says it is
+    crash looping (the caller gives up)."""
+    recent = policy.recent(child.restart_times, now)
+    if len(recent) >= policy.max_restarts:
+        print(f"pdserve launch: giving up on {child.name}: it died again after "
+              f"{len(recent)} restart(s) within {policy.window_s:g} s ({policy.describe()}); "
+              f"stopping everything, exit 1; see {child.log_path}", flush=True)
+        return False
+    child.restart_times = [*recent, now]
+    delay, child.restarts = restart_delay(child.restarts, now - child.started_at)
+    child.restart_at = now + delay
+    if child.log is not None:
+        child.log.close()
+    print(f"pdserve launch: restarting {child.name} in {delay:.1f} s (restart "
+          f"{len(child.restart_times)} of {policy.max_restarts} allowed within "
+          f"{policy.window_s:g} s)", flush=True)
+    return True
+
+
+def supervise(proxy: Child, workers: list[Child], policy: RestartPolicy | None,
+              stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
+    """Watch the running children until ``stopping()``: report each death, restart the
+    child under ``policy`` (None: no restarts). Returns the launcher's exit code: 0 when
+    stopped, 1 when the proxy died unrestarted or a child outran ``policy``."""
+    reported: set[str] = set()
+    while not stopping():
+        now = time.monotonic()
+        for child in [proxy, *workers]:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.start()
+                continue
+            code = child.proc.poll()
+            if code is None or child.name in reported:
+                continue
+            print(f"pdserve launch: {child.name} (pid {child.proc.pid}) died with {code}; "
+                  f"log {child.log_path}", flush=True)
+            child.kill_group()
+            if policy is not None:
+                if not _on_death(child, policy, now):
+                    return 1
+            elif child is proxy:
+                return 1
+            else:
+                reported.add(child.name)
+        time.sleep(poll_s)
+    return 0
+
+
 def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -> int:
+    policy = restart_policy(args)  # a flag error before anything starts
     engine_args = engine_argv(args) + list(engine_args or [])
     if args.model is None or args.demo:
         from engine_core.demo_model import demo_model_path
@@ -392,32 +495,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
               flush=True)
-        reported: set[str] = set()
-        while not stopping:
-            now = time.monotonic()
-            for child in children:
-                if child.restart_at is not None:
-                    if now >= child.restart_at:
-                        child.start()
-                    continue
-                code = child.proc.poll()
-                if code is None or child.name in reported:
-                    continue
-                print(f"pdserve launch: {child.name} (pid {child.proc.pid}) died with {code}; "
-                      f"log {child.log_path}", flush=True)
-                child.kill_group()
-                if args.restart:
-                    delay, child.restarts = restart_delay(child.restarts, now - child.started_at)
-                    child.restart_at = now + delay
-                    child.log.close()
-                    print(f"pdserve launch: restarting {child.name} in {delay:.1f} s "
-                          f"(restart {child.restarts})", flush=True)
-                elif child is proxy:
-                    return 1
-                else:
-                    reported.add(child.name)
-            time.sleep(0.5)
-        return 0
+        return supervise(proxy, workers, policy, lambda: stopping)
     finally:
         print("pdserve launch: stopping", flush=True)
         stop_all([proxy, *workers], args.stop_timeout)

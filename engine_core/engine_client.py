@@ -15,6 +15,8 @@ import logging
 import multiprocessing
 import os
 import shutil
+import socket
+import stat
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -28,6 +30,7 @@ from engine_core import errors
 from engine_core.config import EngineConfig
 from engine_core.engine_process import READY_CALL_ID, EngineFactory, run_engine_core
 from engine_core.errors import (
+    ConfigError,
     EngineDeadError,
     EngineUnresponsiveError,
     InvalidRequestError,
@@ -76,6 +79,86 @@ def request_error(message: str | None) -> PdserveError:
 # is in flight the engine answers nothing else, and /health reports it busy, not hung.
 LONG_OPERATIONS = frozenset({"sleep", "wake_up"})
 _REAP_TIMEOUT_S = 1.0
+# How long the engine process may take to build (load the weights, size the KV cache,
+# capture graphs) before start() gives up. vLLM's default; a large model on a slow disk
+# needs more (`--engine-startup-timeout`, or vLLM's VLLM_ENGINE_READY_TIMEOUT_S), CI less.
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_HINT = "--engine-startup-timeout SECONDS (or VLLM_ENGINE_READY_TIMEOUT_S)"
+
+# The ipc socket directories start() creates under the temp dir: this prefix, the API
+# process's pid (for an operator reading /tmp), a random part; inside, only these sockets.
+SOCKET_DIR_PREFIX = "pdserve-engine-"
+_SOCKET_NAMES = frozenset({"input", "output"})
+_PROBE_TIMEOUT_S = 1.0
+
+
+def _socket_accepts(path: str) -> bool:
+    """Whether some process still listens on the unix socket file ``path``.
+
+    Only a refused connection counts as dead: that is what a socket file left by a killed
+    process answers. Anything else (accepted, a full backlog, a path too long) counts as
+    alive, so a live server's directory is never taken."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(_PROBE_TIMEOUT_S)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True
+    return True
+
+
+def _is_stale_socket_dir(path: str) -> bool:
+    """A socket directory of ours whose every socket refuses connections: its API process
+    was killed (SIGKILL, OOM) before it could remove it. One holding anything else, no
+    socket yet (just created) or another user's is left alone."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False
+    names = os.listdir(path)
+    if not names or not set(names) <= _SOCKET_NAMES:
+        return False
+    for name in names:
+        entry = os.path.join(path, name)
+        if not stat.S_ISSOCK(os.lstat(entry).st_mode) or _socket_accepts(entry):
+            return False
+    return True
+
+
+def remove_stale_socket_dirs(parent: str | None = None) -> int:
+    """Remove the socket directories that killed API processes left in ``parent`` (default:
+    the temp dir); return how many.
+
+    Why here: a SIGKILLed API process runs no cleanup, and its engine cannot do it for it
+    (the kernel SIGKILLs the engine with its parent, see ``engine_process._die_with_parent``).
+    Each server that starts sweeps what earlier ones left, so they do not pile up. Liveness
+    is asked of the sockets themselves, not of a pid: a pid can be reused, or belong to
+    another pid namespace sharing this /tmp."""
+    parent = parent or tempfile.gettempdir()
+    removed = 0
+    with os.scandir(parent) as entries:
+        candidates = [e.path for e in entries if e.name.startswith(SOCKET_DIR_PREFIX)]
+    for path in candidates:
+        try:
+            if not _is_stale_socket_dir(path):
+                continue
+            for name in os.listdir(path):
+                os.unlink(os.path.join(path, name))
+            os.rmdir(path)
+        except OSError:  # gone already (another server swept it), or not ours to remove
+            continue
+        removed += 1
+    return removed
+
+
+def _make_socket_dir() -> str:
+    """A fresh private directory for the engine's ipc sockets, after sweeping stale ones."""
+    removed = remove_stale_socket_dirs()
+    if removed:
+        logger.info("removed %d stale engine socket directories (left by killed servers) "
+                    "from %s", removed, tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
 
 
 class AsyncEngineClient:
@@ -110,12 +193,17 @@ class AsyncEngineClient:
     @classmethod
     async def start(cls, config: EngineConfig, engine_factory: EngineFactory | None = None, *,
                     input_address: str | None = None, output_address: str | None = None,
-                    startup_timeout_s: float = 600.0, log_level: int | None = None,
+                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                    log_level: int | None = None,
                     stats_interval_s: float = 1.0) -> AsyncEngineClient:
-        """Spawn the engine process, wait for its handshake, and return a connected client."""
+        """Spawn the engine process, wait for its handshake (up to ``startup_timeout_s``),
+        and return a connected client."""
+        if not 0 < startup_timeout_s < float("inf"):
+            raise ConfigError(f"engine startup timeout must be > 0 seconds, got "
+                              f"{startup_timeout_s}")
         socket_dir = None
         if input_address is None or output_address is None:
-            socket_dir = tempfile.mkdtemp(prefix="pdserve-engine-")
+            socket_dir = _make_socket_dir()
             input_address = input_address or f"ipc://{socket_dir}/input"
             output_address = output_address or f"ipc://{socket_dir}/output"
         sync_context = zmq.Context()
@@ -158,7 +246,9 @@ class AsyncEngineClient:
                     raise EngineDeadError(
                         f"engine process exited during startup (code {process.exitcode})")
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(f"engine did not start within {startup_timeout_s}s")
+                    raise EngineDeadError(
+                        f"engine did not start within {startup_timeout_s:g} s; a model that "
+                        f"takes longer to load needs a larger {STARTUP_TIMEOUT_HINT}")
         except BaseException:
             cleanup()
             raise

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from engine_core.config import EngineConfig
-from engine_core.engine_client import AsyncEngineClient
+from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncEngineClient
 from engine_core.engine_process import EngineFactory
 from engine_core.errors import (
     ConfigError,
@@ -56,7 +56,7 @@ StartupHook = Callable[[AsyncEngineClient, "ServerOptions"],
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """HTTP-side settings of one API server (the engine's are in ``EngineConfig``)."""
+    """The API process's settings of one server (the engine's are in ``EngineConfig``)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -68,6 +68,9 @@ class ServerOptions:
     # long, then end the rest with an error (streams get an error event and [DONE]). Below
     # `pdserve launch`'s --stop-timeout (15 s), so a launcher's stop drains before it kills.
     shutdown_drain_s: float = 10.0
+    # How long the engine process may take to start (load the model) before the server
+    # gives up and exits 1 (`--engine-startup-timeout`, VLLM_ENGINE_READY_TIMEOUT_S).
+    engine_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
@@ -277,7 +280,8 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                                ) -> tuple[AsyncEngineClient, web.Application]:
     """Start the engine process, load the tokenizer, build the app; logs each stage."""
     started = time.monotonic()
-    client = await AsyncEngineClient.start(config, engine_factory)
+    client = await AsyncEngineClient.start(
+        config, engine_factory, startup_timeout_s=options.engine_startup_timeout_s)
     info = client.info
     logger.info("Engine core started in %.2fs: %d KV blocks of %d tokens, max_model_len %d",
                 time.monotonic() - started, info.num_total_blocks, config.cache.block_size,

@@ -1,14 +1,17 @@
 """The HTTP server's flags, shared by ``pdserve serve`` and the prefill/decode workers, so
 every server takes the same ones (vLLM's names) and builds its ``ServerOptions`` one way.
 
-Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``) are folded into these
-flags by ``deploy/cli.py``, the one place that reads the environment.
+Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``,
+``VLLM_ENGINE_READY_TIMEOUT_S``) are folded into these flags by ``deploy/cli.py``, the one
+place that reads the environment.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from engine_core.arg_utils import positive_seconds
+from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine_core.server.api_server import ServerOptions
 
 
@@ -24,6 +27,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between throughput log lines (0 disables)")
+    parser.add_argument("--engine-startup-timeout", type=positive_seconds, default=None,
+                        metavar="SECONDS",
+                        help="how long the engine process may take to load the model and "
+                             "start before the server gives up and exits 1 (default: "
+                             f"VLLM_ENGINE_READY_TIMEOUT_S, else {DEFAULT_STARTUP_TIMEOUT_S:g})")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -31,4 +39,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(host=args.host, port=args.port, api_key=args.api_key or None,
                          enable_admin_endpoints=args.enable_admin_endpoints,
                          client_max_size=args.max_request_body_bytes,
-                         log_stats_interval_s=args.log_stats_interval)
+                         log_stats_interval_s=args.log_stats_interval,
+                         engine_startup_timeout_s=(args.engine_startup_timeout
+                                                   or DEFAULT_STARTUP_TIMEOUT_S))

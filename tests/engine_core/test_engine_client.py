@@ -183,6 +183,25 @@ async def test_startup_failure_is_reported():
         await AsyncEngineClient.start(_config(), failing_factory)
 
 
+def _hanging_factory(config: EngineConfig) -> FakeEngine:
+    time.sleep(60)  # a model load that outlasts the startup timeout
+    return FakeEngine(config)
+
+
+async def test_the_startup_timeout_is_the_callers_and_its_error_names_the_flag():
+    """The timeout was fixed at 600 s; the caller's now bounds the wait, and the error says
+    which flag raises it. The engine process is killed, not left loading."""
+    from engine_core.errors import ConfigError
+
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="within 1 s.*--engine-startup-timeout"):
+        await AsyncEngineClient.start(_config(), _hanging_factory, startup_timeout_s=1.0)
+    assert time.monotonic() - started < 20
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="must be > 0"):
+            await AsyncEngineClient.start(_config(), fake_factory, startup_timeout_s=bad)
+
+
 async def test_engine_death_fails_in_flight_requests():
     client = await AsyncEngineClient.start(_config("crash"), fake_factory)
     try:

@@ -21,6 +21,10 @@ class InvalidRequestError(PdserveError, ValueError):
         self.param = param
 
 
+class RequestTimeoutError(InvalidRequestError):
+    """The client did not send its whole request body within the server's bound (HTTP 408)."""
+
+
 class ModelNotFoundError(PdserveError):
     """The request names a model this server does not serve (HTTP 404)."""
 

@@ -26,6 +26,7 @@ from engine_core.errors import (
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
+    RequestTimeoutError,
 )
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
@@ -71,6 +72,13 @@ class ServerOptions:
     # How long the engine process may take to start (load the model) before the server
     # gives up and exits 1 (`--engine-startup-timeout`, VLLM_ENGINE_READY_TIMEOUT_S).
     engine_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    # Seconds a client may take to send its whole request body (408 beyond, --body-timeout):
+    # a stalled upload would otherwise hold a handler, its connection and up to
+    # client_max_size of buffer for good.
+    body_timeout_s: float = 30.0
+    # Seconds a connection may sit idle, or with its request headers unfinished, before it is
+    # closed: aiohttp's AppRunner default is an hour (web.run_app's is 75 s).
+    keepalive_timeout_s: float = 75.0
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
@@ -93,9 +101,23 @@ def _auth_middleware(api_key: str | None) -> Any:
     return check
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
+def app_runner(app: web.Application, options: ServerOptions) -> web.AppRunner:
+    """The runner of a server's app: handlers cancelled with their connection, no access log,
+    connections idle (or with unfinished headers) for ``keepalive_timeout_s`` closed."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None,
+                         shutdown_timeout=_HANDLER_SHUTDOWN_S,
+                         keepalive_timeout=options.keepalive_timeout_s)
+
+
+async def _read_json(request: web.Request, timeout_s: float) -> dict[str, Any]:
+    """The body as JSON, all of it within ``timeout_s`` (``ServerOptions.body_timeout_s``)."""
     request[REQUEST_ID_KEY] = request_id_of(request)
-    return protocol.parse_json(await request.read())
+    try:
+        data = await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
+                                  ) from None
+    return protocol.parse_json(data)
 
 
 class _Routes:
@@ -107,11 +129,11 @@ class _Routes:
         self.model_path = model_path
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
+        body = await _read_json(request, self.options.body_timeout_s)
         return await self.serving.completions(request, body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
+        body = await _read_json(request, self.options.body_timeout_s)
         return await self.serving.chat(request, body)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -138,7 +160,7 @@ class _Routes:
         return web.json_response({"version": package_version()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await _read_json(request, self.options.body_timeout_s)
         model, prompt, is_chat, add_special = protocol.parse_tokenize_request(body)
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
@@ -151,7 +173,7 @@ class _Routes:
                                   "max_model_len": tokenizer.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await _read_json(request, self.options.body_timeout_s)
         model, tokens = protocol.parse_detokenize_request(body)
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
@@ -336,8 +358,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
         logger.info("Stopped during startup")
         return
     client, app = ready
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=_HANDLER_SHUTDOWN_S)
+    runner = app_runner(app, options)
     site: web.TCPSite | None = None
     cleanups: list[Callable[[], Awaitable[None]]] = []
     engine_died = False

@@ -22,13 +22,15 @@ from engine_core.errors import (
     ModelNotFoundError,
     NoWorkerError,
     OverloadedError,
+    RequestTimeoutError,
 )
 
 logger = logging.getLogger("pdserve.server")
 
 _STATUS_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-    404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+    404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
     429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
 }
 
@@ -44,6 +46,8 @@ def error_status(exc: BaseException) -> int:
     """The HTTP status for an exception."""
     if isinstance(exc, web.HTTPException):
         return exc.status
+    if isinstance(exc, RequestTimeoutError):
+        return 408
     if isinstance(exc, (InvalidRequestError, ConfigError)):
         return 400
     if isinstance(exc, AuthenticationError):
@@ -82,7 +86,12 @@ def exception_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
     status, body = exception_body(exc)
-    return web.json_response(body, status=status, headers=headers)
+    response = web.json_response(body, status=status, headers=headers)
+    if status == 408:
+        # The rest of the body was never read, so the connection cannot carry another
+        # request: Connection: close, and aiohttp closes it after answering.
+        response.force_close()
+    return response
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

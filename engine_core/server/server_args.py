@@ -27,6 +27,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between throughput log lines (0 disables)")
+    parser.add_argument("--body-timeout", type=positive_seconds,
+                        default=ServerOptions.body_timeout_s, metavar="SECONDS",
+                        help="how long a client may take to send its whole request body "
+                             "(408 beyond)")
     parser.add_argument("--engine-startup-timeout", type=positive_seconds, default=None,
                         metavar="SECONDS",
                         help="how long the engine process may take to load the model and "
@@ -40,5 +44,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          enable_admin_endpoints=args.enable_admin_endpoints,
                          client_max_size=args.max_request_body_bytes,
                          log_stats_interval_s=args.log_stats_interval,
+                         body_timeout_s=args.body_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
                                                    or DEFAULT_STARTUP_TIMEOUT_S))

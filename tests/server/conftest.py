@@ -37,7 +37,7 @@ class ServerHandle:
     """An API server on a background thread's event loop."""
 
     def __init__(self, config: EngineConfig, options: Any) -> None:
-        from engine_core.server.api_server import start_engine_and_app
+        from engine_core.server.api_server import app_runner, start_engine_and_app
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -45,7 +45,7 @@ class ServerHandle:
 
         async def start() -> tuple[Any, web.AppRunner, int]:
             client, app = await start_engine_and_app(config, options)
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = app_runner(app, options)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()

@@ -46,6 +46,11 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds a client may take to send its whole request body once "
                         "its headers arrived (408 beyond; a slow or stalled upload holds an "
                         "--max-inflight slot while it is read)")
+    parser.add_argument("--write-timeout", type=float, default=d.write_timeout_s,
+                        help="seconds one write of a streamed answer may wait for the client "
+                        "to take it; past that the client (not reading, its window full) is "
+                        "disconnected and the decode worker's request aborted, instead of "
+                        "holding an --max-inflight slot and the worker's KV while it stays")
     parser.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s,
                         help="seconds for the whole prefill leg before it is retried elsewhere")
     parser.add_argument("--decode-timeout", type=float, default=d.decode_timeout_s,
@@ -77,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         routing=args.routing, affinity_prefix_chars=args.affinity_prefix_chars,
         affinity_max_imbalance=args.affinity_max_imbalance, max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+        write_timeout_s=args.write_timeout,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
         first_token_from_prefill=args.first_token_from_prefill,

@@ -76,7 +76,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[keys.DISPATCHER] = Dispatcher(
         registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
         session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,
-        max_response_bytes=config.max_response_bytes,
+        max_response_bytes=config.max_response_bytes, write_timeout_s=config.write_timeout_s,
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow,

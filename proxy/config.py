@@ -26,6 +26,9 @@ class ProxyConfig:
     # the request holds an admission slot, so a stalled upload must not hold it for good.
     body_timeout_s: float = 30.0
     max_response_bytes: int = 64 << 20
+    # Seconds one write to a streaming client may wait for it to take the bytes: one that
+    # stops reading while connected would otherwise hold its slot and D's leg for good.
+    write_timeout_s: float = 60.0
     prefill_timeout_s: float = 120.0
     decode_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
@@ -48,7 +51,7 @@ class ProxyConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                     "connect_timeout_s", "body_timeout_s"):
+                     "connect_timeout_s", "body_timeout_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         for name in ("port", "registration_port"):

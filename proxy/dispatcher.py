@@ -15,6 +15,8 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
 - After bytes went out, an upstream failure (or a stream ending without ``[DONE]``) ends the
   stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
+- A streaming client that takes no bytes for ``write_timeout_s`` (it stopped reading) has
+  its connection aborted (``ClientStream``), which then ends as a client that left does.
 
 First-token handoff (``--first-token-from-prefill``, streams without stop strings or
 logprobs): P alone first; the stream events of P's sampled token go to the client as soon
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +132,7 @@ class Dispatcher:
                  metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False,
-                 prefill_overflow: int = 0
+                 prefill_overflow: int = 0, write_timeout_s: float = 60.0
                  ) -> None:
         self.registry = registry
         self.policy = policy
@@ -142,6 +145,7 @@ class Dispatcher:
         self.affinity_prefix_chars = affinity_prefix_chars
         self.first_token_from_prefill = first_token_from_prefill
         self.prefill_overflow = prefill_overflow
+        self.write_timeout_s = write_timeout_s
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
                        transfer_id: str, timer: RequestTimer,
@@ -296,8 +300,8 @@ class Dispatcher:
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})
         try:
-            await _open_stream(request, out)
-            await out.write(first.events)
+            stream = await self._open_stream(request, out)
+            await stream.write(first.events)
         except ConnectionResetError:
             return out
         timer.first_byte = self.clock()
@@ -319,7 +323,7 @@ class Dispatcher:
                     d_leg.finish(err)
                     if not (err.connect_failed or isinstance(err, UpstreamUnavailableError)) \
                             or attempt + 1 == self.max_attempts:
-                        return await _end_stream(out, err)
+                        return await _end_stream(stream, err)
                     excluded.add(decode.worker_id)
                     # Another decode worker (it pulls the KV P holds); only when none is left
                     # a colocated one, which recomputes the prompt (P's hold then lapses with
@@ -331,7 +335,7 @@ class Dispatcher:
                         role = ROLE_COLOCATED
                         others = self.registry.candidates(role, model, excluded)
                     if not others:
-                        return await _end_stream(out, err)
+                        return await _end_stream(stream, err)
                     decode = self.policy.choose(role, others, key)
                     logger.warning("request %s: decode leg failed before its first byte (%s); "
                                    "continuing on %s", attempt_id, err, decode.worker_id)
@@ -347,8 +351,8 @@ class Dispatcher:
                         f"{data[:500].decode(errors='replace')}", kind="status",
                         status=d_response.status)
                     d_leg.finish(err)
-                    return await _end_stream(out, err)
-                return await self._stream_into(out, d_response, d_leg, attempt_id, timer, b"")
+                    return await _end_stream(stream, err)
+                return await self._stream_into(stream, d_response, d_leg, attempt_id, timer, b"")
             finally:
                 d_leg.finish(aborted=True)
                 await _abort(d_task)
@@ -456,10 +460,16 @@ class Dispatcher:
         out = web.StreamResponse(status=response.status, headers={
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})
-        await _open_stream(request, out)
-        return await self._stream_into(out, response, leg, attempt_id, timer, first)
+        stream = await self._open_stream(request, out)
+        return await self._stream_into(stream, response, leg, attempt_id, timer, first)
 
-    async def _stream_into(self, out: web.StreamResponse, response: aiohttp.ClientResponse,
+    async def _open_stream(self, request: web.Request,
+                           out: web.StreamResponse) -> ClientStream:
+        """``_open_stream`` with this proxy's write bound and stall counter."""
+        return await _open_stream(request, out, self.write_timeout_s,
+                                  self.metrics.client_write_timeouts.inc)
+
+    async def _stream_into(self, stream: ClientStream, response: aiohttp.ClientResponse,
                            leg: _Leg, attempt_id: str, timer: RequestTimer,
                            first: bytes) -> web.StreamResponse:
         """Copy a worker's event stream (after ``first``, already read) to the prepared
@@ -470,7 +480,7 @@ class Dispatcher:
             if not chunk:
                 chunk = await fw.read_chunk(response)
             while chunk:
-                await out.write(chunk)
+                await stream.write(chunk)
                 tracker.feed(chunk)
                 chunk = await fw.read_chunk(response)
             timer.upstream_done = self.clock()
@@ -483,17 +493,19 @@ class Dispatcher:
             logger.warning("request %s: stream from %s failed after bytes went out: %s",
                            attempt_id, leg.worker.worker_id, err)
             try:
-                await out.write((b"" if tracker.at_event_boundary else b"\n\n")
-                                + sse_error_event(err))
+                await stream.write((b"" if tracker.at_event_boundary else b"\n\n")
+                                   + sse_error_event(err))
             except ConnectionResetError:
-                return out
-        except ConnectionResetError:  # the client went away: the finally aborts the legs
-            return out
+                return stream.out
+        except ConnectionResetError:
+            # The client went away, or was sent away (ClientStalledError): the caller's
+            # finally closes the legs.
+            return stream.out
         try:
-            await out.write_eof()
+            await stream.write_eof()
         except ConnectionResetError:
             pass
-        return out
+        return stream.out
 
     def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
         headers = breakdown_headers(timer)
@@ -536,38 +548,105 @@ def proxy_overhead(timer: RequestTimer, now: float) -> float | None:
     return max(0.0, (now - timer.arrival) - (timer.upstream_done - timer.dispatched))
 
 
+class ClientStalledError(ConnectionResetError):
+    """The client took no bytes within the write bound and its connection was aborted: a
+    ConnectionResetError, so every path that handles a client gone handles it too."""
+
+
+class ClientStream:
+    """The client's open response, each write bounded by ``write_timeout_s``.
+
+    A client that stops reading but stays connected fills its receive window, and the next
+    write then waits until it reads again: unbounded, its admission slot, this handler and
+    D's leg (D's request and KV blocks) were held for as long as it stayed. Past the bound
+    the connection is aborted (a close would wait for the unsent bytes), which ends the
+    request as a client that left does: the write fails or the handler is cancelled, the
+    legs close, the slot comes back. A timer per write, not ``wait_for``: every SSE chunk
+    of every stream pays it, and a timer costs about 2 us where ``wait_for`` (Python < 3.12)
+    creates a task, about 16 us.
+    """
+
+    def __init__(self, request: web.Request, out: web.StreamResponse, write_timeout_s: float,
+                 on_stall: Callable[[], None]) -> None:
+        self.request = request
+        self.out = out
+        self.write_timeout_s = write_timeout_s
+        self.stalled = False
+        self._on_stall = on_stall
+        self._loop = asyncio.get_running_loop()
+
+    async def write(self, data: bytes) -> None:
+        """``out.write``; ClientStalledError when the client did not take it in time."""
+        await self._send(data, eof=False)
+
+    async def write_eof(self) -> None:
+        """``out.write_eof``, bounded alike."""
+        await self._send(b"", eof=True)
+
+    async def _send(self, data: bytes, eof: bool) -> None:
+        self._raise_if_stalled()  # the connection is gone: no second wait
+        timer = self._loop.call_later(self.write_timeout_s, self._give_up)
+        try:
+            await (self.out.write_eof(data) if eof else self.out.write(data))
+        except ConnectionError:
+            if not self.stalled:
+                raise
+        finally:
+            timer.cancel()
+        self._raise_if_stalled()
+
+    def _raise_if_stalled(self) -> None:
+        if self.stalled:
+            raise ClientStalledError(f"the client took no bytes for {self.write_timeout_s:g} s")
+
+    def _give_up(self) -> None:
+        """The write still waits at the bound: abort the connection, which wakes it."""
+        self.stalled = True
+        self._on_stall()
+        logger.warning("request %s: the client took no bytes for %g s (not reading); its "
+                       "connection is closed and the request aborted",
+                       self.out.headers.get("X-Request-Id", "?"), self.write_timeout_s)
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+
+
 # Request key of the client stream once its headers went out (RequestKey: aiohttp >= 3.14).
-OPEN_STREAM: Any = (web.RequestKey("open_stream", web.StreamResponse)
+OPEN_STREAM: Any = (web.RequestKey("open_stream", ClientStream)
                     if hasattr(web, "RequestKey") else "pdserve_open_stream")
 
 
-async def _open_stream(request: web.Request, out: web.StreamResponse) -> None:
+async def _open_stream(request: web.Request, out: web.StreamResponse, write_timeout_s: float,
+                       on_stall: Callable[[], None]) -> ClientStream:
     """Send the client stream's headers, and record it on the request: from then on an error
-    can only end it (``end_open_stream``), never replace it with an error response."""
+    can only end it (``end_open_stream``), never replace it with an error response. Its
+    writes wait at most ``write_timeout_s``, ``on_stall`` called when one did not finish."""
     await out.prepare(request)
-    request[OPEN_STREAM] = out
+    stream = ClientStream(request, out, write_timeout_s, on_stall)
+    request[OPEN_STREAM] = stream
+    return stream
 
 
 async def end_open_stream(request: web.Request, exc: BaseException) -> web.StreamResponse | None:
     """End the request's open client stream with an SSE error event for ``exc``; None when
     no stream was opened (the caller answers with an error status instead)."""
-    out = request.get(OPEN_STREAM)
-    if out is None:
+    stream = request.get(OPEN_STREAM)
+    if stream is None:
         return None
-    return await _end_stream(out, exc)
+    return await _end_stream(stream, exc)
 
 
-async def _end_stream(out: web.StreamResponse, err: BaseException) -> web.StreamResponse:
+async def _end_stream(stream: ClientStream, err: BaseException) -> web.StreamResponse:
     """End a client stream whose bytes went out with an SSE error event (the upstream, or
     the proxy itself, failed before sending its own); a blank line first closes any event
     left half-written."""
     logger.warning("stream ended with an error after the first token: %s", err)
     try:
-        await out.write(b"\n\n" + sse_error_event(err))
-        await out.write_eof()
+        await stream.write(b"\n\n" + sse_error_event(err))
+        await stream.write_eof()
     except (ConnectionResetError, RuntimeError):  # the client left, or the stream had ended
         pass
-    return out
+    return stream.out
 
 
 async def _abort(*tasks: asyncio.Task[Any]) -> None:

@@ -82,6 +82,10 @@ class ProxyMetrics:
             "Disaggregated requests by how their first token reached the client: 'prefill' "
             "(P's token streamed, D continued), 'decode' (P answered no token: D computed it), "
             "or why the handoff did not apply", ["result"], registry=r)
+        self.client_write_timeouts = Counter(
+            P + "client_write_timeouts",
+            "Streams cut because the client took no bytes for --write-timeout (it stopped "
+            "reading): its connection closed and the worker's leg aborted", registry=r)
         self.worker_requests = Counter(P + "worker_requests", "Legs sent per worker",
                                        ["worker", "role"], registry=r)
         self.worker_errors = Counter(P + "worker_errors", "Failed legs per worker",

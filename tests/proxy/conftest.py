@@ -40,7 +40,7 @@ class FakeWorker:
     ``mode``: ok | error500 | error400 | asleep (a sleeping worker's 503) | hang | empty |
     no_first_token (a P that ignores ``first_token_events``) |
     fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
-    50 ms for a long time).
+    50 ms for a long time) | flood (D: ``flood_bytes`` of events as fast as they are taken).
     """
 
     role: str
@@ -49,6 +49,7 @@ class FakeWorker:
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     server: TestServer | None = None
+    flood_bytes: int = 32 << 20
 
     @property
     def http_address(self) -> str:
@@ -104,6 +105,8 @@ class FakeWorker:
             })
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.mode == "flood":
+            return await self._flood(response, request_id)
         count = 100 if self.mode == "slow" else 3
         for i in range(count):
             event = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": f"t{i}"}]}
@@ -120,14 +123,25 @@ class FakeWorker:
         await response.write_eof()
         return response
 
+    async def _flood(self, response: web.StreamResponse, request_id: str) -> web.StreamResponse:
+        """Events of 64 KiB each until ``flood_bytes`` went out, then [DONE]: more than every
+        buffer between this worker and a client that stopped reading can hold."""
+        event = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": "x" * (64 << 10)}]}
+        data = f"data: {json.dumps(event)}\n\n".encode()
+        for _ in range(max(1, self.flood_bytes // len(data))):
+            await response.write(data)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
 
 @pytest.fixture
 async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
     """Start fake workers on 127.0.0.1 ephemeral ports; all stop at the test's end."""
     servers: list[TestServer] = []
 
-    async def factory(role: str, mode: str = "ok") -> FakeWorker:
-        worker = FakeWorker(role=role, kv_port=20000 + len(servers), mode=mode)
+    async def factory(role: str, mode: str = "ok", **fields: Any) -> FakeWorker:
+        worker = FakeWorker(role=role, kv_port=20000 + len(servers), mode=mode, **fields)
         app = web.Application()
         app.router.add_post("/v1/completions", worker.handle)
         app.router.add_post("/v1/chat/completions", worker.handle)

@@ -522,8 +522,8 @@ async def test_an_error_after_the_stream_opened_ends_it_with_an_event(make_proxy
 
     async def dispatch(request, path, body, transfer_id, timer, generates):
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await _open_stream(request, out)
-        await out.write(b'data: {"choices": [{"text": "P0"}]}\n\n')
+        stream = await _open_stream(request, out, 60.0, lambda: None)
+        await stream.write(b'data: {"choices": [{"text": "P0"}]}\n\n')
         raise ModelNotFoundError("every worker of the model left")
 
     client.server.app[keys.DISPATCHER].dispatch = dispatch

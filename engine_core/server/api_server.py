@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import signal
 import socket
 import time
@@ -79,6 +80,14 @@ class ServerOptions:
     # Seconds a connection may sit idle, or with its request headers unfinished, before it is
     # closed: aiohttp's AppRunner default is an hour (web.run_app's is 75 s).
     keepalive_timeout_s: float = 75.0
+    # Seconds one write of a streamed answer may wait for the client to take it (its TCP
+    # window full: it stopped reading) before its connection and engine requests are aborted
+    # (--write-timeout); unbounded, such a client held them, and their KV blocks, for good.
+    write_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.write_timeout_s < math.inf:
+            raise ConfigError(f"write_timeout_s must be > 0 seconds, got {self.write_timeout_s}")
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
@@ -248,7 +257,8 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
         "enable_prefix_caching": str(cache.enable_prefix_caching),
         "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
         "kv_offloading_size": str(cache.kv_offloading_size)})
-    serving = OpenAIServing(client, tokenizer, names, metrics)
+    serving = OpenAIServing(client, tokenizer, names, metrics,
+                            write_timeout_s=options.write_timeout_s)
     app = web.Application(client_max_size=options.client_max_size,
                           middlewares=[error_middleware, _auth_middleware(options.api_key)])
     app[SERVING_KEY] = serving

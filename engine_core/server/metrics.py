@@ -244,6 +244,15 @@ class ServerMetrics:
         self.loop_stall_seconds = Counter("pdserve:event_loop_stall_seconds",
                                           "Seconds this server's event loop was held, in stalls.",
                                           registry=self.registry)
+        self.client_write_timeouts = Counter(
+            "pdserve:client_write_timeouts",
+            "Streams cut because the client took no bytes for --write-timeout (it stopped "
+            "reading): its connection aborted and its engine requests with it.",
+            registry=self.registry)
+
+    def observe_write_timeout(self) -> None:
+        """A streaming client's write waited past ``--write-timeout`` and it was sent away."""
+        self.client_write_timeouts.inc()
 
     def observe_loop_stall(self, seconds: float) -> None:
         """The event loop came back after being held ``seconds`` (engine_core.server.loop_watch)."""

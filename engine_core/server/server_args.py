@@ -31,6 +31,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         default=ServerOptions.body_timeout_s, metavar="SECONDS",
                         help="how long a client may take to send its whole request body "
                              "(408 beyond)")
+    parser.add_argument("--write-timeout", type=positive_seconds,
+                        default=ServerOptions.write_timeout_s, metavar="SECONDS",
+                        help="how long one write of a streamed answer may wait for the client "
+                             "to take it; past that the client (not reading, its window full) "
+                             "is disconnected and its engine requests aborted, freeing their "
+                             "KV blocks")
     parser.add_argument("--engine-startup-timeout", type=positive_seconds, default=None,
                         metavar="SECONDS",
                         help="how long the engine process may take to load the model and "
@@ -45,5 +51,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          client_max_size=args.max_request_body_bytes,
                          log_stats_interval_s=args.log_stats_interval,
                          body_timeout_s=args.body_timeout,
+                         write_timeout_s=args.write_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
                                                    or DEFAULT_STARTUP_TIMEOUT_S))

@@ -1,8 +1,9 @@
 """The /v1/completions and /v1/chat/completions handlers over an ``AsyncEngineClient``.
 
 Each prompt becomes one engine request, pumped by its own task into a shared queue, so a
-batch of prompts streams interleaved. Leaving a handler early (client gone, error) cancels
-the pumps, and cancelling a pump aborts its request in the engine.
+batch of prompts streams interleaved. Leaving a handler early (client gone, error, a client
+that stopped reading sent away after ``--write-timeout``) cancels the pumps, and cancelling
+a pump aborts its request in the engine.
 """
 
 from __future__ import annotations
@@ -202,11 +203,13 @@ class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and responses."""
 
     def __init__(self, client: AsyncEngineClient, tokenizer: TokenizerService,
-                 model_names: list[str], metrics: ServerMetrics) -> None:
+                 model_names: list[str], metrics: ServerMetrics,
+                 write_timeout_s: float = 60.0) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
+        self.write_bound = streaming.WriteBound(write_timeout_s, metrics.observe_write_timeout)
         self._token_texts = TokenTextCache(tokenizer.tokenizer)
 
     def check_model(self, model: str | None) -> str:
@@ -395,9 +398,9 @@ class OpenAIServing:
                                          first_chunks)
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
-            sse = await streaming.start_sse(request, headers)
+            sse = await streaming.start_sse(request, self.write_bound, headers)
             send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
-            try:
+            async with self._stream_ending(sse, request_id):
                 if parsed.echo:
                     for index, job in enumerate(jobs):
                         await send({**head, "choices": [{
@@ -423,10 +426,7 @@ class OpenAIServing:
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**head, "choices": [],
                                                      "usage": _usage(choices, jobs)})
-            except Exception as exc:
-                await self._stream_error(sse, request_id, exc)
-            await streaming.send_done(sse)
-            return sse
+            return sse.response
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -463,9 +463,9 @@ class OpenAIServing:
                 return self._json_answer(response, choices, jobs, parsed.handoff, headers,
                                          first_chunks)
             first = await anext(events, None)
-            sse = await streaming.start_sse(request, headers)
+            sse = await streaming.start_sse(request, self.write_bound, headers)
             send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
-            try:
+            async with self._stream_ending(sse, request_id):
                 if not parsed.handoff.generated_token_ids:  # else the proxy sent the role
                     for index in range(len(jobs)):
                         await send(_chat_role_chunk(chunk_head, index))
@@ -484,10 +484,7 @@ class OpenAIServing:
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],
                                                      "usage": _usage(choices, jobs)})
-            except Exception as exc:
-                await self._stream_error(sse, request_id, exc)
-            await streaming.send_done(sse)
-            return sse
+            return sse.response
 
     # ---- first-token handoff (prefill worker) -------------------------------------------
 
@@ -527,7 +524,7 @@ class OpenAIServing:
     # ---- helpers ------------------------------------------------------------------------
 
     @staticmethod
-    def _chunk_sender(sse: web.StreamResponse, continuous_usage: bool,
+    def _chunk_sender(sse: streaming.SSEStream, continuous_usage: bool,
                       choices: list[_ChoiceResult], jobs: list[_Job]
                       ) -> Callable[[dict[str, Any]], Awaitable[None]]:
         """Sends a stream chunk, with the usage so far when the client asked for
@@ -545,8 +542,23 @@ class OpenAIServing:
         if params is not None:
             response["kv_transfer_params"] = params
 
+    @contextlib.asynccontextmanager
+    async def _stream_ending(self, sse: streaming.SSEStream, request_id: str
+                             ) -> AsyncIterator[None]:
+        """Around a stream's chunks: ``[DONE]`` after them, an error event before it when
+        they fail. A client sent away for not reading (``ClientStalledError``) ends it
+        quietly; the handler then leaves, which aborts the engine requests."""
+        try:
+            try:
+                yield
+            except Exception as exc:
+                await self._stream_error(sse, request_id, exc)
+            await streaming.send_done(sse)
+        except streaming.ClientStalledError:
+            pass  # logged and counted when its connection was aborted
+
     @staticmethod
-    async def _stream_error(sse: web.StreamResponse, request_id: str, exc: Exception) -> None:
+    async def _stream_error(sse: streaming.SSEStream, request_id: str, exc: Exception) -> None:
         """After the first byte an error can only be an SSE event."""
         if isinstance(exc, ConnectionError):
             raise exc

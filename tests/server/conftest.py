@@ -36,7 +36,8 @@ def engine_kwargs() -> dict[str, Any]:
 class ServerHandle:
     """An API server on a background thread's event loop."""
 
-    def __init__(self, config: EngineConfig, options: Any) -> None:
+    def __init__(self, config: EngineConfig, options: Any, engine_factory: Any = None) -> None:
+        """``engine_factory``: a picklable stand-in for the engine (``EngineFactory``)."""
         from engine_core.server.api_server import app_runner, start_engine_and_app
 
         self.loop = asyncio.new_event_loop()
@@ -44,7 +45,7 @@ class ServerHandle:
         self._thread.start()
 
         async def start() -> tuple[Any, web.AppRunner, int]:
-            client, app = await start_engine_and_app(config, options)
+            client, app = await start_engine_and_app(config, options, engine_factory)
             runner = app_runner(app, options)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)

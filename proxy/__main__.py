@@ -25,6 +25,15 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--registration-port", "--proxy-port", dest="registration_port",
                         type=int, default=d.registration_port,
                         help="ZMQ port workers heartbeat to (their proxy_port)")
+    add_proxy_policy_args(parser)
+    return parser
+
+
+def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
+    """Add the proxy's flags other than its addresses: routing, limits, timeouts. Apart, so
+    ``pdserve launch`` takes them with the same names, defaults and types and forwards them
+    to the proxy it starts (it assigns the addresses itself)."""
+    d = ProxyConfig()
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
                         help="drop a worker after this many seconds without a heartbeat")
     parser.add_argument("--routing", choices=sorted(POLICIES), default=d.routing,
@@ -71,7 +80,6 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the request to a decode worker alone, which prefills it itself "
                         "(conditional disaggregation: P's overload spills to D instead of "
                         "queueing); 0 (default) never")
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:

@@ -61,8 +61,8 @@ def test_proxy_flags_reach_the_proxy(tmp_path: Path) -> None:
     add_proxy_args(parser)
     config = config_from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1:]))
     assert config.prefill_overflow == 6 and config.first_token_from_prefill
-    with pytest.raises(SystemExit):
-        _parse("--prefill-overflow", "-1")
+    with pytest.raises(SystemExit):  # by the proxy's own check, before any child starts
+        build_children(_parse("--prefill-overflow", "-1"), [], tmp_path)
 
 
 def test_too_few_gpus(tmp_path: Path) -> None:

@@ -39,7 +39,10 @@ class KVPullRequest:
     """D asks P for blocks ``[first_block, first_block + num_blocks)`` of a transfer.
 
     ``num_blocks == 0`` means D needs nothing (its prefix cache holds the whole prompt):
-    P releases whatever it keeps for the transfer.
+    P releases whatever it keeps for the transfer. Sent after a pull (the request was aborted
+    on D), it cancels that pull: P answers with ``KVSendAbort`` when it dropped the pull
+    before any send (D may then reuse the receive bytes), and ignores it when the send has
+    started (its header answers).
     """
 
     transfer_id: str

@@ -241,9 +241,9 @@ class P2pConnectorWorker:
         scheduling) another to be scheduled: two decode steps added to its first token."""
         with self._lock:
             idle = not self._loads and not self._waiting
-        if not idle:
-            self._admit_waiting()
+        if not idle:  # ended loads free their bytes first, so waiting ones may take them
             self._land_and_expire(self._clock())
+            self._admit_waiting()
         with self._lock:
             landed = FinishedTransfers(recving=self._finished_recving,
                                        failed_recving=self._failed_recving)
@@ -262,8 +262,8 @@ class P2pConnectorWorker:
                 self._send_pull(notice.peer_address, self._make_pull(notice.transfer_id, 0, 0))
             for notice in metadata.abandons:
                 self._abandon(notice.transfer_id, notice.peer_address)
+        self._land_and_expire(now)  # first: a cancelled or landed load's bytes go to the next
         self._admit_waiting()
-        self._land_and_expire(now)
 
     def bind_step(self, metadata: P2pConnectorMetadata | None, attn_metadata: AttentionMetadata | None) -> None:
         """Producer: decide, once per save, whether it is pushed layer by layer or deferred."""
@@ -334,9 +334,7 @@ class P2pConnectorWorker:
                     self._finished_sending.add(pending.save.request_id)
                     self._counters["leases_expired"] += 1
                     self._tombstone(transfer_id, now)
-            for transfer_id, expiry in list(self._tombstones.items()):
-                if now > expiry:
-                    del self._tombstones[transfer_id]
+            self._expire_tombstones(now)
             for transfer_id, (_, arrived) in list(self._registrations.items()):
                 if now - arrived > self._config.orphan_ttl_s:
                     del self._registrations[transfer_id]
@@ -476,10 +474,36 @@ class P2pConnectorWorker:
         return True
 
     def _cancel_load(self, request_id: str) -> None:
+        """The request ended on D: mark its load cancelled; a REQUESTED one also releases P.
+
+        When its reserved bytes are free again, by state:
+        - WAITING_BUFFER: holds none (ends at the next ``_land_and_expire``, releasing P).
+        - REQUESTED (pull sent, no header accepted): nothing has been, or can be, written
+          into its buffer yet: receives are posted (NCCL) and data messages landed (CPU)
+          only for a header accepted under the lock, and only in this state. So P is
+          released at once (a ``num_blocks=0`` pull behind the pull on the same socket).
+          With data messages (CPU transport) the load ends now: a late header or data
+          message for it finds no load waiting and is refused (logged, counted), never
+          written. On a pair transport (NCCL) it keeps the bytes until P answers: P's
+          abort says it dropped the pull before any send (no header will follow, so the
+          bytes are free then), while a send P had started arrives as a header that must
+          still be received into them: refused, P's data calls would stay unmatched on the
+          pair and D would have to abort it, failing every other transfer on it.
+        - RECEIVING: receives are posted or data is landing; freed when the data landed (or
+          the pair is drained after a failure), as before.
+        """
         with self._lock:
+            requested: list[_Load] = []
             for load in self._loads.values():
-                if load.spec.request_id == request_id:
-                    load.cancelled = True
+                if load.spec.request_id != request_id:
+                    continue
+                load.cancelled = True
+                if load.state == REQUESTED:
+                    requested.append(load)
+                    if self._transport.uses_data_messages:
+                        load.state, load.reason = FAILED, "cancelled"
+        for load in requested:
+            self._send_pull(load.spec.peer_address, self._make_pull(load.spec.transfer_id, 0, 0))
 
     def _land_and_expire(self, now: float) -> None:
         """Report landed, failed and late loads and free the buffer they held."""
@@ -700,10 +724,21 @@ class P2pConnectorWorker:
             self._submit_abort(transfer_id, registration[0].consumer_address, "producer request ended")
 
     def _tombstone(self, transfer_id: str, now: float) -> None:
-        """Remember a dead transfer id for ``orphan_ttl_s`` (caller holds the lock)."""
+        """Remember a dead transfer id for ``orphan_ttl_s`` (caller holds the lock). Kept in
+        expiry order (re-inserted at the end), so expiring them stops at the first live one."""
+        self._tombstones.pop(transfer_id, None)
         self._tombstones[transfer_id] = now + self._config.orphan_ttl_s
         while len(self._tombstones) > 65536:
             del self._tombstones[next(iter(self._tombstones))]
+
+    def _expire_tombstones(self, now: float) -> None:
+        """Drop the expired tombstones, oldest first (caller holds the lock): each step costs
+        the expired ones only, not every transfer sent in the last ``orphan_ttl_s``."""
+        while self._tombstones:
+            transfer_id, expiry = next(iter(self._tombstones.items()))
+            if now <= expiry:
+                return
+            del self._tombstones[transfer_id]
 
     def _on_send_done(self, job: SendJob) -> None:
         with self._lock:
@@ -711,6 +746,10 @@ class P2pConnectorWorker:
                 self._counters["control_messages_sent"] += 1
                 return
             self._in_flight.pop(job.transfer_id, None)
+            # Never sent again (its blocks are handed back now): a release that crossed the
+            # send is dropped, not kept as a waiting pull until orphan_ttl_s, and a late
+            # pull is told at once.
+            self._tombstone(job.transfer_id, self._clock())
             if job.slots is not None:
                 job.slots.clear()
             if job.request_id is not None:
@@ -777,11 +816,16 @@ class P2pConnectorWorker:
             dead = pull.transfer_id in self._tombstones
             duplicate = not dead and pull.transfer_id in self._in_flight
         if duplicate:
+            if pull.num_blocks == 0:  # a release that crossed its send: the header answers it
+                logger.debug("kv release of %.80r: its send already started", pull.transfer_id)
+                return
             self._reject("pull request", f"{pull.transfer_id!r:.80} is already being sent")
             return
         if dead:
             if pull.num_blocks > 0:
                 self._submit_abort(pull.transfer_id, pull.consumer_address, "transfer released")
+            return
+        if pull.num_blocks == 0 and self._cancel_waiting_pull(pull):
             return
         with self._lock:
             pending = self._pending.get(pull.transfer_id)
@@ -799,6 +843,35 @@ class P2pConnectorWorker:
                 self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
             return
         self._start_deferred(pending, pull, self._clock())
+
+    def _cancel_waiting_pull(self, release: KVPullRequest) -> bool:
+        """A release (``num_blocks=0``) for a pull still waiting for its prefill cancels it;
+        True when handled here (cancelled, or refused), False when no such pull waits.
+
+        The waiting pull is the only thing this transfer's send can start from (the pull and
+        its release arrive in order on the consumer's one socket): replaced by the release
+        under the lock, no header will ever be sent, and the save ends without a send. The
+        abort that answers tells the consumer so, and it may reuse the receive bytes it
+        reserved at once (on NCCL it waits for this answer). Only the consumer address that
+        pulled may cancel (a new process there too: the old one's pull is dead): a release
+        from another would leave that consumer waiting for its deadline, so it is refused
+        (logged, counted) and the pull kept."""
+        with self._lock:
+            registered = self._registrations.get(release.transfer_id)
+            if registered is None or registered[0].num_blocks == 0:
+                return False
+            pull, arrived = registered
+            ours = pull.consumer_address == release.consumer_address
+            if ours:
+                self._registrations[release.transfer_id] = (release, arrived)
+        if not ours:
+            self._reject("pull release", f"{release.transfer_id!r:.80} was pulled by "
+                                         f"{pull.consumer_address}, not "
+                                         f"{release.consumer_address!r:.80}")
+            return True
+        self._submit_abort(release.transfer_id, release.consumer_address,
+                           "pull cancelled by the consumer")
+        return True
 
     def _note_consumer_epoch(self, address: str, epoch: str) -> bool:
         """Remember the epoch of the consumer process at ``address``; True when it replaces

@@ -62,8 +62,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --restart: the window --max-restarts counts restarts in "
                              f"(default {RestartPolicy.window_s:g})")
     parser.add_argument("--log-dir", default=None, help="per-process logs (default: a temp dir)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
-                        help="seconds to wait for every worker to be registered and healthy")
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=None,
+                        help="seconds to wait for every worker to be registered and healthy "
+                             "(default: the engine startup timeout + 60, at least "
+                             f"{MIN_STARTUP_TIMEOUT_S:g})")
     parser.add_argument("--stop-timeout", type=float, default=15.0,
                         help="seconds between SIGTERM and SIGKILL at shutdown")
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=2.0,
@@ -313,6 +315,28 @@ def restart_delay(restarts: int, ran_s: float) -> tuple[float, int]:
     return min(RESTART_FIRST_DELAY_S * 2 ** restarts, RESTART_MAX_DELAY_S), restarts + 1
 
 
+# The cluster's startup wait is at least this, and covers the workers' own engine startup
+# timeout (a longer --engine-startup-timeout would otherwise be cut short by launch).
+MIN_STARTUP_TIMEOUT_S = 300.0
+STARTUP_MARGIN_S = 60.0
+
+
+def engine_startup_timeout(args: argparse.Namespace) -> float:
+    """The workers' engine startup timeout (flag, else VLLM_ENGINE_READY_TIMEOUT_S folded in
+    by the CLI, else the engine's default)."""
+    from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
+
+    return getattr(args, "engine_startup_timeout", None) or DEFAULT_STARTUP_TIMEOUT_S
+
+
+def startup_timeout(args: argparse.Namespace) -> float:
+    """How long launch waits for the cluster: ``--startup-timeout``, else long enough for
+    the workers' engines to load."""
+    if args.startup_timeout is not None:
+        return args.startup_timeout
+    return max(MIN_STARTUP_TIMEOUT_S, engine_startup_timeout(args) + STARTUP_MARGIN_S)
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """The bound on ``--restart``: at most ``max_restarts`` restarts of one child within
@@ -326,11 +350,17 @@ class RestartPolicy:
 
     max_restarts: int = 5
     window_s: float = 600.0
+    # A run shorter than this counts as a failed start. More than max_restarts failed starts
+    # in a row also give up, however far apart: a child that hangs loading until its engine
+    # startup timeout (600 s) and dies never has six deaths inside one window.
+    short_run_s: float = 660.0
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 1 or not 0 < self.window_s < float("inf"):
-            raise ValueError(f"restart policy needs max_restarts >= 1 and window_s > 0, "
-                             f"got {self.max_restarts}, {self.window_s}")
+        if (self.max_restarts < 1 or not 0 < self.window_s < float("inf")
+                or not 0 < self.short_run_s < float("inf")):
+            raise ValueError(f"restart policy needs max_restarts >= 1, window_s > 0 and "
+                             f"short_run_s > 0, got {self.max_restarts}, {self.window_s}, "
+                             f"{self.short_run_s}")
 
     def recent(self, restart_times: list[float], now: float) -> list[float]:
         """The restarts of ``restart_times`` that still count at ``now``."""
@@ -348,8 +378,11 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy | None:
                              "--restart (without it no child is restarted)")
         return None
     default = RestartPolicy()
+    window_s = args.restart_window or default.window_s
     return RestartPolicy(max_restarts=args.max_restarts or default.max_restarts,
-                         window_s=args.restart_window or default.window_s)
+                         window_s=window_s,
+                         short_run_s=max(window_s,
+                                         engine_startup_timeout(args) + STARTUP_MARGIN_S))
 
 
 @dataclass
@@ -365,6 +398,7 @@ class Child:
     started_at: float = 0.0
     restart_at: float | None = None  # when a dead child is due to start again (--restart)
     restart_times: list[float] = field(default_factory=list)  # when it died and was restarted
+    failed_starts: int = 0  # deaths in a row after a run shorter than RestartPolicy.short_run_s
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -520,10 +554,17 @@ def _on_death(child: Child, policy: RestartPolicy, now: float) -> bool:
     """Schedule a restart of ``child``, which just died; False when ``policy`` says it is
     crash looping (the caller gives up)."""
     recent = policy.recent(child.restart_times, now)
+    short = now - child.started_at < policy.short_run_s
+    child.failed_starts = child.failed_starts + 1 if short else 0
     if len(recent) >= policy.max_restarts:
         print(f"pdserve launch: giving up on {child.name}: it died again after "
               f"{len(recent)} restart(s) within {policy.window_s:g} s ({policy.describe()}); "
               f"stopping everything, exit 1; see {child.log_path}", flush=True)
+        return False
+    if child.failed_starts > policy.max_restarts:
+        print(f"pdserve launch: giving up on {child.name}: {child.failed_starts} runs in a row "
+              f"ended within {policy.short_run_s:g} s of their start; stopping everything, "
+              f"exit 1; see {child.log_path}", flush=True)
         return False
     child.restart_times = [*recent, now]
     delay, child.restarts = restart_delay(child.restarts, now - child.started_at)
@@ -594,7 +635,8 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
     try:
         for child in children:
             child.start()
-        deadline = time.monotonic() + args.startup_timeout
+        wait_s = startup_timeout(args)
+        deadline = time.monotonic() + wait_s
         expected = {w.http_address for w in workers}
         while not stopping:
             dead = [c for c in children if c.proc.poll() is not None]
@@ -606,7 +648,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
             if expected <= _registered(url) and all(_healthy(w.http_address) for w in workers):
                 break
             if time.monotonic() > deadline:
-                print(f"pdserve launch: not ready after {args.startup_timeout:.0f}s; "
+                print(f"pdserve launch: not ready after {wait_s:.0f}s; "
                       f"see {log_dir}", flush=True)
                 return 1
             time.sleep(0.5)

@@ -85,11 +85,22 @@ _REAP_TIMEOUT_S = 1.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STARTUP_TIMEOUT_HINT = "--engine-startup-timeout SECONDS (or VLLM_ENGINE_READY_TIMEOUT_S)"
 
-# The ipc socket directories start() creates under the temp dir: this prefix, the API
-# process's pid (for an operator reading /tmp), a random part; inside, only these sockets.
+# The ipc socket directories start() creates under the temp dir: this prefix, the host's
+# name (a temp dir may be shared between hosts, where another host's live sockets refuse
+# this one), the API process's pid (for an operator reading /tmp) and a random part;
+# inside, only these sockets.
 SOCKET_DIR_PREFIX = "pdserve-engine-"
 _SOCKET_NAMES = frozenset({"input", "output"})
 _PROBE_TIMEOUT_S = 1.0
+# A directory changed this recently is never swept: a starting server's socket refuses
+# between its bind and its listen, which must not read as a dead server's.
+_SWEEP_MIN_AGE_S = 60.0
+
+
+def _host_prefix() -> str:
+    """This host's socket directories' name prefix."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())
+    return f"{SOCKET_DIR_PREFIX}{host}-"
 
 
 def _socket_accepts(path: str) -> bool:
@@ -109,21 +120,24 @@ def _socket_accepts(path: str) -> bool:
     return True
 
 
-def _is_stale_socket_dir(path: str) -> bool:
-    """A socket directory of ours whose every socket refuses connections: its API process
-    was killed (SIGKILL, OOM) before it could remove it. One holding anything else, no
-    socket yet (just created) or another user's is left alone."""
+def _stale_sockets(path: str, now: float) -> list[str] | None:
+    """The socket files of a socket directory of ours whose every socket refuses
+    connections (its API process was killed, SIGKILL or OOM, before it could remove it);
+    None for one to leave alone: another user's, one holding anything else, one with no
+    socket yet, or one changed in the last ``_SWEEP_MIN_AGE_S`` (a server starting)."""
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        return False
+        return None
+    if now - info.st_mtime < _SWEEP_MIN_AGE_S:
+        return None
     names = os.listdir(path)
     if not names or not set(names) <= _SOCKET_NAMES:
-        return False
-    for name in names:
-        entry = os.path.join(path, name)
+        return None
+    entries = [os.path.join(path, name) for name in names]
+    for entry in entries:
         if not stat.S_ISSOCK(os.lstat(entry).st_mode) or _socket_accepts(entry):
-            return False
-    return True
+            return None
+    return entries
 
 
 def remove_stale_socket_dirs(parent: str | None = None) -> int:
@@ -136,15 +150,16 @@ def remove_stale_socket_dirs(parent: str | None = None) -> int:
     is asked of the sockets themselves, not of a pid: a pid can be reused, or belong to
     another pid namespace sharing this /tmp."""
     parent = parent or tempfile.gettempdir()
-    removed = 0
+    prefix, now, removed = _host_prefix(), time.time(), 0
     with os.scandir(parent) as entries:
-        candidates = [e.path for e in entries if e.name.startswith(SOCKET_DIR_PREFIX)]
+        candidates = [e.path for e in entries if e.name.startswith(prefix)]
     for path in candidates:
         try:
-            if not _is_stale_socket_dir(path):
+            stale = _stale_sockets(path, now)
+            if stale is None:
                 continue
-            for name in os.listdir(path):
-                os.unlink(os.path.join(path, name))
+            for entry in stale:  # only what was checked
+                os.unlink(entry)
             os.rmdir(path)
         except OSError:  # gone already (another server swept it), or not ours to remove
             continue
@@ -158,7 +173,7 @@ def _make_socket_dir() -> str:
     if removed:
         logger.info("removed %d stale engine socket directories (left by killed servers) "
                     "from %s", removed, tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"{_host_prefix()}{os.getpid()}-")
 
 
 class AsyncEngineClient:

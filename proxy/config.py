@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine_core.errors import ConfigError
@@ -42,8 +43,8 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
             raise ConfigError(f"--routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
-        if self.affinity_max_imbalance < 0:
-            raise ConfigError("affinity_max_imbalance must be >= 0")
+        if not 0 <= self.affinity_max_imbalance < math.inf:  # NaN fails every comparison
+            raise ConfigError("affinity_max_imbalance must be a finite number >= 0")
         if self.prefill_overflow < 0:
             raise ConfigError("prefill_overflow must be >= 0 (0: off)")
         for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts",
@@ -52,8 +53,8 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
                      "connect_timeout_s", "body_timeout_s", "write_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0")
+            if not 0 < getattr(self, name) < math.inf:  # NaN fails every comparison
+                raise ConfigError(f"{name} must be a finite number > 0")
         for name in ("port", "registration_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:

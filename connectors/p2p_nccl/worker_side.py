@@ -748,7 +748,11 @@ class P2pConnectorWorker:
             self._in_flight.pop(job.transfer_id, None)
             # Never sent again (its blocks are handed back now): a release that crossed the
             # send is dropped, not kept as a waiting pull until orphan_ttl_s, and a late
-            # pull is told at once.
+            # pull is told at once. A release that arrived between the pull's pop and the
+            # send's start (neither waiting nor in flight then) was stored: drop it too.
+            waiting = self._registrations.get(job.transfer_id)
+            if waiting is not None and waiting[0].num_blocks == 0:
+                del self._registrations[job.transfer_id]
             self._tombstone(job.transfer_id, self._clock())
             if job.slots is not None:
                 job.slots.clear()

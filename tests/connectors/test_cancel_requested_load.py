@@ -204,3 +204,31 @@ def _finished_send_then_cancel(pair: WorkerPair, gate: threading.Event) -> None:
     assert consumer.stats()["recv_buffer_bytes_in_use"] == 0
     assert pair.transfer("B")[0] == "ok"
     assert pair.idle()
+
+
+def test_a_release_between_the_pulls_pop_and_the_send_leaves_nothing_waiting(
+        pair: WorkerPair) -> None:
+    """P pops the waiting pull when the prefill is saved and marks the send in flight a
+    little later; a release arriving in between is stored (nothing matched it), and the
+    send's end drops it, so P ends idle instead of holding a waiting pull for orphan_ttl_s."""
+    producer, consumer = pair.producer, _consumer(pair)
+    pair.ask("A")
+    real_submit = producer._submit
+
+    def submit(job: Any) -> None:
+        if job.abort_reason is None:
+            received = producer.stats()["control_messages_received"]
+            _cancel(consumer, "A")
+            assert wait_until(
+                lambda: producer.stats()["control_messages_received"] == received + 1, 5.0)
+        real_submit(job)
+
+    producer._submit = submit
+    try:
+        pair.compute("A")
+    finally:
+        producer._submit = real_submit
+    assert _wait_reported(consumer, "A", 10.0)  # landed (NCCL) or failed (CPU): D is done
+    assert wait_until(lambda: producer.stats()["pull_requests_waiting"] == 0, 5.0), \
+        producer.stats()
+    assert wait_until(pair.idle, 5.0), (producer.stats(), consumer.stats())

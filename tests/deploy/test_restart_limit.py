@@ -29,9 +29,21 @@ def _parse(*argv: str):
 
 def test_flags_build_the_policy() -> None:
     assert launch.restart_policy(_parse()) is None
-    assert launch.restart_policy(_parse("--restart")) == launch.RestartPolicy(5, 600.0)
+    # A run shorter than the engine's startup timeout + 60 s is a failed start.
+    assert launch.restart_policy(_parse("--restart")) == launch.RestartPolicy(5, 600.0, 660.0)
     assert launch.restart_policy(_parse("--restart", "--max-restarts", "2", "--restart-window",
-                                        "30")) == launch.RestartPolicy(2, 30.0)
+                                        "30")) == launch.RestartPolicy(2, 30.0, 660.0)
+    assert launch.restart_policy(_parse("--restart", "--engine-startup-timeout", "1800")
+                                 ) == launch.RestartPolicy(5, 600.0, 1860.0)
+
+
+def test_the_startup_wait_covers_the_engines_startup_timeout() -> None:
+    """launch's own wait for the cluster is never shorter than the workers' engine startup
+    timeout (+60 s), unless --startup-timeout says otherwise."""
+    assert launch.startup_timeout(_parse()) == 660.0
+    assert launch.startup_timeout(_parse("--engine-startup-timeout", "1800")) == 1860.0
+    assert launch.startup_timeout(_parse("--engine-startup-timeout", "30")) == 300.0
+    assert launch.startup_timeout(_parse("--startup-timeout", "100")) == 100.0
 
 
 @pytest.mark.parametrize("argv", [["--max-restarts", "0"], ["--max-restarts", "-1"],
@@ -94,14 +106,15 @@ def test_a_crash_looping_child_is_restarted_up_to_the_limit_then_the_launcher_gi
 def test_deaths_further_apart_than_the_window_are_always_restarted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A window, not a lifetime count: with at most 1 restart per 0.3 s, a child living
-    0.6 s is restarted every time it dies."""
+    0.6 s (longer than a failed start, 0.5 s here) is restarted every time it dies."""
     proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
     worker = _child(tmp_path, "worker0", "import time; time.sleep(0.6); raise SystemExit(3)")
     for child in (proxy, worker):
         child.start()
     started = time.monotonic()
     try:
-        code = launch.supervise(proxy, [worker], launch.RestartPolicy(1, window_s=0.3),
+        code = launch.supervise(proxy, [worker],
+                                launch.RestartPolicy(1, window_s=0.3, short_run_s=0.5),
                                 stopping=lambda: time.monotonic() - started > 4.5, poll_s=0.05)
     finally:
         stop_all([proxy, worker], 5.0)
@@ -109,6 +122,28 @@ def test_deaths_further_apart_than_the_window_are_always_restarted(
     assert code == 0, out
     assert len(re.findall(r"restarting worker0", out)) >= 2, out
     assert "giving up" not in out
+
+
+def test_failed_starts_in_a_row_give_up_however_far_apart(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A child that dies before it could have started (here within 5 s of each start: think
+    of an engine hanging until its startup timeout) is given up on after max_restarts
+    restarts, even when its deaths are further apart than the window."""
+    proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
+    worker = _child(tmp_path, "worker0", "import time; time.sleep(0.6); raise SystemExit(3)")
+    for child in (proxy, worker):
+        child.start()
+    started = time.monotonic()
+    try:
+        code = launch.supervise(proxy, [worker],
+                                launch.RestartPolicy(2, window_s=0.3, short_run_s=5.0),
+                                stopping=lambda: time.monotonic() - started > 20, poll_s=0.05)
+    finally:
+        stop_all([proxy, worker], 5.0)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert len(re.findall(r"worker0 \(pid \d+\) died with 3", out)) == 3, out
+    assert "giving up on worker0: 3 runs in a row ended within 5 s" in out, out
 
 
 @pytest.mark.slow

@@ -24,6 +24,18 @@ from tests.integration.cluster_harness import alive, child_env
 from tests.server.test_shutdown import _SCRIPT, _engine_pids
 
 PREFIX = "pdserve-engine-"
+
+
+def _host_prefix() -> str:
+    from engine_core.engine_client import _host_prefix as host_prefix
+
+    return host_prefix()
+
+
+def _age(path: Path, seconds: float = 120.0) -> None:
+    """Make ``path`` look untouched for ``seconds`` (younger ones are never swept)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
 _LOGGING_SCRIPT = "import logging\nlogging.basicConfig(level=logging.INFO)\n" + _SCRIPT
 
 
@@ -40,11 +52,12 @@ def _dead_socket(path: Path) -> None:
         sock.bind(str(path))
 
 
-def _stale_dir(parent: Path, name: str) -> Path:
+def _stale_dir(parent: Path, name: str, age_s: float = 120.0) -> Path:
     path = parent / name
     path.mkdir(mode=0o700)
     _dead_socket(path / "input")
     _dead_socket(path / "output")
+    _age(path, age_s)
     return path
 
 
@@ -52,28 +65,38 @@ def test_only_directories_whose_sockets_refuse_connections_are_removed(
         tmpdir_short: Path) -> None:
     from engine_core.engine_client import remove_stale_socket_dirs
 
-    stale = _stale_dir(tmpdir_short, f"{PREFIX}1234-abcd")
-    legacy = _stale_dir(tmpdir_short, f"{PREFIX}x1y2z3")  # named before the pid was in it
-    live = _stale_dir(tmpdir_short, f"{PREFIX}99-live")
+    host = _host_prefix()
+    stale = _stale_dir(tmpdir_short, f"{host}1234-abcd")
+    live = _stale_dir(tmpdir_short, f"{host}99-live")
     (live / "output").unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(live / "output"))
     listener.listen()
-    fresh = tmpdir_short / f"{PREFIX}77-fresh"  # just made by mkdtemp, not bound yet
+    _age(live)
+    fresh = tmpdir_short / f"{host}77-fresh"  # just made by mkdtemp, not bound yet
     fresh.mkdir()
-    foreign = _stale_dir(tmpdir_short, f"{PREFIX}55-other")
+    _age(fresh)
+    # Bound but not listening yet (a server starting): refuses, but is too young to judge.
+    starting = _stale_dir(tmpdir_short, f"{host}88-starting", age_s=0.0)
+    foreign = _stale_dir(tmpdir_short, f"{host}55-other")
     (foreign / "notes.txt").write_text("not ours to delete")
+    # Another host's (a temp dir shared between hosts: its live sockets refuse this host).
+    elsewhere = _stale_dir(tmpdir_short, f"{PREFIX}otherhost-1-abcd")
     other = _stale_dir(tmpdir_short, "someone-else")
-    link = tmpdir_short / f"{PREFIX}66-link"
+    link = tmpdir_short / f"{host}66-link"
     link.symlink_to(other)
     try:
-        assert remove_stale_socket_dirs(str(tmpdir_short)) == 2
+        assert remove_stale_socket_dirs(str(tmpdir_short)) == 1
     finally:
         listener.close()
-    assert not stale.exists() and not legacy.exists()
-    assert live.is_dir() and fresh.is_dir() and foreign.is_dir() and other.is_dir()
+    assert not stale.exists()
+    for kept in (live, fresh, starting, foreign, elsewhere, other):
+        assert kept.is_dir(), kept
     assert link.is_symlink()
+    _age(live)
     assert remove_stale_socket_dirs(str(tmpdir_short)) == 1  # live's socket now refuses
+    _age(starting)
+    assert remove_stale_socket_dirs(str(tmpdir_short)) == 1  # and an old refusing one goes
 
 
 def _start_server(tmpdir: Path) -> subprocess.Popen:
@@ -134,6 +157,8 @@ def test_the_next_server_removes_what_a_killed_server_left(tmpdir_short: Path) -
         first.communicate(timeout=30)
         assert _wait_gone(first_engines), "the engine outlived its API process"
         assert first_dir.is_dir(), "SIGKILL left nothing behind? the test proves nothing"
+        assert first_dir.name.startswith(_host_prefix())
+        _age(first_dir)  # younger directories are never swept (a server may be starting)
 
         second = _start_server(tmpdir_short)
         second_engines, second_dir = _wait_for_engine(second, tmpdir_short, {first_dir})
@@ -145,7 +170,7 @@ def test_the_next_server_removes_what_a_killed_server_left(tmpdir_short: Path) -
         assert second.returncode == 0, output
         assert "removed 1 stale engine socket director" in output, output
         assert _socket_dirs(tmpdir_short) == set()
-        assert second_dir.name.startswith(f"{PREFIX}{second.pid}-")  # names its API process
+        assert second_dir.name.startswith(f"{_host_prefix()}{second.pid}-")  # host, API pid
     finally:
         _stop([p for p in (first, second) if p is not None], engines)
 

@@ -219,6 +219,21 @@ def proxy_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+# Behind the proxy a worker's stream is read by the proxy, which stops reading it while its
+# own write to a slow client waits: the worker's write bound must outlast the proxy's, or
+# the worker aborts a request the client is still reading (and the proxy reports D failed).
+WORKER_WRITE_TIMEOUT_FACTOR = 2.0
+
+
+def _behind_the_proxy(argv: list[str], write_timeout_s: float) -> list[str]:
+    """``argv`` with the workers' ``--write-timeout`` at ``WORKER_WRITE_TIMEOUT_FACTOR``
+    times the proxy's (given or default), so the proxy, which sees the client, decides."""
+    if "--write-timeout" in argv:
+        at = argv.index("--write-timeout")
+        argv = argv[:at] + argv[at + 2:]
+    return [*argv, "--write-timeout", f"{WORKER_WRITE_TIMEOUT_FACTOR * write_timeout_s:g}"]
+
+
 def worker_server_argv(args: argparse.Namespace) -> list[str]:
     """The workers' server flags the user gave, as argv for every worker; checked as the
     workers' server checks them (``ServerOptions``)."""
@@ -226,6 +241,7 @@ def worker_server_argv(args: argparse.Namespace) -> list[str]:
     from engine_core.server.server_args import add_server_arguments, server_options
 
     argv = changed_argv(args, worker_server_actions().values())
+    argv = _behind_the_proxy(argv, args.write_timeout)
     try:
         server_options(_parse_as_child(argv, add_server_arguments))
     except ConfigError as exc:

@@ -16,7 +16,8 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
 - A streaming client that takes no bytes for ``write_timeout_s`` (it stopped reading) has
-  its connection aborted (``ClientStream``), which then ends as a client that left does.
+  its connection aborted (``engine_core.server.streaming.SSEStream``), which then ends as a
+  client that left does.
 
 First-token handoff (``--first-token-from-prefill``, streams without stop strings or
 logprobs): P alone first; the stream events of P's sampled token go to the client as soon
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from engine_core.errors import NoWorkerError
+from engine_core.server.streaming import SSEStream, WriteBound
 from proxy import forwarding as fw
 from proxy.errors import (
     UpstreamError,
@@ -464,12 +465,20 @@ class Dispatcher:
         return await self._stream_into(stream, response, leg, attempt_id, timer, first)
 
     async def _open_stream(self, request: web.Request,
-                           out: web.StreamResponse) -> ClientStream:
-        """``_open_stream`` with this proxy's write bound and stall counter."""
-        return await _open_stream(request, out, self.write_timeout_s,
-                                  self.metrics.client_write_timeouts.inc)
+                           out: web.StreamResponse) -> SSEStream:
+        """``_open_stream`` with this proxy's write bound."""
+        return await _open_stream(request, out, WriteBound(self.write_timeout_s,
+                                                           self._on_write_stall))
 
-    async def _stream_into(self, stream: ClientStream, response: aiohttp.ClientResponse,
+    def _on_write_stall(self, request: web.Request) -> None:
+        """A streaming client took no bytes for the write bound: count and log it (its
+        connection is aborted, which closes the legs and frees the slot)."""
+        self.metrics.client_write_timeouts.inc()
+        logger.warning("request %s: the client took no bytes for %g s (not reading); its "
+                       "connection is closed and the request aborted",
+                       request.headers.get("X-Request-Id", "-"), self.write_timeout_s)
+
+    async def _stream_into(self, stream: SSEStream, response: aiohttp.ClientResponse,
                            leg: _Leg, attempt_id: str, timer: RequestTimer,
                            first: bytes) -> web.StreamResponse:
         """Copy a worker's event stream (after ``first``, already read) to the prepared
@@ -496,16 +505,16 @@ class Dispatcher:
                 await stream.write((b"" if tracker.at_event_boundary else b"\n\n")
                                    + sse_error_event(err))
             except ConnectionResetError:
-                return stream.out
+                return stream.response
         except ConnectionResetError:
-            # The client went away, or was sent away (ClientStalledError): the caller's
+            # The client went away, or was sent away (streaming.ClientStalledError): the caller's
             # finally closes the legs.
-            return stream.out
+            return stream.response
         try:
             await stream.write_eof()
         except ConnectionResetError:
             pass
-        return stream.out
+        return stream.response
 
     def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
         headers = breakdown_headers(timer)
@@ -548,81 +557,17 @@ def proxy_overhead(timer: RequestTimer, now: float) -> float | None:
     return max(0.0, (now - timer.arrival) - (timer.upstream_done - timer.dispatched))
 
 
-class ClientStalledError(ConnectionResetError):
-    """The client took no bytes within the write bound and its connection was aborted: a
-    ConnectionResetError, so every path that handles a client gone handles it too."""
-
-
-class ClientStream:
-    """The client's open response, each write bounded by ``write_timeout_s``.
-
-    A client that stops reading but stays connected fills its receive window, and the next
-    write then waits until it reads again: unbounded, its admission slot, this handler and
-    D's leg (D's request and KV blocks) were held for as long as it stayed. Past the bound
-    the connection is aborted (a close would wait for the unsent bytes), which ends the
-    request as a client that left does: the write fails or the handler is cancelled, the
-    legs close, the slot comes back. A timer per write, not ``wait_for``: every SSE chunk
-    of every stream pays it, and a timer costs about 2 us where ``wait_for`` (Python < 3.12)
-    creates a task, about 16 us.
-    """
-
-    def __init__(self, request: web.Request, out: web.StreamResponse, write_timeout_s: float,
-                 on_stall: Callable[[], None]) -> None:
-        self.request = request
-        self.out = out
-        self.write_timeout_s = write_timeout_s
-        self.stalled = False
-        self._on_stall = on_stall
-        self._loop = asyncio.get_running_loop()
-
-    async def write(self, data: bytes) -> None:
-        """``out.write``; ClientStalledError when the client did not take it in time."""
-        await self._send(data, eof=False)
-
-    async def write_eof(self) -> None:
-        """``out.write_eof``, bounded alike."""
-        await self._send(b"", eof=True)
-
-    async def _send(self, data: bytes, eof: bool) -> None:
-        self._raise_if_stalled()  # the connection is gone: no second wait
-        timer = self._loop.call_later(self.write_timeout_s, self._give_up)
-        try:
-            await (self.out.write_eof(data) if eof else self.out.write(data))
-        except ConnectionError:
-            if not self.stalled:
-                raise
-        finally:
-            timer.cancel()
-        self._raise_if_stalled()
-
-    def _raise_if_stalled(self) -> None:
-        if self.stalled:
-            raise ClientStalledError(f"the client took no bytes for {self.write_timeout_s:g} s")
-
-    def _give_up(self) -> None:
-        """The write still waits at the bound: abort the connection, which wakes it."""
-        self.stalled = True
-        self._on_stall()
-        logger.warning("request %s: the client took no bytes for %g s (not reading); its "
-                       "connection is closed and the request aborted",
-                       self.out.headers.get("X-Request-Id", "?"), self.write_timeout_s)
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
-
-
-# Request key of the client stream once its headers went out (RequestKey: aiohttp >= 3.14).
-OPEN_STREAM: Any = (web.RequestKey("open_stream", ClientStream)
+OPEN_STREAM: Any = (web.RequestKey("open_stream", SSEStream)
                     if hasattr(web, "RequestKey") else "pdserve_open_stream")
 
 
-async def _open_stream(request: web.Request, out: web.StreamResponse, write_timeout_s: float,
-                       on_stall: Callable[[], None]) -> ClientStream:
+async def _open_stream(request: web.Request, out: web.StreamResponse,
+                       bound: WriteBound) -> SSEStream:
     """Send the client stream's headers, and record it on the request: from then on an error
     can only end it (``end_open_stream``), never replace it with an error response. Its
-    writes wait at most ``write_timeout_s``, ``on_stall`` called when one did not finish."""
+    writes give up once the client took no bytes for ``bound.timeout_s``."""
     await out.prepare(request)
-    stream = ClientStream(request, out, write_timeout_s, on_stall)
+    stream = SSEStream(request, out, bound)
     request[OPEN_STREAM] = stream
     return stream
 
@@ -636,7 +581,7 @@ async def end_open_stream(request: web.Request, exc: BaseException) -> web.Strea
     return await _end_stream(stream, exc)
 
 
-async def _end_stream(stream: ClientStream, err: BaseException) -> web.StreamResponse:
+async def _end_stream(stream: SSEStream, err: BaseException) -> web.StreamResponse:
     """End a client stream whose bytes went out with an SSE error event (the upstream, or
     the proxy itself, failed before sending its own); a blank line first closes any event
     left half-written."""
@@ -646,7 +591,7 @@ async def _end_stream(stream: ClientStream, err: BaseException) -> web.StreamRes
         await stream.write_eof()
     except (ConnectionResetError, RuntimeError):  # the client left, or the stream had ended
         pass
-    return stream.out
+    return stream.response
 
 
 async def _abort(*tasks: asyncio.Task[Any]) -> None:

@@ -46,7 +46,8 @@ class SchedulerCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     computed_prompt_tokens: int = 0
-    # Steps by their scheduled tokens (ITERATION_TOKEN_BUCKETS, one more for the rest).
+    # Steps by their tokens as vLLM counts them (generated, plus the prompts whose prefill
+    # ended): ITERATION_TOKEN_BUCKETS, one more for the rest.
     iteration_token_counts: list[int] = field(
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     iteration_tokens_sum: int = 0
@@ -227,8 +228,6 @@ class Scheduler:
             scheduled_requests=scheduled,
         )
         self._forget = set()
-        if output.total_num_scheduled_tokens:
-            self.counters.count_iteration(output.total_num_scheduled_tokens)
         output.host_copies = self.kv.take_host_copies()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._advance_scheduled(output)
@@ -318,6 +317,9 @@ class Scheduler:
         now = time.monotonic()
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
         scheduled = scheduler_output.scheduled_requests
+        # vLLM's iteration tokens: the tokens generated, plus the whole prompt of each request
+        # whose prefill ended with this step (its first token).
+        iteration_tokens = 0
         for request_id, sampled, lp in zip(runner_output.req_ids,
                                            runner_output.sampled_token_ids, logprobs):
             request = scheduled.get(request_id)
@@ -340,12 +342,16 @@ class Scheduler:
             first = request.first_token_time is None
             if first:
                 request.first_token_time = now
+                iteration_tokens += request.num_prompt_tokens
+            iteration_tokens += len(new_tokens)
             token_logprobs = None
             if lp is not None:
                 token_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
                                                lp.top_token_ids, lp.top_logprobs)]
             outputs.append(self._make_output(request, new_tokens, token_logprobs,
                                              with_timings=first))
+        if iteration_tokens:
+            self.counters.count_iteration(iteration_tokens)
         outputs.extend(self.apply_finished_transfers(FinishedTransfers(
             sending=runner_output.finished_sending,
             recving=runner_output.finished_recving,

@@ -274,9 +274,10 @@ class ServerMetrics:
         (None if it generated none). (The token counters come from the engine.)"""
         if finish_reason in ("stop", "length"):
             self.e2e.labels(*self._label_values).observe(e2e_seconds)
-            if decode_seconds is not None and num_output_tokens > 1:
-                self.request_tpot.labels(*self._label_values).observe(
-                    decode_seconds / (num_output_tokens - 1))
+            # As vLLM: every finished request, 0 for one without a second token.
+            self.request_tpot.labels(*self._label_values).observe(
+                decode_seconds / (num_output_tokens - 1)
+                if decode_seconds is not None and num_output_tokens > 1 else 0.0)
             self.request_success.labels(*self._label_values, finish_reason).inc()
             self.request_prompt_tokens.labels(*self._label_values).observe(num_prompt_tokens)
             self.request_generation_tokens.labels(*self._label_values).observe(num_output_tokens)

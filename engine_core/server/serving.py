@@ -209,8 +209,16 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
-        self.write_bound = streaming.WriteBound(write_timeout_s, metrics.observe_write_timeout)
+        self.write_bound = streaming.WriteBound(write_timeout_s, self._on_write_stall)
         self._token_texts = TokenTextCache(tokenizer.tokenizer)
+
+    def _on_write_stall(self, request: web.Request) -> None:
+        """A streaming client took no bytes for the write bound: count and log it (its
+        connection is aborted, which aborts its engine requests)."""
+        self.metrics.observe_write_timeout()
+        logger.warning("request %s: the client took no bytes for %g s (not reading); its "
+                       "connection is closed and its engine requests aborted",
+                       request.get(REQUEST_ID_KEY, "-"), self.write_bound.timeout_s)
 
     def check_model(self, model: str | None) -> str:
         """The served name a request addresses (the default when it names none)."""
@@ -297,6 +305,9 @@ class OpenAIServing:
         tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
         # Per prompt: samples not finished yet, and the most tokens one of them generated.
         group_size = collections.Counter(job.prompt_index for job in jobs)  # the request's n
+        # Tokens another worker generated (the handoff) are not this worker's, as in
+        # request_generation_tokens.
+        handed_over = len(handoff.generated_token_ids)
         unfinished = group_size.copy()
         most_tokens = dict.fromkeys(unfinished, 0)
         try:
@@ -310,7 +321,8 @@ class OpenAIServing:
                 else:
                     if item.finished and item.finish_reason in ("stop", "length"):
                         prompt = jobs[index].prompt_index
-                        most_tokens[prompt] = max(most_tokens[prompt], item.num_output_tokens)
+                        generated_here = item.num_output_tokens - handed_over
+                        most_tokens[prompt] = max(most_tokens[prompt], generated_here)
                         unfinished[prompt] -= 1
                         if not unfinished[prompt]:
                             self.metrics.observe_group(group_size[prompt], most_tokens[prompt])

@@ -4,17 +4,15 @@ client bounded in time (``WriteBound``, ``--write-timeout``)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
-import logging
+import sys
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-
-from engine_core.server.http_errors import REQUEST_ID_KEY
-
-logger = logging.getLogger("pdserve.server")
 
 
 class ClientStalledError(ConnectionResetError):
@@ -22,27 +20,43 @@ class ClientStalledError(ConnectionResetError):
     ConnectionResetError, so whatever handles a client that left handles this one too."""
 
 
+def _kernel_send_queue(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the socket's kernel send queue (Linux SIOCOUTQ); 0 where unknown."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return 0
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int.from_bytes(queued, sys.byteorder)
+
+
 @dataclass(frozen=True)
 class WriteBound:
-    """How long one write to a streaming client may wait (``ServerOptions.write_timeout_s``),
-    and what to call when one did not finish in time (a metric)."""
+    """How long a write to a streaming client may go without the client taking a byte
+    (``--write-timeout``), and what to call with the request when one did (log, count)."""
 
     timeout_s: float
-    on_stall: Callable[[], None]
+    on_stall: Callable[[web.Request], None]
 
 
 class SSEStream:
-    """An open event stream whose every write waits at most ``bound.timeout_s``.
+    """An open response stream whose writes give up once the client took no bytes for
+    ``bound.timeout_s``.
 
     A client that stops reading but stays connected fills its TCP window, and aiohttp's
     write then waits in its drain until the client reads again: unbounded, that held the
-    handler, the connection and the stream's engine requests (their KV blocks) for as long
-    as the client stayed. Past the bound the connection is aborted, not closed (a close
-    first flushes the unsent bytes: the very wait being ended), which ends the request as
-    a client that left does: the handler is cancelled (or, without handler cancellation,
-    the write raises ``ClientStalledError``) and leaving it aborts the engine requests.
-    A loop timer per write, not ``wait_for``: every chunk of every stream pays it, and
-    ``wait_for`` makes a task each time (Python 3.11).
+    handler, the connection and whatever the request holds upstream (engine requests and
+    KV blocks; on the proxy, its admission slot and the decode leg) for as long as the
+    client stayed. A watchdog, not a deadline per write: when the bound passes and the
+    transport's buffer shrank since it was armed, the client is still reading (slowly:
+    one write may carry hundreds of KB) and the watchdog re-arms; only when nothing
+    drained for a whole bound is the connection aborted (not closed: a close first flushes
+    the unsent bytes, the very wait being ended). That ends the request as a client that
+    left does: the handler is cancelled (or, without handler cancellation, the write raises
+    ``ClientStalledError``). A loop timer, not ``wait_for``: every chunk of every stream
+    pays it, and ``wait_for`` makes a task each time (Python 3.11).
     """
 
     def __init__(self, request: web.Request, response: web.StreamResponse,
@@ -52,9 +66,11 @@ class SSEStream:
         self.bound = bound
         self.stalled = False
         self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._buffered = 0  # the transport's unsent bytes when the watchdog was (re)armed
 
     async def write(self, data: bytes) -> None:
-        """``response.write``; ``ClientStalledError`` when the client did not take it in time."""
+        """``response.write``; ``ClientStalledError`` when the client stopped taking bytes."""
         await self._send(data, eof=False)
 
     async def write_eof(self) -> None:
@@ -63,30 +79,50 @@ class SSEStream:
 
     async def _send(self, data: bytes, eof: bool) -> None:
         self._raise_if_stalled()  # the connection is gone: no second wait
-        timer = self._loop.call_later(self.bound.timeout_s, self._give_up)
+        # Counted as if all of data were still unsent, so a client that took any of it
+        # has made progress.
+        self._arm(self._unsent() + len(data))
         try:
             await (self.response.write_eof(data) if eof else self.response.write(data))
         except ConnectionError:
             if not self.stalled:
                 raise
         finally:
-            timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         self._raise_if_stalled()
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the client: the transport's buffer plus the
+        kernel's send queue (where the client's progress shows first: the transport only
+        refills a large kernel buffer once much of it has drained)."""
+        transport = self.request.transport
+        if transport is None:
+            return 0
+        return transport.get_write_buffer_size() + _kernel_send_queue(transport)
+
+    def _arm(self, buffered: int) -> None:
+        self._buffered = buffered
+        self._timer = self._loop.call_later(self.bound.timeout_s, self._check)
+
+    def _check(self) -> None:
+        """The bound passed during a write: re-arm if the client took bytes meanwhile,
+        else abort its connection, which wakes the write."""
+        unsent = self._unsent()
+        if unsent < self._buffered:
+            self._arm(unsent)
+            return
+        self._timer = None
+        self.stalled = True
+        self.bound.on_stall(self.request)
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
 
     def _raise_if_stalled(self) -> None:
         if self.stalled:
             raise ClientStalledError(f"the client took no bytes for {self.bound.timeout_s:g} s")
-
-    def _give_up(self) -> None:
-        """The write still waits at the bound: abort the connection, which wakes it."""
-        self.stalled = True
-        self.bound.on_stall()
-        logger.warning("request %s: the client took no bytes for %g s (not reading); its "
-                       "connection is closed and its engine requests aborted",
-                       self.request.get(REQUEST_ID_KEY, "-"), self.bound.timeout_s)
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
 
 
 async def start_sse(request: web.Request, bound: WriteBound,

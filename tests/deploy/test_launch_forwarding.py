@@ -117,10 +117,12 @@ def test_first_token_from_prefill_reaches_the_proxy(tmp_path: Path) -> None:
 def test_a_server_flag_reaches_every_worker(tmp_path: Path, flag: str, value: str, field: str,
                                             expected: object) -> None:
     proxy, workers = _children(tmp_path, flag, value)
+    # A worker's write bound is twice the proxy's: the proxy, which sees the client, decides.
+    at_worker = expected * 2 if flag == "--write-timeout" else expected
     for worker in workers:
         assert worker.argv.count(flag) == 1, worker.argv
-        assert type(expected)(_flag(worker, flag)) == expected
-        assert getattr(server_options(_worker_args(worker)), field) == expected
+        assert type(expected)(_flag(worker, flag)) == at_worker
+        assert getattr(server_options(_worker_args(worker)), field) == at_worker
     proxy_fields = {row[0]: row[2] for row in PROXY_FLAGS}
     if flag in proxy_fields:  # the proxy takes it too: one flag for both
         assert getattr(_proxy_config(proxy), proxy_fields[flag]) == expected
@@ -138,7 +140,9 @@ def test_every_forwarded_server_flag_reaches_the_workers(tmp_path: Path) -> None
     argv = [arg for flag in forwarded for arg in (flag, "7")]
     proxy, workers = _children(tmp_path, *argv)
     for worker in workers:
-        assert all(float(_flag(worker, flag)) == 7 for flag in forwarded)
+        # Behind the proxy a worker's write bound is twice the proxy's, so the proxy decides.
+        assert all(float(_flag(worker, flag)) == (14 if flag == "--write-timeout" else 7)
+                   for flag in forwarded)
         server_options(_worker_args(worker))
     for flag in forwarded:
         assert (flag in proxy.argv) == (flag in proxy_flags)
@@ -183,9 +187,12 @@ def test_defaults_are_unchanged(tmp_path: Path) -> None:
                                  registration_port=config.registration_port)
     default = server_options(_probe_server().parse_args([]))
     for worker in workers:
-        assert not set(launch.WORKER_SERVER_FLAGS) & set(worker.argv), worker.argv
+        # Only the write bound is set: twice the proxy's default, so the proxy decides.
+        assert set(launch.WORKER_SERVER_FLAGS) & set(worker.argv) == {"--write-timeout"}
+        assert _flag(worker, "--write-timeout") == "120"
         options = server_options(_worker_args(worker))
-        assert options == dataclasses.replace(default, host=options.host, port=options.port)
+        assert options == dataclasses.replace(default, host=options.host, port=options.port,
+                                              write_timeout_s=120.0)
     assert _flag(_children(tmp_path, "--heartbeat-interval", "12")[0], "--heartbeat-timeout") \
         == "36"
 

@@ -8,6 +8,7 @@ import json
 from aiohttp import web
 
 from engine_core.errors import ModelNotFoundError
+from engine_core.server.streaming import WriteBound
 from proxy import keys
 from proxy.dispatcher import _open_stream
 
@@ -522,7 +523,7 @@ async def test_an_error_after_the_stream_opened_ends_it_with_an_event(make_proxy
 
     async def dispatch(request, path, body, transfer_id, timer, generates):
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        stream = await _open_stream(request, out, 60.0, lambda: None)
+        stream = await _open_stream(request, out, WriteBound(60.0, lambda _request: None))
         await stream.write(b'data: {"choices": [{"text": "P0"}]}\n\n')
         raise ModelNotFoundError("every worker of the model left")
 

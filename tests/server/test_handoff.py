@@ -48,6 +48,15 @@ def _finish(events: list[dict]) -> str | None:
     return next((r for r in reversed(reasons) if r), None)
 
 
+async def _histogram_sum(session: aiohttp.ClientSession, server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(server.url + "/metrics") as response:
+        text = await response.text()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == f"{name}_sum")
+
+
 def _usage(events: list[dict]) -> dict:
     return next(e["usage"] for e in reversed(events) if e.get("usage"))
 
@@ -71,9 +80,14 @@ async def test_first_events_plus_continuation_is_the_whole_stream(server, auth, 
         first = answer["pdserve_first_token"]
         assert len(first["token_ids"]) == 1
         rest_body = {**body, "kv_transfer_params": {"generated_token_ids": first["token_ids"]}}
+        longest = await _histogram_sum(session, server, "vllm:request_max_num_generation_tokens")
         async with session.post(server.url + path, json=rest_body) as response:
             assert response.status == 200, await response.text()
             rest = _stream_events(await response.read())
+        # The continuation generated 9 of the 10 tokens here: the handed-over one is not
+        # this worker's (as in vllm:request_generation_tokens).
+        assert await _histogram_sum(
+            session, server, "vllm:request_max_num_generation_tokens") - longest == 9
     glued = first["events"] + rest
     assert _text(glued) == _text(whole) and _text(whole)
     assert _finish(glued) == _finish(whole)

@@ -69,8 +69,9 @@ def test_metrics_parse_and_counters_move(server):
         "vllm:iteration_tokens_total_count", 0)
     tokens = after["vllm:iteration_tokens_total_sum"] - before.get(
         "vllm:iteration_tokens_total_sum", 0)
-    assert steps >= 5 and tokens == (after["vllm:prompt_tokens_total"]
-                                     - before.get("vllm:prompt_tokens_total", 0) + 4), (steps, tokens)
+    # As vLLM counts them: the prompt once, when its prefill ends, and the 5 generated.
+    assert steps == 5 and tokens == (after["vllm:prompt_tokens_total"]
+                                     - before.get("vllm:prompt_tokens_total", 0) + 5), (steps, tokens)
 
 
 def test_token_counters_follow_the_engine_and_long_latencies_have_buckets() -> None:
@@ -138,7 +139,8 @@ def test_every_connector_counter_of_the_worker_is_exported() -> None:
 def test_step_tokens_and_sample_groups_are_histograms() -> None:
     """vllm:iteration_tokens_total is a histogram of the engine's steps by their tokens,
     built from the engine's per-bucket counts (cumulative in the export); a request's TPOT
-    is its decode time over its tokens after the first, and a prompt's n samples count once
+    is its decode time over its tokens after the first (0 with one token, as vLLM), and a
+    prompt's n samples count once
     in request_params_n and request_max_num_generation_tokens, with the longest output."""
     from engine_core.messages import ITERATION_TOKEN_BUCKETS, EngineStats
     from engine_core.sched.scheduler import SchedulerCounters
@@ -152,7 +154,7 @@ def test_step_tokens_and_sample_groups_are_histograms() -> None:
                                        iteration_token_counts=counters.iteration_token_counts,
                                        iteration_tokens_sum=counters.iteration_tokens_sum)
     metrics.observe_finished(2.0, "stop", 10, 5, 8, decode_seconds=1.0)
-    metrics.observe_finished(2.0, "stop", 10, 1, 8, decode_seconds=0.0)  # no TPOT of 1 token
+    metrics.observe_finished(2.0, "stop", 10, 1, 8, decode_seconds=0.0)  # 1 token: TPOT 0
     metrics.observe_group(3, 7)
     samples = {(s.name, s.labels.get("le")): s.value
                for f in text_string_to_metric_families(metrics.render().decode())
@@ -165,7 +167,7 @@ def test_step_tokens_and_sample_groups_are_histograms() -> None:
     assert samples[("vllm:iteration_tokens_total_bucket", "+Inf")] == 6
     assert samples[("vllm:iteration_tokens_total_count", None)] == 6
     assert samples[("vllm:iteration_tokens_total_sum", None)] == 100026
-    assert samples[("vllm:request_time_per_output_token_seconds_count", None)] == 1
+    assert samples[("vllm:request_time_per_output_token_seconds_count", None)] == 2
     assert samples[("vllm:request_time_per_output_token_seconds_sum", None)] == 0.25
     assert samples[("vllm:request_params_n_sum", None)] == 3
     assert samples[("vllm:request_max_num_generation_tokens_sum", None)] == 7

@@ -233,7 +233,7 @@ async def test_a_stalled_write_ends_the_handler_with_or_without_handler_cancella
 
     async def endless(request: web.Request) -> web.StreamResponse:
         stream = await streaming.start_sse(
-            request, streaming.WriteBound(bound_s, lambda: stalls.append(1)))
+            request, streaming.WriteBound(bound_s, lambda _request: stalls.append(1)))
         try:
             while True:
                 await streaming.send_event(stream, {"text": "x" * 4096})
@@ -296,3 +296,41 @@ def test_the_write_timeout_option_and_flag() -> None:
     for bad in ("0", "-1", "nan"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--write-timeout", bad])
+
+
+async def test_a_slow_but_steady_reader_is_not_cut_off() -> None:
+    """The bound is on progress, not on one write: once the kernel's buffers are full, a
+    1 MB write takes a client reading ~3 MB/s about 0.3 s, past a 0.1 s bound, yet it keeps
+    taking bytes and gets the whole stream, no stall counted. (A deadline per write cut
+    such clients off.)"""
+    bound_s, chunk, chunks, stalls = 0.1, 1 << 20, 12, []
+
+    async def big_writes(request: web.Request) -> web.StreamResponse:
+        stream = await streaming.start_sse(
+            request, streaming.WriteBound(bound_s, lambda _request: stalls.append(1)))
+        for _ in range(chunks):
+            await stream.write(b"x" * chunk)
+        await stream.write_eof()
+        return stream.response
+
+    app = web.Application()
+    app.router.add_get("/", big_writes)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        sock = _small_window_client(runner.addresses[0][1])
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=32 << 10)
+        writer.write(b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
+        received = 0
+        while received < chunk * chunks:  # the body, then chunked encoding's last lines
+            data = await asyncio.wait_for(reader.read(32 << 10), 10)
+            assert data, f"the connection ended after {received} bytes"
+            received += len(data)
+            await asyncio.sleep(0.01)  # at most ~3 MB/s
+        writer.close()
+        assert stalls == []
+    finally:
+        await runner.cleanup()

@@ -56,8 +56,8 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         "its headers arrived (408 beyond; a slow or stalled upload holds an "
                         "--max-inflight slot while it is read)")
     parser.add_argument("--write-timeout", type=float, default=d.write_timeout_s,
-                        help="seconds one write of a streamed answer may wait for the client "
-                        "to take it; past that the client (not reading, its window full) is "
+                        help="seconds a streamed answer's client may take no bytes; past that "
+                        "the client (not reading, its window full) is "
                         "disconnected and the decode worker's request aborted, instead of "
                         "holding an --max-inflight slot and the worker's KV while it stays")
     parser.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout_s,

@@ -33,8 +33,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "(408 beyond)")
     parser.add_argument("--write-timeout", type=positive_seconds,
                         default=ServerOptions.write_timeout_s, metavar="SECONDS",
-                        help="how long one write of a streamed answer may wait for the client "
-                             "to take it; past that the client (not reading, its window full) "
+                        help="how long a streamed answer's client may take no bytes; past "
+                             "that the client (not reading, its window full) "
                              "is disconnected and its engine requests aborted, freeing their "
                              "KV blocks")
     parser.add_argument("--engine-startup-timeout", type=positive_seconds, default=None,

@@ -91,17 +91,36 @@ def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(build_checkpoint(tmp_path_factory.mktemp("demo"), **DEMO_ARGS))
 
 
+def demo_engine_config(checkpoint: Path, max_num_seqs: int | None = None) -> EngineConfig:
+    """The test server's engine settings on ``checkpoint`` (``engine_kwargs``)."""
+    kwargs = engine_kwargs()
+    return EngineConfig(
+        model=ModelConfig(model=str(checkpoint), max_model_len=kwargs["max_model_len"],
+                          served_model_name=kwargs["served_model_name"]),
+        cache=CacheConfig(num_gpu_blocks_override=kwargs["num_gpu_blocks_override"]),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs or kwargs["max_num_seqs"]))
+
+
+def kill_with_engines(proc: Any, engines: list[int]) -> None:
+    """SIGKILL a server process still running and the engine processes it started."""
+    import os
+    import signal
+
+    from tests.integration.cluster_harness import alive
+
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    for pid in engines:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def server(demo_checkpoint: Path) -> ServerHandle:
     from engine_core.server.api_server import ServerOptions
 
-    kwargs = engine_kwargs()
-    served = kwargs.pop("served_model_name")
-    config = EngineConfig(
-        model=ModelConfig(model=str(demo_checkpoint), max_model_len=kwargs["max_model_len"],
-                          served_model_name=served),
-        cache=CacheConfig(num_gpu_blocks_override=kwargs["num_gpu_blocks_override"]),
-        scheduler=SchedulerConfig(max_num_seqs=kwargs["max_num_seqs"]))
+    config = demo_engine_config(demo_checkpoint)
     options = ServerOptions(api_key=API_KEY, client_max_size=BODY_LIMIT, log_stats_interval_s=0)
     handle = ServerHandle(config, options)
     yield handle

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 from deploy.cli import build_parser, main
 from deploy.launch import free_port
 from tests.integration.cluster_harness import alive, child_env
+from tests.server.conftest import kill_with_engines
 from tests.server.test_shutdown import _engine_pids
 
 ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
@@ -115,12 +115,7 @@ def test_a_server_whose_engine_does_not_start_in_time_exits_1_naming_the_flag(ho
             time.sleep(0.1)
         output, _ = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in engines:
-            if alive(pid):
-                os.kill(pid, 9)
+        kill_with_engines(proc, engines)
     elapsed = time.monotonic() - started
     assert proc.returncode == 1, output
     assert "engine did not start within 3 s" in output, output

@@ -15,6 +15,7 @@ import pytest
 
 from deploy.launch import free_port
 from tests.integration.cluster_harness import alive, child_env, children_of
+from tests.server.conftest import kill_with_engines
 
 # Serves with an engine factory that never finishes starting (a model loading for minutes).
 _SCRIPT = """
@@ -171,12 +172,7 @@ def test_sigterm_drains_then_ends_the_remaining_streams_with_an_error(demo_check
         assert "shutting down" in long[-2] and '"error"' in long[-2], long[-3:]
         assert not _wait_gone(engines, 10), output
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in engines:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_with_engines(proc, engines)
 
 
 def test_the_engine_dies_with_a_killed_api_process_even_inside_a_long_startup() -> None:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tests.server.conftest import MODEL_NAME, ServerHandle, engine_kwargs
+from tests.server.conftest import ServerHandle, demo_engine_config
 
 BODY_TIMEOUT_S = 1.0
 KEEPALIVE_S = 1.5
@@ -24,12 +23,7 @@ KEEPALIVE_S = 1.5
 def impatient_server(demo_checkpoint: Path) -> ServerHandle:
     from engine_core.server.api_server import ServerOptions
 
-    kwargs = engine_kwargs()
-    config = EngineConfig(
-        model=ModelConfig(model=str(demo_checkpoint), max_model_len=kwargs["max_model_len"],
-                          served_model_name=MODEL_NAME),
-        cache=CacheConfig(num_gpu_blocks_override=kwargs["num_gpu_blocks_override"]),
-        scheduler=SchedulerConfig(max_num_seqs=8))
+    config = demo_engine_config(demo_checkpoint, max_num_seqs=8)
     options = ServerOptions(log_stats_interval_s=0, body_timeout_s=BODY_TIMEOUT_S,
                             keepalive_timeout_s=KEEPALIVE_S)
     handle = ServerHandle(config, options)

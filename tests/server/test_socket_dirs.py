@@ -21,6 +21,7 @@ import pytest
 
 from deploy.launch import free_port
 from tests.integration.cluster_harness import alive, child_env
+from tests.server.conftest import kill_with_engines
 from tests.server.test_shutdown import _SCRIPT, _engine_pids
 
 PREFIX = "pdserve-engine-"
@@ -128,12 +129,8 @@ def _wait_for_engine(proc: subprocess.Popen, tmpdir: Path, before: set[Path]
 
 def _stop(procs: list[subprocess.Popen], engines: list[int]) -> None:
     for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    for pid in engines:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        kill_with_engines(proc, [])
+    kill_with_engines(procs[0], engines)
 
 
 def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:

@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from engine_core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine_core.server import streaming
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, ServerHandle, engine_kwargs
+from tests.server.conftest import MAX_MODEL_LEN, ServerHandle, demo_engine_config
 
 WRITE_TIMEOUT_S = 2.0
 STEP_DELAY_S = 0.02  # added to each engine step: MAX_TOKENS steps outlast the bound
@@ -57,12 +56,7 @@ def paced_engine_factory(config: Any) -> Any:
 def bounded_server(demo_checkpoint: Path) -> ServerHandle:
     from engine_core.server.api_server import ServerOptions
 
-    kwargs = engine_kwargs()
-    config = EngineConfig(
-        model=ModelConfig(model=str(demo_checkpoint), max_model_len=kwargs["max_model_len"],
-                          served_model_name=MODEL_NAME),
-        cache=CacheConfig(num_gpu_blocks_override=kwargs["num_gpu_blocks_override"]),
-        scheduler=SchedulerConfig(max_num_seqs=kwargs["max_num_seqs"]))
+    config = demo_engine_config(demo_checkpoint)
     options = ServerOptions(log_stats_interval_s=0, write_timeout_s=WRITE_TIMEOUT_S)
     handle = ServerHandle(config, options, paced_engine_factory)
     yield handle

@@ -28,6 +28,7 @@ client's first token then costs P's prefill and nothing of D (``_run_pd_handoff`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from engine_core.errors import NoWorkerError
-from engine_core.server.streaming import SSEStream, WriteBound
+from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
 from proxy.errors import (
     UpstreamError,
@@ -444,8 +445,8 @@ class Dispatcher:
                 raise err
             leg.finish()
             headers = {"X-Request-Id": attempt_id, **self._timing_headers(timer)}
-            return web.Response(status=response.status, body=data,
-                                content_type=response.content_type, headers=headers)
+            return await self._send_whole(request, response.status, data,
+                                          response.content_type, headers)
         first = b""
         try:
             first = await fw.read_chunk(response)
@@ -463,6 +464,20 @@ class Dispatcher:
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})
         stream = await self._open_stream(request, out)
         return await self._stream_into(stream, response, leg, attempt_id, timer, first)
+
+    async def _send_whole(self, request: web.Request, status: int, data: bytes,
+                          content_type: str, headers: dict[str, str]) -> web.StreamResponse:
+        """A whole answer written here under the write bound, as streams are (aiohttp's own
+        final write, after the handler returned, waits without limit on a client that does
+        not read, holding the connection and up to --max-response-bytes of body)."""
+        out = web.StreamResponse(status=status, headers=headers)
+        out.content_type = content_type
+        out.content_length = len(data)
+        stream = await self._open_stream(request, out)
+        with contextlib.suppress(ClientStalledError):  # aborted, counted, logged
+            await stream.write(data)
+            await stream.write_eof()
+        return out
 
     async def _open_stream(self, request: web.Request,
                            out: web.StreamResponse) -> SSEStream:

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -406,8 +407,8 @@ class OpenAIServing:
                     return ([_completion_chunk(head, 0, delta, 0, want_logprobs)]
                             if _worth_a_chunk(delta) else [])
 
-                return self._json_answer(response, choices, jobs, parsed.handoff, headers,
-                                         first_chunks)
+                return await self._json_answer(request, response, choices, jobs,
+                                               parsed.handoff, headers, first_chunks)
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
@@ -472,8 +473,8 @@ class OpenAIServing:
                                if _worth_a_chunk(delta) else [])
                     return [_chat_role_chunk(chunk_head, 0), *content]
 
-                return self._json_answer(response, choices, jobs, parsed.handoff, headers,
-                                         first_chunks)
+                return await self._json_answer(request, response, choices, jobs,
+                                               parsed.handoff, headers, first_chunks)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
             send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
@@ -516,14 +517,17 @@ class OpenAIServing:
             delta.logprobs = choice.logprobs[:1]
         return delta
 
-    def _json_answer(self, response: dict[str, Any], choices: list[_ChoiceResult],
-                     jobs: list[_Job], handoff: protocol.Handoff, headers: dict[str, str],
-                     first_chunks: Callable[[RequestDelta], list[dict[str, Any]]]
-                     ) -> web.Response:
+    async def _json_answer(self, request: web.Request, response: dict[str, Any],
+                           choices: list[_ChoiceResult], jobs: list[_Job],
+                           handoff: protocol.Handoff, headers: dict[str, str],
+                           first_chunks: Callable[[RequestDelta], list[dict[str, Any]]]
+                           ) -> web.StreamResponse:
         """A non-streamed answer with its extras: the engine's transfer params, server
         timings and, for a prefill worker asked for them, ``pdserve_first_token``: the token
         the decode worker continues after and the stream events (``first_chunks`` of its
-        delta) that carry it to the client, which the proxy sends as they are."""
+        delta) that carry it to the client, which the proxy sends as they are. Written
+        under the write bound as streams are: aiohttp's own final write waits without
+        limit on a client that does not read (n samples with logprobs make MBs)."""
         self._add_kv_transfer_params(response, choices)
         _add_server_timings(response, choices)
         if handoff.first_events:
@@ -531,7 +535,15 @@ class OpenAIServing:
             if first is not None:
                 response["pdserve_first_token"] = {"token_ids": first.token_ids,
                                                    "events": first_chunks(first)}
-        return web.json_response(response, headers=headers)
+        body = json.dumps(response).encode()
+        out = web.StreamResponse(headers={"Content-Type": "application/json", **headers})
+        out.content_length = len(body)
+        await out.prepare(request)
+        stream = streaming.SSEStream(request, out, self.write_bound)
+        with contextlib.suppress(streaming.ClientStalledError):  # aborted, counted, logged
+            await stream.write(body)
+            await stream.write_eof()
+        return out
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -91,7 +91,8 @@ class FakeWorker:
         if self.mode == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
         if not body.get("stream"):
-            n = 1 if self.role == "P" else 3
+            # flood on D: an answer of flood_bytes of text (n samples with logprobs are MBs)
+            n = 1 if self.role == "P" else self.flood_bytes if self.mode == "flood" else 3
             extra: dict[str, Any] = {}
             if (self.role == "P" and (body.get("kv_transfer_params") or {}).get(
                     "first_token_events") and self.mode != "no_first_token"):

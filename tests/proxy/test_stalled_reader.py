@@ -199,3 +199,25 @@ def test_write_timeout_config_and_flag() -> None:
     parser = add_proxy_args(argparse.ArgumentParser())
     assert config_from_args(parser.parse_args([])).write_timeout_s == 60.0
     assert config_from_args(parser.parse_args(["--write-timeout", "2.5"])).write_timeout_s == 2.5
+
+
+async def test_a_whole_answer_to_a_client_that_does_not_read_is_bounded_too(
+        make_worker, serve_proxy, wait_until) -> None:
+    """A non-streamed answer of many MB that the client never reads: the proxy writes it
+    under the same bound (aiohttp's own write after the handler would wait for good,
+    holding the connection and the body) and drops the client past it."""
+    p, d = await make_worker("P"), await make_worker("D", "flood", flood_bytes=16 << 20)
+    proxy = await serve_proxy(p, d, write_timeout_s=WRITE_TIMEOUT_S)
+    reader, writer = await _small_window_client(proxy)
+    body = BODY.replace(b"true", b"false")
+    writer.write(REQUEST.split(b"Content-Length")[0] + b"Content-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    await wait_until(lambda: _sample(proxy.app, STALL_METRIC) == 1,
+                     timeout_s=WRITE_TIMEOUT_S + 5.0)
+    await _read_until_closed(reader, timeout_s=5.0)
+    writer.close()
+    assert _sample(proxy.app, "pdserve:proxy_in_flight_requests ") == 0
+    await _still_serves(proxy)

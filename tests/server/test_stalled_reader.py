@@ -191,6 +191,32 @@ def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
     assert _completes(bounded_server)  # the worker serves on
 
 
+def test_a_non_streamed_answer_to_a_client_that_does_not_read_is_bounded_too(
+        bounded_server) -> None:
+    """n samples with logprobs make an answer of MBs, written once the engine is done: a
+    client that never reads it used to hold the connection and the body for good (aiohttp's
+    final write waits without limit); now it is dropped after the bound, counted."""
+    stalls = _metric(bounded_server, STALL_METRIC)
+    body = {k: v for k, v in STREAM.items() if k not in ("stream", "stream_options")}
+    data = json.dumps(body).encode()
+    with _small_window_client(bounded_server.port) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: worker\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(data)).encode() + b"\r\n\r\n" + data)
+        # The engine's generation (~5 s, paced), then the bound on the unread answer.
+        _wait_for_metric(bounded_server, STALL_METRIC, stalls + 1,
+                         timeout_s=WRITE_TIMEOUT_S + 40)
+        sock.settimeout(10)
+        rest = _read_until_closed(sock)
+    head, _, answer = rest.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    assert len(answer) < length  # cut off, not delivered
+    assert bounded_server.wait_idle().num_running == 0
+    assert _completes(bounded_server)
+
+
 def test_a_client_that_pauses_within_the_bound_gets_the_whole_stream(bounded_server) -> None:
     """The bound is on one write, not on the stream: a reader that pauses for less than it,
     its window full meanwhile, then reads on, gets every event and the end."""

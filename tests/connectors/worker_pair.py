@@ -16,11 +16,11 @@ import torch
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.worker_side import P2pConnectorWorker
+from deploy.launch import free_ports
 from engine_core.config import KVTransferConfig
 from engine_core.errors import KVTransferError
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.fake_nccl import Fabric, FakeNcclTransport
-from tests.connectors.kv_harness import free_port
 
 LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 2, 16, (4, 2, 4)  # block size, KV heads, head dim
 SRC, DST = [1, 5, 7], [2, 3, 9]  # a request's blocks on the producer, on the consumer
@@ -47,10 +47,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
     return False
 
 
-def start_worker(worker: P2pConnectorWorker, caches: list[torch.Tensor]) -> None:
+def start_worker(worker: P2pConnectorWorker, caches: list[torch.Tensor],
+                 attempts: int = 100) -> None:
     """Register the caches and bind; the port a stopped worker just closed may take a moment
     to free (ZMQ closes sockets on its own thread)."""
-    for _ in range(100):
+    for _ in range(attempts):
         try:
             worker.register_kv_caches(caches)
             return
@@ -74,12 +75,21 @@ class WorkerPair:
         self.min_call_bytes = min_call_bytes
         self.layers, self.block_shape = layers, block_shape
         self.fabric = Fabric()
-        self.p_port, self.d_port = free_port(), free_port()
-        self.p_addr, self.d_addr = f"127.0.0.1:{self.p_port}", f"127.0.0.1:{self.d_port}"
-        self.p_transport = self._transport(self.p_addr)
-        self.producer = self._worker("kv_producer", self.p_port, self.p_transport)
         self.p_caches = make_caches(1, layers, block_shape)
-        start_worker(self.producer, self.p_caches)
+        # A port free a moment ago may be taken before the bind (another process's outgoing
+        # connection gets it): such a pick is dropped for a new one.
+        for attempt in range(3):
+            self.p_port, self.d_port = free_ports(2)
+            self.p_addr, self.d_addr = f"127.0.0.1:{self.p_port}", f"127.0.0.1:{self.d_port}"
+            self.p_transport = self._transport(self.p_addr)
+            self.producer = self._worker("kv_producer", self.p_port, self.p_transport)
+            try:
+                start_worker(self.producer, self.p_caches, attempts=20 if attempt < 2 else 100)
+                break
+            except AssertionError:
+                self.producer.shutdown()
+                if attempt == 2:
+                    raise
         self.consumer: P2pConnectorWorker | None = None
         self.restart_consumer()
 

@@ -49,10 +49,10 @@ class SSEStream:
     write then waits in its drain until the client reads again: unbounded, that held the
     handler, the connection and whatever the request holds upstream (engine requests and
     KV blocks; on the proxy, its admission slot and the decode leg) for as long as the
-    client stayed. A watchdog, not a deadline per write: when the bound passes and the
-    transport's buffer shrank since it was armed, the client is still reading (slowly:
-    one write may carry hundreds of KB) and the watchdog re-arms; only when nothing
-    drained for a whole bound is the connection aborted (not closed: a close first flushes
+    client stayed. A watchdog, not a deadline per write: it looks at the unsent bytes every
+    half bound of a waiting write, and while they shrink the client is still reading
+    (slowly: one write may carry hundreds of KB); only when nothing drained for a whole
+    bound (two looks in a row) is the connection aborted (not closed: a close first flushes
     the unsent bytes, the very wait being ended). That ends the request as a client that
     left does: the handler is cancelled (or, without handler cancellation, the write raises
     ``ClientStalledError``). A loop timer, not ``wait_for``: every chunk of every stream
@@ -67,7 +67,8 @@ class SSEStream:
         self.stalled = False
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
-        self._buffered = 0  # the transport's unsent bytes when the watchdog was (re)armed
+        self._last_unsent: int | None = None  # at the watchdog's last look
+        self._quiet = 0  # looks in a row with nothing taken
 
     async def write(self, data: bytes) -> None:
         """``response.write``; ``ClientStalledError`` when the client stopped taking bytes."""
@@ -79,9 +80,10 @@ class SSEStream:
 
     async def _send(self, data: bytes, eof: bool) -> None:
         self._raise_if_stalled()  # the connection is gone: no second wait
-        # Counted as if all of data were still unsent, so a client that took any of it
-        # has made progress.
-        self._arm(self._unsent() + len(data))
+        # Nothing measured here (every chunk of every stream passes): the watchdog looks at
+        # the unsent bytes only once a write has waited half a bound.
+        self._last_unsent, self._quiet = None, 0
+        self._timer = self._loop.call_later(self.bound.timeout_s / 2, self._check)
         try:
             await (self.response.write_eof(data) if eof else self.response.write(data))
         except ConnectionError:
@@ -102,16 +104,17 @@ class SSEStream:
             return 0
         return transport.get_write_buffer_size() + _kernel_send_queue(transport)
 
-    def _arm(self, buffered: int) -> None:
-        self._buffered = buffered
-        self._timer = self._loop.call_later(self.bound.timeout_s, self._check)
-
     def _check(self) -> None:
-        """The bound passed during a write: re-arm if the client took bytes meanwhile,
-        else abort its connection, which wakes the write."""
+        """Every half bound of a waiting write: re-arm while the client takes bytes; after
+        two looks in a row with nothing taken (a whole bound) abort its connection, which
+        wakes the write."""
         unsent = self._unsent()
-        if unsent < self._buffered:
-            self._arm(unsent)
+        if self._last_unsent is None or unsent < self._last_unsent:
+            self._last_unsent, self._quiet = unsent, 0
+        else:
+            self._quiet += 1
+        if self._quiet < 2:
+            self._timer = self._loop.call_later(self.bound.timeout_s / 2, self._check)
             return
         self._timer = None
         self.stalled = True

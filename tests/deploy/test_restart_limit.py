@@ -78,28 +78,37 @@ def _child(tmp_path: Path, name: str, code: str) -> Child:
     return Child(name, [sys.executable, "-c", code], child_env(), tmp_path / f"{name}.log")
 
 
+def _supervise(tmp_path: Path, worker_lives_s: float, policy: launch.RestartPolicy,
+               stop_after_s: float) -> tuple[int, Child, float]:
+    """Real processes: a proxy that lives on and a worker that dies (exit 3) after
+    ``worker_lives_s``, supervised under ``policy`` until done or ``stop_after_s``; (exit
+    code, the proxy, seconds supervised). Everything is stopped after."""
+    proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
+    worker = _child(tmp_path, "worker0",
+                    f"import time; time.sleep({worker_lives_s}); raise SystemExit(3)")
+    for child in (proxy, worker):
+        child.start()
+    started = time.monotonic()
+    try:
+        code = launch.supervise(proxy, [worker], policy, poll_s=0.05,
+                                stopping=lambda: time.monotonic() - started > stop_after_s)
+    finally:
+        stop_all([proxy, worker], 5.0)
+    return code, proxy, time.monotonic() - started
+
+
 def test_a_crash_looping_child_is_restarted_up_to_the_limit_then_the_launcher_gives_up(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Real processes: a worker that dies 0.2 s after each start is restarted twice (with
     backoff), then its third death ends supervision with exit code 1."""
-    proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
-    worker = _child(tmp_path, "worker0", "import time; time.sleep(0.2); raise SystemExit(3)")
-    children = [proxy, worker]
-    for child in children:
-        child.start()
-    started = time.monotonic()
-    try:
-        code = launch.supervise(proxy, [worker], launch.RestartPolicy(2, window_s=60.0),
-                                stopping=lambda: time.monotonic() - started > 30, poll_s=0.05)
-    finally:
-        stop_all(children, 5.0)
+    code, proxy, took = _supervise(tmp_path, 0.2, launch.RestartPolicy(2, window_s=60.0), 30)
     out = capsys.readouterr().out
     assert code == 1, out
     assert len(re.findall(r"worker0 \(pid \d+\) died with 3", out)) == 3, out
     assert re.findall(r"restarting worker0 in (\S+) s", out) == ["0.5", "1.0"], out
     assert "restart 2 of 2 allowed within 60 s" in out, out
     assert "giving up on worker0" in out and "--max-restarts 2" in out, out
-    assert time.monotonic() - started < 20
+    assert took < 20
     assert proxy.proc.poll() is not None  # stop_all stopped the healthy one too
 
 
@@ -107,17 +116,8 @@ def test_deaths_further_apart_than_the_window_are_always_restarted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A window, not a lifetime count: with at most 1 restart per 0.3 s, a child living
     0.6 s (longer than a failed start, 0.5 s here) is restarted every time it dies."""
-    proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
-    worker = _child(tmp_path, "worker0", "import time; time.sleep(0.6); raise SystemExit(3)")
-    for child in (proxy, worker):
-        child.start()
-    started = time.monotonic()
-    try:
-        code = launch.supervise(proxy, [worker],
-                                launch.RestartPolicy(1, window_s=0.3, short_run_s=0.5),
-                                stopping=lambda: time.monotonic() - started > 4.5, poll_s=0.05)
-    finally:
-        stop_all([proxy, worker], 5.0)
+    code, _, _ = _supervise(tmp_path, 0.6,
+                            launch.RestartPolicy(1, window_s=0.3, short_run_s=0.5), 4.5)
     out = capsys.readouterr().out
     assert code == 0, out
     assert len(re.findall(r"restarting worker0", out)) >= 2, out
@@ -129,17 +129,8 @@ def test_failed_starts_in_a_row_give_up_however_far_apart(
     """A child that dies before it could have started (here within 5 s of each start: think
     of an engine hanging until its startup timeout) is given up on after max_restarts
     restarts, even when its deaths are further apart than the window."""
-    proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
-    worker = _child(tmp_path, "worker0", "import time; time.sleep(0.6); raise SystemExit(3)")
-    for child in (proxy, worker):
-        child.start()
-    started = time.monotonic()
-    try:
-        code = launch.supervise(proxy, [worker],
-                                launch.RestartPolicy(2, window_s=0.3, short_run_s=5.0),
-                                stopping=lambda: time.monotonic() - started > 20, poll_s=0.05)
-    finally:
-        stop_all([proxy, worker], 5.0)
+    code, _, _ = _supervise(tmp_path, 0.6,
+                            launch.RestartPolicy(2, window_s=0.3, short_run_s=5.0), 20)
     out = capsys.readouterr().out
     assert code == 1, out
     assert len(re.findall(r"worker0 \(pid \d+\) died with 3", out)) == 3, out

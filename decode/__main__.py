@@ -1,15 +1,9 @@
-"""`python -m decode`: one decode worker (same flags as `pdserve decode`)."""
+"""`python -m decode`: exactly `pdserve decode` (the same flags, and vLLM's environment
+variables folded into them the same way, e.g. VLLM_ENGINE_READY_TIMEOUT_S and VLLM_API_KEY)."""
 
-import argparse
-import logging
-import os
 import sys
 
-from decode.worker import add_worker_arguments, run
+from deploy.cli import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="pdserve decode", description=__doc__)
-    add_worker_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    sys.exit(main(["decode", *sys.argv[1:]]))

@@ -1,15 +1,9 @@
-"""`python -m prefill`: one prefill worker (same flags as `pdserve prefill`)."""
+"""`python -m prefill`: exactly `pdserve prefill` (the same flags, and vLLM's environment
+variables folded into them the same way, e.g. VLLM_ENGINE_READY_TIMEOUT_S and VLLM_API_KEY)."""
 
-import argparse
-import logging
-import os
 import sys
 
-from prefill.worker import add_worker_arguments, run
+from deploy.cli import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
-    add_worker_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    sys.exit(main(["prefill", *sys.argv[1:]]))

@@ -123,3 +123,14 @@ def test_a_server_whose_engine_does_not_start_in_time_exits_1_naming_the_flag(ho
     assert elapsed < 40, f"took {elapsed:.0f} s"
     assert engines, "no engine process was seen"
     assert not [pid for pid in engines if alive(pid)], "the engine outlived the timeout"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_python_dash_m_worker_honours_the_environment_variable(role: str) -> None:
+    """``python -m prefill|decode`` are ``pdserve prefill|decode``: a bad value of vLLM's
+    variable is refused before anything starts (it used to be ignored there)."""
+    env = dict(child_env(), **{ENV: "soon"})
+    done = subprocess.run([sys.executable, "-m", role, "/models/x"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert ENV in done.stderr and "'soon'" in done.stderr, done.stderr

@@ -5,7 +5,8 @@ group of ``layers_per_call`` consecutive layers. Its layers come either from
 ``after_layer`` (push: each call's layers gathered with one kernel into the job's contiguous
 staging buffer on the step's stream, right after the call's last layer is computed) or, for GET and late pull requests, from
 the held paged blocks at send time. One ``PeerSender`` thread per consumer issues the jobs in order,
-so both sides post data operations on the pair in the same order.
+so both sides post data operations on the pair in the same order. A job its consumer
+releases while it still waits in the queue is never sent (``PeerSender.release``).
 """
 
 from __future__ import annotations
@@ -100,7 +101,12 @@ class CallSlots:
 
 @dataclass
 class SendJob:
-    """One transfer (or, with ``abort_reason``, one abort notice) to one consumer."""
+    """One transfer (or, with ``abort_reason``, one abort notice) to one consumer.
+
+    A job is either started by its sender thread or released by its consumer while still
+    queued, never both (``try_start`` / ``try_release``, under the job's own lock): so it is
+    sent entirely or not at all, and reported through ``on_done`` exactly once.
+    """
 
     transfer_id: str
     request_id: str | None
@@ -118,6 +124,29 @@ class SendJob:
     abort_reason: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    started: bool = False  # the sender thread took it: it runs to its end
+    released: bool = False  # dropped while queued: never sent, already reported
+    _claim: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
+                                   compare=False)
+
+    def try_start(self) -> bool:
+        """Sender thread, on taking the job (its point of no return): False when the job was
+        released meanwhile (skip it), else it is started and can no longer be released."""
+        with self._claim:
+            if self.released:
+                return False
+            self.started = True
+            return True
+
+    def try_release(self, reason: str) -> bool:
+        """Control thread, on the consumer's release: True when the job was still queued (it
+        is now released, failed with ``reason``, and will be skipped), False when the sender
+        thread already took it (or it was released before)."""
+        with self._claim:
+            if self.started or self.released:
+                return False
+            self.released, self.error = True, reason
+            return True
 
 
 class PeerSender:
@@ -153,6 +182,20 @@ class PeerSender:
         """Queue a job; it runs after every job submitted before it."""
         self._queue.put(job)
 
+    def release(self, job: SendJob, reason: str) -> bool:
+        """Drop a job of this sender that is queued but not started, because its consumer
+        released the transfer (its request ended there): True when dropped, False when the
+        thread already took it (the send then runs, or ran, in full: its header answers).
+
+        A dropped job is reported through ``on_done`` now (``released`` set, ``error`` the
+        reason), so its blocks go back at once instead of after every job queued before it;
+        the thread skips it when it gets there. Nothing of it was sent, so nothing needs
+        aborting on the pair."""
+        if not job.try_release(reason):
+            return False
+        self._finish(job)
+        return True
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Fail queued jobs, stop the thread, close the socket."""
         self._stopping = True
@@ -165,6 +208,8 @@ class PeerSender:
                 job = self._queue.get()
                 if job is None:
                     break
+                if not job.try_start():  # released while queued: ``release`` reported it
+                    continue
                 if self._stopping:
                     job.error = "connector shutting down"
                     self._finish(job)

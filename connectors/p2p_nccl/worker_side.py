@@ -746,10 +746,11 @@ class P2pConnectorWorker:
                 self._counters["control_messages_sent"] += 1
                 return
             self._in_flight.pop(job.transfer_id, None)
-            # Never sent again (its blocks are handed back now): a release that crossed the
-            # send is dropped, not kept as a waiting pull until orphan_ttl_s, and a late
-            # pull is told at once. A release that arrived between the pull's pop and the
-            # send's start (neither waiting nor in flight then) was stored: drop it too.
+            # Never sent again (its blocks are handed back now; a job released while queued
+            # was never sent at all): a release that crossed the send is dropped, not kept
+            # as a waiting pull until orphan_ttl_s, and a late pull is told at once. A
+            # release that arrived between the pull's pop and the send's start (neither
+            # waiting nor in flight then) was stored: drop it too.
             waiting = self._registrations.get(job.transfer_id)
             if waiting is not None and waiting[0].num_blocks == 0:
                 del self._registrations[job.transfer_id]
@@ -758,7 +759,9 @@ class P2pConnectorWorker:
                 job.slots.clear()
             if job.request_id is not None:
                 self._finished_sending.add(job.request_id)
-            if job.error is None:
+            if job.released:
+                pass  # the consumer no longer wanted it: not a failure of this producer
+            elif job.error is None:
                 self._counters["transfers_sent"] += 1
                 self._counters["control_messages_sent"] += 1
                 _, _, block_shape, element_size = self._require_geometry()
@@ -818,10 +821,10 @@ class P2pConnectorWorker:
             self._transport.abort(pull.consumer_address)
         with self._lock:
             dead = pull.transfer_id in self._tombstones
-            duplicate = not dead and pull.transfer_id in self._in_flight
-        if duplicate:
-            if pull.num_blocks == 0:  # a release that crossed its send: the header answers it
-                logger.debug("kv release of %.80r: its send already started", pull.transfer_id)
+            job = None if dead else self._in_flight.get(pull.transfer_id)
+        if job is not None:
+            if pull.num_blocks == 0:
+                self._release_queued_send(pull, job)
                 return
             self._reject("pull request", f"{pull.transfer_id!r:.80} is already being sent")
             return
@@ -876,6 +879,29 @@ class P2pConnectorWorker:
         self._submit_abort(release.transfer_id, release.consumer_address,
                            "pull cancelled by the consumer")
         return True
+
+    def _release_queued_send(self, release: KVPullRequest, job: SendJob) -> None:
+        """A release (``num_blocks=0``) for a transfer whose send job exists.
+
+        A job still queued behind other sends to this consumer is dropped unsent: its peer
+        sender reports it at once (``on_done``: the blocks go back, the id is tombstoned) and
+        the abort that answers lets the consumer free the receive bytes it reserved (on NCCL
+        it keeps them until this answer, which used to be the whole transfer arriving after
+        the jobs ahead of it). A job the sender thread already took runs in full: the
+        release crossed it, and its header answers the consumer. The sender decides which,
+        under the job's lock, so a job is never half sent. As for a waiting pull, only the
+        consumer address that pulled may release (refused, logged and counted otherwise)."""
+        if release.consumer_address != job.peer_address:
+            self._reject("pull release", f"{release.transfer_id!r:.80} is sent to "
+                                         f"{job.peer_address}, not "
+                                         f"{release.consumer_address!r:.80}")
+            return
+        with self._lock:
+            sender = self._senders.get(job.peer_address)
+        if sender is None or not sender.release(job, "transfer released"):
+            logger.debug("kv release of %.80r: its send already started", release.transfer_id)
+            return
+        self._submit_abort(release.transfer_id, release.consumer_address, "transfer released")
 
     def _note_consumer_epoch(self, address: str, epoch: str) -> bool:
         """Remember the epoch of the consumer process at ``address``; True when it replaces

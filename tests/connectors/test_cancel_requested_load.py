@@ -100,25 +100,30 @@ def test_a_cancel_after_the_send_started_drops_the_late_data_safely(pair: Worker
     and the data (counted), nothing is written into A's old blocks. NCCL: D keeps the bytes
     until the data landed in them (refusing the header would leave P's sends unmatched on the
     pair), then frees them; the pair stays healthy."""
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
     transport: Any = pair.producer._transport
     real_open = transport.open_pair
 
     def open_after_gate(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
         assert gate.wait(10.0)
         return real_open(*args, **kwargs)
 
     transport.open_pair = open_after_gate
     try:
-        _send_started_then_cancel(pair, gate)
+        _send_started_then_cancel(pair, gate, entered)
     finally:
         gate.set()
 
 
-def _send_started_then_cancel(pair: WorkerPair, gate: threading.Event) -> None:
+def _send_started_then_cancel(pair: WorkerPair, gate: threading.Event,
+                              entered: threading.Event) -> None:
     consumer = _consumer(pair)
     pair.ask("A")
-    pair.compute("A")  # the send job exists, its header is held at the gate
+    pair.compute("A")
+    # The sender thread took the job (a job still queued is dropped by the release, see
+    # test_release_queued_send.py); its header is held at the gate.
+    assert entered.wait(5.0)
     received = pair.producer.stats()["control_messages_received"]
     _cancel(consumer, "A")
     assert wait_until(lambda: pair.producer.stats()["control_messages_received"] == received + 1,
@@ -192,6 +197,8 @@ def _finished_send_then_cancel(pair: WorkerPair, gate: threading.Event) -> None:
     pair.compute("A")
     if not pair.nccl:  # the CPU send ends once its messages are queued
         assert wait_until(lambda: pair.producer.stats()["transfers_sent"] == 1, 5.0)
+    else:  # its data calls are out, waiting for D to take them (not a queued job)
+        assert wait_until(lambda: pair.producer.stats()["data_calls"] == LAYERS, 5.0)
     received = pair.producer.stats()["control_messages_received"]
     _cancel(consumer, "A")
     assert wait_until(lambda: pair.producer.stats()["control_messages_received"] == received + 1,

@@ -13,6 +13,21 @@ for every experiment, and saves ``raw/<run>.json``, PNGs, ``summary.md`` (printe
 so ``--only EXPERIMENT`` pieces (or a rerun after an interruption) add up to one report;
 ``--summary-only`` rebuilds the summary from what is saved. ``--smoke`` runs everything at
 tiny scale on CPU with the demo model.
+
+Extra experiments run only when named in ``--only`` (benchmarks/disagg/plan.py describes
+them): kv_offload, prefix_affinity, overflow_2k and goodput_2k_2p1d. goodput_2k_2p1d needs
+three GPUs: 2P1D (prefills round robin over two P workers) against three colocated replicas
+behind the proxy, at goodput_2k's rates with goodput_2k's prompts at each rate. On a 4-GPU
+machine, with goodput_2k's runs in the same directory for the per-GPU comparison (give both
+the same ``--rates-2k``, ``--point-seconds`` and ``--seed``):
+
+    python3 -m benchmarks.disagg_report --gpus 0,1,2,3 --only goodput_2k,goodput_2k_2p1d \\
+        --rates-2k 4,8,12,16 --point-seconds 15 --results-dir benchmarks/results/serve/2p1d
+
+Workers get the ``--gpus`` ids in order, one each (2P1D: P, P, D), so a topology needs as
+many ids as it has workers. An experiment named in ``--only`` none of whose topologies fit
+the given GPUs is refused before anything starts; a topology too big for them among others
+that fit is left for a bigger machine and listed in the summary.
 """
 
 from __future__ import annotations
@@ -35,10 +50,12 @@ from benchmarks.disagg.execute import ExecuteOptions, PlanOutcome, run_plan
 from benchmarks.disagg.plan import (
     ALL_EXPERIMENTS,
     EXPERIMENTS,
+    EXTRA_EXPERIMENTS,
     GPU_SCALE,
     SMOKE_SCALE,
     Scale,
     Sweep,
+    TopologyPlan,
     build_plan,
 )
 from benchmarks.disagg.summary import build_summary, load_results, make_plots
@@ -63,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="engine --max-model-len (default 10240 on GPU: 8k prompts + 256)")
     model.add_argument("--served-model-name", default=None)
     model.add_argument("--gpus", default=None,
-                       help="comma-separated GPU ids, one per worker (default 0,1; none with "
-                            "--smoke)")
+                       help="comma-separated GPU ids, one per worker, taken in order (default "
+                            "0,1; none with --smoke; goodput_2k_2p1d needs three)")
     model.add_argument("--engine-args", default="",
                        help="more engine flags for every worker, e.g. '--max-num-seqs 128'")
     model.add_argument("--startup-timeout", type=float, default=900.0,
@@ -72,8 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("what to run")
     run.add_argument("--smoke", action="store_true",
                      help="tiny counts on CPU with the demo model (checks the pipeline)")
-    run.add_argument("--only", default=",".join(EXPERIMENTS),
-                     help=f"comma-separated subset of {','.join(EXPERIMENTS)}")
+    run.add_argument("--only", default=None,
+                     help=f"comma-separated experiments (default {','.join(EXPERIMENTS)}); "
+                          f"extras, run only when named: {','.join(EXTRA_EXPERIMENTS)} "
+                          "(goodput_2k_2p1d: 2P1D vs three colocated replicas at goodput_2k's "
+                          "points, three GPUs)")
     run.add_argument("--results-dir", default=None,
                      help="default benchmarks/results/serve (smoke: a temp dir)")
     run.add_argument("--force", action="store_true", help="rerun runs that have results")
@@ -86,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--slo-ttft-ms", type=float, default=None, help="default 1000")
     run.add_argument("--slo-tpot-ms", type=float, default=None, help="default 40")
     run.add_argument("--rates-2k", type=parse_rates, default=None,
-                     help="goodput_2k sweep (default 2,4,6,8,12,16)")
+                     help="goodput_2k sweep, also overflow_2k's and goodput_2k_2p1d's "
+                          "(default 2,4,6,8,12,16)")
     run.add_argument("--rates-8k", type=parse_rates, default=None,
                      help="goodput_8k sweep (default 0.5,1,1.5,2,3)")
     run.add_argument("--prefill-overflow", type=int, default=None, metavar="N",
@@ -218,6 +239,31 @@ def _header(env: dict, scale: Scale) -> list[str]:
     return lines
 
 
+def gpu_shortfall(scale: Scale, experiments: tuple[str, ...], named: bool, seed: int,
+                  gpus: tuple[str, ...]) -> tuple[str | None, list[TopologyPlan]]:
+    """Whether the plan fits ``gpus`` (one per worker; empty: CPU, anything fits): the text
+    refusing the invocation when an experiment named in ``--only`` (``named``) has no
+    topology that fits (None when each has one), and the topologies too big for them."""
+    if not gpus:
+        return None, []
+    refusals = []
+    for experiment in experiments:
+        plan = build_plan(scale, (experiment,), seed)
+        if named and plan and all(p.topology.num_workers > len(gpus) for p in plan):
+            sizes = ", ".join(f"{p.topology.name}: {p.topology.num_workers} workers"
+                              for p in plan)
+            need = min(p.topology.num_workers for p in plan)
+            refusals.append(f"{experiment} needs {need} GPUs, one per worker ({sizes})")
+    short = [p for p in build_plan(scale, experiments, seed)
+             if p.topology.num_workers > len(gpus)]
+    if not refusals:
+        return None, short
+    need = max(p.topology.num_workers for p in short)
+    return (f"--gpus {','.join(gpus)} gives {len(gpus)} GPUs: {'; '.join(refusals)}. Pass "
+            f"at least {need} GPU ids, e.g. --gpus {','.join(str(i) for i in range(need))}, "
+            "or leave those experiments out of --only."), short
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.disagg_report",
                                      description=__doc__,
@@ -226,22 +272,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    experiments = tuple(e.strip() for e in args.only.split(",") if e.strip())
+    experiments = (EXPERIMENTS if args.only is None
+                   else tuple(e.strip() for e in args.only.split(",") if e.strip()))
     unknown = sorted(set(experiments) - set(ALL_EXPERIMENTS))
     if unknown:
         parser.error(f"--only: unknown {unknown}; choose from {ALL_EXPERIMENTS}")
+    gpus = args.gpus if args.gpus is not None else ("" if args.smoke else "0,1")
+    gpu_ids = tuple(g.strip() for g in gpus.split(",") if g.strip())
+    scale = _scale(args)
+    if not args.summary_only:
+        # Before anything starts: a run that cannot get a GPU per worker is not begun.
+        refusal, short = gpu_shortfall(scale, experiments, args.only is not None, args.seed,
+                                       gpu_ids)
+        if refusal:
+            parser.error(refusal)
+        for item in short:
+            logger.warning("%s needs %d GPUs, --gpus gives %d: its runs are left for a "
+                           "bigger machine", item.topology.name, item.topology.num_workers,
+                           len(gpu_ids))
     results_dir = Path(args.results_dir or (Path(tempfile.gettempdir()) / "pdserve-report-smoke"
                                             if args.smoke else REPO_ROOT / "benchmarks" /
                                             "results" / "serve"))
     results_dir.mkdir(parents=True, exist_ok=True)
     model, shape_dir = _model(args, results_dir)
     served = args.served_model_name or ("pdserve-demo" if args.smoke else Path(model).name)
-    gpus = args.gpus if args.gpus is not None else ("" if args.smoke else "0,1")
     spec = ClusterSpec(model=model, served_model_name=served,
-                       engine_args=_engine_args(args, shape_dir),
-                       gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
+                       engine_args=_engine_args(args, shape_dir), gpus=gpu_ids,
                        log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout)
-    scale = _scale(args)
     outcome = PlanOutcome([], [])
     env = environment(spec, args.smoke)
     env_path = results_dir / "env.json"

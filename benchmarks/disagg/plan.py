@@ -12,8 +12,8 @@ Experiments (issue #7):
 - ``proxy_overhead``: a high rate of short requests to one colocated worker, directly and
   through the proxy.
 
-Extra (``--only kv_offload`` / ``--only prefix_affinity`` / ``--only overflow_2k``, not in
-the default report):
+Extra (named in ``--only``: ``kv_offload``, ``prefix_affinity``, ``overflow_2k``,
+``goodput_2k_2p1d``; not in the default report):
 
 - ``kv_offload`` (one GPU): a prefix_repetition workload whose prefixes do not fit a
   deliberately small device KV cache, on one colocated worker with KV offload to host
@@ -25,6 +25,11 @@ the default report):
 - ``overflow_2k`` (two GPUs): goodput_2k's points (the same prompts) on 1P1D with the proxy's
   ``--prefill-overflow`` (``Scale.prefill_overflow``): once P has that many prefills in
   flight, D prefills a request itself. Compared with goodput_2k's 1P1D and two replicas.
+- ``goodput_2k_2p1d`` (three GPUs, e.g. ``--gpus 0,1,2,3`` on a 4-GPU machine): goodput_2k's
+  points (its rates, and the same prompts at each rate: goodput_2k's seeds) on 2P1D, the
+  proxy routing prefills round robin over both P workers, against three colocated replicas
+  behind the same proxy (round robin). Both use three GPUs; the summary also sets their
+  goodput per GPU beside goodput_2k's 1P1D and two replicas (two GPUs) where those ran.
 
 Each topology is launched once and serves every run planned on it. Runs on the same
 server get different seeds (no accidental prefix hits), except the proxy-overhead pair,
@@ -40,7 +45,8 @@ from dataclasses import dataclass, field, replace
 from benchmarks.serve.config import DatasetConfig
 
 EXPERIMENTS = ("ttft_overhead", "goodput_2k", "goodput_8k", "prefix_cache", "proxy_overhead")
-EXTRA_EXPERIMENTS = ("kv_offload", "prefix_affinity", "overflow_2k")  # only when named in --only
+# Only when named in --only.
+EXTRA_EXPERIMENTS = ("kv_offload", "prefix_affinity", "overflow_2k", "goodput_2k_2p1d")
 ALL_EXPERIMENTS = EXPERIMENTS + EXTRA_EXPERIMENTS
 PROXY = "proxy"  # a run's target: the proxy, or a worker role hit directly
 
@@ -72,6 +78,10 @@ PD_NOCACHE = Topology("pd_nocache", prefill=1, decode=1, prefix_caching=False)
 PD_HANDOFF = Topology("pd_handoff", prefill=1, decode=1, first_token_from_prefill=True)
 COLO2 = Topology("colo2", colocated=2)
 TOPOLOGY_ORDER = (COLO1, COLO1_NOCACHE, PD, PD_HANDOFF, PD_NOCACHE, COLO2)
+# goodput_2k_2p1d's pair, three GPUs each: prefills round robin over two P workers, and
+# three colocated replicas.
+PD2P1D = Topology("pd2p1d", prefill=2, decode=1)
+COLO3 = Topology("colo3", colocated=3)
 
 
 @dataclass(frozen=True)
@@ -200,23 +210,20 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
         add(PD, BenchRun(f"{experiment}__pd", experiment, "1P1D", PROXY, low, rate))
         add(PD_HANDOFF, BenchRun(f"{experiment}__pd_handoff", experiment,
                                  "1P1D, first token from P", PROXY, low, rate))
-    elif experiment in ("goodput_2k", "goodput_8k"):
-        sweep = scale.sweep_2k if experiment == "goodput_2k" else scale.sweep_8k
-        base = seed + (200 if experiment == "goodput_2k" else 300)
-        for index, rate in enumerate(sweep.rates):
-            data = _random(scale.point_prompts(rate), sweep.input_len, sweep.output_len,
-                           base + index)
-            tag = rate_tag(rate)
-            add(PD, BenchRun(f"{experiment}__pd__r{tag}", experiment, "1P1D", PROXY, data, rate))
-            add(COLO2, BenchRun(f"{experiment}__colo2__r{tag}", experiment,
-                                "2x colocated (round robin)", PROXY, data, rate))
+    elif experiment in ("goodput_2k", "goodput_8k", "goodput_2k_2p1d"):
+        if experiment == "goodput_2k_2p1d":  # goodput_2k's points, on three GPUs each
+            pair = ((PD2P1D, "2P1D"), (COLO3, "3x colocated (round robin)"))
+        else:
+            pair = ((PD, "1P1D"), (COLO2, "2x colocated (round robin)"))
+        sweep = "goodput_8k" if experiment == "goodput_8k" else "goodput_2k"
+        for rate, data in _sweep_points(scale, sweep, seed):
+            for topology, label in pair:
+                add(topology, BenchRun(f"{experiment}__{topology.name}__r{rate_tag(rate)}",
+                                       experiment, label, PROXY, data, rate))
     elif experiment == "overflow_2k":
-        sweep = scale.sweep_2k
         overflow = Topology(f"pd_overflow{scale.prefill_overflow}", prefill=1, decode=1,
                             prefill_overflow=scale.prefill_overflow)
-        for index, rate in enumerate(sweep.rates):  # goodput_2k's prompts at each rate
-            data = _random(scale.point_prompts(rate), sweep.input_len, sweep.output_len,
-                           seed + 200 + index)
+        for rate, data in _sweep_points(scale, "goodput_2k", seed):
             add(overflow, BenchRun(f"{experiment}__{overflow.name}__r{rate_tag(rate)}", experiment,
                                    f"1P1D, prefill overflow at {scale.prefill_overflow}", PROXY,
                                    data, rate))
@@ -267,6 +274,18 @@ def _runs(scale: Scale, experiment: str, seed: int) -> dict[Topology, list[Bench
     else:
         raise ValueError(f"unknown experiment {experiment!r}; choose from {ALL_EXPERIMENTS}")
     return runs
+
+
+def _sweep_points(scale: Scale, sweep_name: str, seed: int
+                  ) -> list[tuple[float, DatasetConfig]]:
+    """goodput_2k's or goodput_8k's points: each rate and its prompts. Every experiment that
+    sweeps the same workload (overflow_2k, goodput_2k_2p1d) takes these, so its runs send the
+    same prompts at each rate as goodput_2k's and are compared with them."""
+    sweep, base = ((scale.sweep_2k, seed + 200) if sweep_name == "goodput_2k"
+                   else (scale.sweep_8k, seed + 300))
+    return [(rate, _random(scale.point_prompts(rate), sweep.input_len, sweep.output_len,
+                           base + index))
+            for index, rate in enumerate(sweep.rates)]
 
 
 def _small_cache_workload(scale: Scale, seed: int) -> DatasetConfig:

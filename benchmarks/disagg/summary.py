@@ -12,6 +12,10 @@ and a range of TPOT SLOs (``TPOT_SLO_SWEEP_MS``): where disaggregation pays depe
 tight the TPOT SLO is (1P1D keeps decode steps free of prefill chunks; two colocated replicas
 have twice the prefill capacity).
 
+goodput_2k_2p1d (2P1D against three colocated replicas, three GPUs each, at goodput_2k's
+points) gets the same tables, and each sweep's max goodput per GPU beside goodput_2k's 1P1D
+and two replicas (two GPUs) where those ran on the same device model.
+
 Only runs made on one device model are compared: where an experiment's runs come from
 different GPU models (a report resumed on another machine and stopped by its time budget),
 the runs of other models than its newest run's are set aside and listed.
@@ -23,9 +27,11 @@ import itertools
 import json
 import statistics
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.disagg.plan import COLO2, COLO3, PD, PD2P1D, Topology
 from benchmarks.serve.breakdown import STAGES
 from benchmarks.serve.metrics import within_slos
 from benchmarks.serve.plots import plot_latency_cdfs, plot_vs_rate
@@ -35,6 +41,29 @@ GOALS = {"ttft_overhead_p50_ms": 3.0, "ttft_overhead_p99_ms": 10.0, "goodput_rat
          "proxy_overhead_p50_ms": 1.0}
 ATTAINMENT_TARGET = 0.9
 TPOT_SLO_SWEEP_MS = (10.0, 15.0, 20.0, 40.0)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One sweep of a goodput comparison: its topology (run names
+    ``<experiment>__<topology>__r<rate>``, its figures' key, its GPUs) and legend."""
+
+    topology: Topology
+    label: str
+
+    @property
+    def key(self) -> str:
+        return self.topology.name
+
+    @property
+    def gpus(self) -> int:
+        return self.topology.num_workers
+
+
+_TWO_GPU_SIDES = (Side(PD, "1P1D"), Side(COLO2, "2x colocated"))
+GOODPUT_SIDES = {"goodput_2k": _TWO_GPU_SIDES, "goodput_8k": _TWO_GPU_SIDES,
+                 "goodput_2k_2p1d": (Side(PD2P1D, "2P1D"), Side(COLO3, "3x colocated"))}
+_BOUND_MARKS = {None: "", "upper bound": "<= ", "lower bound": ">= ", "unresolved": "~"}
 
 
 def device_models(provenance: Mapping[str, Any] | None) -> frozenset[str]:
@@ -189,27 +218,29 @@ def _scored(runs: list[Mapping[str, Any]], slos_ms: Mapping[str, float] | None
     return [s if s is not None else r for s, r in zip(scored, runs)], scored.count(None)
 
 
-def _tpot_sensitivity(pd: list[Mapping[str, Any]], colo: list[Mapping[str, Any]],
-                      ttft_ms: float) -> tuple[list[str], dict[str, Any]]:
+def _tpot_sensitivity(sides: tuple[Side, Side], a_runs: list[Mapping[str, Any]],
+                      b_runs: list[Mapping[str, Any]], ttft_ms: float
+                      ) -> tuple[list[str], dict[str, Any]]:
     """Max goodput of both sweeps, and their ratio, at the TTFT SLO and each of
     ``TPOT_SLO_SWEEP_MS``: lines and figures (empty where the runs cannot be rescored)."""
     rows, figures = [], {}
     for tpot in TPOT_SLO_SWEEP_MS:
         slos = {"ttft": ttft_ms, "tpot": tpot}
-        a = [rescore(r, slos) for r in pd]
-        b = [rescore(r, slos) for r in colo]
+        a = [rescore(r, slos) for r in a_runs]
+        b = [rescore(r, slos) for r in b_runs]
         if not a or not b or None in a or None in b:
             return [], {}
         fig_a, fig_b = _sweep_figures(a), _sweep_figures(b)
         ratio, kind = _ratio(fig_a, fig_b)
         best_a, best_b = fig_a["max_goodput"], fig_b["max_goodput"]
-        figures[f"{tpot:g}"] = {"pd": best_a, "colo2": best_b, "ratio": ratio,
+        figures[f"{tpot:g}"] = {sides[0].key: best_a, sides[1].key: best_b, "ratio": ratio,
                                 "ratio_bound": kind}
-        mark = {None: "", "upper bound": "<= ", "lower bound": ">= ", "unresolved": "~"}[kind]
-        rows.append(f"| {tpot:g} | {_f(best_a, 2)} | {_f(best_b, 2)} | {mark}{_f(ratio, 2)}x |")
+        rows.append(f"| {tpot:g} | {_f(best_a, 2)} | {_f(best_b, 2)} | "
+                    f"{_BOUND_MARKS[kind]}{_f(ratio, 2)}x |")
     lines = ["", f"Max goodput by TPOT SLO (TTFT <= {ttft_ms:g} ms, the same runs scored "
              "again; <= / >= : a sweep that never saturated bounds the ratio):", "",
-             "| TPOT SLO ms | 1P1D | 2x colocated | ratio |", "|---|---|---|---|", *rows]
+             f"| TPOT SLO ms | {sides[0].label} | {sides[1].label} | ratio |",
+             "|---|---|---|---|", *rows]
     return lines, figures
 
 
@@ -252,21 +283,28 @@ def _shared_rates(*sweeps: list[Mapping[str, Any]]) -> list[list[Mapping[str, An
     return [[r for r in runs if float(r["request_rate"]) in shared] for runs in sweeps]
 
 
-def goodput(results: Results, figures: dict[str, Any], experiment: str,
-            slos_ms: Mapping[str, float] | None = None) -> list[str]:
-    pd, colo = _sweep(results, experiment, "pd"), _sweep(results, experiment, "colo2")
+def _goodput_pair(results: Results, experiment: str, sides: tuple[Side, Side], title: str,
+                  slos_ms: Mapping[str, float] | None, goal: float | None = None
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """Two sweeps of ``experiment`` side by side at each rate, both sweeps' max goodput
+    (over the rates both ran) and their ratio, and the ratio by TPOT SLO: lines (none
+    without runs) and figures. ``goal``: the ratio's goal, judged in the text."""
+    a_side, b_side = sides
+    pd = _sweep(results, experiment, a_side.key)
+    colo = _sweep(results, experiment, b_side.key)
     if not pd and not colo:
-        return []
+        return [], {}
     (pd, unscored_pd), (colo, unscored_colo) = _scored(pd, slos_ms), _scored(colo, slos_ms)
     sample = (pd or colo)[0]
     slos = " and ".join(f"{k.upper()} <= {v:g} ms" for k, v in sample["goodput_slos_ms"].items())
     input_len = sample["total_input_tokens"] // max(sample["completed"], 1)
     output_len = sample["output_lens"][0] if sample["output_lens"] else "?"
-    lines = [f"## 2. Goodput at SLO: random {input_len}/{output_len}, Poisson ({slos})", "",
-             "| rate | 1P1D goodput | attain. | p99 TTFT | p99 TPOT | 2x colocated goodput | "
-             "attain. | p99 TTFT | p99 TPOT |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"## {title}: random {input_len}/{output_len}, Poisson ({slos})", "",
+             f"| rate | {a_side.label} goodput | attain. | p99 TTFT | p99 TPOT | "
+             f"{b_side.label} goodput | attain. | p99 TTFT | p99 TPOT |",
+             "|---|---|---|---|---|---|---|---|---|"]
     by_rate: dict[float, dict[str, Mapping[str, Any]]] = {}
-    for topology, runs in (("pd", pd), ("colo2", colo)):
+    for topology, runs in (("a", pd), ("b", colo)):
         for r in runs:
             by_rate.setdefault(float(r["request_rate"]), {})[topology] = r
 
@@ -279,27 +317,27 @@ def goodput(results: Results, figures: dict[str, Any], experiment: str,
     lower_tpot = 0
     for rate in sorted(by_rate):
         row = by_rate[rate]
-        lines.append(f"| {rate:g} | {cells(row.get('pd'))} | {cells(row.get('colo2'))} |")
-        a, b = row.get("pd"), row.get("colo2")
+        lines.append(f"| {rate:g} | {cells(row.get('a'))} | {cells(row.get('b'))} |")
+        a, b = row.get("a"), row.get("b")
         if a and b and a["p99_tpot_ms"] is not None and b["p99_tpot_ms"] is not None:
             lower_tpot += a["p99_tpot_ms"] < b["p99_tpot_ms"]
     shared_pd, shared_colo = _shared_rates(pd, colo) if pd and colo else (pd, colo)
-    section = {"pd": _sweep_figures(shared_pd), "colo2": _sweep_figures(shared_colo),
-               "pd_lower_p99_tpot_points": lower_tpot,
+    fig_a, fig_b = _sweep_figures(shared_pd), _sweep_figures(shared_colo)
+    section = {a_side.key: fig_a, b_side.key: fig_b,
+               f"{a_side.key}_lower_p99_tpot_points": lower_tpot,
                "points_compared": sum(1 for v in by_rate.values() if len(v) == 2)}
-    a, b = section["pd"]["max_goodput"], section["colo2"]["max_goodput"]
-    section["goodput_ratio"], section["goodput_ratio_bound"] = _ratio(section["pd"],
-                                                                      section["colo2"])
+    section["goodput_ratio"], section["goodput_ratio_bound"] = _ratio(fig_a, fig_b)
     only_shared = (f" (over the {section['points_compared']} rates both ran)"
                    if len(shared_pd) != len(pd) or len(shared_colo) != len(colo) else "")
-    lines += ["", f"Max goodput{only_shared}: 1P1D {_f(a, 2)} req/s, 2x colocated {_f(b, 2)} "
-              f"req/s, ratio **{_f(section['goodput_ratio'], 2)}x**"
-              f"{_bound_note(section['goodput_ratio_bound'], '1P1D', '2x colocated')} "
-              f"(goal >= {GOALS['goodput_ratio']:g}x: "
-              f"{_verdict(section['goodput_ratio'], GOALS['goodput_ratio'], False)}). "
-              f"Highest rate with >= {ATTAINMENT_TARGET:.0%} SLO attainment: 1P1D "
-              f"{_f(section['pd']['rate_at_90pct_slo'], 2)}, 2x colocated "
-              f"{_f(section['colo2']['rate_at_90pct_slo'], 2)} req/s. 1P1D p99 TPOT lower at "
+    verdict = ("" if goal is None else f" (goal >= {goal:g}x: "
+               f"{_verdict(section['goodput_ratio'], goal, False)})")
+    lines += ["", f"Max goodput{only_shared}: {a_side.label} {_f(fig_a['max_goodput'], 2)} "
+              f"req/s, {b_side.label} {_f(fig_b['max_goodput'], 2)} req/s, ratio "
+              f"**{_f(section['goodput_ratio'], 2)}x**"
+              f"{_bound_note(section['goodput_ratio_bound'], a_side.label, b_side.label)}"
+              f"{verdict}. Highest rate with >= {ATTAINMENT_TARGET:.0%} SLO attainment: "
+              f"{a_side.label} {_f(fig_a['rate_at_90pct_slo'], 2)}, {b_side.label} "
+              f"{_f(fig_b['rate_at_90pct_slo'], 2)} req/s. {a_side.label} p99 TPOT lower at "
               f"{lower_tpot} of {section['points_compared']} rates."]
     if unscored_pd or unscored_colo:
         lines += ["", f"{unscored_pd + unscored_colo} runs could not be scored at these SLOs "
@@ -307,12 +345,93 @@ def goodput(results: Results, figures: dict[str, Any], experiment: str,
                   "with."]
     ttft_ms = sample["goodput_slos_ms"].get("ttft")
     if ttft_ms is not None:
-        more, by_tpot = _tpot_sensitivity(shared_pd, shared_colo, ttft_ms)
+        more, by_tpot = _tpot_sensitivity(sides, shared_pd, shared_colo, ttft_ms)
         lines += more
         if by_tpot:
             section["by_tpot_slo"] = by_tpot
+    return lines, section
+
+
+def goodput(results: Results, figures: dict[str, Any], experiment: str,
+            slos_ms: Mapping[str, float] | None = None) -> list[str]:
+    """goodput_2k / goodput_8k: 1P1D against two colocated replicas."""
+    lines, section = _goodput_pair(results, experiment, GOODPUT_SIDES[experiment],
+                                   "2. Goodput at SLO", slos_ms, GOALS["goodput_ratio"])
+    if not lines:
+        return []
     figures[experiment] = section
     return lines + [""]
+
+
+def goodput_2p1d(results: Results, figures: dict[str, Any],
+                 slos_ms: Mapping[str, float] | None = None) -> list[str]:
+    """goodput_2k_2p1d: 2P1D against three colocated replicas (three GPUs each) at
+    goodput_2k's points, and every sweep's goodput per GPU beside goodput_2k's (two GPUs)."""
+    experiment = "goodput_2k_2p1d"
+    lines, section = _goodput_pair(
+        results, experiment, GOODPUT_SIDES[experiment],
+        "Goodput on three GPUs: 2P1D vs three colocated replicas (goodput_2k's prompts)",
+        slos_ms)
+    if not lines:
+        return []
+    more, section["per_gpu"] = _per_gpu(results, slos_ms)
+    figures[experiment] = section
+    return lines + ["", *more, ""]
+
+
+def _per_gpu(results: Results, slos_ms: Mapping[str, float] | None
+             ) -> tuple[list[str], dict[str, Any]]:
+    """goodput_2k_2p1d's and goodput_2k's max goodput per GPU, over the rates every sweep
+    ran, and 2P1D's per GPU over 1P1D's: one paragraph and figures (only the 2P1D pair's
+    where goodput_2k has no runs, or has them from other GPU models)."""
+    three, two = GOODPUT_SIDES["goodput_2k_2p1d"], GOODPUT_SIDES["goodput_2k"]
+    sweeps = {side: _scored(_sweep(results, experiment, side.key), slos_ms)[0]
+              for experiment, sides in (("goodput_2k_2p1d", three), ("goodput_2k", two))
+              for side in sides}
+    sweeps = {side: runs for side, runs in sweeps.items() if runs}
+    models = {device_models(r.get("provenance")) for runs in sweeps.values() for r in runs}
+    note = ""
+    if not any(side in sweeps for side in two):
+        note = (" goodput_2k has no runs here: run `--only goodput_2k` (two GPUs) with the "
+                "same `--results-dir`, `--rates-2k`, `--point-seconds` and `--seed` to set "
+                "1P1D and two replicas beside these.")
+    elif len(models) > 1:
+        note = (" goodput_2k's runs were made on other GPU models than these, so they are "
+                "not compared: run both experiments on one machine.")
+    if note:
+        sweeps = {side: runs for side, runs in sweeps.items() if side in three}
+    shared = dict(zip(sweeps, _shared_rates(*sweeps.values())))
+    rates = len(next(iter(shared.values())))
+    # One (seed, count) per rate when every sweep sent the same prompts at each rate.
+    if len({(r.get("seed"), r.get("num_prompts")) for runs in shared.values()
+            for r in runs}) > rates:
+        note += (" Some sweeps sent other prompts at a rate than the others (another `--seed` "
+                 "or `--point-seconds`): they did not serve the same requests.")
+    figures: dict[str, Any] = {}
+    cells = []
+    for side, runs in shared.items():
+        fig = _sweep_figures(runs)
+        per_gpu = None if fig["max_goodput"] is None else fig["max_goodput"] / side.gpus
+        figures[side.key] = {**fig, "gpus": side.gpus, "per_gpu": per_gpu}
+        cells.append(f"{side.label} {_f(fig['max_goodput'], 2)}/{side.gpus} = "
+                     f"{'>= ' if fig['peak_at_top_rate'] else ''}**{_f(per_gpu, 2)}**")
+    which = {1: "its sweep", 2: "both sweeps"}.get(len(shared), f"all {len(shared)} sweeps")
+    if not rates:
+        return ["Max goodput per GPU: no rate that every sweep ran." + note], figures
+    whose = "; 1P1D and 2x colocated: goodput_2k's runs" if len(shared) > 2 else ""
+    text = f"Max goodput per GPU (req/s per GPU, over the {rates} rates {which} ran{whose}): "
+    text += ", ".join(cells) + "."
+    if any(f["peak_at_top_rate"] for f in figures.values()):
+        text += (f" >= : that sweep still met {ATTAINMENT_TARGET:.0%} of the SLOs at the top "
+                 "rate, so its peak per GPU is at least the figure.")
+    a, b = three[0], two[0]
+    if a.key in figures and b.key in figures:
+        ratio, kind = _ratio(figures[a.key], figures[b.key])
+        ratio = None if ratio is None else ratio * b.gpus / a.gpus
+        figures[f"{a.key}_per_gpu_over_{b.key}"] = {"ratio": ratio, "ratio_bound": kind}
+        text += (f" Per GPU, {a.label} gets **{_BOUND_MARKS[kind]}{_f(ratio, 2)}x** "
+                 f"{b.label}'s{_bound_note(kind, a.label, b.label)}.")
+    return [text + note], figures
 
 
 def prefill_overflow(results: Results, figures: dict[str, Any],
@@ -523,7 +642,8 @@ def build_summary(results: Results, header: list[str],
     sections: list[Callable[[Results, dict[str, Any]], list[str]]] = [
         ttft_overhead, lambda r, f: goodput(r, f, "goodput_2k", slos_ms),
         lambda r, f: goodput(r, f, "goodput_8k", slos_ms),
-        lambda r, f: prefill_overflow(r, f, slos_ms), prefix_cache, proxy_overhead,
+        lambda r, f: prefill_overflow(r, f, slos_ms), lambda r, f: goodput_2p1d(r, f, slos_ms),
+        prefix_cache, proxy_overhead,
         kv_offload, prefix_affinity]
     results, aside = comparable(results)
     lines = list(header)
@@ -552,9 +672,8 @@ def make_plots(results: Results, out_dir: Path) -> list[Path]:
     if low:
         written.append(plot_latency_cdfs(low, out_dir / "ttft_overhead_cdf.png",
                                          "Low load: colocated vs 1P1D"))
-    for experiment in ("goodput_2k", "goodput_8k"):
-        sweeps = {label: _sweep(results, experiment, topology)
-                  for topology, label in (("pd", "1P1D"), ("colo2", "2x colocated"))}
+    for experiment, sides in GOODPUT_SIDES.items():
+        sweeps = {side.label: _sweep(results, experiment, side.key) for side in sides}
         if not any(sweeps.values()):
             continue
         for key, ylabel, suffix in (("slo_attainment", "SLO attainment", "slo_attainment"),

@@ -9,14 +9,18 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import disagg_report
 from benchmarks.disagg.cluster import Cluster, ClusterError, ClusterSpec
-from benchmarks.disagg.execute import ExecuteOptions, run_plan, transfer_failures
+from benchmarks.disagg.execute import ExecuteOptions, PlanOutcome, run_plan, transfer_failures
 from benchmarks.disagg.plan import (
+    ALL_EXPERIMENTS,
     COLO1,
     COLO2,
+    COLO3,
     EXPERIMENTS,
     GPU_SCALE,
     PD,
+    PD2P1D,
     PD_NOCACHE,
     PROXY,
     SMOKE_SCALE,
@@ -399,3 +403,174 @@ def test_summary_sets_overflow_beside_1p1d_and_two_replicas() -> None:
     assert section["ratio_to_colo2"] == pytest.approx(1.0)
     assert "| pd_overflow8 | 24 | 19.00 | 0.95 | 1.0 | 1.0 | 25% | 6.00 | 19.00 |" in markdown
     assert "| pd_overflow8 | 20 | 16.00 | 1.00 | 1.0 | 1.0 | n/a | 15.00 | n/a |" in markdown
+
+
+def test_2p1d_plan_reuses_goodput_2k_points_on_three_gpus(tmp_path: Path) -> None:
+    """goodput_2k_2p1d: 2P1D and three replicas (3 workers each) at goodput_2k's rates, each
+    rate with goodput_2k's prompts (its seed and count), whatever the rates, seed and point
+    length; only when named; --gpus ids go to the workers in order, P, P, D."""
+    assert "goodput_2k_2p1d" in ALL_EXPERIMENTS and "goodput_2k_2p1d" not in EXPERIMENTS
+    assert "goodput_2k_2p1d" not in {r.experiment for p in build_plan(GPU_SCALE) for r in p.runs}
+    custom = replace(GPU_SCALE, sweep_2k=replace(GPU_SCALE.sweep_2k, rates=(4, 8, 12, 16)),
+                     point_seconds=15.0)
+    for scale, seed in ((GPU_SCALE, 0), (custom, 3), (SMOKE_SCALE, 0)):
+        plan = build_plan(scale, ("goodput_2k_2p1d",), seed)
+        assert [(p.topology, p.topology.num_workers) for p in plan] == [(PD2P1D, 3), (COLO3, 3)]
+        assert (PD2P1D.prefill, PD2P1D.decode, PD2P1D.colocated) == (2, 1, 0)
+        assert (COLO3.prefill, COLO3.decode, COLO3.colocated) == (0, 0, 3)
+        assert PD2P1D.routing == COLO3.routing == "round_robin"
+        base = {run.name: run for item in build_plan(scale, ("goodput_2k",), seed)
+                for run in item.runs}
+        for item, label in zip(plan, ("2P1D", "3x colocated (round robin)")):
+            assert [run.rate for run in item.runs] == list(scale.sweep_2k.rates)
+            for run in item.runs:
+                twin = base[f"goodput_2k__pd__r{run.rate:g}"]
+                assert run.name == f"goodput_2k_2p1d__{item.topology.name}__r{run.rate:g}"
+                assert run.dataset == twin.dataset and run.rate == twin.rate
+                assert run.target == PROXY and run.variant == label
+                assert run.experiment == "goodput_2k_2p1d"
+        assert len({run.dataset.seed for run in plan[0].runs}) == len(scale.sweep_2k.rates)
+    spec = ClusterSpec("/m", "m", gpus=("0", "1", "2", "3"), log_dir=tmp_path)
+    pd = Cluster(spec, PD2P1D).argv()
+    assert (flag_of(pd, "--prefill"), flag_of(pd, "--decode"), flag_of(pd, "--colocated"),
+            flag_of(pd, "--gpus")) == ("2", "1", "0", "0,1,2")
+    assert "--routing" not in pd  # round robin: the proxy's default
+    colo = Cluster(spec, COLO3).argv()
+    assert (flag_of(colo, "--prefill"), flag_of(colo, "--decode"), flag_of(colo, "--colocated"),
+            flag_of(colo, "--gpus")) == ("0", "0", "3", "0,1,2")
+    with pytest.raises(ClusterError, match="pd2p1d needs 3 GPUs"):
+        Cluster(replace(spec, gpus=("0", "1")), PD2P1D).argv()
+
+
+def _no_runs(*_: object) -> PlanOutcome:
+    raise AssertionError("nothing may start")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpus", "0,1", "--only", "goodput_2k_2p1d"],
+    ["--only", "goodput_2k_2p1d"],  # the default --gpus 0,1
+    ["--gpus", "0,1", "--only", "goodput_2k,goodput_2k_2p1d"],
+])
+def test_too_few_gpus_for_2p1d_is_refused_before_anything_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        argv: list[str]) -> None:
+    monkeypatch.setattr(disagg_report, "run_plan", _no_runs)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        disagg_report.main([*argv, "--results-dir", str(out), "--model", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpus 0,1 gives 2 GPUs: goodput_2k_2p1d needs 3 GPUs, one per worker " \
+           "(pd2p1d: 3 workers, colo3: 3 workers)" in err
+    assert "Pass at least 3 GPU ids, e.g. --gpus 0,1,2" in err
+    assert not out.exists()  # no summary, no logs: refused up front
+
+
+def test_enough_gpus_run_2p1d_and_a_default_report_still_defers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = []
+
+    def record(plan, options) -> PlanOutcome:
+        planned.extend(plan)
+        assert options.spec.gpus == ("0", "1", "2", "3")
+        return PlanOutcome([], [])
+
+    monkeypatch.setattr(disagg_report, "run_plan", record)
+    assert disagg_report.main(["--gpus", "0,1,2,3", "--only", "goodput_2k_2p1d",
+                               "--results-dir", str(tmp_path), "--model", str(tmp_path)]) == 0
+    assert [p.topology for p in planned] == [PD2P1D, COLO3]
+    # Not named (the default report) or partly fitting: the big topologies wait, as before.
+    refusal, short = disagg_report.gpu_shortfall(GPU_SCALE, EXPERIMENTS, False, 0, ("0",))
+    assert refusal is None and [p.topology.name for p in short] == [
+        "pd", "pd_handoff", "pd_nocache", "colo2"]
+    refusal, short = disagg_report.gpu_shortfall(GPU_SCALE, ("prefix_cache",), True, 0, ("0",))
+    assert refusal is None and [p.topology.name for p in short] == ["pd", "pd_nocache"]
+    assert disagg_report.gpu_shortfall(GPU_SCALE, ("goodput_2k_2p1d",), True, 0, ()) == (None, [])
+
+
+def _twin_sweeps(runs: dict[str, dict[float, tuple[float, float]]], **extra: object) -> dict:
+    """Synthetic results: {experiment__topology: {rate: (goodput, attainment)}}."""
+    return {f"{prefix}__r{rate:g}": _result(prefix, rate, request_goodput=good,
+                                            slo_attainment=attained, seed=200 + index,
+                                            **extra)
+            for prefix, points in runs.items()
+            for index, (rate, (good, attained)) in enumerate(sorted(points.items()))}
+
+
+_THREE_GPU = {"goodput_2k_2p1d__pd2p1d": {4: (4.0, 1.0), 8: (7.8, 1.0), 12: (9.0, 0.8)},
+              "goodput_2k_2p1d__colo3": {4: (4.0, 1.0), 8: (6.0, 0.7), 12: (5.0, 0.4)}}
+_TWO_GPU = {"goodput_2k__pd": {4: (3.9, 1.0), 8: (5.0, 0.6), 12: (4.0, 0.3), 16: (3.0, 0.1)},
+            "goodput_2k__colo2": {4: (4.0, 1.0), 8: (4.5, 0.5), 12: (4.0, 0.3)}}
+
+
+def test_summary_sets_2p1d_beside_three_replicas_and_per_gpu_beside_goodput_2k() -> None:
+    markdown, figures = build_summary(_twin_sweeps({**_THREE_GPU, **_TWO_GPU}), ["# report"])
+    section = figures["goodput_2k_2p1d"]
+    assert section["pd2p1d"] == {"max_goodput": 9.0, "rate_at_90pct_slo": 8.0,
+                                 "peak_at_top_rate": False}
+    assert section["colo3"]["max_goodput"] == 6.0
+    assert section["goodput_ratio"] == pytest.approx(1.5)
+    assert section["goodput_ratio_bound"] is None and section["points_compared"] == 3
+    assert "## Goodput on three GPUs: 2P1D vs three colocated replicas" in markdown
+    assert ("| rate | 2P1D goodput | attain. | p99 TTFT | p99 TPOT | 3x colocated goodput |"
+            in markdown)
+    assert "| 8 | 7.80 | 1.00 | 1.0 | 1.0 | 6.00 | 0.70 | 1.0 | 1.0 |" in markdown
+    assert "Max goodput: 2P1D 9.00 req/s, 3x colocated 6.00 req/s, ratio **1.50x**." in markdown
+    per_gpu = section["per_gpu"]
+    # Over the rates all four ran (4, 8, 12: not 1P1D's 16).
+    assert {k: per_gpu[k]["per_gpu"] for k in ("pd2p1d", "colo3", "pd", "colo2")} == \
+        pytest.approx({"pd2p1d": 3.0, "colo3": 2.0, "pd": 2.5, "colo2": 2.25})
+    assert per_gpu["pd2p1d"]["gpus"] == 3 and per_gpu["pd"]["gpus"] == 2
+    assert per_gpu["pd2p1d_per_gpu_over_pd"]["ratio"] == pytest.approx(1.2)
+    assert ("Max goodput per GPU (req/s per GPU, over the 3 rates all 4 sweeps ran; 1P1D and 2x colocated: "
+            "goodput_2k's runs): 2P1D "
+            "9.00/3 = **3.00**, 3x colocated 6.00/3 = **2.00**, 1P1D 5.00/2 = **2.50**, 2x "
+            "colocated 4.50/2 = **2.25**. Per GPU, 2P1D gets **1.20x** 1P1D's." in markdown)
+    assert figures["goodput_2k"]["pd"]["max_goodput"] == 5.0  # its own section unchanged
+
+
+def test_2p1d_summary_without_goodput_2k_and_with_bounds() -> None:
+    """Without goodput_2k's runs the per-GPU line has the 2P1D pair only and says how to add
+    the rest; a sweep still within its SLOs at the top rate gets the upper-bound notes."""
+    unsaturated = {**_THREE_GPU, "goodput_2k_2p1d__colo3": {4: (4.0, 1.0), 8: (7.9, 0.95),
+                                                            12: (11.5, 0.92)}}
+    markdown, figures = build_summary(_twin_sweeps(unsaturated), ["# report"])
+    section = figures["goodput_2k_2p1d"]
+    assert section["goodput_ratio"] == pytest.approx(9.0 / 11.5)
+    assert section["goodput_ratio_bound"] == "upper bound"
+    assert ("ratio **0.78x** (upper bound: 3x colocated still met 90% of the SLOs at the "
+            "sweep's top rate" in markdown)
+    per_gpu = section["per_gpu"]
+    assert set(per_gpu) == {"pd2p1d", "colo3"}
+    assert "3x colocated 11.50/3 = >= **3.83**" in markdown
+    assert "goodput_2k has no runs here: run `--only goodput_2k`" in markdown
+    assert "goodput_2k" not in figures and "Per GPU, 2P1D gets" not in markdown
+
+
+def test_2p1d_per_gpu_only_against_goodput_2k_from_the_same_devices_and_prompts() -> None:
+    results = _twin_sweeps(_THREE_GPU, provenance=_where(H200, H200, H200, H200))
+    other = _twin_sweeps(_TWO_GPU, provenance=_where(H100, H100))
+    markdown, figures = build_summary({**results, **other}, ["# report"])
+    assert set(figures["goodput_2k_2p1d"]["per_gpu"]) == {"pd2p1d", "colo3"}
+    assert "goodput_2k's runs were made on other GPU models" in markdown
+    shifted = _twin_sweeps(_TWO_GPU)
+    shifted["goodput_2k__pd__r8"]["seed"] = 7  # another --seed: other prompts at 8 req/s
+    markdown, figures = build_summary({**_twin_sweeps(_THREE_GPU), **shifted}, ["# report"])
+    assert "pd" in figures["goodput_2k_2p1d"]["per_gpu"]
+    assert "Some sweeps sent other prompts at a rate than the others" in markdown
+    markdown, _ = build_summary({**_twin_sweeps(_THREE_GPU), **_twin_sweeps(_TWO_GPU)},
+                                ["# report"])
+    assert "other prompts" not in markdown
+
+
+def test_2p1d_summary_scores_by_tpot_slo() -> None:
+    results = {
+        "goodput_2k_2p1d__pd2p1d__r4": _scored_run("2P1D", 4, [0.3] * 10, [0.012] * 10),
+        "goodput_2k_2p1d__colo3__r4": _scored_run("3x", 4, [0.2] * 10, [0.030] * 10),
+    }
+    markdown, figures = build_summary(results, ["# report"], {"ttft": 1000.0, "tpot": 15.0})
+    by_tpot = figures["goodput_2k_2p1d"]["by_tpot_slo"]
+    assert by_tpot["15"] == {"pd2p1d": pytest.approx(1.0), "colo3": 0.0, "ratio": None,
+                             "ratio_bound": None}
+    assert by_tpot["40"]["ratio"] == pytest.approx(1.0)
+    assert "| TPOT SLO ms | 2P1D | 3x colocated | ratio |" in markdown

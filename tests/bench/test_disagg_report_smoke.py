@@ -1,8 +1,8 @@
 """The report end to end on CPU (``--smoke``): a real cluster, real benchmark runs, summary.
 
-Only the proxy-overhead experiment (one colocated worker and the proxy, ~15 s): the other
-experiments share its launch, run and summary code, and their plans are checked without
-processes in test_disagg_report.py.
+A few experiments (proxy_overhead: one colocated worker and the proxy, ~15 s; the others
+up to ~35 s on two cores): the rest share their launch, run and summary code, and their
+plans are checked without processes in test_disagg_report.py.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks import disagg_report
 from benchmarks.disagg.cluster import Cluster, ClusterSpec
-from benchmarks.disagg.plan import PD
+from benchmarks.disagg.plan import PD, SMOKE_SCALE
 from engine_core.demo_model import demo_model_path
 from tests.integration.cluster_harness import children_of
 
@@ -117,3 +119,47 @@ def test_report_smoke_prefix_affinity(tmp_path: Path) -> None:
         proxy_log = (tmp_path / "logs" / topology / "proxy.log").read_text()
         assert f"routing {routing})" in proxy_log
     assert "## Prefix-affinity routing" in (tmp_path / "summary.md").read_text()
+
+
+def test_report_smoke_goodput_2k_2p1d(tmp_path: Path) -> None:
+    """The extra 2P1D experiment on CPU: 2P1D (the proxy's prefills round robin over both P
+    workers) and three colocated replicas at goodput_2k's smoke points, every request served
+    and no worker lost; then goodput_2k's runs set beside it by a rebuilt summary. The KV
+    caches are small: allocating the CPU default (1 GiB) three times at once dominates
+    startup on two cores."""
+    rc = disagg_report.main(["--smoke", "--only", "goodput_2k_2p1d", "--results-dir",
+                             str(tmp_path), "--disable-tqdm",
+                             "--engine-args=--kv-cache-memory-bytes 8388608"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    raw = tmp_path / "raw"
+    for topology, roles in (("pd2p1d", ["D", "P", "P"]),
+                            ("colo3", ["colocated", "colocated", "colocated"])):
+        for rate in SMOKE_SCALE.sweep_2k.rates:
+            run = json.loads((raw / f"goodput_2k_2p1d__{topology}__r{rate:g}.json").read_text())
+            assert run["completed"] == run["num_prompts"] and run["failed"] == 0
+            assert run["topology"] == topology
+            workers = run["scraped"]["workers"]
+            assert sorted(w["role"] for w in workers) == roles
+            assert all(w["requests_finished"] > 0 for w in workers)  # round robin: all used
+            assert set(run["scraped"]["proxy"]["routes"]) == {
+                "pd" if topology == "pd2p1d" else "colocated"}
+    section = summary["figures"]["goodput_2k_2p1d"]
+    assert section["points_compared"] == len(SMOKE_SCALE.sweep_2k.rates)
+    assert section["goodput_ratio"] is not None and set(section["per_gpu"]) == {"pd2p1d",
+                                                                                 "colo3"}
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "## Goodput on three GPUs: 2P1D vs three colocated replicas" in markdown
+    # goodput_2k's runs (here the same runs under its names: same prompts, same machine).
+    for ours, theirs in (("pd2p1d", "pd"), ("colo3", "colo2")):
+        for path in raw.glob(f"goodput_2k_2p1d__{ours}__r*.json"):
+            (raw / path.name.replace(f"goodput_2k_2p1d__{ours}", f"goodput_2k__{theirs}")
+             ).write_bytes(path.read_bytes())
+    assert disagg_report.main(["--smoke", "--summary-only", "--results-dir",
+                               str(tmp_path)]) == 0
+    per_gpu = json.loads((tmp_path / "summary.json").read_text())["figures"][
+        "goodput_2k_2p1d"]["per_gpu"]
+    assert per_gpu["pd"]["per_gpu"] == pytest.approx(per_gpu["pd2p1d"]["per_gpu"] * 3 / 2)
+    assert per_gpu["pd2p1d_per_gpu_over_pd"]["ratio"] == pytest.approx(2 / 3)
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "over the 2 rates all 4 sweeps ran" in markdown and "other prompts" not in markdown

@@ -54,6 +54,11 @@ class KVCacheManager:
         self._req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Per request: how many of its leading blocks are registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Blocks registered by this pass's allocations: their KV is written by the step
+        # this pass schedules, so no request admitted in the same pass may hit them. (The
+        # batch-1-style decode kernel writes a new token's K/V and attends in one launch:
+        # a hit on a block another program of that launch is still writing would race it.)
+        self._registered_this_pass: set[int] = set()
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
 
@@ -87,7 +92,8 @@ class KVCacheManager:
         """Longest cached run of full blocks from the start, leaving >= 1 token to compute.
 
         The last token is always computed because its logits are needed to sample. The
-        blocks are not touched here; ``allocate_slots`` takes them.
+        blocks are not touched here; ``allocate_slots`` takes them. A block registered in
+        this pass ends the run: its KV is computed by the step being scheduled.
         """
         if not self.enable_caching:
             return [], 0
@@ -96,7 +102,7 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            if block is None or block.block_id in self._registered_this_pass:
                 break
             hits.append(block)
         if self.host_tier is not None and len(hits) < max_blocks:
@@ -147,8 +153,10 @@ class KVCacheManager:
         # Caching stays a contiguous prefix: with an external range pending, stop at it;
         # blocks past it are registered once the load lands (cache_blocks or a later call
         # whose num_computed_tokens includes the loaded tokens).
-        cache_end = local_end if num_external_tokens else local_end + num_new_tokens
-        self._cache_up_to(request, cache_end)
+        if num_external_tokens:
+            self._cache_up_to(request, local_end)
+        else:
+            self._cache_up_to(request, local_end + num_new_tokens, written_from=local_end)
         if admitting and self.enable_caching:
             # num_tokens == num_prompt_tokens for a fresh request; a resumed (preempted)
             # request may also hit on its own earlier output, so count what was looked up.
@@ -173,9 +181,12 @@ class KVCacheManager:
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._req_to_blocks.get(request_id, ()))
 
-    def take_host_copies(self) -> HostCopies | None:
-        """The copies the pass since the last call planned (None without KV offload); the
-        slots its lookups served are free to reuse from the next pass on."""
+    def end_pass(self) -> HostCopies | None:
+        """The scheduling pass is over: its registered blocks may be hit from the next pass
+        on (that step runs after this one's on the device). Returns the host copies the
+        pass planned (None without KV offload); the slots its lookups served are free to
+        reuse from the next pass on."""
+        self._registered_this_pass.clear()
         if self.host_tier is None:
             return None
         copies, self._copies = self._copies, HostCopies()
@@ -191,6 +202,7 @@ class KVCacheManager:
             self.host_tier.clear()
         # Nothing is owned, so no per-request cache pointer can outlive the reset.
         self._num_cached_blocks.clear()
+        self._registered_this_pass.clear()
         return True
 
     def check_integrity(self) -> None:
@@ -261,8 +273,10 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id}: prefix-hit block "
                                  f"{block.block_id} was evicted after get_computed_blocks")
 
-    def _cache_up_to(self, request: Request, num_tokens: int) -> None:
-        """Register the request's full blocks covering tokens [0, num_tokens)."""
+    def _cache_up_to(self, request: Request, num_tokens: int,
+                     written_from: int | None = None) -> None:
+        """Register the request's full blocks covering tokens [0, num_tokens); those holding
+        a token at or past ``written_from`` are computed by the step this pass schedules."""
         if not self.enable_caching:
             return
         blocks = self._req_to_blocks.get(request.request_id)
@@ -273,5 +287,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], request.block_hashes[index])
+            if written_from is not None and (index + 1) * self.block_size > written_from:
+                self._registered_this_pass.add(blocks[index].block_id)
         if num_full > start:
             self._num_cached_blocks[request.request_id] = num_full

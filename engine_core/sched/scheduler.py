@@ -91,7 +91,6 @@ class Scheduler:
         """Queue a request; one continuing after output tokens sampled elsewhere finishes
         at once when its last such token ends it (a stop token, max_tokens)."""
         self.requests[request.request_id] = request
-        self.counters.prompt_tokens += request.num_prompt_tokens
         if request.num_output_tokens:
             status = self._check_stop(request, request.token_ids[-1])
             if status is not None:
@@ -228,7 +227,7 @@ class Scheduler:
             scheduled_requests=scheduled,
         )
         self._forget = set()
-        output.host_copies = self.kv.take_host_copies()
+        output.host_copies = self.kv.end_pass()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._advance_scheduled(output)
         return output
@@ -341,7 +340,10 @@ class Scheduler:
                     break
             first = request.first_token_time is None
             if first:
+                # vLLM's prompt_tokens: counted at a request's first token, so a request
+                # aborted or failed before it (a disconnect in the queue) adds nothing.
                 request.first_token_time = now
+                self.counters.prompt_tokens += request.num_prompt_tokens
                 iteration_tokens += request.num_prompt_tokens
             iteration_tokens += len(new_tokens)
             token_logprobs = None

@@ -26,11 +26,13 @@ def make_request(token_ids: list[int], request_id: str) -> Request:
 
 
 def prefill(manager: KVCacheManager, request: Request) -> list[int] | None:
-    """Look up the prefix cache and allocate the whole rest of the prompt in one go."""
+    """Look up the prefix cache and allocate the whole rest of the prompt in one go, as one
+    scheduling pass (``end_pass``: the blocks it registered may be hit from the next)."""
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     new_ids = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     if new_ids is not None:
         request.num_computed_tokens = request.num_tokens
+    manager.end_pass()
     return new_ids
 
 
@@ -273,13 +275,19 @@ def test_randomized_stress(seed: int) -> None:
     live: dict[str, Request] = {}
     pending_external: dict[str, int] = {}
     counter = 0
+    computed_this_pass: set[int] = set()  # blocks the step of the current pass writes
 
-    def write(request: Request, start: int, end: int) -> None:
+    def write(request: Request, start: int, end: int, computed: bool = True) -> None:
         blocks = manager.get_block_ids(request.request_id)
         for pos in range(start, end):
             content[blocks[pos // BLOCK]][pos % BLOCK] = request.token_ids[pos]
+            if computed:
+                computed_this_pass.add(blocks[pos // BLOCK])
 
     for op in range(3000):
+        if rng.random() < 0.3:
+            manager.end_pass()
+            computed_this_pass.clear()
         roll = rng.random()
         if roll < 0.25 and len(live) < 10:
             counter += 1
@@ -289,6 +297,7 @@ def test_randomized_stress(seed: int) -> None:
             hits, num_hit = manager.get_computed_blocks(request)
             for index, block in enumerate(hits):
                 assert content[block.block_id] == tokens[index * BLOCK:(index + 1) * BLOCK]
+                assert block.block_id not in computed_this_pass
             remaining = len(tokens) - num_hit
             if remaining > 1 and rng.random() < 0.25:
                 external = rng.randrange(1, remaining)
@@ -309,7 +318,7 @@ def test_randomized_stress(seed: int) -> None:
             external = pending_external.pop(request.request_id, None)
             if external is not None:  # the remote load lands
                 start = request.num_computed_tokens
-                write(request, start, start + external)
+                write(request, start, start + external, computed=False)
                 request.num_computed_tokens += external
                 manager.cache_blocks(request, request.num_computed_tokens)
                 continue
@@ -361,4 +370,41 @@ def test_prefix_counters_count_a_retried_admission_once() -> None:
     assert manager.allocate_slots(second, 20 - num_hit, hits) is not None
     assert manager.prefix_cache_queries == queries + 20
     assert manager.prefix_cache_hits == hits_before + num_hit
+    manager.check_integrity()
+
+
+def test_blocks_registered_in_a_pass_are_not_hit_in_the_same_pass() -> None:
+    """Their KV is written by the step this pass schedules: a request admitted in the same
+    pass must compute them itself (the fused decode kernel would read them while another
+    program of its launch writes them). From the next pass on they are hits."""
+    manager = make_manager(16)
+    prompt = list(range(9))
+    first = make_request(prompt, "a")
+    hits, _ = manager.get_computed_blocks(first)
+    assert manager.allocate_slots(first, 9, hits) is not None
+    first.num_computed_tokens = 9
+    same_pass = make_request(prompt + [99], "b")
+    assert manager.get_computed_blocks(same_pass) == ([], 0)
+    manager.end_pass()
+    next_pass = make_request(prompt + [98], "c")
+    hits, num_tokens = manager.get_computed_blocks(next_pass)
+    assert [b.block_id for b in hits] == manager.get_block_ids("a")[:2] and num_tokens == 8
+
+
+def test_a_same_pass_run_ends_at_the_first_new_block() -> None:
+    """Blocks cached by an earlier pass still hit; the run stops at the first block this
+    pass registered."""
+    manager = make_manager(16)
+    head = make_request(list(range(4)) + [50], "head")
+    prefill(manager, head)  # its own pass: block 0 (tokens 0-3) cached
+    longer = make_request(list(range(13)), "longer")
+    hits, num_hit = manager.get_computed_blocks(longer)
+    assert num_hit == 4
+    assert manager.allocate_slots(longer, 13 - num_hit, hits) is not None  # blocks 1, 2 now
+    longer.num_computed_tokens = 13
+    follower = make_request(list(range(13)) + [7], "follower")
+    hits, num_hit = manager.get_computed_blocks(follower)
+    assert [b.block_id for b in hits] == manager.get_block_ids("head")[:1] and num_hit == 4
+    manager.end_pass()
+    assert manager.get_computed_blocks(follower)[1] == 12
     manager.check_integrity()

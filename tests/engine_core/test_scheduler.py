@@ -291,3 +291,56 @@ def test_a_landed_load_passes_a_head_that_found_no_blocks():
     assert {rid: len(t) for rid, t in _tokens_by_request(outputs).items()} == {
         "remote": 2, "local": 13}
     assert_all_free(scheduler)
+
+
+def test_a_prompt_block_finished_this_step_is_not_hit_by_a_request_admitted_with_it() -> None:
+    """A's last prompt token fills its second block in the same step that admits B (A's
+    prompt plus one token): B must not take that block as a prefix hit, since its KV is
+    written by this very step (a decode-only step writes each new token's K/V inside the
+    attention launch, so B's program could read the slot before A's wrote it). B hits
+    only the block computed in an earlier step; the step after, the whole run hits."""
+    scheduler, runner = make_scheduler(budget=7), FakeRunner()
+    a = make_request("A", 8, max_tokens=2)
+    scheduler.add_request(a)
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"A": 7}
+    scheduler.update_from_output(first, runner.execute(first))
+    b = Request("B", list(range(10, 19)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                        ignore_eos=True))
+    scheduler.add_request(b)
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"A": 1, "B": 5}
+    (new_b,) = second.scheduled_new_reqs
+    assert new_b.num_computed_tokens == BLOCK  # block 0 only: block 1 is being written
+    scheduler.update_from_output(second, runner.execute(second))
+    c = Request("C", list(range(10, 18)) + [99], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                ignore_eos=True))
+    scheduler.add_request(c)
+    third = scheduler.schedule()
+    (new_c,) = third.scheduled_new_reqs
+    assert new_c.num_computed_tokens == 2 * BLOCK
+    scheduler.update_from_output(third, runner.execute(third))
+    run_until_idle(scheduler, runner)
+    assert_all_free(scheduler)
+
+
+def test_prompt_tokens_are_counted_at_the_first_token_as_vllm_does() -> None:
+    """``vllm:prompt_tokens`` counts prefills done: a prompt aborted in the queue, or before
+    its first token, adds nothing; one whose prefill spans steps counts once, at its end."""
+    scheduler, runner = make_scheduler(budget=6), FakeRunner()
+    scheduler.add_request(make_request("queued", 30))
+    scheduler.abort_requests(["queued"])
+    scheduler.add_request(make_request("chunked", 10, start=200))
+    scheduler.add_request(make_request("aborted_mid_prefill", 20, start=400))
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"chunked": 6}
+    scheduler.update_from_output(out, runner.execute(out))
+    assert scheduler.counters.prompt_tokens == 0  # no prefill has ended yet
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"chunked": 4, "aborted_mid_prefill": 2}
+    scheduler.update_from_output(out, runner.execute(out))
+    assert scheduler.counters.prompt_tokens == 10
+    scheduler.abort_requests(["aborted_mid_prefill"])
+    run_until_idle(scheduler, runner)
+    assert scheduler.counters.prompt_tokens == 10
+    assert_all_free(scheduler)

@@ -170,6 +170,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # The last step scheduled nothing, returned nothing and left nothing in flight: the
+        # queue's head waits for blocks that only a transfer (or an abort) frees.
+        self.stalled = False
         self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
         self._sleep_level = 0  # 0 awake; else until both weights and KV cache are back
         self._kv_asleep = False
@@ -317,9 +320,11 @@ class EngineCore:
         for token_id in msg.generated_token_ids:
             request.append_token(token_id)
         self.scheduler.add_request(request)
+        self.stalled = False  # the next step may admit it
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self.stalled = False  # freed blocks may let the queue's head in
 
     def has_work(self) -> bool:
         """True while any request is queued, running, awaiting remote KV or being sent, or
@@ -365,6 +370,8 @@ class EngineCore:
         self.step_watch.observe(time.perf_counter() - started,
                                 scheduler_output.total_num_scheduled_tokens,
                                 len(scheduler_output.num_scheduled_tokens))
+        self.stalled = not (scheduler_output.total_num_scheduled_tokens or outputs
+                            or self._in_flight is not None)
         return outputs
 
     def _land_loads(self) -> list[EngineOutput]:

@@ -211,14 +211,7 @@ class EngineCoreProc:
     def run(self) -> None:
         """Serve until stopped, the parent dies, or a step raises (fatal)."""
         while self.running:
-            busy = self._engine.has_work()
-            if not busy:
-                timeout_ms = _IDLE_POLL_MS
-            elif self._engine.has_runnable():
-                timeout_ms = 0
-            else:
-                timeout_ms = _TRANSFER_POLL_MS
-            self._drain_inputs(timeout_ms)
+            self._drain_inputs(poll_timeout_ms(self._engine))
             if not self._parent_alive():
                 logger.warning("parent process is gone; engine core exits")
                 return
@@ -245,6 +238,19 @@ class EngineCoreProc:
                 self._was_busy = False
                 self._last_stats_time = time.monotonic()
                 self._send(EngineOutputs(outputs=[], stats=self._stats()))
+
+
+def poll_timeout_ms(engine: EngineCore) -> int:
+    """How long the loop may wait for input before its next step: not at all while a step
+    would compute; ``_TRANSFER_POLL_MS`` while only transfers are pending, or while the
+    last step could schedule nothing (the queue's head waits for blocks that parked or
+    held requests keep until their transfers end: spinning there would keep the GIL from
+    the very connector threads that free them); ``_IDLE_POLL_MS`` with no work."""
+    if not engine.has_work():
+        return _IDLE_POLL_MS
+    if engine.has_runnable() and not engine.stalled:
+        return 0
+    return _TRANSFER_POLL_MS
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

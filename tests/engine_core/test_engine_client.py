@@ -30,6 +30,7 @@ class FakeEngine:
     max_model_len = 32
     eos_token_ids = (0,)
     vocab_size = 100
+    stalled = False  # every step it has work for computes
 
     def __init__(self, config: EngineConfig) -> None:
         self.requests: dict[str, list[int]] = {}  # id -> [generated, max_tokens, prompt_len]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from engine_core.config import (
     ATTENTION_BACKENDS,
@@ -19,6 +21,7 @@ from engine_core.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from engine_core.errors import ConfigError
 
 
 def positive_seconds(text: str) -> float:
@@ -42,6 +45,20 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def json_object(text: str | None, flag: str) -> dict[str, Any]:
+    """A flag's JSON object text as a dict (absent: empty). Kept as text in argparse, so a
+    launcher passes the user's own JSON on to its workers."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object")
     return value
 
 
@@ -115,6 +132,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM compatibility; only built-in models run")
+    group.add_argument("--generation-config", default="auto",
+                       help='where sampling defaults for requests that omit them come from: '
+                            '"auto" the model folder\'s generation_config.json, "vllm" none, '
+                            "or a folder holding one (its eos ids stop requests in every mode)")
+    group.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help='sampling defaults set over the generation config\'s, e.g. '
+                            '\'{"temperature": 0.5}\' (keys: temperature, top_p, top_k, '
+                            "min_p, repetition_penalty)")
     group.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow POST /sleep?level=1|2 and /wake_up (admin endpoints): free "
                             "the weights (level 1 keeps a host copy) and the KV cache while idle")
@@ -131,7 +156,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_model_len=args.max_model_len, served_model_name=served,
                           tokenizer=args.tokenizer, seed=args.seed,
                           trust_remote_code=args.trust_remote_code,
-                          enable_sleep_mode=args.enable_sleep_mode),
+                          enable_sleep_mode=args.enable_sleep_mode,
+                          generation_config=args.generation_config,
+                          override_generation_config=json_object(
+                              args.override_generation_config, "--override-generation-config")),
         cache=CacheConfig(block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -20,6 +20,9 @@ SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 ATTENTION_BACKENDS = ("auto", "triton", "torch_ref")
+# The generation-config keys applied as request defaults (vLLM's, less max_new_tokens: a cap
+# on every request's max_tokens that needs the prompt's length to apply as vLLM does).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # vLLM's cudagraph_mode values we support (lower case): graphs of every step kind, or of
 # decode-only steps.
 CUDA_GRAPH_MODES = ("full", "full_decode_only")
@@ -43,8 +46,22 @@ class ModelConfig:
     # Allow sleep(level) / wake_up(): free the GPU's weights and KV cache while idle (as
     # vLLM's --enable-sleep-mode; engine_core/worker/sleep.py).
     enable_sleep_mode: bool = False
+    # vLLM's --generation-config: where generation_config.json's sampling defaults come from
+    # ("auto": the model's folder; "vllm": none; else a folder). Its eos ids stop requests
+    # in every mode (models/generation_config.py).
+    generation_config: str = "auto"
+    # vLLM's --override-generation-config: sampling defaults set over the loaded ones.
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.generation_config:
+            raise ConfigError('--generation-config must be "auto", "vllm" or a folder')
+        if not isinstance(self.override_generation_config, dict):
+            raise ConfigError("--override-generation-config must be a JSON object")
+        unknown = sorted(set(self.override_generation_config) - set(GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise ConfigError(f"--override-generation-config: unsupported keys {unknown}; "
+                              f"supported: {list(GENERATION_CONFIG_KEYS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -11,6 +11,7 @@ from typing import Any
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.messages import AddRequest
+from engine_core.models.generation_config import load_generation_defaults
 from engine_core.output_processor import LogprobEntry, OutputProcessor
 from engine_core.sampling_params import SamplingParams
 
@@ -55,16 +56,24 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = EngineCore(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
+        self.generation = load_generation_defaults(self.config.model,
+                                                   self.tokenizer.eos_token_id)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the params of ``generate`` calls that give none, with the generation
+        config's sampling defaults (``generation_config``, ``override_generation_config``)."""
+        return self.generation.default_params()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion together; results in input order."""
+        """Run every prompt to completion together; results in input order. Each request
+        also stops at the generation config's eos ids unless it sets ``ignore_eos``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -72,7 +81,8 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, given in zip(prompts, sampling_params):
+            params = self.generation.stopping(given)
             request_id = f"offline-{next(self._ids)}"
             token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
                          else list(prompt))

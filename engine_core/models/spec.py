@@ -58,8 +58,6 @@ class ModelSpec:
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
                 architecture=arch,
                 vocab_size=int(config["vocab_size"]),
@@ -79,7 +77,7 @@ class ModelSpec:
                                 or bool(config.get("attention_bias", False))),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 torch_dtype=config.get("torch_dtype") or config.get("dtype"),
-                eos_token_ids=eos_ids,
+                eos_token_ids=token_ids(config.get("eos_token_id")),
                 bos_token_id=config.get("bos_token_id"),
                 mlp_bias=bool(config.get("mlp_bias", False)),
             )
@@ -89,6 +87,13 @@ class ModelSpec:
     def kv_bytes_per_token(self, element_size: int) -> int:
         """KV cache bytes one token occupies across all layers."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
+
+
+def token_ids(value: Any) -> tuple[int, ...]:
+    """An HF ``eos_token_id`` (one id, a list of them, or absent) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(int(t) for t in value) if isinstance(value, list) else (int(value),)
 
 
 def _rope_theta(config: dict[str, Any]) -> float:

@@ -1,17 +1,22 @@
 """OpenAI request bodies: type-checked once, turned into plain dataclasses and SamplingParams.
 
-Every problem raises ``InvalidRequestError`` naming the offending parameter; unknown fields
-are refused rather than silently ignored, so typos and unsupported features are visible.
+Every problem raises ``InvalidRequestError`` naming the offending parameter. As in vLLM,
+fields no vLLM request has are ignored with one warning line; vLLM's fields this server
+cannot honour are refused unless they ask for nothing, so a feature is never silently lost.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.errors import InvalidRequestError
+from engine_core.models.generation_config import GenerationDefaults
 from engine_core.sampling_params import SamplingParams
+
+logger = logging.getLogger("pdserve.server")
 
 MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -22,14 +27,40 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "repetition_penalty": (int, float), "ignore_eos": (bool,), "min_tokens": (int,),
     "skip_special_tokens": (bool,), "include_stop_str_in_output": (bool,), "n": (int,),
 }
+# Fields honoured (checked where they are parsed).
 _COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens",
-                  "allowed_token_ids", "truncate_prompt_tokens",
-                  "kv_transfer_params", "user", "best_of", "logit_bias", "response_format",
-                  *_SAMPLING_FIELDS}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
+                  "allowed_token_ids", "truncate_prompt_tokens", "kv_transfer_params",
+                  "logit_bias", "add_special_tokens", "user", *_SAMPLING_FIELDS}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                                 "add_generation_prompt", "tools", "tool_choice",
-                                 "parallel_tool_calls"}
+                                 "add_generation_prompt", "continue_final_message",
+                                 "chat_template_kwargs", "documents", "parallel_tool_calls",
+                                 "include_reasoning"}
+# Honoured fields with no effect here, as in vLLM: type-checked only (user: the client's
+# end-user id; parallel_tool_calls without tools; include_reasoning without a reasoning
+# parser).
+_NO_EFFECT_FIELDS: dict[str, tuple[type, ...]] = {
+    "user": (str,), "parallel_tool_calls": (bool,), "include_reasoning": (bool,)}
+# vLLM's fields this server cannot honour -> the values that ask for nothing (null always
+# does): any other value is a 400 naming the field.
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "response_format": ({"type": "text"},), "prompt_logprobs": (),
+    "use_beam_search": (False,), "length_penalty": (1.0,), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structured_outputs": (), "logits_processors": (),
+    "bad_words": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "cache_salt": (), "vllm_xargs": (), "priority": (0,), "spaces_between_special_tokens": (True,),
+    "request_id": (),  # the X-Request-Id header names requests here
+}
+_UNSUPPORTED_COMPLETION = _UNSUPPORTED_COMMON | {"suffix": ("",), "prompt_embeds": ()}
+_UNSUPPORTED_CHAT = _UNSUPPORTED_COMMON | {
+    "tools": ([],), "tool_choice": ("none",), "echo": (False,), "chat_template": (),
+    "mm_processor_kwargs": ({},), "reasoning_effort": ()}
+_UNSUPPORTED_TOKENIZE = {"continue_final_message": (False,), "chat_template": (),
+                         "chat_template_kwargs": ({},), "tools": ([],), "documents": ([],),
+                         "mm_processor_kwargs": ({},), "return_token_strs": (False,)}
+MAX_IGNORED_NAMES_LOGGED = 10
+NO_DEFAULTS = GenerationDefaults()
 
 Prompt = str | list[int]
 MAX_PARAMS_DEPTH = 8  # kv_transfer_params nesting (the proxy's are two deep)
@@ -68,7 +99,19 @@ class CompletionRequest:
     handoff: Handoff
     echo: bool = False  # each choice's text starts with its prompt
     continuous_usage: bool = False  # usage so far on every chunk of a stream
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    truncate_prompt_tokens: int | None = None  # the prompt's last N tokens (-1: the context)
+    add_special_tokens: bool = True  # a text prompt's BOS (the tokenizer's special tokens)
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a chat request's messages become its prompt, besides ``add_generation_prompt``
+    (vLLM's fields of these names)."""
+
+    continue_final_message: bool = False  # the last (assistant) message left open
+    add_special_tokens: bool = False  # the template writes them itself
+    documents: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables
 
 
 @dataclass
@@ -84,14 +127,16 @@ class ChatCompletionRequest:
     kv_transfer_params: dict[str, Any] | None
     handoff: Handoff
     continuous_usage: bool = False  # usage so far on every chunk of a stream
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
+    truncate_prompt_tokens: int | None = None  # the prompt's last N tokens (-1: the context)
+    template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
 
 
 def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
-    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last N tokens (N >= 1)."""
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last N tokens (N >= 1), or -1 for
+    the model's context length (the tokenizer service checks N against that length)."""
     value = _typed(body, "truncate_prompt_tokens", (int,), None)
-    if value is not None and (isinstance(value, bool) or value < 1):
-        raise InvalidRequestError("truncate_prompt_tokens must be an integer >= 1",
+    if value is not None and value < 1 and value != -1:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or an integer >= 1",
                                   "truncate_prompt_tokens")
     return value
 
@@ -125,20 +170,31 @@ def _typed(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any
     return value
 
 
-def _check_unsupported(body: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
-    if body.get("best_of") not in (None, 1):
-        raise InvalidRequestError("best_of > 1 is not supported", "best_of")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise InvalidRequestError("only response_format {'type': 'text'} is supported",
-                                  "response_format")
-    if body.get("tools"):
-        raise InvalidRequestError("tools are not supported", "tools")
-    if body.get("suffix"):
-        raise InvalidRequestError("suffix is not supported", "suffix")
+def _check_fields(body: dict[str, Any], honoured: set[str],
+                  unsupported: dict[str, tuple[Any, ...]]) -> None:
+    """vLLM's policy: fields it does not know are ignored with one warning line; here also
+    a 400 for a field this server cannot honour set to anything but a neutral value."""
+    for key, neutral in unsupported.items():
+        value = body.get(key)
+        if value is not None and not any(_same(value, n) for n in neutral):
+            accepted = " or ".join(json.dumps(n) for n in (*neutral, None))
+            raise InvalidRequestError(f"{key} is not supported (only {accepted} is accepted)",
+                                      key)
+    for key, types in _NO_EFFECT_FIELDS.items():
+        if key in honoured:
+            _typed(body, key, types)
+    ignored = body.keys() - honoured - unsupported.keys()
+    if ignored:
+        names = sorted(ignored)
+        more = f" and {len(names) - MAX_IGNORED_NAMES_LOGGED} more" if len(
+            names) > MAX_IGNORED_NAMES_LOGGED else ""
+        logger.warning("The following fields were present in the request but ignored: %s%s",
+                       [n[:64] for n in names[:MAX_IGNORED_NAMES_LOGGED]], more)
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral``, where a boolean is not a number (``priority: true`` is no 0)."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
@@ -212,8 +268,10 @@ def _handoff(params: dict[str, Any] | None) -> Handoff:
     return Handoff(first_events, list(generated))
 
 
-def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
-                     ) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                     defaults: GenerationDefaults) -> SamplingParams:
+    """The request's SamplingParams: its own values over the generation config's defaults,
+    which also adds the model's eos ids to its stop ids unless it sets ignore_eos."""
     kwargs: dict[str, Any] = {key: _typed(body, key, types) for key, types in
                               _SAMPLING_FIELDS.items() if body.get(key) is not None}
     stop = body.get("stop")
@@ -239,7 +297,8 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
             raise InvalidRequestError("allowed_token_ids must be a list of token ids",
                                       "allowed_token_ids")
         kwargs["allowed_token_ids"] = allowed
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                          **defaults.request_kwargs(kwargs))
 
 
 def _check_handoff_n(handoff: Handoff, params: SamplingParams) -> None:
@@ -309,23 +368,26 @@ def _prompts(value: Any) -> list[Prompt]:
 
 
 def _max_tokens(body: dict[str, Any], keys: tuple[str, ...], default: int | None) -> int | None:
+    """The first of ``keys`` set; None (up to the context, as vLLM) when one is an explicit
+    null and none is set; ``default`` when none is present."""
     for key in keys:
         value = _typed(body, key, (int,))
         if value is not None:
             if value < 1:
                 raise InvalidRequestError(f"{key} must be at least 1", key)
             return value
-    return default
+    return None if any(key in body for key in keys) else default
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    """Validate a /v1/completions body."""
-    _check_unsupported(body, _COMPLETION_FIELDS)
+def parse_completion_request(body: dict[str, Any], defaults: GenerationDefaults = NO_DEFAULTS
+                             ) -> CompletionRequest:
+    """Validate a /v1/completions body; ``defaults``: the generation config's."""
+    _check_fields(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMPLETION)
     model = _typed(body, "model", (str,))
     prompts = _prompts(body.get("prompt"))
     stream, include_usage, continuous_usage = stream_options(body)
     logprobs = _check_logprobs(body.get("logprobs"), "logprobs")
-    params = _sampling_params(body, _max_tokens(body, ("max_tokens",), 16), logprobs)
+    params = _sampling_params(body, _max_tokens(body, ("max_tokens",), 16), logprobs, defaults)
     if len(prompts) * params.n > MAX_CHOICES:
         raise InvalidRequestError(f"{len(prompts)} prompts x n={params.n} is more than "
                                   f"{MAX_CHOICES} choices in one request", "prompt")
@@ -341,7 +403,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if echo and (handoff.first_events or handoff.generated_token_ids):
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
-                             echo, continuous_usage, _truncate_prompt_tokens(body))
+                             echo, continuous_usage, _truncate_prompt_tokens(body),
+                             _typed(body, "add_special_tokens", (bool,), True))
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -378,11 +441,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """Validate a /v1/chat/completions body."""
-    _check_unsupported(body, _CHAT_FIELDS)
-    if body.get("tool_choice") not in (None, "none"):
-        raise InvalidRequestError("tool_choice is not supported", "tool_choice")
+def parse_chat_request(body: dict[str, Any], defaults: GenerationDefaults = NO_DEFAULTS
+                       ) -> ChatCompletionRequest:
+    """Validate a /v1/chat/completions body; ``defaults``: the generation config's."""
+    _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_CHAT)
     model = _typed(body, "model", (str,))
     messages = _messages(body.get("messages"))
     stream, include_usage, continuous_usage = stream_options(body)
@@ -392,20 +454,45 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    params = _sampling_params(body, max_tokens, logprobs)
+    params = _sampling_params(body, max_tokens, logprobs, defaults)
     add_generation_prompt = _typed(body, "add_generation_prompt", (bool,), True)
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)
     _check_handoff_n(handoff, params)
     return ChatCompletionRequest(model, messages, params, stream, include_usage,
                                  add_generation_prompt, kv_params, handoff, continuous_usage,
-                                 _truncate_prompt_tokens(body))
+                                 _truncate_prompt_tokens(body),
+                                 _template_options(body, add_generation_prompt))
+
+
+def _template_options(body: dict[str, Any], add_generation_prompt: bool
+                      ) -> ChatTemplateOptions:
+    continue_final = _typed(body, "continue_final_message", (bool,), False)
+    if continue_final and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot "
+                                  "both be true", "continue_final_message")
+    return ChatTemplateOptions(
+        continue_final_message=continue_final,
+        add_special_tokens=_typed(body, "add_special_tokens", (bool,), False),
+        documents=_documents(body.get("documents")),
+        chat_template_kwargs=_typed(body, "chat_template_kwargs", (dict,), {}))
+
+
+def _documents(value: Any) -> list[dict[str, str]] | None:
+    """vLLM's ``documents``: a list of objects of strings, for retrieval templates."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(
+            not isinstance(doc, dict) or any(not isinstance(v, str) for v in doc.values())
+            for doc in value):
+        raise InvalidRequestError("documents must be a list of objects of strings", "documents")
+    return value
 
 
 def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool, bool]:
     """(model, prompt-or-messages, is_chat, add_special_tokens) of a /tokenize body."""
-    _check_unsupported(body, {"model", "prompt", "messages", "add_special_tokens",
-                              "add_generation_prompt"})
+    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens",
+                         "add_generation_prompt"}, _UNSUPPORTED_TOKENIZE)
     model = _typed(body, "model", (str,))
     add_special = _typed(body, "add_special_tokens", (bool,), True)
     if "messages" in body:
@@ -418,7 +505,7 @@ def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool,
 
 def parse_detokenize_request(body: dict[str, Any]) -> tuple[str | None, list[int]]:
     """(model, token ids) of a /detokenize body."""
-    _check_unsupported(body, {"model", "tokens"})
+    _check_fields(body, {"model", "tokens"}, {})
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or any(
             isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):

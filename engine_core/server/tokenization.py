@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine_core.errors import InvalidRequestError
 from engine_core.request_limits import check_context
-from engine_core.server.protocol import Prompt
+from engine_core.server.protocol import ChatTemplateOptions, Prompt
 
 _T = TypeVar("_T")
 
@@ -28,6 +29,16 @@ class TokenizerService:
         # ``call`` runs tokenizer work here: one thread, so it never overlaps itself.
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
                         if own_thread else None)
+        # apply_chat_template's own parameters: chat_template_kwargs may not set them (a
+        # client's tokenize=True or chat_template would change what rendering means).
+        self._template_params = frozenset(
+            name for name, param in inspect.signature(tokenizer.apply_chat_template)
+            .parameters.items() if param.kind is not param.VAR_KEYWORD)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's eos token id (vLLM stops every request at it)."""
+        return getattr(self.tokenizer, "eos_token_id", None)
 
     async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` (this service's encode or decode work) on the tokenizer's thread, so
@@ -59,12 +70,13 @@ class TokenizerService:
         except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate
             raise InvalidRequestError(f"the text cannot be tokenized: {exc}", "prompt") from None
 
-    def encode_prompt(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, truncate: int | None = None,
+                      add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt (its last ``truncate`` ones when given), checked
         against the vocabulary and context."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if truncate is not None:
-            ids = ids[-truncate:]
+        ids = (self.encode(prompt, add_special_tokens) if isinstance(prompt, str)
+               else list(prompt))
+        ids = self._truncated(ids, truncate)
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization", "prompt")
         if max(ids) >= self.vocab_size:
@@ -74,22 +86,40 @@ class TokenizerService:
         return ids
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    truncate: int | None = None) -> list[int]:
+                    truncate: int | None = None, options: ChatTemplateOptions | None = None
+                    ) -> list[int]:
         """Token ids of the chat template applied to ``messages`` (the last ``truncate``
         ones when given)."""
+        options = options or ChatTemplateOptions()
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template; "
                                       "use /v1/completions", "messages")
+        reserved = sorted(self._template_params & options.chat_template_kwargs.keys())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: they are "
+                                      "the request's own fields or not settable",
+                                      "chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                documents=options.documents, **options.chat_template_kwargs)
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from None
-        ids = self.encode(text, add_special_tokens=False)
-        if truncate is not None:
-            ids = ids[-truncate:]
+        ids = self._truncated(self.encode(text, options.add_special_tokens), truncate)
         self.check_length(len(ids))
         return ids
+
+    def _truncated(self, ids: list[int], truncate: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last ``truncate`` ids (-1: the context
+        length); a value beyond the context length is refused, as vLLM does."""
+        if truncate is None:
+            return ids
+        if truncate > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({truncate}) is greater than the model's context "
+                f"length ({self.max_model_len})", "truncate_prompt_tokens")
+        return ids[-(self.max_model_len if truncate == -1 else truncate):]
 
     def check_length(self, num_tokens: int, max_tokens: int | None = None) -> None:
         """Reject prompts that leave no room for output, or output beyond the context or the

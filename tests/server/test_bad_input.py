@@ -41,7 +41,7 @@ CASES = [
     ("logprobs wrong type", C, {"prompt": "hi", "logprobs": "yes"}, 400),
     ("stream wrong type", C, {"prompt": "hi", "stream": "yes"}, 400),
     ("stream_options without stream", C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
-    ("unsupported parameter", C, {"prompt": "hi", "frobnicate": 1}, 400),
+    ("unsupported parameter", C, {"prompt": "hi", "prompt_logprobs": 1}, 400),
     ("best_of", C, {"prompt": "hi", "best_of": 3}, 400),
     ("echo with logprobs", C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400),
     ("echo wrong type", C, {"prompt": "hi", "echo": "yes"}, 400),

@@ -41,7 +41,7 @@ def test_chat_request_fields():
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "foo": 1}, "foo"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),  # unknown fields: ignored
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completion_rejections_name_the_param(body, param):

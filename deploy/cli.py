@@ -31,32 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 DEMO_MODEL_NAME = "pdserve-demo"
-# vLLM's name for the engine startup timeout: the default of --engine-startup-timeout, so a
-# vLLM deployment's setting carries over.
-ENGINE_READY_TIMEOUT_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 
 
 def _resolve(target: str) -> Callable:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _env_seconds(name: str) -> float | None:
-    """``name``'s value as seconds > 0, None when unset or empty. A bad value is an error:
-    ignored, it would leave the user believing in a timeout they do not get."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    from engine_core.arg_utils import positive_seconds
-
-    try:
-        return positive_seconds(raw)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,20 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    _apply_environment(args)
+    from engine_core.server.server_args import apply_environment
+
+    apply_environment(args)
     return int(_resolve(SUBCOMMANDS[args.command][2])(args) or 0)
-
-
-def _apply_environment(args: argparse.Namespace) -> None:
-    """vLLM's environment variables as the server flags they stand for (every subcommand
-    that runs an API server: serve, prefill, decode)."""
-    if hasattr(args, "api_key"):
-        args.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
-    if hasattr(args, "enable_admin_endpoints"):
-        args.enable_admin_endpoints = (args.enable_admin_endpoints
-                                       or _env_flag("VLLM_SERVER_DEV_MODE"))
-    if hasattr(args, "engine_startup_timeout") and args.engine_startup_timeout is None:
-        args.engine_startup_timeout = _env_seconds(ENGINE_READY_TIMEOUT_ENV)  # flag wins
 
 
 if __name__ == "__main__":

@@ -2,17 +2,50 @@
 every server takes the same ones (vLLM's names) and builds its ``ServerOptions`` one way.
 
 Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``,
-``VLLM_ENGINE_READY_TIMEOUT_S``) are folded into these flags by ``deploy/cli.py``, the one
-place that reads the environment.
+``VLLM_ENGINE_READY_TIMEOUT_S``) are folded into these flags by ``apply_environment``, the
+one place that reads them (``pdserve`` and ``python -m prefill|decode`` call it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from engine_core.arg_utils import positive_seconds
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine_core.server.api_server import ServerOptions
+
+# vLLM's name for the engine startup timeout: the default of --engine-startup-timeout, so a
+# vLLM deployment's setting carries over.
+ENGINE_READY_TIMEOUT_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
+
+
+def apply_environment(args: argparse.Namespace) -> None:
+    """vLLM's environment variables as the server flags they stand for (a flag given on the
+    command line wins); for every command that runs an API server."""
+    if hasattr(args, "api_key"):
+        args.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    if hasattr(args, "enable_admin_endpoints"):
+        args.enable_admin_endpoints = (args.enable_admin_endpoints
+                                       or _env_flag("VLLM_SERVER_DEV_MODE"))
+    if hasattr(args, "engine_startup_timeout") and args.engine_startup_timeout is None:
+        args.engine_startup_timeout = _env_seconds(ENGINE_READY_TIMEOUT_ENV)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_seconds(name: str) -> float | None:
+    """``name``'s value as seconds > 0, None when unset or empty. A bad value is an error:
+    ignored, it would leave the user believing in a timeout they do not get."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return positive_seconds(raw)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

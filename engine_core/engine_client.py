@@ -65,11 +65,25 @@ class EngineInfo:
     num_free_blocks: int
 
 
+# What an engine rejection can name: its messages start with the parameter ("logit_bias
+# token ids must be in [0, V)"), and only the text crosses the socket, not the param.
+_REQUEST_PARAMS = frozenset({*SamplingParams.__dataclass_fields__, "prompt"})
+
+
+def _param_named(detail: str) -> str | None:
+    """The request parameter an engine error message is about, if it starts with one."""
+    first = detail.split(" ", 1)[0]
+    return first if first in _REQUEST_PARAMS else None
+
+
 def request_error(message: str | None) -> PdserveError:
-    """Rebuild the exception an engine reported as ``"TypeName: message"``."""
+    """Rebuild the exception an engine reported as ``"TypeName: message"`` (an invalid
+    request with the parameter it names, for the error body's ``param``)."""
     text = message or "request failed in the engine"
     name, _, detail = text.partition(": ")
     klass = getattr(errors, name, None)
+    if isinstance(klass, type) and issubclass(klass, InvalidRequestError) and detail:
+        return klass(detail, _param_named(detail))
     if isinstance(klass, type) and issubclass(klass, PdserveError) and detail:
         return klass(detail)
     return PdserveError(text)

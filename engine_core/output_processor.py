@@ -134,12 +134,17 @@ class RequestState:
             return None
         engine_finished = output.finish_reason is not None
         text_ids = output.new_token_ids
-        if (output.finish_reason == "stop" and text_ids
+        stopped_by_token = output.finish_reason == "stop"
+        if (stopped_by_token and text_ids
                 and not self.sampling_params.include_stop_str_in_output):
             # As vLLM: the token that stopped the request (EOS or a stop_token_ids entry; the
             # engine stops on tokens only) counts as output, its text does not.
             text_ids = text_ids[:-1]
-        update = self.detokenizer.update(text_ids, finished=engine_finished)
+        # A stop with no new token: the stopping token was handed over (``assume_delivered``)
+        # and the worker that sampled it already applied the rule above to its text, so
+        # nothing of it is released here (flushing would send a partial character of it).
+        flush = engine_finished and not (stopped_by_token and not output.new_token_ids)
+        update = self.detokenizer.update(text_ids, finished=flush)
         self.output_token_ids.extend(output.new_token_ids)
         self.text_pieces.append(update.text)
         stopped_here = update.stop_str is not None

@@ -23,6 +23,7 @@ from proxy.dispatcher import Dispatcher, InflightLimiter
 from proxy.forwarding import LegTimeouts, create_upstream_session
 from proxy.handlers import add_routes, http_error_middleware
 from proxy.metrics import ProxyMetrics
+from proxy.model_cards import ModelCards
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import make_policy
@@ -48,6 +49,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.REGISTRY] = registry
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
+    app[keys.MODEL_CARDS] = ModelCards()
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
@@ -73,7 +75,7 @@ async def _loop_watch_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
     session = create_upstream_session()
-    app[keys.DISPATCHER] = Dispatcher(
+    app[keys.DISPATCHER] = dispatcher = Dispatcher(
         registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
         session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,
         max_response_bytes=config.max_response_bytes, write_timeout_s=config.write_timeout_s,
@@ -84,6 +86,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))
     yield
+    await dispatcher.aclose()
     await session.close()
 
 

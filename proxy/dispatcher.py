@@ -15,6 +15,13 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
 - After bytes went out, an upstream failure (or a stream ending without ``[DONE]``) ends the
   stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
+- KV that P computed for a D that will never pull it is released through D at once
+  (``_release``), not left to P's lease: D refused the request (a 4xx: its engine never
+  took it) after P computed it, or while P still ran it (P's leg is then awaited in the
+  background, ``_settle_prefill``, not cut); or a handoff's client left before any D took
+  the request (``_settle_decode`` learns which from D's answer). P's own request is the
+  client's (``forwarding.producer_body``), validated there as D validates it, so what D
+  refuses P refuses first in the common case, computing nothing.
 - A streaming client that takes no bytes for ``write_timeout_s`` (it stopped reading) has
   its connection aborted (``engine_core.server.streaming.SSEStream``), which then ends as a
   client that left does.
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +85,23 @@ class _Retry(Exception):
         self.worker = worker
         self.error = error
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class _HeldKV:
+    """The KV a prefill worker holds for one attempt: its transfers, the decode worker
+    named to pull them (and through which a release reaches P), the legs' headers."""
+
+    prefill: WorkerState
+    decode: WorkerState
+    transfer_ids: list[str]
+    headers: dict[str, str]
+
+
+def _took_nothing(status: int) -> bool:
+    """A decode worker's 4xx: it refused the request before its engine took it, so it
+    will never pull (nor release) the KV P computed for it."""
+    return 400 <= status < 500
 
 
 class _Leg:
@@ -148,6 +174,26 @@ class Dispatcher:
         self.first_token_from_prefill = first_token_from_prefill
         self.prefill_overflow = prefill_overflow
         self.write_timeout_s = write_timeout_s
+        # Work that outlives its client request: settling a leg whose outcome decides
+        # whether P must drop KV, and the releases themselves (``aclose`` ends them).
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        """Cancel the background settles and releases (shutdown, before the session closes)."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background work failed", exc_info=task.exception())
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
                        transfer_id: str, timer: RequestTimer,
@@ -203,6 +249,7 @@ class Dispatcher:
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
         headers = fw.leg_headers(request.headers, attempt_id)
+        held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
         p_leg, d_leg = _Leg(self, prefill, "prefill"), _Leg(self, decode, "decode")
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
@@ -210,6 +257,7 @@ class Dispatcher:
         d_task = asyncio.create_task(fw.open_leg(
             self.session, decode.url + path, fw.decode_body(body, attempt_id, prefill.zmq_address),
             headers, self.timeouts.decode()))
+        p_settling = False  # P's leg handed to ``_settle_prefill``
         try:
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while not p_task.done():
@@ -217,18 +265,100 @@ class Dispatcher:
                 if d_task in done and not p_task.done():
                     d_response = await self._decode_response(d_task, d_leg)
                     if not 200 <= d_response.status < 300:  # D refused: its answer stands
+                        if _took_nothing(d_response.status):
+                            self._spawn(self._settle_prefill(p_task, p_leg, held))
+                            p_settling = True
                         return await self._forward_refusal(d_response, d_leg, attempt_id)
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
             if isinstance(verdict, web.Response):
                 return verdict
             d_response = await self._decode_response(d_task, d_leg)
             if not 200 <= d_response.status < 300:
+                if _took_nothing(d_response.status):  # P holds KV D will never pull
+                    self._spawn(self._release(held))
                 return await self._forward_refusal(d_response, d_leg, attempt_id)
             return await self._relay(request, d_response, d_leg, attempt_id, timer)
         finally:
-            p_leg.finish(aborted=True)
             d_leg.finish(aborted=True)
-            await _abort(p_task, d_task)
+            if p_settling:
+                await _abort(d_task)
+            else:
+                p_leg.finish(aborted=True)
+                await _abort(p_task, d_task)
+
+    async def _settle_prefill(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: _Leg,
+                              held: _HeldKV) -> None:
+        """P's leg of a request D refused while P still ran it: awaited in the background
+        (its own deadline bounds it) and its KV released once P says it computed it.
+
+        Not cancelled: an abort landing after P's save left the KV held for the lease, and
+        a release sent for a request P never took would wait in P as a pull of its own."""
+        try:
+            await asyncio.wait({p_task})
+            try:
+                status, _, _ = p_task.result()
+            except UpstreamError as err:
+                p_leg.finish(err)
+                return
+            p_leg.finish(None if status < 500 else UpstreamError(
+                f"prefill worker {p_leg.worker.worker_id} answered {status}", kind="status",
+                status=status))
+            if 200 <= status < 300:
+                await self._release(held)
+        finally:
+            p_leg.finish(aborted=True)
+            await _abort(p_task)
+
+    async def _settle_decode(self, d_task: asyncio.Task[aiohttp.ClientResponse], d_leg: _Leg,
+                             held: _HeldKV) -> None:
+        """D's leg of a handoff whose client left before D answered: whether D took the
+        request decides who frees the KV P holds for it, and D's answer says which. A
+        stream (its engine runs the request) is closed, which aborts it there and D's
+        connector frees or releases the KV; a 4xx took nothing, so P is told directly."""
+        try:
+            await asyncio.wait({d_task})
+            try:
+                response = d_task.result()
+            except UpstreamError as err:
+                d_leg.finish(err)
+                return
+            status = response.status
+            response.close()
+            if _took_nothing(status):
+                d_leg.finish()
+                await self._release(held)
+        finally:
+            d_leg.finish(aborted=True)
+            await _abort(d_task)
+
+    async def _release(self, held: _HeldKV) -> None:
+        """Make P drop KV that no decode leg will pull (its request refused by D, or its
+        client gone before any D took it) now, not when its lease ends: D's release
+        endpoint has its KV connector tell P, as it does for a request it aborts. Best
+        effort: a failure leaves the KV to the lease."""
+        url = held.decode.url + fw.RELEASE_PATH
+        assert held.prefill.zmq_address is not None
+        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address)
+        try:
+            response = await fw.open_leg(self.session, url, body, held.headers,
+                                         self.timeouts.release())
+            try:
+                data = await fw.read_body(response, 64 << 10)
+            finally:
+                response.close()
+        except UpstreamError as err:
+            self.metrics.kv_releases.labels("failed").inc()
+            logger.warning("KV of %s on %s not released (its lease frees it): %s",
+                           held.transfer_ids[0], held.prefill.worker_id, err)
+            return
+        if not 200 <= response.status < 300:
+            self.metrics.kv_releases.labels("failed").inc()
+            logger.warning("KV of %s on %s not released (its lease frees it): %s answered "
+                           "%d: %s", held.transfer_ids[0], held.prefill.worker_id,
+                           held.decode.worker_id, response.status,
+                           data[:300].decode(errors="replace"))
+            return
+        self.metrics.kv_releases.labels("released").inc()
 
     def _prefill_verdict(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: _Leg,
                          attempt_id: str, timer: RequestTimer) -> bytes | web.Response:
@@ -263,8 +393,8 @@ class Dispatcher:
         that cannot be reached (or is asleep) is replaced by another decode worker: it never
         got the request, so P's held KV is still there for the next one to pull (a failed
         pull falls back to computing the prompt there). Anything else ends the stream with
-        an SSE error event. ``model`` and ``key`` route that replacement as the request
-        was routed.
+        an SSE error event (a D's 4xx also releases P's KV). ``model`` and ``key`` route
+        that replacement as the request was routed.
         """
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
@@ -282,15 +412,19 @@ class Dispatcher:
             await _abort(p_task)
         if isinstance(verdict, web.Response):
             return verdict
+        held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
         first = fw.first_token_of(verdict)
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             # Counted unless this D sends the request round again (unreachable, asleep):
             # then the attempt that serves it counts it, so one request counts once.
             retried = False
             try:
-                return await self._run_one_leg(
+                response = await self._run_one_leg(
                     request, path, fw.decode_body(body, attempt_id, prefill.zmq_address),
                     decode, "decode", attempt_id, timer)
+                if _took_nothing(response.status):  # P holds KV D will never pull
+                    self._spawn(self._release(held))
+                return response
             except _Retry:
                 retried = True
                 raise
@@ -304,18 +438,33 @@ class Dispatcher:
         try:
             stream = await self._open_stream(request, out)
             await stream.write(first.events)
-        except ConnectionResetError:
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            # The client left before any decode leg went out: nobody will pull P's KV.
+            self._spawn(self._release(held))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return out
         timer.first_byte = self.clock()
         excluded = {prefill.worker_id}
         d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
         for attempt in range(self.max_attempts):
             d_leg = _Leg(self, decode, "decode")
+            held = dataclasses.replace(held, decode=decode)
             d_task = asyncio.create_task(fw.open_leg(
                 self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
+            settling = False  # D's leg handed to ``_settle_decode``
             try:
                 try:
-                    d_response = await d_task
+                    try:
+                        # Not ``await d_task``: a client leaving now would cancel the leg
+                        # with it, and whether D took the request (its abort then frees the
+                        # KV) or not (P must be told) would stay unknown.
+                        await asyncio.wait({d_task})
+                    except asyncio.CancelledError:
+                        self._spawn(self._settle_decode(d_task, d_leg, held))
+                        settling = True
+                        raise
+                    d_response = d_task.result()
                     if d_response.status == 503 and attempt + 1 < self.max_attempts:
                         data = await fw.read_body(d_response, self.max_response_bytes)
                         raise UpstreamUnavailableError(
@@ -353,11 +502,14 @@ class Dispatcher:
                         f"{data[:500].decode(errors='replace')}", kind="status",
                         status=d_response.status)
                     d_leg.finish(err)
+                    if _took_nothing(d_response.status):  # P holds KV D will never pull
+                        self._spawn(self._release(held))
                     return await _end_stream(stream, err)
                 return await self._stream_into(stream, d_response, d_leg, attempt_id, timer, b"")
             finally:
-                d_leg.finish(aborted=True)
-                await _abort(d_task)
+                if not settling:
+                    d_leg.finish(aborted=True)
+                    await _abort(d_task)
         raise AssertionError("unreachable: the last attempt returns")
 
     async def _run_one_leg(self, request: web.Request, path: str, leg_body: dict[str, Any],

@@ -24,7 +24,8 @@ from proxy.errors import UpstreamError, UpstreamTimeoutError
 FORWARDED_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "User-Agent")
 SSE_CONTENT_TYPE = "text/event-stream"
 CHAT_PATH = "/v1/chat/completions"
-_PREFILL_ONLY_FIELDS = ("min_tokens",)  # P samples one token: no minimum to keep
+RELEASE_PATH = "/internal/kv/release"  # a decode worker's: P drops KV nobody will pull
+RELEASE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class LegTimeouts:
         return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s,
                                      sock_read=self.decode_s)
 
+    def release(self) -> aiohttp.ClientTimeout:
+        """A KV release through a decode worker: one short engine request there."""
+        return aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S, sock_connect=self.connect_s)
+
 
 def create_upstream_session() -> aiohttp.ClientSession:
     """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us)."""
@@ -62,29 +67,29 @@ def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _producer_body(body: dict[str, Any], transfer_id: str,
-                   decode_kv_address: str) -> dict[str, Any]:
-    """What every P request is: not streamed, its KV sent to D."""
+def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str,
+                  first_token_events: bool = False) -> dict[str, Any]:
+    """P's request, plain or handoff: the client's own fields (``max_tokens``, ``n``,
+    ``min_tokens``, ``stream``, ``stream_options``, ...) plus transfer params marking a
+    prefill whose KV D pulls.
+
+    P validates the request exactly as D will, so one D would refuse is refused before any
+    KV is computed and held for a pull that never comes; only then does P limit what it
+    runs (one sample, one token, its answer one JSON body: the server's ``prefill_only``).
+    ``first_token_events``: P's answer also carries the stream events of that token.
+    """
     out = _without_transfer_fields(body)
-    out.pop("stream_options", None)
-    out["stream"] = False
-    out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_decode": True,
-                                 "remote_kv_address": decode_kv_address}
+    params: dict[str, Any] = {"transfer_id": transfer_id, "do_remote_decode": True,
+                              "remote_kv_address": decode_kv_address}
+    if first_token_events:
+        params["first_token_events"] = True
+    out["kv_transfer_params"] = params
     return out
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str) -> dict[str, Any]:
-    """P's request: one token, no streaming, KV sent to D."""
-    out = _producer_body(body, transfer_id, decode_kv_address)
-    for key in _PREFILL_ONLY_FIELDS:
-        out.pop(key, None)
-    out["max_tokens"] = 1
-    if "n" in out:
-        out["n"] = 1  # D samples n times from the one prompt P computes
-    # Chat's newer limit: clamp it when the client used it (completions do not accept it).
-    if "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    return out
+    """P's request while D's leg runs alongside: P's answer only says the KV is ready."""
+    return producer_body(body, transfer_id, decode_kv_address)
 
 
 def decode_body(body: dict[str, Any], transfer_id: str,
@@ -95,6 +100,23 @@ def decode_body(body: dict[str, Any], transfer_id: str,
         out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_prefill": True,
                                      "remote_kv_address": prefill_kv_address}
     return out
+
+
+def prompt_transfer_ids(path: str, body: dict[str, Any], transfer_id: str) -> list[str]:
+    """The transfer ids a request's prompts move under, as the workers derive them: the
+    request's own, or ``T-p<i>`` for each prompt of a completions batch."""
+    prompt = body.get("prompt") if path != CHAT_PATH else None
+    if not isinstance(prompt, list) or not prompt or all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [transfer_id]  # one prompt (text, token ids), or chat's messages
+    if len(prompt) == 1:
+        return [transfer_id]
+    return [f"{transfer_id}-p{i}" for i in range(len(prompt))]
+
+
+def release_body(transfer_ids: list[str], prefill_kv_address: str) -> dict[str, Any]:
+    """The body of a decode worker's ``RELEASE_PATH``."""
+    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address}
 
 
 def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
@@ -167,12 +189,8 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
 
 def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
                          decode_kv_address: str) -> dict[str, Any]:
-    """P's request when its token is streamed: the client's own limits (P validates the
-    request as D will, then samples the one token: ``first_token_events``), no streaming,
-    and the stream's first events in its answer."""
-    out = _producer_body(body, transfer_id, decode_kv_address)
-    out["kv_transfer_params"]["first_token_events"] = True
-    return out
+    """P's request when its token is streamed: the first events in its answer too."""
+    return producer_body(body, transfer_id, decode_kv_address, first_token_events=True)
 
 
 def handoff_decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str,

@@ -1,24 +1,28 @@
 """HTTP routes of the proxy: OpenAI endpoints, /v1/models, /tokenize, /detokenize, /version,
-/health, /metrics, /instances."""
+/health (and /ping), /metrics, /instances."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
-from engine_core.errors import OverloadedError, PdserveError
+from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
 from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
 from proxy import keys
 from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
 from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
+from proxy.forwarding import FORWARDED_HEADERS
 from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
+from proxy.model_cards import ModelCard
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,27 @@ async def read_json_object(request: web.Request, max_bytes: int, timeout_s: floa
     except asyncio.TimeoutError:
         raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
                                   ) from None
-    return parse_json(data)
+    body = parse_json(data)
+    check_finite_numbers(body)
+    return body
+
+
+def check_finite_numbers(body: dict[str, Any]) -> None:
+    """Refuse a number no JSON can carry on: a literal past the double range (1e400)
+    parses as infinity, and sent on to a worker it became ``Infinity``, which the worker
+    could only call a body that is not JSON. The parameter holding it is named (the
+    top-level one for a nested value). Walked without recursion: the body may nest as deep
+    as the parser allowed."""
+    stack: list[tuple[str, Any, bool]] = [(key, value, True) for key, value in body.items()]
+    while stack:
+        param, value, top = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"{param} must be a finite number" if top else
+                                      f"{param} must hold only finite numbers", param)
+        if isinstance(value, dict):
+            stack.extend((param, item, False) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((param, item, False) for item in value)
 
 
 async def _read_body(request: web.Request, max_bytes: int) -> bytes:
@@ -186,15 +210,24 @@ async def version(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the models the registered workers can answer for (a model whose
-    decode workers are all gone is not listed: its requests would get a 503)."""
+    decode workers are all gone is not listed: its requests would get a 503), each with
+    the ``root``, ``parent`` and ``max_model_len`` of its workers' own cards."""
+    app = request.app
+    registry = app[keys.REGISTRY]
+    servable = registry.servable_models()
+    headers = {n: request.headers[n] for n in FORWARDED_HEADERS if n in request.headers}
+    cards = await app[keys.MODEL_CARDS].cards(
+        app[keys.DISPATCHER].session,
+        [w for w in registry.workers() if w.model in servable], headers)
     created = int(time.time())
-    data = [{"id": model, "object": "model", "created": created, "owned_by": "pdserve"}
-            for model in request.app[keys.REGISTRY].servable_models()]
+    data = [{"id": model, "object": "model", "created": created, "owned_by": "pdserve",
+             **cards.get(model, ModelCard()).fields()} for model in servable]
     return web.json_response({"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: the proxy is up (200 even with no workers; see /instances for those)."""
+    """GET /health (and /ping, by GET or POST: SageMaker's name for it, as vLLM serves
+    it): the proxy is up (200 even with no workers; see /instances for those)."""
     registry = request.app[keys.REGISTRY]
     counts = {role: len(registry.workers(role)) for role in ROLES}
     return web.json_response({"status": "ok", "workers": counts})
@@ -226,5 +259,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", instances)

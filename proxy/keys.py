@@ -9,6 +9,7 @@ from aiohttp import web
 from proxy.config import ProxyConfig
 from proxy.dispatcher import Dispatcher, InflightLimiter
 from proxy.metrics import ProxyMetrics
+from proxy.model_cards import ModelCards
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import RoutingPolicy
@@ -22,3 +23,4 @@ ID_FACTORY = web.AppKey("id_factory", Callable[[], str])
 LIMITER = web.AppKey("limiter", InflightLimiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 REGISTRATION_SERVER = web.AppKey("registration_server", RegistrationServer)
+MODEL_CARDS = web.AppKey("model_cards", ModelCards)

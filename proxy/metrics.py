@@ -82,6 +82,12 @@ class ProxyMetrics:
             "Disaggregated requests by how their first token reached the client: 'prefill' "
             "(P's token streamed, D continued), 'decode' (P answered no token: D computed it), "
             "or why the handoff did not apply", ["result"], registry=r)
+        self.kv_releases = Counter(
+            P + "kv_releases",
+            "Requests to drop KV a prefill worker held for a decode leg that will never pull "
+            "it (D refused the request, or its client left before any D took it), sent "
+            "through the decode worker, by result ('released' or 'failed': the KV then "
+            "waits for its lease)", ["result"], registry=r)
         self.client_write_timeouts = Counter(
             P + "client_write_timeouts",
             "Streams cut because the client took no bytes for --write-timeout (it stopped "

@@ -29,11 +29,12 @@ from engine_core.errors import (
     InvalidRequestError,
     RequestTimeoutError,
 )
+from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
-from engine_core.server.serving import OpenAIServing, request_id_of
+from engine_core.server.serving import OpenAIServing, parse_kv_release, request_id_of
 from engine_core.server.tokenization import TokenizerService
 from engine_core.version import package_version
 
@@ -99,7 +100,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _auth_middleware(api_key: str | None) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path.startswith("/v1"):
+        if api_key and request.path.startswith(("/v1", "/internal")):
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
@@ -164,6 +165,14 @@ class _Routes:
         if client.long_operation is None:
             await client.call("check_health", timeout_s=HEALTH_TIMEOUT_S)
         return web.Response(status=200)
+
+    async def release_kv(self, request: web.Request) -> web.Response:
+        """``POST /internal/kv/release`` (decode workers; the proxy's): a prefill worker
+        drops the KV it holds for transfers this worker refused (``OpenAIServing.release_kv``)."""
+        body = await _read_json(request, self.options.body_timeout_s)
+        release = parse_kv_release(body)
+        await self.serving.release_kv(release)
+        return web.json_response({"released": len(release.transfer_ids)})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": package_version()})
@@ -247,8 +256,10 @@ async def _log_stats_periodically(client: AsyncEngineClient, interval_s: float) 
 
 
 def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: EngineConfig,
-              options: ServerOptions) -> web.Application:
-    """The aiohttp application over a started engine client."""
+              options: ServerOptions,
+              generation: GenerationDefaults = protocol.NO_DEFAULTS) -> web.Application:
+    """The aiohttp application over a started engine client; ``generation``: the
+    generation config's request defaults."""
     names = [config.model.name]
     cache = config.cache
     metrics = ServerMetrics(names[0], cache_info={
@@ -258,7 +269,7 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
         "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
         "kv_offloading_size": str(cache.kv_offloading_size)})
     serving = OpenAIServing(client, tokenizer, names, metrics,
-                            write_timeout_s=options.write_timeout_s)
+                            write_timeout_s=options.write_timeout_s, generation=generation)
     app = web.Application(client_max_size=options.client_max_size,
                           middlewares=[error_middleware, _auth_middleware(options.api_key)])
     app[SERVING_KEY] = serving
@@ -268,6 +279,11 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/health", routes.health)
+    # SageMaker's health check (vLLM serves it): /health's meaning, by GET or POST.
+    app.router.add_get("/ping", routes.health)
+    app.router.add_post("/ping", routes.health)
+    if config.kv_transfer is not None and config.kv_transfer.is_consumer:
+        app.router.add_post("/internal/kv/release", routes.release_kv)
     app.router.add_get("/version", routes.version)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
@@ -327,7 +343,8 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                 kv_capacity=info.num_total_blocks * config.cache.block_size))
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
-        return client, build_app(client, tokenizer, config, options)
+        generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
+        return client, build_app(client, tokenizer, config, options, generation)
     except BaseException:
         await client.shutdown()
         raise

@@ -55,6 +55,8 @@ _BREAKDOWN_METRICS = {
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
 _N_BUCKETS = (1, 2, 5, 10, 20)  # the n request parameter
+# vLLM's finished_reason label values of vllm:request_success_total (FinishReason).
+FINISHED_REASONS = ("stop", "length", "abort")
 
 # KV connector gauges (``EngineStats.connector`` keys of both halves), exported as
 # ``pdserve:kv_transfer_<key>``. Each reads 0 on an idle worker, so a soak run can assert
@@ -204,7 +206,7 @@ class ServerMetrics:
         self.request_success = Counter("vllm:request_success",
                                        "Count of successfully processed requests.",
                                        labels + ["finished_reason"], registry=self.registry)
-        for reason in ("stop", "length"):  # present at 0 from the start, as in vLLM
+        for reason in FINISHED_REASONS:  # present at 0 from the start, as in vLLM
             self.request_success.labels(*self._label_values, reason)
         if cache_info:
             Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -271,8 +273,12 @@ class ServerMetrics:
                          max_tokens: int | None, decode_seconds: float | None = None) -> None:
         """One request ended (finished, aborted or failed); ``num_output_tokens`` counts the
         tokens this worker generated, ``decode_seconds`` the time from its first to its last
-        (None if it generated none). (The token counters come from the engine.)"""
-        if finish_reason in ("stop", "length"):
+        (None if it generated none). (The token counters come from the engine.)
+
+        As vLLM V1's finished-request stats: a request that finished by stop, length or
+        abort (its client left, or it was aborted) is counted under that reason and in the
+        per-request histograms; one that failed (an error) is in none of them."""
+        if finish_reason in FINISHED_REASONS:
             self.e2e.labels(*self._label_values).observe(e2e_seconds)
             # As vLLM: every finished request, 0 for one without a second token.
             self.request_tpot.labels(*self._label_values).observe(

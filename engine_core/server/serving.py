@@ -22,9 +22,11 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.addresses import is_host_port
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
 from engine_core.messages import EngineOutput, RequestTimings
+from engine_core.models.generation_config import GenerationDefaults
 from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
 from engine_core.request_limits import check_generated_ids
 from engine_core.sampling_params import SamplingParams, sample_seed
@@ -37,6 +39,49 @@ from engine_core.server.tokenization import TokenizerService
 logger = logging.getLogger("pdserve.server")
 
 _MAX_REQUEST_ID_LEN = 256
+# /internal/kv/release: transfers one call may name (a request's prompts move one each),
+# and a transfer id's length (the connector's own bound).
+MAX_RELEASES = protocol.MAX_CHOICES
+MAX_TRANSFER_ID_CHARS = 1024
+_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address"})
+_RELEASE_TOKEN = 0  # the one-token prompt of a release (any id of the vocabulary does)
+
+
+@dataclass(frozen=True)
+class KVRelease:
+    """Transfers no decode leg will pull (this worker refused their request), whose KV the
+    prefill worker at ``producer_address`` holds and is to drop now, not at its lease's end."""
+
+    transfer_ids: list[str]
+    producer_address: str
+
+
+def _is_transfer_id(value: Any) -> bool:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRANSFER_ID_CHARS:
+        return False
+    try:
+        value.encode("utf-8")  # a lone surrogate cannot cross the engine socket
+    except UnicodeEncodeError:
+        return False
+    return value.isprintable()
+
+
+def parse_kv_release(body: dict[str, Any]) -> KVRelease:
+    """Validate a /internal/kv/release body: ``{"transfer_ids": [...], "remote_kv_address":
+    "host:port"}`` and nothing else."""
+    unknown = sorted(set(body) - _RELEASE_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+    ids = body.get("transfer_ids")
+    if (not isinstance(ids, list) or not 0 < len(ids) <= MAX_RELEASES
+            or not all(_is_transfer_id(t) for t in ids) or len(set(ids)) != len(ids)):
+        raise InvalidRequestError(
+            f"transfer_ids must be 1 to {MAX_RELEASES} distinct printable strings of at most "
+            f"{MAX_TRANSFER_ID_CHARS} characters", "transfer_ids")
+    address = body.get("remote_kv_address")
+    if not is_host_port(address):
+        raise InvalidRequestError("remote_kv_address must be host:port", "remote_kv_address")
+    return KVRelease(list(ids), address)
 
 
 @dataclass
@@ -102,6 +147,38 @@ def request_id_of(request: web.Request) -> str:
         raise InvalidRequestError("X-Request-Id must be printable and at most "
                                   f"{_MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
     return given
+
+
+def engine_request_id(request_id: str) -> str:
+    """The engine's id for one HTTP request's work: the client's id (still what response
+    ids, the X-Request-Id header and logs show) plus a unique suffix, so that concurrent
+    requests sharing an ``X-Request-Id`` each run (as vLLM's do) instead of the later ones
+    being refused as already in flight."""
+    return f"{request_id}-{uuid.uuid4().hex[:16]}"
+
+
+def prefill_only(kv_transfer_params: dict[str, Any] | None, handoff: protocol.Handoff) -> bool:
+    """Whether this worker computes just the prompt's KV and one token for another worker
+    to decode: a prefill leg (``do_remote_decode``) or a handoff's first token.
+
+    The proxy sends such a leg the client's own request, so it is validated exactly as the
+    decode worker will validate it (context with the real ``max_tokens``, ``n``,
+    ``min_tokens``, ``stream_options``, ...) and refused before any KV is computed and held
+    for a decode leg that will never pull it; only then is the engine request limited
+    (``_engine_params``) and the answer given as one JSON body, never streamed.
+    """
+    return handoff.first_events or bool((kv_transfer_params or {}).get("do_remote_decode"))
+
+
+def _engine_params(params: SamplingParams, one_token: bool) -> SamplingParams:
+    """One sample's engine parameters; a prefill-only request samples one token (which
+    min_tokens may still keep from being a stop token: it is the client's first token in
+    the handoff)."""
+    engine_params = dataclasses.replace(params, n=1)
+    if one_token:
+        engine_params = dataclasses.replace(engine_params, max_tokens=1,
+                                            min_tokens=min(params.min_tokens, 1))
+    return engine_params
 
 
 def _usage(choices: list[_ChoiceResult], jobs: list[_Job]) -> dict[str, Any]:
@@ -205,8 +282,10 @@ class OpenAIServing:
 
     def __init__(self, client: AsyncEngineClient, tokenizer: TokenizerService,
                  model_names: list[str], metrics: ServerMetrics,
-                 write_timeout_s: float = 60.0) -> None:
+                 write_timeout_s: float = 60.0,
+                 generation: GenerationDefaults = protocol.NO_DEFAULTS) -> None:
         self.client = client
+        self.generation = generation  # the generation config's request defaults
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
@@ -271,6 +350,11 @@ class OpenAIServing:
                     if delta.finished:
                         # A stop string ended it here: closing the stream aborts it in the engine.
                         break
+        except (asyncio.CancelledError, GeneratorExit):
+            # Left before its end (client gone, a sibling sample failed, shutdown): closing
+            # the engine stream aborted it, and vLLM counts it as finished by "abort".
+            finish_reason = finish_reason or "abort"
+            raise
         finally:
             decode_s = (None if first_token_time is None or last_token_time is None
                         else last_token_time - first_token_time)
@@ -340,27 +424,26 @@ class OpenAIServing:
 
         Sample ``s`` of a seeded request draws with ``seed + s``. Each prompt of a batch
         has its own transfer id (``T-p<i>``, derived the same way on P and D); only a
-        prompt's sample 0 moves KV between workers: on P the others compute locally, on D
-        they wait for sample 0's first token and then find the prompt in the prefix cache.
-        A prefill worker asked for the first token's events was validated with the
-        client's limits (a request D would refuse is refused before anything streams) and
-        samples just that token, as the first position of the client's request.
+        prompt's sample 0 moves KV between workers: on D the others wait for sample 0's
+        first token and then find the prompt in the prefix cache. A prefill-only request
+        (``prefill_only``) is checked with the client's limits, so one D would refuse is
+        refused here, before anything is computed; then each prompt runs once, for one
+        token.
         """
         for ids in prompts:
             self.tokenizer.check_length(len(ids), params.max_tokens)
         # The detokenizer decodes handed-over ids before the engine checks them (the
         # tokenizer fails, a 500, on ids past 32 bits): the engine's rule, checked first here.
         check_generated_ids(handoff.generated_token_ids, self.tokenizer.vocab_size)
-        engine_params = dataclasses.replace(params, n=1)
-        if handoff.first_events:
-            engine_params = dataclasses.replace(engine_params, max_tokens=1,
-                                                min_tokens=min(params.min_tokens, 1))
-        single = len(prompts) == 1 and params.n == 1
+        one_token = prefill_only(kv_transfer_params, handoff)
+        engine_params = _engine_params(params, one_token)
+        num_samples = 1 if one_token else params.n
+        single = len(prompts) == 1 and num_samples == 1
         jobs: list[_Job] = []
         for prompt_index, ids in enumerate(prompts):
             transfer = _prompt_transfer_params(kv_transfer_params, prompt_index, len(prompts))
             first = len(jobs)
-            for sample in range(params.n):
+            for sample in range(num_samples):
                 index = len(jobs)
                 sample_params = engine_params if params.seed is None or sample == 0 else \
                     dataclasses.replace(engine_params, seed=sample_seed(params.seed, sample))
@@ -374,19 +457,21 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------------
 
     async def completions(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        parsed = protocol.parse_completion_request(body)
+        parsed = protocol.parse_completion_request(body, self.generation)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
         tokenizer = self.tokenizer
-        prompts = [await tokenizer.call(tokenizer.encode_prompt, p, parsed.truncate_prompt_tokens)
+        prompts = [await tokenizer.call(tokenizer.encode_prompt, p, parsed.truncate_prompt_tokens,
+                                        parsed.add_special_tokens)
                    for p in parsed.prompts]
         # echo: each choice starts with its prompt, as given (token ids or a truncated
         # prompt: what was used, decoded).
         echoes = [(p if isinstance(p, str) and parsed.truncate_prompt_tokens is None
                    else await tokenizer.call(tokenizer.decode, ids)) if parsed.echo else ""
                   for p, ids in zip(parsed.prompts, prompts, strict=True)]
-        jobs = self._jobs(request_id, prompts, parsed.sampling_params,
+        jobs = self._jobs(engine_request_id(request_id), prompts, parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
+        stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
         events = self._run_jobs(jobs, parsed.handoff)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
@@ -394,7 +479,7 @@ class OpenAIServing:
         want_logprobs = parsed.sampling_params.logprobs is not None
         choices = [_ChoiceResult() for _ in jobs]
         async with contextlib.aclosing(events):
-            if not parsed.stream:
+            if not stream:
                 async for index, delta in events:
                     choices[index].add(delta)
                 response = {**head, "choices": [
@@ -444,14 +529,15 @@ class OpenAIServing:
     # ---- /v1/chat/completions -----------------------------------------------------------
 
     async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        parsed = protocol.parse_chat_request(body)
+        parsed = protocol.parse_chat_request(body, self.generation)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
         prompt = await self.tokenizer.call(self.tokenizer.encode_chat, parsed.messages,
                                            parsed.add_generation_prompt,
-                                           parsed.truncate_prompt_tokens)
-        jobs = self._jobs(request_id, [prompt], parsed.sampling_params,
+                                           parsed.truncate_prompt_tokens, parsed.template)
+        jobs = self._jobs(engine_request_id(request_id), [prompt], parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
+        stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
         events = self._run_jobs(jobs, parsed.handoff)
         head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
         chunk_head = {**head, "object": "chat.completion.chunk"}
@@ -459,7 +545,7 @@ class OpenAIServing:
         want_logprobs = parsed.sampling_params.logprobs is not None
         choices = [_ChoiceResult() for _ in jobs]
         async with contextlib.aclosing(events):
-            if not parsed.stream:
+            if not stream:
                 async for index, delta in events:
                     choices[index].add(delta)
                 response = {**head, "object": "chat.completion", "choices": [{
@@ -499,21 +585,59 @@ class OpenAIServing:
                                                      "usage": _usage(choices, jobs)})
             return sse.response
 
+    # ---- KV release (decode worker) -----------------------------------------------------
+
+    async def release_kv(self, release: KVRelease) -> None:
+        """Make a prefill worker drop the KV it holds for transfers that no decode leg will
+        pull (the proxy's call once this worker refused a request P had computed).
+
+        Only the KV connector speaks to P, with this worker's address and cache geometry,
+        so each transfer runs as the smallest consumer request naming it: a one-token
+        prompt leaves nothing to pull, and the connector sends P the release it sends for
+        a prompt found whole in the local cache (connectors/p2p_nccl/scheduler_side.py).
+        It returns once those requests ended, the releases sent. Not a client request: no
+        request metrics."""
+        params = SamplingParams(max_tokens=1)
+        await asyncio.gather(*(self._release_one(transfer_id, release.producer_address, params)
+                               for transfer_id in release.transfer_ids))
+
+    async def _release_one(self, transfer_id: str, producer_address: str,
+                           params: SamplingParams) -> None:
+        transfer = {"do_remote_prefill": True, "transfer_id": transfer_id,
+                    "remote_kv_address": producer_address}
+        outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [_RELEASE_TOKEN],
+                                       params, transfer)
+        async with contextlib.aclosing(outputs):
+            async for _ in outputs:
+                pass
+
     # ---- first-token handoff (prefill worker) -------------------------------------------
 
     def _first_delta(self, job: _Job, choice: _ChoiceResult) -> RequestDelta | None:
         """What a stream would have sent for this answer's first token, had the request
         gone on: its text with stop-string hold-back applied, not flushed as a finished
-        answer's is. None when nothing was sampled."""
+        answer's is. None when nothing was sampled.
+
+        A token that stopped the request (EOS, a ``stop_token_ids`` entry) is processed as
+        the stop it is, so its text is dropped as a direct stream drops it (kept with
+        ``include_stop_str_in_output``); its finish is not sent: the decode worker,
+        continuing after the token, finds that it ends the request and sends the finish
+        (reason and stop reason) as a direct stream's last chunk carries it."""
         if not choice.token_ids:
             return None
         state = RequestState.create(job.request_id, job.prompt_token_ids, job.params,
                                     self.tokenizer.tokenizer, self._token_texts)
+        stopped = choice.finish_reason == "stop"
         delta = state.process(EngineOutput(
             request_id=job.request_id, new_token_ids=choice.token_ids[:1],
             num_prompt_tokens=choice.num_prompt_tokens, num_cached_tokens=choice.num_cached_tokens,
-            new_logprobs=[]))
-        if delta is not None and job.params.logprobs is not None:
+            finish_reason="stop" if stopped else None,
+            stop_reason=choice.stop_reason if stopped else None, new_logprobs=[]))
+        if delta is None:
+            return None
+        delta = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None,
+                                    needs_engine_abort=False, timings=None)
+        if job.params.logprobs is not None:
             delta.logprobs = choice.logprobs[:1]
         return delta
 

@@ -41,6 +41,7 @@ class FakeWorker:
     no_first_token (a P that ignores ``first_token_events``) |
     fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
     50 ms for a long time) | flood (D: ``flood_bytes`` of events as fast as they are taken).
+    A prefill leg (``do_remote_decode``) is answered with one JSON body, as a real P does.
     """
 
     role: str
@@ -48,8 +49,12 @@ class FakeWorker:
     mode: str = "ok"
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    releases: list[dict[str, Any]] = field(default_factory=list)  # /internal/kv/release bodies
     server: TestServer | None = None
     flood_bytes: int = 32 << 20
+    delay_s: float = 0.0  # every answer waits this long first
+    card: dict[str, Any] | None = None  # its /v1/models card's extra fields (404 when None)
+    release_status: int = 200  # what its /internal/kv/release answers
 
     @property
     def http_address(self) -> str:
@@ -76,6 +81,7 @@ class FakeWorker:
 
     async def _answer(self, request: web.Request, body: dict[str, Any],
                       request_id: str) -> web.StreamResponse:
+        await asyncio.sleep(self.delay_s)
         if self.mode == "hang":
             await asyncio.sleep(3600)
         if self.mode == "error500":
@@ -90,7 +96,9 @@ class FakeWorker:
                                                 "code": 400}}, status=400)
         if self.mode == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
-        if not body.get("stream"):
+        # A prefill leg (do_remote_decode) is answered as one JSON body, streamed or not.
+        if not body.get("stream") or (body.get("kv_transfer_params") or {}).get(
+                "do_remote_decode"):
             # flood on D: an answer of flood_bytes of text (n samples with logprobs are MBs)
             n = 1 if self.role == "P" else self.flood_bytes if self.mode == "flood" else 3
             extra: dict[str, Any] = {}
@@ -124,6 +132,20 @@ class FakeWorker:
         await response.write_eof()
         return response
 
+    async def models(self, request: web.Request) -> web.Response:
+        """A worker's /v1/models: its one model's card (404 without ``card``)."""
+        if self.card is None:
+            raise web.HTTPNotFound()
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "owned_by": "pdserve", **self.card}]})
+
+    async def release(self, request: web.Request) -> web.Response:
+        """A decode worker's /internal/kv/release: recorded, answered as a real one does."""
+        body = await request.json()
+        self.releases.append({**body, "request_id": request.headers.get("X-Request-Id", "")})
+        return web.json_response({"released": len(body["transfer_ids"])},
+                                 status=self.release_status)
+
     async def _flood(self, response: web.StreamResponse, request_id: str) -> web.StreamResponse:
         """Events of 64 KiB each until ``flood_bytes`` went out, then [DONE]: more than every
         buffer between this worker and a client that stopped reading can hold."""
@@ -148,6 +170,8 @@ async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
         app.router.add_post("/v1/chat/completions", worker.handle)
         app.router.add_post("/tokenize", worker.handle)
         app.router.add_post("/detokenize", worker.handle)
+        app.router.add_post("/internal/kv/release", worker.release)
+        app.router.add_get("/v1/models", worker.models)
         worker.server = TestServer(app)
         await worker.server.start_server()
         servers.append(worker.server)

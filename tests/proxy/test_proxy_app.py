@@ -36,13 +36,10 @@ async def test_both_legs_get_transfer_params(make_worker, make_proxy) -> None:
     assert float(resp.headers["X-Pdserve-Proxy-Overhead-Ms"]) >= 0
     (p_req,), (d_req,) = p.received, d.received
     assert p_req["path"] == d_req["path"] == "/v1/completions"
-    assert p_req["body"]["max_tokens"] == 1
-    # Completions do not accept max_completion_tokens: it is only clamped when the client sent it.
-    assert "max_completion_tokens" not in p_req["body"]
-    assert p_req["body"]["stream"] is False
-    assert "stream_options" not in p_req["body"] and "min_tokens" not in p_req["body"]
-    assert p_req["body"]["kv_transfer_params"] == {
-        "transfer_id": transfer_id, "do_remote_decode": True, "remote_kv_address": d.zmq_address}
+    # P gets the client's own request (its limits, stream_options, min_tokens: P validates
+    # them as D will, then runs one token itself), marked as a prefill for D.
+    assert p_req["body"] == {**body, "kv_transfer_params": {
+        "transfer_id": transfer_id, "do_remote_decode": True, "remote_kv_address": d.zmq_address}}
     assert d_req["body"] == {**body, "kv_transfer_params": {
         "transfer_id": transfer_id, "do_remote_prefill": True, "remote_kv_address": p.zmq_address}}
     assert p_req["request_id"] == d_req["request_id"] == transfer_id
@@ -60,7 +57,7 @@ async def test_streaming_passthrough(make_worker, make_proxy) -> None:
     assert events[-1] == "[DONE]"
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["t0", "t1", "t2"]
     assert d.received[0]["path"] == "/v1/chat/completions"
-    assert d.received[0]["body"]["stream"] is True and p.received[0]["body"]["stream"] is False
+    assert d.received[0]["body"]["stream"] is True and p.received[0]["body"]["stream"] is True
 
 
 async def test_x_request_id_honoured_as_base(make_worker, make_proxy) -> None:
@@ -348,15 +345,31 @@ async def test_least_load_spreads_over_decode_workers(make_worker, make_proxy) -
     assert len(d1.received) + len(d2.received) == 6 and d1.received and d2.received
 
 
-def test_prefill_body_clamps_only_the_limits_the_client_used() -> None:
-    from proxy.forwarding import prefill_body
+def test_prefill_body_is_the_clients_request_marked_for_remote_decode() -> None:
+    """P is sent what the client sent (bar its own transfer params): the plain and the
+    handoff prefill share it, and differ only in asking for the first token's events."""
+    from proxy.forwarding import handoff_prefill_body, prefill_body
 
-    chat = prefill_body({"model": MODEL, "messages": [], "max_completion_tokens": 50,
-                         "stream": True}, "t1", "d:1")
-    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
-    assert chat["stream"] is False
-    completion = prefill_body(dict(PROMPT), "t2", "d:1")
-    assert completion["max_tokens"] == 1 and "max_completion_tokens" not in completion
+    chat = {"model": MODEL, "messages": [], "max_completion_tokens": 50, "n": 3,
+            "min_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+            "kv_transfer_params": {"transfer_id": "spoofed"}}
+    transfer = {"transfer_id": "t1", "do_remote_decode": True, "remote_kv_address": "d:1"}
+    client_fields = {k: v for k, v in chat.items() if k != "kv_transfer_params"}
+    assert prefill_body(chat, "t1", "d:1") == {**client_fields, "kv_transfer_params": transfer}
+    assert handoff_prefill_body(chat, "t1", "d:1") == {
+        **client_fields, "kv_transfer_params": {**transfer, "first_token_events": True}}
+    assert chat["kv_transfer_params"] == {"transfer_id": "spoofed"}  # the client's untouched
+
+
+def test_prompt_transfer_ids_follow_the_workers_per_prompt_ids() -> None:
+    from proxy.forwarding import prompt_transfer_ids
+
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    assert prompt_transfer_ids(chat, {"messages": []}, "T") == ["T"]
+    for prompt in ("a", [1, 2], ["a"], [[1, 2]], None, []):
+        assert prompt_transfer_ids(cmpl, {"prompt": prompt}, "T") == ["T"], prompt
+    assert prompt_transfer_ids(cmpl, {"prompt": ["a", [1]]}, "T") == ["T-p0", "T-p1"]
 
 
 # ---- first-token handoff (--first-token-from-prefill) -----------------------------------
@@ -375,9 +388,9 @@ async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy)
     (p_req,), (d_req,) = p.received, d.received
     # P first, alone: D's leg carries P's token, so it leaves after P answered.
     assert p_req["body"]["kv_transfer_params"]["first_token_events"] is True
-    # P validates the client's own limits (and samples one token itself); no streaming.
+    # P validates the client's own request (and samples one token itself, answering JSON).
     assert (p_req["body"]["min_tokens"], p_req["body"]["max_tokens"]) == (3, 8)
-    assert p_req["body"]["stream"] is False and "stream_options" not in p_req["body"]
+    assert p_req["body"]["stream"] is True
     assert d_req["body"]["kv_transfer_params"] == {
         "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
         "generated_token_ids": [42]}

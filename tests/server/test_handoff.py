@@ -151,3 +151,54 @@ async def test_first_token_request_is_checked_with_the_clients_limit_against_the
         assert small.wait_idle().num_running == 0
     finally:
         small.stop()
+
+
+def _stop_reason(events: list[dict]) -> int | str | None:
+    return next((c.get("stop_reason") for e in reversed(events) for c in e.get("choices") or []
+                 if c.get("finish_reason")), None)
+
+
+STOP_CASES = {
+    "chat stop id": ("/v1/chat/completions", {"messages": MSG, "allowed_token_ids": [50],
+                                              "stop_token_ids": [50]}),
+    "chat stop id kept": ("/v1/chat/completions", {
+        "messages": MSG, "allowed_token_ids": [50], "stop_token_ids": [50],
+        "include_stop_str_in_output": True}),
+    "completions eos shown": ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [0],
+                                                  "skip_special_tokens": False}),
+    "completions eos kept": ("/v1/completions", {
+        "prompt": "hi", "allowed_token_ids": [0], "skip_special_tokens": False,
+        "include_stop_str_in_output": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STOP_CASES))
+async def test_a_first_token_that_stops_the_request_streams_as_directly(server, auth,
+                                                                         case) -> None:
+    """P's sampled token is a stop (EOS, a stop_token_ids entry): its text is dropped as a
+    direct stream drops it (kept with include_stop_str_in_output), and the continuation,
+    which finds the request ended by that token, sends the finish and stop reason. Before,
+    P's events carried the stopping token's text ("P", "<|endoftext|>")."""
+    path, extra = STOP_CASES[case]
+    body = {"model": MODEL_NAME, "max_tokens": 4, **extra, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(headers=auth) as session:
+        async with session.post(server.url + path, json=body) as response:
+            assert response.status == 200
+            whole = _stream_events(await response.read())
+        first_body = {**body, "kv_transfer_params": {"first_token_events": True}}
+        async with session.post(server.url + path, json=first_body) as response:
+            assert response.status == 200, await response.text()
+            first = (await response.json())["pdserve_first_token"]
+        rest_body = {**body, "kv_transfer_params": {"generated_token_ids": first["token_ids"]}}
+        async with session.post(server.url + path, json=rest_body) as response:
+            assert response.status == 200, await response.text()
+            rest = _stream_events(await response.read())
+    glued = first["events"] + rest
+    assert _finish(whole) == "stop"
+    assert _text(glued) == _text(whole)
+    assert _finish(glued) == _finish(whole)
+    assert _stop_reason(glued) == _stop_reason(whole)
+    assert all(not c.get("finish_reason") for e in first["events"] for c in e["choices"])
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert _usage(rest)[key] == _usage(whole)[key], key

@@ -170,8 +170,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        # The last step scheduled nothing, returned nothing and left nothing in flight: the
-        # queue's head waits for blocks that only a transfer (or an abort) frees.
+        # The last step scheduled nothing, returned nothing, left nothing in flight and
+        # applied no finished transfer: the queue's head waits for blocks that only a
+        # transfer (or an abort) frees.
         self.stalled = False
         self._asleep: ReleasedWeights | None = None  # sleep mode: what the weights kept
         self._sleep_level = 0  # 0 awake; else until both weights and KV cache are back
@@ -359,6 +360,7 @@ class EngineCore:
             self.host_kv.poll()  # downloads that landed may serve this pass's lookups
         outputs = self._land_loads()
         scheduler_output = self.scheduler.schedule()
+        transfer_updates = self.scheduler.transfer_updates
         launched = self.runner.launch(scheduler_output)
         if self._in_flight is not None:
             outputs += self._complete(*self._in_flight)
@@ -370,8 +372,11 @@ class EngineCore:
         self.step_watch.observe(time.perf_counter() - started,
                                 scheduler_output.total_num_scheduled_tokens,
                                 len(scheduler_output.num_scheduled_tokens))
+        # Stalled only if collecting this step changed nothing the next pass could use (a
+        # send that freed blocks, a load that landed or failed is applied after the pass).
         self.stalled = not (scheduler_output.total_num_scheduled_tokens or outputs
-                            or self._in_flight is not None)
+                            or self._in_flight is not None
+                            or self.scheduler.transfer_updates != transfer_updates)
         return outputs
 
     def _land_loads(self) -> list[EngineOutput]:

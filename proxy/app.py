@@ -81,7 +81,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         max_response_bytes=config.max_response_bytes, write_timeout_s=config.write_timeout_s,
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
-        prefill_overflow=config.prefill_overflow,
+        prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

@@ -160,8 +160,8 @@ class Dispatcher:
                  metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False,
-                 prefill_overflow: int = 0, write_timeout_s: float = 60.0
-                 ) -> None:
+                 prefill_overflow: int = 0, write_timeout_s: float = 60.0,
+                 limiter: InflightLimiter | None = None) -> None:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -177,6 +177,9 @@ class Dispatcher:
         # Work that outlives its client request: settling a leg whose outcome decides
         # whether P must drop KV, and the releases themselves (``aclose`` ends them).
         self._background: set[asyncio.Task[None]] = set()
+        # Each background task holds a slot of the client requests' limiter (--max-inflight)
+        # while it runs: a leg left running is load on its worker like a client's request.
+        self.limiter = limiter or InflightLimiter(1 << 30)
 
     async def aclose(self) -> None:
         """Cancel the background settles and releases (shutdown, before the session closes)."""
@@ -185,13 +188,23 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> bool:
+        """Run ``work`` in the background under a slot of the limiter; False (``work``
+        closed unrun) when every slot is taken: the caller then cuts its leg and leaves P's
+        KV to its lease, as before background settles existed, so refusals that arrive
+        faster than P computes cannot pile up work beyond --max-inflight."""
+        if not self.limiter.try_acquire():
+            work.close()
+            self.metrics.kv_releases.labels("skipped").inc()
+            return False
         task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return True
 
     def _background_done(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
+        self.limiter.release()
         if not task.cancelled() and task.exception() is not None:
             logger.error("background work failed", exc_info=task.exception())
 
@@ -266,8 +279,7 @@ class Dispatcher:
                     d_response = await self._decode_response(d_task, d_leg)
                     if not 200 <= d_response.status < 300:  # D refused: its answer stands
                         if _took_nothing(d_response.status):
-                            self._spawn(self._settle_prefill(p_task, p_leg, held))
-                            p_settling = True
+                            p_settling = self._spawn(self._settle_prefill(p_task, p_leg, held))
                         return await self._forward_refusal(d_response, d_leg, attempt_id)
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
             if isinstance(verdict, web.Response):
@@ -461,8 +473,7 @@ class Dispatcher:
                         # KV) or not (P must be told) would stay unknown.
                         await asyncio.wait({d_task})
                     except asyncio.CancelledError:
-                        self._spawn(self._settle_decode(d_task, d_leg, held))
-                        settling = True
+                        settling = self._spawn(self._settle_decode(d_task, d_leg, held))
                         raise
                     d_response = d_task.result()
                     if d_response.status == 503 and attempt + 1 < self.max_attempts:

@@ -86,8 +86,9 @@ class ProxyMetrics:
             P + "kv_releases",
             "Requests to drop KV a prefill worker held for a decode leg that will never pull "
             "it (D refused the request, or its client left before any D took it), sent "
-            "through the decode worker, by result ('released' or 'failed': the KV then "
-            "waits for its lease)", ["result"], registry=r)
+            "through the decode worker, by result ('released'; 'failed' or 'skipped' (every "
+            "--max-inflight slot taken, the leg cut): the KV then waits for its lease)",
+            ["result"], registry=r)
         self.client_write_timeouts = Counter(
             P + "client_write_timeouts",
             "Streams cut because the client took no bytes for --write-timeout (it stopped "

@@ -84,6 +84,9 @@ class Scheduler:
         # Outputs produced outside a model step (aborts, failed loads) wait here.
         self._pending_outputs: list[EngineOutput] = []
         self.counters = SchedulerCounters()
+        # Finished transfers applied so far: each may free blocks or queue a request, so a
+        # pass that follows one may schedule what the pass before could not.
+        self.transfer_updates = 0
 
     # ---- queue management -------------------------------------------------------------
 
@@ -380,6 +383,8 @@ class Scheduler:
         ones (after a step, or before a pass for loads landed early)."""
         outputs: list[EngineOutput] = []
         self.connector.update_finished(finished)
+        if finished.sending or finished.recving or finished.failed_recving:
+            self.transfer_updates += 1
         # Held for a send that finished, or (consumer) for a load still writing into the
         # blocks when its request ended: the load's end is reported like any other.
         for request_id in finished.sending | finished.recving | finished.failed_recving:

@@ -133,3 +133,28 @@ async def test_a_failed_release_is_counted_and_left_to_the_lease(make_worker, ma
     await _background_done(client, wait_until)
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_kv_releases_total{result="failed"} 1.0' in metrics
+
+
+async def test_background_settles_count_against_max_inflight(make_worker, make_proxy,
+                                                             wait_until) -> None:
+    """A P leg left running after D's quick 4xx holds a --max-inflight slot until it ends;
+    with every slot taken the leg is cut instead (its KV left to the lease, counted as
+    skipped), so refusals faster than P computes cannot pile up prefills past the limit."""
+    p, d = await make_worker("P", delay_s=1.0), await make_worker("D", "error400")
+    client = await make_proxy(p, d, max_inflight=2)
+    dispatcher = client.server.app[keys.DISPATCHER]
+    statuses = []
+    for _ in range(4):
+        resp = await client.post("/v1/completions", json=PROMPT)
+        statuses.append(resp.status)
+        await resp.read()
+        assert len(dispatcher._background) <= 1  # + this request's own slot = the limit
+    assert statuses == [400] * 4
+    assert len(dispatcher._background) == 1  # the first P leg; the later ones were cut
+    assert client.server.app[keys.LIMITER].count == 1
+    assert len(p.cancelled) == 3
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_kv_releases_total{result="skipped"} 3.0' in metrics
+    await _background_done(client, wait_until)
+    await wait_until(lambda: d.releases, timeout_s=3.0)
+    assert client.server.app[keys.LIMITER].count == 0

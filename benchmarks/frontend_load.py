@@ -43,6 +43,7 @@ class TokenPumpEngine:
         self.max_model_len = 4096
         self.eos_token_ids: list[int] = []
         self.sleep_level = 0
+        self.stalled = False  # every step it has work for emits (the engine loop reads it)
         self._step_s = step_ms / 1e3
         self._next_step = time.monotonic()
         self._running: dict[str, list[int]] = {}  # request id -> [emitted, max_tokens, prompt]

@@ -276,8 +276,11 @@ class ServerMetrics:
         (None if it generated none). (The token counters come from the engine.)
 
         As vLLM V1's finished-request stats: a request that finished by stop, length or
-        abort (its client left, or it was aborted) is counted under that reason and in the
-        per-request histograms; one that failed (an error) is in none of them."""
+        abort (as the engine reports it) is counted under that reason and in the
+        per-request histograms; one that failed (an error) or that its client left (no
+        finish reason: vLLM drops its state without stats) is in none of them.
+        ``max_tokens``: the request's effective limit (vLLM resolves an absent one to the
+        rest of the context before recording it)."""
         if finish_reason in FINISHED_REASONS:
             self.e2e.labels(*self._label_values).observe(e2e_seconds)
             # As vLLM: every finished request, 0 for one without a second token.

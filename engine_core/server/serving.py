@@ -350,17 +350,17 @@ class OpenAIServing:
                     if delta.finished:
                         # A stop string ended it here: closing the stream aborts it in the engine.
                         break
-        except (asyncio.CancelledError, GeneratorExit):
-            # Left before its end (client gone, a sibling sample failed, shutdown): closing
-            # the engine stream aborted it, and vLLM counts it as finished by "abort".
-            finish_reason = finish_reason or "abort"
-            raise
         finally:
+            # A request left before its end (client gone, a sibling sample failed, shutdown)
+            # has no finish reason and, as in vLLM, no finished-request stats: its engine
+            # stream was closed, which aborted it there.
             decode_s = (None if first_token_time is None or last_token_time is None
                         else last_token_time - first_token_time)
+            max_tokens = (params.max_tokens if params.max_tokens is not None
+                          else self.tokenizer.max_model_len - len(job.prompt_token_ids))
             self.metrics.observe_finished(time.monotonic() - arrival, finish_reason,
                                           len(job.prompt_token_ids),
-                                          max(0, num_output - len(generated)), params.max_tokens,
+                                          max(0, num_output - len(generated)), max_tokens,
                                           decode_s)
 
     async def _run_jobs(self, jobs: list[_Job], handoff: protocol.Handoff

@@ -310,16 +310,19 @@ class OpenAIServing:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def _generate(self, job: _Job, generated: list[int]) -> AsyncIterator[RequestDelta]:
+    async def _generate(self, job: _Job, generated: list[int],
+                        arrival: float) -> AsyncIterator[RequestDelta]:
         """Deltas of one engine request, with metrics; stops the engine on a stop string.
 
         A request continuing after ``generated`` tokens (the client got their text from
-        the prefill worker, which observed the time to first token) streams what follows."""
+        the prefill worker, which observed the time to first token) streams what follows.
+        ``arrival``: when the HTTP request arrived, shared by all its samples (a sample
+        that waits for sample 0's first token still counts that wait, as vLLM's children
+        share their parent's arrival)."""
         params = job.params
         state = RequestState.create(job.request_id, job.prompt_token_ids, params,
                                     self.tokenizer.tokenizer, self._token_texts)
         state.assume_delivered(generated)
-        arrival = time.monotonic()
         first_token_time: float | None = None
         last_token_time: float | None = None
         finish_reason, num_output = None, 0
@@ -373,12 +376,13 @@ class OpenAIServing:
             raise InvalidRequestError("generated_token_ids cannot be combined with stop "
                                       "strings or logprobs", "kv_transfer_params")
         started = [asyncio.Event() for _ in jobs]  # set at a job's first delta (or its end)
+        arrival = time.monotonic()
 
         async def pump(index: int, job: _Job) -> None:
             try:
                 if job.after is not None:
                     await started[job.after].wait()
-                async for delta in self._generate(job, handoff.generated_token_ids):
+                async for delta in self._generate(job, handoff.generated_token_ids, arrival):
                     started[index].set()
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))

@@ -1,0 +1,53 @@
+"""A decode worker's later samples of a prompt wait for sample 0's first token (its KV lands
+and is cached by then); their time to first token still counts from the HTTP request's
+arrival, as vLLM's child requests share their parent's arrival time. They used to count
+from the end of that wait, so a D's TTFT histogram left out the KV transfer for n - 1 of
+every n samples."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from engine_core.demo_model import demo_model_path
+from engine_core.messages import EngineOutput
+from engine_core.sampling_params import SamplingParams
+from engine_core.server import protocol
+from engine_core.server.metrics import ServerMetrics
+from engine_core.server.serving import OpenAIServing
+from engine_core.server.tokenization import TokenizerService
+
+WAIT_S = 0.3
+
+
+class _SlowFirstSample:
+    """Engine client: sample 0's first token comes after ``WAIT_S`` (its KV transfer);
+    every sample then answers one token and finishes."""
+
+    async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
+                       kv_transfer_params: Any = None, generated_token_ids: Any = ()):
+        if (kv_transfer_params or {}).get("do_remote_prefill"):
+            await asyncio.sleep(WAIT_S)
+        yield EngineOutput(request_id, [5], len(prompt_token_ids), 0, finish_reason="length")
+
+
+@pytest.mark.asyncio
+async def test_every_sample_counts_its_time_to_first_token_from_the_arrival() -> None:
+    tokenizer = TokenizerService.load(str(demo_model_path()), 256, 1000)
+    metrics = ServerMetrics("demo")
+    serving = OpenAIServing(_SlowFirstSample(), tokenizer, ["demo"], metrics)
+    transfer = {"do_remote_prefill": True, "transfer_id": "t",
+                "remote_kv_address": "127.0.0.1:1"}
+    jobs = serving._jobs("r", [[1, 2, 3]], SamplingParams(n=3, max_tokens=1), transfer,
+                         protocol.Handoff())
+    assert [job.after for job in jobs] == [None, 0, 0]
+    async for _ in serving._run_jobs(jobs, protocol.Handoff()):
+        pass
+    ttft = metrics.ttft.labels(*metrics._label_values)
+    observed = {s.name: s.value for s in ttft.collect()[0].samples
+                if s.name.endswith(("_sum", "_count"))}
+    assert observed["vllm:time_to_first_token_seconds_count"] == 3
+    assert observed["vllm:time_to_first_token_seconds_sum"] >= 3 * WAIT_S * 0.9
+    tokenizer.close()

@@ -301,9 +301,20 @@ class ServerMetrics:
             max_output_tokens)
 
     def observe_breakdown(self, timings: dict[str, float]) -> None:
-        """One finished request's ``pdserve_timings`` (milliseconds) into the histograms."""
+        """One finished request's ``pdserve_timings`` (milliseconds) into the histograms.
+
+        On a decode worker the vLLM series take vLLM's meaning: a request is scheduled
+        once its remote KV has landed and it runs, so its queue time spans the KV wait up
+        to its first compute step, and its prefill time is that step to the first token
+        (``pdserve:request_kv_wait_seconds`` and the like keep the finer split)."""
+        values = dict(timings)
+        if "kv_wait_ms" in timings:
+            values["queue_ms"] = sum(timings.get(key, 0.0) for key in
+                                     ("queue_ms", "kv_wait_ms", "decode_queue_ms"))
+            if "first_step_ms" in timings:
+                values["prefill_ms"] = timings["first_step_ms"]
         for key, histogram in self.breakdown.items():
-            value = timings.get(key)
+            value = values.get(key)
             if value is not None:
                 histogram.labels(*self._label_values).observe(max(0.0, value) / 1e3)
 

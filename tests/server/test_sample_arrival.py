@@ -51,3 +51,22 @@ async def test_every_sample_counts_its_time_to_first_token_from_the_arrival() ->
     assert observed["vllm:time_to_first_token_seconds_count"] == 3
     assert observed["vllm:time_to_first_token_seconds_sum"] >= 3 * WAIT_S * 0.9
     tokenizer.close()
+
+
+def test_a_decode_workers_vllm_queue_and_prefill_times_mean_what_vllms_do() -> None:
+    """vLLM schedules a D request once its KV landed: its queue time spans the KV wait, and
+    its prefill time is the first compute step (it had none: the prefill series missed
+    every D request, and the queue series read ~0)."""
+    metrics = ServerMetrics("demo")
+    metrics.observe_breakdown({"queue_ms": 1.0, "kv_wait_ms": 200.0, "decode_queue_ms": 4.0,
+                               "first_step_ms": 20.0, "decode_ms": 100.0})
+    labels = metrics._label_values
+
+    def total(name: str) -> float:
+        histogram = metrics.breakdown[name].labels(*labels)
+        return next(s.value for s in histogram.collect()[0].samples if s.name.endswith("_sum"))
+
+    assert total("queue_ms") == pytest.approx(0.205)
+    assert total("prefill_ms") == pytest.approx(0.020)
+    assert total("kv_wait_ms") == pytest.approx(0.200)
+    assert total("first_step_ms") == pytest.approx(0.020)

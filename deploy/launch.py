@@ -31,16 +31,32 @@ logger = logging.getLogger("pdserve.launch")
 HOST = "127.0.0.1"
 
 
+def tcp_port(text: str) -> int:
+    """A TCP port to listen on: 1-65535 (a bad one used to surface only once the workers
+    had started, when the proxy failed to bind)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port in 1-65535")
+    return port
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    parser.add_argument("--colocated", type=int, default=0,
+    from engine_core.arg_utils import non_negative_int, positive_int, positive_seconds
+
+    parser.add_argument("--prefill", type=non_negative_int, default=1,
+                        help="number of prefill workers")
+    parser.add_argument("--decode", type=non_negative_int, default=1,
+                        help="number of decode workers")
+    parser.add_argument("--colocated", type=non_negative_int, default=0,
                         help="number of colocated workers (pdserve serve; whole requests go to "
                              "them when no P/D pair serves the model)")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: demo model)")
     parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
-    parser.add_argument("--port", type=int, default=10001, help="proxy HTTP port")
-    parser.add_argument("--registration-port", type=int, default=None,
+    parser.add_argument("--port", type=tcp_port, default=10001, help="proxy HTTP port")
+    parser.add_argument("--registration-port", type=tcp_port, default=None,
                         help="proxy registration port (default: a free one)")
     parser.add_argument("--gpus", default=None,
                         help="comma-separated GPU ids, one per worker; an id may repeat "
@@ -51,8 +67,6 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restart", action="store_true",
                         help="restart a child that dies (backing off 0.5 s, doubling up to "
                              "30 s), up to --max-restarts per --restart-window")
-    from engine_core.arg_utils import positive_int, positive_seconds
-
     parser.add_argument("--max-restarts", type=positive_int, default=None, metavar="N",
                         help="with --restart: a child that needs more than N restarts within "
                              "--restart-window is crash looping; the launcher then stops "
@@ -66,7 +80,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for every worker to be registered and healthy "
                              "(default: the engine startup timeout + 60, at least "
                              f"{MIN_STARTUP_TIMEOUT_S:g})")
-    parser.add_argument("--stop-timeout", type=float, default=15.0,
+    parser.add_argument("--stop-timeout", type=positive_seconds, default=15.0,
                         help="seconds between SIGTERM and SIGKILL at shutdown")
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=2.0,
                         help="seconds between a worker's heartbeats (the proxy drops a worker "
@@ -623,8 +637,31 @@ def supervise(proxy: Child, workers: list[Child], policy: RestartPolicy | None,
     return 0
 
 
+def check_topology(args: argparse.Namespace) -> None:
+    """Refuse a cluster that cannot answer a request (no decode or colocated worker, or
+    prefill workers with no decode worker to hand to), and the proxy's ports when taken."""
+    from engine_core.errors import ConfigError
+    from engine_core.server.api_server import check_port_free
+
+    if args.prefill and not args.decode:
+        raise ConfigError(f"--prefill {args.prefill} without a decode worker: prefill workers "
+                          "hand their KV to decode workers (use --decode, or --prefill 0)")
+    if args.decode == 0 and args.colocated == 0:
+        raise ConfigError("--decode and --colocated are both 0: nothing would serve requests")
+    check_port_free(HOST, args.port)
+    if args.registration_port is not None:
+        check_port_free(HOST, args.registration_port)
+
+
 def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -> int:
     # Flag errors before anything starts (the children's flags are built again with ports).
+    from engine_core.errors import ConfigError
+
+    try:
+        check_topology(args)
+    except ConfigError as exc:
+        print(f"pdserve launch: {exc}", file=sys.stderr, flush=True)
+        return 2
     policy = restart_policy(args)
     proxy_argv(args)
     worker_server_argv(args)

@@ -99,8 +99,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 def run_proxy(args: argparse.Namespace) -> int:
     """Run the proxy until SIGINT/SIGTERM; return the exit code."""
+    from engine_core.server.api_server import check_port_free
+
     try:
         config = config_from_args(args)
+        # A taken port is one clear line, not an asyncio traceback after startup.
+        check_port_free(config.host, config.port)
+        if config.registration_port:
+            check_port_free(config.registration_bind_host, config.registration_port)
     except ConfigError as exc:
         logger.error("%s", exc)
         return 2

@@ -109,7 +109,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:
         request_id = request.get(REQUEST_ID_KEY, "-")
         status = error_status(exc)
-        if status == 503:  # asleep, engine gone, no worker: a state, not a bug
+        if isinstance(exc, ConnectionError):  # the client left: nobody reads the answer
+            logger.info("request %s: the client went away (%s)", request_id, exc)
+        elif status == 503:  # asleep, engine gone, no worker: a state, not a bug
             logger.warning("request %s refused (503): %s", request_id, exc)
         elif status >= 500:
             logger.exception("request %s failed", request_id)

@@ -149,6 +149,20 @@ def request_id_of(request: web.Request) -> str:
     return given
 
 
+def _check_client_connected(request: web.Request) -> None:
+    """Refuse to start engine work for a client already gone.
+
+    aiohttp cancels a running handler when its connection closes, which aborts its engine
+    requests; but a connection that closed before the handler started (a proxy that sent
+    a leg and abandoned it at once, say after its prefill worker died) cancels nothing, and
+    a decode request waiting for remote KV writes nothing that would fail: it stayed in
+    the engine, holding blocks, until its load timed out and it was recomputed for nobody."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client closed its connection before the request "
+                                   "started")
+
+
 def engine_request_id(request_id: str) -> str:
     """The engine's id for one HTTP request's work: the client's id (still what response
     ids, the X-Request-Id header and logs show) plus a unique suffix, so that concurrent
@@ -476,6 +490,7 @@ class OpenAIServing:
         jobs = self._jobs(engine_request_id(request_id), prompts, parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
         stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
+        _check_client_connected(request)
         events = self._run_jobs(jobs, parsed.handoff)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
@@ -542,6 +557,7 @@ class OpenAIServing:
         jobs = self._jobs(engine_request_id(request_id), [prompt], parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
         stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
+        _check_client_connected(request)
         events = self._run_jobs(jobs, parsed.handoff)
         head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
         chunk_head = {**head, "object": "chat.completion.chunk"}
@@ -715,6 +731,9 @@ class OpenAIServing:
         if isinstance(exc, ConnectionError):
             raise exc
         status, body = exception_body(exc)
-        log = logger.exception if status >= 500 else logger.info
-        log("request %s failed mid-stream: %s", request_id, exc)
+        if status == 503:  # shutting down, engine gone: a state, not a bug (no traceback)
+            logger.warning("request %s ended mid-stream (503): %s", request_id, exc)
+        else:
+            log = logger.exception if status >= 500 else logger.info
+            log("request %s failed mid-stream: %s", request_id, exc)
         await streaming.send_event(sse, body)

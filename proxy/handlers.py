@@ -1,5 +1,5 @@
 """HTTP routes of the proxy: OpenAI endpoints, /v1/models, /tokenize, /detokenize, /version,
-/health (and /ping), /metrics, /instances."""
+/health (and /ping), /ready, /metrics, /instances."""
 
 from __future__ import annotations
 
@@ -233,6 +233,19 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "workers": counts})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """GET /ready: readiness, for a load balancer or a Kubernetes readiness probe. 200 when
+    at least one model can be answered now (a decode or colocated worker registered), else
+    503, so traffic leaves a proxy whose workers are all gone while /health
+    (liveness) stays 200 and the process is not restarted for it."""
+    registry = request.app[keys.REGISTRY]
+    servable = registry.servable_models()
+    counts = {role: len(registry.workers(role)) for role in ROLES}
+    body = {"status": "ready" if servable else "not_ready", "models": servable,
+            "workers": counts}
+    return web.json_response(body, status=200 if servable else 503)
+
+
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text."""
     body = request.app[keys.METRICS].render()
@@ -260,6 +273,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
+    app.router.add_get("/ready", ready)
     app.router.add_post("/ping", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", instances)

@@ -117,3 +117,18 @@ async def test_cards_are_asked_again_after_their_ttl(make_worker, proxy_clock) -
         d.card = None  # its /v1/models now fails
         proxy_clock.advance(CARD_TTL_S + 1)
         assert await length() == 32
+
+
+async def test_ready_says_whether_any_model_can_be_answered(make_worker, make_proxy) -> None:
+    """/ready is readiness (503 while no decode or colocated worker is registered: a
+    cluster of prefill workers alone answers nothing); /health stays liveness (200)."""
+    client = await make_proxy(await make_worker("P"))
+    resp = await client.get("/ready")
+    assert resp.status == 503
+    body = await resp.json()
+    assert body["status"] == "not_ready" and body["models"] == []
+    assert (await client.get("/health")).status == 200
+    served = await make_proxy(await make_worker("P"), await make_worker("D"))
+    resp = await served.get("/ready")
+    assert resp.status == 200
+    assert (await resp.json())["models"] == [MODEL]

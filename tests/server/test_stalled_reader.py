@@ -10,11 +10,13 @@ the server's writes fill after a few hundred KiB of events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -264,17 +266,8 @@ async def test_a_stalled_write_ends_the_handler_with_or_without_handler_cancella
             ended.set_result(type(exc))
             raise
 
-    app = web.Application()
-    app.router.add_get("/", endless)
-    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        sock = _small_window_client(runner.addresses[0][1])
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock, limit=SMALL_WINDOW)
-        writer.write(b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
+    async with _served_to_a_small_window(endless, handler_cancellation,
+                                         SMALL_WINDOW) as (reader, writer):
         started = asyncio.get_running_loop().time()
         assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
         how = await asyncio.wait_for(ended, 10)  # reading nothing more meanwhile
@@ -284,7 +277,29 @@ async def test_a_stalled_write_ends_the_handler_with_or_without_handler_cancella
         assert bound_s <= waited < bound_s + 5 and stalls == [1]
         # What the server's socket held, then the end: the endless stream stopped for good.
         await asyncio.wait_for(_read_until_eof(reader), 5)
-        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _served_to_a_small_window(handler: Any, handler_cancellation: bool, limit: int
+                                    ) -> AsyncIterator[tuple[asyncio.StreamReader,
+                                                             asyncio.StreamWriter]]:
+    """``handler`` served at ``/`` by its own runner, and a client with a small receive
+    window that has sent ``GET /`` (its reader and writer; closed and cleaned up after)."""
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        sock = _small_window_client(runner.addresses[0][1])
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=limit)
+        writer.write(b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
     finally:
         await runner.cleanup()
 
@@ -333,24 +348,11 @@ async def test_a_slow_but_steady_reader_is_not_cut_off() -> None:
         await stream.write_eof()
         return stream.response
 
-    app = web.Application()
-    app.router.add_get("/", big_writes)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        sock = _small_window_client(runner.addresses[0][1])
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock, limit=32 << 10)
-        writer.write(b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
+    async with _served_to_a_small_window(big_writes, True, 32 << 10) as (reader, _writer):
         received = 0
         while received < chunk * chunks:  # the body, then chunked encoding's last lines
             data = await asyncio.wait_for(reader.read(32 << 10), 10)
             assert data, f"the connection ended after {received} bytes"
             received += len(data)
             await asyncio.sleep(0.01)  # at most ~3 MB/s
-        writer.close()
-        assert stalls == []
-    finally:
-        await runner.cleanup()
+    assert stalls == []

@@ -65,25 +65,14 @@ class EngineInfo:
     num_free_blocks: int
 
 
-# What an engine rejection can name: its messages start with the parameter ("logit_bias
-# token ids must be in [0, V)"), and only the text crosses the socket, not the param.
-_REQUEST_PARAMS = frozenset({*SamplingParams.__dataclass_fields__, "prompt"})
-
-
-def _param_named(detail: str) -> str | None:
-    """The request parameter an engine error message is about, if it starts with one."""
-    first = detail.split(" ", 1)[0]
-    return first if first in _REQUEST_PARAMS else None
-
-
-def request_error(message: str | None) -> PdserveError:
+def request_error(message: str | None, param: str | None = None) -> PdserveError:
     """Rebuild the exception an engine reported as ``"TypeName: message"`` (an invalid
-    request with the parameter it names, for the error body's ``param``)."""
+    request with the parameter it names, ``param``, for the error body)."""
     text = message or "request failed in the engine"
     name, _, detail = text.partition(": ")
     klass = getattr(errors, name, None)
     if isinstance(klass, type) and issubclass(klass, InvalidRequestError) and detail:
-        return klass(detail, _param_named(detail))
+        return klass(detail, param)
     if isinstance(klass, type) and issubclass(klass, PdserveError) and detail:
         return klass(detail)
     return PdserveError(text)
@@ -416,7 +405,7 @@ class AsyncEngineClient:
                     raise item
                 if item.finish_reason == "error":
                     finished = True
-                    raise request_error(item.error)
+                    raise request_error(item.error, item.error_param)
                 finished = item.finish_reason is not None
                 yield item
         finally:

@@ -153,7 +153,8 @@ class EngineCoreProc:
             self._send(EngineOutputs(outputs=[EngineOutput(
                 request_id=message.request_id, new_token_ids=[],
                 num_prompt_tokens=len(message.prompt_token_ids), num_cached_tokens=0,
-                finish_reason="error", error=error)]))
+                finish_reason="error", error=error,
+                error_param=exc.param if isinstance(exc, InvalidRequestError) else None)]))
 
     def _utility(self, call: UtilityCall) -> None:
         try:

@@ -88,6 +88,7 @@ class EngineOutput:
     new_logprobs: list[TokenLogprob] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    error_param: str | None = None  # the request parameter an invalid request's error names
     timings: RequestTimings | None = None
 
 

@@ -886,8 +886,8 @@ class P2pConnectorWorker:
         A job still queued behind other sends to this consumer is dropped unsent: its peer
         sender reports it at once (``on_done``: the blocks go back, the id is tombstoned) and
         the abort that answers lets the consumer free the receive bytes it reserved (on NCCL
-        it keeps them until this answer, which used to be the whole transfer arriving after
-        the jobs ahead of it). A job the sender thread already took runs in full: the
+        it keeps them until this answer, which must not wait for the whole transfer to
+        arrive after the jobs ahead of it). A job the sender thread already took runs in full: the
         release crossed it, and its header answers the consumer. The sender decides which,
         under the job's lock, so a job is never half sent. As for a waiting pull, only the
         consumer address that pulled may release (refused, logged and counted otherwise)."""
@@ -994,7 +994,7 @@ class P2pConnectorWorker:
 
     def _fail_unposted(self, load: _Load, header: KVSendHeader, exc: Exception) -> None:
         """A header accepted but its receives could not be posted: the load fails at once
-        (it used to sit in RECEIVING, nothing posted, until its deadline) and the producer's
+        (never left in RECEIVING, nothing posted, until its deadline) and the producer's
         pair is aborted, so its data calls fail instead of stalling."""
         with self._lock:
             if load.state == RECEIVING:
@@ -1052,8 +1052,9 @@ class P2pConnectorWorker:
 
     def _on_abort(self, message: KVSendAbort) -> None:
         """Fail the load the abort names. Once a header was accepted only its producer may
-        abort: an abort from another address used to fail the load and abort that address's
-        pair, leaving the real producer's receives posted into a buffer about to be freed."""
+        abort: an abort from another address must not fail the load and abort that address's
+        pair, which would leave the real producer's receives posted into a buffer about to be
+        freed."""
         with self._lock:
             load = self._loads.get(message.transfer_id)
             if load is None or load.state not in (REQUESTED, RECEIVING):

@@ -490,7 +490,7 @@ class P2pConnectorWorker:
           still be received into them: refused, P's data calls would stay unmatched on the
           pair and D would have to abort it, failing every other transfer on it.
         - RECEIVING: receives are posted or data is landing; freed when the data landed (or
-          the pair is drained after a failure), as before.
+          the pair is drained after a failure).
         """
         with self._lock:
             requested: list[_Load] = []

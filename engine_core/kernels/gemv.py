@@ -122,7 +122,7 @@ WIDE_TILING = GemvTiling(64, 128, 4, 4)
 # first loads then find them in L2. H100, Qwen3-8B layer graph at batch 1: 150.1-150.7 us
 # a layer without, 148.3-148.5 with one chunk, 148.1-150.3 with two, 150.0-152.4 with four,
 # 156.2 with eight (more requests than the window hides); the 8B b1 step 5.849-5.851 ->
-# 5.784 ms with one chunk (docs/PERFORMANCE.md).
+# 5.784 ms with one chunk.
 PREFETCH_CHUNKS = 1
 
 
@@ -161,7 +161,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     with ``silu_mul``, whose successor is the down projection's GEMV: scheduled early, its
     programs pile onto the SMs that gate/up frees first and stream at a fraction of the
     bandwidth (Qwen3-8B layer graph on an H200: 132.2 us a layer, 112.6 with the late
-    trigger, against 113.9 with the separate SiLU kernel; docs/PERFORMANCE.md).
+    trigger, against 113.9 with the separate SiLU kernel).
 
     ``prefetch_chunks``: K chunks of each program's rows of ``weight`` requested into L2
     before the PDL wait (a power of two; None: ``PREFETCH_CHUNKS``; only with PDL).

@@ -32,8 +32,8 @@ HOST = "127.0.0.1"
 
 
 def tcp_port(text: str) -> int:
-    """A TCP port to listen on: 1-65535 (a bad one used to surface only once the workers
-    had started, when the proxy failed to bind)."""
+    """A TCP port to listen on: 1-65535, checked at parse time so a bad one never surfaces
+    only once the workers have started, when the proxy fails to bind."""
     try:
         port = int(text)
     except ValueError:

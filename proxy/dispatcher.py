@@ -191,7 +191,7 @@ class Dispatcher:
     def _spawn(self, work: Coroutine[Any, Any, None]) -> bool:
         """Run ``work`` in the background under a slot of the limiter; False (``work``
         closed unrun) when every slot is taken: the caller then cuts its leg and leaves P's
-        KV to its lease, as before background settles existed, so refusals that arrive
+        KV to its lease, so refusals that arrive
         faster than P computes cannot pile up work beyond --max-inflight."""
         if not self.limiter.try_acquire():
             work.close()

@@ -121,8 +121,8 @@ class InstanceRegistry:
             existing.suspect_until = None  # it is alive again
             return False
         # Legs already sent to this address still end against it: the new state keeps their
-        # count (before, they decremented a fresh zero and the in-flight count ran low, under
-        # --prefill-overflow's cap and least load's view).
+        # count (a fresh zero would run low as they end, under --prefill-overflow's cap and
+        # least load's view).
         self._workers[message.http_address] = WorkerState(
             role=message.role, http_address=message.http_address, model=message.model,
             zmq_address=message.zmq_address, version=message.version, load=message.load,

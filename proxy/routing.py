@@ -7,8 +7,8 @@ cluster rule on top of a policy:
    With ``prefill_overflow`` N, a P with N prefill legs in flight takes no more; when every
    P has N, D gets the original request and prefills it itself (conditional
    disaggregation: P's overload spills to D instead of queueing). D's own load is not
-   consulted: on two H100s, overflow into a D whose KV cache was full still served more
-   than the P queue did (docs/PERFORMANCE.md);
+   consulted: on two H100s, overflow into a D whose KV cache is full still serves more
+   than the P queue does (docs/PERFORMANCE.md, conditional disaggregation);
 2. else a colocated worker exists -> the whole request goes to it;
 3. else a decode worker exists (no prefill worker left, or the prefill leg failed on every
    one) -> decode-only: D gets the original request and prefills it itself;

@@ -426,7 +426,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
 
 def check_port_free(host: str | None, port: int) -> None:
     """Raise ConfigError when the HTTP port cannot be bound, before the engine starts: the
-    server binds only once the model is loaded, and a taken port used to show only then
+    server binds only once the model is loaded, and a taken port must not show only then
     (minutes on a GPU). A probe, not a reservation: a port taken in between still fails
     late, but the usual mistake is caught at once."""
     if port == 0:

@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import gc
 import itertools
-import json
 import logging
 import platform
 import random
@@ -55,6 +54,7 @@ from typing import Any
 import torch
 
 from benchmarks.model_shapes import write_model_dir
+from benchmarks.output import default_out, write_json
 from engine_core.config import (
     SPLIT_K_MLP_MODES,
     CacheConfig,
@@ -898,7 +898,8 @@ def parse_ints(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="raw results JSON")
+    parser.add_argument("--out", default=None,
+                        help="raw results JSON (default results/engine_speed/<time>.json)")
     parser.add_argument("--only", default=",".join(PARTS),
                         help=f"comma-separated parts among {','.join(PARTS)}")
     parser.add_argument("--smoke", action="store_true",
@@ -984,10 +985,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").setLevel(logging.WARNING)
     args = parse_args(argv)
     results = Bench(args).run()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
+    out = write_json(args.out or default_out("engine_speed"), results, indent=1)
     print(summarize(results))
+    print(f"results in {out}")
     return 1 if results["errors"] else 0
 
 

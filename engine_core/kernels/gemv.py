@@ -103,14 +103,14 @@ class GemvTiling(NamedTuple):
 
 
 # Tilings by weight shape, from a sweep of 20 tilings timed in CUDA graphs on an H200 over
-# distinct copies of each weight (benchmarks/decode_kernels.py, one row; docs/PERFORMANCE.md).
+# distinct copies of each weight (experiments/decode_kernels.py, one row; docs/PERFORMANCE.md).
 # Narrow column blocks keep enough programs in flight to stream a matrix of few rows at
 # full bandwidth (a 1024-column matrix still gets 64 programs); wide matrices (a fused
 # gate/up is 6x wider than deep) stream best with 64 columns a program, and 4096 columns
 # or more with 32 (Qwen3-8B qkv: 16.7 -> 14.9 us; gate/up 49.5 us with cuBLAS -> 48.4).
 # Deep matrices of many rows (Qwen3-8B's down projection, 4096 x 12288) stream best with
 # 512-wide K chunks: one row, distinct copies, 26.47 -> 25.37 us on an H200 and 38.13 ->
-# 36.67 on an H100 (benchmarks/decode_kernels.py --parts gemv, 2026-11-23 and -25).
+# 36.67 on an H100 (experiments/decode_kernels.py --parts gemv, 2026-11-23 and -25).
 NARROW_TILING = GemvTiling(16, 256, 2, 4)
 MEDIUM_TILING = GemvTiling(32, 256, 4, 4)
 DEEP_TILING = GemvTiling(32, 512, 4, 4)

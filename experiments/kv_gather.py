@@ -17,7 +17,7 @@ copy          a plain contiguous copy of the same bytes (the limit: each byte re
 
 GPU time (CUDA events, median of ``--iters``) and host time to issue, per request size.
 
-    source .device/env.sh && python3 -m benchmarks.kv_gather --out /tmp/kv_gather.json
+    source .device/env.sh && python3 -m experiments.kv_gather --out /tmp/kv_gather.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Why: the API server decodes every engine step's outputs on its event loop; at 75
 requests a step's batch took 10.6 ms (dev machine) while the type hints were worked out per
 value, and an H100 decode worker's loop stalled for seconds under load. Runs on CPU:
 
-    python3 -m benchmarks.codec_decode [--outputs 75] [--prompt-tokens 2048] [--reps 200]
+    python3 -m experiments.codec_decode [--outputs 75] [--prompt-tokens 2048] [--reps 200]
 """
 
 from __future__ import annotations

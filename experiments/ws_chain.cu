@@ -1,7 +1,7 @@
-// Experiment (benchmarks/ws_chain.py): the batch-1 GEMV chain of many decoder layers as one
+// Experiment (experiments/ws_chain.py): the batch-1 GEMV chain of many decoder layers as one
 // persistent kernel with a warp-specialised weight stream.
 //
-// Why: a persistent Triton GEMV chain (benchmarks/persistent_chain.py) kept too few bytes in
+// Why: a persistent Triton GEMV chain (experiments/persistent_chain.py) kept too few bytes in
 // flight per SM and was slower than separate kernels. Here each block (one per SM) has a
 // producer warp whose one thread streams the block's share of every weight, projection after
 // projection, into a ring of shared-memory slots with bulk async copies (cp.async.bulk +

@@ -24,7 +24,7 @@ gap_ms      tail_ms - copy_ms - the gather time after the last layer: how late t
 Uses only interfaces that predate the kv-major rewrite, so the same file measures an older
 checkout (``--label``) in the same device call.
 
-    source .device/env.sh && python3 -m benchmarks.kv_producer_hooks --out /tmp/hooks.json
+    source .device/env.sh && python3 -m experiments.kv_producer_hooks --out /tmp/hooks.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.kv_transfer import sleep_cycles_per_us
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 36, 16, 8, 128
 BYTES_PER_BLOCK = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
@@ -95,18 +97,6 @@ class DeviceCopyTransport:
 
     def close(self) -> None:
         return None
-
-
-def sleep_cycles_per_us() -> float:
-    """``torch.cuda._sleep`` cycles per microsecond, measured (clocks vary with the part)."""
-    cycles = 2_000_000
-    torch.cuda._sleep(cycles)  # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) * 1e3)
 
 
 def run(sizes_blocks: list[int], layer_us: list[float], trials: int,

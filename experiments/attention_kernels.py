@@ -6,7 +6,7 @@ prefill after a cached prefix, a full prefill, and RMSNorm(+residual) / RoPE of 
 batch. Each figure is the median of ``--iters`` CUDA-event timings after warm-up; the
 reference is what the engine runs with ``--attention-backend torch_ref``. Prints JSON.
 
-    python3 benchmarks/attention_kernels.py --out /tmp/attention_kernels.json
+    python3 experiments/attention_kernels.py --out /tmp/attention_kernels.json
 """
 
 from __future__ import annotations

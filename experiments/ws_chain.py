@@ -19,9 +19,9 @@ named ``ws_chain_<slot>_<slots>_<warps>.cubin`` instead where NVRTC is missing. 
 built on a machine without a GPU from an NVRTC library (``pip install
 nvidia-cuda-nvrtc-cu12``) and the ptxas that Triton ships:
 
-    python3 -m benchmarks.ws_chain --build-cubins .device/ws_chain \
+    python3 -m experiments.ws_chain --build-cubins .device/ws_chain \
         --nvrtc .../nvidia/cuda_nvrtc/lib/libnvrtc.so.12
-    python3 -m benchmarks.ws_chain --cubin-dir .device/ws_chain --out /tmp/ws_chain.json
+    python3 -m experiments.ws_chain --cubin-dir .device/ws_chain --out /tmp/ws_chain.json
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.decode_kernels import graph_us
-from benchmarks.persistent_chain import INTER, Chain, limits_and_baseline, make_layers
+from experiments.decode_kernels import graph_us
+from experiments.persistent_chain import INTER, Chain, limits_and_baseline, make_layers
 
 SOURCE = Path(__file__).with_name("ws_chain.cu")
 MAX_K = INTER

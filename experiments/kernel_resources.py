@@ -9,7 +9,7 @@ JSON with ``--out``). Run under the GPU machine's Triton release too (e.g. a ven
 ``--system-site-packages`` and that ``triton`` wheel): releases differ in what a kernel may
 use (Triton 3.6 rejects module globals that 3.9 accepts).
 
-    python3 -m benchmarks.kernel_resources [--out f.json]
+    python3 -m experiments.kernel_resources [--out f.json]
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def gemv_cases() -> list[dict[str, Any]]:
 
 def split_k_mlp_cases() -> list[dict[str, Any]]:
     """The one-launch MLP (gate/up, SiLU, down by float32 atomics) at its candidate tilings."""
-    from benchmarks.decode_kernels import SPLIT_K_MLP_CONFIGS
     from engine_core.kernels import split_k_mlp
+    from experiments.decode_kernels import SPLIT_K_MLP_CONFIGS
 
     fn = split_k_mlp._split_k_mlp_kernel
     types = {n: ("*fp32" if n == "acc_ptr" else "*bf16") if n.endswith("_ptr") else "i32"

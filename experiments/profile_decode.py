@@ -6,8 +6,8 @@ extra small kernel costs a few microseconds whether or not it is graphed. This d
 ``torch.profiler`` and prints each kernel's calls and GPU time per step (the kernels a graph
 replays are the same ones).
 
-    python3 -m benchmarks.profile_decode --model qwen3-8b --batch 1 --context 1024
-    python3 -m benchmarks.profile_decode --model qwen3-0.6b --out /tmp/profile.json
+    python3 -m experiments.profile_decode --model qwen3-8b --batch 1 --context 1024
+    python3 -m experiments.profile_decode --model qwen3-0.6b --out /tmp/profile.json
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ on the same card, in one run, beside the limits it is judged by:
 - ``floor`` = 36 GEMV-only layers + the faster lm_head; its ratio to the roofline is the
   best goal-1 ratio any step built on these kernels can reach.
 
-    source .device/env.sh && python3 -m benchmarks.decode_floor --out f.json
+    source .device/env.sh && python3 -m experiments.decode_floor --out f.json
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.decode_kernels import graph_us, layer_cases, rotating
 from benchmarks.engine_speed import measure_limits, time_ms
+from experiments.decode_kernels import graph_us, layer_cases, rotating
 
 HIDDEN, VOCAB, LAYERS, CONTEXT = 4096, 151936, 36, 1024
 # Qwen3-8B bytes a batch-1 decode step reads at context 1k (bf16): every weight but the

@@ -2,26 +2,26 @@
 # Every GPU check that is still owed, in one device call per stage, each writing its log and
 # JSON under $OUT (device time is scarce: run a stage, read its logs, fix, run again).
 #
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh engine    # one H200 (~9 min): graphs, HF equivalence, async, sleep mode, KV offload
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh cluster   # two GPUs (~7 min)
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh handoff   # two GPUs (~3 min): 1P1D with P's first token vs colocated, then report item 1 with it
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh pd1       # one GPU (~5 min): 1P1D on one GPU: equal to colocated (both first-token paths), long prompts
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE (or BASE_DIR; ATTN_CASES)
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh serve_ab  # one GPU (~10 min): serving with/without mixed graphs
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh host      # one GPU (~5 min): decode/mixed figures, host profile
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh report1   # one H200 (~5 min): the report's one-GPU pieces
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh report    # two GPUs (~10 min a call): the whole report (or REPORT_ONLY), resumable
-#   source .device/env.sh && bash benchmarks/gpu_validation.sh stall     # two GPUs (~3 min): 1P1D at 2k, 16 and 20 req/s again; D's loop-watch lines
+#   source .device/env.sh && bash experiments/gpu_validation.sh engine    # one H200 (~9 min): graphs, HF equivalence, async, sleep mode, KV offload
+#   source .device/env.sh && bash experiments/gpu_validation.sh kernels   # one H200 (~3 min): Triton kernel tests but decode
+#   source .device/env.sh && bash experiments/gpu_validation.sh decode    # one H200 (~6 min): the decode-attention kernel tests (185)
+#   source .device/env.sh && bash experiments/gpu_validation.sh cluster   # two GPUs (~7 min)
+#   source .device/env.sh && bash experiments/gpu_validation.sh handoff   # two GPUs (~3 min): 1P1D with P's first token vs colocated, then report item 1 with it
+#   source .device/env.sh && bash experiments/gpu_validation.sh pd1       # one GPU (~5 min): 1P1D on one GPU: equal to colocated (both first-token paths), long prompts
+#   source .device/env.sh && bash experiments/gpu_validation.sh offload_sleep  # one GPU (~7 min): KV offload, sleep mode
+#   source .device/env.sh && bash experiments/gpu_validation.sh speed     # one H200 (~8 min): benchmark, kernel sweep, profile
+#   source .device/env.sh && bash experiments/gpu_validation.sh lm_head   # one GPU (~8 min): goal 1's floor, LM-head GEMV A/B, tests
+#   source .device/env.sh && bash experiments/gpu_validation.sh attn_ab   # one GPU (~2 min): a decode-attention change A/B against BASE (or BASE_DIR; ATTN_CASES)
+#   source .device/env.sh && bash experiments/gpu_validation.sh mixed     # one GPU (~9 min): mixed-step graphs: tests, A/B
+#   source .device/env.sh && bash experiments/gpu_validation.sh worklist  # one GPU (~9 min): mixed steps' decode work list
+#   source .device/env.sh && bash experiments/gpu_validation.sh hooked    # one GPU (~6 min): hooked (prefill-worker) steps, graphs vs eager
+#   source .device/env.sh && bash experiments/gpu_validation.sh serve_ab  # one GPU (~10 min): serving with/without mixed graphs
+#   source .device/env.sh && bash experiments/gpu_validation.sh host      # one GPU (~5 min): decode/mixed figures, host profile
+#   source .device/env.sh && bash experiments/gpu_validation.sh transfer  # two GPUs (~3 min): connector vs raw NCCL, then its one-GPU parts
+#   source .device/env.sh && bash experiments/gpu_validation.sh async     # one H200 (~8 min): engine tests, decode A/B
+#   source .device/env.sh && bash experiments/gpu_validation.sh report1   # one H200 (~5 min): the report's one-GPU pieces
+#   source .device/env.sh && bash experiments/gpu_validation.sh report    # two GPUs (~10 min a call): the whole report (or REPORT_ONLY), resumable
+#   source .device/env.sh && bash experiments/gpu_validation.sh stall     # two GPUs (~3 min): 1P1D at 2k, 16 and 20 req/s again; D's loop-watch lines
 #
 # A stage keeps going after a failing step so one call reports everything; its exit code is
 # the number of failed steps. Logs and results go to a run folder packed into ONE file,
@@ -96,7 +96,7 @@ case "$STAGE" in
                 *H100*) base=2026-11-25-h100x2-1c3c702-ttft-overhead ;;
                 *) base=2026-11-24-h200x2-c154dff-ttft-overhead ;;
             esac
-            cp -r "benchmarks/results/serve/$base" "$RUN/report"
+            cp -r "results/serve/$base" "$RUN/report"
             rm -f "$RUN/report/summary.json" "$RUN/report/summary.md" \
                 "$RUN/report/raw/ttft_overhead__pd_handoff.json"
         fi
@@ -122,9 +122,9 @@ case "$STAGE" in
         ;;
     speed)
         step engine_speed 330 python3 -m benchmarks.engine_speed --out "$RUN/engine_speed.json"
-        step decode_kernels 200 python3 -m benchmarks.decode_kernels --parts gemv,attention,layer \
+        step decode_kernels 200 python3 -m experiments.decode_kernels --parts gemv,attention,layer \
             --rows 1,8 --no-attn-sweep --out "$RUN/decode_kernels.json"
-        step profile 90 python3 -m benchmarks.profile_decode --model qwen3-8b --model qwen3-0.6b \
+        step profile 90 python3 -m experiments.profile_decode --model qwen3-8b --model qwen3-0.6b \
             --out "$RUN/profile_decode.json"
         ;;
     mixed)
@@ -181,9 +181,9 @@ case "$STAGE" in
         # eager mixed steps (8B with a decoding batch of 16, the 0.6B at batch 1).
         step engine_speed 300 python3 -m benchmarks.engine_speed --only limits,decode,mixed,small \
             --out "$RUN/engine_speed.json"
-        step host_8b 120 python3 -m benchmarks.host_profile --model qwen3-8b --batch 16 \
+        step host_8b 120 python3 -m experiments.host_profile --model qwen3-8b --batch 16 \
             --out "$RUN/host_profile_8b.json"
-        step host_06b 90 python3 -m benchmarks.host_profile --model qwen3-0.6b --batch 1 \
+        step host_06b 90 python3 -m experiments.host_profile --model qwen3-0.6b --batch 1 \
             --out "$RUN/host_profile_06b.json"
         ;;
     transfer)
@@ -192,15 +192,15 @@ case "$STAGE" in
             --min-call-bytes 33554432 134217728 --switch-intervals 0.0005 --layer-us 0 200 \
             --out "$RUN/kv_transfer.json"
         # The one-GPU parts of the same path, for the same-call comparison.
-        step kv_gather 120 python3 -m benchmarks.kv_gather --out "$RUN/kv_gather.json"
-        step kv_producer_hooks 120 python3 -m benchmarks.kv_producer_hooks --out "$RUN/kv_producer_hooks.json"
+        step kv_gather 120 python3 -m experiments.kv_gather --out "$RUN/kv_gather.json"
+        step kv_producer_hooks 120 python3 -m experiments.kv_producer_hooks --out "$RUN/kv_producer_hooks.json"
         ;;
     lm_head)
         # The LM head on the Triton GEMV: goal 1's floor (decode_floor.py), the decode
         # figures A/B against BASE (a commit; default the one before the change) from a
         # worktree, twice in alternation in one session, then the tests the change touches.
         git worktree add -q -f /tmp/pdserve-base "${BASE:-2226626}" > "$RUN/worktree.log" 2>&1
-        step floor 200 python3 -m benchmarks.decode_floor --out "$RUN/decode_floor.json"
+        step floor 200 python3 -m experiments.decode_floor --out "$RUN/decode_floor.json"
         for i in 1 2; do
             step "speed_new_$i" 150 python3 -m benchmarks.engine_speed --only limits,decode,small \
                 --decode-cases 1x1024,8x1024,64x2048 --out "$RUN/speed_new_$i.json"
@@ -226,7 +226,7 @@ case "$STAGE" in
             git worktree add -q -f "$basedir" "${BASE:-afd30a9}" > "$RUN/worktree.log" 2>&1
         fi
         base=(env -C "$basedir" "PYTHONPATH=$basedir:$PWD:$PYTHONPATH")
-        kernels=(python3 -m benchmarks.decode_kernels --parts attention,layer --no-attn-sweep
+        kernels=(python3 -m experiments.decode_kernels --parts attention,layer --no-attn-sweep
                  --attn-cases ${ATTN_CASES:-1x1024,1x8192,64x2048,256x2048}
                  --layer-variants "engine now: RoPE and KV write in attention, SiLU fused;no attention")
         speed=(python3 -m benchmarks.engine_speed --only limits,decode,small
@@ -251,7 +251,7 @@ case "$STAGE" in
         # before 61d4966): the 1P1D goodput points there again, from a copy of the committed
         # sweep without them (the colocated points and the other rates are kept, not rerun),
         # then every loop-watch line of the workers' logs.
-        cp -r benchmarks/results/serve/2026-11-25-h100x2-goodput "$RUN/serve"
+        cp -r results/serve/2026-11-25-h100x2-goodput "$RUN/serve"
         rm -f "$RUN"/serve/raw/goodput_2k__pd__r16.json "$RUN"/serve/raw/goodput_2k__pd__r20.json
         rm -rf "$RUN"/serve/logs/pd  # the launcher appends: only this run's lines
         step stall 300 python3 -m benchmarks.disagg_report --gpus 0,1 --only goodput_2k \

@@ -14,8 +14,8 @@ case (``--parts layer``) a graph of 36 Qwen3-8B layers at batch 1 in each of
 ``LAYER_VARIANTS`` (``--layer-variants``, ';'-separated): the engine's layer before and
 now, and variants without a part (priced by difference) or with a candidate kernel.
 
-    python3 -m benchmarks.decode_kernels --out /tmp/decode_kernels.json
-    python3 -m benchmarks.decode_kernels --parts attention,layer --no-attn-sweep \
+    python3 -m experiments.decode_kernels --out /tmp/decode_kernels.json
+    python3 -m experiments.decode_kernels --parts attention,layer --no-attn-sweep \
         --attn-cases 1x1024,64x2048,256x2048
 """
 
@@ -185,8 +185,8 @@ def staged_cases(reps: int) -> list[dict[str, Any]]:
     """The staged GEMV (weights into shared memory before the PDL wait) at one row over
     distinct weight copies, each call PDL-chained to the last, against ``gemv``: Qwen3-8B's
     o and qkv projections, in ``STAGED_CONFIGS``."""
-    from benchmarks.staged_gemv import staged_gemv
     from engine_core.kernels.gemv import gemv
+    from experiments.staged_gemv import staged_gemv
 
     out = []
     for name, n, k in (("o", 4096, 4096), ("qkv", 6144, 4096)):
@@ -365,7 +365,7 @@ def set_carveout(percent: int) -> None:
 
     cuda = ctypes.CDLL("libcuda.so.1")
     names = [f"engine_core.kernels.{info.name}" for info in pkgutil.iter_modules(kernels.__path__)]
-    for name in names + ["benchmarks.staged_gemv"]:
+    for name in names + ["experiments.staged_gemv"]:
         for fn in vars(importlib.import_module(name)).values():
             if not isinstance(fn, JITFunction):
                 continue
@@ -383,7 +383,6 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     (norm, qkv, [q/k norm, RoPE, KV write], decode attention, o, norm, gate/up, SiLU,
     down). us per layer; the block table is the benchmark engine's width (10k tokens), so
     the default split count is the engine's."""
-    from benchmarks.staged_gemv import staged_gemv
     from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
     from engine_core.kernels.kv_write import write_kv
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
@@ -391,6 +390,7 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     from engine_core.kernels.rotary import apply_rope
     from engine_core.kernels.silu_mul import silu_and_mul
     from engine_core.kernels.split_k_mlp import SplitKMlpTiling, split_k_mlp
+    from experiments.staged_gemv import staged_gemv
 
     hidden, inter, hq, hkv, d, context, block_size = 4096, 12288, 32, 8, 128, 1024, 16
     width = 10240 // block_size

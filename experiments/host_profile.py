@@ -6,8 +6,8 @@ when that costs more than the GPU's work the GPU waits. This runs ``--steps`` mi
 ``engine_speed``'s ``mixed`` part) under ``cProfile`` and writes the functions that take
 the host's time, by own time and by cumulative time, plus the wall time of each step.
 
-    python3 -m benchmarks.host_profile --model qwen3-8b --out /tmp/host_profile.json
-    python3 -m benchmarks.host_profile --smoke --out /tmp/hp.json   # tiny shapes, any device
+    python3 -m experiments.host_profile --model qwen3-8b --out /tmp/host_profile.json
+    python3 -m experiments.host_profile --smoke --out /tmp/hp.json   # tiny shapes, any device
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Measures, in one call: the persistent chain (several tilings) and, as the baseli
 same GEMVs as separate kernels (``decode_kernels`` layer variant "GEMVs only, GEMVs trigger
 late"), us per layer; and checks the chain's output against the separate GEMVs.
 
-    python3 -m benchmarks.persistent_chain --out /tmp/persistent_chain.json
+    python3 -m experiments.persistent_chain --out /tmp/persistent_chain.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.decode_kernels import graph_us, layer_cases
 from benchmarks.engine_speed import measure_limits
+from experiments.decode_kernels import graph_us, layer_cases
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144
 DESC_FIELDS = tl.constexpr(7)  # w, x, out, N, K, x row stride, out row stride

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.engine_speed import measure_limits, time_ms
+from benchmarks.speed.limits import measure_limits, time_ms
 from experiments.decode_kernels import graph_us, layer_cases, rotating
 
 HIDDEN, VOCAB, LAYERS, CONTEXT = 4096, 151936, 36, 1024

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine_speed import SMOKE_OVERRIDES, BenchConfig, Driver, build_engine
 from benchmarks.model_shapes import write_model_dir
+from benchmarks.speed.driver import SMOKE_OVERRIDES, BenchConfig, Driver, build_engine
 
 
 def top_functions(stats: pstats.Stats, key: str, count: int) -> list[dict[str, Any]]:

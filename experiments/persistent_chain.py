@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.engine_speed import measure_limits
+from benchmarks.speed.limits import measure_limits
 from experiments.decode_kernels import graph_us, layer_cases
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine_speed import BenchConfig, Driver, build_engine, sync
 from benchmarks.model_shapes import write_model_dir
+from benchmarks.speed.driver import BenchConfig, Driver, build_engine
+from benchmarks.speed.limits import sync
 
 
 def profile_case(model: str, batch: int, context: int, steps: int,

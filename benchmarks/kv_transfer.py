@@ -30,7 +30,7 @@ data, and ``data`` includes the wait for the receive. With several data calls an
 
 Each (``--switch-intervals``, ``--min-call-bytes``, ``--layer-us``) combination runs in a
 fresh producer/consumer pair (min call bytes 0 = one NCCL call per layer). Prints JSON and
-writes it to ``--out``.
+writes it to ``--out`` (default ``results/kv_transfer/<time>.json``).
 
     source .device/env.sh && python3 -m benchmarks.kv_transfer --out results/kv_transfer.json
 """

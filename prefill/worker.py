@@ -18,7 +18,7 @@ from engine_core.engine_core import EngineCore
 
 logger = logging.getLogger("pdserve.worker")
 
-ROLE_LETTER = {"kv_producer": "P", "kv_consumer": "D"}
+ROLE_LETTER = {"kv_producer": "P", "kv_consumer": "D", "kv_both": "worker"}
 DEFAULT_PROXY = ("127.0.0.1", 30001)
 
 
@@ -95,7 +95,8 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
             s = client.latest_stats
             return WorkerLoad() if s is None else WorkerLoad(
                 s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv,
-                sleeping=s.sleep_level > 0)
+                sleeping=s.sleep_level > 0, num_prefill_tokens_queued=s.num_prefill_tokens_queued,
+                prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s)
 
         registration = RegistrationClient(
             proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,

@@ -19,9 +19,10 @@ from aiohttp import web
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
-from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.dispatcher import Dispatcher
 from proxy.forwarding import LegTimeouts, create_upstream_session
 from proxy.handlers import add_routes, http_error_middleware
+from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
 from proxy.registration import RegistrationServer

@@ -17,9 +17,10 @@ from engine_core.errors import InvalidRequestError, OverloadedError, PdserveErro
 from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
 from proxy import keys
-from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
+from proxy.client_stream import end_open_stream
 from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
 from proxy.forwarding import FORWARDED_HEADERS
+from proxy.legs import RequestTimer, proxy_overhead
 from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCard

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from proxy.config import ProxyConfig
-from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.dispatcher import Dispatcher
+from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
 from proxy.registration import RegistrationServer

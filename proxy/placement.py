@@ -29,10 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-CAP_PREFILL = "prefill"
-CAP_DECODE = "decode"
-CAP_WHOLE = "whole"
-CAPABILITIES = (CAP_PREFILL, CAP_DECODE, CAP_WHOLE)
+from proxy.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE
 
 PLACEMENT_LOCAL = "local"
 PLACEMENT_DISAGGREGATED = "disaggregated"

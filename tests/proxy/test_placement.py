@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
 from proxy.placement import (
-    CAP_DECODE,
-    CAP_PREFILL,
-    CAP_WHOLE,
-    CAPABILITIES,
     PLACEMENT_DISAGGREGATED,
     PLACEMENT_LOCAL,
     REASON_CACHED,

@@ -25,6 +25,7 @@ from proxy.handlers import add_routes, http_error_middleware
 from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
+from proxy.placer import Placer
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import make_policy
@@ -51,6 +52,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
+    app[keys.PLACER] = placer = Placer(config.placement)
+    registry.add_removal_listener(placer.index.forget)
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
@@ -83,6 +86,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
+        placer=app[keys.PLACER],
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

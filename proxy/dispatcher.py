@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -65,6 +66,8 @@ from proxy.legs import (
     took_nothing,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.placer import Placer
+from proxy.prefix_index import PromptShape, prompt_shape
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
 
@@ -79,8 +82,9 @@ class Dispatcher(FirstTokenHandoff):
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False,
                  prefill_overflow: int = 0, write_timeout_s: float = 60.0,
-                 limiter: InflightLimiter | None = None) -> None:
+                 limiter: InflightLimiter | None = None, placer: Placer | None = None) -> None:
         self.registry = registry
+        self.placer = placer
         self.policy = policy
         self.metrics = metrics
         self.session = session
@@ -135,6 +139,9 @@ class Dispatcher(FirstTokenHandoff):
         whole (D or colocated) gets the request, with the same retries."""
         model = body.get("model") if isinstance(body.get("model"), str) else None
         key = fw.affinity_key(path, body, self.affinity_prefix_chars)
+        # Only a generating request's prompt is computed: others place as short ones.
+        placer = None if self.placer is None else functools.partial(
+            self.placer.route, shape=prompt_shape(path, body) if generates else PromptShape(0))
         excluded: set[str] = set()
         last_error: UpstreamError | None = None
         handoff_counted = False  # the handoff metric counts requests, not attempts
@@ -142,7 +149,7 @@ class Dispatcher(FirstTokenHandoff):
             attempt_id = transfer_id if attempt == 0 else f"{transfer_id}-retry{attempt}"
             try:
                 route = plan_route(self.registry, self.policy, model, excluded, key,
-                                   self.prefill_overflow if generates else 0)
+                                   self.prefill_overflow if generates else 0, placer)
             except NoWorkerError:
                 if last_error is not None:
                     raise last_error from None
@@ -150,6 +157,8 @@ class Dispatcher(FirstTokenHandoff):
             self.metrics.routing_decisions.labels(
                 route.mode, route.prefill.worker_id if route.prefill else "",
                 route.decode.worker_id).inc()
+            if route.placement is not None and generates:
+                self._count_placement(route)
             timer.mode = route.mode
             if timer.dispatched is None:
                 timer.dispatched = self.clock()
@@ -165,7 +174,8 @@ class Dispatcher(FirstTokenHandoff):
                         self.metrics.first_token_handoffs.labels(refusal).inc()
                     return await self._run_pd(request, path, body, route, attempt_id, timer)
                 return await self._run_one_leg(request, path, fw.decode_body(body, attempt_id, None),
-                                               route.decode, route.mode, attempt_id, timer)
+                                               route.decode, route.mode, attempt_id, timer,
+                                               route.prefill_tokens)
             except Retry as retry:
                 logger.warning("request %s: %s failed (%s); retrying without %s", attempt_id,
                                route.describe(), retry.error, retry.worker.worker_id)
@@ -175,13 +185,23 @@ class Dispatcher(FirstTokenHandoff):
         assert last_error is not None
         raise last_error
 
+    def _count_placement(self, route: Route) -> None:
+        """The placement's metrics: the decision, and the predicted time of its prefill."""
+        placement = route.placement
+        assert placement is not None
+        self.metrics.placements.labels(placement.placement, placement.reason).inc()
+        if route.prefill_tokens:
+            self.metrics.prefill_predicted.labels(placement.prefill or placement.decode).observe(
+                placement.predicted_prefill_s)
+
     async def _run_pd(self, request: web.Request, path: str, body: dict[str, Any], route: Route,
                       attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
         headers = fw.leg_headers(request.headers, attempt_id)
         held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
-        p_leg, d_leg = Leg(self, prefill, "prefill"), Leg(self, decode, "decode")
+        p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
+        d_leg = Leg(self, decode, "decode")
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
             prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address), headers))
@@ -282,6 +302,7 @@ class Dispatcher(FirstTokenHandoff):
                                 kind="status", status=p_status)
             p_leg.finish(err)
             raise Retry(p_leg.worker, err, "prefill_status")
+        p_leg.prefill_done(measured=p_status < 300)
         p_leg.finish()
         if p_status >= 300:  # the worker judged the request: pass its verdict on
             return web.Response(status=p_status, body=p_data, content_type=p_type,
@@ -292,10 +313,10 @@ class Dispatcher(FirstTokenHandoff):
 
     async def _run_one_leg(self, request: web.Request, path: str, leg_body: dict[str, Any],
                            worker: WorkerState, role: str, attempt_id: str,
-                           timer: RequestTimer) -> web.StreamResponse:
+                           timer: RequestTimer, prefill_tokens: int = 0) -> web.StreamResponse:
         """One worker's leg relayed to the client: a colocated or decode-only request, or
         D's leg once P has answered (``role`` "decode")."""
-        leg = Leg(self, worker, role)
+        leg = Leg(self, worker, role, prefill_tokens)
         task = asyncio.create_task(fw.open_leg(
             self.session, worker.url + path, leg_body,
             fw.leg_headers(request.headers, attempt_id), self.timeouts.decode()))
@@ -389,6 +410,7 @@ class Dispatcher(FirstTokenHandoff):
             leg.finish(err)
             raise err
         timer.first_byte = self.clock()
+        leg.prefill_done()  # a whole request's first token: its prompt is computed
         out = web.StreamResponse(status=response.status, headers={
             "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
             "X-Request-Id": attempt_id, **breakdown_headers(timer)})

@@ -27,7 +27,7 @@ from proxy.legs import (
     breakdown_headers,
     took_nothing,
 )
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE
+from proxy.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
 from proxy.routing import Route
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class FirstTokenHandoff:
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
         headers = fw.leg_headers(request.headers, attempt_id)
-        p_leg = Leg(self, prefill, "prefill")
+        p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
             prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address),
@@ -155,15 +155,16 @@ class FirstTokenHandoff:
                             or attempt + 1 == self.max_attempts:
                         return await end_stream(stream, err)
                     excluded.add(decode.worker_id)
-                    # Another decode worker (it pulls the KV P holds); only when none is left
-                    # a colocated one, which recomputes the prompt (P's hold then lapses with
-                    # its lease): routing the usual way would skip the decode workers, since
-                    # with P excluded no (P, D) pair remains.
+                    # Another decode-capable worker (it pulls the KV P holds); only when none
+                    # is left one that serves whole requests, which recomputes the prompt
+                    # (P's hold then lapses with its lease): routing the usual way would skip
+                    # the decode workers, since with P excluded no (P, D) pair remains.
+                    pool = self.registry.candidates(None, model, excluded)
                     role = ROLE_DECODE
-                    others = self.registry.candidates(role, model, excluded)
+                    others = [w for w in pool if CAP_DECODE in w.capabilities]
                     if not others:
                         role = ROLE_COLOCATED
-                        others = self.registry.candidates(role, model, excluded)
+                        others = [w for w in pool if CAP_WHOLE in w.capabilities]
                     if not others:
                         return await end_stream(stream, err)
                     decode = self.policy.choose(role, others, key)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from proxy.errors import UpstreamError
-from proxy.messages import ROLE_LABELS
+from proxy.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, ROLE_LABELS
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 
@@ -72,23 +72,43 @@ def took_nothing(status: int) -> bool:
 class Leg:
     """Book-keeping for one leg: registry in-flight count and per-worker metrics."""
 
-    def __init__(self, dispatcher: LegOwner, worker: WorkerState, role: str) -> None:
+    def __init__(self, dispatcher: LegOwner, worker: WorkerState, role: str,
+                 prefill_tokens: int = 0) -> None:
         self._d = dispatcher
         self.worker = worker
         self.role = role  # the leg's part in the request, for logs and retry reasons
         # The metrics' role label is the worker's role, as in the heartbeat gauges.
         self.role_label = ROLE_LABELS.get(worker.role, role)
+        # Its capability in use, for /instances' role mix.
+        self.part = {"prefill": CAP_PREFILL, "decode": CAP_DECODE}.get(role, CAP_WHOLE)
         self.started = dispatcher.clock()
         self._finished = False
+        # Prompt tokens this leg computes (placed requests): pending in the registry until
+        # the prompt is done, so the next placement sees the queue before a heartbeat does.
+        self._prefill_tokens = prefill_tokens
         dispatcher.registry.leg_started(worker.worker_id)
+        dispatcher.registry.part_started(worker.worker_id, self.part, prefill_tokens)
         dispatcher.metrics.worker_requests.labels(worker.worker_id, self.role_label).inc()
+
+    def prefill_done(self, measured: bool = True) -> None:
+        """This leg's prompt is computed (once): its tokens leave the worker's pending
+        count and, ``measured``, the time so far is the prefill's actual time."""
+        if not self._prefill_tokens:
+            return
+        tokens, self._prefill_tokens = self._prefill_tokens, 0
+        wid = self.worker.worker_id
+        self._d.registry.prefill_answered(wid, tokens)
+        if measured and self._d.registry.get(wid) is not None:
+            self._d.metrics.prefill_actual.labels(wid).observe(self._d.clock() - self.started)
 
     def finish(self, error: UpstreamError | None = None, aborted: bool = False) -> None:
         """Record the leg's end once: ok, failed with ``error``, or aborted by the proxy."""
         if self._finished:
             return
         self._finished = True
+        self.prefill_done(measured=False)
         wid = self.worker.worker_id
+        self._d.registry.part_finished(wid, self.part)
         self._d.registry.leg_finished(wid, ok=error is None,
                                       connection_failed=error is not None and error.connect_failed)
         if self._d.registry.get(wid) is None:
@@ -116,7 +136,6 @@ class InflightLimiter:
 
     def release(self) -> None:
         self.count = max(0, self.count - 1)
-
 
 
 def breakdown_headers(timer: RequestTimer) -> dict[str, str]:

@@ -7,15 +7,22 @@ decodes it (``local``) and prefilling it on another worker P while D decodes it
 (``disaggregated``):
 
 1. D is the decode-capable worker whose decodes are in the best shape: not over the TPOT
-   target, a significant cached prefix of this prompt, the smallest decode batch, the least
-   KV in use (a worker at ``kv_full`` takes new decodes only when every one is).
+   target (its decode steps, plus a prefill chunk per step while it has prefill queued),
+   then a significant cached prefix of this prompt, then its decode batch, then the least
+   KV in use (a worker at ``kv_full`` takes new decodes only when every one is). The batch
+   counts two ways. When the target is *tight* (on every worker a prefill chunk beside
+   decodes breaks it), decodes pack onto the workers already decoding, which keeps other
+   workers free of decodes to prefill for them: the cluster splits itself into prefill and
+   decode workers, as far as the load needs. Otherwise they spread (smallest batch first),
+   as replicas do.
 2. Serving whole on D is always a candidate, so the cluster never does worse than replicas.
    It is taken when the prompt's uncached part on D is short (``short_prompt_tokens``), or
    no other worker can prefill it.
 3. The prefill moves off D to the prefill-capable worker P where it finishes first (queued
    prefill tokens plus this prompt's uncached part, over P's measured rate):
    - ``tpot``: D's running decodes would break the TPOT target with a prefill chunk in
-     their steps, P's would not, and P still meets the TTFT target (or beats D);
+     their steps, fewer of P's decodes would (none, mostly), and P still meets the TTFT
+     target (or beats D);
    - ``ttft``: D would miss the TTFT target and P finishes sooner;
    - ``sooner``: P finishes sooner than D by more than the transfer's fixed cost.
    Otherwise it stays (``local_first``).
@@ -139,6 +146,17 @@ def breaks_tpot(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementCo
             and tpot_with_prefill_s(worker, prefill_tokens, config) > config.slo_tpot_s)
 
 
+def harm(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -> int:
+    """Decode streams pushed over the TPOT target by a prefill on ``worker``."""
+    return worker.decode_batch if breaks_tpot(worker, prefill_tokens, config) else 0
+
+
+def is_tight(workers: Sequence[WorkerSnapshot], config: PlacementConfig) -> bool:
+    """On every worker, a prefill chunk in a decode step breaks the TPOT target."""
+    return all(tpot_with_prefill_s(w, config.prefill_chunk_tokens, config) > config.slo_tpot_s
+               for w in workers)
+
+
 def _over_tpot_now(worker: WorkerSnapshot, config: PlacementConfig) -> bool:
     """A decode added here misses the TPOT target even without new prefills: its steps are
     too slow, or it already has prefill work that rides along them."""
@@ -154,27 +172,28 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
     if not decoders:
         raise NoPlacementError("no worker can decode this request")
     roomy = [w for w in decoders if w.kv_usage < config.kv_full] or decoders
+    pack = -1 if is_tight(decoders, config) else 1
 
     def key(item: tuple[int, WorkerSnapshot]) -> tuple[bool, int, int, float, int]:
         index, worker = item
         cached = worker.cached_tokens if worker.cached_tokens > config.short_prompt_tokens else 0
         return (_over_tpot_now(worker, config), -min(cached, prompt_tokens),
-                worker.decode_batch, worker.kv_usage, index)
+                pack * worker.decode_batch, worker.kv_usage, index)
 
     return min(enumerate(roomy), key=key)[1]
 
 
 def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
                    prompt_tokens: int, config: PlacementConfig) -> WorkerSnapshot | None:
-    """The prefill-capable worker other than ``decode`` that finishes first, preferring
-    those whose own decodes keep the TPOT target; None when there is none."""
+    """The prefill-capable worker other than ``decode`` whose prefill pushes the fewest
+    decodes over the TPOT target, then finishes first; None when there is none."""
     others = [w for w in workers if w.can(CAP_PREFILL) and w.worker_id != decode.worker_id]
     if not others:
         return None
 
-    def key(item: tuple[int, WorkerSnapshot]) -> tuple[bool, float, int, int]:
+    def key(item: tuple[int, WorkerSnapshot]) -> tuple[int, float, int, int]:
         index, worker = item
-        return (breaks_tpot(worker, uncached_tokens(worker, prompt_tokens), config),
+        return (harm(worker, uncached_tokens(worker, prompt_tokens), config),
                 prefill_finish_s(worker, prompt_tokens, config), worker.decode_batch, index)
 
     return min(enumerate(others), key=key)[1]
@@ -207,7 +226,7 @@ def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
         return local(REASON_NO_PREFILL)
     remote_s = prefill_finish_s(prefill, prompt_tokens, config) + config.transfer_overhead_s
     prefill_work = uncached_tokens(prefill, prompt_tokens)
-    if (breaks_tpot(decode, local_work, config) and not breaks_tpot(prefill, prefill_work, config)
+    if (harm(prefill, prefill_work, config) < harm(decode, local_work, config)
             and remote_s <= max(local_s, config.slo_ttft_s)):
         return moved(REASON_TPOT)
     if remote_s < local_s:

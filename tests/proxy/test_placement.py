@@ -36,7 +36,7 @@ def worker(name: str, caps: frozenset[str] = ALL, **fields: object) -> WorkerSna
 def test_short_prompt_stays_where_it_decodes() -> None:
     # b is idle and would prefill sooner, but a short prompt is not worth a transfer.
     workers = [worker("a", decode_batch=3, queued_prefill_tokens=500, step_s=0.010),
-               worker("b", decode_batch=5, step_s=0.012)]
+               worker("b", frozenset({CAP_PREFILL}))]
     decision = place(workers, 100, CONFIG)
     assert (decision.placement, decision.decode, decision.prefill) == (PLACEMENT_LOCAL, "a", None)
     assert decision.reason == REASON_SHORT
@@ -71,7 +71,7 @@ def test_tpot_move_goes_where_decodes_are_not_hurt() -> None:
     workers = [worker("a", decode_batch=8, step_s=0.015),
                worker("b", frozenset({CAP_PREFILL}), queued_prefill_tokens=2000),
                worker("c", frozenset({CAP_PREFILL, CAP_DECODE}), decode_batch=40,
-                      step_s=0.030)]
+                      step_s=0.045)]  # over the target already: no decode goes there
     decision = place(workers, 4096, CONFIG)
     assert (decision.decode, decision.prefill, decision.reason) == ("a", "b", REASON_TPOT)
 
@@ -143,19 +143,38 @@ def test_decode_only_worker_gets_its_prefill_elsewhere() -> None:
     assert (decision.placement, decision.reason) == (PLACEMENT_LOCAL, REASON_NO_PREFILL)
 
 
-def test_decode_goes_to_the_worker_in_the_best_shape() -> None:
+def test_decodes_spread_when_prefills_fit_beside_them() -> None:
+    # A 2048-token chunk adds 51 ms: within a 100 ms target, so decodes spread as on
+    # replicas; workers over the target (or prefilling past it) and full ones come last.
+    loose = PlacementConfig(**{**CONFIG.__dict__, "slo_tpot_s": 0.100})
     workers = [worker("busy", decode_batch=30, step_s=0.030),
                worker("prefilling", decode_batch=1, queued_prefill_tokens=30_000,
-                      step_s=0.010),  # its decodes ride along big prefill chunks
+                      step_s=0.060),  # 60 + 51 ms: over
                worker("full", decode_batch=0, kv_usage=0.97),
                worker("light", decode_batch=2, step_s=0.010)]
-    assert place(workers, 100, CONFIG).decode == "light"
-    # Over the target everywhere: the smallest batch among those with KV room.
-    slow = [worker("a", decode_batch=4, step_s=0.050), worker("b", decode_batch=2, step_s=0.060)]
-    assert place(slow, 100, CONFIG).decode == "b"
+    assert place(workers, 100, loose).decode == "light"
+    slow = [worker("a", decode_batch=4, step_s=0.050), worker("b", decode_batch=2, step_s=0.150)]
+    assert place(slow, 100, loose).decode == "a"  # b is over the target
     # Every worker's KV is full: still placed (the engine queues it), on the least full.
     full = [worker("a", kv_usage=0.99), worker("b", kv_usage=0.96)]
-    assert place(full, 100, CONFIG).decode == "b"
+    assert place(full, 100, loose).decode == "b"
+
+
+def test_decodes_pack_when_the_tpot_target_is_tight() -> None:
+    # A chunk beside decodes breaks 40 ms everywhere: decodes pack onto the worker already
+    # decoding (within the target), which leaves the idle one to prefill long prompts.
+    workers = [worker("idle"), worker("decoding", decode_batch=6, step_s=0.012)]
+    assert place(workers, 100, CONFIG).decode == "decoding"
+    decision = place(workers, 4000, CONFIG)
+    assert (decision.decode, decision.prefill, decision.reason) == (
+        "decoding", "idle", REASON_TPOT)
+    # Past the target the decoding worker takes no more: the next one starts decoding.
+    workers = [worker("idle"), worker("decoding", decode_batch=60, step_s=0.045)]
+    assert place(workers, 100, CONFIG).decode == "idle"
+    # The prefilling worker (its queue rides along its steps) is over the target too.
+    workers = [worker("prefiller", queued_prefill_tokens=4000),
+               worker("decoding", decode_batch=6, step_s=0.012)]
+    assert place(workers, 100, CONFIG).decode == "decoding"
 
 
 def test_prefill_only_worker_never_decodes() -> None:

@@ -64,7 +64,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """``pdserve serve``: resolve the model, then run the API server until stopped."""
     from engine_core.arg_utils import engine_config_from_args
-    from engine_core.errors import ConfigError, PdserveError
+    from engine_core.errors import PdserveError
     from engine_core.server.api_server import run_server
     from engine_core.server.server_args import server_options
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import deploy.child_flags as child_flags
 import deploy.launch as launch  # its new names looked up at call time: old code fails
 from deploy.cli import build_parser
 from deploy.cli import main as pdserve
@@ -135,7 +136,7 @@ def test_every_forwarded_server_flag_reaches_the_workers(tmp_path: Path) -> None
     proxy gets a flag it takes too."""
     server = _options(_probe_server())
     proxy_flags = _options(add_proxy_args(argparse.ArgumentParser()))
-    forwarded = [f for f in launch.WORKER_SERVER_FLAGS if f in server]
+    forwarded = [f for f in child_flags.WORKER_SERVER_FLAGS if f in server]
     assert {"--body-timeout", "--engine-startup-timeout"} <= set(forwarded)
     argv = [arg for flag in forwarded for arg in (flag, "7")]
     proxy, workers = _children(tmp_path, *argv)
@@ -156,7 +157,7 @@ def test_launch_takes_every_proxy_and_cluster_wide_server_flag() -> None:
     assert proxy_flags - PROXY_FLAGS_OWNED <= launch_flags
     server_flags = _options(_probe_server())
     assert server_flags - SERVER_FLAGS_NOT_FORWARDED <= launch_flags
-    assert server_flags - SERVER_FLAGS_NOT_FORWARDED <= set(launch.WORKER_SERVER_FLAGS)
+    assert server_flags - SERVER_FLAGS_NOT_FORWARDED <= set(child_flags.WORKER_SERVER_FLAGS)
 
 
 def test_launch_parses_them_as_the_children_do() -> None:
@@ -188,7 +189,7 @@ def test_defaults_are_unchanged(tmp_path: Path) -> None:
     default = server_options(_probe_server().parse_args([]))
     for worker in workers:
         # Only the write bound is set: twice the proxy's default, so the proxy decides.
-        assert set(launch.WORKER_SERVER_FLAGS) & set(worker.argv) == {"--write-timeout"}
+        assert set(child_flags.WORKER_SERVER_FLAGS) & set(worker.argv) == {"--write-timeout"}
         assert _flag(worker, "--write-timeout") == "120"
         options = server_options(_worker_args(worker))
         assert options == dataclasses.replace(default, host=options.host, port=options.port,

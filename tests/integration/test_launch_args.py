@@ -130,7 +130,7 @@ def test_worker_kv_config_role() -> None:
 def test_restart_backs_off_and_resets_after_a_healthy_run() -> None:
     """``--restart`` waits 0.5 s, then twice as long after each quick death, up to 30 s;
     a child that ran a minute starts over (a crash loop no longer restarts twice a second)."""
-    from deploy.launch import RESTART_MAX_DELAY_S, restart_delay
+    from deploy.supervisor import RESTART_MAX_DELAY_S, restart_delay
 
     delays, restarts = [], 0
     for _ in range(10):
@@ -214,12 +214,19 @@ def test_workers_sharing_a_gpu_send_kv_over_zmq_by_default(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("kv", ['{"kv_role": "kv_both"}', '{"kv_port": 21001}'])
-def test_serve_refuses_a_connector_without_a_p_or_d_role(kv: str) -> None:
+def test_serve_with_a_kv_both_connector_is_a_worker(kv: str, monkeypatch) -> None:
     """`pdserve serve --kv-transfer-config` with kv_both (also the default without a kv_role)
-    used to drop the config and serve colocated without a word."""
+    starts the worker `pdserve worker` starts: it prefills, decodes and serves whole."""
+    import prefill.worker
     from deploy.cli import main
 
-    assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 1
+    served = []
+    monkeypatch.setattr(prefill.worker, "serve_worker",
+                        lambda config, options, interval: served.append(config.kv_transfer))
+    assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 0
+    (kv_config,) = served
+    assert kv_config.kv_role == "kv_both" and kv_config.is_producer and kv_config.is_consumer
+    assert prefill.worker.ROLE_LETTER[kv_config.kv_role] == "worker"
 
 
 def test_a_users_kv_transfer_config_reaches_every_p_and_d_worker(tmp_path: Path) -> None:

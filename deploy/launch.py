@@ -1,6 +1,9 @@
-"""``pdserve launch``: the proxy plus N prefill and M decode workers on this host.
+"""``pdserve launch``: the proxy plus its workers on this host.
 
-Each worker is a subprocess (``python -m prefill|decode``) with its own free HTTP and KV
+By default N workers (``pdserve worker``) that the proxy places each request on: served
+whole on one, or prefilled on one and decoded on another (``proxy/placement.py``).
+``--prefill N --decode M`` starts static prefill and decode workers instead, and
+``--colocated K`` adds plain replicas. Each worker is a subprocess with its own free HTTP and KV
 ports, one GPU each (``CUDA_VISIBLE_DEVICES``) or all on CPU. The launcher waits until
 every worker is registered with the proxy and healthy, prints the endpoint, watches the
 children (reports a death, restarts it with ``--restart``, gives up and exits 1 on a crash
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.child_flags import (
@@ -58,10 +62,16 @@ def tcp_port(text: str) -> int:
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_core.arg_utils import non_negative_int, positive_int, positive_seconds
 
-    parser.add_argument("--prefill", type=non_negative_int, default=1,
-                        help="number of prefill workers")
-    parser.add_argument("--decode", type=non_negative_int, default=1,
-                        help="number of decode workers")
+    parser.add_argument("--workers", type=non_negative_int, default=None,
+                        help="number of workers that prefill, decode and serve whole requests "
+                             "as the proxy places each request (pdserve worker; default "
+                             f"{DEFAULT_WORKERS} unless --prefill/--decode or --colocated is "
+                             "given)")
+    parser.add_argument("--prefill", type=non_negative_int, default=None,
+                        help="number of static prefill workers (with --decode; the one not "
+                             "given is 1)")
+    parser.add_argument("--decode", type=non_negative_int, default=None,
+                        help="number of static decode workers")
     parser.add_argument("--colocated", type=non_negative_int, default=0,
                         help="number of colocated workers (pdserve serve; whole requests go to "
                              "them when no P/D pair serves the model)")
@@ -212,35 +222,80 @@ def user_kv_settings(text: str | None) -> tuple[dict, dict]:
     return data, extra
 
 
+DEFAULT_WORKERS = 2
+# A launched connector worker's subcommand and kv_role, by kind.
+CONNECTOR_KINDS = {"prefill": "kv_producer", "decode": "kv_consumer", "worker": "kv_both"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How many workers of each kind launch starts."""
+
+    prefill: int
+    decode: int
+    workers: int
+    colocated: int
+
+    def connector_kinds(self) -> list[tuple[str, int]]:
+        """(kind, index within it) of every worker with a KV connector, in start order."""
+        return ([("prefill", i) for i in range(self.prefill)]
+                + [("decode", i) for i in range(self.decode)]
+                + [("worker", i) for i in range(self.workers)])
+
+    def describe(self) -> str:
+        parts = ([f"{self.workers} workers"] if self.workers else []) + (
+            [f"{self.prefill}P{self.decode}D"] if self.prefill or self.decode else []) + (
+            [f"{self.colocated} colocated"] if self.colocated else [])
+        return " + ".join(parts)
+
+
+def topology(args: argparse.Namespace) -> Topology:
+    """The launch's workers: --prefill/--decode pin static roles (the one not given is 1);
+    without them --workers (default ``DEFAULT_WORKERS``, or 0 beside --colocated) start
+    workers the proxy places requests on."""
+    static = args.prefill is not None or args.decode is not None
+    if static and args.workers:
+        raise SystemExit("pdserve launch: give --workers or --prefill/--decode, not both")
+    if static:
+        prefill, decode = (1 if n is None else n for n in (args.prefill, args.decode))
+        return Topology(prefill, decode, 0, args.colocated)
+    workers = args.workers if args.workers is not None else (
+        0 if args.colocated else DEFAULT_WORKERS)
+    return Topology(0, 0, workers, args.colocated)
+
+
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    shape = topology(args)
+    kinds = shape.connector_kinds()
     # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
     fixed = tuple(p for p in (args.port, args.registration_port) if p)
-    ports = iter(free_ports(1 + 2 * (args.prefill + args.decode) + args.colocated, fixed))
+    ports = iter(free_ports(1 + 2 * len(kinds) + shape.colocated, fixed))
     reg_port = args.registration_port or next(ports)
+    proxy_flags = proxy_argv(args)
+    if "--prefill-chunk-tokens" not in proxy_flags:  # placement predicts the workers' steps
+        proxy_flags += ["--prefill-chunk-tokens", str(args.max_num_batched_tokens)]
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
                             str(args.port), "--registration-port", str(reg_port),
-                            *proxy_argv(args)],
+                            *proxy_flags],
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
-    num_colocated = args.colocated
-    total = args.prefill + args.decode + num_colocated
+    total = len(kinds) + shape.colocated
     if gpus and len(gpus) < total:
         raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
     cpu_env = {} if gpus else cpu_thread_env(base_env, total)
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
-    pd_gpus = gpus[:args.prefill + args.decode]
+    pd_gpus = gpus[:len(kinds)]
     if transport == "auto" and len(set(pd_gpus)) < len(pd_gpus):
         # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
         transport = "cpu"
     workers = []
-    for i in range(args.prefill + args.decode):
-        module, index = ("prefill", i) if i < args.prefill else ("decode", i - args.prefill)
+    for i, (module, index) in enumerate(kinds):
         http_port, kv_port = next(ports), next(ports)
-        role = "kv_producer" if module == "prefill" else "kv_consumer"
+        role = CONNECTOR_KINDS[module]
         kv = {"kv_connector": "P2pNcclConnector", "kv_buffer_size": "1e9", **user_kv,
               "kv_role": role, "kv_rank": i, "kv_ip": HOST, "kv_port": kv_port,
               "kv_connector_extra_config": {
@@ -261,7 +316,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                 *server_args, *device_args, *engine_args]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
                              http_address=f"{HOST}:{http_port}"))
-    for index in range(num_colocated):
+    for index in range(shape.colocated):
         gpu_env = {"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {}
         http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
@@ -280,11 +335,13 @@ def check_topology(args: argparse.Namespace) -> None:
     from engine_core.errors import ConfigError
     from engine_core.server.api_server import check_port_free
 
-    if args.prefill and not args.decode:
-        raise ConfigError(f"--prefill {args.prefill} without a decode worker: prefill workers "
+    shape = topology(args)
+    if shape.prefill and not shape.decode:
+        raise ConfigError(f"--prefill {shape.prefill} without a decode worker: prefill workers "
                           "hand their KV to decode workers (use --decode, or --prefill 0)")
-    if args.decode == 0 and args.colocated == 0:
-        raise ConfigError("--decode and --colocated are both 0: nothing would serve requests")
+    if shape.decode == 0 and shape.workers == 0 and shape.colocated == 0:
+        raise ConfigError("no decode, colocated or --workers worker: nothing would serve "
+                          "requests")
     check_port_free(HOST, args.port)
     if args.registration_port is not None:
         check_port_free(HOST, args.registration_port)
@@ -346,8 +403,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
             return 0
         model = next((engine_args[i + 1] for i, a in enumerate(engine_args[:-1])
                       if a == "--served-model-name"), args.model)
-        colocated = f" + {args.colocated} colocated" if args.colocated else ""
-        print(f"pdserve launch: ready: {args.prefill}P{args.decode}D{colocated} at {url}\n"
+        print(f"pdserve launch: ready: {topology(args).describe()} at {url}\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
               flush=True)

@@ -58,10 +58,14 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def _children(tmp_path: Path, *argv: str) -> tuple[launch.Child, list[launch.Child]]:
-    """The proxy and workers (1P1D plus one colocated) ``pdserve launch argv`` would start."""
-    args = _parse("--colocated", "1", *argv)
-    proxy, workers, _ = launch.build_children(args, launch.engine_argv(args), tmp_path)
+    """The proxy and workers (1P1D, a placed worker and one colocated) ``pdserve launch
+    argv`` would start."""
+    static = _parse("--colocated", "1", "--prefill", "1", "--decode", "1", *argv)
+    proxy, workers, _ = launch.build_children(static, launch.engine_argv(static), tmp_path)
     assert [w.name for w in workers] == ["prefill0", "decode0", "colocated0"]
+    placed = _parse("--workers", "1", *argv)
+    workers += launch.build_children(placed, launch.engine_argv(placed), tmp_path)[1]
+    assert workers[-1].name == "worker0" and workers[-1].argv[3] == "worker"
     return proxy, workers
 
 
@@ -72,7 +76,7 @@ def _proxy_config(proxy: launch.Child) -> ProxyConfig:
 
 
 def _worker_args(worker: launch.Child) -> argparse.Namespace:
-    """A worker child's argv as ``pdserve prefill|decode|serve`` reads it."""
+    """A worker child's argv as ``pdserve prefill|decode|worker|serve`` reads it."""
     assert worker.argv[1:3] == ["-m", "deploy.cli"]
     return build_parser().parse_args(worker.argv[3:])
 

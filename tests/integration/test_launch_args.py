@@ -282,3 +282,24 @@ def test_a_dead_childs_leftovers_are_killed(tmp_path: Path) -> None:
     else:
         raise AssertionError("the dead child's leftover process is still running")
     child.log.close()
+
+
+def test_workers_are_the_default_and_static_roles_stay(tmp_path: Path) -> None:
+    """Without --prefill/--decode, launch starts workers the proxy places requests on
+    (kv_both, `pdserve worker`); --prefill/--decode keep their static meaning."""
+    from deploy.launch import topology
+
+    assert topology(_parse()).describe() == "2 workers"
+    assert topology(_parse("--workers", "3", "--colocated", "1")).describe() == (
+        "3 workers + 1 colocated")
+    assert topology(_parse("--colocated", "2")).describe() == "2 colocated"
+    assert topology(_parse("--prefill", "2")).describe() == "2P1D"
+    with pytest.raises(SystemExit):
+        topology(_parse("--workers", "2", "--decode", "1"))
+    _, workers, _ = build_children(_parse("--gpus", "0,1"), [], tmp_path)
+    assert [w.name for w in workers] == ["worker0", "worker1"]
+    for index, worker in enumerate(workers):
+        assert worker.argv[3] == "worker" and worker.env["CUDA_VISIBLE_DEVICES"] == str(index)
+        kv = json.loads(_flag(worker.argv, "--kv-transfer-config"))
+        assert kv["kv_role"] == "kv_both"
+        assert kv["kv_connector_extra_config"]["transport"] == "auto"  # two GPUs: NCCL

@@ -52,7 +52,7 @@ class Placer:
         if not registry.candidates(ROLE_WORKER, model, exclude):
             return None
         workers = [w for w in registry.candidates(None, model, exclude) if w.capabilities]
-        turn = self._turn % len(workers)
+        turn = self._turn % max(1, len(workers))
         self._turn += 1
         workers = workers[turn:] + workers[:turn]
         snapshots = {w.worker_id: self.snapshot(w, shape) for w in workers}

@@ -113,3 +113,37 @@ async def test_static_workers_keep_their_rules(make_worker, make_proxy) -> None:
     assert (await client.post("/v1/completions", json=SHORT)).status == 200
     assert _kv(p.received[0])["do_remote_decode"] and _kv(d.received[0])["do_remote_prefill"]
     assert _placements(await (await client.get("/metrics")).text()) == {}
+
+
+def test_a_restriction_outlives_heartbeats_and_reregistration(proxy_clock) -> None:
+    from proxy.messages import Heartbeat
+    from proxy.registry import InstanceRegistry
+
+    registry = InstanceRegistry(clock=proxy_clock)
+    beat = Heartbeat(role="worker", http_address="h:1", model=MODEL, zmq_address="h:2")
+    registry.heartbeat(beat)
+    worker = registry.get("h:1")
+    assert worker is not None and worker.capabilities == {"prefill", "decode", "whole"}
+    assert registry.restrict("h:1", frozenset({"prefill"}))
+    registry.heartbeat(beat)
+    assert registry.get("h:1").capabilities == {"prefill"}
+    registry.heartbeat(Heartbeat(role="worker", http_address="h:1", model=MODEL,
+                                 zmq_address="h:3"))  # re-registered at a new KV port
+    assert registry.get("h:1").capabilities == {"prefill"}
+    assert registry.servable_models() == []
+    # A worker that announces fewer capabilities keeps only those the admin allows.
+    registry.heartbeat(Heartbeat(role="worker", http_address="h:1", model=MODEL,
+                                 zmq_address="h:3", capabilities=["decode"]))
+    assert registry.get("h:1").capabilities == set()
+    registry.restrict("h:1", None)
+    assert registry.get("h:1").capabilities == {"decode"}
+    assert registry.servable_models() == [MODEL]
+
+
+async def test_a_worker_with_no_capability_left_gets_nothing(make_worker, make_proxy) -> None:
+    a = await make_worker("worker")
+    client = await make_proxy(a)
+    await client.post("/instances/capabilities", json={"worker": a.http_address,
+                                                       "capabilities": []})
+    assert (await client.post("/v1/completions", json=SHORT)).status == 503
+    assert not a.received

@@ -1,5 +1,9 @@
 """Dispatcher: one client request -> route -> legs -> the client's response.
 
+The route comes from ``routing.plan_route``: the placement policy's (``proxy/placer.py``)
+when workers with capabilities serve the model (``local``: one leg, the whole request on
+one worker; ``pd``: prefill on one, decode on another), else the static P/D/colocated rules.
+
 Disaggregated attempt: both legs leave at once; P's answer (one token, no stream) is awaited
 first while D's early refusal is watched; then D's answer is relayed. Failure rules:
 

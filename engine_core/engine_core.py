@@ -394,13 +394,15 @@ class EngineCore:
 
     def _queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute here: waiting requests (landed ones only their
-        last) and running ones mid-prefill. Requests parked for a peer's KV compute one."""
+        last) and running ones mid-prefill. Requests whose KV a peer sends compute one."""
+        def remaining(request: Request) -> int:
+            if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+                return 1  # its prompt's KV comes from the peer that prefills it
+            return max(0, request.num_prompt_tokens - request.num_computed_tokens)
+
         scheduler = self.scheduler
-        total = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                    for r in scheduler.waiting)
-        total += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                     for r in scheduler.running)
-        return total + len(scheduler.landed)
+        return (sum(remaining(r) for r in scheduler.waiting)
+                + sum(remaining(r) for r in scheduler.running) + len(scheduler.landed))
 
     def _land_loads(self) -> list[EngineOutput]:
         """KV loads that arrived since the last pass join this one (their calls were

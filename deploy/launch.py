@@ -67,7 +67,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of workers that prefill, decode and serve whole requests "
                              "as the proxy places each request (pdserve worker; default "
                              f"{DEFAULT_WORKERS} unless --prefill/--decode or --colocated is "
-                             "given)")
+                             "given; with them, static workers join the placement)")
     parser.add_argument("--prefill", type=non_negative_int, default=None,
                         help="number of static prefill workers (with --decode; the one not "
                              "given is 1)")
@@ -253,16 +253,14 @@ class Topology:
 def topology(args: argparse.Namespace) -> Topology:
     """The launch's workers: --prefill/--decode pin static roles (the one not given is 1);
     without them --workers (default ``DEFAULT_WORKERS``, or 0 beside --colocated) start
-    workers the proxy places requests on."""
-    static = args.prefill is not None or args.decode is not None
-    if static and args.workers:
-        raise SystemExit("pdserve launch: give --workers or --prefill/--decode, not both")
-    if static:
-        prefill, decode = (1 if n is None else n for n in (args.prefill, args.decode))
-        return Topology(prefill, decode, 0, args.colocated)
-    workers = args.workers if args.workers is not None else (
-        0 if args.colocated else DEFAULT_WORKERS)
-    return Topology(0, 0, workers, args.colocated)
+    workers the proxy places requests on. Both kinds may run together: the static ones
+    then join the placement with their role's capabilities."""
+    if args.prefill is None and args.decode is None:
+        workers = args.workers if args.workers is not None else (
+            0 if args.colocated else DEFAULT_WORKERS)
+        return Topology(0, 0, workers, args.colocated)
+    prefill, decode = (1 if n is None else n for n in (args.prefill, args.decode))
+    return Topology(prefill, decode, args.workers or 0, args.colocated)
 
 
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path

@@ -294,8 +294,12 @@ def test_workers_are_the_default_and_static_roles_stay(tmp_path: Path) -> None:
         "3 workers + 1 colocated")
     assert topology(_parse("--colocated", "2")).describe() == "2 colocated"
     assert topology(_parse("--prefill", "2")).describe() == "2P1D"
-    with pytest.raises(SystemExit):
-        topology(_parse("--workers", "2", "--decode", "1"))
+    # The benchmark sweep's spelling: every count given, zeros included.
+    assert topology(_parse("--prefill", "0", "--decode", "0", "--colocated", "0",
+                           "--workers", "2")).describe() == "2 workers"
+    assert topology(_parse("--prefill", "0", "--decode", "0", "--colocated", "2",
+                           "--workers", "0")).describe() == "2 colocated"
+    assert topology(_parse("--workers", "2", "--decode", "1")).describe() == "2 workers + 1P1D"
     _, workers, _ = build_children(_parse("--gpus", "0,1"), [], tmp_path)
     assert [w.name for w in workers] == ["worker0", "worker1"]
     for index, worker in enumerate(workers):

@@ -25,7 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "decode": ("one decode worker (kv_consumer)", "decode.worker:add_worker_arguments", "decode.worker:run"),
     "worker": ("one worker that prefills for others, decodes what others prefilled and serves "
                "whole requests, as the proxy places them (kv_both)",
-               "prefill.worker:add_worker_arguments", "deploy.cli:run_worker"),
+               "engine_core.server.worker:add_worker_arguments", "deploy.cli:run_worker"),
     "launch": ("proxy + N workers (or N prefill + M decode workers) on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
     "proxy": ("run the prefill/decode proxy (OpenAI API, ZMQ worker registration)",
               "proxy.__main__:add_proxy_args", "proxy.__main__:run_proxy"),
@@ -45,7 +45,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args, positive_seconds
     from engine_core.server.server_args import add_server_arguments
-    from prefill.worker import proxy_address
+    from engine_core.server.worker import proxy_address
 
     parser.add_argument("model", nargs="?", default=None,
                         help="HF checkpoint directory (omit, or --demo, for the demo model)")
@@ -85,13 +85,14 @@ def run_serve(args: argparse.Namespace) -> int:
             # vLLM-style `serve ... --kv-transfer-config` starts the worker its kv_role names
             # (kv_both: `pdserve worker`), with the flags `pdserve prefill|decode|worker`
             # would apply (--proxy-address, --port).
-            from prefill.worker import serve_worker, worker_kv_config
+            from connectors import create_connector
+            from engine_core.server.worker import serve_worker, worker_kv_config
 
             config = dataclasses.replace(
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
-            serve_worker(config, options, args.heartbeat_interval)
+            serve_worker(config, options, create_connector, args.heartbeat_interval)
         elif args.proxy_address:
-            from prefill.worker import colocated_hook
+            from engine_core.server.worker import colocated_hook
 
             run_server(config, options, on_startup=[
                 colocated_hook(config, args.proxy_address, args.heartbeat_interval)])
@@ -105,9 +106,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """``pdserve worker``: a kv_both worker; the proxy places each request on it."""
-    from prefill.worker import run_worker as run_role
+    from connectors import create_connector
+    from engine_core.server.worker import run_worker as run_role
 
-    return run_role(args, "kv_both")
+    return run_role(args, "kv_both", create_connector)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.cluster.messages import CAPABILITIES, ROLES
 from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
 from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
@@ -22,7 +23,6 @@ from proxy.client_stream import end_open_stream
 from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
 from proxy.forwarding import FORWARDED_HEADERS
 from proxy.legs import RequestTimer, proxy_overhead
-from proxy.messages import CAPABILITIES, ROLES
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCard
 

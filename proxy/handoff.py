@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
 from proxy import forwarding as fw
 from proxy.client_stream import end_stream
 from proxy.errors import UpstreamError, UpstreamUnavailableError
@@ -27,7 +28,6 @@ from proxy.legs import (
     breakdown_headers,
     took_nothing,
 )
-from proxy.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
 from proxy.routing import Route
 
 if TYPE_CHECKING:

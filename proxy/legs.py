@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, ROLE_LABELS
 from proxy.errors import UpstreamError
-from proxy.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, ROLE_LABELS
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 

@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE
+from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE
 
 PLACEMENT_LOCAL = "local"
 PLACEMENT_DISAGGREGATED = "disaggregated"

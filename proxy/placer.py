@@ -8,8 +8,8 @@ turns the decision into a ``Route``. It applies only while a worker with capabil
 
 from __future__ import annotations
 
+from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_WORKER
 from engine_core.errors import NoWorkerError
-from proxy.messages import CAP_DECODE, CAP_WHOLE, ROLE_WORKER
 from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
     NoPlacementError,

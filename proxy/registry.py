@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.messages import (
+from engine_core.cluster.messages import (
     CAP_DECODE,
     CAP_WHOLE,
     CAPABILITIES,

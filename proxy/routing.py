@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 from engine_core.errors import InvalidRequestError, ModelNotFoundError, NoWorkerError
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 from proxy.registry import InstanceRegistry, WorkerState
 
 if TYPE_CHECKING:

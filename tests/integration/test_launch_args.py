@@ -10,7 +10,7 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.launch import build_children, engine_argv
-from prefill.worker import worker_kv_config
+from engine_core.server.worker import worker_kv_config
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -217,16 +217,16 @@ def test_workers_sharing_a_gpu_send_kv_over_zmq_by_default(tmp_path: Path) -> No
 def test_serve_with_a_kv_both_connector_is_a_worker(kv: str, monkeypatch) -> None:
     """`pdserve serve --kv-transfer-config` with kv_both (also the default without a kv_role)
     starts the worker `pdserve worker` starts: it prefills, decodes and serves whole."""
-    import prefill.worker
+    import engine_core.server.worker as worker
     from deploy.cli import main
 
     served = []
-    monkeypatch.setattr(prefill.worker, "serve_worker",
-                        lambda config, options, interval: served.append(config.kv_transfer))
+    monkeypatch.setattr(worker, "serve_worker", lambda config, options, factory, interval:
+                        served.append(config.kv_transfer))
     assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 0
     (kv_config,) = served
     assert kv_config.kv_role == "kv_both" and kv_config.is_producer and kv_config.is_consumer
-    assert prefill.worker.ROLE_LETTER[kv_config.kv_role] == "worker"
+    assert worker.ROLE_LETTER[kv_config.kv_role] == "worker"
 
 
 def test_a_users_kv_transfer_config_reaches_every_p_and_d_worker(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
+from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
 from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
     PLACEMENT_LOCAL,

@@ -116,7 +116,7 @@ async def test_static_workers_keep_their_rules(make_worker, make_proxy) -> None:
 
 
 def test_a_restriction_outlives_heartbeats_and_reregistration(proxy_clock) -> None:
-    from proxy.messages import Heartbeat
+    from engine_core.cluster.messages import Heartbeat
     from proxy.registry import InstanceRegistry
 
     registry = InstanceRegistry(clock=proxy_clock)

@@ -66,24 +66,36 @@ Prompt = str | list[int]
 MAX_PARAMS_DEPTH = 8  # kv_transfer_params nesting (the proxy's are two deep)
 
 
-# At most this many output tokens may come from elsewhere (the proxy sends one).
-MAX_GENERATED_TOKENS = 16
 # Choices (prompts x n) of one request: each is an engine request and a task in the server.
 MAX_CHOICES = 1024
 
 
 @dataclass
 class Handoff:
-    """The proxy's first-token handoff between a prefill and a decode worker.
+    """How a request continues a stream another worker began (the proxy's first-token
+    handoff and request migration), from internal ``kv_transfer_params`` fields.
 
     ``first_events``: a prefill worker adds the stream's first events (for its sampled
     token) to its answer, for the proxy to send before any decode worker is involved.
     ``generated_token_ids``: a decode worker continues after these output tokens, whose
-    text the client already has, and streams only what follows them.
+    text the client already has, and streams only what follows them (their number is
+    bounded by ``max_tokens``, which counts them).
+    ``continues``: the client already has the stream's head (a chat's role chunk), so it
+    is not sent again; set whenever ``generated_token_ids`` is given, even empty.
+    ``stream_token_ids``: each stream event is preceded by an SSE comment line
+    ``: pdserve_token_ids=<ids>`` naming the output tokens it completes, so the proxy
+    knows what the client holds and can continue the stream elsewhere.
     """
 
     first_events: bool = False
     generated_token_ids: list[int] = field(default_factory=list)
+    continues: bool = False
+    stream_token_ids: bool = False
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether this request is one part of a stream split between workers."""
+        return self.first_events or self.continues
 
 
 @dataclass
@@ -256,16 +268,21 @@ def _handoff(params: dict[str, Any] | None) -> Handoff:
     if not isinstance(first_events, bool):
         raise InvalidRequestError("kv_transfer_params.first_token_events must be a boolean",
                                   "kv_transfer_params")
+    continues = "generated_token_ids" in params
     generated = params.get("generated_token_ids", [])
-    if (not isinstance(generated, list) or len(generated) > MAX_GENERATED_TOKENS
+    if (not isinstance(generated, list)
             or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in generated)):
         raise InvalidRequestError(
-            "kv_transfer_params.generated_token_ids must be a list of at most "
-            f"{MAX_GENERATED_TOKENS} non-negative token ids", "kv_transfer_params")
-    if first_events and generated:
+            "kv_transfer_params.generated_token_ids must be a list of non-negative token ids",
+            "kv_transfer_params")
+    if first_events and continues:
         raise InvalidRequestError("kv_transfer_params: first_token_events and "
                                   "generated_token_ids exclude each other", "kv_transfer_params")
-    return Handoff(first_events, list(generated))
+    stream_token_ids = params.get("stream_token_ids", False)
+    if not isinstance(stream_token_ids, bool):
+        raise InvalidRequestError("kv_transfer_params.stream_token_ids must be a boolean",
+                                  "kv_transfer_params")
+    return Handoff(first_events, list(generated), continues, stream_token_ids)
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -302,7 +319,7 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
 
 
 def _check_handoff_n(handoff: Handoff, params: SamplingParams) -> None:
-    if (handoff.first_events or handoff.generated_token_ids) and params.n != 1:
+    if handoff.hands_over and params.n != 1:
         raise InvalidRequestError("a first-token handoff carries one sample (n=1)", "n")
 
 
@@ -393,14 +410,14 @@ def parse_completion_request(body: dict[str, Any], defaults: GenerationDefaults 
                                   f"{MAX_CHOICES} choices in one request", "prompt")
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)
-    if (handoff.first_events or handoff.generated_token_ids) and len(prompts) != 1:
+    if handoff.hands_over and len(prompts) != 1:
         raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
     _check_handoff_n(handoff, params)
     echo = _typed(body, "echo", (bool,), False)
     if echo and params.logprobs is not None:
         raise InvalidRequestError("echo with logprobs needs the prompt's logprobs, which are "
                                   "not supported", "echo")
-    if echo and (handoff.first_events or handoff.generated_token_ids):
+    if echo and handoff.hands_over:
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
                              echo, continuous_usage, _truncate_prompt_tokens(body),

@@ -8,7 +8,9 @@ ports, one GPU each (``CUDA_VISIBLE_DEVICES``) or all on CPU. The launcher waits
 every worker is registered with the proxy and healthy, prints the endpoint, watches the
 children (reports a death, restarts it with ``--restart``, gives up and exits 1 on a crash
 loop past ``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill
-after a deadline.
+after a deadline. The proxy is restarted with or without ``--restart``, and never takes the
+workers down with it: they keep serving any other proxy they register with
+(``proxy_addresses`` in ``--kv-transfer-config``) and re-register with the new one.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import asyncio
 import datetime
 import re
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from tests.integration.cluster_harness import (
     Cluster,
     Outcome,
     Req,
+    Throttle,
     build_tiny_checkpoint,
     check_matches,
     labelled_counter,
@@ -52,37 +52,6 @@ def _registration_sent_at(log: Path) -> float:
     return parsed.timestamp()
 
 
-class _Throttle:
-    """Slows ``victim``'s engine about tenfold by stopping it 90 ms of every 100 ms.
-
-    The victim's streams must still be mid-way when the test freezes it; unthrottled, the
-    tiny model decodes a whole long stream in a few tenths of a second, about the time the
-    trigger's /metrics polling takes on a loaded 2-core machine (a CI run saw every stream
-    complete before the freeze). A thread, not a task, so the client coroutines sharing the
-    event loop do not stretch the running phase."""
-
-    def __init__(self, cluster: Cluster, victim: Child) -> None:
-        self._cluster, self._victim = cluster, victim
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            self._cluster.signal_engine(self._victim, signal.SIGSTOP)
-            time.sleep(0.09)
-            self._cluster.signal_engine(self._victim, signal.SIGCONT)
-            time.sleep(0.01)
-
-    def __enter__(self) -> _Throttle:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Stops throttling, leaving the engine running (the last signal sent is SIGCONT)."""
-        self._done.set()
-        self._thread.join()
-
-
 @dataclass
 class _KillRun:
     long: list[Outcome]    # the long requests in flight at the kill
@@ -104,7 +73,7 @@ async def _kill_mid_stream(cluster: Cluster, victim: Child, long_reqs: list[Req]
     base = scrape(victim.http_address).get(ttft, 0.0)
     streams = [r for r in long_reqs if r.stream]
     assert long_reqs[:len(streams)] == streams, "streaming requests first"
-    with _Throttle(cluster, victim):
+    with Throttle(cluster, victim):
         stream_task = asyncio.create_task(send_all(cluster.url, streams, timeout_s=60.0))
         started = time.monotonic()
         while (await loop.run_in_executor(None, scrape, victim.http_address)

@@ -148,3 +148,26 @@ async def test_a_stream_that_cannot_continue_ends_with_an_error_event(make_worke
     body = await resp.text()
     assert texts(body)[:2] == ["t0", "t1"] and '"error"' in body
     assert not live.received
+
+
+async def test_a_handoff_stream_continues_after_p_token_and_ds(make_worker, make_proxy) -> None:
+    """First-token handoff: the client holds P's token (42) and D's; the continuation
+    carries both, and the client sees every text once."""
+    p, dead, live = (await make_worker("P"), await make_worker("D", "fail_mid"),
+                     await make_worker("D"))
+    client = await make_proxy(p, dead, live, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert texts(await resp.text()) == ["P0", "t1", "t2", "[DONE]"]
+    (continued,) = live.received
+    assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [42, 101]
+
+
+async def test_a_handoff_decode_leg_that_never_answers_moves(make_worker, make_proxy) -> None:
+    p, silent, live = (await make_worker("P"), await make_worker("D", "hang"),
+                       await make_worker("D"))
+    client = await make_proxy(p, silent, live, first_token_from_prefill=True,
+                              first_byte_timeout_s=0.3)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert texts(await resp.text()) == ["P0", "t1", "t2", "[DONE]"]
+    assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [42]
+    assert migrations(await (await client.get("/metrics")).text()) == {"timeout": 1.0}

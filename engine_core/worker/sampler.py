@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
-from engine_core.sched.outputs import SampledLogprobs
 
 _MASK = float("-inf")
 
@@ -94,7 +94,7 @@ class Sampler:
         return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
-                 ) -> tuple[list[int], list[SampledLogprobs | None]]:
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample and read the results back (one sync)."""
         return self.sample(logits, rows).read()
 
@@ -336,7 +336,7 @@ class DeviceSamples:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def read(self) -> tuple[list[int], list[SampledLogprobs | None]]:
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """The sampled tokens and logprobs as host lists (waits for the step)."""
         if self._host is None:
             tokens_t, packed_t = self.token_ids, self.packed_logprobs
@@ -351,15 +351,15 @@ class DeviceSamples:
 
 
 def _unpack_logprobs(packed: list[list[float]], tokens: list[int],
-                     num_logprobs: list[int | None]) -> list[SampledLogprobs | None]:
+                     num_logprobs: list[int | None]) -> list[TokenLogprob | None]:
     width = (len(packed[0]) - 2) // 2 if packed else 0
-    result: list[SampledLogprobs | None] = []
+    result: list[TokenLogprob | None] = []
     for token, row, n in zip(tokens, packed, num_logprobs):
         if n is None:
             result.append(None)
             continue
         top_ids = [int(t) for t in row[2 + width:2 + width + n]]
-        result.append(SampledLogprobs(token, row[0], int(row[1]), top_ids,
+        result.append(TokenLogprob(token, row[0], int(row[1]), top_ids,
                                       row[2:2 + n]))
     return result
 

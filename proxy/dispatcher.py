@@ -46,15 +46,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from engine_core.errors import NoWorkerError
-from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
-from proxy import forwarding as fw
-from proxy.errors import (
+from engine_core.errors import (
+    NoWorkerError,
     UpstreamError,
     UpstreamTimeoutError,
     UpstreamUnavailableError,
-    sse_error_event,
 )
+from engine_core.server.http_errors import sse_error_event
+from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
+from proxy import forwarding as fw
 from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_LABELS
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState

@@ -69,13 +69,18 @@ HTTP_ERRORS: tuple[tuple[type[BaseException], HttpError], ...] = (
     (UpstreamError, HttpError(502, "upstream_error", "bad_gateway")),
 )
 
+# aiohttp's own errors for the cases the table names too answer with the table's code.
+_AIOHTTP_CODES = {answer.status: answer.code for exc_type, answer in HTTP_ERRORS
+                  if exc_type in (RequestTooLargeError, RequestTimeoutError)}
+
 
 def http_error_of(exc: BaseException) -> HttpError:
     """The HTTP answer for an exception: aiohttp's own (404, 405, 413, ...) by their status,
     ours from the table, anything else an internal error."""
     if isinstance(exc, web.HTTPException):
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return HttpError(exc.status, kind, exc.reason.lower().replace(" ", "_"))
+        code = _AIOHTTP_CODES.get(exc.status) or exc.reason.lower().replace(" ", "_")
+        return HttpError(exc.status, kind, code)
     for exc_type, answer in HTTP_ERRORS:
         if isinstance(exc, exc_type):
             return answer

@@ -88,3 +88,9 @@ def test_the_stream_error_event_carries_the_same_body_then_done() -> None:
     error_event, done, rest = sse_error_event(exc).split(b"\n\n")
     assert json.loads(error_event.removeprefix(b"data: ")) == exception_body(exc)[1]
     assert done == b"data: [DONE]" and rest == b""
+
+
+def test_aiohttp_body_too_large_reads_as_ours() -> None:
+    exc = web.HTTPRequestEntityTooLarge(max_size=10, actual_size=20)
+    assert exception_body(exc)[1]["error"]["code"] == exception_body(
+        RequestTooLargeError("too big"))[1]["error"]["code"] == "request_too_large"

@@ -80,17 +80,18 @@ class Sampler:
     parameter tensors reach the device by non-blocking copies from pinned memory, so the
     step's only host sync is reading the sampled tokens (logprobs add one more read).
     ``use_triton`` (the Triton backend) takes greedy rows' argmax with ``kernels.argmax``
-    on CUDA.
+    on CUDA, launched with PDL when ``pdl`` (``DeviceConfig.triton_pdl``).
     """
 
-    def __init__(self, use_triton: bool = False) -> None:
+    def __init__(self, use_triton: bool = False, pdl: bool = True) -> None:
         self.use_triton = use_triton
+        self.pdl = pdl
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.use_triton and logits.is_cuda:
             from engine_core.kernels.argmax import row_argmax
 
-            return row_argmax(logits)
+            return row_argmax(logits, pdl=self.pdl)
         return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]

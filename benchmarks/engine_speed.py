@@ -41,6 +41,7 @@ import gc
 import itertools
 import json
 import logging
+import os
 import platform
 import random
 import statistics
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 
 from benchmarks.model_shapes import write_model_dir
+from engine_core.arg_utils import engine_environment
 from engine_core.config import (
     SPLIT_K_MLP_MODES,
     CacheConfig,
@@ -222,6 +224,7 @@ class HookedStandIn(NullConnectorWorker):
 
 def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = False
                  ) -> tuple[EngineCore, float]:
+    environment = engine_environment(os.environ)  # PDSERVE_TRITON_PDL=0 for a PDL A/B
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype=bench.dtype, load_format="dummy",
                           max_model_len=bench.max_model_len),
@@ -232,7 +235,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
         device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
                             triton_gemv_max_rows=bench.triton_gemv_max_rows,
                             split_k_mlp=bench.split_k_mlp,
-                            cuda_graph_mode=bench.cuda_graph_mode),
+                            cuda_graph_mode=bench.cuda_graph_mode,
+                            triton_pdl=environment["triton_pdl"]),
     )
     t0 = time.perf_counter()
     engine = EngineCore(config)

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.cluster.messages import ROLES
 from engine_core.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -26,7 +27,6 @@ from engine_core.version import package_version
 from proxy import keys
 from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
 from proxy.forwarding import FORWARDED_HEADERS
-from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCard
 

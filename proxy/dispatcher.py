@@ -49,11 +49,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from engine_core.errors import NoWorkerError
+from engine_core.errors import (
+    NoWorkerError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
+)
 from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
 from proxy.client_stream import open_stream
-from proxy.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 from proxy.handoff import FirstTokenHandoff
 from proxy.legs import (
     HeldKV,

@@ -29,10 +29,11 @@ import aiohttp
 from aiohttp import web
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
+from engine_core.errors import UpstreamError, UpstreamTimeoutError
+from engine_core.server.http_errors import sse_error_event
 from engine_core.server.streaming import TOKEN_IDS_COMMENT, SSEStream
 from proxy import forwarding as fw
 from proxy.client_stream import end_stream
-from proxy.errors import UpstreamError, UpstreamTimeoutError, sse_error_event
 from proxy.legs import Leg, RequestTimer, Retry, abort_tasks
 from proxy.registry import WorkerState
 

@@ -45,7 +45,7 @@ class FakeWorker:
     A prefill leg (``do_remote_decode``) is answered with one JSON body, as a real P does.
     A stream's event ``i`` carries text ``t<i>`` and token id ``100 + i``, named in an SSE
     comment when ``stream_token_ids`` is asked for; a continuation (``generated_token_ids``)
-    starts after the tokens it names, as a real worker does.
+    starts after the tokens of its own it names, as a real worker does.
     """
 
     role: str
@@ -91,13 +91,14 @@ class FakeWorker:
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.mode == "asleep":
-            return web.json_response({"error": {"message": "the engine is asleep; POST "
-                                                "/wake_up first", "type": "ServiceUnavailable",
-                                                "param": None, "code": 503}}, status=503)
+            return web.json_response({"error": {
+                "message": "the engine is asleep; POST /wake_up first",
+                "type": "service_unavailable", "param": None, "code": "engine_sleeping"}},
+                status=503)
         if self.mode == "error400":
             return web.json_response({"error": {"message": f"{self.role} says bad",
-                                                "type": "BadRequestError", "param": "n",
-                                                "code": 400}}, status=400)
+                                                "type": "invalid_request_error", "param": "n",
+                                                "code": None}}, status=400)
         if self.mode == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
         # A prefill leg (do_remote_decode) is answered as one JSON body, streamed or not.
@@ -122,7 +123,9 @@ class FakeWorker:
             return await self._flood(response, request_id)
         count = 100 if self.mode == "slow" else 3
         params = body.get("kv_transfer_params") or {}
-        for i in range(len(params.get("generated_token_ids", [])), count):
+        # Its own tokens (100 + i) already sent; a handoff's P token (42) is not one of them.
+        start = sum(1 for t in params.get("generated_token_ids", []) if t >= 100)
+        for i in range(start, count):
             event = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": f"t{i}"}]}
             comment = f": pdserve_token_ids={100 + i}\n" if params.get("stream_token_ids") else ""
             await response.write(f"{comment}data: {json.dumps(event)}\n\n".encode())

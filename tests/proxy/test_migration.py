@@ -157,9 +157,9 @@ async def test_a_handoff_stream_continues_after_p_token_and_ds(make_worker, make
                      await make_worker("D"))
     client = await make_proxy(p, dead, live, first_token_from_prefill=True)
     resp = await client.post("/v1/completions", json=STREAM)
-    assert texts(await resp.text()) == ["P0", "t1", "t2", "[DONE]"]
+    assert texts(await resp.text()) == ["P0", "t0", "t1", "t2", "[DONE]"]
     (continued,) = live.received
-    assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [42, 101]
+    assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [42, 100, 101]
 
 
 async def test_a_handoff_decode_leg_that_never_answers_moves(make_worker, make_proxy) -> None:
@@ -168,6 +168,6 @@ async def test_a_handoff_decode_leg_that_never_answers_moves(make_worker, make_p
     client = await make_proxy(p, silent, live, first_token_from_prefill=True,
                               first_byte_timeout_s=0.3)
     resp = await client.post("/v1/completions", json=STREAM)
-    assert texts(await resp.text()) == ["P0", "t1", "t2", "[DONE]"]
+    assert texts(await resp.text()) == ["P0", "t0", "t1", "t2", "[DONE]"]
     assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [42]
     assert migrations(await (await client.get("/metrics")).text()) == {"timeout": 1.0}

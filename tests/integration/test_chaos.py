@@ -1,6 +1,7 @@
-"""Bounded chaos: a 2P2D CPU cluster behind two proxies, under streamed and whole-request
+"""Bounded chaos: a 2P3D CPU cluster behind two proxies, under streamed and whole-request
 load, while a decode worker, a prefill worker, a decode worker's engine process and a proxy
-are SIGKILLed in turn (each restarted, as a supervisor would).
+are SIGKILLed in turn (the proxy restarted, as launch does; a P and a D survive, so the
+test needs no worker restarts and stays about a minute past startup).
 
 Judged: no request hangs (every client has a deadline and none reaches it); every request
 through the proxy that is never killed completes with the greedy text and usage of an
@@ -87,31 +88,23 @@ def _kill_group(child: Child) -> None:
 
 
 async def _chaos(cluster: Cluster, proxy_b: Child, url_b: str) -> None:
-    """Kill D0, P0, D1's engine and proxy B in turn, restarting each; a worker is killed
-    only while the other of its role serves."""
+    """SIGKILL D0, P0, D1's engine process and proxy B in turn, load running between; the
+    proxy is restarted (the workers register with it again), the workers are not: D2 and P1
+    serve on, so every request has somewhere to go."""
     loop = asyncio.get_running_loop()
-    prefill0, decode0, decode1 = (cluster.worker(n) for n in ("prefill0", "decode0", "decode1"))
-
-    async def back(child: Child) -> None:
-        await loop.run_in_executor(None, _wait, lambda: child.http_address in _registered(
-            cluster.url), 120.0, f"{child.name} did not come back")
-
+    decode0, prefill0, decode1 = (cluster.worker(n) for n in ("decode0", "prefill0", "decode1"))
     for victim in (decode0, prefill0):
         await asyncio.sleep(PAUSE_S)
         await loop.run_in_executor(None, _kill_group, victim)
-        victim.start()
-        await back(victim)
     await asyncio.sleep(PAUSE_S)
     cluster.signal_engine(decode1, signal.SIGKILL)  # its API process exits after it
     assert decode1.proc is not None
     await loop.run_in_executor(None, decode1.proc.wait, 60)
-    decode1.start()
-    await back(decode1)
     await asyncio.sleep(PAUSE_S)
     await loop.run_in_executor(None, _kill_group, proxy_b)
     proxy_b.start()
-    await loop.run_in_executor(None, _wait, lambda: len(_registered(url_b)) == 4, 60.0,
-                               "proxy B's workers did not re-register")
+    await loop.run_in_executor(None, _wait, lambda: len(_registered(url_b)) == 2, 60.0,
+                               "the survivors did not register with the new proxy B")
     await asyncio.sleep(PAUSE_S)
 
 
@@ -136,7 +129,7 @@ def test_chaos_kills_lose_no_request(tmp_path: Path) -> None:
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     http_b, registration_b = free_ports(2)
     cluster = Cluster.build(
-        tmp_path / "logs", ckpt, num_prefill=2, num_decode=2, heartbeat_s=0.5,
+        tmp_path / "logs", ckpt, num_prefill=2, num_decode=3, heartbeat_s=0.5,
         heartbeat_timeout_s=2.0,
         kv_extra={"proxy_addresses": [f"127.0.0.1:{registration_b}"], "get_lease_s": 5,
                   "transfer_timeout_s": 5, "orphan_ttl_s": 5})
@@ -168,7 +161,8 @@ def test_chaos_kills_lose_no_request(tmp_path: Path) -> None:
         assert sum(moved.values()) >= 1 and "limit" not in moved, moved
 
         check_matches(reqs, run_all(url_b, reqs), want)  # the restarted proxy serves
-        scraped = wait_idle(workers, deadline_s=30.0)
+        survivors = [cluster.worker(n).http_address for n in ("prefill1", "decode2")]
+        scraped = wait_idle(survivors, deadline_s=30.0)
         assert not idle_violations(scraped), idle_violations(scraped)
     finally:
         if proxy_b.proc is not None and proxy_b.proc.poll() is None:

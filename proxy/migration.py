@@ -190,14 +190,28 @@ class StreamMigration:
     """``Dispatcher``'s relay of event streams, which continues a failed one elsewhere."""
 
     async def _read_event_chunk(self: Dispatcher, response: aiohttp.ClientResponse) -> bytes:
-        """The next bytes of a stream within the stall deadline: a loop timer
-        (``asyncio.timeout``), not a task per chunk."""
+        """The next bytes of a stream within the stall deadline: a loop timer that closes
+        the response, not a task per chunk (``wait_for`` makes one on Python 3.10-3.11)."""
+        stalled = False
+
+        def expire() -> None:
+            nonlocal stalled
+            stalled = True
+            response.close()
+
+        timer = asyncio.get_running_loop().call_later(self.timeouts.stall_s, expire)
         try:
-            async with asyncio.timeout(self.timeouts.stall_s):
-                return await fw.read_chunk(response)
-        except TimeoutError:
+            chunk = await fw.read_chunk(response)
+        except UpstreamError:
+            if not stalled:
+                raise
+            chunk = b""
+        finally:
+            timer.cancel()
+        if stalled:
             raise UpstreamTimeoutError(f"worker {response.url} sent no byte for "
-                                       f"{self.timeouts.stall_s:g} s") from None
+                                       f"{self.timeouts.stall_s:g} s")
+        return chunk
 
     async def _copy_events(self: Dispatcher, stream: SSEStream, response: aiohttp.ClientResponse,
                            leg: Leg, resume: Resume | None, first: bytes,

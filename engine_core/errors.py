@@ -25,6 +25,14 @@ class RequestTimeoutError(InvalidRequestError):
     """The client did not send its whole request body within the server's bound (HTTP 408)."""
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body exceeds the server's size bound (HTTP 413)."""
+
+
+class AuthenticationError(PdserveError):
+    """Missing or wrong API key (HTTP 401)."""
+
+
 class ModelNotFoundError(PdserveError):
     """The request names a model this server does not serve (HTTP 404)."""
 

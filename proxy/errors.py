@@ -11,20 +11,15 @@ import json
 from typing import Any
 
 from engine_core.errors import (
+    AuthenticationError,
     InvalidRequestError,
     ModelNotFoundError,
     NoWorkerError,
     OverloadedError,
     PdserveError,
+    RequestTimeoutError,
+    RequestTooLargeError,
 )
-
-
-class RequestTooLargeError(InvalidRequestError):
-    """The request body exceeds ``--max-body-bytes`` (HTTP 413)."""
-
-
-class RequestTimeoutError(InvalidRequestError):
-    """The client did not send its whole body within ``--body-timeout`` (HTTP 408)."""
 
 
 class UpstreamError(PdserveError):
@@ -61,6 +56,7 @@ _HTTP_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (RequestTimeoutError, 408, "invalid_request_error", "request_timeout"),
     (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
     (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
+    (AuthenticationError, 401, "invalid_request_error", "invalid_api_key"),
     (OverloadedError, 429, "rate_limit_error", "too_many_requests"),
     (NoWorkerError, 503, "service_unavailable", "no_worker_available"),
     (UpstreamTimeoutError, 504, "upstream_timeout", "upstream_timeout"),

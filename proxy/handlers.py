@@ -14,8 +14,13 @@ from typing import Any
 from aiohttp import web
 
 from engine_core.cluster.messages import ROLES
-from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
-from engine_core.server.protocol import parse_json
+from engine_core.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    OverloadedError,
+    PdserveError,
+)
+from engine_core.server.request_body import read_json_body
 from engine_core.version import package_version
 from proxy import keys
 from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
@@ -45,15 +50,7 @@ async def read_json_object(request: web.Request, max_bytes: int, timeout_s: floa
     """The request body as a JSON object, at most ``max_bytes``, all of it within
     ``timeout_s``: it is read under an admission slot, which a client that sends slowly or
     stops mid-body would otherwise hold for good. The worker validates the rest."""
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise RequestTooLargeError(f"request body of {request.content_length} bytes exceeds "
-                                   f"the limit of {max_bytes} bytes")
-    try:
-        data = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
-                                  ) from None
-    body = parse_json(data)
+    body = await read_json_body(request, max_bytes, timeout_s)
     check_finite_numbers(body)
     return body
 
@@ -76,16 +73,6 @@ def check_finite_numbers(body: dict[str, Any]) -> None:
             stack.extend((param, item, False) for item in value)
 
 
-async def _read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The whole body, refused once past ``max_bytes`` (a chunked body has no length)."""
-    data = bytearray()
-    while chunk := await request.content.readany():
-        data += chunk
-        if len(data) > max_bytes:
-            raise RequestTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
-    return bytes(data)
-
-
 def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
     """An OpenAI-style error response for an exception."""
     status, payload = to_http(exc)
@@ -105,10 +92,13 @@ _BODY_HEADERS = ("content-type", "content-length")  # json_response sets its own
 async def http_error_middleware(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                                 ) -> web.StreamResponse:
-    """aiohttp's own errors (an unknown route's 404, a wrong method's 405) as OpenAI error
-    bodies, as every other proxy error is: OpenAI clients parse error bodies as JSON."""
+    """aiohttp's own errors (an unknown route's 404, a wrong method's 405) and the API key
+    check's 401 as OpenAI error bodies, as every other proxy error is: OpenAI clients parse
+    error bodies as JSON."""
     try:
         return await handler(request)
+    except AuthenticationError as exc:
+        return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

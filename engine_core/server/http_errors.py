@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from engine_core.errors import (
+    AuthenticationError,
     ConfigError,
     EngineDeadError,
     EngineSleepingError,
@@ -23,6 +24,7 @@ from engine_core.errors import (
     NoWorkerError,
     OverloadedError,
     RequestTimeoutError,
+    RequestTooLargeError,
 )
 
 logger = logging.getLogger("pdserve.server")
@@ -38,16 +40,14 @@ _STATUS_TYPES = {
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
 
-class AuthenticationError(Exception):
-    """Missing or wrong API key (HTTP 401)."""
-
-
 def error_status(exc: BaseException) -> int:
     """The HTTP status for an exception."""
     if isinstance(exc, web.HTTPException):
         return exc.status
     if isinstance(exc, RequestTimeoutError):
         return 408
+    if isinstance(exc, RequestTooLargeError):
+        return 413
     if isinstance(exc, (InvalidRequestError, ConfigError)):
         return 400
     if isinstance(exc, AuthenticationError):

@@ -78,9 +78,10 @@ def error_response(exc: BaseException, request_id: str | None = None) -> web.Res
     status, payload = to_http(exc)
     headers = {"X-Request-Id": request_id} if request_id else None
     response = web.json_response(payload, status=status, headers=headers)
-    if isinstance(exc, RequestTimeoutError):
+    if isinstance(exc, (RequestTimeoutError, RequestTooLargeError)):
         # The rest of the body stays unread, so the connection cannot carry another
-        # request: say so, and aiohttp closes it after its lingering close.
+        # request: say so, and aiohttp closes it at once (it would otherwise wait to read,
+        # and discard, a body it refused).
         response.force_close()
     return response
 

@@ -87,9 +87,10 @@ def exception_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
     status, body = exception_body(exc)
     response = web.json_response(body, status=status, headers=headers)
-    if status == 408:
+    if status in (408, 413):
         # The rest of the body was never read, so the connection cannot carry another
-        # request: Connection: close, and aiohttp closes it after answering.
+        # request: Connection: close, and aiohttp closes it after answering (without first
+        # waiting to read, and discard, a body it refused).
         response.force_close()
     return response
 

@@ -55,3 +55,8 @@ class NoWorkerError(PdserveError):
 
 class EngineSleepingError(PdserveError):
     """The engine is asleep (sleep mode): it serves again after wake_up; HTTP 503."""
+
+
+class ShuttingDownError(PdserveError):
+    """The server is draining for shutdown and takes no new requests (HTTP 503: the proxy
+    tries them on another worker)."""

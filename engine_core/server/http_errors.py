@@ -23,6 +23,7 @@ from engine_core.errors import (
     NoWorkerError,
     OverloadedError,
     RequestTimeoutError,
+    ShuttingDownError,
 )
 
 logger = logging.getLogger("pdserve.server")
@@ -57,7 +58,7 @@ def error_status(exc: BaseException) -> int:
     if isinstance(exc, OverloadedError):
         return 429
     if isinstance(exc, (EngineDeadError, EngineUnresponsiveError, EngineSleepingError,
-                        NoWorkerError)):
+                        NoWorkerError, ShuttingDownError)):
         return 503
     if isinstance(exc, KVTransferError):
         return 500

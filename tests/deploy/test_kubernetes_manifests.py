@@ -12,7 +12,16 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from tests.deploy.kube import OVERLAYS, component, kustomize_tree, render, workloads
+from deploy.cli import build_parser
+from engine_core.config import KVTransferConfig
+from tests.deploy.kube import (
+    OVERLAYS,
+    component,
+    kustomize_tree,
+    local_pods,
+    render,
+    workloads,
+)
 
 # The oldest Kubernetes the manifests support and the newest kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
@@ -106,6 +115,24 @@ def test_overlays_run_the_roles_they_name(rendered: dict) -> None:
         for part in ("requests", "limits"):
             assert "nvidia.com/gpu" not in workload["spec"]["template"]["spec"][
                 "containers"][0]["resources"].get(part, {})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_command_parses_as_pdserve_flags(rendered: dict, overlay: str,
+                                                        tmp_path: Path) -> None:
+    """What the GPU overlays run is checked too, not only the CPU one the cluster test
+    starts: every variable is defined, the flags are pdserve's and the KV config parses."""
+    for pod in local_pods(rendered[overlay], tmp_path):
+        assert pod.argv[1:3] == ["-m", "deploy.cli"], pod.argv  # the `pdserve` program
+        assert not any("$(" in arg for arg in pod.argv), pod.argv
+        args = build_parser().parse_args(pod.argv[3:])
+        assert args.command == {"proxy": "proxy", "prefill": "prefill", "decode": "decode",
+                                "colocated": "serve"}[pod.component]
+        if pod.component in ("prefill", "decode"):
+            kv = KVTransferConfig.from_json(args.kv_transfer_config)
+            assert kv.kv_ip == kv.http_ip == "127.0.0.1"  # the pod IP, from the downward API
+            assert kv.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer"}[
+                pod.component]
 
 
 def test_the_checks_fail_on_an_unknown_field_a_missing_probe_or_request(rendered: dict) -> None:

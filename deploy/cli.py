@@ -42,7 +42,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args, positive_seconds
     from engine_core.server.server_args import add_server_arguments
-    from prefill.worker import proxy_address
+    from engine_core.server.worker import proxy_address
 
     parser.add_argument("model", nargs="?", default=None,
                         help="HF checkpoint directory (omit, or --demo, for the demo model)")
@@ -87,14 +87,15 @@ def run_serve(args: argparse.Namespace) -> int:
         if kv is not None:
             # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
             # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
-            from prefill.worker import serve_worker, worker_kv_config
+            from connectors import create_connector
+            from engine_core.server.worker import serve_worker, worker_kv_config
 
             config = dataclasses.replace(
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
-            serve_worker(config, options, args.heartbeat_interval)
+            serve_worker(config, options, create_connector, args.heartbeat_interval)
         elif args.proxy_address:
             from engine_core.server.readiness import Readiness
-            from prefill.worker import colocated_hook
+            from engine_core.server.worker import colocated_hook
 
             readiness = Readiness()
             run_server(config, options, on_startup=[

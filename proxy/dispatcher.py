@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_LABELS
 from engine_core.errors import NoWorkerError
 from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
@@ -55,7 +56,6 @@ from proxy.errors import (
     UpstreamUnavailableError,
     sse_error_event,
 )
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_LABELS
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
+from engine_core.cluster.registration_client import RegistrationClient
 from engine_core.errors import ShuttingDownError
 from engine_core.server import api_server
 from engine_core.server.http_errors import exception_body
 from engine_core.server.readiness import Readiness
-from proxy.registration import RegistrationClient, RegistrationServer
+from proxy.registration import RegistrationServer
 from proxy.registry import InstanceRegistry
 
 

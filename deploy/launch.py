@@ -254,7 +254,8 @@ def worker_server_argv(args: argparse.Namespace) -> list[str]:
     from engine_core.errors import ConfigError
     from engine_core.server.server_args import add_server_arguments, server_options
 
-    if not args.shutdown_timeout < args.stop_timeout:  # the workers drain before launch kills
+    given = args.shutdown_timeout != worker_server_actions()["--shutdown-timeout"].default
+    if given and not args.shutdown_timeout < args.stop_timeout:  # drain before launch kills
         raise SystemExit(f"pdserve launch: --shutdown-timeout {args.shutdown_timeout:g} must "
                          f"be below --stop-timeout {args.stop_timeout:g}")
     argv = changed_argv(args, worker_server_actions().values())

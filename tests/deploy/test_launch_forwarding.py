@@ -242,9 +242,10 @@ def test_a_bad_value_is_refused_before_anything_starts(
 
 
 def test_workers_drain_within_launchs_stop_timeout() -> None:
-    """--shutdown-timeout reaches every worker; one not below --stop-timeout is refused (the
-    launcher would kill workers mid-drain)."""
+    """--shutdown-timeout reaches every worker; one given that is not below --stop-timeout
+    is refused (the launcher would kill workers mid-drain)."""
     argv = launch.worker_server_argv(_parse("--shutdown-timeout", "5"))
     assert argv[argv.index("--shutdown-timeout") + 1] == "5.0"
     with pytest.raises(SystemExit, match="--shutdown-timeout 20 must be below --stop-timeout 15"):
         launch.worker_server_argv(_parse("--shutdown-timeout", "20"))
+    assert "--shutdown-timeout" not in launch.worker_server_argv(_parse("--stop-timeout", "5"))

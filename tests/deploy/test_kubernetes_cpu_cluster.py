@@ -36,6 +36,8 @@ from tests.integration.cluster_harness import (
     with_limit,
 )
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
 SERVED_MODEL = "pdserve-demo"  # the CPU overlay's SERVED_MODEL_NAME
 DRAINED = "Drained: no request in flight, every KV block free"
 # Flags of a P/D worker that a colocated server of the same engine flags does not take.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_core.arg_utils import engine_environment
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.messages import AddRequest
@@ -53,7 +55,8 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         from transformers import AutoTokenizer
 
-        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.config = EngineConfig.from_kwargs(
+            model, **{**engine_environment(os.environ), **engine_args})
         self.engine = EngineCore(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
         self.generation = load_generation_defaults(self.config.model,

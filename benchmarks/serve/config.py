@@ -175,7 +175,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--save-result", action="store_true", help="write JSON (and PNG plots)")
     out.add_argument("--save-detailed", action="store_true",
                      help="also keep every ITL and error per request in the JSON")
-    out.add_argument("--result-dir", default=None, help="where results go (default: .)")
+    out.add_argument("--result-dir", default=None, help="where results go (default: results/serve)")
     out.add_argument("--result-filename", default=None, help="JSON name (a sweep adds -RATEqps)")
     out.add_argument("--label", default=None, help="name of this run in results and plots")
     out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",

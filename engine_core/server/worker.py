@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine_core.addresses import is_host_port, route_source_host
-from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, ROLE_WORKER
 from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.engine_core import EngineCore
 from engine_core.kv_connector import ConnectorScheduler, ConnectorWorker
@@ -24,7 +24,7 @@ from engine_core.server.readiness import Readiness
 
 logger = logging.getLogger("pdserve.worker")
 
-ROLE_LETTER = {"kv_producer": ROLE_PREFILL, "kv_consumer": ROLE_DECODE}
+ROLE_LETTER = {"kv_producer": ROLE_PREFILL, "kv_consumer": ROLE_DECODE, "kv_both": ROLE_WORKER}
 DEFAULT_PROXY = ("127.0.0.1", 30001)
 
 # (config, device) -> the engine's (scheduler side, worker side) connector pair; must be
@@ -101,7 +101,8 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
             s = client.latest_stats
             return WorkerLoad() if s is None else WorkerLoad(
                 s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv,
-                sleeping=s.sleep_level > 0)
+                sleeping=s.sleep_level > 0, num_prefill_tokens_queued=s.num_prefill_tokens_queued,
+                prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s)
 
         registration = RegistrationClient(
             proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
@@ -143,7 +144,8 @@ def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float,
 
 def serve_worker(config: EngineConfig, options: Any, connector_factory: ConnectorFactory,
                  heartbeat_interval_s: float = 3.0) -> None:
-    """Serve ``config`` (its kv_transfer names the role) as a P or D worker until stopped.
+    """Serve ``config`` (its kv_transfer names the role) as a P, D or kv_both worker until
+    stopped.
 
     ``pdserve serve --kv-transfer-config '{"kv_role": "kv_producer", ...}'`` calls this.
     """

@@ -67,7 +67,7 @@ def measure(cluster: Cluster, workload: Workload, rate: float, seconds: float, s
     dataset = dataclasses.replace(workload.dataset, num_prompts=num, seed=seed)
     config = BenchConfig(base_url=cluster.url, model=cluster.spec.served_model_name,
                          dataset=dataset, request_rates=(rate,), ignore_eos=True,
-                         disable_tqdm=True, ready_check_timeout_s=0,
+                         disable_tqdm=True, ready_check_timeout_s=0, num_warmups=2,
                          request_id_prefix=f"sweep-{cluster.topology.name}-{seed}-",
                          label=f"{cluster.topology.name}/{workload.name}", plot=False)
     result = run_benchmark(config, tokenizer)[0]

@@ -25,7 +25,7 @@ from tests.deploy.kube import (
 
 # The oldest Kubernetes the manifests support and the newest kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
-WORKER_ROLES = ("prefill", "decode", "colocated")
+WORKER_ROLES = ("prefill", "decode", "colocated", "worker")
 GPU_OVERLAYS = tuple(name for name in OVERLAYS if name != "cpu")
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
 
@@ -110,6 +110,7 @@ def test_overlays_run_the_roles_they_name(rendered: dict) -> None:
     assert replicas("1p1d") == {"proxy": 1, "prefill": 1, "decode": 1}
     assert replicas("xpyd") == {"proxy": 1, "prefill": 2, "decode": 4}
     assert replicas("colocated") == {"proxy": 1, "colocated": 4}
+    assert replicas("workers") == {"proxy": 1, "worker": 4}
     assert replicas("cpu") == {"proxy": 1, "prefill": 1, "decode": 1}
     for workload in workloads(rendered["cpu"]):
         for part in ("requests", "limits"):
@@ -127,12 +128,12 @@ def test_every_container_command_parses_as_pdserve_flags(rendered: dict, overlay
         assert not any("$(" in arg for arg in pod.argv), pod.argv
         args = build_parser().parse_args(pod.argv[3:])
         assert args.command == {"proxy": "proxy", "prefill": "prefill", "decode": "decode",
-                                "colocated": "serve"}[pod.component]
-        if pod.component in ("prefill", "decode"):
+                                "colocated": "serve", "worker": "worker"}[pod.component]
+        if pod.component in ("prefill", "decode", "worker"):
             kv = KVTransferConfig.from_json(args.kv_transfer_config)
             assert kv.kv_ip == kv.http_ip == "127.0.0.1"  # the pod IP, from the downward API
-            assert kv.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer"}[
-                pod.component]
+            assert kv.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer",
+                                  "worker": "kv_both"}[pod.component]
 
 
 def test_the_checks_fail_on_an_unknown_field_a_missing_probe_or_request(rendered: dict) -> None:

@@ -92,10 +92,13 @@ def run_serve(args: argparse.Namespace) -> int:
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
             serve_worker(config, options, create_connector, args.heartbeat_interval)
         elif args.proxy_address:
+            from engine_core.server.readiness import Readiness
             from engine_core.server.worker import colocated_hook
 
+            readiness = Readiness()
             run_server(config, options, on_startup=[
-                colocated_hook(config, args.proxy_address, args.heartbeat_interval)])
+                colocated_hook(config, args.proxy_address, args.heartbeat_interval, readiness)],
+                readiness=readiness)
         else:
             run_server(config, options)
     except PdserveError as exc:

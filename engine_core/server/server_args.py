@@ -52,6 +52,14 @@ def _env_seconds(name: str) -> float | None:
         raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
 
 
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -79,6 +87,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the engine process may take to load the model and "
                              "start before the server gives up and exits 1 (default: "
                              f"VLLM_ENGINE_READY_TIMEOUT_S, else {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    parser.add_argument("--shutdown-timeout", type=non_negative_seconds,
+                        default=ServerOptions.shutdown_drain_s, metavar="SECONDS",
+                        help="on SIGTERM: new requests are refused (503) and a worker "
+                             "deregisters from its proxy; the requests in flight may finish "
+                             "and their KV be released for this long, then the rest end with "
+                             "an error (0: at once). Keep it below the supervisor's grace "
+                             "period (a pod's terminationGracePeriodSeconds)")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -89,5 +104,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          log_stats_interval_s=args.log_stats_interval,
                          body_timeout_s=args.body_timeout,
                          write_timeout_s=args.write_timeout,
+                         shutdown_drain_s=args.shutdown_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
                                                    or DEFAULT_STARTUP_TIMEOUT_S))

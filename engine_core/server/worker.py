@@ -20,6 +20,7 @@ from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFI
 from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.engine_core import EngineCore
 from engine_core.kv_connector import ConnectorScheduler, ConnectorWorker
+from engine_core.server.readiness import Readiness
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -80,11 +81,12 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
 
 def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str | None,
                    interval_s: float, http_ip: str | None = None,
-                   fallback_host: str = "127.0.0.1") -> Any:
+                   fallback_host: str = "127.0.0.1", readiness: Readiness | None = None) -> Any:
     """A startup hook for ``run_server`` that heartbeats ``role`` to the proxy until shutdown.
 
     The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
-    ``fallback_host``.
+    ``fallback_host``. With ``readiness``, the server is ready only while its heartbeats
+    reach the proxy.
     """
 
     async def start(client: Any, options: Any) -> Any:
@@ -107,13 +109,16 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
             zmq_address=zmq_address, version=package_version(), load_provider=load,
             interval_s=interval_s)
         registration.start()
+        if readiness is not None:
+            readiness.add_check("proxy_registration", lambda: registration.registered)
         logger.info("registering as %s with proxy %s", role, proxy_address)
         return registration.stop
 
     return start
 
 
-def registration_hook(config: EngineConfig, interval_s: float) -> Any:
+def registration_hook(config: EngineConfig, interval_s: float,
+                      readiness: Readiness | None = None) -> Any:
     """The P/D worker's heartbeat hook, from its kv-transfer config."""
     kv = config.kv_transfer
     assert kv is not None
@@ -124,16 +129,17 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
         return skip
     return heartbeat_hook(ROLE_LETTER[kv.kv_role], f"{kv.proxy_ip}:{kv.proxy_port}",
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
-                          http_ip=kv.http_ip, fallback_host=kv.kv_ip)
+                          http_ip=kv.http_ip, fallback_host=kv.kv_ip, readiness=readiness)
 
 
-def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float) -> Any:
+def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float,
+                   readiness: Readiness | None = None) -> Any:
     """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole
     requests. Bound to a wildcard address, it advertises the address it reaches the proxy
     from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
     proxy_host = proxy_address.rpartition(":")[0]
     return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s,
-                          fallback_host=route_source_host(proxy_host))
+                          fallback_host=route_source_host(proxy_host), readiness=readiness)
 
 
 def serve_worker(config: EngineConfig, options: Any, connector_factory: ConnectorFactory,
@@ -145,9 +151,11 @@ def serve_worker(config: EngineConfig, options: Any, connector_factory: Connecto
     """
     from engine_core.server.api_server import run_server
 
+    readiness = Readiness()
     run_server(config, options,
                functools.partial(build_engine, connector_factory=connector_factory),
-               on_startup=[registration_hook(config, heartbeat_interval_s)])
+               on_startup=[registration_hook(config, heartbeat_interval_s, readiness)],
+               readiness=readiness)
 
 
 def run_worker(args: argparse.Namespace, role: str, connector_factory: ConnectorFactory) -> int:

@@ -244,3 +244,13 @@ def test_a_bad_value_is_refused_before_anything_starts(
     message = f"{exc.value.code}{capsys.readouterr().err}"
     assert reason in message and "unrecognized" not in message, message
     assert not log_dir.exists()
+
+
+def test_workers_drain_within_launchs_stop_timeout() -> None:
+    """--shutdown-timeout reaches every worker; one given that is not below --stop-timeout
+    is refused (the launcher would kill workers mid-drain)."""
+    argv = child_flags.worker_server_argv(_parse("--shutdown-timeout", "5"))
+    assert argv[argv.index("--shutdown-timeout") + 1] == "5.0"
+    with pytest.raises(SystemExit, match="--shutdown-timeout 20 must be below --stop-timeout 15"):
+        child_flags.worker_server_argv(_parse("--shutdown-timeout", "20"))
+    assert "--shutdown-timeout" not in child_flags.worker_server_argv(_parse("--stop-timeout", "5"))

@@ -52,6 +52,8 @@ class ModelConfig:
     generation_config: str = "auto"
     # vLLM's --override-generation-config: sampling defaults set over the loaded ones.
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # Where a GGUF model is converted to safetensors once (None: ~/.cache/pdserve/gguf).
+    gguf_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.generation_config:

@@ -219,7 +219,7 @@ def test_serve_refuses_a_connector_without_a_p_or_d_role(kv: str) -> None:
     used to drop the config and serve colocated without a word."""
     from deploy.cli import main
 
-    assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 1
+    assert main(["serve", "--demo-random", "--device", "cpu", "--kv-transfer-config", kv]) == 1
 
 
 def test_a_users_kv_transfer_config_reaches_every_p_and_d_worker(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ def oai(server) -> openai.OpenAI:
 
 
 def _offline(llm, prompts, **params):
-    return llm.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, **params)
-                                  for _ in prompts])
+    return [o.outputs[0] for o in llm.generate(
+        prompts, [SamplingParams(max_tokens=MAX_TOKENS, **params) for _ in prompts])]
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 42}])
@@ -106,7 +106,7 @@ def test_stop_string_finishes_with_stop(oai, offline_llm):
     full = _offline(offline_llm, PROMPTS[:1], temperature=0.0)[0].text
     stop = full[3:6]
     want = offline_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                            stop=[stop]))[0]
+                                                            stop=[stop]))[0].outputs[0]
     got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                  temperature=0, stop=[stop])
     assert got.choices[0].finish_reason == "stop"
@@ -226,7 +226,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(oai, offline_llm):
     longer than the context is served and equals the offline run of those N tokens."""
     ids = [(i * 37) % 900 + 10 for i in range(400)]  # longer than the 256-token context
     want = offline_llm.generate([ids[-50:]], SamplingParams(temperature=0.0,
-                                                            max_tokens=MAX_TOKENS))[0]
+                                                            max_tokens=MAX_TOKENS))[0].outputs[0]
     got = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=MAX_TOKENS,
                                  temperature=0.0, extra_body={"truncate_prompt_tokens": 50})
     assert got.choices[0].text == want.text and got.usage.prompt_tokens == 50

@@ -26,7 +26,7 @@ def _want(llm, prompt: str, n: int, **params) -> list:
     """Offline outputs of each sample: ``seed + s`` for sample ``s`` when seeded."""
     seed = params.pop("seed", None)
     return [llm.generate([prompt], SamplingParams(
-        max_tokens=MAX_TOKENS, seed=None if seed is None else seed + s, **params))[0]
+        max_tokens=MAX_TOKENS, seed=None if seed is None else seed + s, **params))[0].outputs[0]
         for s in range(n)]
 
 

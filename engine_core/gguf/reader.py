@@ -111,8 +111,9 @@ def hf_config(reader: Any, dtype_name: str) -> dict[str, Any]:
         value = metadata_value(reader, f"{arch}.{key}")
         if value is not None:
             config[hf_key] = value
-    if "vocab_size" not in config:
-        config["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if "vocab_size" not in config:  # the embedding's rows (the token list may be shorter)
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        config["vocab_size"] = int(embedding.shape[-1])
     scaling = metadata_value(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core import LLM, SamplingParams
+from engine_core.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,6 @@ def test_logprobs_returned_per_token(llm):
 
 
 def test_invalid_requests_are_rejected(llm):
-    from engine_core.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError):
         llm.generate([[1] * 2000], greedy())
@@ -135,3 +135,33 @@ def test_max_model_len_beyond_the_trained_length_is_refused(tiny_checkpoint, mon
     assert linear.trained_max_len == 2 * spec.max_position_embeddings
     llama3 = dataclasses.replace(spec, rope_scaling={"rope_type": "llama3", "factor": 8.0})
     assert llama3.trained_max_len == spec.max_position_embeddings
+
+
+def test_prompt_forms_are_vllms(llm):
+    """Text, token ids, {"prompt"} and {"prompt_token_ids"} prompts, alone or in a list,
+    give the same tokens for the same ids, in vLLM's RequestOutput shape."""
+    text = "the quick brown fox"
+    ids = llm.get_tokenizer().encode(text)
+    params = greedy(max_tokens=5)
+    forms = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}]
+    outputs = llm.generate(forms, params)
+    assert [o.prompt for o in outputs] == [text, None, text, None]
+    assert all(o.prompt_token_ids == ids and o.finished for o in outputs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert all(len(o.outputs) == 1 and o.outputs[0].index == 0 for o in outputs)
+    for single in forms:
+        (alone,) = llm.generate(single, params)
+        assert alone.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError):
+        llm.generate({"text": text}, params)
+
+
+def test_chat_applies_the_models_template(llm):
+    messages = [{"role": "user", "content": "hello"}]
+    params = greedy(max_tokens=4)
+    (out,) = llm.chat(messages, params)
+    assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    (same,) = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params)
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
+    assert len(llm.chat([messages, messages + [{"role": "assistant", "content": "hi"}]],
+                        params)) == 2

@@ -78,7 +78,6 @@ def test_logprobs_returned_per_token(llm):
 
 
 def test_invalid_requests_are_rejected(llm):
-
     with pytest.raises(InvalidRequestError):
         llm.generate([[1] * 2000], greedy())
     with pytest.raises(InvalidRequestError):

@@ -30,7 +30,7 @@ from engine_core.worker.loader import resolve_dtype
 logger = logging.getLogger("pdserve.gguf")
 
 # Bump when the directory this module writes changes; old entries are then rebuilt.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 # What ``--dtype auto`` serves a GGUF file in on an accelerator (CPU runs float32 anyway):
 # the files carry no single dtype, and bfloat16 keeps float32's range.
 GGUF_AUTO_DTYPE = "bfloat16"
@@ -95,8 +95,6 @@ def converted_checkpoint(path: Path, dtype: torch.dtype, cache_root: Path) -> Pa
 def write_checkpoint(path: Path, dtype: torch.dtype, directory: Path) -> None:
     """Write ``path`` as an HF checkpoint into ``directory``: config, generation config,
     tokenizer, and the weights dequantized to ``dtype`` as safetensors shards."""
-    from safetensors.torch import save_file
-
     started = time.monotonic()
     logger.info("Converting GGUF %s to %s in %s (once; later starts reuse it)",
                 path, _DTYPE_NAMES[dtype], directory.parent)
@@ -107,28 +105,51 @@ def write_checkpoint(path: Path, dtype: torch.dtype, directory: Path) -> None:
         "eos_token_id": gguf_reader.stop_token_ids(reader),
         **{k: config[k] for k in ("bos_token_id", "pad_token_id") if k in config}})
     _save_tokenizer(path, directory)
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes, num_shards, total_bytes = 0, 0, 0
-    for name, values in _progress(gguf_reader.iter_hf_tensors(reader, config),
-                                  total=len(reader.tensors)):
-        tensor = torch.from_numpy(values.copy()).to(dtype).contiguous()
-        shard[name] = tensor
-        shard_bytes += tensor.numel() * tensor.element_size()
-        if shard_bytes >= _SHARD_BYTES:
-            num_shards += 1
-            save_file(shard, str(directory / f"model-{num_shards:05d}.safetensors"))
-            total_bytes += shard_bytes
-            shard, shard_bytes = {}, 0
-    if shard:
-        num_shards += 1
-        save_file(shard, str(directory / f"model-{num_shards:05d}.safetensors"))
-        total_bytes += shard_bytes
+    tensors = _progress(gguf_reader.iter_hf_tensors(reader, config), total=len(reader.tensors))
+    total_bytes, num_shards = _write_shards(
+        ((name, torch.from_numpy(values.copy()).to(dtype)) for name, values in tensors),
+        directory)
     stat = path.stat()
     _write_json(directory / _DONE_MARKER, {
         "source": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
         "dtype": _DTYPE_NAMES[dtype], "converter_version": CONVERTER_VERSION})
     logger.info("Converted %s in %.1f s: %d shard(s), %.1f MiB", path.name,
                 time.monotonic() - started, num_shards, total_bytes / 2**20)
+
+
+def _write_shards(tensors: Any, directory: Path) -> tuple[int, int]:
+    """Save (name, tensor) pairs as HF does: ``model.safetensors``, or numbered shards of
+    about ``_SHARD_BYTES`` with their index. Returns (bytes written, number of shards)."""
+    from safetensors.torch import save_file
+
+    shard_maps: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+
+    def flush() -> None:
+        save_file(shard, str(directory / f".shard-{len(shard_maps)}"))
+        shard_maps.append(list(shard))
+
+    for name, tensor in tensors:
+        shard[name] = tensor.contiguous()
+        shard_bytes += tensor.numel() * tensor.element_size()
+        if shard_bytes >= _SHARD_BYTES:
+            flush()
+            total_bytes, shard, shard_bytes = total_bytes + shard_bytes, {}, 0
+    if shard or not shard_maps:
+        flush()
+        total_bytes += shard_bytes
+    count = len(shard_maps)
+    names = (["model.safetensors"] if count == 1 else
+             [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)])
+    for index, file_name in enumerate(names):
+        os.replace(directory / f".shard-{index}", directory / file_name)
+    if count > 1:
+        _write_json(directory / "model.safetensors.index.json", {
+            "metadata": {"total_size": total_bytes},
+            "weight_map": {n: file_name for file_name, shard_names in zip(names, shard_maps)
+                           for n in shard_names}})
+    return total_bytes, count
 
 
 def _save_tokenizer(path: Path, directory: Path) -> None:

@@ -165,6 +165,17 @@ def test_gguf_weights_equal_the_safetensors_checkpoint(gguf_pair, arch, tmp_path
                                 "bos_token_id": spec.bos_token_id})
 
 
+def test_a_large_model_is_written_in_indexed_shards(gguf_pair, tmp_path, monkeypatch):
+    path, reference = gguf_pair("llama")
+    monkeypatch.setattr(gguf_checkpoint, "_SHARD_BYTES", 1 << 17)
+    converted = gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path)
+    index = json.loads((converted / "model.safetensors.index.json").read_text())
+    shards = sorted(converted.glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
+    got, want = _loaded_params(converted), _loaded_params(reference)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
 def test_gguf_model_generates_as_the_safetensors_checkpoint(gguf_pair, tmp_path):
     """Same tokens from LLM on the .gguf file as on the checkpoint of its values, with the
     tokenizer and chat template converted from the file."""

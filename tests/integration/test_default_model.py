@@ -27,7 +27,7 @@ from tests.integration.cluster_harness import (
     wait_http,
 )
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 FRANCE = "What is the capital of France? Answer in one sentence."
 QUESTIONS = [
     FRANCE,
@@ -51,6 +51,8 @@ QUESTIONS = [
     "Why is the sky blue? Be brief.",
     "Suggest a name for a pet cat.",
 ]
+# Three servers on two busy cores can take minutes to start; the work itself is small.
+pytestmark = pytest.mark.timeout(900)
 ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "256"]
 
 
@@ -68,21 +70,28 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def hf_answers(llm: LLM) -> list[list[int]]:
-    """HF transformers' greedy answer ids (float32) on the same weights and chat prompts."""
-    from transformers import AutoModelForCausalLM
+    """HF transformers' greedy answer ids (float32) on the same weights and chat prompts,
+    in one left-padded batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(llm.config.model.model,
                                                  dtype=torch.float32).eval()
-    answers = []
+    tokenizer = AutoTokenizer.from_pretrained(llm.config.model.model, padding_side="left")
+    texts = [tokenizer.apply_chat_template(_messages(q), add_generation_prompt=True,
+                                           tokenize=False) for q in QUESTIONS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        for question in QUESTIONS:
-            ids = llm.tokenizer.apply_chat_template(_messages(question),
-                                                    add_generation_prompt=True,
-                                                    return_tensors="pt", return_dict=True)
-            out = model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 eos_token_id=list(llm.engine.eos_token_ids),
-                                 pad_token_id=llm.tokenizer.pad_token_id)
-            answers.append(out[0, ids["input_ids"].shape[1]:].tolist())
+        out = model.generate(**batch, do_sample=False, max_new_tokens=MAX_TOKENS,
+                             eos_token_id=list(llm.engine.eos_token_ids),
+                             pad_token_id=tokenizer.pad_token_id)
+    answers = []
+    for row in out[:, batch["input_ids"].shape[1]:].tolist():
+        ids = []
+        for token in row:  # up to and including the first eos; padding after it
+            ids.append(token)
+            if token in llm.engine.eos_token_ids:
+                break
+        answers.append(ids)
     return answers
 
 

@@ -53,7 +53,7 @@ _LAYER_TENSORS: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Derived state, never parameters: Llama 3's RoPE frequency factors.
+# Read into config.json's rope_scaling (llama3_rope_scaling), never a parameter.
 _IGNORED_TENSORS = ("rope_freqs.weight",)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -122,6 +122,9 @@ def hf_config(reader: Any, dtype_name: str) -> dict[str, Any]:
             "original_max_position_embeddings": metadata_value(
                 reader, f"{arch}.rope.scaling.original_context_length",
                 config.get("max_position_embeddings"))}
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        config["rope_scaling"] = llama3_rope_scaling(np.asarray(rope_freqs.data), config)
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     config["attention_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
     for name in ("bos", "eos", "padding"):
@@ -129,6 +132,26 @@ def hf_config(reader: Any, dtype_name: str) -> dict[str, Any]:
         if token_id is not None:
             config["pad_token_id" if name == "padding" else f"{name}_token_id"] = token_id
     return config
+
+
+def llama3_rope_scaling(freq_factors: np.ndarray, config: dict[str, Any]) -> dict[str, Any]:
+    """The HF ``rope_scaling`` behind llama.cpp's ``rope_freqs`` tensor (per-frequency
+    divisors it bakes in for Llama 3.1+): Llama 3's schedule with the released models'
+    constants, checked against every divisor; other schedules are refused."""
+    import torch
+
+    from engine_core.layers.rotary import compute_inv_freq
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    theta = float(config.get("rope_theta", 10000.0))
+    scaling = {"rope_type": "llama3", "factor": float(freq_factors.max()),
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    implied = compute_inv_freq(head_dim, theta, None) / compute_inv_freq(head_dim, theta, scaling)
+    if not torch.allclose(implied, torch.from_numpy(freq_factors.astype(np.float32)), rtol=1e-4):
+        raise ModelLoadError("this GGUF file's rope_freqs tensor is not Llama 3's RoPE "
+                             "scaling; it is not supported")
+    return scaling
 
 
 def stop_token_ids(reader: Any) -> list[int]:

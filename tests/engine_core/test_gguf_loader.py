@@ -197,6 +197,38 @@ def test_gguf_model_generates_as_the_safetensors_checkpoint(gguf_pair, tmp_path)
         from_gguf.tokenizer.convert_tokens_to_ids(["<|endoftext|>"]))
 
 
+def _llama_cpp_rope_freqs(head_dim: int, theta: float, factor: float) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf ``LlamaModel.generate_extra_tensors`` for Llama 3.1."""
+    low_freq_factor, high_freq_factor, old_context_len = 1.0, 4.0, 8192
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_become_its_rope_scaling():
+    from engine_core.gguf.reader import llama3_rope_scaling
+
+    config = {"hidden_size": 2048, "num_attention_heads": 32, "rope_theta": 500000.0}
+    factors = _llama_cpp_rope_freqs(64, 500000.0, 32.0)  # Llama 3.2 1B's head and factor
+    assert llama3_rope_scaling(factors, config) == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(ModelLoadError, match="not Llama 3's RoPE scaling"):
+        llama3_rope_scaling(factors[::-1].copy(), config)
+
+
 def test_conversion_is_cached_by_file_and_dtype(gguf_pair, tmp_path, monkeypatch):
     path, _ = gguf_pair("qwen3")
     first = gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_core
+from benchmarks.output import default_out, write_json
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
 
 
@@ -219,12 +220,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=400, help="tokens a stream")
     parser.add_argument("--step-ms", type=float, default=10.0, help="the engine's step time")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default results/frontend_load/<time>.json)")
     args = parser.parse_args()
-    text = json.dumps(measure(args.streams, args.tokens, args.step_ms), indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    result = measure(args.streams, args.tokens, args.step_ms)
+    print(json.dumps(result, indent=2))
+    print(f"results in {write_json(args.out or default_out('frontend_load'), result)}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
               "deploy.cli:add_serve_arguments", "deploy.cli:run_serve"),
     "prefill": ("one prefill worker (kv_producer)", "prefill.worker:add_worker_arguments", "prefill.worker:run"),
     "decode": ("one decode worker (kv_consumer)", "decode.worker:add_worker_arguments", "decode.worker:run"),
-    "launch": ("proxy + N prefill + M decode workers on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
+    "worker": ("one worker that prefills for others, decodes what others prefilled and serves "
+               "whole requests, as the proxy places them (kv_both)",
+               "engine_core.server.worker:add_worker_arguments", "deploy.cli:run_worker"),
+    "launch": ("proxy + N workers (or N prefill + M decode workers) on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
     "proxy": ("run the prefill/decode proxy (OpenAI API, ZMQ worker registration)",
               "proxy.__main__:add_proxy_args", "proxy.__main__:run_proxy"),
     "bench": ("benchmarks: `bench serve` measures an OpenAI server (vLLM's bench serve flags)",
@@ -39,7 +42,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
     from engine_core.server.server_args import add_server_arguments
-    from prefill.worker import proxy_address
+    from engine_core.server.worker import proxy_address
 
     add_model_arguments(parser)
     add_server_arguments(parser)
@@ -55,7 +58,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """``pdserve serve``: resolve the model, then run the API server until stopped."""
     from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
-    from engine_core.errors import ConfigError, PdserveError
+    from engine_core.errors import PdserveError
     from engine_core.server.api_server import run_server
     from engine_core.server.server_args import server_options
 
@@ -67,22 +70,18 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.info("Model %s ready in %.2fs at %s", config.model.name,
                     time.monotonic() - started, config.model.model)
         kv = config.kv_transfer
-        if kv is not None and kv.kv_role not in ("kv_producer", "kv_consumer"):
-            # A P2P connector worker is one side of a transfer: before, kv_both (also the
-            # default when no kv_role was given) dropped the config and served colocated.
-            raise ConfigError(f"--kv-transfer-config: kv_role must be kv_producer or "
-                              f"kv_consumer for a P/D worker, got {kv.kv_role!r} (omit "
-                              "--kv-transfer-config for a colocated worker)")
         if kv is not None:
-            # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
-            # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
-            from prefill.worker import serve_worker, worker_kv_config
+            # vLLM-style `serve ... --kv-transfer-config` starts the worker its kv_role names
+            # (kv_both: `pdserve worker`), with the flags `pdserve prefill|decode|worker`
+            # would apply (--proxy-address, --port).
+            from connectors import create_connector
+            from engine_core.server.worker import serve_worker, worker_kv_config
 
             config = dataclasses.replace(
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
-            serve_worker(config, options, args.heartbeat_interval)
+            serve_worker(config, options, create_connector, args.heartbeat_interval)
         elif args.proxy_address:
-            from prefill.worker import colocated_hook
+            from engine_core.server.worker import colocated_hook
 
             run_server(config, options, on_startup=[
                 colocated_hook(config, args.proxy_address, args.heartbeat_interval)])
@@ -92,6 +91,14 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """``pdserve worker``: a kv_both worker; the proxy places each request on it."""
+    from connectors import create_connector
+    from engine_core.server.worker import run_worker as run_role
+
+    return run_role(args, "kv_both", create_connector)
 
 
 def build_parser() -> argparse.ArgumentParser:

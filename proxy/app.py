@@ -19,11 +19,13 @@ from aiohttp import web
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
-from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.dispatcher import Dispatcher
 from proxy.forwarding import LegTimeouts, create_upstream_session
 from proxy.handlers import add_routes, http_error_middleware
+from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
+from proxy.placer import Placer
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import make_policy
@@ -50,6 +52,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
+    app[keys.PLACER] = placer = Placer(config.placement)
+    registry.add_removal_listener(placer.index.forget)
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
@@ -82,6 +86,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
+        placer=app[keys.PLACER],
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

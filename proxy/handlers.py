@@ -1,5 +1,6 @@
 """HTTP routes of the proxy: OpenAI endpoints, /v1/models, /tokenize, /detokenize, /version,
-/health (and /ping), /ready, /metrics, /instances."""
+/health (and /ping), /ready, /metrics, /instances, and the admin call that changes a
+worker's capabilities (POST /instances/capabilities)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.cluster.messages import CAPABILITIES, ROLES
 from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
 from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
 from proxy import keys
-from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
+from proxy.client_stream import end_open_stream
 from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
 from proxy.forwarding import FORWARDED_HEADERS
-from proxy.messages import ROLES
+from proxy.legs import RequestTimer, proxy_overhead
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCard
 
@@ -263,6 +265,38 @@ async def instances(request: web.Request) -> web.Response:
     })
 
 
+async def set_capabilities(request: web.Request) -> web.Response:
+    """POST /instances/capabilities ``{"worker": "host:port", "capabilities": [...] | null}``:
+    what the proxy places on a worker from the next request on (null: all it announces);
+    legs in flight finish where they are, so no request is lost. Answers the worker's
+    /instances entry."""
+    try:
+        return _set_capabilities(request.app, await read_json_object(
+            request, 64 << 10, request.app[keys.CONFIG].body_timeout_s))
+    except PdserveError as exc:
+        return error_response(exc, "")
+
+
+def _set_capabilities(app: web.Application, body: dict[str, Any]) -> web.Response:
+    worker, capabilities = body.get("worker"), body.get("capabilities")
+    if not isinstance(worker, str):
+        raise InvalidRequestError("worker must be a worker's http_address (see /instances)",
+                                  "worker")
+    if capabilities is not None and not (
+            isinstance(capabilities, list) and set(capabilities) <= set(CAPABILITIES)
+            and all(isinstance(c, str) for c in capabilities)):
+        raise InvalidRequestError(f"capabilities must be null or a list of {CAPABILITIES}",
+                                  "capabilities")
+    registry = app[keys.REGISTRY]
+    if not registry.restrict(worker, None if capabilities is None else frozenset(capabilities)):
+        return web.json_response(error_payload(f"no worker {worker[:100]!r} is registered",
+                                               "NotFoundError", 404, "worker"), status=404)
+    state = registry.get(worker)
+    assert state is not None
+    logger.info("worker %s: capabilities now %s", worker, sorted(state.capabilities))
+    return web.json_response(state.to_json(app[keys.CLOCK]()))
+
+
 def add_routes(app: web.Application) -> None:
     """Register every route on the app."""
     app.router.add_post("/v1/completions", completions)
@@ -277,3 +311,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/ping", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", instances)
+    app.router.add_post("/instances/capabilities", set_capabilities)

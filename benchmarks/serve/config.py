@@ -6,7 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-DATASETS = ("random", "sharegpt", "prefix_repetition")
+DATASETS = ("random", "sharegpt", "prefix_repetition", "lognormal")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 CHAT_BACKENDS = ("openai-chat",)
@@ -30,6 +30,10 @@ class DatasetConfig:
     num_prefixes: int = 10
     prefix_output_len: int = 128
     sharegpt_output_len: int | None = None
+    # lognormal: random tokens, lengths lognormal around random_input_len / random_output_len
+    # (their medians) like chat traffic, inputs capped at lognormal_max_input_len.
+    lognormal_sigma: float = 1.0
+    lognormal_max_input_len: int = 8192
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--save-result", action="store_true", help="write JSON (and PNG plots)")
     out.add_argument("--save-detailed", action="store_true",
                      help="also keep every ITL and error per request in the JSON")
-    out.add_argument("--result-dir", default=None, help="where results go (default: .)")
+    out.add_argument("--result-dir", default=None, help="where results go (default: results/serve)")
     out.add_argument("--result-filename", default=None, help="JSON name (a sweep adds -RATEqps)")
     out.add_argument("--label", default=None, help="name of this run in results and plots")
     out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engine_core.kernels.paged_decode import NewTokenRope
 
 # Decode batches up to this size run their projections on the Triton GEMV (kernels/gemv.py):
-# measured faster than cuBLAS there on an H200 (docs/PERFORMANCE.md).
+# measured faster than cuBLAS there on an H200.
 DEFAULT_GEMV_MAX_ROWS = 8
 
 

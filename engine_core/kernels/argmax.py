@@ -2,7 +2,7 @@
 maximum, as ``torch.argmax`` gives (NaN counts as the maximum there, and here too).
 
 Why: ``torch.argmax`` over one 151,936-entry row took 8.7 us on an H100 plus a memset
-before it (``python3 -m benchmarks.profile_decode --graphs``): one reduction kernel that
+before it (``experiments/profile_decode.py --graphs``): one reduction kernel that
 reads the row with few blocks. Here ``CHUNK``-long pieces of every row are scanned by
 programs of their own and a second launch picks the best piece, both chained to the LM
 head by PDL.

@@ -82,8 +82,7 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, strid
 # GPUs (torch.cuda.get_device_name) on which the model takes these kernels by default
 # (--split-k-mlp auto). H100 SXM, Qwen3-8B at ctx 1k: b1 step 5.73 -> 5.58 ms, b2-b8
 # 0.4-1% faster. Not the H200: there every one-launch tiling lost in the layer graph
-# (107.5-108.3 -> 109.2-135.7 us a layer) and the b1 step went 4.20 -> 4.41 ms
-# (docs/PERFORMANCE.md).
+# (107.5-108.3 -> 109.2-135.7 us a layer) and the b1 step goes 4.20 -> 4.41 ms.
 SPLIT_K_MLP_DEVICES = frozenset({"NVIDIA H100 80GB HBM3"})
 
 
@@ -107,7 +106,7 @@ class SplitKMlpTiling(NamedTuple):
 DEFAULT_TILING = SplitKMlpTiling(32, 256, 256, 4, 4)
 # Rows up to which the model takes this launch; more take gate/up's GEMV and
 # ``split_k_gemv_t`` (its float32 atomics, one set a 32-column intermediate slice, grow with
-# the rows: Qwen3-8B on an H100, b6-b8 steps 6% slower than the two GEMVs; docs/PERFORMANCE.md).
+# the rows: Qwen3-8B on an H100, b6-b8 steps 6% slower than the two GEMVs).
 SPLIT_K_MAX_ROWS = 2
 
 
@@ -187,7 +186,7 @@ def split_k_gemv_t(x: torch.Tensor, weight_t: torch.Tensor, acc: torch.Tensor,
 
     Why: the MLP of three to eight rows, with the down weight in the split-K layout
     (``split_k_mlp`` pays float32 atomics per intermediate slice, which grow with the
-    rows), runs gate/up's GEMV and then this (docs/PERFORMANCE.md)."""
+    rows), runs gate/up's GEMV and then this."""
     m, k = x.shape
     n = weight_t.shape[1]
     assert m <= BLOCK_M and weight_t.shape[0] == k and weight_t.is_contiguous()

@@ -25,8 +25,8 @@ class LMHead(nn.Module):
 
     Up to ``gemv_max_rows`` rows (the Triton path's small batches) go through the Triton
     GEMV, whatever the vocabulary: Qwen3-8B's 1.24 GB head at 1-8 rows took 414-416 us on
-    an H100, the copy rate, against cuBLAS's 439-516 us (benchmarks/decode_floor.py; the
-    8B batch-1 step went from 6.028 to 6.002 ms, docs/PERFORMANCE.md).
+    an H100, the copy rate, against cuBLAS's 439-516 us (experiments/decode_floor.py; the
+    8B batch-1 step: 6.002 ms against 6.028).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, gemv_max_rows: int = 0) -> None:

@@ -107,11 +107,12 @@ def test_repeated_prompt_computes_only_last_partial_block(tiny_checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     first = llm.generate([prompt], params)[0].outputs[0]
     computed_before = llm.engine.get_stats().num_computed_prompt_tokens_total
-    second = llm.generate([prompt], params)[0].outputs[0]
+    second_request = llm.generate([prompt], params)[0]
+    second = second_request.outputs[0]
     stats = llm.engine.get_stats()
     assert second.token_ids == first.token_ids
     assert stats.num_computed_prompt_tokens_total - computed_before == 5
-    assert second.num_cached_tokens == 48
+    assert second_request.num_cached_tokens == 48
     assert_engine_idle(llm)
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
 import random
 import tempfile
@@ -67,6 +68,7 @@ from benchmarks.speed.limits import (
     weight_bytes_read,
 )
 from benchmarks.speed.summary import summarize
+from engine_core.arg_utils import engine_environment
 from engine_core.config import (
     SPLIT_K_MLP_MODES,
 )
@@ -103,7 +105,8 @@ class Bench:
                            triton_gemv_max_rows=a.triton_gemv_max_rows,
                            split_k_mlp=a.split_k_mlp,
                            async_scheduling=a.async_scheduling,
-                           cuda_graph_mode=a.cuda_graph_mode)
+                           cuda_graph_mode=a.cuda_graph_mode,
+                           triton_pdl=a.triton_pdl)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -387,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.WARNING)
     args = parse_args(argv)
+    # PDSERVE_TRITON_PDL=0 turns PDL off for an A/B, as it does for the servers.
+    args.triton_pdl = engine_environment(os.environ)["triton_pdl"]
     results = Bench(args).run()
     out = write_json(args.out or default_out("engine_speed"), results, indent=1)
     print(summarize(results))

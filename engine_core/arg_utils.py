@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from engine_core.config import (
@@ -62,9 +63,23 @@ def json_object(text: str | None, flag: str) -> dict[str, Any]:
     return value
 
 
+def engine_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The engine settings that environment variables make (vLLM's and Triton's names), as
+    ``EngineConfig.from_kwargs`` keywords; entry points pass their ``os.environ``."""
+    return {
+        "allow_long_max_model_len": environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1",
+        "triton_pdl": (environ.get("PDSERVE_TRITON_PDL", "1") != "0"
+                       and environ.get("TRITON_INTERPRET", "0") != "1"),
+    }
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags (defaults from the config dataclasses) to ``parser``."""
+    """Add the engine flags (defaults from the config dataclasses) to ``parser``; the
+    settings only environment variables make start at their defaults (``engine_environment``
+    sets them)."""
     cache, sched = CacheConfig(), SchedulerConfig()
+    parser.set_defaults(allow_long_max_model_len=ModelConfig.allow_long_max_model_len,
+                        triton_pdl=DeviceConfig.triton_pdl)
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="weight and activation dtype (auto: the checkpoint's)")
@@ -195,7 +210,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_sleep_mode=args.enable_sleep_mode,
                           generation_config=args.generation_config,
                           override_generation_config=json_object(
-                              args.override_generation_config, "--override-generation-config")),
+                              args.override_generation_config, "--override-generation-config"),
+                          allow_long_max_model_len=args.allow_long_max_model_len),
         cache=CacheConfig(block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -213,7 +229,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                             cuda_graph_mode=args.cuda_graph_mode,
                             triton_gemv_max_rows=args.triton_gemv_max_rows,
-                            split_k_mlp=args.split_k_mlp),
+                            split_k_mlp=args.split_k_mlp, triton_pdl=args.triton_pdl),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
     ))

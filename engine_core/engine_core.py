@@ -8,7 +8,6 @@ it through ``add_request`` / ``abort_requests`` / ``step``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,7 +83,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
         if (self.max_model_len > self.spec.trained_max_len
-                and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
+                and not config.model.allow_long_max_model_len):
             # As vLLM: positions past the trained length give garbage, not an error.
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -108,7 +107,7 @@ class EngineCore:
         backend = get_attention_backend(self.device, cache_dtype,
                                         config.device.attention_backend,
                                         config.device.triton_gemv_max_rows,
-                                        config.device.split_k_mlp)
+                                        config.device.split_k_mlp, config.device.triton_pdl)
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,

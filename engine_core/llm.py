@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine_core.arg_utils import engine_environment
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.errors import InvalidRequestError
@@ -36,7 +38,8 @@ class LLM:
 
         from engine_core.gguf import resolve_gguf_model
 
-        self.config = resolve_gguf_model(EngineConfig.from_kwargs(str(model), **engine_args))
+        self.config = resolve_gguf_model(EngineConfig.from_kwargs(
+            str(model), **{**engine_environment(os.environ), **engine_args}))
         self.engine = EngineCore(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
         self.generation = load_generation_defaults(self.config.model,

@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from engine_core.server.http_errors import error_middleware
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
 from proxy.dispatcher import Dispatcher
 from proxy.forwarding import LegTimeouts, create_upstream_session
-from proxy.handlers import add_routes, http_error_middleware
+from proxy.handlers import add_routes
 from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
@@ -43,7 +44,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
                registry: InstanceRegistry | None = None) -> web.Application:
     """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
     app = web.Application(client_max_size=config.max_body_bytes + 1,
-                          middlewares=[http_error_middleware])
+                          middlewares=[error_middleware])
     registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
     app[keys.CONFIG] = config
     app[keys.CLOCK] = clock

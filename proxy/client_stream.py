@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.server.http_errors import sse_error_event
 from engine_core.server.streaming import SSEStream, WriteBound
-from proxy.errors import sse_error_event
 
 logger = logging.getLogger("proxy.dispatcher")
 

@@ -46,16 +46,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from engine_core.errors import NoWorkerError
-from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
-from proxy import forwarding as fw
-from proxy.client_stream import open_stream
-from proxy.errors import (
+from engine_core.errors import (
+    NoWorkerError,
     UpstreamError,
     UpstreamTimeoutError,
     UpstreamUnavailableError,
-    sse_error_event,
 )
+from engine_core.server.http_errors import sse_error_event
+from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
+from proxy import forwarding as fw
+from proxy.client_stream import open_stream
 from proxy.handoff import FirstTokenHandoff
 from proxy.legs import (
     HeldKV,

@@ -16,9 +16,9 @@ import aiohttp
 from aiohttp import web
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
+from engine_core.errors import UpstreamError, UpstreamUnavailableError
 from proxy import forwarding as fw
 from proxy.client_stream import end_stream
-from proxy.errors import UpstreamError, UpstreamUnavailableError
 from proxy.legs import (
     HeldKV,
     Leg,

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, ROLE_LABELS
-from proxy.errors import UpstreamError
+from engine_core.errors import UpstreamError
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 

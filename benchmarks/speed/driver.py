@@ -44,6 +44,7 @@ class BenchConfig:
     split_k_mlp: str = "auto"
     async_scheduling: bool = True
     cuda_graph_mode: str = "full"
+    triton_pdl: bool = True
 
 
 class HookedStandIn(NullConnectorWorker):
@@ -66,7 +67,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
         device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
                             triton_gemv_max_rows=bench.triton_gemv_max_rows,
                             split_k_mlp=bench.split_k_mlp,
-                            cuda_graph_mode=bench.cuda_graph_mode),
+                            cuda_graph_mode=bench.cuda_graph_mode,
+                            triton_pdl=bench.triton_pdl),
     )
     t0 = time.perf_counter()
     engine = EngineCore(config)

@@ -24,6 +24,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncEngineClient
 from engine_core.engine_process import EngineFactory
 from engine_core.errors import (
+    AuthenticationError,
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
@@ -31,7 +32,7 @@ from engine_core.errors import (
 )
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
-from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
+from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
 from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics

@@ -124,6 +124,8 @@ def test_max_model_len_beyond_the_trained_length_is_refused(tiny_checkpoint, mon
     trained = read_model_spec(path).max_position_embeddings
     with pytest.raises(ConfigError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         LLM(str(path), max_model_len=trained + 1)
+    assert LLM(str(path), max_model_len=trained + 1,
+               allow_long_max_model_len=True).engine.max_model_len == trained + 1
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert LLM(str(path), max_model_len=trained + 1).engine.max_model_len == trained + 1
     spec = read_model_spec(path)

@@ -266,8 +266,8 @@ async def test_worker_400_forwarded_unchanged(make_worker, make_proxy) -> None:
         resp = await client.post("/v1/completions", json={**PROMPT, "n": -1})
         assert resp.status == 400
         assert (await resp.json()) == {"error": {"message": f"{bad_role} says bad",
-                                                 "type": "BadRequestError", "param": "n",
-                                                 "code": 400}}
+                                                 "type": "invalid_request_error", "param": "n",
+                                                 "code": None}}
 
 
 async def test_unknown_model_is_404(make_worker, make_proxy) -> None:

@@ -45,6 +45,21 @@ def test_vllm_flags_parse_into_config():
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
     assert config.scheduler.max_num_seqs == 8 and not config.scheduler.enable_chunked_prefill
     assert config.kv_transfer.kv_port == 21001 and config.kv_transfer.send_type == "PUT"
+    assert config.device.triton_pdl and not config.model.allow_long_max_model_len
+
+
+def test_engine_environment_variables_become_config_at_the_entry_point(monkeypatch):
+    """The engine reads no environment variable: ``apply_environment`` folds them into the
+    parsed flags the config is built from."""
+    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.server.server_args import apply_environment
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    monkeypatch.setenv("PDSERVE_TRITON_PDL", "0")
+    args = build_parser().parse_args(["serve", "/models/x"])
+    apply_environment(args)
+    config = engine_config_from_args(args)
+    assert config.model.allow_long_max_model_len and not config.device.triton_pdl
 
 
 @pytest.mark.slow

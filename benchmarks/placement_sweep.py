@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     raw.mkdir(parents=True, exist_ok=True)
     engine_args = shlex.split(args.engine_args)
     if args.model or args.smoke:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.demo_model import random_demo_model_path
 
-        model = args.model or str(demo_model_path())
+        model = args.model or str(random_demo_model_path())
     else:
         model = str(out / f"model-{args.shape}")
         write_model_dir(args.shape, Path(model), tokenizer="words")

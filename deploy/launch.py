@@ -76,8 +76,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", type=non_negative_int, default=0,
                         help="number of colocated workers (pdserve serve; whole requests go to "
                              "them when no P/D pair serves the model)")
-    parser.add_argument("--model", default=None, help="HF checkpoint (default: demo model)")
-    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--port", type=tcp_port, default=10001, help="proxy HTTP port")
     parser.add_argument("--registration-port", type=tcp_port, default=None,
                         help="proxy registration port (default: a free one)")
@@ -362,11 +364,11 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
     worker_server_argv(args)
     engine_args = engine_argv(args) + list(engine_args or [])
     if args.model is None or args.demo:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        args.model = args.model or str(demo_model_path())  # built once, before the workers
+        args.model = args.model or str(default_model_path())  # found once, before the workers
         if "--served-model-name" not in engine_args:
-            engine_args += ["--served-model-name", "pdserve-demo"]
+            engine_args += ["--served-model-name", DEFAULT_MODEL_NAME]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve launch: logs in {log_dir}", flush=True)

@@ -52,6 +52,8 @@ class ModelConfig:
     generation_config: str = "auto"
     # vLLM's --override-generation-config: sampling defaults set over the loaded ones.
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # Where a GGUF model is converted to safetensors once (None: ~/.cache/pdserve/gguf).
+    gguf_cache_dir: str | None = None
     # A --max-model-len past the model's trained length is refused unless this is set (as
     # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): positions past it give garbage, not errors.
     allow_long_max_model_len: bool = False

@@ -74,7 +74,10 @@ class EngineCore:
         self.config = config
         model_dir = Path(config.model.model)
         if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+            hint = (" (a .gguf file is converted by engine_core.gguf.resolve_gguf_model, "
+                    "which LLM and the pdserve commands call)"
+                    if model_dir.suffix.lower() == ".gguf" else "")
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist{hint}")
         self.device = config.device.resolve()
         self.spec = read_model_spec(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)

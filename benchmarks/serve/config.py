@@ -134,7 +134,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name sent in requests when --model is a tokenizer path")
     target.add_argument("--tokenizer", default=None,
                         help="local tokenizer directory (default: --model when it is one; the "
-                             "demo tokenizer for pdserve-demo)")
+                             "embedded models' for their served names)")
     target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")

@@ -47,11 +47,10 @@ def proxy_address(value: str) -> str:
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
-    from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
     from engine_core.server.server_args import add_server_arguments
 
-    parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
-    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
+    add_model_arguments(parser)
     add_server_arguments(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
@@ -160,16 +159,12 @@ def serve_worker(config: EngineConfig, options: Any, connector_factory: Connecto
 
 def run_worker(args: argparse.Namespace, role: str, connector_factory: ConnectorFactory) -> int:
     """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
-    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
     from engine_core.errors import PdserveError
     from engine_core.server.server_args import server_options
 
-    if args.model is None or args.demo:
-        from engine_core.demo_model import demo_model_path
-
-        args.model = args.model or str(demo_model_path())
-        args.served_model_name = args.served_model_name or "pdserve-demo"
     try:
+        resolve_model_argument(args)
         config = engine_config_from_args(args)
         config = dataclasses.replace(
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))

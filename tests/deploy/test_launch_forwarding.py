@@ -231,12 +231,12 @@ def test_a_bad_value_is_refused_before_anything_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         argv: list[str], reason: str) -> None:
     """``pdserve launch`` itself refuses what its proxy or workers would: no child started,
-    no log directory made, no demo model built, instead of a child dying at startup."""
+    no log directory made, no default model looked up, instead of a child dying at startup."""
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a child was started")
 
     monkeypatch.setattr(launch.Child, "start", refuse)
-    monkeypatch.setattr("engine_core.demo_model.demo_model_path", refuse)
+    monkeypatch.setattr("engine_core.default_model.default_model_path", refuse)
     log_dir = tmp_path / "logs"
     with pytest.raises(SystemExit) as exc:
         pdserve(["launch", "--log-dir", str(log_dir), *argv])

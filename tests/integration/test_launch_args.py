@@ -223,7 +223,7 @@ def test_serve_with_a_kv_both_connector_is_a_worker(kv: str, monkeypatch) -> Non
     served = []
     monkeypatch.setattr(worker, "serve_worker", lambda config, options, factory, interval:
                         served.append(config.kv_transfer))
-    assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 0
+    assert main(["serve", "--demo-random", "--device", "cpu", "--kv-transfer-config", kv]) == 0
     (kv_config,) = served
     assert kv_config.kv_role == "kv_both" and kv_config.is_producer and kv_config.is_consumer
     assert worker.ROLE_LETTER[kv_config.kv_role] == "worker"

@@ -67,7 +67,7 @@ def measure(cluster: Cluster, workload: Workload, rate: float, seconds: float, s
     dataset = dataclasses.replace(workload.dataset, num_prompts=num, seed=seed)
     config = BenchConfig(base_url=cluster.url, model=cluster.spec.served_model_name,
                          dataset=dataset, request_rates=(rate,), ignore_eos=True,
-                         disable_tqdm=True, ready_check_timeout_s=0,
+                         disable_tqdm=True, ready_check_timeout_s=0, num_warmups=2,
                          request_id_prefix=f"sweep-{cluster.topology.name}-{seed}-",
                          label=f"{cluster.topology.name}/{workload.name}", plot=False)
     result = run_benchmark(config, tokenizer)[0]
@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     raw.mkdir(parents=True, exist_ok=True)
     engine_args = shlex.split(args.engine_args)
     if args.model or args.smoke:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.demo_model import random_demo_model_path
 
-        model = args.model or str(demo_model_path())
+        model = args.model or str(random_demo_model_path())
     else:
         model = str(out / f"model-{args.shape}")
         write_model_dir(args.shape, Path(model), tokenizer="words")

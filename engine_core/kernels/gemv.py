@@ -149,7 +149,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          tiling: GemvTiling | None = None, silu_mul: bool = False,
          early_dependents: bool | None = None,
          prefetch_chunks: int | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, pdl: bool = True) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` with ``M <= 16``; ``weight`` ``[N, K]``.
 
     ``silu_mul``: ``weight`` is a fused gate/up ``[2 * I, K]`` (gate rows first) and the
@@ -167,7 +167,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     before the PDL wait (a power of two; None: ``PREFETCH_CHUNKS``; only with PDL).
 
     ``out_dtype`` (the LM head's float32 logits): the result, rounded to ``x``'s dtype as
-    always, is stored in this dtype, so no cast kernel follows.
+    always, is stored in this dtype, so no cast kernel follows. ``pdl``: launch with PDL
+    where the device has it (``pdl.pdl_args``).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -185,5 +186,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
         **prefetch_args(t.block_k, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-        enable_fp_fusion=not silu_mul, **pdl_args(x.device))
+        enable_fp_fusion=not silu_mul, **pdl_args(x.device, pdl))
     return out

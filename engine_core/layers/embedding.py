@@ -29,9 +29,11 @@ class LMHead(nn.Module):
     8B batch-1 step: 6.002 ms against 6.028).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, gemv_max_rows: int = 0) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, gemv_max_rows: int = 0,
+                 pdl: bool = True) -> None:
         super().__init__()
         self.gemv_max_rows = gemv_max_rows
+        self.pdl = pdl  # the GEMV launches with PDL (DeviceConfig.triton_pdl)
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
@@ -43,5 +45,5 @@ class LMHead(nn.Module):
         if takes_gemv(hidden, self.gemv_max_rows):
             from engine_core.kernels.gemv import gemv
 
-            return gemv(hidden, self.weight, out_dtype=torch.float32)
+            return gemv(hidden, self.weight, out_dtype=torch.float32, pdl=self.pdl)
         return F.linear(hidden, self.weight).float()

@@ -43,12 +43,14 @@ class Linear(nn.Module):
     ``gemv_max_rows`` > 0 (the Triton path) sends inputs of at most that many rows with
     16-bit CUDA weights to the Triton GEMV when the weight is small enough
     (``GEMV_MAX_WEIGHT_ELEMENTS``); the choice depends on shapes only, so a CUDA graph of a
-    decode batch records one or the other for good.
+    decode batch records one or the other for good; ``pdl`` launches it with PDL
+    (``DeviceConfig.triton_pdl``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 gemv_max_rows: int = 0, transposed: bool = False) -> None:
+                 gemv_max_rows: int = 0, transposed: bool = False, pdl: bool = True) -> None:
         super().__init__()
+        self.pdl = pdl
         self.in_features = in_features
         self.out_features = out_features
         small = gemv_sized(in_features, out_features)
@@ -70,7 +72,7 @@ class Linear(nn.Module):
         if self.takes_gemv(x):
             from engine_core.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, self.bias, pdl=self.pdl)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -89,10 +91,10 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, output_sizes: tuple[int, ...],
                  part_names: tuple[str, ...], bias: bool = False,
-                 gemv_max_rows: int = 0) -> None:
+                 gemv_max_rows: int = 0, pdl: bool = True) -> None:
         if len(output_sizes) != len(part_names):
             raise ValueError("one part name per output size")
-        super().__init__(in_features, sum(output_sizes), bias, gemv_max_rows)
+        super().__init__(in_features, sum(output_sizes), bias, gemv_max_rows, pdl=pdl)
         self.output_sizes = tuple(output_sizes)
         self.part_names = tuple(part_names)
 

@@ -349,11 +349,7 @@ class Scheduler:
                 self.counters.prompt_tokens += request.num_prompt_tokens
                 iteration_tokens += request.num_prompt_tokens
             iteration_tokens += len(new_tokens)
-            token_logprobs = None
-            if lp is not None:
-                token_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
-                                               lp.top_token_ids, lp.top_logprobs)]
-            outputs.append(self._make_output(request, new_tokens, token_logprobs,
+            outputs.append(self._make_output(request, new_tokens, None if lp is None else [lp],
                                              with_timings=first))
         if iteration_tokens:
             self.counters.count_iteration(iteration_tokens)

@@ -47,7 +47,8 @@ def add_worker_server_arguments(parser: argparse.ArgumentParser) -> None:
 # which launch assigns, and --api-key and --enable-admin-endpoints, which reach every worker
 # from VLLM_API_KEY and VLLM_SERVER_DEV_MODE in the environment (not in `ps`).
 WORKER_SERVER_FLAGS = ("--max-request-body-bytes", "--log-stats-interval", "--body-timeout",
-                       "--write-timeout", "--engine-startup-timeout", "--shutdown-timeout")
+                       "--header-timeout", "--write-timeout", "--engine-startup-timeout",
+                       "--shutdown-timeout")
 # The proxy drops a worker after max(10 s, 3 heartbeat intervals) without a heartbeat unless
 # --heartbeat-timeout says otherwise: a worker heartbeating every interval is not dropped in
 # between.

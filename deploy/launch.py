@@ -110,6 +110,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=2.0,
                         help="seconds between a worker's heartbeats (the proxy drops a worker "
                              "after --heartbeat-timeout without one)")
+    parser.add_argument("--api-key", default=None,
+                        help="the cluster's API key (or VLLM_API_KEY): the proxy and every "
+                             "worker require it, and the proxy sends it to the workers; the "
+                             "children get it in their environment, not on their command line")
     add_proxy_arguments(parser)
     add_worker_server_arguments(parser)
     from engine_core.arg_utils import add_engine_args
@@ -173,8 +177,10 @@ def cpu_thread_env(base_env: dict[str, str], num_workers: int) -> dict[str, str]
     return {"OMP_NUM_THREADS": str(max(1, cores // max(1, num_workers)))}
 
 
-def _get_json(url: str, timeout: float = 2.0) -> object:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def _get_json(url: str, timeout: float = 2.0, api_key: str | None = None) -> object:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                timeout=timeout) as response:
         return json.loads(response.read() or b"null")
 
 
@@ -186,9 +192,9 @@ def _healthy(address: str) -> bool:
         return False
 
 
-def _registered(proxy_url: str) -> set[str]:
+def _registered(proxy_url: str, api_key: str | None) -> set[str]:
     try:
-        data = _get_json(f"{proxy_url}/instances")
+        data = _get_json(f"{proxy_url}/instances", api_key=api_key)
     except Exception:
         return set()
     items = data.get("workers", []) if isinstance(data, dict) else data
@@ -268,6 +274,8 @@ def topology(args: argparse.Namespace) -> Topology:
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    if args.api_key:  # the children read it at their entry points (not visible in `ps`)
+        base_env["VLLM_API_KEY"] = args.api_key
     shape = topology(args)
     kinds = shape.connector_kinds()
     # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
@@ -395,7 +403,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
                     print(f"pdserve launch: {c.name} exited with {c.proc.returncode} "
                           f"during startup; see {c.log_path}", flush=True)
                 return 1
-            if expected <= _registered(url) and all(_healthy(w.http_address) for w in workers):
+            if expected <= _registered(url, args.api_key) and all(_healthy(w.http_address) for w in workers):
                 break
             if time.monotonic() > deadline:
                 print(f"pdserve launch: not ready after {wait_s:.0f}s; "
@@ -422,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
     add_launch_arguments(parser)
-    return run_launch(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    from engine_core.server.server_args import apply_environment
+
+    apply_environment(args)
+    return run_launch(args)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_core.errors import ConfigError
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
 from proxy.placement import PlacementConfig
 from proxy.routing import POLICIES
 
@@ -27,6 +28,11 @@ class ProxyConfig:
     # Seconds a client may take to send its whole body (408 beyond): the body is read while
     # the request holds an admission slot, so a stalled upload must not hold it for good.
     body_timeout_s: float = 30.0
+    # Seconds a client may take to send a request line and headers (408 and closed beyond).
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    # Clients must send it as a bearer token on every route but /health, /ping and /ready;
+    # the proxy sends it to the workers (one key for the cluster). None: no key.
+    api_key: str | None = field(default=None, repr=False)
     max_response_bytes: int = 64 << 20
     # Seconds one write to a streaming client may wait for it to take the bytes: one that
     # stops reading while connected would otherwise hold its slot and D's leg for good.
@@ -59,7 +65,8 @@ class ProxyConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                     "connect_timeout_s", "body_timeout_s", "write_timeout_s"):
+                     "connect_timeout_s", "body_timeout_s", "write_timeout_s",
+                     "header_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ConfigError(f"{name} must be a finite number > 0")
         try:

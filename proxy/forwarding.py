@@ -52,11 +52,14 @@ class LegTimeouts:
         return aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S, sock_connect=self.connect_s)
 
 
-def create_upstream_session() -> aiohttp.ClientSession:
-    """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us)."""
+def create_upstream_session(api_key: str | None = None) -> aiohttp.ClientSession:
+    """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us).
+    With the proxy's ``api_key``, every call to a worker carries it (the cluster's one key;
+    a client's forwarded ``Authorization`` passed the proxy's check, so it is the same)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=True)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                 auto_decompress=False)
+                                 auto_decompress=False, headers=headers)
 
 
 def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import signal
@@ -24,21 +23,22 @@ from engine_core.config import EngineConfig
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncEngineClient
 from engine_core.engine_process import EngineFactory
 from engine_core.errors import (
-    AuthenticationError,
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
-    RequestTimeoutError,
     ShuttingDownError,
 )
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
+from engine_core.server.api_key import api_key_middleware
 from engine_core.server.drain import drain
 from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S, EdgeAppRunner
 from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.readiness import Readiness
+from engine_core.server.request_body import read_json_body
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
 from engine_core.version import package_version
@@ -88,54 +88,42 @@ class ServerOptions:
     # Seconds a connection may sit idle, or with its request headers unfinished, before it is
     # closed: aiohttp's AppRunner default is an hour (web.run_app's is 75 s).
     keepalive_timeout_s: float = 75.0
+    # Seconds a client may take to send a request line and headers (--header-timeout): 408
+    # and the connection closed beyond, so headers trickled a byte at a time hold nothing.
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # Seconds one write of a streamed answer may wait for the client to take it (its TCP
     # window full: it stopped reading) before its connection and engine requests are aborted
     # (--write-timeout); unbounded, such a client held them, and their KV blocks, for good.
     write_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.write_timeout_s < math.inf:
-            raise ConfigError(f"write_timeout_s must be > 0 seconds, got {self.write_timeout_s}")
+        for name in ("write_timeout_s", "header_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
 READINESS_KEY = web.AppKey("readiness", Readiness)
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _auth_middleware(api_key: str | None) -> Any:
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path.startswith(("/v1", "/internal")):
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     api_key.encode()):
-                raise AuthenticationError("invalid or missing API key")
-        return await handler(request)
-
-    return check
+# The admin routes (``--enable-admin-endpoints``): they need the API key always (api_key.py).
+ADMIN_ROUTES = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping")
 
 
 def app_runner(app: web.Application, options: ServerOptions) -> web.AppRunner:
     """The runner of a server's app: handlers cancelled with their connection, no access log,
-    connections idle (or with unfinished headers) for ``keepalive_timeout_s`` closed."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None,
+    connections idle for ``keepalive_timeout_s`` closed, request heads bounded by
+    ``header_timeout_s`` and parser errors in JSON (``http_runner``)."""
+    return EdgeAppRunner(app, header_timeout_s=options.header_timeout_s,
+                         handler_cancellation=True, access_log=None,
                          shutdown_timeout=_HANDLER_SHUTDOWN_S,
                          keepalive_timeout=options.keepalive_timeout_s)
 
 
-async def _read_json(request: web.Request, timeout_s: float) -> dict[str, Any]:
-    """The body as JSON, all of it within ``timeout_s`` (``ServerOptions.body_timeout_s``)."""
+async def _read_json(request: web.Request, options: ServerOptions) -> dict[str, Any]:
+    """The body as JSON, within the server's size and time bounds (``request_body``)."""
     request[REQUEST_ID_KEY] = request_id_of(request)
-    try:
-        data = await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
-                                  ) from None
-    return protocol.parse_json(data)
+    return await read_json_body(request, options.client_max_size, options.body_timeout_s)
 
 
 class _Routes:
@@ -154,12 +142,12 @@ class _Routes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._refuse_while_draining()
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         return await self.serving.completions(request, body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self._refuse_while_draining()
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         return await self.serving.chat(request, body)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -192,7 +180,7 @@ class _Routes:
     async def release_kv(self, request: web.Request) -> web.Response:
         """``POST /internal/kv/release`` (decode workers; the proxy's): a prefill worker
         drops the KV it holds for transfers this worker refused (``OpenAIServing.release_kv``)."""
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         release = parse_kv_release(body)
         await self.serving.release_kv(release)
         return web.json_response({"released": len(release.transfer_ids)})
@@ -201,7 +189,7 @@ class _Routes:
         return web.json_response({"version": package_version()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         model, prompt, is_chat, add_special = protocol.parse_tokenize_request(body)
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
@@ -214,7 +202,7 @@ class _Routes:
                                   "max_model_len": tokenizer.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         model, tokens = protocol.parse_detokenize_request(body)
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
@@ -295,7 +283,8 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     serving = OpenAIServing(client, tokenizer, names, metrics,
                             write_timeout_s=options.write_timeout_s, generation=generation)
     app = web.Application(client_max_size=options.client_max_size,
-                          middlewares=[error_middleware, _auth_middleware(options.api_key)])
+                          middlewares=[error_middleware,
+                                       api_key_middleware(options.api_key, ADMIN_ROUTES)])
     app[SERVING_KEY] = serving
     app[OPTIONS_KEY] = options
     app[READINESS_KEY] = readiness = readiness or Readiness()

@@ -124,9 +124,10 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None) ->
         merged = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
     merged.update(headers or {})
     response = web.json_response(body, status=status, headers=merged or None)
-    if isinstance(exc, RequestTimeoutError):
+    if isinstance(exc, (RequestTimeoutError, RequestTooLargeError)):
         # The rest of the body was never read, so the connection cannot carry another
-        # request: Connection: close, and aiohttp closes it after answering.
+        # request: Connection: close, and aiohttp closes it after answering (without first
+        # waiting to read, and discard, a body it refused).
         response.force_close()
     return response
 

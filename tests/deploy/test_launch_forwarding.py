@@ -254,3 +254,14 @@ def test_workers_drain_within_launchs_stop_timeout() -> None:
     with pytest.raises(SystemExit, match="--shutdown-timeout 20 must be below --stop-timeout 15"):
         child_flags.worker_server_argv(_parse("--shutdown-timeout", "20"))
     assert "--shutdown-timeout" not in child_flags.worker_server_argv(_parse("--stop-timeout", "5"))
+
+
+def test_the_api_key_reaches_every_child_in_its_environment(tmp_path: Path) -> None:
+    """``launch --api-key`` keys the proxy and every worker (each reads VLLM_API_KEY at its
+    entry point), and the key is on no command line (``ps`` shows those)."""
+    proxy, workers = _children(tmp_path, "--api-key", "cluster-key")
+    for child in (proxy, *workers):
+        assert child.env["VLLM_API_KEY"] == "cluster-key"
+        assert not any("cluster-key" in arg for arg in child.argv)
+    assert config_from_args(add_proxy_args(argparse.ArgumentParser()).parse_args(
+        ["--api-key", "cluster-key"])).api_key == "cluster-key"

@@ -50,6 +50,7 @@ class FakeWorker:
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     releases: list[dict[str, Any]] = field(default_factory=list)  # /internal/kv/release bodies
+    authorizations: list[str | None] = field(default_factory=list)  # each call's Authorization
     server: TestServer | None = None
     flood_bytes: int = 32 << 20
     delay_s: float = 0.0  # every answer waits this long first
@@ -72,6 +73,7 @@ class FakeWorker:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         request_id = request.headers.get("X-Request-Id", "")
+        self.authorizations.append(request.headers.get("Authorization"))
         self.received.append({"path": request.path, "body": body, "request_id": request_id})
         try:
             return await self._answer(request, body, request_id)

@@ -183,16 +183,18 @@ async def test_auth_size_method_and_health(server, auth):
             assert response.status == 405
             _check_error_body(await response.json(), 405)
         # Admin endpoints do not exist unless enabled.
-        async with session.post(server.url + "/reset_prefix_cache") as response:
+        async with session.post(server.url + "/reset_prefix_cache", headers=auth) as response:
             assert response.status == 404
         async with session.get(server.url + "/health") as response:
             assert response.status == 200
-        async with session.get(server.url + "/version") as response:
+        async with session.get(server.url + "/version", headers=auth) as response:
             assert "version" in await response.json()
-        async with session.post(server.url + "/tokenize", json={"prompt": "hello"}) as response:
+        async with session.post(server.url + "/tokenize", json={"prompt": "hello"},
+                                headers=auth) as response:
             tokens = (await response.json())["tokens"]
             assert tokens
-        async with session.post(server.url + "/detokenize", json={"tokens": tokens}) as response:
+        async with session.post(server.url + "/detokenize", json={"tokens": tokens},
+                                headers=auth) as response:
             assert (await response.json())["prompt"] == "hello"
         async with session.post(server.url + C, data=body, headers=auth) as response:
             assert response.status == 200

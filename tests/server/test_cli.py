@@ -89,7 +89,12 @@ def test_pdserve_serve_demo_subprocess():
         body = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert body["model"] == "pdserve-demo-random"
         assert body["usage"]["completion_tokens"] == 4
+        # VLLM_SERVER_DEV_MODE exposes the admin routes; they still need the key.
         reset = urllib.request.Request(url + "/reset_prefix_cache", method="POST", data=b"")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(reset, timeout=30)
+        assert refused.value.code == 401
+        reset.add_header("Authorization", "Bearer k")
         assert urllib.request.urlopen(reset, timeout=30).status == 200
     finally:
         proc.send_signal(signal.SIGTERM)

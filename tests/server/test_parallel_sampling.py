@@ -36,7 +36,9 @@ def _histogram(server, name: str) -> tuple[float, float]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+    scrape = urllib.request.Request(server.url + "/metrics",
+                                    headers={"Authorization": f"Bearer {API_KEY}"})
+    text = urllib.request.urlopen(scrape, timeout=30).read().decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
               if s.name in (f"{name}_count", f"{name}_sum")}
     return values[f"{name}_count"], values[f"{name}_sum"]

@@ -109,7 +109,7 @@ async def test_generated_token_beyond_the_vocabulary_is_a_400(server, auth, path
     async with aiohttp.ClientSession(headers=auth) as session:
         for stream in (False, True):
             body = {"model": MODEL_NAME, "max_tokens": 4, "stream": stream, **extra,
-                    "kv_transfer_params": {"generated_token_ids": [token_id]}}
+                    "kv_transfer_params": {"generated_token_ids": [[token_id]]}}
             async with session.post(server.url + path, json=body) as response:
                 assert response.status == 400, await response.text()
                 error = (await response.json())["error"]

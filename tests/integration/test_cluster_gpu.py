@@ -108,7 +108,7 @@ PLANES = ["nccl-two-gpus", "cpu-transport-one-gpu"]
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("plane", PLANES)
-@pytest.mark.parametrize("launch_flags", [(), ("--first-token-from-prefill",)],
+@pytest.mark.parametrize("launch_flags", [("--no-first-token-from-prefill",), ()],
                          ids=["d-first-token", "p-first-token"])
 def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...],
                                     plane: str) -> None:

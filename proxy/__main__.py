@@ -78,12 +78,15 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         help="seconds to connect to a worker")
     parser.add_argument("--max-attempts", type=int, default=d.max_attempts,
                         help="attempts per request (retries on prefill or connect failures)")
-    parser.add_argument("--first-token-from-prefill", action="store_true",
-                        help="stream the prefill worker's sampled token to the client as soon "
-                        "as it answers and let the decode worker continue after it, instead "
-                        "of the decode worker computing the first token (streams without stop "
-                        "strings or logprobs): colocated's TTFT, while the second token waits "
-                        "for the KV transfer, which no longer overlaps the prefill")
+    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.first_token_from_prefill,
+                        help="stream the prefill worker's sampled token of each choice to the "
+                        "client as soon as it answers and let the decode worker continue "
+                        "after it (streams; stop strings, logprobs, n, penalties and seeds "
+                        "as a single worker serves them): colocated's TTFT, while the second "
+                        "token waits for the KV transfer. --no-first-token-from-prefill: the "
+                        "decode worker computes the first token, its KV transfer overlapping "
+                        "the prefill")
     parser.add_argument("--prefill-overflow", type=int, default=d.prefill_overflow,
                         metavar="N",
                         help="when every prefill worker has N prefill legs in flight, send "

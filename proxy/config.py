@@ -43,7 +43,7 @@ class ProxyConfig:
     max_attempts: int = 3
     suspect_s: float = 5.0
     # Stream P's sampled token at once and let D continue after it (else D computes it).
-    first_token_from_prefill: bool = False
+    first_token_from_prefill: bool = True
     # Prefill legs in flight on every P from which D prefills a request itself (0: never).
     prefill_overflow: int = 0
     # Placement over workers with capabilities (proxy/placement.py): the operator's targets,

@@ -112,9 +112,12 @@ def test_a_proxy_flag_reaches_the_proxy(tmp_path: Path, flag: str, value: str, f
         assert all(flag not in w.argv for w in workers)
 
 
-def test_first_token_from_prefill_reaches_the_proxy(tmp_path: Path) -> None:
-    proxy, _ = _children(tmp_path, "--first-token-from-prefill")
+def test_first_token_from_prefill_is_on_unless_turned_off(tmp_path: Path) -> None:
+    proxy, _ = _children(tmp_path)
     assert _proxy_config(proxy).first_token_from_prefill
+    assert not any("first-token-from-prefill" in arg for arg in proxy.argv)
+    proxy, _ = _children(tmp_path, "--no-first-token-from-prefill")
+    assert not _proxy_config(proxy).first_token_from_prefill
 
 
 @pytest.mark.parametrize("flag,value,field,expected", WORKER_FLAGS,

@@ -107,8 +107,10 @@ class FakeWorker:
             extra: dict[str, Any] = {}
             if (self.role == "P" and (body.get("kv_transfer_params") or {}).get(
                     "first_token_events") and self.mode != "no_first_token"):
-                extra["pdserve_first_token"] = {"token_ids": [42], "events": [
-                    {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": "P0"}]}]}
+                choices = range(body.get("n") or 1)  # one first token a choice
+                extra["pdserve_first_token"] = {"token_ids": [[42] for _ in choices], "events": [
+                    {"id": f"cmpl-{request_id}", "choices": [{"index": i, "text": f"P{i}"}]}
+                    for i in choices]}
             return web.json_response({
                 "id": f"cmpl-{request_id}", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
@@ -191,7 +193,10 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     clients: list[TestClient] = []
 
     async def factory(*workers: FakeWorker, **overrides: Any) -> TestClient:
-        config = ProxyConfig(**{"registration_port": None, **overrides})
+        # D computes the first token unless a test turns the handoff (the product's
+        # default) on: most tests here are about the legs of that path.
+        config = ProxyConfig(**{"registration_port": None, "first_token_from_prefill": False,
+                                **overrides})
         registry = InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s)
         for worker in workers:
             registry.heartbeat(worker.heartbeat())

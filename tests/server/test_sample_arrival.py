@@ -43,7 +43,7 @@ async def test_every_sample_counts_its_time_to_first_token_from_the_arrival() ->
     jobs = serving._jobs("r", [[1, 2, 3]], SamplingParams(n=3, max_tokens=1), transfer,
                          protocol.Handoff())
     assert [job.after for job in jobs] == [None, 0, 0]
-    async for _ in serving._run_jobs(jobs, protocol.Handoff()):
+    async for _ in serving._run_jobs(jobs):
         pass
     ttft = metrics.ttft.labels(*metrics._label_values)
     observed = {s.name: s.value for s in ttft.collect()[0].samples

@@ -335,9 +335,11 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
 def check_topology(args: argparse.Namespace) -> None:
     """Refuse a cluster that cannot answer a request (no decode or colocated worker, or
     prefill workers with no decode worker to hand to), and the proxy's ports when taken."""
+    from engine_core.addresses import check_distinct_ports
     from engine_core.errors import ConfigError
     from engine_core.server.api_server import check_port_free
 
+    check_distinct_ports({"--port": args.port, "--registration-port": args.registration_port})
     shape = topology(args)
     if shape.prefill and not shape.decode:
         raise ConfigError(f"--prefill {shape.prefill} without a decode worker: prefill workers "

@@ -44,10 +44,15 @@ def bench_tokenizer(served_model: str, model: str) -> str | None:
     finds the tokenizer from the served name itself (a local path, an embedded model's
     name), else the launched model."""
     from benchmarks.serve.datasets import resolve_tokenizer_path
+    from engine_core.errors import ModelLoadError
 
-    if resolve_tokenizer_path(None, served_model) is not None or served_model == model:
+    if served_model == model:
         return None
-    return model
+    try:
+        found = resolve_tokenizer_path(None, served_model)
+    except ModelLoadError:  # an embedded model's name, that model not installed here
+        found = None
+    return None if found is not None else model
 
 
 def bench_command(proxy_url: str, served_model: str, tokenizer: str | None = None,

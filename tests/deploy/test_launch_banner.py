@@ -83,6 +83,7 @@ def test_gpu_workers_get_the_benchmarks_own_defaults(tmp_path: Path) -> None:
 def test_bench_tokenizer_only_when_the_served_name_does_not_find_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine_core.default_model import DEFAULT_MODEL_NAME
+    from engine_core.errors import ModelLoadError
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
@@ -92,6 +93,11 @@ def test_bench_tokenizer_only_when_the_served_name_does_not_find_it(
     assert bench_tokenizer("org/hub-model", "org/hub-model") is None
     monkeypatch.setattr("engine_core.default_model.default_model_path", lambda: checkpoint)
     assert bench_tokenizer(DEFAULT_MODEL_NAME, str(checkpoint)) is None  # found by its name
+    def not_installed() -> Path:
+        raise ModelLoadError("not installed")
+
+    monkeypatch.setattr("engine_core.default_model.default_model_path", not_installed)
+    assert bench_tokenizer(DEFAULT_MODEL_NAME, str(checkpoint)) == str(checkpoint)
     command = bench_command("http://h:1", "tiny", str(checkpoint))
     assert _bench_args(command).tokenizer == str(checkpoint)
 

@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -80,7 +79,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF checkpoint or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--demo", action="store_true",
                         help="serve the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--port", type=tcp_port, default=10001, help="proxy HTTP port")
+    parser.add_argument("--port", type=tcp_port, default=ProxyConfig.port,
+                        help="proxy HTTP port")
     parser.add_argument("--registration-port", type=tcp_port, default=None,
                         help="proxy registration port (default: a free one)")
     parser.add_argument("--gpus", default=None,
@@ -343,9 +343,11 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
 def check_topology(args: argparse.Namespace) -> None:
     """Refuse a cluster that cannot answer a request (no decode or colocated worker, or
     prefill workers with no decode worker to hand to), and the proxy's ports when taken."""
+    from engine_core.addresses import check_distinct_ports
     from engine_core.errors import ConfigError
     from engine_core.server.api_server import check_port_free
 
+    check_distinct_ports({"--port": args.port, "--registration-port": args.registration_port})
     shape = topology(args)
     if shape.prefill and not shape.decode:
         raise ConfigError(f"--prefill {shape.prefill} without a decode worker: prefill workers "
@@ -377,9 +379,24 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
         args.model = args.model or str(default_model_path())  # found once, before the workers
         if "--served-model-name" not in engine_args:
             engine_args += ["--served-model-name", DEFAULT_MODEL_NAME]
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"pdserve launch: logs in {log_dir}", flush=True)
+    from deploy.launch_logs import LaunchLogs
+
+    logs = LaunchLogs.create(args.log_dir)
+    print(f"pdserve launch: {logs.describe()}", flush=True)
+    code = 1  # an exception is a failure: its logs are kept
+    try:
+        code = _run_cluster(args, engine_args, logs.path, policy)
+    finally:
+        kept = logs.finish(code)
+        if kept:
+            print(f"pdserve launch: {kept}", flush=True)
+    return code
+
+
+def _run_cluster(args: argparse.Namespace, engine_args: list[str], log_dir: Path,
+                 policy: RestartPolicy | None) -> int:
+    """Start the proxy and workers, wait until ready, print the banner, supervise until
+    stopped; the exit code. Everything is stopped when it returns."""
     proxy, workers, url = build_children(args, engine_args, log_dir)
     children = [proxy, *workers]
     stopping = False
@@ -412,11 +429,11 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
             time.sleep(0.5)
         if stopping:
             return 0
+        from deploy.banner import launch_banner
+
         model = next((engine_args[i + 1] for i, a in enumerate(engine_args[:-1])
                       if a == "--served-model-name"), args.model)
-        print(f"pdserve launch: ready: {topology(args).describe()} at {url}\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        print(launch_banner(topology(args).describe(), url, workers, model, args.model),
               flush=True)
         return supervise(proxy, workers, policy, lambda: stopping)
     finally:

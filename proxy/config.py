@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine_core.addresses import check_distinct_ports
 from engine_core.errors import ConfigError
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
 from proxy.placement import PlacementConfig
@@ -77,6 +78,7 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ConfigError(f"{name} out of range: {value}")
+        check_distinct_ports({"--port": self.port, "--registration-port": self.registration_port})
 
     @property
     def placement(self) -> PlacementConfig:

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +28,10 @@ from engine_core.kv_connector import (
     NullConnectorWorker,
 )
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
+from engine_core.parallel.group import TensorParallelGroup, free_init_method, rank_device
+from engine_core.parallel.rank_processes import RankProcesses
+from engine_core.parallel.rank_sampler import RankSampler, rank_sampler
+from engine_core.parallel.sharding import rank_local_spec
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import check_context, check_generated_ids
 from engine_core.sampling_params import SamplingParams
@@ -51,6 +56,7 @@ from engine_core.worker.loader import (
 from engine_core.worker.memory_arena import MemoryArena
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.pinned_memory import HostBuffer
+from engine_core.worker.sampler import Sampler
 from engine_core.worker.sleep import (
     SLEEP_LEVELS,
     WAKE_UP_TAGS,
@@ -67,16 +73,29 @@ ConnectorPair = tuple[ConnectorScheduler, ConnectorWorker]
 
 
 class EngineCore:
-    """A complete engine for one model on one device."""
+    """A complete engine for one model on one device, or on ``--tensor-parallel-size``
+    devices: this process is then rank 0 (scheduler, sampler, outputs) and drives ranks
+    1..N-1 (``parallel/rank_worker.py``, which build this same class) step by step."""
 
     def __init__(self, config: EngineConfig, connector: ConnectorPair | None = None) -> None:
         t0 = time.perf_counter()
-        self.config = config
         model_dir = Path(config.model.model)
         if not model_dir.is_dir():
             raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-        self.device = config.device.resolve()
+        parallel = config.parallel
+        self.rank_processes: RankProcesses | None = None
+        if parallel.is_parallel:
+            _check_parallel_support(config, connector)
+            if parallel.rank == 0:
+                config = replace(config, parallel=replace(
+                    parallel, distributed_init_method=free_init_method()))
+                self.rank_processes = RankProcesses(config)
+        self.config = config
+        self.device = rank_device(config.device.resolve(), config.parallel)
+        self.tp = TensorParallelGroup.start(config.parallel, torch.device(self.device))
         self.spec = read_model_spec(model_dir)
+        # The heads this rank holds: what its KV cache and attention kernels are sized for.
+        self.rank_spec = rank_local_spec(self.spec, self.tp.size)
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
         if (self.max_model_len > self.spec.trained_max_len
@@ -108,7 +127,7 @@ class EngineCore:
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,
-                                sleepable=config.model.enable_sleep_mode)
+                                sleepable=config.model.enable_sleep_mode, tp=self.tp)
         # Sleep mode: weights and KV cache in arenas whose memory sleep gives back and wake-up
         # restores at the same addresses (the CUDA graphs stay valid).
         self.weights_arena = weights_arena(self.model)
@@ -118,9 +137,12 @@ class EngineCore:
 
         self.graph_pool_reserve = 0  # set by the profiling run when graphs will be captured
         shape = kv_cache.plan_kv_cache(
-            self.spec, config.cache, cache_dtype, self.device, self.max_model_len,
+            self.rank_spec, config.cache, cache_dtype, self.device, self.max_model_len,
             config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes,
             held_bytes=self.weights_arena.nbytes if self.weights_arena is not None else 0)
+        # Every rank must hold the same blocks: the smallest cache any rank's memory allows.
+        shape = replace(shape, num_blocks=self.tp.min_int(shape.num_blocks,
+                                                          torch.device(self.device)))
         self.kv_arena = (MemoryArena(kv_cache.kv_cache_nbytes(shape), self.device)
                          if config.model.enable_sleep_mode else None)
         self.kv_caches = kv_cache.allocate_kv_caches(shape, self.device, self.kv_arena)
@@ -144,7 +166,8 @@ class EngineCore:
                                    connector_scheduler, self.max_model_len, policy)
         self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
                                   torch.device(self.device), self.eos_token_ids, connector_worker,
-                                  self._batch_limits(), self._attention_plan())
+                                  self._batch_limits(), self._attention_plan(),
+                                  self._rank_sampler())
         self.host_kv: HostKVStore | None = None
         if host_tier is not None:
             offload_started = time.perf_counter()
@@ -224,8 +247,13 @@ class EngineCore:
         return cuda_graphs.capture_sizes(device.cuda_graph_sizes, sched.max_num_seqs,
                                          sched.max_num_batched_tokens, device.cuda_graph_mode)
 
+    def _rank_sampler(self) -> RankSampler:
+        """This rank's sampler: rank 0 samples (and broadcasts), the other ranks take its
+        tokens."""
+        return rank_sampler(Sampler(self._attention_plan().triton_sampling), self.tp)
+
     def _attention_plan(self) -> AttentionPlan:
-        spec = self.spec
+        spec = self.rank_spec
         return self.attn_backend.plan(AttentionShapes(
             spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, self.dtype,
             torch.device(self.device)))
@@ -237,7 +265,7 @@ class EngineCore:
         block_size = self.config.cache.block_size
         num_blocks = -(-num_tokens // block_size)
         shape = kv_cache.KVCacheShape(self.spec.num_hidden_layers, num_blocks, block_size,
-                                      self.spec.num_key_value_heads, self.spec.head_dim,
+                                      self.rank_spec.num_key_value_heads, self.spec.head_dim,
                                       kv_cache.kv_cache_dtype(self.config.cache, self.dtype))
         caches = kv_cache.allocate_kv_caches(shape, self.device)
         torch.cuda.synchronize(device)
@@ -245,7 +273,7 @@ class EngineCore:
         base = torch.cuda.memory_allocated(device)
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
                              NullConnectorWorker(), self._batch_limits(),
-                             self._attention_plan())
+                             self._attention_plan(), self._rank_sampler())
         from engine_core.sched.outputs import NewRequestData
 
         params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -361,6 +389,8 @@ class EngineCore:
         outputs = self._land_loads()
         scheduler_output = self.scheduler.schedule()
         transfer_updates = self.scheduler.transfer_updates
+        if self.rank_processes is not None:
+            self.rank_processes.send_step(scheduler_output)
         launched = self.runner.launch(scheduler_output)
         if self._in_flight is not None:
             outputs += self._complete(*self._in_flight)
@@ -531,6 +561,21 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.connector_worker.shutdown()
+        if self.rank_processes is not None:
+            self.rank_processes.shutdown()
+        self.tp.close()
+
+
+def _check_parallel_support(config: EngineConfig, connector: ConnectorPair | None) -> None:
+    """Refuse, at startup, what tensor parallelism does not cover yet."""
+    size = config.parallel.tensor_parallel_size
+    if connector is not None or config.kv_transfer is not None:
+        raise ConfigError(f"--tensor-parallel-size {size} with a KV connector: KV transfer "
+                          "between tensor-parallel layouts is not supported yet; run "
+                          "prefill and decode workers with --tensor-parallel-size 1")
+    if config.model.enable_sleep_mode:
+        raise ConfigError(f"--enable-sleep-mode with --tensor-parallel-size {size} is not "
+                          "supported yet")
 
 
 class _PhaseClock:

@@ -126,3 +126,7 @@ class LLM:
         """Back from ``sleep``: weights, an empty KV cache and the graphs restored (only
         the ``tags`` given: ``weights``, ``kv_cache``); returns the seconds of each phase."""
         return self.engine.wake_up(tags)
+
+    def shutdown(self) -> None:
+        """Stop the engine: its connector and, with tensor parallelism, its other ranks."""
+        self.engine.shutdown()

@@ -32,6 +32,7 @@ from engine_core.parallel.group import TensorParallelGroup, free_init_method, ra
 from engine_core.parallel.rank_processes import RankProcesses
 from engine_core.parallel.rank_sampler import RankSampler, rank_sampler
 from engine_core.parallel.sharding import rank_local_spec
+from engine_core.parallel.support import check_parallel_support
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import check_context, check_generated_ids
 from engine_core.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class EngineCore:
         parallel = config.parallel
         self.rank_processes: RankProcesses | None = None
         if parallel.is_parallel:
-            _check_parallel_support(config, connector)
+            check_parallel_support(config, with_connector=connector is not None)
             if parallel.rank == 0:
                 config = replace(config, parallel=replace(
                     parallel, distributed_init_method=free_init_method()))
@@ -565,17 +566,6 @@ class EngineCore:
             self.rank_processes.shutdown()
         self.tp.close()
 
-
-def _check_parallel_support(config: EngineConfig, connector: ConnectorPair | None) -> None:
-    """Refuse, at startup, what tensor parallelism does not cover yet."""
-    size = config.parallel.tensor_parallel_size
-    if connector is not None or config.kv_transfer is not None:
-        raise ConfigError(f"--tensor-parallel-size {size} with a KV connector: KV transfer "
-                          "between tensor-parallel layouts is not supported yet; run "
-                          "prefill and decode workers with --tensor-parallel-size 1")
-    if config.model.enable_sleep_mode:
-        raise ConfigError(f"--enable-sleep-mode with --tensor-parallel-size {size} is not "
-                          "supported yet")
 
 
 class _PhaseClock:

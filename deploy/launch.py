@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from deploy.gpu_groups import add_tp_arguments, check_tp_topology, gpu_groups, worker_tp_sizes
+
 logger = logging.getLogger("pdserve.launch")
 HOST = "127.0.0.1"
 
@@ -59,7 +61,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registration-port", type=tcp_port, default=None,
                         help="proxy registration port (default: a free one)")
     parser.add_argument("--gpus", default=None,
-                        help="comma-separated GPU ids, one per worker; an id may repeat "
+                        help="comma-separated GPU ids, one per worker rank (a worker of "
+                             "tensor-parallel size N takes the next N); an id may repeat "
                              "(default: CUDA_VISIBLE_DEVICES or all)")
     parser.add_argument("--kv-transport", choices=("auto", "nccl", "cpu"), default="auto",
                         help="the P/D data plane: NCCL between GPUs, or bytes over ZMQ "
@@ -90,6 +93,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_core.arg_utils import add_engine_args
 
     add_engine_args(parser)  # passed on to every worker (--kv-transfer-config merged per worker)
+    add_tp_arguments(parser)
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -514,10 +518,9 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
     num_colocated = args.colocated
-    total = args.prefill + args.decode + num_colocated
-    if gpus and len(gpus) < total:
-        raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
-    cpu_env = {} if gpus else cpu_thread_env(base_env, total)
+    tp_sizes = worker_tp_sizes(args)
+    groups = gpu_groups(gpus, tp_sizes) if gpus else []
+    cpu_env = {} if gpus else cpu_thread_env(base_env, sum(tp_sizes))
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
     pd_gpus = gpus[:args.prefill + args.decode]
@@ -537,7 +540,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         env = dict(base_env)
         device_args: list[str] = []
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            env["CUDA_VISIBLE_DEVICES"] = groups[i]
         else:
             device_args = ["--device", "cpu"]
             env.update(cpu_env)
@@ -546,16 +549,18 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         argv = [sys.executable, "-m", "deploy.cli", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
                 "--heartbeat-interval", str(args.heartbeat_interval),
-                *server_args, *device_args, *engine_args]
+                *server_args, *device_args, *engine_args,
+                "--tensor-parallel-size", str(tp_sizes[i])]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     for index in range(num_colocated):
-        gpu_env = {"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {}
+        gpu_env = {"CUDA_VISIBLE_DEVICES": groups[len(workers)]} if gpus else {}
         http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
                 "--heartbeat-interval", str(args.heartbeat_interval), *server_args,
-                *([] if gpus else ["--device", "cpu"]), *engine_args]
+                *([] if gpus else ["--device", "cpu"]), *engine_args,
+                "--tensor-parallel-size", str(tp_sizes[len(workers)])]
         workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env, **cpu_env},
                              log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
@@ -648,6 +653,7 @@ def check_topology(args: argparse.Namespace) -> None:
                           "hand their KV to decode workers (use --decode, or --prefill 0)")
     if args.decode == 0 and args.colocated == 0:
         raise ConfigError("--decode and --colocated are both 0: nothing would serve requests")
+    check_tp_topology(args)
     check_port_free(HOST, args.port)
     if args.registration_port is not None:
         check_port_free(HOST, args.registration_port)

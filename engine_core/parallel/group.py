@@ -54,9 +54,10 @@ class TensorParallelGroup:
             raise ValueError("a tensor-parallel rank needs distributed_init_method")
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cpu":
-            # Ranks share the host's cores: each one's intra-op threads take its share, or
-            # the ranks' spinning thread pools starve each other's collectives.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+            # Ranks share the host's cores: each one's intra-op threads take at most its
+            # share, or the ranks' spinning thread pools starve each other's collectives.
+            share = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+            torch.set_num_threads(min(torch.get_num_threads(), share))
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, init_method=config.distributed_init_method,
                                 rank=config.rank, world_size=config.tensor_parallel_size,

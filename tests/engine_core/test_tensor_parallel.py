@@ -135,3 +135,25 @@ def test_tp_flag_parses_for_every_engine_command() -> None:
         assert engine_config_from_args(args).parallel.tensor_parallel_size == 2
         args = build_parser().parse_args([command, "/models/x", "--tensor-parallel-size", "4"])
         assert engine_config_from_args(args).parallel.tensor_parallel_size == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_tp2_greedy_equals_tp1_over_nccl(checkpoint, name: str) -> None:
+    """Two GPUs: rank 0 on cuda:0, rank 1 on cuda:1, NCCL collectives captured in the CUDA
+    graphs of each rank's decode and mixed steps."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    path = checkpoint(name)
+    gpu_args = dict(device="cuda", gpu_memory_utilization=0.3)
+    single = LLM(str(path), tensor_parallel_size=1, **{**ENGINE_ARGS, **gpu_args})
+    expected = [o.token_ids for o in single.generate(PROMPTS, GREEDY)]
+    single.shutdown()
+    del single
+    torch.cuda.empty_cache()
+    llm = LLM(str(path), tensor_parallel_size=2, **{**ENGINE_ARGS, **gpu_args})
+    try:
+        assert llm.engine.tp.size == 2 and llm.engine.device == "cuda:0"
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    finally:
+        llm.shutdown()

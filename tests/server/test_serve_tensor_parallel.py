@@ -95,3 +95,13 @@ def test_serve_tp2_completion_equals_tp1() -> None:
                                                      ignore_eos=True))[0]
     assert body["choices"][0]["text"] == expected.text
     assert body["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_pd_worker_with_tp_refuses_to_start(command: str,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    from deploy.cli import main
+
+    assert main([command, "--demo", "-tp", "2", "--device", "cpu", "--port",
+                 str(free_port())]) == 1
+    assert "KV transfer between tensor-parallel layouts is not supported" in caplog.text

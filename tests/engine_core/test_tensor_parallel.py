@@ -157,3 +157,47 @@ def test_tp2_greedy_equals_tp1_over_nccl(checkpoint, name: str) -> None:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     finally:
         llm.shutdown()
+
+
+def test_each_rank_loads_its_shards(model_checkpoint) -> None:
+    """Qwen2 (q/k/v biases, one KV head replicated, tied embeddings): each rank's parameters
+    are its slices of the single-rank model's. Loading needs no collective, so the groups
+    here are never started."""
+    from engine_core.attention.backend import get_attention_backend
+    from engine_core.config import ModelConfig
+    from engine_core.parallel.group import TensorParallelGroup
+    from engine_core.worker.loader import load_model, read_model_spec
+
+    path = model_checkpoint("qwen2-tied-linear")
+    spec = read_model_spec(path)
+    backend = get_attention_backend("cpu", "auto")
+
+    def load(rank: int, size: int):
+        return load_model(ModelConfig(model=str(path)), spec, "cpu", torch.float32, backend,
+                          tp=TensorParallelGroup(rank, size))
+
+    full = load(0, 1)
+    hd, hidden = spec.head_dim, spec.hidden_size
+    q_rows = spec.num_attention_heads * hd
+    for rank in range(2):
+        part = load(rank, 2)
+        attn, whole = part.model.layers[1].self_attn, full.model.layers[1].self_attn
+        q = slice(rank * q_rows // 2, (rank + 1) * q_rows // 2)
+        kv = slice(q_rows, q_rows + hd)  # the one KV head, on both ranks
+        v = slice(q_rows + hd, q_rows + 2 * hd)
+        for name in ("weight", "bias"):
+            mine, theirs = getattr(attn.qkv_proj, name), getattr(whole.qkv_proj, name)
+            assert torch.equal(mine, torch.cat([theirs[q], theirs[kv], theirs[v]]))
+        assert torch.equal(attn.o_proj.weight, whole.o_proj.weight[:, q])
+        mlp, whole_mlp = part.model.layers[1].mlp, full.model.layers[1].mlp
+        inter = spec.intermediate_size
+        rows = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        gate_up = whole_mlp.gate_up_proj.weight
+        assert torch.equal(mlp.gate_up_proj.weight,
+                           torch.cat([gate_up[:inter][rows], gate_up[inter:][rows]]))
+        assert torch.equal(mlp.down_proj.weight, whole_mlp.down_proj.weight[:, rows])
+        vocab = spec.vocab_size // 2
+        assert torch.equal(part.model.embed_tokens.weight,
+                           full.model.embed_tokens.weight[rank * vocab:(rank + 1) * vocab])
+        assert part.lm_head.weight is part.model.embed_tokens.weight
+        assert part.model.embed_tokens.weight.shape == (vocab, hidden)

@@ -8,14 +8,13 @@ import json
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from deploy.launch import free_port
-from tests.integration.cluster_harness import children_of
+from tests.integration.cluster_harness import alive, children_of, wait_http
 from tests.server.test_cli import _command
 
 PROMPT = [11, 250, 37, 401, 9, 77, 512, 3, 64]
@@ -37,33 +36,21 @@ def _rank_workers(server_pid: int) -> list[int]:
     return found
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.5)
-
-
 @pytest.mark.slow
-def test_serve_tp2_completion_equals_tp1() -> None:
+def test_serve_tp2_completion_equals_tp1(tmp_path: Path) -> None:
     from engine_core.demo_model import demo_model_path
     from engine_core.llm import LLM
     from engine_core.sampling_params import SamplingParams
 
     port = free_port()
-    proc = subprocess.Popen(_command() + ["serve", "--demo", "-tp", "2", "--port", str(port)]
-                            + ENGINE_FLAGS,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(_command() + ["serve", "--demo", "-tp", "2", "--port", str(port)]
+                                + ENGINE_FLAGS, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     ranks: list[int] = []
     try:
-        _wait_healthy(proc, url)
+        wait_http(url + "/health", time.monotonic() + 240, [proc], [log])
         ranks = _rank_workers(proc.pid)
         assert len(ranks) == 1, "expected one rank process beside rank 0"
         request = urllib.request.Request(
@@ -76,14 +63,15 @@ def test_serve_tp2_completion_equals_tp1() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            output, _ = proc.communicate(timeout=60)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            output, _ = proc.communicate()
-    assert proc.returncode == 0, output
-    time.sleep(1)
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()
-                and b"rank_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in ranks), "a rank outlived its server"
     # One worker's series: each gauge appears once, not once per rank.
     usage = [line for line in metrics.splitlines()
              if line.startswith("vllm:kv_cache_usage_perc")]

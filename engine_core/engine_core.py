@@ -567,7 +567,6 @@ class EngineCore:
         self.tp.close()
 
 
-
 class _PhaseClock:
     """Seconds spent in each named phase of a sleep or wake-up, in order."""
 

@@ -160,18 +160,13 @@ def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _checkpoint_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Shard | None]]:
-    """(checkpoint name, target, the rank's ``Shard`` of the checkpoint tensor or None) as
-    ``checkpoint_targets`` lists them; sharded layers name their shard."""
-    for name, (target, module, param_name, part) in _walk_targets(model).items():
-        shard_of = getattr(module, "checkpoint_shard", None)
-        yield name, target, shard_of(param_name, part) if shard_of is not None else None
-
-
-def _walk_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module, str, int | None]]:
-    targets: dict[str, tuple[torch.Tensor, nn.Module, str, int | None]] = {}
+    """(checkpoint name, target, the rank's ``Shard`` of the checkpoint tensor or None for
+    all of it) for each entry of ``checkpoint_targets``; sharded layers name their shard
+    (``checkpoint_shard``, engine_core/parallel/layers.py)."""
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         parent = module_name.rpartition(".")[0]
+        shard_of = getattr(module, "checkpoint_shard", None)
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -179,12 +174,11 @@ def _walk_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module, 
             if isinstance(module, MergedLinear):
                 for index, part in enumerate(module.part_names):
                     name = f"{parent}.{part}.{param_name}" if parent else f"{part}.{param_name}"
-                    targets[name] = (param.data[module.part_slice(index)], module, param_name,
-                                     index)
+                    yield (name, param.data[module.part_slice(index)],
+                           shard_of(param_name, index) if shard_of else None)
             else:
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                targets[name] = (param.data, module, param_name, None)
-    return targets
+                yield name, param.data, shard_of(param_name, None) if shard_of else None
 
 
 def _shard_files(model_dir: Path) -> list[Path]:

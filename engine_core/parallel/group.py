@@ -11,6 +11,7 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
 
 from engine_core.config import ParallelConfig
 
@@ -30,8 +31,6 @@ def rank_device(device: str, config: ParallelConfig) -> str:
     narrows CUDA_VISIBLE_DEVICES to the group's GPUs); CPU ranks share the CPU."""
     if not config.is_parallel or not device.startswith("cuda"):
         return device
-    import torch
-
     torch.cuda.set_device(config.rank)
     return f"cuda:{config.rank}"
 
@@ -48,8 +47,6 @@ class TensorParallelGroup:
         """Join the group described by ``config`` (blocks until every rank has joined)."""
         if not config.is_parallel:
             return cls()
-        import torch.distributed as dist
-
         if config.distributed_init_method is None:
             raise ValueError("a tensor-parallel rank needs distributed_init_method")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -71,8 +68,6 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""
         if self.size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(tensor)
         return tensor
 
@@ -80,8 +75,6 @@ class TensorParallelGroup:
         """Every rank's ``tensor`` concatenated along the last dimension, in rank order."""
         if self.size == 1:
             return tensor
-        import torch.distributed as dist
-
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=-1)
@@ -89,8 +82,6 @@ class TensorParallelGroup:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``tensor`` on every rank (written into ``tensor``), returned."""
         if self.size > 1:
-            import torch.distributed as dist
-
             dist.broadcast(tensor, src)
         return tensor
 
@@ -98,16 +89,11 @@ class TensorParallelGroup:
         """The smallest of every rank's ``value`` (ranks agree on a size, e.g. KV blocks)."""
         if self.size == 1:
             return value
-        import torch.distributed as dist
-
         tensor = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
 
     def close(self) -> None:
         """Leave the process group (so a later engine in this process can form another)."""
-        if self.size > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -7,6 +7,7 @@ cuts each tensor with its shard before copying it into the rank's parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -35,6 +36,15 @@ class Shard:
         padded = torch.zeros(shape, dtype=tensor.dtype)
         padded.narrow(dim, 0, part.shape[dim]).copy_(part)
         return padded
+
+    def read(self, lazy: Any) -> torch.Tensor:
+        """This shard of a checkpoint tensor not yet read (safetensors' ``get_slice``):
+        only its rows come off the disk."""
+        shape = lazy.get_shape()
+        dim = self.dim % len(shape)
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(min(self.start, shape[dim]), min(self.start + self.size, shape[dim]))
+        return Shard(dim, 0, self.size).take(lazy[tuple(index)])
 
 
 def even_shard(total: int, rank: int, size: int, dim: int = 0) -> Shard:

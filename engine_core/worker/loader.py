@@ -221,9 +221,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, spec: ModelSpec) -> Non
                     if not (spec.tie_word_embeddings and name == "lm_head.weight"):
                         unexpected.append(name)
                     continue
-                tensor = shard.get_tensor(name)
-                if name in shards:  # tensor parallelism: this rank's slice only
-                    tensor = shards[name].take(tensor)
+                # Tensor parallelism: only this rank's slice is read.
+                tensor = (shards[name].read(shard.get_slice(name)) if name in shards
+                          else shard.get_tensor(name))
                 target = params[name]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(

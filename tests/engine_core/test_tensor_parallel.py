@@ -98,12 +98,19 @@ def test_head_partition_splits_or_replicates_kv_heads() -> None:
         HeadPartition.of(12, 3, 0, 2)
 
 
-def test_shard_take_pads_past_the_end() -> None:
+def test_shard_take_pads_past_the_end(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     full = torch.arange(10.0).reshape(5, 2)
     assert torch.equal(Shard(0, 0, 3).take(full), full[:3])
     tail = Shard(0, 3, 3).take(full)
     assert torch.equal(tail[:2], full[3:]) and torch.equal(tail[2], torch.zeros(2))
     assert torch.equal(Shard(1, 1, 1).take(full), full[:, 1:])
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as lazy:
+        for shard in (Shard(0, 0, 3), Shard(0, 3, 3), Shard(1, 1, 1), Shard(-1, 1, 2)):
+            assert torch.equal(shard.read(lazy.get_slice("w")), shard.take(full))
 
 
 def test_rank_local_spec_has_the_rank_heads(checkpoint) -> None:

@@ -8,7 +8,6 @@ it through ``add_request`` / ``abort_requests`` / ``step``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,11 +27,10 @@ from engine_core.kv_connector import (
     NullConnectorWorker,
 )
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
-from engine_core.parallel.group import TensorParallelGroup, free_init_method, rank_device
-from engine_core.parallel.rank_processes import RankProcesses
+from engine_core.parallel.group import TensorParallelGroup, rank_device
+from engine_core.parallel.rank_processes import start_other_ranks
 from engine_core.parallel.rank_sampler import RankSampler, rank_sampler
 from engine_core.parallel.sharding import rank_local_spec
-from engine_core.parallel.support import check_parallel_support
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import check_context, check_generated_ids
 from engine_core.sampling_params import SamplingParams
@@ -42,6 +40,7 @@ from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
+from engine_core.step_rates import StepRates
 from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
@@ -61,6 +60,7 @@ from engine_core.worker.sampler import Sampler
 from engine_core.worker.sleep import (
     SLEEP_LEVELS,
     WAKE_UP_TAGS,
+    PhaseClock,
     ReleasedWeights,
     release_weights,
     restore_weights,
@@ -82,15 +82,11 @@ class EngineCore:
         t0 = time.perf_counter()
         model_dir = Path(config.model.model)
         if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-        parallel = config.parallel
-        self.rank_processes: RankProcesses | None = None
-        if parallel.is_parallel:
-            check_parallel_support(config, with_connector=connector is not None)
-            if parallel.rank == 0:
-                config = replace(config, parallel=replace(
-                    parallel, distributed_init_method=free_init_method()))
-                self.rank_processes = RankProcesses(config)
+            hint = (" (a .gguf file is converted by engine_core.gguf.resolve_gguf_model, "
+                    "which LLM and the pdserve commands call)"
+                    if model_dir.suffix.lower() == ".gguf" else "")
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist{hint}")
+        config, self.rank_processes = start_other_ranks(config, connector is not None)
         self.config = config
         self.device = rank_device(config.device.resolve(), config.parallel)
         self.tp = TensorParallelGroup.start(config.parallel, torch.device(self.device))
@@ -100,7 +96,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
         if (self.max_model_len > self.spec.trained_max_len
-                and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
+                and not config.model.allow_long_max_model_len):
             # As vLLM: positions past the trained length give garbage, not an error.
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -124,7 +120,7 @@ class EngineCore:
         backend = get_attention_backend(self.device, cache_dtype,
                                         config.device.attention_backend,
                                         config.device.triton_gemv_max_rows,
-                                        config.device.split_k_mlp)
+                                        config.device.split_k_mlp, config.device.triton_pdl)
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,
@@ -190,6 +186,7 @@ class EngineCore:
         self._warm_up()
         self.step_watch = StepWatch()
         self.step_watch.start()
+        self.step_rates = StepRates()
         self.rejected_messages = 0
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
@@ -251,7 +248,8 @@ class EngineCore:
     def _rank_sampler(self) -> RankSampler:
         """This rank's sampler: rank 0 samples (and broadcasts), the other ranks take its
         tokens."""
-        return rank_sampler(Sampler(self._attention_plan().triton_sampling), self.tp)
+        plan = self._attention_plan()
+        return rank_sampler(Sampler(plan.triton_sampling, plan.triton_pdl), self.tp)
 
     def _attention_plan(self) -> AttentionPlan:
         spec = self.rank_spec
@@ -393,13 +391,16 @@ class EngineCore:
         if self.rank_processes is not None:
             self.rank_processes.send_step(scheduler_output)
         launched = self.runner.launch(scheduler_output)
+        completed = scheduler_output  # the step whose end this call waits for
         if self._in_flight is not None:
+            completed = self._in_flight[0]
             outputs += self._complete(*self._in_flight)
             self._in_flight = None
         if self.async_scheduling and launched.sampled:
             self._in_flight = (scheduler_output, launched)
         else:
             outputs += self._complete(scheduler_output, launched)
+        self._observe_rates(time.perf_counter() - started, completed)
         self.step_watch.observe(time.perf_counter() - started,
                                 scheduler_output.total_num_scheduled_tokens,
                                 len(scheduler_output.num_scheduled_tokens))
@@ -409,6 +410,26 @@ class EngineCore:
                             or self._in_flight is not None
                             or self.scheduler.transfer_updates != transfer_updates)
         return outputs
+
+    def _observe_rates(self, seconds: float, completed: SchedulerOutput) -> None:
+        """Feed the prefill-rate and step-time averages (a one-token row is a decode)."""
+        if completed.is_empty:
+            return
+        num_decodes = sum(1 for n in completed.num_scheduled_tokens.values() if n == 1)
+        self.step_rates.observe(seconds, completed.total_num_scheduled_tokens - num_decodes,
+                                num_decodes)
+
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute here: waiting requests (landed ones only their
+        last) and running ones mid-prefill. Requests whose KV a peer sends compute one."""
+        def remaining(request: Request) -> int:
+            if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+                return 1  # its prompt's KV comes from the peer that prefills it
+            return max(0, request.num_prompt_tokens - request.num_computed_tokens)
+
+        scheduler = self.scheduler
+        return (sum(remaining(r) for r in scheduler.waiting)
+                + sum(remaining(r) for r in scheduler.running) + len(scheduler.landed))
 
     def _land_loads(self) -> list[EngineOutput]:
         """KV loads that arrived since the last pass join this one (their calls were
@@ -449,6 +470,9 @@ class EngineCore:
             connector={**scheduler.connector.stats(), **self.connector_worker.stats()},
             **self._offload_stats(),
             sleep_level=self.sleep_level,
+            num_prefill_tokens_queued=self._queued_prefill_tokens(),
+            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
+            decode_step_s=self.step_rates.decode_step_s,
         )
 
     def _offload_stats(self) -> dict[str, int | float]:
@@ -488,7 +512,7 @@ class EngineCore:
             raise InvalidRequestError("the engine has requests or KV transfers in flight; "
                                       "sleep when it is idle")
         assert self.weights_arena is not None and self.kv_arena is not None
-        clock = _PhaseClock()
+        clock = PhaseClock()
         free_before = self._free_device_bytes()
         if self.host_kv is not None:
             # Host memory keeps its blocks: valid after a level-1 wake-up (the same weights);
@@ -519,7 +543,7 @@ class EngineCore:
         if not wanted or not wanted <= set(WAKE_UP_TAGS):
             raise InvalidRequestError(f"wake_up tags must be among {list(WAKE_UP_TAGS)}, "
                                       f"got {sorted(wanted)}", "tags")
-        clock = _PhaseClock()
+        clock = PhaseClock()
         if "weights" in wanted and self._asleep is not None:
             assert self.weights_arena is not None
             restore_weights(self.weights_arena, self._asleep,
@@ -566,22 +590,3 @@ class EngineCore:
             self.rank_processes.shutdown()
         self.tp.close()
 
-
-class _PhaseClock:
-    """Seconds spent in each named phase of a sleep or wake-up, in order."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = round(now - self._last, 4)
-        self._last = now
-
-    @property
-    def total(self) -> float:
-        return sum(self.phases.values())
-
-    def summary(self) -> str:
-        return ", ".join(f"{name[:-2]} {seconds:.2f} s" for name, seconds in self.phases.items())

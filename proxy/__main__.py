@@ -80,6 +80,22 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         "the request to a decode worker alone, which prefills it itself "
                         "(conditional disaggregation: P's overload spills to D instead of "
                         "queueing); 0 (default) never")
+    parser.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
+                        help="placement (workers started with `pdserve worker`): the TTFT "
+                        "target; a prefill that would miss it where the request decodes moves "
+                        "to a worker that finishes it sooner")
+    parser.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
+                        help="placement: the TPOT target; a prefill moves off a worker whose "
+                        "decodes it would push past it, and when a prefill chunk beside "
+                        "decodes breaks it on every worker, decodes pack onto fewer workers "
+                        "so others stay free to prefill")
+    parser.add_argument("--placement-short-prompt-tokens", type=int,
+                        default=d.placement_short_prompt_tokens,
+                        help="placement: a prompt with at most this many uncached tokens "
+                        "(estimated) is served whole where it decodes")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens,
+                        help="placement: the workers' --max-num-batched-tokens, the prefill "
+                        "a decode step carries beside its decodes (pdserve launch passes it)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -94,7 +110,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
         first_token_from_prefill=args.first_token_from_prefill,
-        prefill_overflow=args.prefill_overflow)
+        prefill_overflow=args.prefill_overflow, slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        placement_short_prompt_tokens=args.placement_short_prompt_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def run_proxy(args: argparse.Namespace) -> int:

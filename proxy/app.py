@@ -16,14 +16,17 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from engine_core.server.http_errors import error_middleware
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
-from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.dispatcher import Dispatcher
 from proxy.forwarding import LegTimeouts, create_upstream_session
-from proxy.handlers import add_routes, http_error_middleware
+from proxy.handlers import add_routes
+from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
+from proxy.placer import Placer
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import make_policy
@@ -41,7 +44,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
                registry: InstanceRegistry | None = None) -> web.Application:
     """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
     app = web.Application(client_max_size=config.max_body_bytes + 1,
-                          middlewares=[http_error_middleware])
+                          middlewares=[error_middleware])
     registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
     app[keys.CONFIG] = config
     app[keys.CLOCK] = clock
@@ -50,6 +53,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
+    app[keys.PLACER] = placer = Placer(config.placement)
+    registry.add_removal_listener(placer.index.forget)
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
@@ -82,6 +87,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
+        placer=app[keys.PLACER],
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from engine_core.errors import ConfigError
+from proxy.placement import PlacementConfig
 from proxy.routing import POLICIES
 
 
@@ -39,6 +40,12 @@ class ProxyConfig:
     first_token_from_prefill: bool = False
     # Prefill legs in flight on every P from which D prefills a request itself (0: never).
     prefill_overflow: int = 0
+    # Placement over workers with capabilities (proxy/placement.py): the operator's targets,
+    # the prompt size that always stays where it decodes, the workers' prefill chunk.
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 50.0
+    placement_short_prompt_tokens: int = 256
+    prefill_chunk_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
@@ -55,10 +62,21 @@ class ProxyConfig:
                      "connect_timeout_s", "body_timeout_s", "write_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ConfigError(f"{name} must be a finite number > 0")
+        try:
+            _ = self.placement
+        except ValueError as exc:
+            raise ConfigError(f"placement: {exc}") from None
         for name in ("port", "registration_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ConfigError(f"{name} out of range: {value}")
+
+    @property
+    def placement(self) -> PlacementConfig:
+        """The placement policy's settings."""
+        return PlacementConfig(slo_ttft_s=self.slo_ttft_ms / 1e3, slo_tpot_s=self.slo_tpot_ms / 1e3,
+                               short_prompt_tokens=self.placement_short_prompt_tokens,
+                               prefill_chunk_tokens=self.prefill_chunk_tokens)
 
     @property
     def registration_bind_host(self) -> str:

@@ -15,9 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from engine_core.errors import InvalidRequestError
+from engine_core.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from engine_core.server.protocol import stream_options
-from proxy.errors import UpstreamError, UpstreamTimeoutError
 
 # Client headers worth passing on to workers; the rest (Host, Content-Length, ...) are the
 # proxy's own business.

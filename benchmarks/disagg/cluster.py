@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.disagg.plan import Topology
-from deploy.launch import die_with_parent, free_port
+from deploy.launch import free_port
+from deploy.supervisor import die_with_parent
 
 logger = logging.getLogger("pdserve.report")
 

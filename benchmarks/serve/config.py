@@ -134,7 +134,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name sent in requests when --model is a tokenizer path")
     target.add_argument("--tokenizer", default=None,
                         help="local tokenizer directory (default: --model when it is one; the "
-                             "demo tokenizer for pdserve-demo)")
+                             "embedded models' for their served names)")
     target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -175,7 +175,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--save-result", action="store_true", help="write JSON (and PNG plots)")
     out.add_argument("--save-detailed", action="store_true",
                      help="also keep every ITL and error per request in the JSON")
-    out.add_argument("--result-dir", default=None, help="where results go (default: .)")
+    out.add_argument("--result-dir", default=None, help="where results go (default: results/serve)")
     out.add_argument("--result-filename", default=None, help="JSON name (a sweep adds -RATEqps)")
     out.add_argument("--label", default=None, help="name of this run in results and plots")
     out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",

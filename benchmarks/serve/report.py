@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.output import RESULTS_ROOT
 from benchmarks.serve.breakdown import STAGES
 from benchmarks.serve.metrics import percentile_key
 
@@ -83,7 +84,7 @@ def default_filename(result: dict[str, Any]) -> str:
 def result_paths(results: Sequence[dict[str, Any]], result_dir: str | None,
                  filename: str | None) -> list[Path]:
     """Where each run's JSON goes; a sweep with one ``filename`` gets ``-RATEqps`` suffixes."""
-    directory = Path(result_dir or ".")
+    directory = Path(result_dir) if result_dir else RESULTS_ROOT / "serve"
     if filename is None:
         return [directory / default_filename(r) for r in results]
     if len(results) == 1:

@@ -23,9 +23,10 @@ class ColumnParallelLinear(MergedLinear):
     ``part_shards[i]`` rows of part i (no communication; the next layer takes the shards)."""
 
     def __init__(self, in_features: int, part_shards: tuple[Shard, ...],
-                 part_names: tuple[str, ...], bias: bool = False, gemv_max_rows: int = 0) -> None:
+                 part_names: tuple[str, ...], bias: bool = False, gemv_max_rows: int = 0,
+                 pdl: bool = True) -> None:
         super().__init__(in_features, tuple(s.size for s in part_shards), part_names, bias,
-                         gemv_max_rows)
+                         gemv_max_rows, pdl)
         self.part_shards = part_shards
 
     def checkpoint_shard(self, param_name: str, part: int | None) -> Shard | None:
@@ -37,9 +38,10 @@ class RowParallelLinear(Linear):
     one all-reduce, then the (replicated) bias added once."""
 
     def __init__(self, in_features: int, out_features: int, group: TensorParallelGroup,
-                 bias: bool = False, gemv_max_rows: int = 0, transposed: bool = False) -> None:
+                 bias: bool = False, gemv_max_rows: int = 0, transposed: bool = False,
+                 pdl: bool = True) -> None:
         local_in = in_features // group.size
-        super().__init__(local_in, out_features, bias, gemv_max_rows, transposed)
+        super().__init__(local_in, out_features, bias, gemv_max_rows, transposed, pdl)
         self.group = group
         self.in_shard = Shard(1, group.rank * local_in, local_in)
 
@@ -52,7 +54,7 @@ class RowParallelLinear(Linear):
         if self.takes_gemv(x):
             from engine_core.kernels.gemv import gemv
 
-            out = gemv(x, self.weight, None)
+            out = gemv(x, self.weight, None, pdl=self.pdl)
         else:
             out = F.linear(x, self.weight)
         out = self.group.all_reduce(out)
@@ -87,9 +89,9 @@ class ParallelLMHead(LMHead):
     vocabulary (float32) on every rank, the padding cut off."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TensorParallelGroup,
-                 gemv_max_rows: int = 0) -> None:
+                 gemv_max_rows: int = 0, pdl: bool = True) -> None:
         rows = padded_vocab_per_rank(vocab_size, group.size)
-        super().__init__(rows, hidden_size, gemv_max_rows)
+        super().__init__(rows, hidden_size, gemv_max_rows, pdl)
         self.vocab_size = vocab_size
         self.group = group
         self.shard = Shard(0, group.rank * rows, rows)

@@ -19,13 +19,31 @@ import zmq
 
 from engine_core.config import EngineConfig
 from engine_core.errors import EngineDeadError
+from engine_core.parallel.group import free_init_method
 from engine_core.parallel.messages import RANK_CODEC, RankInit, RankStep, RankStop
+from engine_core.parallel.support import check_parallel_support
 from engine_core.sched.outputs import SchedulerOutput
 
 logger = logging.getLogger("pdserve.parallel")
 
 _STOP_WAIT_S = 10.0
 _HOST = "127.0.0.1"
+
+
+def start_other_ranks(config: EngineConfig, with_connector: bool
+                      ) -> tuple[EngineConfig, RankProcesses | None]:
+    """For a tensor-parallel engine: refuse what TP does not cover, and on rank 0 pick the
+    group's rendezvous and spawn ranks 1..N-1. Returns the config this rank runs (with the
+    rendezvous on rank 0) and the ranks it drives (None unless rank 0 of N > 1)."""
+    parallel = config.parallel
+    if not parallel.is_parallel:
+        return config, None
+    check_parallel_support(config, with_connector=with_connector)
+    if parallel.rank != 0:
+        return config, None
+    config = replace(config, parallel=replace(parallel,
+                                              distributed_init_method=free_init_method()))
+    return config, RankProcesses(config)
 
 
 class RankProcesses:

@@ -24,17 +24,21 @@ from engine_core.config import EngineConfig
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S, AsyncEngineClient
 from engine_core.engine_process import EngineFactory
 from engine_core.errors import (
+    AuthenticationError,
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
     RequestTimeoutError,
+    ShuttingDownError,
 )
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
-from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
+from engine_core.server.drain import drain
+from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
 from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
+from engine_core.server.readiness import Readiness
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
 from engine_core.version import package_version
@@ -68,9 +72,11 @@ class ServerOptions:
     enable_admin_endpoints: bool = False
     client_max_size: int = 32 << 20
     log_stats_interval_s: float = 10.0
-    # On SIGTERM/SIGINT: stop accepting connections, let requests in flight finish for this
-    # long, then end the rest with an error (streams get an error event and [DONE]). Below
-    # `pdserve launch`'s --stop-timeout (15 s), so a launcher's stop drains before it kills.
+    # On SIGTERM/SIGINT (--shutdown-timeout): refuse new generation requests (503), let those
+    # in flight finish and the KV they hold be released for this long, then end the rest with
+    # an error (streams get an error event and [DONE]). Below `pdserve launch`'s
+    # --stop-timeout (15 s) and a pod's terminationGracePeriodSeconds, so a supervisor's
+    # stop drains before it kills.
     shutdown_drain_s: float = 10.0
     # How long the engine process may take to start (load the model) before the server
     # gives up and exits 1 (`--engine-startup-timeout`, VLLM_ENGINE_READY_TIMEOUT_S).
@@ -93,6 +99,7 @@ class ServerOptions:
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
+READINESS_KEY = web.AppKey("readiness", Readiness)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -134,16 +141,24 @@ async def _read_json(request: web.Request, timeout_s: float) -> dict[str, Any]:
 class _Routes:
     """Request handlers bound to one ``OpenAIServing``."""
 
-    def __init__(self, serving: OpenAIServing, options: ServerOptions, model_path: str) -> None:
+    def __init__(self, serving: OpenAIServing, options: ServerOptions, model_path: str,
+                 readiness: Readiness | None = None) -> None:
         self.serving = serving
         self.options = options
         self.model_path = model_path
+        self.readiness = readiness or Readiness()
+
+    def _refuse_while_draining(self) -> None:
+        if self.readiness.draining:
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_while_draining()
         body = await _read_json(request, self.options.body_timeout_s)
         return await self.serving.completions(request, body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_while_draining()
         body = await _read_json(request, self.options.body_timeout_s)
         return await self.serving.chat(request, body)
 
@@ -166,6 +181,13 @@ class _Routes:
         if client.long_operation is None:
             await client.call("check_health", timeout_s=HEALTH_TIMEOUT_S)
         return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """``GET /ready`` (readiness; ``/health`` is liveness): 200 while the server takes new
+        requests, else 503 naming what it waits for (its proxy registration, the drain)."""
+        waiting_for = self.readiness.waiting_for()
+        return web.json_response({"ready": not waiting_for, "waiting_for": waiting_for},
+                                 status=503 if waiting_for else 200)
 
     async def release_kv(self, request: web.Request) -> web.Response:
         """``POST /internal/kv/release`` (decode workers; the proxy's): a prefill worker
@@ -258,9 +280,10 @@ async def _log_stats_periodically(client: AsyncEngineClient, interval_s: float) 
 
 def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: EngineConfig,
               options: ServerOptions,
-              generation: GenerationDefaults = protocol.NO_DEFAULTS) -> web.Application:
+              generation: GenerationDefaults = protocol.NO_DEFAULTS,
+              readiness: Readiness | None = None) -> web.Application:
     """The aiohttp application over a started engine client; ``generation``: the
-    generation config's request defaults."""
+    generation config's request defaults; ``readiness``: what ``/ready`` reports."""
     names = [config.model.name]
     cache = config.cache
     metrics = ServerMetrics(names[0], cache_info={
@@ -275,7 +298,8 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
                           middlewares=[error_middleware, _auth_middleware(options.api_key)])
     app[SERVING_KEY] = serving
     app[OPTIONS_KEY] = options
-    routes = _Routes(serving, options, config.model.model)
+    app[READINESS_KEY] = readiness = readiness or Readiness()
+    routes = _Routes(serving, options, config.model.model, readiness)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
@@ -283,6 +307,7 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     # SageMaker's health check (vLLM serves it): /health's meaning, by GET or POST.
     app.router.add_get("/ping", routes.health)
     app.router.add_post("/ping", routes.health)
+    app.router.add_get("/ready", routes.ready)
     if config.kv_transfer is not None and config.kv_transfer.is_consumer:
         app.router.add_post("/internal/kv/release", routes.release_kv)
     app.router.add_get("/version", routes.version)
@@ -325,7 +350,8 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
 
 
 async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
-                               engine_factory: EngineFactory | None = None
+                               engine_factory: EngineFactory | None = None,
+                               readiness: Readiness | None = None,
                                ) -> tuple[AsyncEngineClient, web.Application]:
     """Start the engine process, load the tokenizer, build the app; logs each stage."""
     started = time.monotonic()
@@ -345,7 +371,7 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
-        return client, build_app(client, tokenizer, config, options, generation)
+        return client, build_app(client, tokenizer, config, options, generation, readiness)
     except BaseException:
         await client.shutdown()
         raise
@@ -372,16 +398,26 @@ async def _unless_stopped(startup: Awaitable[_T], stop: asyncio.Event) -> _T | N
 
 async def serve(config: EngineConfig, options: ServerOptions,
                 engine_factory: EngineFactory | None = None,
-                on_startup: Sequence[StartupHook] = ()) -> None:
+                on_startup: Sequence[StartupHook] = (),
+                readiness: Readiness | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, or until the engine dies: then, once shut down,
-    raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that)."""
+    raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that).
+
+    Shutdown order: draining (``/ready`` 503, new generation requests 503), the startup
+    hooks' cleanups (a worker deregisters from its proxy), the requests in flight finish and
+    their KV is released (``shutdown_drain_s`` at most), then the listener closes and the
+    engine stops. The listener stays open while draining, so liveness probes and the
+    proxy's KV releases still reach the server.
+    """
     started = time.monotonic()
+    readiness = readiness or Readiness()
     check_port_free(options.host, options.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    ready = await _unless_stopped(start_engine_and_app(config, options, engine_factory), stop)
+    ready = await _unless_stopped(
+        start_engine_and_app(config, options, engine_factory, readiness), stop)
     if ready is None:
         logger.info("Stopped during startup")
         return
@@ -410,14 +446,15 @@ async def serve(config: EngineConfig, options: ServerOptions,
             logger.error("engine core died; shutting down the server")
     finally:
         logger.info("Shutting down")
+        readiness.draining = True
         for cleanup in reversed(cleanups):
             try:
                 await cleanup()
             except Exception:
                 logger.exception("shutdown hook failed")
+        await drain(client, options.shutdown_drain_s if client.is_alive else 0.0)
         if site is not None:
-            await site.stop()  # no new connections while the requests in flight finish
-        await _drain(client, options.shutdown_drain_s if client.is_alive else 0.0)
+            await site.stop()
         await runner.cleanup()
         await client.shutdown()
     if engine_died:
@@ -426,7 +463,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
 
 def check_port_free(host: str | None, port: int) -> None:
     """Raise ConfigError when the HTTP port cannot be bound, before the engine starts: the
-    server binds only once the model is loaded, and a taken port used to show only then
+    server binds only once the model is loaded, and a taken port must not show only then
     (minutes on a GPU). A probe, not a reservation: a port taken in between still fails
     late, but the usual mistake is caught at once."""
     if port == 0:
@@ -452,25 +489,10 @@ def check_port_free(host: str | None, port: int) -> None:
                                   f"{host or 'every interface'}: {exc.strerror}") from None
 
 
-async def _drain(client: AsyncEngineClient, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for the requests in flight, then end the rest with an error
-    (their handlers answer it: an error event and [DONE] on a stream)."""
-    deadline = time.monotonic() + timeout_s
-    if client.num_in_flight:
-        logger.info("Waiting up to %.0f s for %d requests in flight", timeout_s,
-                    client.num_in_flight)
-    while client.num_in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if client.num_in_flight:
-        logger.warning("Ending %d requests still in flight: the server is shutting down",
-                       client.num_in_flight)
-        client.fail_in_flight(EngineDeadError("the server is shutting down"))
-        await asyncio.sleep(0.5)  # let their handlers write the error out
-
-
 def run_server(config: EngineConfig, options: ServerOptions,
                engine_factory: EngineFactory | None = None,
-               on_startup: Sequence[StartupHook] = ()) -> None:
+               on_startup: Sequence[StartupHook] = (),
+               readiness: Readiness | None = None) -> None:
     """Blocking entry point; uses uvloop when it is installed."""
     try:
         import uvloop
@@ -479,4 +501,4 @@ def run_server(config: EngineConfig, options: ServerOptions,
     # Outside the except clause: every traceback the server logs would be chained to the
     # ImportError otherwise.
     (asyncio.run if uvloop is None else uvloop.run)(
-        serve(config, options, engine_factory, on_startup))
+        serve(config, options, engine_factory, on_startup, readiness))

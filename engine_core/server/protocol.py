@@ -227,9 +227,9 @@ def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _fits_the_wire(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` can cross the engine socket (msgpack) as it is: before, a lone
-    surrogate, an integer past 64 bits or 600 levels of nesting in kv_transfer_params
-    failed its encoding with a 500."""
+    """Whether ``value`` can cross the engine socket (msgpack) as it is: a lone surrogate,
+    an integer past 64 bits or deep nesting in kv_transfer_params must be a 400 here, not a
+    failed encoding (a 500) later."""
     if depth > MAX_PARAMS_DEPTH:
         return False
     if isinstance(value, dict):

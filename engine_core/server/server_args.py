@@ -2,8 +2,9 @@
 every server takes the same ones (vLLM's names) and builds its ``ServerOptions`` one way.
 
 Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``,
-``VLLM_ENGINE_READY_TIMEOUT_S``) are folded into these flags by ``apply_environment``, the
-one place that reads them (``pdserve`` and ``python -m prefill|decode`` call it).
+``VLLM_ENGINE_READY_TIMEOUT_S``, and the engine's of ``arg_utils.engine_environment``) are
+folded into these flags by ``apply_environment``, the one place that reads them (``pdserve``
+and ``python -m prefill|decode`` call it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine_core.arg_utils import positive_seconds
+from engine_core.arg_utils import engine_environment, positive_seconds
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine_core.server.api_server import ServerOptions
 
@@ -30,6 +31,9 @@ def apply_environment(args: argparse.Namespace) -> None:
                                        or _env_flag("VLLM_SERVER_DEV_MODE"))
     if hasattr(args, "engine_startup_timeout") and args.engine_startup_timeout is None:
         args.engine_startup_timeout = _env_seconds(ENGINE_READY_TIMEOUT_ENV)
+    if hasattr(args, "triton_pdl"):  # the command runs an engine
+        for name, value in engine_environment(os.environ).items():
+            setattr(args, name, value)
 
 
 def _env_flag(name: str) -> bool:
@@ -46,6 +50,14 @@ def _env_seconds(name: str) -> float | None:
         return positive_seconds(raw)
     except (ValueError, argparse.ArgumentTypeError):
         raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +87,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the engine process may take to load the model and "
                              "start before the server gives up and exits 1 (default: "
                              f"VLLM_ENGINE_READY_TIMEOUT_S, else {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    parser.add_argument("--shutdown-timeout", type=non_negative_seconds,
+                        default=ServerOptions.shutdown_drain_s, metavar="SECONDS",
+                        help="on SIGTERM: new requests are refused (503) and a worker "
+                             "deregisters from its proxy; the requests in flight may finish "
+                             "and their KV be released for this long, then the rest end with "
+                             "an error (0: at once). Keep it below the supervisor's grace "
+                             "period (a pod's terminationGracePeriodSeconds)")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -85,5 +104,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          log_stats_interval_s=args.log_stats_interval,
                          body_timeout_s=args.body_timeout,
                          write_timeout_s=args.write_timeout,
+                         shutdown_drain_s=args.shutdown_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
                                                    or DEFAULT_STARTUP_TIMEOUT_S))

@@ -1,4 +1,5 @@
-"""`pdserve launch` tensor-parallel GPU groups, per-role sizes, and the P/D refusal."""
+"""`pdserve launch` tensor-parallel GPU groups, per-kind sizes, and the refusal of TP > 1 for
+workers with a KV connector (prefill, decode, placed)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def test_colocated_workers_take_consecutive_gpu_groups(tmp_path: Path) -> None:
     _, workers, _ = build_children(args, engine_argv(args), tmp_path)
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "2,3"]
     assert [_tp_of(w.argv) for w in workers] == ["2", "2"]
+    # launch sets each worker's size itself: the user's -tp is not forwarded as well
+    assert all(w.argv.count("--tensor-parallel-size") == 1 for w in workers)
 
 
 def test_per_role_sizes_and_cpu_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,3 +59,22 @@ def test_pd_workers_with_tp_are_refused_before_anything_starts(capsys) -> None:
                              "--colocated-tp", "2"))
     assert run_launch(_parse("--prefill", "1", "--decode", "1", "-tp", "2")) == 2
     assert "tensor-parallel" in capsys.readouterr().err
+
+
+def test_placed_workers_with_tp_are_refused(capsys) -> None:
+    for argv in (["-tp", "2"], ["--workers", "1", "--worker-tp", "2"],
+                 ["--workers", "1", "--colocated", "1", "-tp", "2"]):
+        with pytest.raises(ConfigError, match="placed"):
+            check_tp_topology(_parse(*argv))
+    assert run_launch(_parse("-tp", "2")) == 2  # the default launch: placed workers
+    assert "between tensor-parallel layouts" in capsys.readouterr().err
+
+
+def test_placed_workers_take_one_gpu_and_colocated_their_group(tmp_path: Path) -> None:
+    args = _parse("--workers", "2", "--colocated", "1", "--colocated-tp", "2",
+                  "--gpus", "0,1,2,3")
+    check_tp_topology(args)
+    _, workers, _ = build_children(args, engine_argv(args), tmp_path)
+    assert [w.name for w in workers] == ["worker0", "worker1", "colocated0"]
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0", "1", "2,3"]
+    assert [_tp_of(w.argv) for w in workers] == ["1", "1", "2"]

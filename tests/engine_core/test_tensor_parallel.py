@@ -50,7 +50,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 def _generate(path: Path, tp: int, **extra) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
-    return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)], llm
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)], llm
 
 
 @pytest.mark.parametrize("name,async_scheduling", [("llama", True), ("qwen3", False)])
@@ -154,14 +154,14 @@ def test_tp2_greedy_equals_tp1_over_nccl(checkpoint, name: str) -> None:
     path = checkpoint(name)
     gpu_args = dict(device="cuda", gpu_memory_utilization=0.3)
     single = LLM(str(path), tensor_parallel_size=1, **{**ENGINE_ARGS, **gpu_args})
-    expected = [o.token_ids for o in single.generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
     single.shutdown()
     del single
     torch.cuda.empty_cache()
     llm = LLM(str(path), tensor_parallel_size=2, **{**ENGINE_ARGS, **gpu_args})
     try:
         assert llm.engine.tp.size == 2 and llm.engine.device == "cuda:0"
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     finally:
         llm.shutdown()
 

@@ -87,13 +87,14 @@ class FakeWorker:
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.mode == "asleep":
-            return web.json_response({"error": {"message": "the engine is asleep; POST "
-                                                "/wake_up first", "type": "ServiceUnavailable",
-                                                "param": None, "code": 503}}, status=503)
+            return web.json_response({"error": {
+                "message": "the engine is asleep; POST /wake_up first",
+                "type": "service_unavailable", "param": None, "code": "engine_sleeping"}},
+                status=503)
         if self.mode == "error400":
             return web.json_response({"error": {"message": f"{self.role} says bad",
-                                                "type": "BadRequestError", "param": "n",
-                                                "code": 400}}, status=400)
+                                                "type": "invalid_request_error", "param": "n",
+                                                "code": None}}, status=400)
         if self.mode == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
         # A prefill leg (do_remote_decode) is answered as one JSON body, streamed or not.

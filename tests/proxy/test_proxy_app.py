@@ -10,7 +10,7 @@ from aiohttp import web
 from engine_core.errors import ModelNotFoundError
 from engine_core.server.streaming import WriteBound
 from proxy import keys
-from proxy.dispatcher import _open_stream
+from proxy.client_stream import open_stream
 
 MODEL = "tiny"
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
@@ -266,8 +266,8 @@ async def test_worker_400_forwarded_unchanged(make_worker, make_proxy) -> None:
         resp = await client.post("/v1/completions", json={**PROMPT, "n": -1})
         assert resp.status == 400
         assert (await resp.json()) == {"error": {"message": f"{bad_role} says bad",
-                                                 "type": "BadRequestError", "param": "n",
-                                                 "code": 400}}
+                                                 "type": "invalid_request_error", "param": "n",
+                                                 "code": None}}
 
 
 async def test_unknown_model_is_404(make_worker, make_proxy) -> None:
@@ -293,7 +293,7 @@ async def test_models_health_instances_metrics(make_worker, make_proxy) -> None:
     models = await (await client.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     health = await (await client.get("/health")).json()
-    assert health == {"status": "ok", "workers": {"P": 1, "D": 1, "colocated": 0}}
+    assert health == {"status": "ok", "workers": {"P": 1, "D": 1, "colocated": 0, "worker": 0}}
     instances = await (await client.get("/instances")).json()
     assert {w["role"] for w in instances["workers"]} == {"P", "D"}
     assert all(w["num_requests"] == 1 and w["in_flight"] == 0 for w in instances["workers"])
@@ -536,7 +536,7 @@ async def test_an_error_after_the_stream_opened_ends_it_with_an_event(make_proxy
 
     async def dispatch(request, path, body, transfer_id, timer, generates):
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        stream = await _open_stream(request, out, WriteBound(60.0, lambda _request: None))
+        stream = await open_stream(request, out, WriteBound(60.0, lambda _request: None))
         await stream.write(b'data: {"choices": [{"text": "P0"}]}\n\n')
         raise ModelNotFoundError("every worker of the model left")
 

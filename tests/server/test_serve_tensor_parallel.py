@@ -1,4 +1,4 @@
-"""`pdserve serve --demo -tp 2` on CPU: rank 0 serves HTTP and drives rank 1; its greedy
+"""`pdserve serve --demo-random -tp 2` on CPU: rank 0 serves HTTP and drives rank 1; its greedy
 completion equals the single-rank engine's, /metrics reports the worker once, and the
 rank process exits with the server."""
 
@@ -38,14 +38,14 @@ def _rank_workers(server_pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_serve_tp2_completion_equals_tp1(tmp_path: Path) -> None:
-    from engine_core.demo_model import demo_model_path
+    from engine_core.demo_model import random_demo_model_path
     from engine_core.llm import LLM
     from engine_core.sampling_params import SamplingParams
 
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(_command() + ["serve", "--demo", "-tp", "2", "--port", str(port)]
+        proc = subprocess.Popen(_command() + ["serve", "--demo-random", "-tp", "2", "--port", str(port)]
                                 + ENGINE_FLAGS, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     ranks: list[int] = []
@@ -77,19 +77,19 @@ def test_serve_tp2_completion_equals_tp1(tmp_path: Path) -> None:
              if line.startswith("vllm:kv_cache_usage_perc")]
     assert len(usage) == 1, usage
 
-    llm = LLM(str(demo_model_path()), device="cpu", num_gpu_blocks_override=64,
+    llm = LLM(str(random_demo_model_path()), device="cpu", num_gpu_blocks_override=64,
               max_model_len=256, dtype="float32")
     expected = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12,
                                                      ignore_eos=True))[0]
-    assert body["choices"][0]["text"] == expected.text
+    assert body["choices"][0]["text"] == expected.outputs[0].text
     assert body["usage"]["completion_tokens"] == 12
 
 
-@pytest.mark.parametrize("command", ["prefill", "decode"])
+@pytest.mark.parametrize("command", ["prefill", "decode", "worker"])
 def test_pd_worker_with_tp_refuses_to_start(command: str,
                                             caplog: pytest.LogCaptureFixture) -> None:
     from deploy.cli import main
 
-    assert main([command, "--demo", "-tp", "2", "--device", "cpu", "--port",
+    assert main([command, "--demo-random", "-tp", "2", "--device", "cpu", "--port",
                  str(free_port())]) == 1
     assert "KV transfer between tensor-parallel layouts is not supported" in caplog.text

@@ -100,11 +100,13 @@ def changed_argv(args: argparse.Namespace, actions: Iterable[argparse.Action]) -
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user changed, as argv for the workers."""
+    """The engine flags the user changed, as argv for the workers; launch sets each worker's
+    --kv-transfer-config and --tensor-parallel-size itself."""
     from engine_core.arg_utils import add_engine_args
 
+    assigned = ("kv_transfer_config", "tensor_parallel_size")
     actions = _probe(add_engine_args)._actions
-    return changed_argv(args, [a for a in actions if a.dest != "kv_transfer_config"])
+    return changed_argv(args, [a for a in actions if a.dest not in assigned])
 
 
 def _parse_as_child(argv: list[str],

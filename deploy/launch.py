@@ -3,12 +3,13 @@
 By default N workers (``pdserve worker``) that the proxy places each request on: served
 whole on one, or prefilled on one and decoded on another (``proxy/placement.py``).
 ``--prefill N --decode M`` starts static prefill and decode workers instead, and
-``--colocated K`` adds plain replicas. Each worker is a subprocess with its own free HTTP and KV
-ports, one GPU each (``CUDA_VISIBLE_DEVICES``) or all on CPU. The launcher waits until
-every worker is registered with the proxy and healthy, prints the endpoint, watches the
-children (reports a death, restarts it with ``--restart``, gives up and exits 1 on a crash
-loop past ``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill
-after a deadline.
+``--colocated K`` adds plain replicas. Each worker is a subprocess with its own free HTTP
+and KV ports, one GPU per tensor-parallel rank (``CUDA_VISIBLE_DEVICES``, from
+``deploy/gpu_groups.py``) or all on CPU. The launcher waits until every worker is
+registered with the proxy and healthy, prints the endpoint, watches the children (reports
+a death, restarts it with ``--restart``, gives up and exits 1 on a crash loop past
+``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill after a
+deadline.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import socket
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.child_flags import (
@@ -32,6 +32,7 @@ from deploy.child_flags import (
     proxy_argv,
     worker_server_argv,
 )
+from deploy.gpu_groups import add_tp_arguments, check_tp_topology, gpu_groups, worker_tp_sizes
 from deploy.supervisor import (
     MIN_STARTUP_TIMEOUT_S,
     Child,
@@ -41,6 +42,7 @@ from deploy.supervisor import (
     stop_all,
     supervise,
 )
+from deploy.topology import DEFAULT_WORKERS, topology
 from proxy.config import ProxyConfig
 
 logger = logging.getLogger("pdserve.launch")
@@ -84,7 +86,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registration-port", type=tcp_port, default=None,
                         help="proxy registration port (default: a free one)")
     parser.add_argument("--gpus", default=None,
-                        help="comma-separated GPU ids, one per worker; an id may repeat "
+                        help="comma-separated GPU ids, one per worker rank (a worker of "
+                             "tensor-parallel size N takes the next N); an id may repeat "
                              "(default: CUDA_VISIBLE_DEVICES or all)")
     parser.add_argument("--kv-transport", choices=("auto", "nccl", "cpu"), default="auto",
                         help="the P/D data plane: NCCL between GPUs, or bytes over ZMQ "
@@ -119,6 +122,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_core.arg_utils import add_engine_args
 
     add_engine_args(parser)  # passed on to every worker (--kv-transfer-config merged per worker)
+    add_tp_arguments(parser)
 
 
 def free_port() -> int:
@@ -231,44 +235,8 @@ def user_kv_settings(text: str | None) -> tuple[dict, dict]:
     return data, extra
 
 
-DEFAULT_WORKERS = 2
 # A launched connector worker's subcommand and kv_role, by kind.
 CONNECTOR_KINDS = {"prefill": "kv_producer", "decode": "kv_consumer", "worker": "kv_both"}
-
-
-@dataclass(frozen=True)
-class Topology:
-    """How many workers of each kind launch starts."""
-
-    prefill: int
-    decode: int
-    workers: int
-    colocated: int
-
-    def connector_kinds(self) -> list[tuple[str, int]]:
-        """(kind, index within it) of every worker with a KV connector, in start order."""
-        return ([("prefill", i) for i in range(self.prefill)]
-                + [("decode", i) for i in range(self.decode)]
-                + [("worker", i) for i in range(self.workers)])
-
-    def describe(self) -> str:
-        parts = ([f"{self.workers} workers"] if self.workers else []) + (
-            [f"{self.prefill}P{self.decode}D"] if self.prefill or self.decode else []) + (
-            [f"{self.colocated} colocated"] if self.colocated else [])
-        return " + ".join(parts)
-
-
-def topology(args: argparse.Namespace) -> Topology:
-    """The launch's workers: --prefill/--decode pin static roles (the one not given is 1);
-    without them --workers (default ``DEFAULT_WORKERS``, or 0 beside --colocated) start
-    workers the proxy places requests on. Both kinds may run together: the static ones
-    then join the placement with their role's capabilities."""
-    if args.prefill is None and args.decode is None:
-        workers = args.workers if args.workers is not None else (
-            0 if args.colocated else DEFAULT_WORKERS)
-        return Topology(0, 0, workers, args.colocated)
-    prefill, decode = (1 if n is None else n for n in (args.prefill, args.decode))
-    return Topology(prefill, decode, args.workers or 0, args.colocated)
 
 
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
@@ -293,13 +261,12 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
-    total = len(kinds) + shape.colocated
-    if gpus and len(gpus) < total:
-        raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
-    cpu_env = {} if gpus else cpu_thread_env(base_env, total)
+    tp_sizes = worker_tp_sizes(args)
+    groups = gpu_groups(gpus, tp_sizes) if gpus else []
+    cpu_env = {} if gpus else cpu_thread_env(base_env, sum(tp_sizes))
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
-    pd_gpus = gpus[:len(kinds)]
+    pd_gpus = groups[:len(kinds)]
     if transport == "auto" and len(set(pd_gpus)) < len(pd_gpus):
         # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
         transport = "cpu"
@@ -315,7 +282,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         env = dict(base_env)
         device_args: list[str] = []
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            env["CUDA_VISIBLE_DEVICES"] = groups[i]
         else:
             device_args = ["--device", "cpu"]
             env.update(cpu_env)
@@ -324,16 +291,18 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         argv = [sys.executable, "-m", "deploy.cli", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
                 "--heartbeat-interval", str(args.heartbeat_interval),
-                *server_args, *device_args, *engine_args]
+                *server_args, *device_args, *engine_args,
+                "--tensor-parallel-size", str(tp_sizes[i])]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     for index in range(shape.colocated):
-        gpu_env = {"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {}
+        gpu_env = {"CUDA_VISIBLE_DEVICES": groups[len(workers)]} if gpus else {}
         http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
                 "--heartbeat-interval", str(args.heartbeat_interval), *server_args,
-                *([] if gpus else ["--device", "cpu"]), *engine_args]
+                *([] if gpus else ["--device", "cpu"]), *engine_args,
+                "--tensor-parallel-size", str(tp_sizes[len(workers)])]
         workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env, **cpu_env},
                              log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
@@ -355,6 +324,7 @@ def check_topology(args: argparse.Namespace) -> None:
     if shape.decode == 0 and shape.workers == 0 and shape.colocated == 0:
         raise ConfigError("no decode, colocated or --workers worker: nothing would serve "
                           "requests")
+    check_tp_topology(args)
     check_port_free(HOST, args.port)
     if args.registration_port is not None:
         check_port_free(HOST, args.registration_port)

@@ -20,6 +20,7 @@ from engine_core.config import (
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from engine_core.errors import ConfigError
@@ -146,6 +147,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Triton path: store the MLP's down weight transposed and sum it "
                             "split-K with float32 atomics at decode (auto: on the GPUs it "
                             "was measured faster on, e.g. H100 SXM; off on the H200)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="ranks (one process and device each) sharing the model's weights "
+                            "and heads; the engine process is rank 0")
     group.add_argument("--kv-transfer-config", default=None,
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -232,4 +236,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             split_k_mlp=args.split_k_mlp, triton_pdl=args.triton_pdl),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
     ))

@@ -152,6 +152,9 @@ class LLM:
         the ``tags`` given: ``weights``, ``kv_cache``); returns the seconds of each phase."""
         return self.engine.wake_up(tags)
 
+    def shutdown(self) -> None:
+        """Stop the engine: its connector and, with tensor parallelism, its other ranks."""
+        self.engine.shutdown()
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt or a list of them as a list (a list of ints is one token-id prompt)."""

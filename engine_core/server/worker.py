@@ -148,8 +148,10 @@ def serve_worker(config: EngineConfig, options: Any, connector_factory: Connecto
 
     ``pdserve serve --kv-transfer-config '{"kv_role": "kv_producer", ...}'`` calls this.
     """
+    from engine_core.parallel.support import check_parallel_support
     from engine_core.server.api_server import run_server
 
+    check_parallel_support(config)  # refused here, before the server and engine start
     readiness = Readiness()
     run_server(config, options,
                functools.partial(build_engine, connector_factory=connector_factory),

@@ -147,9 +147,9 @@ def _model(args: argparse.Namespace, results_dir: Path) -> tuple[str, bool]:
     if args.model:
         return args.model, False
     if args.smoke:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.demo_model import random_demo_model_path
 
-        return str(demo_model_path()), False
+        return str(random_demo_model_path()), False
     path = results_dir / f"model-{args.shape}"
     if not (path / "config.json").is_file():
         write_model_dir(args.shape, path, tokenizer="words")
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                                             if args.smoke else RESULTS_ROOT / "disagg_report"))
     results_dir.mkdir(parents=True, exist_ok=True)
     model, shape_dir = _model(args, results_dir)
-    served = args.served_model_name or ("pdserve-demo" if args.smoke else Path(model).name)
+    served = args.served_model_name or ("pdserve-demo-random" if args.smoke
+                                        else Path(model).name)
     spec = ClusterSpec(model=model, served_model_name=served,
                        engine_args=_engine_args(args, shape_dir), gpus=gpu_ids,
                        log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout)

@@ -122,10 +122,10 @@ def token_pump_engine(config: Any, step_ms: float) -> TokenPumpEngine:
 
 def _serve(port: int, step_ms: float) -> None:
     from engine_core.config import EngineConfig, ModelConfig
-    from engine_core.demo_model import demo_model_path
+    from engine_core.demo_model import random_demo_model_path
     from engine_core.server.api_server import ServerOptions, run_server
 
-    run_server(EngineConfig(model=ModelConfig(model=str(demo_model_path()))),
+    run_server(EngineConfig(model=ModelConfig(model=str(random_demo_model_path()))),
                ServerOptions(port=port, log_stats_interval_s=0),
                functools.partial(token_pump_engine, step_ms=step_ms))
 

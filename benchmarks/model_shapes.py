@@ -27,7 +27,9 @@ TOKENIZERS = ("demo", "words")
 # Qwen's special-token ids; in a smaller vocabulary they take its last three ids.
 QWEN_SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 
-# Published Qwen3 shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-8B).
+# Published shapes: config.json of Qwen/Qwen3-0.6B, -8B and -32B, and of
+# meta-llama/Llama-3.1-70B (its keys replace the Qwen3 defaults in ``_COMMON``). The two
+# large ones need several GPUs (``--tensor-parallel-size``).
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -35,6 +37,18 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "tie_word_embeddings": False},
+    "qwen3-32b": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                  "tie_word_embeddings": False},
+    "llama-3.1-70b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                      "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+                      "num_hidden_layers": 80, "num_attention_heads": 64,
+                      "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+                      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                      "rope_theta": 500000.0, "mlp_bias": False,
+                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}},
 }
 _COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,

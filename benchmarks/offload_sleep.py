@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt_len = args.prompt_len or (64 if args.smoke else 8192)
     args.kv_offloading_size = args.kv_offloading_size or (0.01 if args.smoke else 16.0)
     if args.smoke:
-        from engine_core.demo_model import DEMO_ARGS, demo_model_path
+        from engine_core.demo_model import DEMO_ARGS, random_demo_model_path
 
-        model, device, vocab = str(demo_model_path()), "cpu", DEMO_ARGS.get("vocab_size", 1024)
+        model, device, vocab = str(random_demo_model_path()), "cpu", DEMO_ARGS.get("vocab_size", 1024)
         engine: dict[str, Any] = {"device": "cpu", "max_model_len": 512}
     else:
         from benchmarks.model_shapes import write_model_dir

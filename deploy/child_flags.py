@@ -47,7 +47,8 @@ def add_worker_server_arguments(parser: argparse.ArgumentParser) -> None:
 # which launch assigns, and --api-key and --enable-admin-endpoints, which reach every worker
 # from VLLM_API_KEY and VLLM_SERVER_DEV_MODE in the environment (not in `ps`).
 WORKER_SERVER_FLAGS = ("--max-request-body-bytes", "--log-stats-interval", "--body-timeout",
-                       "--write-timeout", "--engine-startup-timeout")
+                       "--header-timeout", "--write-timeout", "--engine-startup-timeout",
+                       "--shutdown-timeout")
 # The proxy drops a worker after max(10 s, 3 heartbeat intervals) without a heartbeat unless
 # --heartbeat-timeout says otherwise: a worker heartbeating every interval is not dropped in
 # between.
@@ -99,11 +100,13 @@ def changed_argv(args: argparse.Namespace, actions: Iterable[argparse.Action]) -
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user changed, as argv for the workers."""
+    """The engine flags the user changed, as argv for the workers; launch sets each worker's
+    --kv-transfer-config and --tensor-parallel-size itself."""
     from engine_core.arg_utils import add_engine_args
 
+    assigned = ("kv_transfer_config", "tensor_parallel_size")
     actions = _probe(add_engine_args)._actions
-    return changed_argv(args, [a for a in actions if a.dest != "kv_transfer_config"])
+    return changed_argv(args, [a for a in actions if a.dest not in assigned])
 
 
 def _parse_as_child(argv: list[str],
@@ -173,6 +176,10 @@ def worker_server_argv(args: argparse.Namespace) -> list[str]:
     from engine_core.errors import ConfigError
     from engine_core.server.server_args import add_server_arguments, server_options
 
+    given = args.shutdown_timeout != worker_server_actions()["--shutdown-timeout"].default
+    if given and not args.shutdown_timeout < args.stop_timeout:  # drain before launch kills
+        raise SystemExit(f"pdserve launch: --shutdown-timeout {args.shutdown_timeout:g} must "
+                         f"be below --stop-timeout {args.stop_timeout:g}")
     argv = changed_argv(args, worker_server_actions().values())
     argv = _behind_the_proxy(argv, args.write_timeout)
     try:

@@ -33,9 +33,6 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
               "benchmarks.serve.cli:add_bench_arguments", "benchmarks.serve.cli:run_bench"),
 }
 
-DEMO_MODEL_NAME = "pdserve-demo"
-
-
 def _resolve(target: str) -> Callable:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -43,14 +40,11 @@ def _resolve(target: str) -> Callable:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
-    from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
     from engine_core.server.server_args import add_server_arguments
     from engine_core.server.worker import proxy_address
 
-    parser.add_argument("model", nargs="?", default=None,
-                        help="HF checkpoint directory (omit, or --demo, for the demo model)")
-    parser.add_argument("--demo", action="store_true",
-                        help="serve the embedded demo model (built and cached on first use)")
+    add_model_arguments(parser)
     add_server_arguments(parser)
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="register with this proxy (registration HOST:PORT; several "
@@ -64,23 +58,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``pdserve serve``: resolve the model, then run the API server until stopped."""
-    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
     from engine_core.errors import PdserveError
     from engine_core.server.api_server import run_server
     from engine_core.server.server_args import server_options
 
-    if args.demo or args.model is None:
-        if args.model is not None:
-            raise SystemExit("pdserve serve: give either MODEL or --demo, not both")
-        from engine_core.demo_model import demo_model_path
-
-        started = time.monotonic()
-        args.model = str(demo_model_path())
-        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
-        logger.info("Demo model ready in %.2fs at %s", time.monotonic() - started, args.model)
     options = server_options(args)
     try:
+        started = time.monotonic()
+        resolve_model_argument(args)
         config = engine_config_from_args(args)
+        logger.info("Model %s ready in %.2fs at %s", config.model.name,
+                    time.monotonic() - started, config.model.model)
         kv = config.kv_transfer
         if kv is not None:
             # vLLM-style `serve ... --kv-transfer-config` starts the worker its kv_role names
@@ -93,10 +82,13 @@ def run_serve(args: argparse.Namespace) -> int:
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
             serve_worker(config, options, create_connector, args.heartbeat_interval)
         elif args.proxy_address:
+            from engine_core.server.readiness import Readiness
             from engine_core.server.worker import colocated_hook
 
+            readiness = Readiness()
             run_server(config, options, on_startup=[
-                colocated_hook(config, args.proxy_address, args.heartbeat_interval)])
+                colocated_hook(config, args.proxy_address, args.heartbeat_interval, readiness)],
+                readiness=readiness)
         else:
             run_server(config, options)
     except PdserveError as exc:

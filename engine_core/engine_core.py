@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,10 @@ from engine_core.kv_connector import (
     NullConnectorWorker,
 )
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
+from engine_core.parallel.group import TensorParallelGroup, rank_device
+from engine_core.parallel.rank_processes import start_other_ranks
+from engine_core.parallel.rank_sampler import RankSampler, rank_sampler
+from engine_core.parallel.sharding import rank_local_spec
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import check_context, check_generated_ids
 from engine_core.sampling_params import SamplingParams
@@ -51,9 +56,11 @@ from engine_core.worker.loader import (
 from engine_core.worker.memory_arena import MemoryArena
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.pinned_memory import HostBuffer
+from engine_core.worker.sampler import Sampler
 from engine_core.worker.sleep import (
     SLEEP_LEVELS,
     WAKE_UP_TAGS,
+    PhaseClock,
     ReleasedWeights,
     release_weights,
     restore_weights,
@@ -67,16 +74,25 @@ ConnectorPair = tuple[ConnectorScheduler, ConnectorWorker]
 
 
 class EngineCore:
-    """A complete engine for one model on one device."""
+    """A complete engine for one model on one device, or on ``--tensor-parallel-size``
+    devices: this process is then rank 0 (scheduler, sampler, outputs) and drives ranks
+    1..N-1 (``parallel/rank_worker.py``, which build this same class) step by step."""
 
     def __init__(self, config: EngineConfig, connector: ConnectorPair | None = None) -> None:
         t0 = time.perf_counter()
-        self.config = config
         model_dir = Path(config.model.model)
         if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-        self.device = config.device.resolve()
+            hint = (" (a .gguf file is converted by engine_core.gguf.resolve_gguf_model, "
+                    "which LLM and the pdserve commands call)"
+                    if model_dir.suffix.lower() == ".gguf" else "")
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist{hint}")
+        config, self.rank_processes = start_other_ranks(config, connector is not None)
+        self.config = config
+        self.device = rank_device(config.device.resolve(), config.parallel)
+        self.tp = TensorParallelGroup.start(config.parallel, torch.device(self.device))
         self.spec = read_model_spec(model_dir)
+        # The heads this rank holds: what its KV cache and attention kernels are sized for.
+        self.rank_spec = rank_local_spec(self.spec, self.tp.size)
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
         if (self.max_model_len > self.spec.trained_max_len
@@ -108,7 +124,7 @@ class EngineCore:
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,
-                                sleepable=config.model.enable_sleep_mode)
+                                sleepable=config.model.enable_sleep_mode, tp=self.tp)
         # Sleep mode: weights and KV cache in arenas whose memory sleep gives back and wake-up
         # restores at the same addresses (the CUDA graphs stay valid).
         self.weights_arena = weights_arena(self.model)
@@ -118,9 +134,12 @@ class EngineCore:
 
         self.graph_pool_reserve = 0  # set by the profiling run when graphs will be captured
         shape = kv_cache.plan_kv_cache(
-            self.spec, config.cache, cache_dtype, self.device, self.max_model_len,
+            self.rank_spec, config.cache, cache_dtype, self.device, self.max_model_len,
             config.scheduler.max_num_seqs, profile_peak_bytes=self._profile_peak_bytes,
             held_bytes=self.weights_arena.nbytes if self.weights_arena is not None else 0)
+        # Every rank must hold the same blocks: the smallest cache any rank's memory allows.
+        shape = replace(shape, num_blocks=self.tp.min_int(shape.num_blocks,
+                                                          torch.device(self.device)))
         self.kv_arena = (MemoryArena(kv_cache.kv_cache_nbytes(shape), self.device)
                          if config.model.enable_sleep_mode else None)
         self.kv_caches = kv_cache.allocate_kv_caches(shape, self.device, self.kv_arena)
@@ -144,7 +163,8 @@ class EngineCore:
                                    connector_scheduler, self.max_model_len, policy)
         self.runner = ModelRunner(self.model, self.kv_caches, config.cache.block_size,
                                   torch.device(self.device), self.eos_token_ids, connector_worker,
-                                  self._batch_limits(), self._attention_plan())
+                                  self._batch_limits(), self._attention_plan(),
+                                  self._rank_sampler())
         self.host_kv: HostKVStore | None = None
         if host_tier is not None:
             offload_started = time.perf_counter()
@@ -225,8 +245,14 @@ class EngineCore:
         return cuda_graphs.capture_sizes(device.cuda_graph_sizes, sched.max_num_seqs,
                                          sched.max_num_batched_tokens, device.cuda_graph_mode)
 
+    def _rank_sampler(self) -> RankSampler:
+        """This rank's sampler: rank 0 samples (and broadcasts), the other ranks take its
+        tokens."""
+        plan = self._attention_plan()
+        return rank_sampler(Sampler(plan.triton_sampling, plan.triton_pdl), self.tp)
+
     def _attention_plan(self) -> AttentionPlan:
-        spec = self.spec
+        spec = self.rank_spec
         return self.attn_backend.plan(AttentionShapes(
             spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, self.dtype,
             torch.device(self.device)))
@@ -238,7 +264,7 @@ class EngineCore:
         block_size = self.config.cache.block_size
         num_blocks = -(-num_tokens // block_size)
         shape = kv_cache.KVCacheShape(self.spec.num_hidden_layers, num_blocks, block_size,
-                                      self.spec.num_key_value_heads, self.spec.head_dim,
+                                      self.rank_spec.num_key_value_heads, self.spec.head_dim,
                                       kv_cache.kv_cache_dtype(self.config.cache, self.dtype))
         caches = kv_cache.allocate_kv_caches(shape, self.device)
         torch.cuda.synchronize(device)
@@ -246,7 +272,7 @@ class EngineCore:
         base = torch.cuda.memory_allocated(device)
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
                              NullConnectorWorker(), self._batch_limits(),
-                             self._attention_plan())
+                             self._attention_plan(), self._rank_sampler())
         from engine_core.sched.outputs import NewRequestData
 
         params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -362,6 +388,8 @@ class EngineCore:
         outputs = self._land_loads()
         scheduler_output = self.scheduler.schedule()
         transfer_updates = self.scheduler.transfer_updates
+        if self.rank_processes is not None:
+            self.rank_processes.send_step(scheduler_output)
         launched = self.runner.launch(scheduler_output)
         completed = scheduler_output  # the step whose end this call waits for
         if self._in_flight is not None:
@@ -484,7 +512,7 @@ class EngineCore:
             raise InvalidRequestError("the engine has requests or KV transfers in flight; "
                                       "sleep when it is idle")
         assert self.weights_arena is not None and self.kv_arena is not None
-        clock = _PhaseClock()
+        clock = PhaseClock()
         free_before = self._free_device_bytes()
         if self.host_kv is not None:
             # Host memory keeps its blocks: valid after a level-1 wake-up (the same weights);
@@ -515,7 +543,7 @@ class EngineCore:
         if not wanted or not wanted <= set(WAKE_UP_TAGS):
             raise InvalidRequestError(f"wake_up tags must be among {list(WAKE_UP_TAGS)}, "
                                       f"got {sorted(wanted)}", "tags")
-        clock = _PhaseClock()
+        clock = PhaseClock()
         if "weights" in wanted and self._asleep is not None:
             assert self.weights_arena is not None
             restore_weights(self.weights_arena, self._asleep,
@@ -558,23 +586,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.connector_worker.shutdown()
+        if self.rank_processes is not None:
+            self.rank_processes.shutdown()
+        self.tp.close()
 
-
-class _PhaseClock:
-    """Seconds spent in each named phase of a sleep or wake-up, in order."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = round(now - self._last, 4)
-        self._last = now
-
-    @property
-    def total(self) -> float:
-        return sum(self.phases.values())
-
-    def summary(self) -> str:
-        return ", ".join(f"{name[:-2]} {seconds:.2f} s" for name, seconds in self.phases.items())

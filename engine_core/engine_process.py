@@ -257,7 +257,7 @@ def poll_timeout_ms(engine: EngineCore) -> int:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
+def die_with_parent(parent_pid: int | None) -> None:
     """Linux: have the kernel SIGKILL this process when the thread that spawned it exits.
 
     Why: the engine also checks its parent between steps, but a step or a startup that does
@@ -284,7 +284,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and stops us
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     if config.kv_transfer is not None:
         sys.setswitchinterval(CONNECTOR_SWITCH_INTERVAL_S)
     context = zmq.Context()

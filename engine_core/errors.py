@@ -91,3 +91,8 @@ class UpstreamTimeoutError(UpstreamError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, kind="timeout")
+
+
+class ShuttingDownError(PdserveError):
+    """The server is draining for shutdown and takes no new requests (HTTP 503: the proxy
+    tries them on another worker)."""

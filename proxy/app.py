@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from engine_core.server.api_key import api_key_middleware
 from engine_core.server.http_errors import error_middleware
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
@@ -34,6 +35,10 @@ from proxy.routing import make_policy
 logger = logging.getLogger(__name__)
 
 
+# The proxy's admin routes: they need the API key always (engine_core/server/api_key.py).
+ADMIN_ROUTES = ("/instances",)
+
+
 def new_request_id() -> str:
     """A fresh unique id (32 hex characters)."""
     return uuid.uuid4().hex
@@ -44,7 +49,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
                registry: InstanceRegistry | None = None) -> web.Application:
     """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
     app = web.Application(client_max_size=config.max_body_bytes + 1,
-                          middlewares=[error_middleware])
+                          middlewares=[error_middleware,
+                                       api_key_middleware(config.api_key, ADMIN_ROUTES)])
     registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
     app[keys.CONFIG] = config
     app[keys.CLOCK] = clock
@@ -79,7 +85,7 @@ async def _loop_watch_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
-    session = create_upstream_session()
+    session = create_upstream_session(config.api_key)
     app[keys.DISPATCHER] = dispatcher = Dispatcher(
         registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
         session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,

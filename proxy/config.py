@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine_core.addresses import check_distinct_ports
 from engine_core.errors import ConfigError
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
 from proxy.placement import PlacementConfig
 from proxy.routing import POLICIES
 
@@ -27,6 +29,11 @@ class ProxyConfig:
     # Seconds a client may take to send its whole body (408 beyond): the body is read while
     # the request holds an admission slot, so a stalled upload must not hold it for good.
     body_timeout_s: float = 30.0
+    # Seconds a client may take to send a request line and headers (408 and closed beyond).
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    # Clients must send it as a bearer token on every route but /health, /ping and /ready;
+    # the proxy sends it to the workers (one key for the cluster). None: no key.
+    api_key: str | None = field(default=None, repr=False)
     max_response_bytes: int = 64 << 20
     # Seconds one write to a streaming client may wait for it to take the bytes: one that
     # stops reading while connected would otherwise hold its slot and D's leg for good.
@@ -43,7 +50,7 @@ class ProxyConfig:
     stall_timeout_s: float = 30.0
     suspect_s: float = 5.0
     # Stream P's sampled token at once and let D continue after it (else D computes it).
-    first_token_from_prefill: bool = False
+    first_token_from_prefill: bool = True
     # Prefill legs in flight on every P from which D prefills a request itself (0: never).
     prefill_overflow: int = 0
     # Placement over workers with capabilities (proxy/placement.py): the operator's targets,
@@ -68,7 +75,7 @@ class ProxyConfig:
             raise ConfigError("migration_limit must be >= 0 (0: no migration)")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
                      "connect_timeout_s", "body_timeout_s", "write_timeout_s",
-                     "stall_timeout_s", "first_byte_deadline_s"):
+                     "header_timeout_s", "stall_timeout_s", "first_byte_deadline_s"):
             if not 0 < getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ConfigError(f"{name} must be a finite number > 0")
         try:
@@ -79,6 +86,7 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ConfigError(f"{name} out of range: {value}")
+        check_distinct_ports({"--port": self.port, "--registration-port": self.registration_port})
 
     @property
     def placement(self) -> PlacementConfig:

@@ -33,7 +33,7 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   its connection aborted (``engine_core.server.streaming.SSEStream``), which then ends as a
   client that left does.
 
-First-token handoff (``--first-token-from-prefill``): ``proxy/handoff.py``. Legs and their
+First-token handoff (default; ``--no-first-token-from-prefill``): ``proxy/handoff.py``. Legs and their
 book-keeping: ``proxy/legs.py``; the client's open stream: ``proxy/client_stream.py``.
 """
 
@@ -87,7 +87,7 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
                  metrics: ProxyMetrics, session: aiohttp.ClientSession, timeouts: fw.LegTimeouts,
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
-                 affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False,
+                 affinity_prefix_chars: int = 256, first_token_from_prefill: bool = True,
                  prefill_overflow: int = 0, write_timeout_s: float = 60.0,
                  limiter: InflightLimiter | None = None, placer: Placer | None = None,
                  migration_limit: int = 3) -> None:

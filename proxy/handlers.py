@@ -19,11 +19,10 @@ from engine_core.errors import (
     InvalidRequestError,
     OverloadedError,
     PdserveError,
-    RequestTimeoutError,
     RequestTooLargeError,
 )
 from engine_core.server.http_errors import error_response
-from engine_core.server.protocol import parse_json
+from engine_core.server.request_body import read_json_body
 from engine_core.version import package_version
 from proxy import keys
 from proxy.client_stream import end_open_stream
@@ -53,15 +52,7 @@ async def read_json_object(request: web.Request, max_bytes: int, timeout_s: floa
     """The request body as a JSON object, at most ``max_bytes``, all of it within
     ``timeout_s``: it is read under an admission slot, which a client that sends slowly or
     stops mid-body would otherwise hold for good. The worker validates the rest."""
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise RequestTooLargeError(f"request body of {request.content_length} bytes exceeds "
-                                   f"the limit of {max_bytes} bytes")
-    try:
-        data = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
-                                  ) from None
-    body = parse_json(data)
+    body = await read_json_body(request, max_bytes, timeout_s)
     check_finite_numbers(body)
     return body
 
@@ -82,16 +73,6 @@ def check_finite_numbers(body: dict[str, Any]) -> None:
             stack.extend((param, item, False) for item in value.values())
         elif isinstance(value, list):
             stack.extend((param, item, False) for item in value)
-
-
-async def _read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The whole body, refused once past ``max_bytes`` (a chunked body has no length)."""
-    data = bytearray()
-    while chunk := await request.content.readany():
-        data += chunk
-        if len(data) > max_bytes:
-            raise RequestTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
-    return bytes(data)
 
 
 def _error_response(exc: BaseException, request_id: str) -> web.Response:

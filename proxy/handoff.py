@@ -1,8 +1,8 @@
-"""The first-token handoff (``--first-token-from-prefill``): P alone first; the stream
-events of P's sampled token go to the client as soon as P answers, then D's leg leaves
-carrying that token and D streams what follows it. The client's first token then costs P's
-prefill and nothing of D. A mixin of ``Dispatcher``, whose legs, retries and releases it
-uses.
+"""The first-token handoff (on by default; ``--no-first-token-from-prefill`` turns it
+off): P alone first; the stream events of P's sampled token of each choice go to the client
+as soon as P answers, then D's leg leaves carrying those tokens and D streams what follows
+them. The client's first token then costs P's prefill and nothing of D. A mixin of
+``Dispatcher``, whose legs, retries and releases it uses.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class FirstTokenHandoff:
         if isinstance(verdict, web.Response):
             return verdict
         held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
-        first = fw.first_token_of(verdict)
+        first = fw.first_token_of(verdict, fw.num_choices(body))
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             # Counted unless this D sends the request round again (unreachable, asleep):
             # then the attempt that serves it counts it, so one request counts once.
@@ -127,8 +127,8 @@ class FirstTokenHandoff:
             return out
         timer.first_byte = self.clock()
         resume = request.get(RESUME)
-        if resume is not None:  # the client holds P's token: a migration continues after it
-            resume.token_ids.extend(first.token_ids)
+        if resume is not None and resume.continuable:  # one choice; the client holds P's
+            resume.token_ids.extend(first.token_ids[0])  # token: a migration follows it
         excluded = {prefill.worker_id}
         d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
         for attempt in range(self.max_attempts):

@@ -53,6 +53,8 @@ class RegistrationClient:
         self._task: asyncio.Task[None] | None = None
         self.num_sent = 0
         self.num_dropped = 0
+        # Whether the latest heartbeat left for a connected proxy (a worker's readiness).
+        self.registered = False
 
     def start(self) -> None:
         """Connect and start heartbeating (call from a running event loop)."""
@@ -72,6 +74,7 @@ class RegistrationClient:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.registered = False
         if self._socket is not None:
             if deregister:
                 self._send(REGISTRATION_CODEC.encode(Deregister(self._template.http_address)))
@@ -90,7 +93,8 @@ class RegistrationClient:
             except Exception:  # stats are best effort; the heartbeat itself matters
                 logger.exception("load provider failed; heartbeat sent without stats")
         message = dataclasses.replace(self._template, load=load)
-        return self._send(REGISTRATION_CODEC.encode(message))
+        self.registered = self._send(REGISTRATION_CODEC.encode(message))
+        return self.registered
 
     def _send(self, payload: bytes) -> bool:
         assert self._socket is not None

@@ -11,31 +11,45 @@ from torch import nn
 from engine_core.attention.backend import AttentionBackend
 from engine_core.attention.metadata import AttentionMetadata
 from engine_core.layers.activation import SiluAndMul
-from engine_core.layers.embedding import LMHead, VocabEmbedding
-from engine_core.layers.linear import Linear, MergedLinear, gemv_sized
+from engine_core.layers.linear import gemv_sized
 from engine_core.layers.norm import RMSNorm
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.models.spec import ModelSpec
+from engine_core.parallel.group import TensorParallelGroup
+from engine_core.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from engine_core.parallel.sharding import HeadPartition, Shard, even_shard
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention: project, (optionally) per-head q/k RMSNorm, RoPE, paged attention."""
+    """GQA self-attention: project, (optionally) per-head q/k RMSNorm, RoPE, paged attention.
+
+    With tensor parallelism the rank computes its ``HeadPartition`` of the heads; o_proj
+    sums the ranks' partial outputs."""
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
+        heads = HeadPartition.of(spec.num_attention_heads, spec.num_key_value_heads,
+                                 tp.rank, tp.size)
         self.layer_idx = layer_idx
-        self.num_heads = spec.num_attention_heads
-        self.num_kv_heads = spec.num_key_value_heads
-        self.head_dim = spec.head_dim
+        self.num_heads = heads.num_q_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_dim = head_dim = spec.head_dim
         self.scale = self.head_dim ** -0.5
         self.attn_backend = attn_backend
         hidden = spec.hidden_size
-        kv_size = self.num_kv_heads * self.head_dim
+        kv_shard = Shard(0, heads.kv_start * head_dim, heads.num_kv_heads * head_dim)
         rows, pdl = attn_backend.gemv_max_rows, attn_backend.pdl
-        self.qkv_proj = MergedLinear(hidden, (self.num_heads * self.head_dim, kv_size, kv_size),
-                                     ("q_proj", "k_proj", "v_proj"), qkv_bias, rows, pdl)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, o_bias, rows, pdl=pdl)
+        self.qkv_proj = ColumnParallelLinear(
+            hidden, (Shard(0, heads.q_start * head_dim, heads.num_q_heads * head_dim),
+                     kv_shard, kv_shard), ("q_proj", "k_proj", "v_proj"), qkv_bias, rows, pdl)
+        self.o_proj = RowParallelLinear(spec.num_attention_heads * head_dim, hidden, tp,
+                                        o_bias, rows, pdl=pdl)
         self.use_triton = attn_backend.triton_layers
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton, pdl)
@@ -105,18 +119,22 @@ class LlamaMLP(nn.Module):
     and the next norm rounds it.
     """
 
-    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
         hidden, inter = spec.hidden_size, spec.intermediate_size
         rows, self.pdl = attn_backend.gemv_max_rows, attn_backend.pdl
-        self.gate_up_proj = MergedLinear(hidden, (inter, inter), ("gate_proj", "up_proj"),
-                                         spec.mlp_bias, rows, self.pdl)
+        inter_shard = even_shard(inter, tp.rank, tp.size)
+        self.gate_up_proj = ColumnParallelLinear(hidden, (inter_shard, inter_shard),
+                                                 ("gate_proj", "up_proj"), spec.mlp_bias, rows,
+                                                 self.pdl)
+        # Split-K sums into a float32 accumulator the all-reduce does not see: one rank only.
         self.split_k = (attn_backend.triton_layers and attn_backend.split_k_mlp
-                        and not spec.mlp_bias
+                        and not spec.mlp_bias and not tp.is_parallel
                         and self.gate_up_proj.gemv_max_rows > 0
                         and gemv_sized(inter, hidden))
-        self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows, transposed=self.split_k,
-                                pdl=self.pdl)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, spec.mlp_bias, rows,
+                                           transposed=self.split_k, pdl=self.pdl)
         self.act_fn = SiluAndMul(attn_backend.triton_layers, self.pdl)
 
     def takes_split_k(self, x: torch.Tensor) -> bool:
@@ -164,11 +182,12 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
         use_triton, pdl = attn_backend.triton_layers, attn_backend.pdl
-        self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(spec, attn_backend)
+        self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm,
+                                        tp)
+        self.mlp = LlamaMLP(spec, attn_backend, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton, pdl)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton,
                                                 pdl)
@@ -193,11 +212,11 @@ class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, attn_backend, i, qkv_bias, o_bias, qk_norm)
+            LlamaDecoderLayer(spec, attn_backend, i, qkv_bias, o_bias, qk_norm, tp)
             for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, attn_backend.triton_layers,
                             attn_backend.pdl)
@@ -218,21 +237,26 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model contract: ``forward`` -> hidden ``[T, hidden]``; ``compute_logits`` -> float32."""
+    """The model contract: ``forward`` -> hidden ``[T, hidden]``; ``compute_logits`` -> float32.
+
+    ``tp``: this rank's tensor-parallel group (one rank when omitted); every rank runs the
+    same calls in the same order, and ``compute_logits`` gives every rank the full logits."""
 
     # Bias layout and q/k norm are what distinguishes the families built on this class.
     qkv_bias_always = False
     o_bias_follows_attention_bias = True
     qk_norm = False
 
-    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
+    def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallelGroup()
         self.spec = spec
         qkv_bias = self.qkv_bias_always or spec.attention_bias
         o_bias = self.o_bias_follows_attention_bias and spec.attention_bias
-        self.model = LlamaModel(spec, attn_backend, qkv_bias, o_bias, self.qk_norm)
-        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size, attn_backend.gemv_max_rows,
-                              attn_backend.pdl)
+        self.model = LlamaModel(spec, attn_backend, qkv_bias, o_bias, self.qk_norm, tp)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp,
+                                      attn_backend.gemv_max_rows, attn_backend.pdl)
         if spec.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

@@ -28,6 +28,7 @@ from engine_core.errors import (
     OverloadedError,
     RequestTimeoutError,
     RequestTooLargeError,
+    ShuttingDownError,
     UpstreamError,
     UpstreamTimeoutError,
     UpstreamUnavailableError,
@@ -64,6 +65,7 @@ HTTP_ERRORS: tuple[tuple[type[BaseException], HttpError], ...] = (
     (EngineSleepingError, HttpError(503, "service_unavailable", "engine_sleeping")),
     (EngineDeadError, HttpError(503, "service_unavailable", "engine_dead")),
     (EngineUnresponsiveError, HttpError(503, "service_unavailable", "engine_unresponsive")),
+    (ShuttingDownError, HttpError(503, "service_unavailable", "shutting_down")),
     (UpstreamTimeoutError, HttpError(504, "upstream_timeout", "upstream_timeout")),
     (UpstreamUnavailableError, HttpError(503, "service_unavailable", "worker_unavailable")),
     (UpstreamError, HttpError(502, "upstream_error", "bad_gateway")),
@@ -122,9 +124,10 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None) ->
         merged = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
     merged.update(headers or {})
     response = web.json_response(body, status=status, headers=merged or None)
-    if isinstance(exc, RequestTimeoutError):
+    if isinstance(exc, (RequestTimeoutError, RequestTooLargeError)):
         # The rest of the body was never read, so the connection cannot carry another
-        # request: Connection: close, and aiohttp closes it after answering.
+        # request: Connection: close, and aiohttp closes it after answering (without first
+        # waiting to read, and discard, a body it refused).
         response.force_close()
     return response
 

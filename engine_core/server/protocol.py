@@ -75,20 +75,22 @@ class Handoff:
     """How a request continues a stream another worker began (the proxy's first-token
     handoff and request migration), from internal ``kv_transfer_params`` fields.
 
-    ``first_events``: a prefill worker adds the stream's first events (for its sampled
-    token) to its answer, for the proxy to send before any decode worker is involved.
-    ``generated_token_ids``: a decode worker continues after these output tokens, whose
-    text the client already has, and streams only what follows them (their number is
-    bounded by ``max_tokens``, which counts them).
+    ``first_events``: a prefill worker samples each choice's first token and adds the
+    stream's first events (for those tokens) to its answer, for the proxy to send before
+    any decode worker is involved.
+    ``generated_token_ids``: one list per choice (the request's ``n``); a decode worker
+    continues each choice after its output tokens, whose text the client already has, and
+    streams only what follows them (their number is bounded by ``max_tokens``, which
+    counts them).
     ``continues``: the client already has the stream's head (a chat's role chunk), so it
-    is not sent again; set whenever ``generated_token_ids`` is given, even empty.
+    is not sent again; set whenever ``generated_token_ids`` is given, even with empty lists.
     ``stream_token_ids``: each stream event is preceded by an SSE comment line
     ``: pdserve_token_ids=<ids>`` naming the output tokens it completes, so the proxy
     knows what the client holds and can continue the stream elsewhere.
     """
 
     first_events: bool = False
-    generated_token_ids: list[int] = field(default_factory=list)
+    generated_token_ids: list[list[int]] = field(default_factory=list)
     continues: bool = False
     stream_token_ids: bool = False
 
@@ -270,11 +272,14 @@ def _handoff(params: dict[str, Any] | None) -> Handoff:
                                   "kv_transfer_params")
     continues = "generated_token_ids" in params
     generated = params.get("generated_token_ids", [])
-    if (not isinstance(generated, list)
-            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in generated)):
+    if (not isinstance(generated, list) or len(generated) > MAX_CHOICES
+            or any(not _handed_tokens_ok(ids) for ids in generated)):
         raise InvalidRequestError(
-            "kv_transfer_params.generated_token_ids must be a list of non-negative token ids",
-            "kv_transfer_params")
+            "kv_transfer_params.generated_token_ids must be a list (one per choice) of "
+            "lists of non-negative token ids", "kv_transfer_params")
+    if continues and not generated:
+        raise InvalidRequestError("kv_transfer_params.generated_token_ids names no choice",
+                                  "kv_transfer_params")
     if first_events and continues:
         raise InvalidRequestError("kv_transfer_params: first_token_events and "
                                   "generated_token_ids exclude each other", "kv_transfer_params")
@@ -282,7 +287,14 @@ def _handoff(params: dict[str, Any] | None) -> Handoff:
     if not isinstance(stream_token_ids, bool):
         raise InvalidRequestError("kv_transfer_params.stream_token_ids must be a boolean",
                                   "kv_transfer_params")
-    return Handoff(first_events, list(generated), continues, stream_token_ids)
+    return Handoff(first_events, [list(ids) for ids in generated], continues, stream_token_ids)
+
+
+def _handed_tokens_ok(value: Any) -> bool:
+    """One choice's handed-over tokens: non-negative ids (none: a stream moved before
+    its first token)."""
+    return (isinstance(value, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -319,8 +331,11 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
 
 
 def _check_handoff_n(handoff: Handoff, params: SamplingParams) -> None:
-    if handoff.hands_over and params.n != 1:
-        raise InvalidRequestError("a first-token handoff carries one sample (n=1)", "n")
+    """A continuation names the tokens of every choice (each sample continues its own)."""
+    if handoff.generated_token_ids and len(handoff.generated_token_ids) != params.n:
+        raise InvalidRequestError(
+            f"kv_transfer_params.generated_token_ids has {len(handoff.generated_token_ids)} "
+            f"lists; the request has n={params.n} choices", "kv_transfer_params")
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

@@ -15,6 +15,7 @@ import os
 from engine_core.arg_utils import engine_environment, positive_seconds
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine_core.server.api_server import ServerOptions
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
 
 # vLLM's name for the engine startup timeout: the default of --engine-startup-timeout, so a
 # vLLM deployment's setting carries over.
@@ -52,14 +53,24 @@ def _env_seconds(name: str) -> float | None:
         raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
 
 
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (or VLLM_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "and /ping (or VLLM_API_KEY); admin routes need it always: without "
+                             "a key they answer loopback clients only")
     parser.add_argument("--enable-admin-endpoints", action="store_true",
                         help="expose /reset_prefix_cache, /sleep, /wake_up, /is_sleeping "
-                             "(or VLLM_SERVER_DEV_MODE=1)")
+                             "(or VLLM_SERVER_DEV_MODE=1); they still need the API key")
     parser.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
                         help="largest accepted request body")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
@@ -68,6 +79,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         default=ServerOptions.body_timeout_s, metavar="SECONDS",
                         help="how long a client may take to send its whole request body "
                              "(408 beyond)")
+    add_header_timeout_argument(parser)
     parser.add_argument("--write-timeout", type=positive_seconds,
                         default=ServerOptions.write_timeout_s, metavar="SECONDS",
                         help="how long a streamed answer's client may take no bytes; past "
@@ -79,6 +91,22 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the engine process may take to load the model and "
                              "start before the server gives up and exits 1 (default: "
                              f"VLLM_ENGINE_READY_TIMEOUT_S, else {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    parser.add_argument("--shutdown-timeout", type=non_negative_seconds,
+                        default=ServerOptions.shutdown_drain_s, metavar="SECONDS",
+                        help="on SIGTERM: new requests are refused (503) and a worker "
+                             "deregisters from its proxy; the requests in flight may finish "
+                             "and their KV be released for this long, then the rest end with "
+                             "an error (0: at once). Keep it below the supervisor's grace "
+                             "period (a pod's terminationGracePeriodSeconds)")
+
+
+def add_header_timeout_argument(parser: argparse._ActionsContainer) -> None:
+    """``--header-timeout``, taken by the workers' servers and the proxy alike."""
+    parser.add_argument("--header-timeout", type=positive_seconds,
+                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="how long a client may take to send a request line and headers, "
+                             "from its connection's opening or its request's first byte (408 "
+                             "and the connection closed beyond)")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -88,6 +116,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          client_max_size=args.max_request_body_bytes,
                          log_stats_interval_s=args.log_stats_interval,
                          body_timeout_s=args.body_timeout,
+                         header_timeout_s=args.header_timeout,
                          write_timeout_s=args.write_timeout,
+                         shutdown_drain_s=args.shutdown_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
                                                    or DEFAULT_STARTUP_TIMEOUT_S))

@@ -21,6 +21,7 @@ from engine_core.config import EngineConfig, KVTransferConfig, address_list
 from engine_core.engine_core import EngineCore
 from engine_core.errors import ConfigError
 from engine_core.kv_connector import ConnectorScheduler, ConnectorWorker
+from engine_core.server.readiness import Readiness
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -53,11 +54,10 @@ def proxy_address(value: str) -> list[str]:
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
-    from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
     from engine_core.server.server_args import add_server_arguments
 
-    parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
-    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
+    add_model_arguments(parser)
     add_server_arguments(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
@@ -90,12 +90,13 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
 
 def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], model: str,
                    zmq_address: str | None, interval_s: float, http_ip: str | None = None,
-                   fallback_host: str = "127.0.0.1") -> Any:
+                   fallback_host: str = "127.0.0.1", readiness: Readiness | None = None) -> Any:
     """A startup hook for ``run_server`` that heartbeats ``role`` to each proxy until
     shutdown (one client each: a proxy that is down costs the others nothing).
 
     The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
-    ``fallback_host``.
+    ``fallback_host``. With ``readiness``, the server is ready only while its heartbeats
+    reach at least one proxy.
     """
 
     async def start(client: Any, options: Any) -> Any:
@@ -119,6 +120,9 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
             interval_s=interval_s) for address in proxy_addresses]
         for registration in registrations:
             registration.start()
+        if readiness is not None:
+            readiness.add_check("proxy_registration",
+                                lambda: any(r.registered for r in registrations))
         logger.info("registering as %s with proxy %s", role, ", ".join(proxy_addresses))
 
         async def stop() -> None:
@@ -130,7 +134,8 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
     return start
 
 
-def registration_hook(config: EngineConfig, interval_s: float) -> Any:
+def registration_hook(config: EngineConfig, interval_s: float,
+                      readiness: Readiness | None = None) -> Any:
     """The P/D worker's heartbeat hook, from its kv-transfer config."""
     kv = config.kv_transfer
     assert kv is not None
@@ -141,16 +146,17 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
         return skip
     return heartbeat_hook(ROLE_LETTER[kv.kv_role], kv.registration_addresses,
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
-                          http_ip=kv.http_ip, fallback_host=kv.kv_ip)
+                          http_ip=kv.http_ip, fallback_host=kv.kv_ip, readiness=readiness)
 
 
-def colocated_hook(config: EngineConfig, proxy_addresses: list[str], interval_s: float) -> Any:
+def colocated_hook(config: EngineConfig, proxy_addresses: list[str], interval_s: float,
+                   readiness: Readiness | None = None) -> Any:
     """``pdserve serve --proxy-address``: register as colocated with each proxy, so they send
     whole requests. Bound to a wildcard address, it advertises the address it reaches the
     first proxy from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
     proxy_host = proxy_addresses[0].rpartition(":")[0]
     return heartbeat_hook(ROLE_COLOCATED, proxy_addresses, config.model.name, None, interval_s,
-                          fallback_host=route_source_host(proxy_host))
+                          fallback_host=route_source_host(proxy_host), readiness=readiness)
 
 
 def serve_worker(config: EngineConfig, options: Any, connector_factory: ConnectorFactory,
@@ -160,25 +166,25 @@ def serve_worker(config: EngineConfig, options: Any, connector_factory: Connecto
 
     ``pdserve serve --kv-transfer-config '{"kv_role": "kv_producer", ...}'`` calls this.
     """
+    from engine_core.parallel.support import check_parallel_support
     from engine_core.server.api_server import run_server
 
+    check_parallel_support(config)  # refused here, before the server and engine start
+    readiness = Readiness()
     run_server(config, options,
                functools.partial(build_engine, connector_factory=connector_factory),
-               on_startup=[registration_hook(config, heartbeat_interval_s)])
+               on_startup=[registration_hook(config, heartbeat_interval_s, readiness)],
+               readiness=readiness)
 
 
 def run_worker(args: argparse.Namespace, role: str, connector_factory: ConnectorFactory) -> int:
     """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
-    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
     from engine_core.errors import PdserveError
     from engine_core.server.server_args import server_options
 
-    if args.model is None or args.demo:
-        from engine_core.demo_model import demo_model_path
-
-        args.model = args.model or str(demo_model_path())
-        args.served_model_name = args.served_model_name or "pdserve-demo"
     try:
+        resolve_model_argument(args)
         config = engine_config_from_args(args)
         config = dataclasses.replace(
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from engine_core.errors import ModelLoadError
 from engine_core.layers.linear import MergedLinear
 from engine_core.models.registry import get_model_class
 from engine_core.models.spec import ModelSpec
+from engine_core.parallel.group import TensorParallelGroup
+from engine_core.parallel.sharding import Shard
 from engine_core.worker.memory_arena import MemoryArena
 
 logger = logging.getLogger("pdserve.loader")
@@ -68,8 +71,11 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torc
 
 
 def load_model(model_config: ModelConfig, spec: ModelSpec, device: str, dtype: torch.dtype,
-               attn_backend: AttentionBackend, sleepable: bool = False) -> nn.Module:
+               attn_backend: AttentionBackend, sleepable: bool = False,
+               tp: TensorParallelGroup | None = None) -> nn.Module:
     """Build ``spec``'s model on ``device`` in ``dtype`` with its weights, in eval mode.
+
+    ``tp``: the rank's tensor-parallel group; the rank builds and loads only its shards.
 
     ``sleepable`` (sleep mode) places every parameter in one ``MemoryArena`` that the model
     owns (``weights_arena``): sleeping gives its memory back and waking restores it at the
@@ -77,7 +83,7 @@ def load_model(model_config: ModelConfig, spec: ModelSpec, device: str, dtype: t
     """
     model_class = get_model_class(spec.architecture)
     with torch.device("meta"):
-        model = model_class(spec, attn_backend)
+        model = model_class(spec, attn_backend, tp)
     arena = None
     if sleepable:
         shapes = [(p.shape, dtype) for _, p in model.named_parameters()]
@@ -150,10 +156,17 @@ def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     names (``...self_attn.k_proj.weight`` -> rows of ``...self_attn.qkv_proj.weight``). A
     tied parameter is listed once, under the name met first (the input embedding).
     """
-    targets: dict[str, torch.Tensor] = {}
+    return {name: target for name, target, _ in _checkpoint_entries(model)}
+
+
+def _checkpoint_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Shard | None]]:
+    """(checkpoint name, target, the rank's ``Shard`` of the checkpoint tensor or None for
+    all of it) for each entry of ``checkpoint_targets``; sharded layers name their shard
+    (``checkpoint_shard``, engine_core/parallel/layers.py)."""
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         parent = module_name.rpartition(".")[0]
+        shard_of = getattr(module, "checkpoint_shard", None)
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -161,10 +174,11 @@ def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(module, MergedLinear):
                 for index, part in enumerate(module.part_names):
                     name = f"{parent}.{part}.{param_name}" if parent else f"{part}.{param_name}"
-                    targets[name] = param.data[module.part_slice(index)]
+                    yield (name, param.data[module.part_slice(index)],
+                           shard_of(param_name, index) if shard_of else None)
             else:
-                targets[f"{module_name}.{param_name}" if module_name else param_name] = param.data
-    return targets
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                yield name, param.data, shard_of(param_name, None) if shard_of else None
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
@@ -191,7 +205,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, spec: ModelSpec) -> Non
 
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-    params = checkpoint_targets(model)
+    entries = list(_checkpoint_entries(model))
+    params = {name: target for name, target, _ in entries}
+    shards = {name: shard for name, _, shard in entries if shard is not None}
     files = _shard_files(model_dir)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -205,7 +221,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, spec: ModelSpec) -> Non
                     if not (spec.tie_word_embeddings and name == "lm_head.weight"):
                         unexpected.append(name)
                     continue
-                tensor = shard.get_tensor(name)
+                # Tensor parallelism: only this rank's slice is read.
+                tensor = (shards[name].read(shard.get_slice(name)) if name in shards
+                          else shard.get_tensor(name))
                 target = params[name]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(

@@ -23,6 +23,7 @@ import torch
 
 from engine_core.attention.backend import AttentionPlan
 from engine_core.kv_connector import ConnectorWorker
+from engine_core.parallel.rank_sampler import RankSampler
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import ModelRunnerOutput, SchedulerOutput
 from engine_core.worker.block_copy import stack_layers
@@ -82,13 +83,15 @@ class ModelRunner:
 
     ``limits`` sizes the step buffers up front (required before capturing graphs);
     without it they grow to fit each step. ``plan``: the attention backend's kernel choices
-    for this model (the sizes of its prefill and decode work lists).
+    for this model (the sizes of its prefill and decode work lists). ``sampler``: a
+    tensor-parallel rank's (``parallel/rank_sampler.py``); default, the plan's own.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, eos_token_ids: tuple[int, ...],
                  connector: ConnectorWorker, limits: BatchLimits | None = None,
-                 plan: AttentionPlan | None = None) -> None:
+                 plan: AttentionPlan | None = None,
+                 sampler: RankSampler | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -98,7 +101,7 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         limits = limits or BatchLimits(1, 1, block_size, block_size)
         self.plan = plan or AttentionPlan()
-        self.sampler = Sampler(self.plan.triton_sampling, self.plan.triton_pdl)
+        self.sampler = sampler or Sampler(self.plan.triton_sampling, self.plan.triton_pdl)
         self.inputs = StepInputs(limits, device, self.plan.prefill_tile_tokens,
                                  self.plan.decode_work_target)
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)

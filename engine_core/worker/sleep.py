@@ -14,6 +14,7 @@ bus speed well under one, and a time-shared GPU sleeps again and again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,3 +67,23 @@ def restore_weights(arena: MemoryArena, released: ReleasedWeights,
             torch.cuda.synchronize(arena.device)
     else:
         reload()
+
+
+class PhaseClock:
+    """Seconds spent in each named phase of a sleep or wake-up, in order."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self._last, 4)
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+    def summary(self) -> str:
+        return ", ".join(f"{name[:-2]} {seconds:.2f} s" for name, seconds in self.phases.items())

@@ -18,7 +18,7 @@ import pytest
 from benchmarks import disagg_report
 from benchmarks.disagg.cluster import Cluster, ClusterSpec
 from benchmarks.disagg.plan import PD, SMOKE_SCALE
-from engine_core.demo_model import demo_model_path
+from engine_core.demo_model import random_demo_model_path
 from tests.integration.cluster_harness import children_of
 
 
@@ -58,7 +58,7 @@ def test_report_smoke_ttft_and_proxy_overhead(tmp_path: Path) -> None:
 def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> None:
     """The 1P1D whose prefill worker stops (as one whose engine died does) is reported
     broken, so the report cannot publish D's local prefills as 1P1D figures."""
-    spec = ClusterSpec(model=str(demo_model_path()), served_model_name="pdserve-demo",
+    spec = ClusterSpec(model=str(random_demo_model_path()), served_model_name="pdserve-demo-random",
                        engine_args=("--max-model-len", "256"), log_dir=tmp_path)
     with Cluster(spec, PD) as cluster:
         assert cluster.problems() == []

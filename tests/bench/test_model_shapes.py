@@ -30,6 +30,21 @@ def test_dummy_model_generates_text(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), load_format="dummy", max_model_len=256,
               num_gpu_blocks_override=64, device="cpu")
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6,
-                                                      ignore_eos=True))[0]
+                                                      ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6
     assert len(out.text.split()) == 6  # every sampled id decodes to one word
+
+
+def test_large_shapes_are_the_published_configs(tmp_path: Path) -> None:
+    from engine_core.worker.loader import read_model_spec
+
+    qwen = read_model_spec(write_model_dir("qwen3-32b", tmp_path / "q"))
+    assert (qwen.architecture, qwen.hidden_size, qwen.intermediate_size,
+            qwen.num_hidden_layers, qwen.num_attention_heads, qwen.num_key_value_heads,
+            qwen.vocab_size) == ("Qwen3ForCausalLM", 5120, 25600, 64, 64, 8, 151936)
+    llama = read_model_spec(write_model_dir("llama-3.1-70b", tmp_path / "l"))
+    assert (llama.architecture, llama.hidden_size, llama.intermediate_size,
+            llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.head_dim, llama.vocab_size) == ("LlamaForCausalLM", 8192, 28672, 80, 64, 8,
+                                                  128, 128256)
+    assert llama.rope_scaling["rope_type"] == "llama3" and llama.rope_theta == 500000.0

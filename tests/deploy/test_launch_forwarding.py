@@ -112,9 +112,12 @@ def test_a_proxy_flag_reaches_the_proxy(tmp_path: Path, flag: str, value: str, f
         assert all(flag not in w.argv for w in workers)
 
 
-def test_first_token_from_prefill_reaches_the_proxy(tmp_path: Path) -> None:
-    proxy, _ = _children(tmp_path, "--first-token-from-prefill")
+def test_first_token_from_prefill_is_on_unless_turned_off(tmp_path: Path) -> None:
+    proxy, _ = _children(tmp_path)
     assert _proxy_config(proxy).first_token_from_prefill
+    assert not any("first-token-from-prefill" in arg for arg in proxy.argv)
+    proxy, _ = _children(tmp_path, "--no-first-token-from-prefill")
+    assert not _proxy_config(proxy).first_token_from_prefill
 
 
 @pytest.mark.parametrize("flag,value,field,expected", WORKER_FLAGS,
@@ -231,12 +234,12 @@ def test_a_bad_value_is_refused_before_anything_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         argv: list[str], reason: str) -> None:
     """``pdserve launch`` itself refuses what its proxy or workers would: no child started,
-    no log directory made, no demo model built, instead of a child dying at startup."""
+    no log directory made, no default model looked up, instead of a child dying at startup."""
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a child was started")
 
     monkeypatch.setattr(launch.Child, "start", refuse)
-    monkeypatch.setattr("engine_core.demo_model.demo_model_path", refuse)
+    monkeypatch.setattr("engine_core.default_model.default_model_path", refuse)
     log_dir = tmp_path / "logs"
     with pytest.raises(SystemExit) as exc:
         pdserve(["launch", "--log-dir", str(log_dir), *argv])
@@ -244,3 +247,24 @@ def test_a_bad_value_is_refused_before_anything_starts(
     message = f"{exc.value.code}{capsys.readouterr().err}"
     assert reason in message and "unrecognized" not in message, message
     assert not log_dir.exists()
+
+
+def test_workers_drain_within_launchs_stop_timeout() -> None:
+    """--shutdown-timeout reaches every worker; one given that is not below --stop-timeout
+    is refused (the launcher would kill workers mid-drain)."""
+    argv = child_flags.worker_server_argv(_parse("--shutdown-timeout", "5"))
+    assert argv[argv.index("--shutdown-timeout") + 1] == "5.0"
+    with pytest.raises(SystemExit, match="--shutdown-timeout 20 must be below --stop-timeout 15"):
+        child_flags.worker_server_argv(_parse("--shutdown-timeout", "20"))
+    assert "--shutdown-timeout" not in child_flags.worker_server_argv(_parse("--stop-timeout", "5"))
+
+
+def test_the_api_key_reaches_every_child_in_its_environment(tmp_path: Path) -> None:
+    """``launch --api-key`` keys the proxy and every worker (each reads VLLM_API_KEY at its
+    entry point), and the key is on no command line (``ps`` shows those)."""
+    proxy, workers = _children(tmp_path, "--api-key", "cluster-key")
+    for child in (proxy, *workers):
+        assert child.env["VLLM_API_KEY"] == "cluster-key"
+        assert not any("cluster-key" in arg for arg in child.argv)
+    assert config_from_args(add_proxy_args(argparse.ArgumentParser()).parse_args(
+        ["--api-key", "cluster-key"])).api_key == "cluster-key"

@@ -110,7 +110,7 @@ PLANES = ["nccl-two-gpus", "cpu-transport-one-gpu"]
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("plane", PLANES)
-@pytest.mark.parametrize("launch_flags", [(), ("--first-token-from-prefill",)],
+@pytest.mark.parametrize("launch_flags", [("--no-first-token-from-prefill",), ()],
                          ids=["d-first-token", "p-first-token"])
 def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...],
                                     plane: str) -> None:
@@ -136,7 +136,7 @@ def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...
         assert _decode_bytes_received(proxy) > 0, "no KV went over the connector"
         handoffs = labelled_counter(proxy.removeprefix("http://"),
                                     "pdserve:proxy_first_token_handoffs")
-        if launch_flags:  # every stream of the mix took it (none has stop strings)
+        if not launch_flags:  # the default: every stream of the mix took the handoff
             assert handoffs.get("prefill") == sum(r.stream for r in reqs), handoffs
     finally:
         _stop(cluster)

@@ -51,16 +51,16 @@ def test_proxy_flags_reach_the_proxy(tmp_path: Path) -> None:
     from proxy.__main__ import add_proxy_args, config_from_args
 
     args = _parse("--prefill", "1", "--decode", "1", "--prefill-overflow", "6",
-                  "--first-token-from-prefill")
+                  "--no-first-token-from-prefill")
     proxy, _, _ = build_children(args, engine_argv(args), tmp_path)
     assert _flag(proxy.argv, "--prefill-overflow") == "6"
-    assert "--first-token-from-prefill" in proxy.argv
+    assert "--no-first-token-from-prefill" in proxy.argv
     default, _, _ = build_children(_parse(), engine_argv(_parse()), tmp_path)
     assert "--prefill-overflow" not in default.argv
     parser = argparse.ArgumentParser()
     add_proxy_args(parser)
     config = config_from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1:]))
-    assert config.prefill_overflow == 6 and config.first_token_from_prefill
+    assert config.prefill_overflow == 6 and not config.first_token_from_prefill
     with pytest.raises(SystemExit):  # by the proxy's own check, before any child starts
         build_children(_parse("--prefill-overflow", "-1"), [], tmp_path)
 
@@ -223,7 +223,7 @@ def test_serve_with_a_kv_both_connector_is_a_worker(kv: str, monkeypatch) -> Non
     served = []
     monkeypatch.setattr(worker, "serve_worker", lambda config, options, factory, interval:
                         served.append(config.kv_transfer))
-    assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 0
+    assert main(["serve", "--demo-random", "--device", "cpu", "--kv-transfer-config", kv]) == 0
     (kv_config,) = served
     assert kv_config.kv_role == "kv_both" and kv_config.is_producer and kv_config.is_consumer
     assert worker.ROLE_LETTER[kv_config.kv_role] == "worker"

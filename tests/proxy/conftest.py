@@ -54,6 +54,7 @@ class FakeWorker:
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     releases: list[dict[str, Any]] = field(default_factory=list)  # /internal/kv/release bodies
+    authorizations: list[str | None] = field(default_factory=list)  # each call's Authorization
     server: TestServer | None = None
     flood_bytes: int = 32 << 20
     delay_s: float = 0.0  # every answer waits this long first
@@ -76,6 +77,7 @@ class FakeWorker:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         request_id = request.headers.get("X-Request-Id", "")
+        self.authorizations.append(request.headers.get("Authorization"))
         self.received.append({"path": request.path, "body": body, "request_id": request_id})
         try:
             return await self._answer(request, body, request_id)
@@ -109,8 +111,10 @@ class FakeWorker:
             extra: dict[str, Any] = {}
             if (self.role == "P" and (body.get("kv_transfer_params") or {}).get(
                     "first_token_events") and self.mode != "no_first_token"):
-                extra["pdserve_first_token"] = {"token_ids": [42], "events": [
-                    {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": "P0"}]}]}
+                choices = range(body.get("n") or 1)  # one first token a choice
+                extra["pdserve_first_token"] = {"token_ids": [[42] for _ in choices], "events": [
+                    {"id": f"cmpl-{request_id}", "choices": [{"index": i, "text": f"P{i}"}]}
+                    for i in choices]}
             return web.json_response({
                 "id": f"cmpl-{request_id}", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
@@ -124,7 +128,8 @@ class FakeWorker:
         count = 100 if self.mode == "slow" else 3
         params = body.get("kv_transfer_params") or {}
         # Its own tokens (100 + i) already sent; a handoff's P token (42) is not one of them.
-        start = sum(1 for t in params.get("generated_token_ids", []) if t >= 100)
+        held = (params.get("generated_token_ids") or [[]])[0]
+        start = sum(1 for t in held if t >= 100)
         for i in range(start, count):
             event = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": f"t{i}"}]}
             comment = f": pdserve_token_ids={100 + i}\n" if params.get("stream_token_ids") else ""
@@ -203,7 +208,10 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     clients: list[TestClient] = []
 
     async def factory(*workers: FakeWorker, **overrides: Any) -> TestClient:
-        config = ProxyConfig(**{"registration_port": None, **overrides})
+        # D computes the first token unless a test turns the handoff (the product's
+        # default) on: most tests here are about the legs of that path.
+        config = ProxyConfig(**{"registration_port": None, "first_token_from_prefill": False,
+                                **overrides})
         registry = InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s)
         for worker in workers:
             registry.heartbeat(worker.heartbeat())

@@ -60,7 +60,7 @@ async def test_a_stream_cut_mid_way_continues_on_another_worker(make_worker, mak
     (continued,) = live.received
     assert continued["request_id"] == dead.received[0]["request_id"]  # the client's stream id
     assert continued["body"]["kv_transfer_params"] == {
-        "generated_token_ids": [100, 101], "stream_token_ids": True}
+        "generated_token_ids": [[100, 101]], "stream_token_ids": True}
     assert continued["body"]["max_tokens"] == 8  # the tokens handed over count within it
     assert migrations(await (await client.get("/metrics")).text()) == {"disconnect": 1.0}
 
@@ -73,7 +73,7 @@ async def test_error_event_and_stall_migrate(make_worker, make_proxy) -> None:
         resp = await client.post("/v1/completions", json=STREAM)
         assert texts(await resp.text()) == ["t0", "t1", "t2", "[DONE]"], mode
         (continued,) = live.received
-        assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [100, 101]
+        assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [[100, 101]]
         assert migrations(await (await client.get("/metrics")).text()) == {reason: 1.0}
 
 
@@ -111,7 +111,7 @@ async def test_a_worker_dropped_from_the_registry_loses_its_legs(make_worker, ma
     client.app[keys.REGISTRY].remove(stalling.http_address)
     resp = await stream
     assert texts(await resp.text()) == ["t0", "t1", "t2", "[DONE]"]
-    assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [100, 101]
+    assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [[100, 101]]
     assert migrations(await (await client.get("/metrics")).text()) == {"lost": 1.0}
 
 
@@ -159,7 +159,7 @@ async def test_a_handoff_stream_continues_after_p_token_and_ds(make_worker, make
     resp = await client.post("/v1/completions", json=STREAM)
     assert texts(await resp.text()) == ["P0", "t0", "t1", "t2", "[DONE]"]
     (continued,) = live.received
-    assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [42, 100, 101]
+    assert continued["body"]["kv_transfer_params"]["generated_token_ids"] == [[42, 100, 101]]
 
 
 async def test_a_handoff_decode_leg_that_never_answers_moves(make_worker, make_proxy) -> None:
@@ -169,5 +169,5 @@ async def test_a_handoff_decode_leg_that_never_answers_moves(make_worker, make_p
                               first_byte_timeout_s=0.3)
     resp = await client.post("/v1/completions", json=STREAM)
     assert texts(await resp.text()) == ["P0", "t0", "t1", "t2", "[DONE]"]
-    assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [42]
+    assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [[42]]
     assert migrations(await (await client.get("/metrics")).text()) == {"timeout": 1.0}

@@ -11,6 +11,7 @@ from engine_core.errors import ModelNotFoundError
 from engine_core.server.streaming import WriteBound
 from proxy import keys
 from proxy.client_stream import open_stream
+from proxy.config import ProxyConfig
 
 MODEL = "tiny"
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
@@ -376,7 +377,7 @@ def test_prompt_transfer_ids_follow_the_workers_per_prompt_ids() -> None:
     assert prompt_transfer_ids(cmpl, {"prompt": ["a", [1]]}, "T") == ["T-p0", "T-p1"]
 
 
-# ---- first-token handoff (--first-token-from-prefill) -----------------------------------
+# ---- first-token handoff (default; --no-first-token-from-prefill) -----------------------
 
 STREAM = {**PROMPT, "stream": True, "min_tokens": 3}
 
@@ -397,10 +398,39 @@ async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy)
     assert p_req["body"]["stream"] is True
     assert d_req["body"]["kv_transfer_params"] == {
         "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
-        "generated_token_ids": [42], "stream_token_ids": True}
+        "generated_token_ids": [[42]], "stream_token_ids": True}
     assert d_req["body"]["min_tokens"] == 3 and d_req["body"]["stream"] is True
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 1.0' in metrics
+
+
+async def test_handoff_is_the_default_and_carries_every_stream_feature(make_worker,
+                                                                       make_proxy) -> None:
+    """Stop strings, logprobs, n > 1 and a one-token limit take the handoff by default:
+    D continues each choice after P's token for it; off, D computes the first tokens."""
+    assert ProxyConfig().first_token_from_prefill
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    bodies = ({**STREAM, "stop": ["x"], "include_stop_str_in_output": True},
+              {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1, "min_tokens": 0},
+              {**STREAM, "n": 2, "seed": 5, "temperature": 0.8})
+    for body in bodies:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200
+        events = sse_events(await resp.text())
+        firsts = [json.loads(e)["choices"][0]["text"] for e in events[:body.get("n", 1)]]
+        assert firsts == [f"P{i}" for i in range(body.get("n", 1))], events
+    assert all(r["body"]["kv_transfer_params"]["first_token_events"] for r in p.received)
+    assert [r["body"]["kv_transfer_params"]["generated_token_ids"] for r in d.received] == [
+        [[42]], [[42]], [[42]], [[42], [42]]]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 4.0' in metrics
+
+    off = await make_proxy(p, d, first_token_from_prefill=False)
+    resp = await off.post("/v1/completions", json=STREAM)
+    assert resp.status == 200 and "P0" not in await resp.text()
+    assert "first_token_events" not in p.received[-1]["body"]["kv_transfer_params"]
+    assert "generated_token_ids" not in d.received[-1]["body"]["kv_transfer_params"]
 
 
 async def test_handoff_falls_back_when_p_sends_no_token(make_worker, make_proxy) -> None:
@@ -417,8 +447,7 @@ async def test_handoff_falls_back_when_p_sends_no_token(make_worker, make_proxy)
 async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D")
     client = await make_proxy(p, d, first_token_from_prefill=True)
-    for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1},
-                 {**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
+    for body in ({**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
                  {**STREAM, "stream_options": {"include_usage": True,
                                                "continuous_usage_stats": True}},
                  {**STREAM, "stream_options": {"include_usage": "yes"}}):
@@ -427,8 +456,8 @@ async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy)
         await resp.read()
     assert not any("first_token_events" in r["body"]["kv_transfer_params"] for r in p.received)
     metrics = await (await client.get("/metrics")).text()
-    for reason in ("stop_strings", "logprobs", "max_tokens", "prompt_batch", "not_streaming",
-                   "echo", "continuous_usage", "stream_options"):
+    for reason in ("prompt_batch", "not_streaming", "echo", "continuous_usage",
+                   "stream_options"):
         assert f'first_token_handoffs_total{{result="{reason}"}} 1.0' in metrics, reason
 
 

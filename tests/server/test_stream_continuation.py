@@ -60,7 +60,7 @@ async def test_a_stream_cut_anywhere_continues_from_its_token_ids(server, auth, 
             sent = whole[:cut]
             held = [t for ids, _ in sent for t in ids]
             async with session.post(server.url + path, json={
-                    **body, "kv_transfer_params": {"generated_token_ids": held,
+                    **body, "kv_transfer_params": {"generated_token_ids": [held],
                                                    "stream_token_ids": True}}) as response:
                 assert response.status == 200, await response.text()
                 rest = _events(await response.read())

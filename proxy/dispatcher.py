@@ -106,7 +106,7 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         self.write_timeout_s = write_timeout_s
         self.migration_limit = migration_limit
         self.leg_watch = LegWatch()
-        registry.add_removal_listener(self.leg_watch.worker_removed)
+        registry.add_expiry_listener(self.leg_watch.worker_removed)
         # Work that outlives its client request: settling a leg whose outcome decides
         # whether P must drop KV, and the releases themselves (``aclose`` ends them).
         self._background: set[asyncio.Task[None]] = set()

@@ -140,8 +140,9 @@ class SSEEvents:
 
 
 class LegWatch:
-    """Open decode legs by worker, so a worker dropped from the registry (heartbeats
-    stopped, or it deregistered) cuts its legs at once instead of at their deadlines."""
+    """Open decode legs by worker, so a worker whose heartbeats stopped cuts its legs at
+    once instead of at their deadlines (one that deregistered is draining: it finishes
+    them, and a leg it fails migrates as any other)."""
 
     def __init__(self) -> None:
         self._lost: dict[str, set[asyncio.Future[None]]] = {}
@@ -160,7 +161,7 @@ class LegWatch:
                 del self._lost[worker_id]
 
     def worker_removed(self, worker_id: str) -> None:
-        """The registry's removal listener."""
+        """The registry's expiry listener."""
         for lost in self._lost.pop(worker_id, ()):
             if not lost.done():
                 lost.set_result(None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from proxy import keys
 from proxy.migration import SSEEvents, continuable
@@ -89,16 +90,22 @@ async def test_a_worker_that_never_answers_is_left_at_the_first_byte_deadline(
     assert migrations(await (await client.get("/metrics")).text()) == {"timeout": 1.0}
 
 
-async def test_a_worker_dropped_from_the_registry_loses_its_legs(make_worker, make_proxy,
-                                                                  wait_until) -> None:
-    """Heartbeats stopped (or it deregistered): its open leg is cut at once, whether it is
-    still computing a whole answer or mid-stream."""
+def _expire(registry: Any, http_address: str) -> None:
+    """The worker's heartbeats stopped long ago: the registry's sweep drops it."""
+    registry.get(http_address).last_heartbeat = float("-inf")
+    assert registry.expire() == [http_address]
+
+
+async def test_a_worker_whose_heartbeats_stopped_loses_its_legs(make_worker, make_proxy,
+                                                                wait_until) -> None:
+    """Heartbeats stopped: its open leg is cut at once, whether it is still computing a
+    whole answer or mid-stream."""
     first, second = await make_worker("colocated", "hang"), await make_worker("colocated")
     client = await make_proxy(first, second)
     registry = client.app[keys.REGISTRY]
     whole = asyncio.create_task(client.post("/v1/completions", json=PROMPT))
     await wait_until(lambda: len(first.received) == 1)
-    registry.remove(first.http_address)
+    _expire(registry, first.http_address)
     resp = await whole
     assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "xxx"
     assert migrations(await (await client.get("/metrics")).text()) == {"lost": 1.0}
@@ -108,11 +115,25 @@ async def test_a_worker_dropped_from_the_registry_loses_its_legs(make_worker, ma
     stream = asyncio.create_task(client.post("/v1/completions", json=STREAM))
     await wait_until(lambda: len(stalling.received) == 1)
     await asyncio.sleep(0.2)  # its two events reached the client
-    client.app[keys.REGISTRY].remove(stalling.http_address)
+    _expire(client.app[keys.REGISTRY], stalling.http_address)
     resp = await stream
     assert texts(await resp.text()) == ["t0", "t1", "t2", "[DONE]"]
     assert live.received[0]["body"]["kv_transfer_params"]["generated_token_ids"] == [[100, 101]]
     assert migrations(await (await client.get("/metrics")).text()) == {"lost": 1.0}
+
+
+async def test_a_deregistered_worker_finishes_its_legs(make_worker, make_proxy,
+                                                       wait_until) -> None:
+    """A clean deregistration is a drain: the worker's open stream ends there, unmoved."""
+    draining, other = await make_worker("colocated", "slow"), await make_worker("colocated")
+    client = await make_proxy(draining, other)
+    stream = asyncio.create_task(client.post("/v1/completions", json=STREAM))
+    await wait_until(lambda: len(draining.received) == 1)
+    client.app[keys.REGISTRY].remove(draining.http_address)
+    resp = await stream
+    assert texts(await resp.text()) == [f"t{i}" for i in range(100)] + ["[DONE]"]
+    assert other.received == []
+    assert migrations(await (await client.get("/metrics")).text()) == {}
 
 
 async def test_non_streamed_request_moves_when_its_worker_fails(make_worker, make_proxy) -> None:

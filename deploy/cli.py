@@ -47,9 +47,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_server_arguments(parser)
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
-                        help="register with this proxy (registration HOST:PORT) as a colocated "
-                             "worker: it sends whole requests here (with a P/D role in "
-                             "--kv-transfer-config: as that worker, overriding proxy_ip/port)")
+                        help="register with this proxy (registration HOST:PORT; several "
+                             "comma-separated: with each) as a colocated worker: it sends "
+                             "whole requests here (with a P/D role in --kv-transfer-config: as "
+                             "that worker, overriding proxy_ip/port and proxy_addresses)")
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=3.0,
                         help="seconds between heartbeats to the proxy")
     add_engine_args(parser)

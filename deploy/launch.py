@@ -9,7 +9,9 @@ and KV ports, one GPU per tensor-parallel rank (``CUDA_VISIBLE_DEVICES``, from
 registered with the proxy and healthy, prints the endpoint, watches the children (reports
 a death, restarts it with ``--restart``, gives up and exits 1 on a crash loop past
 ``--max-restarts``) and on SIGINT/SIGTERM stops everything: terminate, then kill after a
-deadline.
+deadline. The proxy is restarted with or without ``--restart``, and never takes the
+workers down with it: they keep serving any other proxy they register with
+(``proxy_addresses`` in ``--kv-transfer-config``) and re-register with the new one.
 """
 
 from __future__ import annotations

@@ -169,21 +169,26 @@ def stop_all(children: list[Child], timeout_s: float) -> None:
             child.log.close()
 
 
-def _on_death(child: Child, policy: RestartPolicy, now: float) -> bool:
+GIVE_UP_STOPS = "stopping everything, exit 1"
+GIVE_UP_PROXY = "the workers keep serving (any other proxy they register with)"
+
+
+def _on_death(child: Child, policy: RestartPolicy, now: float,
+              giving_up: str = GIVE_UP_STOPS) -> bool:
     """Schedule a restart of ``child``, which just died; False when ``policy`` says it is
-    crash looping (the caller gives up)."""
+    crash looping (the caller gives up, which ``giving_up`` tells the operator)."""
     recent = policy.recent(child.restart_times, now)
     short = now - child.started_at < policy.short_run_s
     child.failed_starts = child.failed_starts + 1 if short else 0
     if len(recent) >= policy.max_restarts:
         print(f"pdserve launch: giving up on {child.name}: it died again after "
               f"{len(recent)} restart(s) within {policy.window_s:g} s ({policy.describe()}); "
-              f"stopping everything, exit 1; see {child.log_path}", flush=True)
+              f"{giving_up}; see {child.log_path}", flush=True)
         return False
     if child.failed_starts > policy.max_restarts:
         print(f"pdserve launch: giving up on {child.name}: {child.failed_starts} runs in a row "
-              f"ended within {policy.short_run_s:g} s of their start; stopping everything, "
-              f"exit 1; see {child.log_path}", flush=True)
+              f"ended within {policy.short_run_s:g} s of their start; {giving_up}; "
+              f"see {child.log_path}", flush=True)
         return False
     child.restart_times = [*recent, now]
     delay, child.restarts = restart_delay(child.restarts, now - child.started_at)
@@ -199,8 +204,10 @@ def _on_death(child: Child, policy: RestartPolicy, now: float) -> bool:
 def supervise(proxy: Child, workers: list[Child], policy: RestartPolicy | None,
               stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
     """Watch the running children until ``stopping()``: report each death, restart the
-    child under ``policy`` (None: no restarts). Returns the launcher's exit code: 0 when
-    stopped, 1 when the proxy died unrestarted or a child outran ``policy``."""
+    child under ``policy`` (None: only the proxy, under the default bound). A proxy that
+    outruns its bound is reported and left down; the workers keep serving. Returns the
+    launcher's exit code: 0 when stopped, 1 when a worker outran ``policy``."""
+    proxy_policy = policy or RestartPolicy()
     reported: set[str] = set()
     while not stopping():
         now = time.monotonic()
@@ -215,11 +222,12 @@ def supervise(proxy: Child, workers: list[Child], policy: RestartPolicy | None,
             print(f"pdserve launch: {child.name} (pid {child.proc.pid}) died with {code}; "
                   f"log {child.log_path}", flush=True)
             child.kill_group()
-            if policy is not None:
+            if child is proxy:
+                if not _on_death(child, proxy_policy, now, GIVE_UP_PROXY):
+                    reported.add(child.name)
+            elif policy is not None:
                 if not _on_death(child, policy, now):
                     return 1
-            elif child is proxy:
-                return 1
             else:
                 reported.add(child.name)
         time.sleep(poll_s)

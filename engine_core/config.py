@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from engine_core.addresses import route_source_host
+from engine_core.addresses import is_host_port, route_source_host
 from engine_core.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -182,6 +182,19 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def address_list(value: Any, key: str) -> tuple[str, ...]:
+    """HOST:PORT addresses from a JSON list or a comma-separated string."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or any(not isinstance(a, str) for a in items):
+        raise ConfigError(f"{key} must be a list of HOST:PORT strings or a comma-separated "
+                          "string of them")
+    addresses = tuple(a.strip() for a in items if a.strip())
+    bad = [a for a in addresses if not is_host_port(a)]
+    if bad:
+        raise ConfigError(f"{key} must be HOST:PORT each, got {bad[:3]}")
+    return addresses
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: how many ranks share the model and which one this process is.
@@ -242,6 +255,10 @@ class KVTransferConfig:
     kv_port: int = 14579
     proxy_ip: str | None = None
     proxy_port: int | None = None
+    # Further proxies this worker registers with (HOST:PORT each; extra-config key
+    # ``proxy_addresses``, a list or a comma-separated string): several proxies serve one
+    # cluster, and one's death cuts only its own streams.
+    proxy_addresses: tuple[str, ...] = ()
     http_ip: str | None = None
     http_port: int | None = None
     send_type: str = "PUT_ASYNC"
@@ -274,6 +291,16 @@ class KVTransferConfig:
             raise ConfigError("min_call_bytes must be >= 0")
         if self.nccl_num_channels is not None and not 1 <= self.nccl_num_channels <= 64:
             raise ConfigError(f"nccl_num_channels must be in [1, 64], got {self.nccl_num_channels}")
+        bad = [a for a in self.proxy_addresses if not is_host_port(a)]
+        if bad:
+            raise ConfigError(f"proxy_addresses must be HOST:PORT each, got {bad[:3]}")
+
+    @property
+    def registration_addresses(self) -> tuple[str, ...]:
+        """Every proxy this worker heartbeats to: proxy_ip:proxy_port, then the others."""
+        first = (() if self.proxy_ip is None or self.proxy_port is None
+                 else (f"{self.proxy_ip}:{self.proxy_port}",))
+        return tuple(dict.fromkeys((*first, *self.proxy_addresses)))
 
     @property
     def is_producer(self) -> bool:
@@ -323,6 +350,8 @@ class KVTransferConfig:
         for key in ("proxy_port", "http_port", "nccl_num_channels", "min_call_bytes"):
             if extra.get(key) is not None:
                 kwargs[key] = _as_int(extra[key], key)
+        if extra.get("proxy_addresses") is not None:
+            kwargs["proxy_addresses"] = address_list(extra["proxy_addresses"], "proxy_addresses")
         for key in ("transfer_timeout_s", "get_lease_s", "orphan_ttl_s"):
             if key in extra:
                 kwargs[key] = _as_float(extra[key], key)

@@ -78,6 +78,17 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         help="seconds to connect to a worker")
     parser.add_argument("--max-attempts", type=int, default=d.max_attempts,
                         help="attempts per request (retries on prefill or connect failures)")
+    parser.add_argument("--migration-limit", type=int, default=d.migration_limit,
+                        help="times one request may move to another worker when its decode "
+                        "leg dies or stalls (a stream continues after the tokens already "
+                        "sent, unbroken); 0: never")
+    parser.add_argument("--first-byte-timeout", type=float, default=None,
+                        help="seconds a streamed decode leg may take to its first event once "
+                        "its prompt's KV is ready before the request moves to another worker "
+                        "(default: 30 x --slo-ttft-ms, at least 30)")
+    parser.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                        help="seconds a streamed decode leg may go between events before the "
+                        "request moves to another worker")
     parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction,
                         default=d.first_token_from_prefill,
                         help="stream the prefill worker's sampled token of each choice to the "
@@ -123,6 +134,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         write_timeout_s=args.write_timeout,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
+        migration_limit=args.migration_limit, first_byte_timeout_s=args.first_byte_timeout,
+        stall_timeout_s=args.stall_timeout,
         first_token_from_prefill=args.first_token_from_prefill,
         prefill_overflow=args.prefill_overflow, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,

@@ -93,10 +93,12 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
-        placer=app[keys.PLACER],
+        placer=app[keys.PLACER], migration_limit=config.migration_limit,
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
-                             connect_s=config.connect_timeout_s))
+                             connect_s=config.connect_timeout_s,
+                             first_byte_s=config.first_byte_deadline_s,
+                             stall_s=config.stall_timeout_s))
     yield
     await dispatcher.aclose()
     await session.close()

@@ -42,6 +42,12 @@ class ProxyConfig:
     decode_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     max_attempts: int = 3
+    # Request migration (proxy/migration.py): moves per request after decode legs failed;
+    # the first-event deadline of a streamed decode leg (None: from the TTFT target) and the
+    # deadline between its events.
+    migration_limit: int = 3
+    first_byte_timeout_s: float | None = None
+    stall_timeout_s: float = 30.0
     suspect_s: float = 5.0
     # Stream P's sampled token at once and let D continue after it (else D computes it).
     first_token_from_prefill: bool = True
@@ -65,9 +71,11 @@ class ProxyConfig:
                      "affinity_prefix_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.migration_limit < 0:
+            raise ConfigError("migration_limit must be >= 0 (0: no migration)")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
                      "connect_timeout_s", "body_timeout_s", "write_timeout_s",
-                     "header_timeout_s"):
+                     "header_timeout_s", "stall_timeout_s", "first_byte_deadline_s"):
             if not 0 < getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ConfigError(f"{name} must be a finite number > 0")
         try:
@@ -86,6 +94,14 @@ class ProxyConfig:
         return PlacementConfig(slo_ttft_s=self.slo_ttft_ms / 1e3, slo_tpot_s=self.slo_tpot_ms / 1e3,
                                short_prompt_tokens=self.placement_short_prompt_tokens,
                                prefill_chunk_tokens=self.prefill_chunk_tokens)
+
+    @property
+    def first_byte_deadline_s(self) -> float:
+        """The streamed decode leg's first-event deadline: as given, else 30 times the TTFT
+        target, at least 30 s (a loaded CPU worker's first token takes seconds)."""
+        if self.first_byte_timeout_s is not None:
+            return self.first_byte_timeout_s
+        return max(30.0, 30 * self.slo_ttft_ms / 1e3)
 
     @property
     def registration_bind_host(self) -> str:

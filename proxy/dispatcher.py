@@ -14,10 +14,13 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
 - D (or a colocated worker) cannot be connected to: tried again without it.
 - A worker's 4xx is forwarded unchanged; D's 503 (asleep, not ready) before any byte went
   out is tried again without that worker (the heartbeat that says it sleeps may still be on
-  its way); D's other 5xx, timeout or an empty answer before any byte went out is a 502/504
-  with an OpenAI error body, never a 200 with an empty body.
-- After bytes went out, an upstream failure (or a stream ending without ``[DONE]``) ends the
-  stream with an SSE ``data: {"error": ...}`` event and ``data: [DONE]``.
+  its way); D's other 5xx, a reset, a stream's missed first-byte deadline, its worker
+  leaving the registry or an empty answer before any byte went out migrates the request
+  (``proxy/migration.py``: another worker, up to ``--migration-limit`` times), and when
+  none is left it is a 502/504 with an OpenAI error body, never a 200 with an empty body.
+- After bytes went out, a failed stream is continued on another worker after the tokens
+  the client holds (``proxy/migration.py``); one that cannot be ends with an SSE
+  ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
 - KV that P computed for a D that will never pull it is released through D at once
   (``_release``), not left to P's lease: D refused the request (a 4xx: its engine never
@@ -52,7 +55,6 @@ from engine_core.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
-from engine_core.server.http_errors import sse_error_event
 from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
 from proxy.client_stream import open_stream
@@ -70,6 +72,7 @@ from proxy.legs import (
     took_nothing,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.migration import RESUME, LegWatch, Migrate, Resume, StreamMigration, continuable, within
 from proxy.placer import Placer
 from proxy.prefix_index import PromptShape, prompt_shape
 from proxy.registry import Clock, InstanceRegistry, WorkerState
@@ -78,7 +81,7 @@ from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
 logger = logging.getLogger(__name__)
 
 
-class Dispatcher(FirstTokenHandoff):
+class Dispatcher(FirstTokenHandoff, StreamMigration):
     """Routes requests and runs their legs; holds no per-request state between calls."""
 
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
@@ -86,7 +89,8 @@ class Dispatcher(FirstTokenHandoff):
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = True,
                  prefill_overflow: int = 0, write_timeout_s: float = 60.0,
-                 limiter: InflightLimiter | None = None, placer: Placer | None = None) -> None:
+                 limiter: InflightLimiter | None = None, placer: Placer | None = None,
+                 migration_limit: int = 3) -> None:
         self.registry = registry
         self.placer = placer
         self.policy = policy
@@ -100,6 +104,9 @@ class Dispatcher(FirstTokenHandoff):
         self.first_token_from_prefill = first_token_from_prefill
         self.prefill_overflow = prefill_overflow
         self.write_timeout_s = write_timeout_s
+        self.migration_limit = migration_limit
+        self.leg_watch = LegWatch()
+        registry.add_expiry_listener(self.leg_watch.worker_removed)
         # Work that outlives its client request: settling a leg whose outcome decides
         # whether P must drop KV, and the releases themselves (``aclose`` ends them).
         self._background: set[asyncio.Task[None]] = set()
@@ -147,9 +154,13 @@ class Dispatcher(FirstTokenHandoff):
         placer = None if self.placer is None else functools.partial(
             self.placer.route, shape=prompt_shape(path, body) if generates else PromptShape(0))
         excluded: set[str] = set()
+        resume = Resume(path, body, model, key, excluded, generates and continuable(path, body))
+        request[RESUME] = resume
         last_error: UpstreamError | None = None
         handoff_counted = False  # the handoff metric counts requests, not attempts
-        for attempt in range(self.max_attempts):
+        retries = 0
+        while True:
+            attempt = retries + resume.migrations
             attempt_id = transfer_id if attempt == 0 else f"{transfer_id}-retry{attempt}"
             try:
                 route = plan_route(self.registry, self.policy, model, excluded, key,
@@ -183,11 +194,16 @@ class Dispatcher(FirstTokenHandoff):
             except Retry as retry:
                 logger.warning("request %s: %s failed (%s); retrying without %s", attempt_id,
                                route.describe(), retry.error, retry.worker.worker_id)
-                self.metrics.retries.labels(retry.reason).inc()
                 excluded.add(retry.worker.worker_id)
                 last_error = retry.error
-        assert last_error is not None
-        raise last_error
+                if isinstance(retry, Migrate):
+                    if not self.count_migration(resume, retry.error.kind):
+                        raise retry.error from None
+                    continue
+                self.metrics.retries.labels(retry.reason).inc()
+                retries += 1
+                if retries >= self.max_attempts:
+                    raise retry.error from None
 
     def _count_placement(self, route: Route) -> None:
         """The placement's metrics: the decision, and the predicted time of its prefill."""
@@ -226,7 +242,7 @@ class Dispatcher(FirstTokenHandoff):
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
             if isinstance(verdict, web.Response):
                 return verdict
-            d_response = await self._decode_response(d_task, d_leg)
+            d_response = await self._decode_response(d_task, d_leg, body.get("stream") is True)
             if not 200 <= d_response.status < 300:
                 if took_nothing(d_response.status):  # P holds KV D will never pull
                     self._spawn(self._release(held))
@@ -325,7 +341,7 @@ class Dispatcher(FirstTokenHandoff):
             self.session, worker.url + path, leg_body,
             fw.leg_headers(request.headers, attempt_id), self.timeouts.decode()))
         try:
-            response = await self._decode_response(task, leg)
+            response = await self._decode_response(task, leg, leg_body.get("stream") is True)
             if not 200 <= response.status < 300:
                 return await self._forward_refusal(response, leg, attempt_id)
             return await self._relay(request, response, leg, attempt_id, timer)
@@ -351,16 +367,22 @@ class Dispatcher(FirstTokenHandoff):
             raise UpstreamTimeoutError(f"prefill leg to {url} exceeded "
                                        f"{self.timeouts.prefill_s}s") from exc
 
-    async def _decode_response(self, task: asyncio.Task[aiohttp.ClientResponse],
-                               leg: Leg) -> aiohttp.ClientResponse:
-        """D's (or a colocated worker's) response headers; retry when it was unreachable."""
+    async def _decode_response(self, task: asyncio.Task[aiohttp.ClientResponse], leg: Leg,
+                               streamed: bool = False) -> aiohttp.ClientResponse:
+        """D's (or a colocated worker's) response headers, within the first-byte deadline
+        for a stream (a worker sends a stream's headers with its first event); retry when
+        it was unreachable, migrate when it failed, stalled or left the registry."""
+        lost = self.leg_watch.watch(leg.worker.worker_id)
         try:
-            return await task
+            return await within(task, self.timeouts.first_byte_s if streamed else None, lost,
+                                f"{leg.role} worker {leg.worker.worker_id}")
         except UpstreamError as err:
             leg.finish(err)
             if err.connect_failed:
                 raise Retry(leg.worker, err, f"{leg.role}_connect") from None
-            raise
+            raise Migrate(leg.worker, err, f"{leg.role}_{err.kind}") from None
+        finally:
+            self.leg_watch.forget(leg.worker.worker_id, lost)
 
     async def _forward_refusal(self, response: aiohttp.ClientResponse, leg: Leg,
                                attempt_id: str) -> web.StreamResponse:
@@ -382,7 +404,7 @@ class Dispatcher(FirstTokenHandoff):
                             f"{response.status}: {data[:500].decode(errors='replace')}",
                             kind="status", status=response.status)
         leg.finish(err)
-        raise err
+        raise Migrate(leg.worker, err, f"{leg.role}_status")
 
     async def _relay(self, request: web.Request, response: aiohttp.ClientResponse, leg: Leg,
                      attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
@@ -391,28 +413,28 @@ class Dispatcher(FirstTokenHandoff):
                 data = await fw.read_body(response, self.max_response_bytes)
             except UpstreamError as err:
                 leg.finish(err)
-                raise
+                raise Migrate(leg.worker, err, f"{leg.role}_{err.kind}") from None
             timer.first_byte = timer.upstream_done = self.clock()
             if not data:
                 err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} answered an "
                                     "empty body", kind="empty")
                 leg.finish(err)
-                raise err
+                raise Migrate(leg.worker, err, f"{leg.role}_empty")
             leg.finish()
             headers = {"X-Request-Id": attempt_id, **self._timing_headers(timer)}
             return await self._send_whole(request, response.status, data,
                                           response.content_type, headers)
         first = b""
         try:
-            first = await fw.read_chunk(response)
+            first = await self._read_event_chunk(response)
         except UpstreamError as err:
             leg.finish(err)
-            raise
+            raise Migrate(leg.worker, err, f"{leg.role}_{err.kind}") from None
         if not first:
             err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} ended its stream "
                                 "before any event", kind="empty")
             leg.finish(err)
-            raise err
+            raise Migrate(leg.worker, err, f"{leg.role}_empty")
         timer.first_byte = self.clock()
         leg.prefill_done()  # a whole request's first token: its prompt is computed
         out = web.StreamResponse(status=response.status, headers={
@@ -448,44 +470,6 @@ class Dispatcher(FirstTokenHandoff):
         logger.warning("request %s: the client took no bytes for %g s (not reading); its "
                        "connection is closed and the request aborted",
                        request.headers.get("X-Request-Id", "-"), self.write_timeout_s)
-
-    async def _stream_into(self, stream: SSEStream, response: aiohttp.ClientResponse,
-                           leg: Leg, attempt_id: str, timer: RequestTimer,
-                           first: bytes) -> web.StreamResponse:
-        """Copy a worker's event stream (after ``first``, already read) to the prepared
-        client response; a failure after bytes went out ends it with an SSE error event."""
-        tracker = fw.SSETracker()
-        chunk = first
-        try:
-            if not chunk:
-                chunk = await fw.read_chunk(response)
-            while chunk:
-                await stream.write(chunk)
-                tracker.feed(chunk)
-                chunk = await fw.read_chunk(response)
-            timer.upstream_done = self.clock()
-            if not tracker.done_seen:
-                raise UpstreamError(f"{leg.role} worker {leg.worker.worker_id} ended its "
-                                    "stream without [DONE]", kind="disconnect")
-            leg.finish()
-        except UpstreamError as err:
-            leg.finish(err)
-            logger.warning("request %s: stream from %s failed after bytes went out: %s",
-                           attempt_id, leg.worker.worker_id, err)
-            try:
-                await stream.write((b"" if tracker.at_event_boundary else b"\n\n")
-                                   + sse_error_event(err))
-            except ConnectionResetError:
-                return stream.response
-        except ConnectionResetError:
-            # The client went away, or was sent away (streaming.ClientStalledError): the caller's
-            # finally closes the legs.
-            return stream.response
-        try:
-            await stream.write_eof()
-        except ConnectionResetError:
-            pass
-        return stream.response
 
     def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
         headers = breakdown_headers(timer)

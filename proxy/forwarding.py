@@ -32,13 +32,18 @@ class LegTimeouts:
     """Per-leg deadlines in seconds.
 
     ``prefill_s`` bounds the whole prefill leg. ``decode_s`` bounds each wait for bytes from
-    D (first byte included, which covers the KV transfer), so a long stream that keeps
-    producing never times out but a stalled one does. ``connect_s`` bounds connecting.
+    D, a whole non-streamed answer included. A streamed leg has tighter ones, after which
+    it is continued elsewhere (``proxy/migration.py``): ``first_byte_s`` for its first
+    event (from when its prompt's KV is ready: P answered, or the leg left when D computes
+    the prompt itself) and ``stall_s`` between events, so a worker that accepts and never
+    answers is found within seconds. ``connect_s`` bounds connecting.
     """
 
     prefill_s: float = 60.0
     decode_s: float = 600.0
     connect_s: float = 5.0
+    first_byte_s: float = 30.0
+    stall_s: float = 30.0
 
     def prefill(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.prefill_s, sock_connect=self.connect_s)
@@ -96,11 +101,26 @@ def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str)
 
 def decode_body(body: dict[str, Any], transfer_id: str,
                 prefill_kv_address: str | None) -> dict[str, Any]:
-    """D's request: the original body, plus transfer params naming P unless decode-only."""
+    """D's request: the original body, plus transfer params naming P unless decode-only;
+    a stream's events name their tokens, for migration (``proxy/migration.py``)."""
     out = _without_transfer_fields(body)
+    params: dict[str, Any] = {}
     if prefill_kv_address is not None:
-        out["kv_transfer_params"] = {"transfer_id": transfer_id, "do_remote_prefill": True,
-                                     "remote_kv_address": prefill_kv_address}
+        params = {"transfer_id": transfer_id, "do_remote_prefill": True,
+                  "remote_kv_address": prefill_kv_address}
+    if body.get("stream") is True:
+        params["stream_token_ids"] = True
+    if params:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def continuation_body(body: dict[str, Any], generated_token_ids: list[int]) -> dict[str, Any]:
+    """A migrated request's: the client's, continuing its one choice after the output tokens
+    the client holds; the worker computes the prompt itself."""
+    out = _without_transfer_fields(body)
+    out["kv_transfer_params"] = {"generated_token_ids": [list(generated_token_ids)],
+                                 "stream_token_ids": True}
     return out
 
 

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
-from engine_core.errors import UpstreamError, UpstreamUnavailableError
+from engine_core.errors import UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 from proxy import forwarding as fw
 from proxy.client_stream import end_stream
 from proxy.legs import (
@@ -28,6 +28,7 @@ from proxy.legs import (
     breakdown_headers,
     took_nothing,
 )
+from proxy.migration import RESUME
 from proxy.routing import Route
 
 if TYPE_CHECKING:
@@ -125,6 +126,9 @@ class FirstTokenHandoff:
                 raise
             return out
         timer.first_byte = self.clock()
+        resume = request.get(RESUME)
+        if resume is not None and resume.continuable:  # one choice; the client holds P's
+            resume.token_ids.extend(first.token_ids[0])  # token: a migration follows it
         excluded = {prefill.worker_id}
         d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
         for attempt in range(self.max_attempts):
@@ -139,10 +143,14 @@ class FirstTokenHandoff:
                         # Not ``await d_task``: a client leaving now would cancel the leg
                         # with it, and whether D took the request (its abort then frees the
                         # KV) or not (P must be told) would stay unknown.
-                        await asyncio.wait({d_task})
+                        await asyncio.wait({d_task}, timeout=self.timeouts.first_byte_s)
                     except asyncio.CancelledError:
                         settling = self._spawn(self._settle_decode(d_task, d_leg, held))
                         raise
+                    if not d_task.done():
+                        d_task.cancel()
+                        raise UpstreamTimeoutError(f"decode worker {decode.worker_id} sent no "
+                                                   f"byte for {self.timeouts.first_byte_s:g} s")
                     d_response = d_task.result()
                     if d_response.status == 503 and attempt + 1 < self.max_attempts:
                         data = await fw.read_body(d_response, self.max_response_bytes)
@@ -153,7 +161,8 @@ class FirstTokenHandoff:
                     d_leg.finish(err)
                     if not (err.connect_failed or isinstance(err, UpstreamUnavailableError)) \
                             or attempt + 1 == self.max_attempts:
-                        return await end_stream(stream, err)
+                        return await self._continue_or_end(stream, decode, err, attempt_id,
+                                                           timer)
                     excluded.add(decode.worker_id)
                     # Another decode-capable worker (it pulls the KV P holds); only when none
                     # is left one that serves whole requests, which recomputes the prompt
@@ -184,7 +193,8 @@ class FirstTokenHandoff:
                     d_leg.finish(err)
                     if took_nothing(d_response.status):  # P holds KV D will never pull
                         self._spawn(self._release(held))
-                    return await end_stream(stream, err)
+                        return await end_stream(stream, err)
+                    return await self._continue_or_end(stream, decode, err, attempt_id, timer)
                 return await self._stream_into(stream, d_response, d_leg, attempt_id, timer, b"")
             finally:
                 if not settling:

@@ -77,6 +77,10 @@ class ProxyMetrics:
         self.routing_decisions = Counter(P + "routing_decisions", "Routing decisions",
                                          ["mode", "prefill", "decode"], registry=r)
         self.retries = Counter(P + "retries", "Request attempts retried", ["reason"], registry=r)
+        self.migrations = Counter(
+            P + "migrations", "Requests moved to another worker after their decode leg failed "
+            "(reason: the failure; limit: --migration-limit reached, not moved)", ["reason"],
+            registry=r)
         self.placements = Counter(
             P + "placements",
             "Attempts placed by the placement policy (workers with capabilities): 'local' "

@@ -121,11 +121,17 @@ class InstanceRegistry:
         self._clock = clock
         self._workers: dict[str, WorkerState] = {}
         self._on_removed: list[Callable[[str], None]] = []
+        self._on_expired: list[Callable[[str], None]] = []
 
     def add_removal_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(worker_id)`` whenever a worker leaves (deregistered or expired):
         the proxy's metrics drop its per-worker series then."""
         self._on_removed.append(listener)
+
+    def add_expiry_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(worker_id)`` when a worker's heartbeats stopped (not when it
+        deregistered: a draining worker still finishes the requests it took)."""
+        self._on_expired.append(listener)
 
     def _removed(self, worker_id: str) -> None:
         for listener in self._on_removed:
@@ -176,6 +182,8 @@ class InstanceRegistry:
         for wid in gone:
             del self._workers[wid]
             self._removed(wid)
+            for listener in self._on_expired:
+                listener(wid)
         return gone
 
     def get(self, http_address: str) -> WorkerState | None:

@@ -66,31 +66,38 @@ Prompt = str | list[int]
 MAX_PARAMS_DEPTH = 8  # kv_transfer_params nesting (the proxy's are two deep)
 
 
-# At most this many output tokens of one choice may come from elsewhere (the proxy sends one).
-MAX_GENERATED_TOKENS = 16
 # Choices (prompts x n) of one request: each is an engine request and a task in the server.
 MAX_CHOICES = 1024
 
 
 @dataclass
 class Handoff:
-    """The proxy's first-token handoff between a prefill and a decode worker.
+    """How a request continues a stream another worker began (the proxy's first-token
+    handoff and request migration), from internal ``kv_transfer_params`` fields.
 
     ``first_events``: a prefill worker samples each choice's first token and adds the
     stream's first events (for those tokens) to its answer, for the proxy to send before
     any decode worker is involved.
     ``generated_token_ids``: one list per choice (the request's ``n``); a decode worker
     continues each choice after its output tokens, whose text the client already has, and
-    streams only what follows them.
+    streams only what follows them (their number is bounded by ``max_tokens``, which
+    counts them).
+    ``continues``: the client already has the stream's head (a chat's role chunk), so it
+    is not sent again; set whenever ``generated_token_ids`` is given, even with empty lists.
+    ``stream_token_ids``: each stream event is preceded by an SSE comment line
+    ``: pdserve_token_ids=<ids>`` naming the output tokens it completes, so the proxy
+    knows what the client holds and can continue the stream elsewhere.
     """
 
     first_events: bool = False
     generated_token_ids: list[list[int]] = field(default_factory=list)
+    continues: bool = False
+    stream_token_ids: bool = False
 
     @property
-    def active(self) -> bool:
-        """Either half of the handoff."""
-        return self.first_events or bool(self.generated_token_ids)
+    def hands_over(self) -> bool:
+        """Whether this request is one part of a stream split between workers."""
+        return self.first_events or self.continues
 
 
 @dataclass
@@ -263,21 +270,30 @@ def _handoff(params: dict[str, Any] | None) -> Handoff:
     if not isinstance(first_events, bool):
         raise InvalidRequestError("kv_transfer_params.first_token_events must be a boolean",
                                   "kv_transfer_params")
+    continues = "generated_token_ids" in params
     generated = params.get("generated_token_ids", [])
     if (not isinstance(generated, list) or len(generated) > MAX_CHOICES
             or any(not _handed_tokens_ok(ids) for ids in generated)):
         raise InvalidRequestError(
             "kv_transfer_params.generated_token_ids must be a list (one per choice) of "
-            f"lists of 1 to {MAX_GENERATED_TOKENS} non-negative token ids", "kv_transfer_params")
-    if first_events and generated:
+            "lists of non-negative token ids", "kv_transfer_params")
+    if continues and not generated:
+        raise InvalidRequestError("kv_transfer_params.generated_token_ids names no choice",
+                                  "kv_transfer_params")
+    if first_events and continues:
         raise InvalidRequestError("kv_transfer_params: first_token_events and "
                                   "generated_token_ids exclude each other", "kv_transfer_params")
-    return Handoff(first_events, [list(ids) for ids in generated])
+    stream_token_ids = params.get("stream_token_ids", False)
+    if not isinstance(stream_token_ids, bool):
+        raise InvalidRequestError("kv_transfer_params.stream_token_ids must be a boolean",
+                                  "kv_transfer_params")
+    return Handoff(first_events, [list(ids) for ids in generated], continues, stream_token_ids)
 
 
 def _handed_tokens_ok(value: Any) -> bool:
-    """One choice's handed-over tokens: 1 to ``MAX_GENERATED_TOKENS`` non-negative ids."""
-    return (isinstance(value, list) and 0 < len(value) <= MAX_GENERATED_TOKENS
+    """One choice's handed-over tokens: non-negative ids (none: a stream moved before
+    its first token)."""
+    return (isinstance(value, list)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
 
 
@@ -409,14 +425,14 @@ def parse_completion_request(body: dict[str, Any], defaults: GenerationDefaults 
                                   f"{MAX_CHOICES} choices in one request", "prompt")
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)
-    if handoff.active and len(prompts) != 1:
+    if handoff.hands_over and len(prompts) != 1:
         raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
     _check_handoff_n(handoff, params)
     echo = _typed(body, "echo", (bool,), False)
     if echo and params.logprobs is not None:
         raise InvalidRequestError("echo with logprobs needs the prompt's logprobs, which are "
                                   "not supported", "echo")
-    if echo and handoff.active:
+    if echo and handoff.hands_over:
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
                              echo, continuous_usage, _truncate_prompt_tokens(body),

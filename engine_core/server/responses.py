@@ -141,14 +141,23 @@ def add_server_timings(response: dict[str, Any], choices: list[ChoiceResult]) ->
 
 
 def chunk_sender(sse: streaming.SSEStream, continuous_usage: bool,
-                 choices: list[ChoiceResult], jobs: list[Job]
-                 ) -> Callable[[dict[str, Any]], Awaitable[None]]:
+                 choices: list[ChoiceResult], jobs: list[Job], stream_token_ids: bool = False
+                 ) -> Callable[..., Awaitable[None]]:
     """Sends a stream chunk, with the usage so far when the client asked for
-    ``stream_options.continuous_usage_stats``."""
-    async def send(chunk: dict[str, Any]) -> None:
+    ``stream_options.continuous_usage_stats``. ``send(chunk, index)`` for choice ``index``
+    with ``stream_token_ids`` first names that choice's output tokens not yet named (those
+    of deltas that sent no chunk included), so what an event completes is exact."""
+    named = [0] * len(choices)
+
+    async def send(chunk: dict[str, Any], index: int | None = None) -> None:
         if continuous_usage:
             chunk["usage"] = usage(choices, jobs)
-        await streaming.send_event(sse, chunk)
+        data = streaming.encode_event(chunk)
+        if stream_token_ids and index is not None:
+            token_ids = choices[index].token_ids
+            data = streaming.token_ids_comment(token_ids[named[index]:]) + data
+            named[index] = len(token_ids)
+        await sse.write(data)
 
     return send
 

@@ -314,7 +314,8 @@ class OpenAIServing:
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
-            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs)
+            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs,
+                                parsed.handoff.stream_token_ids)
             if want_logprobs:  # text offsets go on after handed-over tokens' characters
                 for choice, job in zip(choices, jobs, strict=True):
                     choice.logprob_chars = sum(len(self._token_texts.text(t))
@@ -337,7 +338,7 @@ class OpenAIServing:
                         if delta.finished:
                             add_kv_transfer_params(chunk, [choice])
                             add_server_timings(chunk, [choice])
-                        await send(chunk)
+                        await send(chunk, index)
                     item = await anext(events, None)
                     if item is None:
                         break
@@ -385,9 +386,10 @@ class OpenAIServing:
                                                parsed.handoff, headers, first_chunks)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
-            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs)
+            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs,
+                                parsed.handoff.stream_token_ids)
             async with stream_ending(sse, request_id):
-                if not parsed.handoff.generated_token_ids:  # else the proxy sent the role
+                if not parsed.handoff.continues:  # else the client has the role chunk
                     for index in range(len(jobs)):
                         await send(chat_role_chunk(chunk_head, index))
                 item = first
@@ -400,7 +402,7 @@ class OpenAIServing:
                         if delta.finished:
                             add_kv_transfer_params(chunk, [choice])
                             add_server_timings(chunk, [choice])
-                        await send(chunk)
+                        await send(chunk, index)
                     item = await anext(events, None)
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],

@@ -138,6 +138,16 @@ async def start_sse(request: web.Request, bound: WriteBound,
     return SSEStream(request, response, bound)
 
 
+# An event's output token ids, for the proxy only (``Handoff.stream_token_ids``): an SSE
+# comment line, which a client that is sent it unstripped ignores.
+TOKEN_IDS_COMMENT = b": pdserve_token_ids="
+
+
+def token_ids_comment(token_ids: list[int]) -> bytes:
+    """The comment line naming the output tokens the event after it completes."""
+    return TOKEN_IDS_COMMENT + ",".join(map(str, token_ids)).encode() + b"\n"
+
+
 def encode_event(data: dict[str, Any] | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
                                                             separators=(",", ":"))

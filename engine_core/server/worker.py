@@ -15,10 +15,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine_core.addresses import is_host_port, route_source_host
+from engine_core.addresses import route_source_host
 from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, ROLE_WORKER
-from engine_core.config import EngineConfig, KVTransferConfig
+from engine_core.config import EngineConfig, KVTransferConfig, address_list
 from engine_core.engine_core import EngineCore
+from engine_core.errors import ConfigError
 from engine_core.kv_connector import ConnectorScheduler, ConnectorWorker
 from engine_core.server.readiness import Readiness
 
@@ -37,12 +38,18 @@ def build_engine(config: EngineConfig, connector_factory: ConnectorFactory) -> E
     return EngineCore(config, connector=connector_factory(config, config.device.resolve()))
 
 
-def proxy_address(value: str) -> str:
-    """argparse type of ``--proxy-address``: HOST:PORT, checked when the flags are parsed,
-    so a typo is a usage error rather than a traceback (or a silent zmq failure) later."""
-    if not is_host_port(value):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return value
+def proxy_address(value: str) -> list[str]:
+    """argparse type of ``--proxy-address``: HOST:PORT, or several comma-separated (a worker
+    registers with each proxy), checked when the flags are parsed, so a typo is a usage
+    error rather than a traceback (or a silent zmq failure) later."""
+    try:
+        addresses = address_list(value, "--proxy-address")
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...], got {value!r}"
+                                         ) from None
+    if not addresses:
+        raise argparse.ArgumentTypeError("expected at least one HOST:PORT")
+    return list(addresses)
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +61,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
-                        help="proxy registration HOST:PORT (overrides proxy_ip/proxy_port)")
+                        help="proxy registration HOST:PORT, or several comma-separated to "
+                        "register with each (overrides proxy_ip/proxy_port and "
+                        "proxy_addresses)")
     parser.add_argument("--heartbeat-interval", type=positive_seconds, default=3.0, help="seconds")
     add_engine_args(parser)
 
@@ -71,21 +80,23 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
     if getattr(args, "kv_port", None) is not None:  # `pdserve serve` has no --kv-port
         changes["kv_port"] = args.kv_port
     if args.proxy_address:
-        ip, _, port = args.proxy_address.rpartition(":")
-        changes.update(proxy_ip=ip, proxy_port=int(port))
+        first, *others = args.proxy_address
+        ip, _, port = first.rpartition(":")
+        changes.update(proxy_ip=ip, proxy_port=int(port), proxy_addresses=tuple(others))
         if not kv.kv_ip_given:  # advertise the address the (new) proxy is reached from
             changes["kv_ip"] = route_source_host(ip)
     return dataclasses.replace(kv, **changes)
 
 
-def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str | None,
-                   interval_s: float, http_ip: str | None = None,
+def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], model: str,
+                   zmq_address: str | None, interval_s: float, http_ip: str | None = None,
                    fallback_host: str = "127.0.0.1", readiness: Readiness | None = None) -> Any:
-    """A startup hook for ``run_server`` that heartbeats ``role`` to the proxy until shutdown.
+    """A startup hook for ``run_server`` that heartbeats ``role`` to each proxy until
+    shutdown (one client each: a proxy that is down costs the others nothing).
 
     The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
     ``fallback_host``. With ``readiness``, the server is ready only while its heartbeats
-    reach the proxy.
+    reach at least one proxy.
     """
 
     async def start(client: Any, options: Any) -> Any:
@@ -103,15 +114,22 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
                 sleeping=s.sleep_level > 0, num_prefill_tokens_queued=s.num_prefill_tokens_queued,
                 prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s)
 
-        registration = RegistrationClient(
-            proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
+        registrations = [RegistrationClient(
+            address, role=role, http_address=f"{host}:{options.port}", model=model,
             zmq_address=zmq_address, version=package_version(), load_provider=load,
-            interval_s=interval_s)
-        registration.start()
+            interval_s=interval_s) for address in proxy_addresses]
+        for registration in registrations:
+            registration.start()
         if readiness is not None:
-            readiness.add_check("proxy_registration", lambda: registration.registered)
-        logger.info("registering as %s with proxy %s", role, proxy_address)
-        return registration.stop
+            readiness.add_check("proxy_registration",
+                                lambda: any(r.registered for r in registrations))
+        logger.info("registering as %s with proxy %s", role, ", ".join(proxy_addresses))
+
+        async def stop() -> None:
+            for registration in registrations:
+                await registration.stop()
+
+        return stop
 
     return start
 
@@ -121,23 +139,23 @@ def registration_hook(config: EngineConfig, interval_s: float,
     """The P/D worker's heartbeat hook, from its kv-transfer config."""
     kv = config.kv_transfer
     assert kv is not None
-    if kv.proxy_ip is None or kv.proxy_port is None or kv.kv_role not in ROLE_LETTER:
+    if not kv.registration_addresses or kv.kv_role not in ROLE_LETTER:
         async def skip(client: Any, options: Any) -> None:
             logger.info("no proxy_ip/proxy_port or role %s: not registering", kv.kv_role)
 
         return skip
-    return heartbeat_hook(ROLE_LETTER[kv.kv_role], f"{kv.proxy_ip}:{kv.proxy_port}",
+    return heartbeat_hook(ROLE_LETTER[kv.kv_role], kv.registration_addresses,
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
                           http_ip=kv.http_ip, fallback_host=kv.kv_ip, readiness=readiness)
 
 
-def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float,
+def colocated_hook(config: EngineConfig, proxy_addresses: list[str], interval_s: float,
                    readiness: Readiness | None = None) -> Any:
-    """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole
-    requests. Bound to a wildcard address, it advertises the address it reaches the proxy
-    from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
-    proxy_host = proxy_address.rpartition(":")[0]
-    return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s,
+    """``pdserve serve --proxy-address``: register as colocated with each proxy, so they send
+    whole requests. Bound to a wildcard address, it advertises the address it reaches the
+    first proxy from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
+    proxy_host = proxy_addresses[0].rpartition(":")[0]
+    return heartbeat_hook(ROLE_COLOCATED, proxy_addresses, config.model.name, None, interval_s,
                           fallback_host=route_source_host(proxy_host), readiness=readiness)
 
 

@@ -201,3 +201,26 @@ def _wait_started(launcher: subprocess.Popen, log: Path, name: str, count: int) 
         if len(pids) >= count and listening >= count:
             return int(pids[count - 1])
         time.sleep(0.3)
+
+
+def test_a_dead_proxy_is_restarted_without_restart_and_never_stops_the_workers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --restart the proxy is still restarted (workers re-register with it); a
+    proxy that crash loops is given up on alone: the worker keeps running and supervision
+    goes on until stopped (exit 0)."""
+    proxy = _child(tmp_path, "proxy", "import time; time.sleep(0.2); raise SystemExit(9)")
+    worker = _child(tmp_path, "worker0", "import time; time.sleep(60)")
+    for child in (proxy, worker):
+        child.start()
+    started = time.monotonic()
+    try:
+        code = launch.supervise(proxy, [worker], None, poll_s=0.05,
+                                stopping=lambda: time.monotonic() - started > 6.0)
+        worker_alive = worker.proc.poll() is None
+    finally:
+        stop_all([proxy, worker], 5.0)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert worker_alive, out
+    assert re.findall(r"restarting proxy in (\S+) s", out)[:2] == ["0.5", "1.0"], out
+    assert "worker0 (pid" not in out, out

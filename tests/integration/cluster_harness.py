@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterable, Sequence
@@ -252,6 +253,37 @@ def _patch_kv_config(worker: Child, kv_extra: dict) -> None:
     kv = json.loads(worker.argv[index])
     kv["kv_connector_extra_config"].update(kv_extra)
     worker.argv[index] = json.dumps(kv)
+
+
+class Throttle:
+    """Slows ``victim``'s engine about tenfold by stopping it 90 ms of every 100 ms.
+
+    A test that acts on streams mid-way (freezes or kills a process) needs them still
+    running: unthrottled, the tiny model decodes a whole long stream in a few tenths of a
+    second, about the time a trigger's /metrics polling takes on a loaded 2-core machine. A
+    thread, not a task, so the client coroutines sharing the event loop do not stretch the
+    running phase."""
+
+    def __init__(self, cluster: Cluster, victim: Child) -> None:
+        self._cluster, self._victim = cluster, victim
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self._cluster.signal_engine(self._victim, signal.SIGSTOP)
+            time.sleep(0.09)
+            self._cluster.signal_engine(self._victim, signal.SIGCONT)
+            time.sleep(0.01)
+
+    def __enter__(self) -> Throttle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stops throttling, leaving the engine running (the last signal sent is SIGCONT)."""
+        self._done.set()
+        self._thread.join()
 
 
 def wait_idle(addresses: Sequence[str], deadline_s: float) -> dict[str, dict[str, float]]:

@@ -119,7 +119,7 @@ def test_engine_flags_forwarded() -> None:
 def test_worker_kv_config_role() -> None:
     from engine_core.config import KVTransferConfig
 
-    ns = argparse.Namespace(port=9000, kv_port=None, proxy_address="10.0.0.1:30002")
+    ns = argparse.Namespace(port=9000, kv_port=None, proxy_address=["10.0.0.1:30002"])
     kv = worker_kv_config(None, "kv_consumer", ns)
     assert (kv.kv_role, kv.http_port, kv.proxy_ip, kv.proxy_port) == (
         "kv_consumer", 9000, "10.0.0.1", 30002)
@@ -173,7 +173,7 @@ def test_kv_ip_not_given_is_the_address_the_proxy_is_reached_from() -> None:
     assert given.kv_ip_given and given.kv_ip == "10.0.0.7"
     local = KVTransferConfig.from_json({"kv_role": "kv_consumer"})
     assert not local.kv_ip_given and local.kv_ip == "127.0.0.1"  # no proxy named: loopback
-    args = argparse.Namespace(port=8100, kv_port=None, proxy_address="10.255.255.2:30001")
+    args = argparse.Namespace(port=8100, kv_port=None, proxy_address=["10.255.255.2:30001"])
     moved = worker_kv_config(kv, "kv_producer", args)
     assert moved.kv_ip == route_source_host("10.255.255.2") and moved.proxy_port == 30001
     assert worker_kv_config(given, "kv_producer", args).kv_ip == "10.0.0.7"

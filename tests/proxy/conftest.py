@@ -40,8 +40,12 @@ class FakeWorker:
     ``mode``: ok | error500 | error400 | asleep (a sleeping worker's 503) | hang | empty |
     no_first_token (a P that ignores ``first_token_events``) |
     fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
-    50 ms for a long time) | flood (D: ``flood_bytes`` of events as fast as they are taken).
+    50 ms for a long time) | flood (D: ``flood_bytes`` of events as fast as they are taken) |
+    stall_mid (D: two events, then silence) | error_mid (D: two events, then an error event).
     A prefill leg (``do_remote_decode``) is answered with one JSON body, as a real P does.
+    A stream's event ``i`` carries text ``t<i>`` and token id ``100 + i``, named in an SSE
+    comment when ``stream_token_ids`` is asked for; a continuation (``generated_token_ids``)
+    starts after the tokens of its own it names, as a real worker does.
     """
 
     role: str
@@ -122,14 +126,25 @@ class FakeWorker:
         if self.mode == "flood":
             return await self._flood(response, request_id)
         count = 100 if self.mode == "slow" else 3
-        for i in range(count):
+        params = body.get("kv_transfer_params") or {}
+        # Its own tokens (100 + i) already sent; a handoff's P token (42) is not one of them.
+        held = (params.get("generated_token_ids") or [[]])[0]
+        start = sum(1 for t in held if t >= 100)
+        for i in range(start, count):
             event = {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": f"t{i}"}]}
-            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            comment = f": pdserve_token_ids={100 + i}\n" if params.get("stream_token_ids") else ""
+            await response.write(f"{comment}data: {json.dumps(event)}\n\n".encode())
             if self.mode == "slow":
                 await asyncio.sleep(0.05)
-            if self.mode == "fail_mid" and i == 1:
-                assert request.transport is not None
+            if i == 1 and self.mode in ("fail_mid", "stall_mid", "error_mid"):
                 await asyncio.sleep(0.05)  # let the events reach the proxy first
+                if self.mode == "stall_mid":
+                    await asyncio.sleep(3600)
+                if self.mode == "error_mid":
+                    await response.write(b'data: {"error": {"message": "engine died", '
+                                         b'"code": 503}}\n\ndata: [DONE]\n\n')
+                    return response
+                assert request.transport is not None
                 request.transport.abort()
                 return response
         if self.mode != "no_done":

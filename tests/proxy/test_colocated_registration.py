@@ -16,7 +16,7 @@ from proxy.routing import MODE_COLOCATED, RoundRobinPolicy, plan_route
 def test_serve_flags() -> None:
     args = build_parser().parse_args(["serve", "--demo", "--proxy-address", "10.0.0.1:30001",
                                       "--heartbeat-interval", "0.5"])
-    assert (args.proxy_address, args.heartbeat_interval) == ("10.0.0.1:30001", 0.5)
+    assert (args.proxy_address, args.heartbeat_interval) == (["10.0.0.1:30001"], 0.5)
 
 
 async def test_colocated_hook_registers_and_deregisters(wait_until) -> None:
@@ -28,7 +28,7 @@ async def test_colocated_hook_registers_and_deregisters(wait_until) -> None:
     options = SimpleNamespace(host="0.0.0.0", port=8123)
     stop = None
     try:
-        stop = await colocated_hook(config, f"127.0.0.1:{server.port}", 0.05)(engine, options)
+        stop = await colocated_hook(config, [f"127.0.0.1:{server.port}"], 0.05)(engine, options)
         await wait_until(lambda: len(registry) == 1)
         (worker,) = registry.workers(ROLE_COLOCATED)
         assert (worker.http_address, worker.model, worker.zmq_address) == (

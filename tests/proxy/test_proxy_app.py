@@ -97,7 +97,8 @@ async def test_prefill_unreachable_with_single_prefill_goes_decode_only(make_wor
     assert resp.status == 200
     assert sse_events(await resp.text())[-1] == "[DONE]"
     assert len(d.received) == 2
-    assert "kv_transfer_params" not in d.received[-1]["body"]  # decode-only: D prefills itself
+    # decode-only: D prefills itself (a stream's events name their tokens, for migration)
+    assert d.received[-1]["body"]["kv_transfer_params"] == {"stream_token_ids": True}
     assert d.received[-1]["body"]["stream"] is True
 
 
@@ -124,7 +125,9 @@ async def test_prefill_overflow_sends_d_alone_while_p_is_full(make_worker, make_
     assert sse_events(await resp.text())[-1] == "[DONE]"
     assert len(p.received) == 1  # the second request never reached P
     alone = [r for r in d.received if r["request_id"] == "id2"]
-    assert len(alone) == 1 and "kv_transfer_params" not in alone[0]["body"]
+    # D alone: no transfer (a stream's events name their tokens, for migration)
+    assert len(alone) == 1 and alone[0]["body"]["kv_transfer_params"] == {
+        "stream_token_ids": True}
     metrics = await (await client.get("/metrics")).text()
     assert 'mode="prefill_overflow"' in metrics
     first.cancel()
@@ -284,7 +287,8 @@ async def test_colocated_gets_whole_request(make_worker, make_proxy) -> None:
     client = await make_proxy(c)
     resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
     assert resp.status == 200 and sse_events(await resp.text())[-1] == "[DONE]"
-    assert c.received[0]["body"] == {**PROMPT, "stream": True}
+    assert c.received[0]["body"] == {**PROMPT, "stream": True,
+                                     "kv_transfer_params": {"stream_token_ids": True}}
 
 
 async def test_models_health_instances_metrics(make_worker, make_proxy) -> None:
@@ -394,7 +398,7 @@ async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy)
     assert p_req["body"]["stream"] is True
     assert d_req["body"]["kv_transfer_params"] == {
         "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
-        "generated_token_ids": [[42]]}
+        "generated_token_ids": [[42]], "stream_token_ids": True}
     assert d_req["body"]["min_tokens"] == 3 and d_req["body"]["stream"] is True
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 1.0' in metrics

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from deploy.cli import build_parser, run_serve
+from engine_core.errors import ConfigError
 
 KV_PRODUCER = '{"kv_connector": "P2pNcclConnector", "kv_role": "kv_producer", "kv_port": 21001}'
 
@@ -59,6 +60,26 @@ def test_bad_proxy_address_is_a_clear_flag_error(command: str, value: str,
 def test_worker_proxy_address_overrides_the_json() -> None:
     from engine_core.server.worker import worker_kv_config
 
-    args = argparse.Namespace(port=20001, kv_port=None, proxy_address="[::1]:31000")
+    args = argparse.Namespace(port=20001, kv_port=None, proxy_address=["[::1]:31000"])
     kv = worker_kv_config(None, "kv_consumer", args)
     assert (kv.proxy_ip, kv.proxy_port, kv.http_port) == ("[::1]", 31000, 20001)
+
+
+def test_several_proxies_from_the_flag_or_the_json() -> None:
+    """A worker registers with every proxy named: a comma-separated ``--proxy-address``
+    (which replaces the JSON's) or the JSON's ``proxy_addresses`` beside proxy_ip/port."""
+    from engine_core.config import KVTransferConfig
+    from engine_core.server.worker import worker_kv_config
+
+    args = build_parser().parse_args([
+        "decode", "/models/x", "--proxy-address", "10.0.0.1:30001, 10.0.0.2:30001"])
+    kv = KVTransferConfig.from_json({"kv_role": "kv_consumer", "kv_connector_extra_config": {
+        "proxy_ip": "10.0.0.9", "proxy_port": 1, "proxy_addresses": ["10.0.0.8:2"]}})
+    assert kv.registration_addresses == ("10.0.0.9:1", "10.0.0.8:2")
+    moved = worker_kv_config(kv, "kv_consumer", args)
+    assert moved.registration_addresses == ("10.0.0.1:30001", "10.0.0.2:30001")
+    listed = KVTransferConfig.from_json({"kv_connector_extra_config": {
+        "proxy_addresses": "10.0.0.1:5,10.0.0.2:6"}})
+    assert listed.registration_addresses == ("10.0.0.1:5", "10.0.0.2:6")
+    with pytest.raises(ConfigError, match="proxy_addresses"):
+        KVTransferConfig.from_json({"kv_connector_extra_config": {"proxy_addresses": ["x"]}})

@@ -1,0 +1,1 @@
+"""What the processes of one cluster share: membership messages, trust, identity."""

@@ -52,7 +52,9 @@ REPLAYED = "replayed"
 WRONG_IDENTITY = "wrong_identity"
 UNAUTHORISED = "unauthorised"
 OVERSIZED = "oversized"
-REFUSAL_REASONS = (MALFORMED, FORGED, STALE, REPLAYED, WRONG_IDENTITY, UNAUTHORISED, OVERSIZED)
+CAPACITY = "capacity"
+REFUSAL_REASONS = (MALFORMED, FORGED, STALE, REPLAYED, WRONG_IDENTITY, UNAUTHORISED, OVERSIZED,
+                   CAPACITY)
 
 ENVELOPE_VERSION = 1
 # version u8, timestamp in microseconds u64, nonce 16 bytes, sender id length u8

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from aiohttp import web
 
+from engine_core.cluster.trust import check_exposure, secret_file_path
+from engine_core.cluster.trust_flags import add_cluster_trust_args, cluster_secret_from_args
 from engine_core.errors import ConfigError
 from proxy.app import create_app
 from proxy.config import ProxyConfig
@@ -25,6 +28,7 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--registration-port", "--proxy-port", dest="registration_port",
                         type=int, default=d.registration_port,
                         help="ZMQ port workers heartbeat to (their proxy_port)")
+    add_cluster_trust_args(parser)
     add_proxy_policy_args(parser)
     return parser
 
@@ -47,6 +51,8 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         help="prefix_affinity: when the affine worker's load score (in-flight "
                         "legs + queued + 4 x KV usage) exceeds the lowest by more, the least "
                         "loaded worker is used")
+    parser.add_argument("--max-workers", type=int, default=d.max_workers,
+                        help="registered workers at most; registrations beyond are refused")
     parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
                         help="client requests in flight before answering 429")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -83,7 +89,7 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    """The frozen ProxyConfig of parsed flags."""
+    """The frozen ProxyConfig of parsed flags (the cluster secret read from its file)."""
     return ProxyConfig(
         host=args.host, port=args.port, registration_host=args.registration_host,
         registration_port=args.registration_port, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -94,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
         first_token_from_prefill=args.first_token_from_prefill,
-        prefill_overflow=args.prefill_overflow)
+        prefill_overflow=args.prefill_overflow, max_workers=args.max_workers,
+        cluster_secret=cluster_secret_from_args(args), insecure=args.insecure)
 
 
 def run_proxy(args: argparse.Namespace) -> int:
@@ -103,6 +110,8 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        check_exposure([config.host, config.registration_bind_host], config.cluster_secret,
+                       config.insecure)
         # A taken port is one clear line, not an asyncio traceback after startup.
         check_port_free(config.host, config.port)
         if config.registration_port:
@@ -125,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m proxy``."""
     parser = add_proxy_args(argparse.ArgumentParser(prog="pdserve proxy", description=__doc__))
     args = parser.parse_args(argv)
+    args.cluster_secret_file = secret_file_path(args.cluster_secret_file, os.environ)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run_proxy(args))
 

@@ -42,7 +42,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
     app = web.Application(client_max_size=config.max_body_bytes + 1,
                           middlewares=[http_error_middleware])
-    registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
+    registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock,
+                                            max_workers=config.max_workers)
     app[keys.CONFIG] = config
     app[keys.CLOCK] = clock
     app[keys.ID_FACTORY] = id_factory
@@ -53,10 +54,11 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
-                                    config.registration_port)
+                                    config.registration_port, secret=config.cluster_secret)
         app[keys.REGISTRATION_SERVER] = server
         app.cleanup_ctx.append(_registration_ctx)
-    app[keys.METRICS] = ProxyMetrics(registry, (lambda: server.stats) if server else (lambda: (0, 0)))
+    app[keys.METRICS] = ProxyMetrics(registry, (lambda: server.stats) if server else (lambda: (0, 0)),
+                                     (lambda: server.refusals) if server else dict)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_expiry_ctx)
     app.cleanup_ctx.append(_loop_watch_ctx)

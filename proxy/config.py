@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import ConfigError
+from proxy.registry import DEFAULT_MAX_WORKERS
 from proxy.routing import POLICIES
 
 
@@ -39,6 +41,10 @@ class ProxyConfig:
     first_token_from_prefill: bool = False
     # Prefill legs in flight on every P from which D prefills a request itself (0: never).
     prefill_overflow: int = 0
+    max_workers: int = DEFAULT_MAX_WORKERS  # registrations beyond are refused
+    # Authenticates registrations and signs transfer grants; none: loopback or --insecure.
+    cluster_secret: ClusterSecret = ClusterSecret()
+    insecure: bool = False  # bind a non-loopback address without a cluster secret
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
@@ -48,7 +54,7 @@ class ProxyConfig:
         if self.prefill_overflow < 0:
             raise ConfigError("prefill_overflow must be >= 0 (0: off)")
         for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts",
-                     "affinity_prefix_chars"):
+                     "affinity_prefix_chars", "max_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",

@@ -2,7 +2,10 @@
 
 Workers hold a DEALER socket connected to the proxy's ROUTER (``proxy_ip:proxy_port``,
 default port 30001) and send a ``Heartbeat`` every few seconds; the first one registers
-the worker, and a ``Deregister`` on shutdown removes it at once. Messages are one-way: a
+the worker, and a ``Deregister`` on shutdown removes it at once. Every message travels in
+the cluster's authenticated envelope (``engine_core.cluster.trust``), sealed by a sender id
+new per worker process: forged, stale and replayed ones are refused, and the registry binds
+a worker's name to the sender that registered it. Messages are one-way: a
 worker never waits on the proxy, so a proxy that is down or restarting costs a worker
 nothing but dropped heartbeats (sends never block: IMMEDIATE, a small HWM, NOBLOCK, and
 linger 0 on close).
@@ -14,11 +17,22 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import secrets
+import time
 from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
+from engine_core.cluster.trust import (
+    CHANNEL_REGISTRATION,
+    Clock,
+    ClusterSecret,
+    Sealer,
+    TrustRefusal,
+    Verifier,
+    max_sealed_bytes,
+)
 from engine_core.errors import MessageDecodeError
 from proxy.messages import (
     REGISTRATION_CODEC,
@@ -42,12 +56,15 @@ _MAX_RETRY_S = 0.2
 
 
 class RegistrationServer:
-    """ROUTER socket feeding heartbeats into an ``InstanceRegistry``; bad messages are counted."""
+    """ROUTER socket feeding heartbeats into an ``InstanceRegistry``; bad messages are counted,
+    refused ones (envelope, identity, capacity) are counted by reason in ``refusals``."""
 
     def __init__(self, registry: InstanceRegistry, host: str = "127.0.0.1",
                  port: int = DEFAULT_REGISTRATION_PORT,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None,
+                 secret: ClusterSecret = ClusterSecret(), clock: Clock = time.time) -> None:
         self._registry = registry
+        self._verifier = Verifier(secret, CHANNEL_REGISTRATION, clock=clock)
         self._host = host
         self._requested_port = port
         self._owns_context = context is None
@@ -63,11 +80,16 @@ class RegistrationServer:
         """(messages received, messages dropped as malformed)."""
         return self.num_messages, self.num_bad_messages
 
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Messages refused, by reason (``engine_core.cluster.trust.REFUSAL_REASONS``)."""
+        return dict(self._verifier.refusals.counts)
+
     async def start(self) -> None:
         """Bind (port 0 picks a free one, see ``port``) and start receiving."""
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_sealed_bytes(REGISTRATION_CODEC.max_bytes))
         if self._requested_port == 0:
             self.port = socket.bind_to_random_port(f"tcp://{self._host}")
         else:
@@ -90,10 +112,15 @@ class RegistrationServer:
             self._context.term()
 
     def handle(self, payload: bytes) -> None:
-        """Apply one payload to the registry; a malformed one is logged and counted."""
+        """Apply one sealed payload to the registry; a refused or malformed one is logged and
+        counted."""
         self.num_messages += 1
         try:
-            message = decode_registration(payload)
+            opened = self._verifier.open(payload)
+        except TrustRefusal:  # counted and logged (once per peer) by the verifier
+            return
+        try:
+            message = decode_registration(opened.payload)
         except MessageDecodeError as exc:
             self.num_bad_messages += 1
             # Every one is counted; the log gets the first and then one in LOG_EVERY_BAD
@@ -102,13 +129,16 @@ class RegistrationServer:
                 logger.warning("dropped a malformed registration message (%d so far): %.200s",
                                self.num_bad_messages, exc)
             return
-        if isinstance(message, Deregister):
-            if self._registry.remove(message.http_address):
-                logger.info("worker %s deregistered", message.http_address)
-            return
-        if self._registry.heartbeat(message):
-            logger.info("worker registered: role=%s http=%s kv=%s model=%s", message.role,
-                        message.http_address, message.zmq_address, message.model)
+        try:
+            if isinstance(message, Deregister):
+                if self._registry.remove(message.http_address, opened.sender_id):
+                    logger.info("worker %s deregistered", message.http_address)
+                return
+            if self._registry.heartbeat(message, opened.sender_id):
+                logger.info("worker registered: role=%s http=%s kv=%s model=%s", message.role,
+                            message.http_address, message.zmq_address, message.model)
+        except TrustRefusal as refusal:  # another sender's name, or the registry is full
+            self._verifier.refusals.refuse(refusal.reason, str(refusal), opened.sender_id)
 
     async def _receive_loop(self) -> None:
         assert self._socket is not None
@@ -141,14 +171,17 @@ class RegistrationClient:
     """Sends this worker's heartbeat to the proxy every ``interval_s`` from an asyncio task.
 
     ``load_provider`` returns the current ``WorkerLoad`` (sync or async); it is called once
-    per heartbeat and its failure only skips that heartbeat's stats.
+    per heartbeat and its failure only skips that heartbeat's stats. Messages are sealed with
+    ``secret`` under a sender id new per client (the identity the proxy binds the worker to).
     """
 
     def __init__(self, proxy_address: str, *, role: str, http_address: str, model: str,
                  zmq_address: str | None = None, version: str = "",
                  load_provider: LoadProvider | None = None, interval_s: float = 3.0,
-                 send_timeout_s: float = 1.0, context: zmq.Context | None = None) -> None:
+                 send_timeout_s: float = 1.0, context: zmq.Context | None = None,
+                 secret: ClusterSecret = ClusterSecret()) -> None:
         self._proxy_address = proxy_address
+        self._sealer = Sealer(secret, CHANNEL_REGISTRATION, f"{role}-{secrets.token_hex(8)}")
         self._template = Heartbeat(role=role, http_address=http_address, model=model,
                                    zmq_address=zmq_address, version=version,
                                    heartbeat_interval_s=interval_s)
@@ -182,7 +215,7 @@ class RegistrationClient:
             self._task = None
         if self._socket is not None:
             if deregister:
-                self._send(REGISTRATION_CODEC.encode(Deregister(self._template.http_address)))
+                self._send(Deregister(self._template.http_address))
             self._socket.close(linger=0)
             self._socket = None
         if self._owns_context:
@@ -197,13 +230,13 @@ class RegistrationClient:
                 load = await result if inspect.isawaitable(result) else result
             except Exception:  # stats are best effort; the heartbeat itself matters
                 logger.exception("load provider failed; heartbeat sent without stats")
-        message = dataclasses.replace(self._template, load=load)
-        return self._send(REGISTRATION_CODEC.encode(message))
+        return self._send(dataclasses.replace(self._template, load=load))
 
-    def _send(self, payload: bytes) -> bool:
+    def _send(self, message: Heartbeat | Deregister) -> bool:
         assert self._socket is not None
         try:
-            self._socket.send(payload, flags=zmq.NOBLOCK)
+            self._socket.send(self._sealer.seal(REGISTRATION_CODEC.encode(message)),
+                              flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # zmq.Again: not connected yet or the proxy is slow
             self.num_dropped += 1
             return False

@@ -99,26 +99,46 @@ class MacKey:
         return outer.digest()
 
 
-@dataclass(frozen=True, repr=False)
 class ClusterSecret:
-    """The cluster's shared secret; empty means none (see the module docstring)."""
+    """The cluster's shared secret; empty means none (see the module docstring).
 
-    value: bytes = b""
+    Immutable. Not a dataclass on purpose: ``dataclasses.asdict`` of a config holding it (and
+    configs get logged) copies it whole, and its ``str`` never shows the bytes.
+    """
 
-    def __post_init__(self) -> None:
-        if self.value and len(self.value) < MIN_SECRET_BYTES:
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bytes = b"") -> None:
+        if value and len(value) < MIN_SECRET_BYTES:
             raise ConfigError(f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")
+        object.__setattr__(self, "_value", bytes(value))
 
-    def __repr__(self) -> str:  # never the bytes: configs and secrets get logged
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ClusterSecret is immutable")
+
+    def __repr__(self) -> str:
         return f"ClusterSecret({'set' if self.is_set else 'none'})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClusterSecret) and hmac.compare_digest(self._value, other._value)
+
+    def __hash__(self) -> int:
+        return hash((ClusterSecret, self._value))
+
+    def __reduce__(self) -> tuple[type, tuple[bytes]]:  # to the engine process, as config
+        return ClusterSecret, (self._value,)
+
+    @property
+    def value(self) -> bytes:
+        return self._value
 
     @property
     def is_set(self) -> bool:
-        return bool(self.value)
+        return bool(self._value)
 
     def channel_key(self, channel: str) -> MacKey:
         """The MAC key of one channel, derived from the secret."""
-        return MacKey(hmac.digest(self.value, b"pdserve/" + channel.encode(), "sha256"))
+        return MacKey(hmac.digest(self._value, b"pdserve/" + channel.encode(), "sha256"))
 
 
 def generate_secret() -> bytes:

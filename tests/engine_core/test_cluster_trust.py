@@ -277,3 +277,21 @@ def test_mac_key_is_rfc2104_hmac_sha256(key):
     for data in (b"", b"x", bytes(range(256)) * 5):
         assert MacKey(key).digest(data) == hmac.digest(key, data, "sha256")
         assert MacKey(key).digest(memoryview(data)) == hmac.digest(key, data, "sha256")
+
+
+def test_secret_never_shows_its_bytes_in_configs():
+    import copy
+    import dataclasses
+    import json
+    import pickle
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        secret: ClusterSecret = ClusterSecret()
+
+    config = Config(SECRET)
+    text = json.dumps(dataclasses.asdict(config), default=str) + repr(config) + str(config)
+    assert SECRET.value.decode() not in text and "ClusterSecret(set)" in text
+    assert pickle.loads(pickle.dumps(SECRET)) == SECRET == copy.deepcopy(config).secret
+    with pytest.raises(AttributeError):
+        SECRET._value = b"x" * 32

@@ -17,7 +17,7 @@ import platform
 import time
 from collections.abc import Callable
 
-from connectors.p2p_nccl.messages import KVPullRequest, make_codec
+from connectors.p2p_nccl.messages import CONTROL_CODEC, KVPullRequest
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import (
     CHANNEL_KV_CONTROL,
@@ -63,7 +63,7 @@ def main() -> None:
         role="P", http_address="10.0.0.1:8100", model="meta-llama/Llama-3.1-8B-Instruct",
         zmq_address="10.0.0.1:14579", version="0.1.0", heartbeat_interval_s=3.0,
         load=WorkerLoad(num_running=12, num_waiting=3, kv_cache_usage=0.42)))
-    pull = make_codec().encode(KVPullRequest(
+    pull = CONTROL_CODEC.encode(KVPullRequest(
         transfer_id="cmpl-" + "7" * 32, consumer_address="10.0.0.2:14580", first_block=0,
         num_blocks=128, num_layers=32, dtype="bfloat16", block_shape=[16, 8, 128],
         timeout_s=30.0, consumer_epoch="d-" + "a" * 16, max_layers_per_call=8))

@@ -158,9 +158,12 @@ class P2pConnectorWorker:
         self._clock = clock
         self._own_address = f"{config.kv_ip}:{config.kv_port}"
         self._epoch = uuid.uuid4().hex
-        self._codec = make_codec()
+        self._codec = make_codec(config.cluster_secret, self._own_address)
         self._transport = transport if transport is not None else make_transport(config, device)
-        self._server = ControlServer(self._own_address, self._codec, self._on_message)
+        # Data calls over the control socket land in the receive buffer: none is larger.
+        self._server = ControlServer(
+            self._own_address, self._codec, self._on_message,
+            max_message_bytes=config.kv_buffer_bytes if self._transport.uses_data_messages else None)
         self._doorbell = Doorbell()
         self._recv_buffer = RecvBuffer(config.kv_buffer_bytes)
         self._lock = threading.Lock()

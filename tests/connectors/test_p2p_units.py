@@ -12,6 +12,7 @@ import torch
 from connectors import create_connector
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
+    CONTROL_CODEC,
     KVPullRequest,
     KVSendHeader,
     call_ranges,
@@ -22,6 +23,7 @@ from connectors.p2p_nccl.messages import (
 )
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
+from engine_core.cluster.trust import ClusterSecret, TrustRefusal
 from engine_core.config import EngineConfig, KVTransferConfig, ModelConfig
 from engine_core.errors import KVTransferError, MessageDecodeError
 from engine_core.kv_connector import FinishedTransfers, NullConnectorScheduler
@@ -59,13 +61,28 @@ def _header(**kw: object) -> KVSendHeader:
 # ---- messages ---------------------------------------------------------------------------
 
 def test_codec_round_trip_and_rejects() -> None:
-    codec = make_codec()
+    codec = CONTROL_CODEC
     pull = _pull()
     assert codec.decode(codec.encode(pull)) == pull
     bad = codec.encode(pull).replace(b"bfloat16", b"bfloat1X")
     assert codec.decode(bad).dtype == "bfloat1X"  # schema-valid, caught by check_pull
     with pytest.raises(MessageDecodeError):
         codec.decode(b"\x93garbage")
+
+
+def test_sealed_codec_refuses_edited_replayed_and_unsealed_messages() -> None:
+    sender, receiver = make_codec(sender_id="d"), make_codec(sender_id="p")
+    pull = _pull()
+    sealed = sender.encode(pull)
+    assert receiver.decode(sealed) == pull
+    reasons = []
+    for payload in (sealed, sealed.replace(b"bfloat16", b"bfloat1X"), CONTROL_CODEC.encode(pull),
+                    make_codec(ClusterSecret(b"k" * 32)).encode(pull)):
+        with pytest.raises(TrustRefusal) as info:
+            receiver.decode(payload)
+        reasons.append(info.value.reason)
+    assert reasons == ["replayed", "forged", "malformed", "forged"]
+    assert receiver.refusals.total == 4
 
 
 def test_check_pull_and_header() -> None:

@@ -59,6 +59,15 @@ class TransferGrant:
                 raise ConfigError(f"a grant's peer must be 1-{MAX_ADDRESS_CHARS} characters")
 
 
+def covers(granted_id: str, transfer_id: str) -> bool:
+    """Whether a grant for ``granted_id`` covers ``transfer_id``: the id itself, or the
+    transfer of one prompt of its batch (``<id>-p<index>``, as the workers derive them)."""
+    if transfer_id == granted_id:
+        return True
+    prefix = granted_id + "-p"
+    return transfer_id.startswith(prefix) and transfer_id[len(prefix):].isdigit()
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
@@ -97,14 +106,14 @@ class GrantAuthority:
 
     def verify(self, token: object, *, transfer_id: str, producer: str | None = None,
                consumer: str | None = None, peer: str = "?") -> TransferGrant:
-        """The grant in ``token`` if it is authentic, unexpired and names ``transfer_id`` and
-        the given producer and consumer; raises TrustRefusal (counted) otherwise.
+        """The grant in ``token`` if it is authentic, unexpired, covers ``transfer_id`` and
+        names the given producer and consumer; raises TrustRefusal (counted) otherwise.
 
         ``peer`` names who presented the token, for the log."""
         grant = self._authentic(token, peer)
         if self._clock() > grant.expires_at + self._leeway_s:
             raise self.refusals.refuse(STALE, f"grant for {grant.transfer_id:.80} expired", peer)
-        if grant.transfer_id != transfer_id:
+        if not covers(grant.transfer_id, transfer_id):
             raise self.refusals.refuse(UNAUTHORISED, f"grant for {grant.transfer_id:.80} "
                                        f"presented for {transfer_id:.80}", peer)
         if producer is not None and grant.producer != producer:

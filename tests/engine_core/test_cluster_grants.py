@@ -130,3 +130,10 @@ def test_grant_fields_are_bounded():
         TransferGrant("t" * 1025, P_KV, D_KV, 0.0)
     with pytest.raises(ValueError):
         TransferGrant("t", "", D_KV, 0.0)
+
+
+def test_grant_covers_the_prompts_of_its_batch(proxy, worker):
+    token = proxy.issue("cmpl-1", P_KV, D_KV, ttl_s=60.0)
+    assert worker.verify(token, transfer_id="cmpl-1-p3", producer=P_KV, consumer=D_KV)
+    for other in ("cmpl-1-p", "cmpl-1-px", "cmpl-1-retry1", "cmpl-10", "cmpl-1-p1-p2"):
+        assert refusal(worker, token, transfer_id=other) == UNAUTHORISED

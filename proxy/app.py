@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from engine_core.cluster.grants import GrantAuthority
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
@@ -84,6 +85,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
+        grants=GrantAuthority(config.cluster_secret),
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

@@ -46,6 +46,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import NoWorkerError
 from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
@@ -161,8 +163,11 @@ class Dispatcher:
                  clock: Clock, max_attempts: int = 3, max_response_bytes: int = 64 << 20,
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = False,
                  prefill_overflow: int = 0, write_timeout_s: float = 60.0,
-                 limiter: InflightLimiter | None = None) -> None:
+                 limiter: InflightLimiter | None = None,
+                 grants: GrantAuthority | None = None) -> None:
         self.registry = registry
+        # Signs each request's transfer grant (P, D, transfer id), attached to both legs.
+        self.grants = grants or GrantAuthority(ClusterSecret())
         self.policy = policy
         self.metrics = metrics
         self.session = session
@@ -180,6 +185,13 @@ class Dispatcher:
         # Each background task holds a slot of the client requests' limiter (--max-inflight)
         # while it runs: a leg left running is load on its worker like a client's request.
         self.limiter = limiter or InflightLimiter(1 << 30)
+
+    def _grant(self, transfer_id: str, prefill: WorkerState, decode: WorkerState) -> str:
+        """The grant moving ``transfer_id``'s KV from ``prefill`` to ``decode``, valid while
+        either leg may still run."""
+        return self.grants.issue(transfer_id, prefill.zmq_address or prefill.worker_id,
+                                 decode.zmq_address or decode.worker_id,
+                                 self.timeouts.prefill_s + self.timeouts.decode_s)
 
     async def aclose(self) -> None:
         """Cancel the background settles and releases (shutdown, before the session closes)."""
@@ -264,11 +276,14 @@ class Dispatcher:
         headers = fw.leg_headers(request.headers, attempt_id)
         held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
         p_leg, d_leg = _Leg(self, prefill, "prefill"), _Leg(self, decode, "decode")
+        grant = self._grant(attempt_id, prefill, decode)
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
-            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address), headers))
+            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address, grant),
+            headers))
         d_task = asyncio.create_task(fw.open_leg(
-            self.session, decode.url + path, fw.decode_body(body, attempt_id, prefill.zmq_address),
+            self.session, decode.url + path,
+            fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
             headers, self.timeouts.decode()))
         p_settling = False  # P's leg handed to ``_settle_prefill``
         try:
@@ -413,8 +428,10 @@ class Dispatcher:
         headers = fw.leg_headers(request.headers, attempt_id)
         p_leg = _Leg(self, prefill, "prefill")
         timer.prefill_sent = self.clock()
+        grant = self._grant(attempt_id, prefill, decode)
         p_task = asyncio.create_task(self._prefill(
-            prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address),
+            prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address,
+                                                        grant),
             headers))
         try:
             await asyncio.wait({p_task})
@@ -432,7 +449,7 @@ class Dispatcher:
             retried = False
             try:
                 response = await self._run_one_leg(
-                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address),
+                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
                     decode, "decode", attempt_id, timer)
                 if _took_nothing(response.status):  # P holds KV D will never pull
                     self._spawn(self._release(held))
@@ -458,8 +475,12 @@ class Dispatcher:
             return out
         timer.first_byte = self.clock()
         excluded = {prefill.worker_id}
-        d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
+        granted = decode
         for attempt in range(self.max_attempts):
+            if decode is not granted:  # a replacement decode worker: its own grant
+                grant, granted = self._grant(attempt_id, prefill, decode), decode
+            d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
+                                            first.token_ids, grant)
             d_leg = _Leg(self, decode, "decode")
             held = dataclasses.replace(held, decode=decode)
             d_task = asyncio.create_task(fw.open_leg(

@@ -41,6 +41,7 @@ def _resolve(target: str) -> Callable:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
     from prefill.worker import proxy_address
 
@@ -49,6 +50,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true",
                         help="serve the embedded demo model (built and cached on first use)")
     add_server_arguments(parser)
+    add_cluster_trust_args(parser)
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="register with this proxy (registration HOST:PORT) as a colocated "
                              "worker: it sends whole requests here (with a P/D role in "
@@ -87,16 +89,19 @@ def run_serve(args: argparse.Namespace) -> int:
         if kv is not None:
             # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
             # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
-            from prefill.worker import serve_worker, worker_kv_config
+            from prefill.worker import serve_worker, with_cluster_secret, worker_kv_config
 
             config = dataclasses.replace(
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
-            serve_worker(config, options, args.heartbeat_interval)
+            serve_worker(with_cluster_secret(config, options, args), options,
+                         args.heartbeat_interval)
         elif args.proxy_address:
+            from engine_core.cluster.trust_flags import cluster_secret_from_args
             from prefill.worker import colocated_hook
 
             run_server(config, options, on_startup=[
-                colocated_hook(config, args.proxy_address, args.heartbeat_interval)])
+                colocated_hook(config, args.proxy_address, args.heartbeat_interval,
+                               cluster_secret_from_args(args))])
         else:
             run_server(config, options)
     except PdserveError as exc:

@@ -31,6 +31,9 @@ logger = logging.getLogger("pdserve.launch")
 HOST = "127.0.0.1"
 
 
+CLUSTER_SECRET_FILE = "cluster.secret"
+
+
 def tcp_port(text: str) -> int:
     """A TCP port to listen on: 1-65535 (a bad one used to surface only once the workers
     had started, when the proxy failed to bind)."""
@@ -502,14 +505,17 @@ def user_kv_settings(text: str | None) -> tuple[dict, dict]:
 
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
+    """The proxy and the workers; every one reads the cluster secret that
+    ``new_cluster_secret`` writes into ``log_dir``."""
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    trust_args = ["--cluster-secret-file", str(log_dir / CLUSTER_SECRET_FILE)]
     # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
     fixed = tuple(p for p in (args.port, args.registration_port) if p)
     ports = iter(free_ports(1 + 2 * (args.prefill + args.decode) + args.colocated, fixed))
     reg_port = args.registration_port or next(ports)
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
                             str(args.port), "--registration-port", str(reg_port),
-                            *proxy_argv(args)],
+                            *trust_args, *proxy_argv(args)],
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
@@ -545,7 +551,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         # variables (VLLM_SERVER_DEV_MODE, VLLM_API_KEY) into the worker's server flags.
         argv = [sys.executable, "-m", "deploy.cli", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
-                "--heartbeat-interval", str(args.heartbeat_interval),
+                "--heartbeat-interval", str(args.heartbeat_interval), *trust_args,
                 *server_args, *device_args, *engine_args]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
                              http_address=f"{HOST}:{http_port}"))
@@ -554,12 +560,23 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
-                "--heartbeat-interval", str(args.heartbeat_interval), *server_args,
-                *([] if gpus else ["--device", "cpu"]), *engine_args]
+                "--heartbeat-interval", str(args.heartbeat_interval), *trust_args,
+                *server_args, *([] if gpus else ["--device", "cpu"]), *engine_args]
         workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env, **cpu_env},
                              log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     return proxy, workers, f"http://{HOST}:{args.port}"
+
+
+def new_cluster_secret(run_dir: Path) -> Path:
+    """A new cluster secret for this launch, written 0600 as ``run_dir/cluster.secret``
+    (replacing one a previous launch left there); the children read it from there."""
+    from engine_core.cluster.trust import write_secret_file
+
+    path = run_dir / CLUSTER_SECRET_FILE
+    path.unlink(missing_ok=True)
+    write_secret_file(path)
+    return path
 
 
 def stop_all(children: list[Child], timeout_s: float) -> None:
@@ -675,6 +692,7 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve launch: logs in {log_dir}", flush=True)
+    new_cluster_secret(log_dir)
     proxy, workers, url = build_children(args, engine_args, log_dir)
     children = [proxy, *workers]
     stopping = False

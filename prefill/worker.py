@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from engine_core.addresses import is_host_port, route_source_host
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.engine_core import EngineCore
 
@@ -43,11 +44,13 @@ def proxy_address(value: str) -> str:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
     from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
 
     parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
     parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
     add_server_arguments(parser)
+    add_cluster_trust_args(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="proxy registration HOST:PORT (overrides proxy_ip/proxy_port)")
@@ -75,9 +78,10 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
 
 
 def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str | None,
-                   interval_s: float, http_ip: str | None = None,
+                   interval_s: float, secret: ClusterSecret, http_ip: str | None = None,
                    fallback_host: str = "127.0.0.1") -> Any:
-    """A startup hook for ``run_server`` that heartbeats ``role`` to the proxy until shutdown.
+    """A startup hook for ``run_server`` that heartbeats ``role`` to the proxy until shutdown,
+    its messages sealed with the cluster ``secret``.
 
     The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
     ``fallback_host``.
@@ -100,7 +104,7 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
         registration = RegistrationClient(
             proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
             zmq_address=zmq_address, version=package_version(), load_provider=load,
-            interval_s=interval_s)
+            interval_s=interval_s, secret=secret)
         registration.start()
         logger.info("registering as %s with proxy %s", role, proxy_address)
         return registration.stop
@@ -119,10 +123,11 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
         return skip
     return heartbeat_hook(ROLE_LETTER[kv.kv_role], f"{kv.proxy_ip}:{kv.proxy_port}",
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
-                          http_ip=kv.http_ip, fallback_host=kv.kv_ip)
+                          kv.cluster_secret, http_ip=kv.http_ip, fallback_host=kv.kv_ip)
 
 
-def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float) -> Any:
+def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float,
+                   secret: ClusterSecret) -> Any:
     """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole
     requests. Bound to a wildcard address, it advertises the address it reaches the proxy
     from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
@@ -130,7 +135,7 @@ def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float) 
 
     proxy_host = proxy_address.rpartition(":")[0]
     return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s,
-                          fallback_host=route_source_host(proxy_host))
+                          secret, fallback_host=route_source_host(proxy_host))
 
 
 def serve_worker(config: EngineConfig, options: Any, heartbeat_interval_s: float = 3.0) -> None:
@@ -142,6 +147,23 @@ def serve_worker(config: EngineConfig, options: Any, heartbeat_interval_s: float
 
     run_server(config, options, engine_factory,
                on_startup=[registration_hook(config, heartbeat_interval_s)])
+
+
+def with_cluster_secret(config: EngineConfig, options: Any, args: argparse.Namespace
+                        ) -> EngineConfig:
+    """``config`` with the cluster secret of ``--cluster-secret-file`` in its transfer
+    config; ConfigError when the worker would bind a non-loopback address without one and
+    without ``--insecure``."""
+    from engine_core.cluster.trust import check_exposure
+    from engine_core.cluster.trust_flags import cluster_secret_from_args
+
+    secret = cluster_secret_from_args(args)
+    kv = config.kv_transfer
+    check_exposure([options.host, *([kv.kv_ip] if kv is not None else [])], secret,
+                   args.insecure)
+    if kv is None:
+        return config
+    return dataclasses.replace(config, kv_transfer=dataclasses.replace(kv, cluster_secret=secret))
 
 
 def run_worker(args: argparse.Namespace, role: str) -> int:
@@ -159,9 +181,11 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
         config = engine_config_from_args(args)
         config = dataclasses.replace(
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))
+        options = server_options(args)
+        config = with_cluster_secret(config, options, args)
         logger.info("%s worker, kv config %s", role, json.dumps(dataclasses.asdict(
             config.kv_transfer), default=str))
-        serve_worker(config, server_options(args), args.heartbeat_interval)
+        serve_worker(config, options, args.heartbeat_interval)
     except PdserveError as exc:
         logger.error("%s", exc)
         return 1

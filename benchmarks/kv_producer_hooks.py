@@ -111,10 +111,10 @@ def sleep_cycles_per_us() -> float:
 
 def run(sizes_blocks: list[int], layer_us: list[float], trials: int,
         switch_intervals: list[float]) -> dict[str, Any]:
+    from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
     from connectors.p2p_nccl.handshake import ControlClient, ControlServer
     from connectors.p2p_nccl.messages import KVPullRequest, make_codec
     from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
-    from connectors.p2p_nccl.worker_side import P2pConnectorWorker
     from deploy.launch import free_port
     from engine_core.config import KVTransferConfig
     from engine_core.engine_process import CONNECTOR_SWITCH_INTERVAL_S

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from connectors.p2p_nccl.messages import CONTROL_CODEC, KVPullRequest
 from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.messages import REGISTRATION_CODEC, Heartbeat, WorkerLoad
 from engine_core.cluster.trust import (
     CHANNEL_KV_CONTROL,
     CHANNEL_REGISTRATION,
@@ -27,7 +28,6 @@ from engine_core.cluster.trust import (
     Verifier,
     generate_secret,
 )
-from proxy.messages import REGISTRATION_CODEC, Heartbeat, WorkerLoad
 
 ROUNDS = 5  # the best round is reported: other processes on the machine only add time
 

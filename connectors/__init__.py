@@ -26,8 +26,8 @@ def create_connector(config: EngineConfig, device: str) -> tuple[ConnectorSchedu
     kv_transfer = config.kv_transfer
     if kv_transfer is None:
         return NullConnectorScheduler(), NullConnectorWorker()
+    from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
     from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
-    from connectors.p2p_nccl.worker_side import P2pConnectorWorker
 
     return (P2pConnectorScheduler(kv_transfer, config.cache.block_size),
             P2pConnectorWorker(kv_transfer, device))

@@ -1,18 +1,18 @@
-"""The decode worker: engine-core + consumer connector + API server + proxy heartbeat.
+"""The decode worker: the shared worker wiring with the consumer role.
 
-The same wiring as the prefill worker with the ``kv_consumer`` role; the connector's
-consumer side waits for P's KV (or recomputes when it fails).
+Its connector's consumer side waits for P's KV (or recomputes the prompt when it fails).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from prefill.worker import add_worker_arguments, engine_factory, run_worker
+from connectors import create_connector
+from engine_core.server.worker import add_worker_arguments, run_worker
 
-__all__ = ["add_worker_arguments", "engine_factory", "run"]
+__all__ = ["add_worker_arguments", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
     """``pdserve decode``."""
-    return run_worker(args, "kv_consumer")
+    return run_worker(args, "kv_consumer", create_connector)

@@ -43,7 +43,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_core.arg_utils import add_engine_args, positive_seconds
     from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
-    from prefill.worker import proxy_address
+    from engine_core.server.worker import proxy_address
 
     parser.add_argument("model", nargs="?", default=None,
                         help="HF checkpoint directory (omit, or --demo, for the demo model)")
@@ -89,15 +89,20 @@ def run_serve(args: argparse.Namespace) -> int:
         if kv is not None:
             # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
             # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
-            from prefill.worker import serve_worker, with_cluster_secret, worker_kv_config
+            from connectors import create_connector
+            from engine_core.server.worker import (
+                serve_worker,
+                with_cluster_secret,
+                worker_kv_config,
+            )
 
             config = dataclasses.replace(
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
-            serve_worker(with_cluster_secret(config, options, args), options,
+            serve_worker(with_cluster_secret(config, options, args), options, create_connector,
                          args.heartbeat_interval)
         elif args.proxy_address:
             from engine_core.cluster.trust_flags import cluster_secret_from_args
-            from prefill.worker import colocated_hook
+            from engine_core.server.worker import colocated_hook
 
             run_server(config, options, on_startup=[
                 colocated_hook(config, args.proxy_address, args.heartbeat_interval,

@@ -47,6 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_LABELS
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import NoWorkerError
 from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
@@ -57,7 +58,6 @@ from proxy.errors import (
     UpstreamUnavailableError,
     sse_error_event,
 )
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_LABELS
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine_core.cluster.messages import ROLES
 from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
 from engine_core.server.protocol import parse_json
 from engine_core.version import package_version
@@ -20,7 +21,6 @@ from proxy import keys
 from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
 from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
 from proxy.forwarding import FORWARDED_HEADERS
-from proxy.messages import ROLES
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCard
 

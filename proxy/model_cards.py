@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.messages import MAX_MODEL_CHARS
+from engine_core.cluster.messages import MAX_MODEL_CHARS
 from proxy.registry import WorkerState
 
 CARD_TIMEOUT_S = 2.0

@@ -1,46 +1,32 @@
-"""The proxy's ZMQ registration server and the client workers use to heartbeat to it.
+"""The proxy's ZMQ registration server: heartbeats from workers feed the registry.
 
-Workers hold a DEALER socket connected to the proxy's ROUTER (``proxy_ip:proxy_port``,
-default port 30001) and send a ``Heartbeat`` every few seconds; the first one registers
-the worker, and a ``Deregister`` on shutdown removes it at once. Every message travels in
-the cluster's authenticated envelope (``engine_core.cluster.trust``), sealed by a sender id
-new per worker process: forged, stale and replayed ones are refused, and the registry binds
-a worker's name to the sender that registered it. Messages are one-way: a
-worker never waits on the proxy, so a proxy that is down or restarting costs a worker
-nothing but dropped heartbeats (sends never block: IMMEDIATE, a small HWM, NOBLOCK, and
-linger 0 on close).
+Workers (``engine_core.cluster.registration_client.RegistrationClient``) hold a DEALER socket
+connected to this ROUTER (``proxy_ip:proxy_port``, default port 30001) and send a
+``Heartbeat`` every few seconds; the first one registers the worker, and a ``Deregister`` on
+shutdown removes it at once. Every message travels in the cluster's authenticated envelope
+(``engine_core.cluster.trust``): forged, stale and replayed ones are refused, and the registry
+binds a worker's name to the sender that registered it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import logging
-import secrets
 import time
-from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
 
+from engine_core.cluster.messages import REGISTRATION_CODEC, Deregister, decode_registration
 from engine_core.cluster.trust import (
     CHANNEL_REGISTRATION,
     Clock,
     ClusterSecret,
-    Sealer,
     TrustRefusal,
     Verifier,
     max_sealed_bytes,
 )
 from engine_core.errors import MessageDecodeError
-from proxy.messages import (
-    REGISTRATION_CODEC,
-    Deregister,
-    Heartbeat,
-    WorkerLoad,
-    decode_registration,
-)
 from proxy.registry import InstanceRegistry
 
 logger = logging.getLogger(__name__)
@@ -49,10 +35,6 @@ YIELD_EVERY = 32  # registration messages handled between turns given back to th
 LOG_EVERY_BAD = 1000  # malformed registration messages per logged warning (all are counted)
 
 DEFAULT_REGISTRATION_PORT = 30001
-# Heartbeats that could not leave (no connection yet) are retried after 10, 20, 40 ... ms,
-# at most 200 ms apart.
-_FIRST_RETRY_S = 0.01
-_MAX_RETRY_S = 0.2
 
 
 class RegistrationServer:
@@ -162,95 +144,3 @@ class RegistrationServer:
                 # recv_multipart returns at once while messages wait: without this, a backlog
                 # (or a flood on this unauthenticated port) held HTTP and streams until drained.
                 await asyncio.sleep(0)
-
-
-LoadProvider = Callable[[], "WorkerLoad | Awaitable[WorkerLoad]"]
-
-
-class RegistrationClient:
-    """Sends this worker's heartbeat to the proxy every ``interval_s`` from an asyncio task.
-
-    ``load_provider`` returns the current ``WorkerLoad`` (sync or async); it is called once
-    per heartbeat and its failure only skips that heartbeat's stats. Messages are sealed with
-    ``secret`` under a sender id new per client (the identity the proxy binds the worker to).
-    """
-
-    def __init__(self, proxy_address: str, *, role: str, http_address: str, model: str,
-                 zmq_address: str | None = None, version: str = "",
-                 load_provider: LoadProvider | None = None, interval_s: float = 3.0,
-                 send_timeout_s: float = 1.0, context: zmq.Context | None = None,
-                 secret: ClusterSecret = ClusterSecret()) -> None:
-        self._proxy_address = proxy_address
-        self._sealer = Sealer(secret, CHANNEL_REGISTRATION, f"{role}-{secrets.token_hex(8)}")
-        self._template = Heartbeat(role=role, http_address=http_address, model=model,
-                                   zmq_address=zmq_address, version=version,
-                                   heartbeat_interval_s=interval_s)
-        self._load_provider = load_provider
-        self._interval_s = interval_s
-        self._send_timeout_ms = int(send_timeout_s * 1000)
-        self._owns_context = context is None
-        self._context = context or zmq.Context()
-        self._socket: zmq.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
-        self.num_sent = 0
-        self.num_dropped = 0
-
-    def start(self) -> None:
-        """Connect and start heartbeating (call from a running event loop)."""
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IMMEDIATE, 1)  # no queueing toward a proxy that is not there
-        socket.setsockopt(zmq.SNDHWM, 8)
-        socket.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
-        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        socket.connect(f"tcp://{self._proxy_address}")
-        self._socket = socket
-        self._task = asyncio.create_task(self._run(), name="registration-heartbeat")
-
-    async def stop(self, deregister: bool = True) -> None:
-        """Stop heartbeating; by default tell the proxy to drop this worker now."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._socket is not None:
-            if deregister:
-                self._send(Deregister(self._template.http_address))
-            self._socket.close(linger=0)
-            self._socket = None
-        if self._owns_context:
-            self._context.term()
-
-    async def heartbeat_once(self) -> bool:
-        """Send one heartbeat now; return whether it left (False: dropped)."""
-        load = WorkerLoad()
-        if self._load_provider is not None:
-            try:
-                result = self._load_provider()
-                load = await result if inspect.isawaitable(result) else result
-            except Exception:  # stats are best effort; the heartbeat itself matters
-                logger.exception("load provider failed; heartbeat sent without stats")
-        return self._send(dataclasses.replace(self._template, load=load))
-
-    def _send(self, message: Heartbeat | Deregister) -> bool:
-        assert self._socket is not None
-        try:
-            self._socket.send(self._sealer.seal(REGISTRATION_CODEC.encode(message)),
-                              flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # zmq.Again: not connected yet or the proxy is slow
-            self.num_dropped += 1
-            return False
-        self.num_sent += 1
-        return True
-
-    async def _run(self) -> None:
-        retry_s = _FIRST_RETRY_S
-        while True:
-            if not await self.heartbeat_once():
-                # Not connected yet (a fresh socket takes a few ms): retry soon, backing off,
-                # so a new worker is routable within milliseconds of listening.
-                await asyncio.sleep(min(retry_s, _MAX_RETRY_S, self._interval_s))
-                retry_s *= 2
-                continue
-            retry_s = _FIRST_RETRY_S
-            await asyncio.sleep(self._interval_s)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, Heartbeat, WorkerLoad
 from engine_core.cluster.trust import CAPACITY, WRONG_IDENTITY, TrustRefusal
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, Heartbeat, WorkerLoad
 
 Clock = Callable[[], float]
 

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 from engine_core.errors import InvalidRequestError, ModelNotFoundError, NoWorkerError
-from proxy.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 from proxy.registry import InstanceRegistry, WorkerState
 
 MODE_PD = "pd"

@@ -6,7 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-DATASETS = ("random", "sharegpt", "prefix_repetition")
+DATASETS = ("random", "sharegpt", "prefix_repetition", "lognormal")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 CHAT_BACKENDS = ("openai-chat",)
@@ -30,6 +30,10 @@ class DatasetConfig:
     num_prefixes: int = 10
     prefix_output_len: int = 128
     sharegpt_output_len: int | None = None
+    # lognormal: random tokens, lengths lognormal around random_input_len / random_output_len
+    # (their medians) like chat traffic, inputs capped at lognormal_max_input_len.
+    lognormal_sigma: float = 1.0
+    lognormal_max_input_len: int = 8192
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,19 @@ def random_requests(config: DatasetConfig, vocab_size: int) -> list[SampleReques
     return requests
 
 
+def lognormal_requests(config: DatasetConfig, vocab_size: int) -> list[SampleRequest]:
+    """Random tokens whose input and output lengths are lognormal around the configured
+    medians (mixed chat-like traffic): inputs in [16, lognormal_max_input_len], outputs >= 8."""
+    rng = np.random.default_rng(config.seed)
+    n, sigma = config.num_prompts, config.lognormal_sigma
+    input_lens = np.clip(rng.lognormal(np.log(config.random_input_len), sigma, n), 16,
+                         config.lognormal_max_input_len).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(config.random_output_len), sigma, n), 8,
+                          None).astype(int)
+    return [SampleRequest(rng.integers(0, vocab_size, size=int(i)).tolist(), int(i), int(o))
+            for i, o in zip(input_lens, output_lens)]
+
+
 def prefix_repetition_requests(config: DatasetConfig, vocab_size: int) -> list[SampleRequest]:
     """``num_prefixes`` random prefixes, each shared by an equal share of the requests
     (plus a random suffix each), in shuffled order."""
@@ -132,6 +145,8 @@ def sample_requests(config: DatasetConfig, tokenizer: Any) -> list[SampleRequest
                          "(a local tokenizer directory) or a local --model path")
     if config.name == "random":
         return random_requests(config, tokenizer.vocab_size)
+    if config.name == "lognormal":
+        return lognormal_requests(config, tokenizer.vocab_size)
     if config.name == "prefix_repetition":
         return prefix_repetition_requests(config, tokenizer.vocab_size)
     if config.name == "sharegpt":

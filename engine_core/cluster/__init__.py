@@ -1,1 +1,3 @@
-"""What the processes of one cluster share: membership messages, trust, identity."""
+"""What a worker and the proxy share about the cluster: the registration and heartbeat
+messages, the client a worker heartbeats with, and trust (the cluster secret, the
+authenticated envelope, transfer grants)."""

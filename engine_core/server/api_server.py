@@ -32,9 +32,10 @@ from engine_core.errors import (
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
+from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
-from engine_core.server.serving import OpenAIServing, parse_kv_release, request_id_of
+from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
 from engine_core.version import package_version
 

@@ -16,126 +16,50 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
-from engine_core.addresses import is_host_port
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
-from engine_core.messages import EngineOutput, RequestTimings
+from engine_core.messages import EngineOutput
 from engine_core.models.generation_config import GenerationDefaults
-from engine_core.output_processor import LogprobEntry, RequestDelta, RequestState, TokenTextCache
+from engine_core.output_processor import RequestDelta, RequestState, TokenTextCache
 from engine_core.request_limits import check_generated_ids
 from engine_core.sampling_params import SamplingParams, sample_seed
 from engine_core.server import protocol, streaming
-from engine_core.server.http_errors import REQUEST_ID_KEY, exception_body
+from engine_core.server.http_errors import REQUEST_ID_KEY
+from engine_core.server.jobs import (
+    Job,
+    engine_request_id,
+    one_sample_params,
+    prefill_only,
+    prompt_transfer_params,
+    without_transfer,
+)
+from engine_core.server.kv_release import RELEASE_TOKEN, KVRelease
 from engine_core.server.metrics import ServerMetrics
+from engine_core.server.responses import (
+    ChoiceResult,
+    add_kv_transfer_params,
+    add_server_timings,
+    chat_chunk,
+    chat_logprobs,
+    chat_role_chunk,
+    chunk_sender,
+    completion_chunk,
+    completion_logprobs,
+    stream_ending,
+    usage,
+    worth_a_chunk,
+)
 from engine_core.server.timings import breakdown
 from engine_core.server.tokenization import TokenizerService
 
 logger = logging.getLogger("pdserve.server")
 
 _MAX_REQUEST_ID_LEN = 256
-# /internal/kv/release: transfers one call may name (a request's prompts move one each),
-# and a transfer id's length (the connector's own bound).
-MAX_RELEASES = protocol.MAX_CHOICES
-MAX_TRANSFER_ID_CHARS = 1024
-_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address"})
-_RELEASE_TOKEN = 0  # the one-token prompt of a release (any id of the vocabulary does)
-
-
-@dataclass(frozen=True)
-class KVRelease:
-    """Transfers no decode leg will pull (this worker refused their request), whose KV the
-    prefill worker at ``producer_address`` holds and is to drop now, not at its lease's end."""
-
-    transfer_ids: list[str]
-    producer_address: str
-
-
-def _is_transfer_id(value: Any) -> bool:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRANSFER_ID_CHARS:
-        return False
-    try:
-        value.encode("utf-8")  # a lone surrogate cannot cross the engine socket
-    except UnicodeEncodeError:
-        return False
-    return value.isprintable()
-
-
-def parse_kv_release(body: dict[str, Any]) -> KVRelease:
-    """Validate a /internal/kv/release body: ``{"transfer_ids": [...], "remote_kv_address":
-    "host:port"}`` and nothing else."""
-    unknown = sorted(set(body) - _RELEASE_FIELDS)
-    if unknown:
-        raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
-    ids = body.get("transfer_ids")
-    if (not isinstance(ids, list) or not 0 < len(ids) <= MAX_RELEASES
-            or not all(_is_transfer_id(t) for t in ids) or len(set(ids)) != len(ids)):
-        raise InvalidRequestError(
-            f"transfer_ids must be 1 to {MAX_RELEASES} distinct printable strings of at most "
-            f"{MAX_TRANSFER_ID_CHARS} characters", "transfer_ids")
-    address = body.get("remote_kv_address")
-    if not is_host_port(address):
-        raise InvalidRequestError("remote_kv_address must be host:port", "remote_kv_address")
-    return KVRelease(list(ids), address)
-
-
-@dataclass
-class _Job:
-    """One engine request of an HTTP request: one sample of one prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams  # this sample's (n 1; a seed offset by the sample's index)
-    kv_transfer_params: dict[str, Any] | None
-    prompt_index: int = 0
-    sample: int = 0  # index among the prompt's n samples; sample 0 counts the prompt in usage
-    # A decode worker's later samples of a prompt wait for sample 0's first token (its KV
-    # from the prefill worker has landed and is cached by then), then compute locally.
-    after: int | None = None
-
-
-@dataclass
-class _ChoiceResult:
-    """Everything one choice accumulated, for non-streaming responses and usage."""
-
-    # The text in pieces: one growing string was copied whole at every delta.
-    text_pieces: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[LogprobEntry] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    timings: RequestTimings | None = None
-    # Characters of the tokens in ``logprobs``: the next entry's ``text_offset`` (the text
-    # itself lags it while stop-string or UTF-8 hold-back keeps characters back).
-    logprob_chars: int = 0
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_pieces)
-
-    def add(self, delta: RequestDelta) -> None:
-        self.text_pieces.append(delta.text)
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs or [])
-        self.logprob_chars += sum(len(entry.token) for entry in delta.logprobs or [])
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.num_output_tokens = delta.num_output_tokens
-        if delta.kv_transfer_params is not None:
-            self.kv_transfer_params = delta.kv_transfer_params
-        if delta.timings is not None:
-            self.timings = delta.timings
-        if delta.finished:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def request_id_of(request: web.Request) -> str:
@@ -161,134 +85,6 @@ def _check_client_connected(request: web.Request) -> None:
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client closed its connection before the request "
                                    "started")
-
-
-def engine_request_id(request_id: str) -> str:
-    """The engine's id for one HTTP request's work: the client's id (still what response
-    ids, the X-Request-Id header and logs show) plus a unique suffix, so that concurrent
-    requests sharing an ``X-Request-Id`` each run (as vLLM's do) instead of the later ones
-    being refused as already in flight."""
-    return f"{request_id}-{uuid.uuid4().hex[:16]}"
-
-
-def prefill_only(kv_transfer_params: dict[str, Any] | None, handoff: protocol.Handoff) -> bool:
-    """Whether this worker computes just the prompt's KV and one token for another worker
-    to decode: a prefill leg (``do_remote_decode``) or a handoff's first token.
-
-    The proxy sends such a leg the client's own request, so it is validated exactly as the
-    decode worker will validate it (context with the real ``max_tokens``, ``n``,
-    ``min_tokens``, ``stream_options``, ...) and refused before any KV is computed and held
-    for a decode leg that will never pull it; only then is the engine request limited
-    (``_engine_params``) and the answer given as one JSON body, never streamed.
-    """
-    return handoff.first_events or bool((kv_transfer_params or {}).get("do_remote_decode"))
-
-
-def _engine_params(params: SamplingParams, one_token: bool) -> SamplingParams:
-    """One sample's engine parameters; a prefill-only request samples one token (which
-    min_tokens may still keep from being a stop token: it is the client's first token in
-    the handoff)."""
-    engine_params = dataclasses.replace(params, n=1)
-    if one_token:
-        engine_params = dataclasses.replace(engine_params, max_tokens=1,
-                                            min_tokens=min(params.min_tokens, 1))
-    return engine_params
-
-
-def _usage(choices: list[_ChoiceResult], jobs: list[_Job]) -> dict[str, Any]:
-    """Each prompt counted once (OpenAI's usage for n samples), every sample's completion."""
-    firsts = [c for c, job in zip(choices, jobs, strict=True) if job.sample == 0]
-    prompt = sum(len(job.prompt_token_ids) for job in jobs if job.sample == 0)
-    completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
-
-
-def _prompt_transfer_params(params: dict[str, Any] | None, prompt_index: int,
-                            num_prompts: int) -> dict[str, Any] | None:
-    """A prompt batch moves one transfer per prompt: ``T-p<i>`` on both P and D."""
-    if num_prompts == 1 or not params or not isinstance(params.get("transfer_id"), str):
-        return params
-    return {**params, "transfer_id": f"{params['transfer_id']}-p{prompt_index}"}
-
-
-def _without_transfer(params: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The params of a sample that moves no KV (a prompt's samples after the first)."""
-    if not params:
-        return params
-    return {k: v for k, v in params.items() if k not in ("do_remote_prefill", "do_remote_decode")}
-
-
-def _completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs; ``offset`` is the text offset of the first."""
-    text_offset = []
-    for entry in entries:
-        text_offset.append(offset)
-        offset += len(entry.token)
-    top = []
-    for entry in entries:
-        alternatives = {t.token: t.logprob for t in entry.top}
-        alternatives.setdefault(entry.token, entry.logprob)
-        top.append(alternatives)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": top, "text_offset": text_offset}
-
-
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-def _chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
-    """OpenAI's chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {"content": [
-        {"token": e.token, "logprob": e.logprob, "bytes": _token_bytes(e.token),
-         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)}
-                          for t in e.top]}
-        for e in entries]}
-
-
-def _completion_chunk(head: dict[str, Any], index: int, delta: RequestDelta, offset: int,
-                      want_logprobs: bool) -> dict[str, Any]:
-    """One /v1/completions stream chunk; ``offset`` is its first logprob's ``text_offset``."""
-    return {**head, "choices": [{
-        "index": index, "text": delta.text,
-        "logprobs": (_completion_logprobs(delta.logprobs or [], offset)
-                     if want_logprobs else None),
-        "finish_reason": delta.finish_reason if delta.finished else None,
-        "stop_reason": delta.stop_reason if delta.finished else None}]}
-
-
-def _chat_role_chunk(head: dict[str, Any], index: int) -> dict[str, Any]:
-    """The first chunk of a chat stream's choice: the assistant role, no content yet."""
-    return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]}
-
-
-def _chat_chunk(head: dict[str, Any], index: int, delta: RequestDelta,
-                want_logprobs: bool) -> dict[str, Any]:
-    """One /v1/chat/completions stream chunk."""
-    return {**head, "choices": [{
-        "index": index, "delta": {"content": delta.text} if delta.text else {},
-        "logprobs": _chat_logprobs(delta.logprobs or []) if want_logprobs else None,
-        "finish_reason": delta.finish_reason if delta.finished else None,
-        "stop_reason": delta.stop_reason if delta.finished else None}]}
-
-
-def _worth_a_chunk(delta: RequestDelta) -> bool:
-    """Deltas with nothing to say (text held back, no logprobs, not finished) send nothing."""
-    return bool(delta.text or delta.finished or delta.logprobs)
-
-
-def _add_server_timings(response: dict[str, Any], choices: list[_ChoiceResult]) -> None:
-    """``pdserve_timings``: a dict for one choice, a list (by index) for several."""
-    now_monotonic, now_unix = time.monotonic(), time.time()
-    found = [None if c.timings is None else breakdown(c.timings, now_monotonic, now_unix)
-             for c in choices]
-    if len(found) == 1 and found[0] is not None:
-        response["pdserve_timings"] = found[0]
-    elif len(found) > 1 and any(t is not None for t in found):
-        response["pdserve_timings"] = found
 
 
 class OpenAIServing:
@@ -324,7 +120,7 @@ class OpenAIServing:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def _generate(self, job: _Job, generated: list[int],
+    async def _generate(self, job: Job, generated: list[int],
                         arrival: float) -> AsyncIterator[RequestDelta]:
         """Deltas of one engine request, with metrics; stops the engine on a stop string.
 
@@ -380,7 +176,7 @@ class OpenAIServing:
                                           max(0, num_output - len(generated)), max_tokens,
                                           decode_s)
 
-    async def _run_jobs(self, jobs: list[_Job], handoff: protocol.Handoff
+    async def _run_jobs(self, jobs: list[Job], handoff: protocol.Handoff
                         ) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) of all jobs, interleaved as they arrive."""
         queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
@@ -392,7 +188,7 @@ class OpenAIServing:
         started = [asyncio.Event() for _ in jobs]  # set at a job's first delta (or its end)
         arrival = time.monotonic()
 
-        async def pump(index: int, job: _Job) -> None:
+        async def pump(index: int, job: Job) -> None:
             try:
                 if job.after is not None:
                     await started[job.after].wait()
@@ -437,7 +233,7 @@ class OpenAIServing:
 
     def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
               kv_transfer_params: dict[str, Any] | None, handoff: protocol.Handoff
-              ) -> list[_Job]:
+              ) -> list[Job]:
         """One engine request per (prompt, sample), in OpenAI's choice order.
 
         Sample ``s`` of a seeded request draws with ``seed + s``. Each prompt of a batch
@@ -454,20 +250,20 @@ class OpenAIServing:
         # tokenizer fails, a 500, on ids past 32 bits): the engine's rule, checked first here.
         check_generated_ids(handoff.generated_token_ids, self.tokenizer.vocab_size)
         one_token = prefill_only(kv_transfer_params, handoff)
-        engine_params = _engine_params(params, one_token)
+        engine_params = one_sample_params(params, one_token)
         num_samples = 1 if one_token else params.n
         single = len(prompts) == 1 and num_samples == 1
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         for prompt_index, ids in enumerate(prompts):
-            transfer = _prompt_transfer_params(kv_transfer_params, prompt_index, len(prompts))
+            transfer = prompt_transfer_params(kv_transfer_params, prompt_index, len(prompts))
             first = len(jobs)
             for sample in range(num_samples):
                 index = len(jobs)
                 sample_params = engine_params if params.seed is None or sample == 0 else \
                     dataclasses.replace(engine_params, seed=sample_seed(params.seed, sample))
-                remote = transfer if sample == 0 else _without_transfer(transfer)
+                remote = transfer if sample == 0 else without_transfer(transfer)
                 waits = sample > 0 and bool((transfer or {}).get("do_remote_prefill"))
-                jobs.append(_Job(request_id if single else f"{request_id}-{index}", ids,
+                jobs.append(Job(request_id if single else f"{request_id}-{index}", ids,
                                  sample_params, remote, prompt_index, sample,
                                  first if waits else None))
         return jobs
@@ -496,28 +292,28 @@ class OpenAIServing:
                 "created": int(time.time()), "model": model}
         headers = {"X-Request-Id": request_id}
         want_logprobs = parsed.sampling_params.logprobs is not None
-        choices = [_ChoiceResult() for _ in jobs]
+        choices = [ChoiceResult() for _ in jobs]
         async with contextlib.aclosing(events):
             if not stream:
                 async for index, delta in events:
                     choices[index].add(delta)
                 response = {**head, "choices": [
                     {"index": i, "text": echoes[jobs[i].prompt_index] + c.text,
-                     "logprobs": _completion_logprobs(c.logprobs, 0) if want_logprobs else None,
+                     "logprobs": completion_logprobs(c.logprobs, 0) if want_logprobs else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
+                    for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
 
                 def first_chunks(delta: RequestDelta) -> list[dict[str, Any]]:
-                    return ([_completion_chunk(head, 0, delta, 0, want_logprobs)]
-                            if _worth_a_chunk(delta) else [])
+                    return ([completion_chunk(head, 0, delta, 0, want_logprobs)]
+                            if worth_a_chunk(delta) else [])
 
                 return await self._json_answer(request, response, choices, jobs,
                                                parsed.handoff, headers, first_chunks)
             # Wait for the first delta before sending headers: early errors keep their status.
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
-            send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
-            async with self._stream_ending(sse, request_id):
+            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs)
+            async with stream_ending(sse, request_id):
                 if parsed.echo:
                     for index, job in enumerate(jobs):
                         await send({**head, "choices": [{
@@ -529,12 +325,12 @@ class OpenAIServing:
                         choice = choices[index]
                         offset = choice.logprob_chars
                         choice.add(delta)
-                        if not _worth_a_chunk(delta):
+                        if not worth_a_chunk(delta):
                             continue
-                        chunk = _completion_chunk(head, index, delta, offset, want_logprobs)
+                        chunk = completion_chunk(head, index, delta, offset, want_logprobs)
                         if delta.finished:
-                            self._add_kv_transfer_params(chunk, [choice])
-                            _add_server_timings(chunk, [choice])
+                            add_kv_transfer_params(chunk, [choice])
+                            add_server_timings(chunk, [choice])
                         await send(chunk)
                     item = await anext(events, None)
                     if item is None:
@@ -542,7 +338,7 @@ class OpenAIServing:
                     pending = [item]
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**head, "choices": [],
-                                                     "usage": _usage(choices, jobs)})
+                                                     "usage": usage(choices, jobs)})
             return sse.response
 
     # ---- /v1/chat/completions -----------------------------------------------------------
@@ -563,46 +359,46 @@ class OpenAIServing:
         chunk_head = {**head, "object": "chat.completion.chunk"}
         headers = {"X-Request-Id": request_id}
         want_logprobs = parsed.sampling_params.logprobs is not None
-        choices = [_ChoiceResult() for _ in jobs]
+        choices = [ChoiceResult() for _ in jobs]
         async with contextlib.aclosing(events):
             if not stream:
                 async for index, delta in events:
                     choices[index].add(delta)
                 response = {**head, "object": "chat.completion", "choices": [{
                     "index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.logprobs) if want_logprobs else None,
+                    "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    for i, c in enumerate(choices)], "usage": _usage(choices, jobs)}
+                    for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
 
                 def first_chunks(delta: RequestDelta) -> list[dict[str, Any]]:
-                    content = ([_chat_chunk(chunk_head, 0, delta, want_logprobs)]
-                               if _worth_a_chunk(delta) else [])
-                    return [_chat_role_chunk(chunk_head, 0), *content]
+                    content = ([chat_chunk(chunk_head, 0, delta, want_logprobs)]
+                               if worth_a_chunk(delta) else [])
+                    return [chat_role_chunk(chunk_head, 0), *content]
 
                 return await self._json_answer(request, response, choices, jobs,
                                                parsed.handoff, headers, first_chunks)
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
-            send = self._chunk_sender(sse, parsed.continuous_usage, choices, jobs)
-            async with self._stream_ending(sse, request_id):
+            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs)
+            async with stream_ending(sse, request_id):
                 if not parsed.handoff.generated_token_ids:  # else the proxy sent the role
                     for index in range(len(jobs)):
-                        await send(_chat_role_chunk(chunk_head, index))
+                        await send(chat_role_chunk(chunk_head, index))
                 item = first
                 while item is not None:
                     index, delta = item
                     choice = choices[index]
                     choice.add(delta)
-                    if _worth_a_chunk(delta):
-                        chunk = _chat_chunk(chunk_head, index, delta, want_logprobs)
+                    if worth_a_chunk(delta):
+                        chunk = chat_chunk(chunk_head, index, delta, want_logprobs)
                         if delta.finished:
-                            self._add_kv_transfer_params(chunk, [choice])
-                            _add_server_timings(chunk, [choice])
+                            add_kv_transfer_params(chunk, [choice])
+                            add_server_timings(chunk, [choice])
                         await send(chunk)
                     item = await anext(events, None)
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],
-                                                     "usage": _usage(choices, jobs)})
+                                                     "usage": usage(choices, jobs)})
             return sse.response
 
     # ---- KV release (decode worker) -----------------------------------------------------
@@ -625,7 +421,7 @@ class OpenAIServing:
                            params: SamplingParams) -> None:
         transfer = {"do_remote_prefill": True, "transfer_id": transfer_id,
                     "remote_kv_address": producer_address}
-        outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [_RELEASE_TOKEN],
+        outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [RELEASE_TOKEN],
                                        params, transfer)
         async with contextlib.aclosing(outputs):
             async for _ in outputs:
@@ -633,7 +429,7 @@ class OpenAIServing:
 
     # ---- first-token handoff (prefill worker) -------------------------------------------
 
-    def _first_delta(self, job: _Job, choice: _ChoiceResult) -> RequestDelta | None:
+    def _first_delta(self, job: Job, choice: ChoiceResult) -> RequestDelta | None:
         """What a stream would have sent for this answer's first token, had the request
         gone on: its text with stop-string hold-back applied, not flushed as a finished
         answer's is. None when nothing was sampled.
@@ -662,7 +458,7 @@ class OpenAIServing:
         return delta
 
     async def _json_answer(self, request: web.Request, response: dict[str, Any],
-                           choices: list[_ChoiceResult], jobs: list[_Job],
+                           choices: list[ChoiceResult], jobs: list[Job],
                            handoff: protocol.Handoff, headers: dict[str, str],
                            first_chunks: Callable[[RequestDelta], list[dict[str, Any]]]
                            ) -> web.StreamResponse:
@@ -672,8 +468,8 @@ class OpenAIServing:
         delta) that carry it to the client, which the proxy sends as they are. Written
         under the write bound as streams are: aiohttp's own final write waits without
         limit on a client that does not read (n samples with logprobs make MBs)."""
-        self._add_kv_transfer_params(response, choices)
-        _add_server_timings(response, choices)
+        add_kv_transfer_params(response, choices)
+        add_server_timings(response, choices)
         if handoff.first_events:
             first = self._first_delta(jobs[0], choices[0])
             if first is not None:
@@ -688,52 +484,3 @@ class OpenAIServing:
             await stream.write(body)
             await stream.write_eof()
         return out
-
-    # ---- helpers ------------------------------------------------------------------------
-
-    @staticmethod
-    def _chunk_sender(sse: streaming.SSEStream, continuous_usage: bool,
-                      choices: list[_ChoiceResult], jobs: list[_Job]
-                      ) -> Callable[[dict[str, Any]], Awaitable[None]]:
-        """Sends a stream chunk, with the usage so far when the client asked for
-        ``stream_options.continuous_usage_stats``."""
-        async def send(chunk: dict[str, Any]) -> None:
-            if continuous_usage:
-                chunk["usage"] = _usage(choices, jobs)
-            await streaming.send_event(sse, chunk)
-
-        return send
-
-    @staticmethod
-    def _add_kv_transfer_params(response: dict[str, Any], choices: list[_ChoiceResult]) -> None:
-        params = next((c.kv_transfer_params for c in choices if c.kv_transfer_params), None)
-        if params is not None:
-            response["kv_transfer_params"] = params
-
-    @contextlib.asynccontextmanager
-    async def _stream_ending(self, sse: streaming.SSEStream, request_id: str
-                             ) -> AsyncIterator[None]:
-        """Around a stream's chunks: ``[DONE]`` after them, an error event before it when
-        they fail. A client sent away for not reading (``ClientStalledError``) ends it
-        quietly; the handler then leaves, which aborts the engine requests."""
-        try:
-            try:
-                yield
-            except Exception as exc:
-                await self._stream_error(sse, request_id, exc)
-            await streaming.send_done(sse)
-        except streaming.ClientStalledError:
-            pass  # logged and counted when its connection was aborted
-
-    @staticmethod
-    async def _stream_error(sse: streaming.SSEStream, request_id: str, exc: Exception) -> None:
-        """After the first byte an error can only be an SSE event."""
-        if isinstance(exc, ConnectionError):
-            raise exc
-        status, body = exception_body(exc)
-        if status == 503:  # shutting down, engine gone: a state, not a bug (no traceback)
-            logger.warning("request %s ended mid-stream (503): %s", request_id, exc)
-        else:
-            log = logger.exception if status >= 500 else logger.info
-            log("request %s failed mid-stream: %s", request_id, exc)
-        await streaming.send_event(sse, body)

@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
+from connectors.p2p_nccl.consumer import REQUESTED
 from connectors.p2p_nccl.handshake import ControlClient
 from connectors.p2p_nccl.messages import KVPullRequest, make_codec
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata
-from connectors.p2p_nccl.worker_side import REQUESTED, P2pConnectorWorker
 from tests.connectors.kv_harness import free_port
 from tests.connectors.worker_pair import DST, WorkerPair, wait_until
 
@@ -70,7 +71,7 @@ def test_a_cancelled_requested_load_frees_its_bytes_and_the_next_load_proceeds(
         pair: WorkerPair) -> None:
     consumer = _consumer(pair)
     pair.ask("A")  # P's prefill has not reached the save: the pull waits there
-    assert consumer._loads["A"].state == REQUESTED
+    assert consumer.consumer_side._loads["A"].state == REQUESTED
     assert consumer.stats()["recv_buffer_bytes_in_use"] == LOAD_BYTES
     start = time.monotonic()
     _cancel(consumer, "A")
@@ -81,7 +82,7 @@ def test_a_cancelled_requested_load_frees_its_bytes_and_the_next_load_proceeds(
     assert time.monotonic() - start < PROMPT_S
     # A load that needs the room now reserves it and sends its pull at once.
     pair.ask("B")
-    assert consumer._loads["B"].state == REQUESTED
+    assert consumer.consumer_side._loads["B"].state == REQUESTED
     assert consumer.stats()["loads_pushed_back"] == 0
     pair.compute("A", "B")  # P's save of A ends without a send; B is sent
     assert pair.outcome("B") == "ok"
@@ -101,7 +102,7 @@ def test_a_cancel_after_the_send_started_drops_the_late_data_safely(pair: Worker
     until the data landed in them (refusing the header would leave P's sends unmatched on the
     pair), then frees them; the pair stays healthy."""
     gate, entered = threading.Event(), threading.Event()
-    transport: Any = pair.producer._transport
+    transport: Any = pair.producer.state.transport
     real_open = transport.open_pair
 
     def open_after_gate(*args: Any, **kwargs: Any) -> Any:
@@ -159,7 +160,7 @@ def test_a_release_from_another_consumer_does_not_cancel_the_pull(pair: WorkerPa
     stranger = ControlClient(pair.p_addr, make_codec(), send_timeout_s=1.0)
     try:
         pair.ask("A")
-        pull = consumer._loads["A"].pull
+        pull = consumer.consumer_side._loads["A"].pull
         stranger.send(KVPullRequest("A", f"127.0.0.1:{free_port()}", 0, 0, pull.num_layers,
                                     pull.dtype, list(pull.block_shape), 1.0, "other"))
         assert wait_until(lambda: pair.producer.stats()["messages_rejected"] == 1, 5.0)
@@ -178,13 +179,13 @@ def test_a_release_behind_a_finished_send_leaves_nothing_on_the_producer(
     producer non-idle, its ``pull_requests_waiting`` gauge at 1, for a minute)."""
     consumer = _consumer(pair)  # its header handler is held at the gate
     gate = threading.Event()
-    real_on_header = consumer._on_header
+    real_on_header = consumer.consumer_side.on_header
 
     def header_after_gate(header: Any) -> None:
         assert gate.wait(10.0)
         real_on_header(header)
 
-    consumer._on_header = header_after_gate  # type: ignore[method-assign]
+    consumer.consumer_side.on_header = header_after_gate  # type: ignore[method-assign]
     try:
         _finished_send_then_cancel(pair, gate)
     finally:
@@ -220,7 +221,7 @@ def test_a_release_between_the_pulls_pop_and_the_send_leaves_nothing_waiting(
     send's end drops it, so P ends idle instead of holding a waiting pull for orphan_ttl_s."""
     producer, consumer = pair.producer, _consumer(pair)
     pair.ask("A")
-    real_submit = producer._submit
+    real_submit = producer.producer_side._submit
 
     def submit(job: Any) -> None:
         if job.abort_reason is None:
@@ -230,11 +231,11 @@ def test_a_release_between_the_pulls_pop_and_the_send_leaves_nothing_waiting(
                 lambda: producer.stats()["control_messages_received"] == received + 1, 5.0)
         real_submit(job)
 
-    producer._submit = submit
+    producer.producer_side._submit = submit
     try:
         pair.compute("A")
     finally:
-        producer._submit = real_submit
+        producer.producer_side._submit = real_submit
     assert _wait_reported(consumer, "A", 10.0)  # landed (NCCL) or failed (CPU): D is done
     assert wait_until(lambda: producer.stats()["pull_requests_waiting"] == 0, 5.0), \
         producer.stats()

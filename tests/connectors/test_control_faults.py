@@ -15,6 +15,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
+from connectors.p2p_nccl.consumer import RECEIVING
 from connectors.p2p_nccl.handshake import ControlClient
 from connectors.p2p_nccl.messages import (
     WIRE_VERSION,
@@ -23,7 +25,6 @@ from connectors.p2p_nccl.messages import (
     make_codec,
 )
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata
-from connectors.p2p_nccl.worker_side import RECEIVING, P2pConnectorWorker
 from engine_core.config import KVTransferConfig
 from tests.connectors.fake_nccl import Fabric, FakeNcclTransport
 from tests.connectors.kv_harness import free_port
@@ -82,11 +83,11 @@ def test_an_abort_from_another_producer_does_not_fail_a_receiving_load(
     try:
         p.ask("T")
         p.compute("T")
-        assert wait_until(lambda: p.consumer._loads["T"].state == RECEIVING, 5.0)
+        assert wait_until(lambda: p.consumer.consumer_side._loads["T"].state == RECEIVING, 5.0)
         with caplog.at_level(logging.WARNING):
             stranger.send(KVSendAbort("T", f"127.0.0.1:{free_port()}", "not yours"))
             assert wait_until(lambda: p.consumer.stats()["messages_rejected"] == 1
-                         or p.consumer._loads["T"].state != RECEIVING, 5.0)
+                         or p.consumer.consumer_side._loads["T"].state != RECEIVING, 5.0)
         start = time.monotonic()
         assert p.outcome("T") == "ok"
         assert time.monotonic() - start < 2.0
@@ -95,8 +96,8 @@ def test_an_abort_from_another_producer_does_not_fail_a_receiving_load(
         assert p.producer.stats()["sends_failed"] == 0
         # The real producer's abort of a receiving load still ends it (and its pair) at once.
         p.ask("U")
-        p.consumer._loads["U"].state = RECEIVING  # as if U's header had been accepted
-        p.consumer._loads["U"].producer_address = p.p_addr
+        p.consumer.consumer_side._loads["U"].state = RECEIVING  # as if U's header had been accepted
+        p.consumer.consumer_side._loads["U"].producer_address = p.p_addr
         assert p.d_transport is not None
         p.d_transport.on_hello(NcclHello(p.p_addr, "e", b"u"))  # a pair to drop
         stranger.send(KVSendAbort("U", p.p_addr, "gave up"))
@@ -222,10 +223,10 @@ def test_pulls_waiting_for_their_prefill_are_capped(monkeypatch: pytest.MonkeyPa
     """Pulls that arrive before their prefill are kept until it runs (or orphan_ttl_s); a
     flood of pulls for transfers this producer never runs grew that map without bound. Past
     the cap a pull is rejected (logged, counted) and its consumer told at once."""
-    from connectors.p2p_nccl import worker_side
+    from connectors.p2p_nccl import producer as producer_module
     from connectors.p2p_nccl.messages import KVPullRequest
 
-    monkeypatch.setattr(worker_side, "MAX_WAITING_PULLS", 3)
+    monkeypatch.setattr(producer_module, "MAX_WAITING_PULLS", 3)
     port = free_port()
     producer = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu")
     producer.register_kv_caches(make_caches(1))

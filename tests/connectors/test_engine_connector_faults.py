@@ -59,11 +59,11 @@ def test_a_producer_is_not_preempted_between_its_save_and_its_send(checkpoint: P
                                       {"max_tokens": 50, "ignore_eos": True}, time.time()))
         engine.add_request(_producer_request(engine, "R", list(range(100, 150)), "tR"))
         engine.step()
-        saved = engine.connector_worker._pending["tR"].save.block_ids
+        saved = engine.connector_worker.producer_side._pending["tR"].save.block_ids
         assert saved == engine.kv_manager.get_block_ids("R")
         engine.step()
         assert engine.scheduler.counters.num_preemptions >= 1  # the pressure was real
-        assert engine.connector_worker._pending["tR"].save.block_ids == saved
+        assert engine.connector_worker.producer_side._pending["tR"].save.block_ids == saved
         assert set(engine.kv_manager.get_block_ids("R")) == set(saved)  # still R's (held)
         assert not set(saved) & set(engine.kv_manager.get_block_ids("Q"))
     finally:

@@ -326,7 +326,7 @@ def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> Non
     """A load aborted before the worker saw it, one with a layer larger than kv_buffer_size,
     and one cancelled while pushed back: none sent its pull, and each tells P to drop what it keeps
     (a pull of 0 blocks) instead of leaving P to its lease."""
-    from connectors.p2p_nccl.worker_side import P2pConnectorWorker
+    from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
 
     got: list[KVPullRequest] = []
     producer = f"127.0.0.1:{free_port()}"
@@ -375,7 +375,8 @@ def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> Non
 def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> None:
     """A producer answers a rejected pull with an abort to the address it names; pulls
     naming ever new addresses (all on loopback here) must not start a thread each."""
-    from connectors.p2p_nccl.worker_side import MAX_ABORT_PEERS, P2pConnectorWorker
+    from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
+    from connectors.p2p_nccl.producer import MAX_ABORT_PEERS
 
     port = free_port()
     worker = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu")
@@ -392,7 +393,7 @@ def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> 
                 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert worker.stats()["messages_rejected"] == 2 * count - MAX_ABORT_PEERS
-        assert len(worker._senders) == MAX_ABORT_PEERS
+        assert len(worker.producer_side._senders) == MAX_ABORT_PEERS
     finally:
         client.close()
         worker.shutdown()
@@ -504,7 +505,8 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
     import contextlib
 
     from connectors.cpu_transport import CpuTransport
-    from connectors.p2p_nccl import worker_side
+    from connectors.p2p_nccl import producer
+    from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
     from connectors.p2p_nccl.metadata import SaveSpec
 
     class ContextTransport(CpuTransport):
@@ -525,18 +527,18 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
         uploads.append(transport.inside)
         return block_ids_tensor(block_ids, device)
 
-    monkeypatch.setattr(worker_side, "block_ids_tensor", recording_upload)
-    worker = worker_side.P2pConnectorWorker(
+    monkeypatch.setattr(producer, "block_ids_tensor", recording_upload)
+    worker = P2pConnectorWorker(
         KVTransferConfig(kv_role="kv_producer", kv_port=free_port()), "cpu", transport=transport)
     try:
         caches = _stacked_cache(2, 16, torch.bfloat16, torch.Generator().manual_seed(3))
         worker.register_kv_caches(caches)
         jobs: list = []
-        monkeypatch.setattr(worker, "_submit", jobs.append)
+        monkeypatch.setattr(worker.producer_side, "_submit", jobs.append)
         save = SaveSpec("r", "t", "127.0.0.1:1", block_ids=[9, 4, 11, 2], num_tokens=15)
         pull = _pull(first_block=1, num_blocks=3)  # the consumer caches block 9 already
-        worker._start_deferred(worker_side._Pending(save, lease_deadline=0.0, ready=True), pull,
-                               worker._clock())
+        worker.producer_side._start_deferred(
+            producer.PendingSave(save, lease_deadline=0.0, ready=True), pull, worker.state.clock())
         (job,) = jobs
         assert uploads == []  # nothing uploaded before the sender gathers
         first, second = job.call_source(0, 1), job.call_source(1, 2)
@@ -551,16 +553,16 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
 def test_orphan_pull_is_dropped_after_its_ttl() -> None:
     """A pull for a transfer this producer never saves (it was meant for a dead process at
     the same address) is kept for ``orphan_ttl_s``, then dropped and counted."""
-    from connectors.p2p_nccl import worker_side
+    from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
 
     now = [100.0]
-    worker = worker_side.P2pConnectorWorker(
+    worker = P2pConnectorWorker(
         KVTransferConfig(kv_role="kv_producer", kv_port=free_port(), orphan_ttl_s=4.0), "cpu",
         clock=lambda: now[0])
     try:
         worker.register_kv_caches(_stacked_cache(2, 16, torch.bfloat16,
                                                  torch.Generator().manual_seed(5)))
-        worker._on_pull(_pull(transfer_id="orphan"))
+        worker.producer_side.on_pull(_pull(transfer_id="orphan"))
         assert not worker.is_idle()
         now[0] += 3.9
         worker.get_finished()

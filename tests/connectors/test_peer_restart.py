@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from connectors.cpu_transport import CpuTransport
+from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
     CONTROL_CODEC,
@@ -30,7 +31,6 @@ from connectors.p2p_nccl.messages import (
     make_codec,
 )
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
-from connectors.p2p_nccl.worker_side import P2pConnectorWorker
 from engine_core.config import KVTransferConfig
 from engine_core.errors import MessageDecodeError
 from tests.connectors.kv_harness import free_port
@@ -133,12 +133,12 @@ def test_new_consumer_epoch_drops_the_pair_and_the_old_process_jobs() -> None:
     try:
         caches = make_caches(3)
         start_worker(producer, caches)
-        producer._on_pull(_pull("old", consumer, "epoch-1"))
+        producer.producer_side.on_pull(_pull("old", consumer, "epoch-1"))
         assert transport.aborted == []  # first contact: nothing to drop
-        producer._on_pull(_pull("new", consumer, "epoch-2"))
+        producer.producer_side.on_pull(_pull("new", consumer, "epoch-2"))
         assert transport.aborted == [consumer]
-        producer._on_pull(_pull("new-release", consumer, "epoch-2", num_blocks=0))
-        producer._on_pull(_pull("tool", consumer, ""))  # no epoch said: not a restart
+        producer.producer_side.on_pull(_pull("new-release", consumer, "epoch-2", num_blocks=0))
+        producer.producer_side.on_pull(_pull("tool", consumer, ""))  # no epoch said: not a restart
         assert transport.aborted == [consumer]
         assert producer.stats()["consumer_restarts"] == 1
         saves = [SaveSpec(tid, tid, consumer, [4, 6, 8], num_tokens=12) for tid in ("old", "new")]

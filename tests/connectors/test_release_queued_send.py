@@ -23,11 +23,12 @@ import pytest
 import torch
 
 from connectors.cpu_transport import CpuTransport
+from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
+from connectors.p2p_nccl.consumer import REQUESTED
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import KVSendAbort, KVSendHeader, make_codec
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata
 from connectors.p2p_nccl.sender import PeerSender, SendJob
-from connectors.p2p_nccl.worker_side import REQUESTED, P2pConnectorWorker
 from tests.connectors.kv_harness import free_port
 from tests.connectors.worker_pair import DST, SRC, WorkerPair, wait_until
 
@@ -47,7 +48,7 @@ class _Held:
     def __init__(self, pair: WorkerPair, hold: str) -> None:
         self.calls: list[str] = []
         self.entered, self.gate = threading.Event(), threading.Event()
-        transport: Any = pair.producer._transport
+        transport: Any = pair.producer.state.transport
         real_send_call = transport.send_call
 
         def send_call(client: Any, header: KVSendHeader, *args: Any) -> Any:
@@ -66,7 +67,7 @@ class _Seen:
     def __init__(self, consumer: P2pConnectorWorker) -> None:
         self.headers: list[str] = []
         self.aborts: list[tuple[str, str]] = []
-        real_header, real_abort = consumer._on_header, consumer._on_abort
+        real_header, real_abort = consumer.consumer_side.on_header, consumer.consumer_side.on_abort
 
         def on_header(header: KVSendHeader) -> None:
             self.headers.append(header.transfer_id)
@@ -76,8 +77,8 @@ class _Seen:
             self.aborts.append((abort.transfer_id, abort.reason))
             real_abort(abort)
 
-        consumer._on_header = on_header  # type: ignore[method-assign]
-        consumer._on_abort = on_abort  # type: ignore[method-assign]
+        consumer.consumer_side.on_header = on_header  # type: ignore[method-assign]
+        consumer.consumer_side.on_abort = on_abort  # type: ignore[method-assign]
 
 
 def _consumer(pair: WorkerPair) -> P2pConnectorWorker:
@@ -108,7 +109,7 @@ def _release_from(pair: WorkerPair, transfer_id: str, consumer_address: str) -> 
     """A release of ``transfer_id`` naming ``consumer_address``, sent on a socket of its own;
     returns once P's control thread took it."""
     producer = pair.producer
-    pull = _consumer(pair)._make_pull(transfer_id, 0, 0)
+    pull = _consumer(pair).consumer_side.make_pull(transfer_id, 0, 0)
     pull.consumer_address = consumer_address
     received = producer.stats()["control_messages_received"]
     client = ControlClient(pair.p_addr, make_codec(), send_timeout_s=1.0)
@@ -128,7 +129,7 @@ def test_a_release_of_a_queued_send_skips_it_and_frees_both_sides(pair: WorkerPa
         pair.ask("B")
         pair.compute("A", "B")  # A's send holds the sender in its first data call; B queues
         assert held.entered.wait(5.0)
-        assert consumer._loads["B"].state == REQUESTED
+        assert consumer.consumer_side._loads["B"].state == REQUESTED
         received = producer.stats()["control_messages_received"]
         consumer.start_load_kv(P2pConnectorMetadata(cancels=["B"]))  # B ended on D: release
         assert wait_until(
@@ -145,7 +146,7 @@ def test_a_release_of_a_queued_send_skips_it_and_frees_both_sides(pair: WorkerPa
     assert seen.aborts == [("B", "transfer released")]
     assert "B" not in held.calls and set(held.calls) == {"A"}
     assert seen.headers == ["A"]
-    assert consumer._recv_buffer.holders() == []
+    assert consumer.consumer_side.recv_buffer.holders() == []
     assert pair.idle()
     p, d = producer.stats(), consumer.stats()
     assert p["transfers_sent"] == 1 and p["sends_failed"] == 0 and p["messages_rejected"] == 0

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connectors.p2p_nccl.worker_side import P2pConnectorWorker
 from deploy.launch import free_ports
 from engine_core.config import KVTransferConfig
 from engine_core.errors import KVTransferError

@@ -15,11 +15,11 @@ import pytest
 import zmq
 
 from connectors.p2p_nccl.messages import WIRE_VERSION, make_codec
+from engine_core.cluster.messages import REGISTRATION_CODEC
 from engine_core.codec import PROTOCOL_VERSION
 from engine_core.engine_process import EngineCoreProc
 from engine_core.errors import MessageDecodeError
 from engine_core.messages import ENGINE_INPUT_CODEC, ENGINE_OUTPUT_CODEC
-from proxy.messages import REGISTRATION_CODEC
 
 DEEP = 1000  # msgpack unpacks it; repr() of it exceeds the default recursion limit
 

@@ -12,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "engine_core": {"connectors", "prefill", "decode", "proxy", "deploy"},
     "connectors": {"prefill", "decode", "proxy", "deploy"},
-    "prefill": {"deploy"},
-    "decode": {"deploy"},
+    # Each role is wiring over engine_core and connectors: neither imports the other or
+    # the proxy (what a worker shares with the proxy lives in engine_core.cluster).
+    "prefill": {"decode", "proxy", "deploy"},
+    "decode": {"prefill", "proxy", "deploy"},
     "proxy": {"deploy"},
 }
 

@@ -10,7 +10,7 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.launch import build_children, engine_argv, new_cluster_secret
-from prefill.worker import worker_kv_config
+from engine_core.server.worker import worker_kv_config
 
 
 def _parse(*argv: str) -> argparse.Namespace:

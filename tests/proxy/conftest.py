@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from engine_core.cluster.messages import Heartbeat
 from proxy.app import create_app
 from proxy.config import ProxyConfig
-from proxy.messages import Heartbeat
 from proxy.registry import InstanceRegistry
 
 MODEL = "tiny"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from deploy.cli import build_parser
+from engine_core.cluster.messages import ROLE_COLOCATED
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, ModelConfig
-from prefill.worker import colocated_hook
-from proxy.messages import ROLE_COLOCATED
+from engine_core.server.worker import colocated_hook
 from proxy.registration import RegistrationServer
 from proxy.registry import InstanceRegistry
 from proxy.routing import MODE_COLOCATED, RoundRobinPolicy, plan_route

@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine_core.errors import MessageDecodeError
-from proxy.messages import (
+from engine_core.cluster.messages import (
     REGISTRATION_CODEC,
     Deregister,
     Heartbeat,
     WorkerLoad,
     decode_registration,
 )
+from engine_core.errors import MessageDecodeError
 
 
 def test_round_trip() -> None:

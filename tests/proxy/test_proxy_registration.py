@@ -9,9 +9,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from engine_core.cluster.messages import WorkerLoad
+from engine_core.cluster.registration_client import RegistrationClient
 from engine_core.cluster.trust import CHANNEL_REGISTRATION, ClusterSecret, Sealer
-from proxy.messages import WorkerLoad
-from proxy.registration import RegistrationClient, RegistrationServer
+from proxy.registration import RegistrationServer
 from proxy.registry import InstanceRegistry
 
 
@@ -161,7 +162,7 @@ async def test_a_backlog_of_registration_messages_does_not_hold_the_event_loop()
     import threading
     import time
 
-    from proxy.messages import REGISTRATION_CODEC, Heartbeat
+    from engine_core.cluster.messages import REGISTRATION_CODEC, Heartbeat
 
     server = RegistrationServer(InstanceRegistry(), "127.0.0.1", port=0)
     await server.start()

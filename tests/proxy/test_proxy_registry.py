@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.messages import Heartbeat, WorkerLoad
+from engine_core.cluster.messages import Heartbeat, WorkerLoad
 from proxy.registry import InstanceRegistry
 
 

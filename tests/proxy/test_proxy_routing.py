@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine_core.cluster.messages import Heartbeat, WorkerLoad
 from engine_core.errors import ConfigError, ModelNotFoundError, NoWorkerError
 from proxy.config import ProxyConfig
-from proxy.messages import Heartbeat, WorkerLoad
 from proxy.registry import InstanceRegistry
 from proxy.routing import (
     MODE_COLOCATED,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine_core.cluster.messages import REGISTRATION_CODEC, Heartbeat, decode_registration
 from engine_core.errors import MessageDecodeError
-from proxy.messages import REGISTRATION_CODEC, Heartbeat, decode_registration
 
 
 @pytest.mark.parametrize("http_address", [

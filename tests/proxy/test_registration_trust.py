@@ -11,6 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from engine_core.cluster.messages import REGISTRATION_CODEC, Deregister, Heartbeat, WorkerLoad
+from engine_core.cluster.registration_client import RegistrationClient
 from engine_core.cluster.trust import (
     CAPACITY,
     CHANNEL_REGISTRATION,
@@ -21,8 +23,7 @@ from engine_core.cluster.trust import (
     ClusterSecret,
     Sealer,
 )
-from proxy.messages import REGISTRATION_CODEC, Deregister, Heartbeat, WorkerLoad
-from proxy.registration import RegistrationClient, RegistrationServer
+from proxy.registration import RegistrationServer
 from proxy.registry import InstanceRegistry
 
 SECRET = ClusterSecret(b"0123456789abcdef0123456789abcdef")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine_core.cluster.messages import Heartbeat, WorkerLoad
 from engine_core.cluster.trust import CAPACITY, WRONG_IDENTITY, TrustRefusal
-from proxy.messages import Heartbeat, WorkerLoad
 from proxy.registry import InstanceRegistry
 
 P_HTTP, P_KV = "10.0.0.1:8100", "10.0.0.1:14579"

@@ -16,11 +16,12 @@ KV_PRODUCER = '{"kv_connector": "P2pNcclConnector", "kv_role": "kv_producer", "k
 def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """What ``serve_worker`` / ``run_server`` were called with (nothing is started)."""
     import engine_core.server.api_server as api_server
-    import prefill.worker as worker
+    import engine_core.server.worker as worker
 
     calls: dict[str, Any] = {}
 
-    def fake_serve_worker(config: Any, options: Any, interval: float = 3.0) -> None:
+    def fake_serve_worker(config: Any, options: Any, connector_factory: Any,
+                          interval: float = 3.0) -> None:
         calls.update(config=config, options=options, interval=interval)
 
     def fake_run_server(config: Any, options: Any, engine_factory: Any = None,
@@ -72,7 +73,7 @@ def test_bad_proxy_address_is_a_clear_flag_error(command: str, value: str,
 
 
 def test_worker_proxy_address_overrides_the_json() -> None:
-    from prefill.worker import worker_kv_config
+    from engine_core.server.worker import worker_kv_config
 
     args = argparse.Namespace(port=20001, kv_port=None, proxy_address="[::1]:31000")
     kv = worker_kv_config(None, "kv_consumer", args)

@@ -23,7 +23,7 @@ ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The ``ServerOptions`` that ``run_server`` / ``serve_worker`` get (nothing starts)."""
     import engine_core.server.api_server as api_server
-    import prefill.worker as worker
+    import engine_core.server.worker as worker
 
     calls: dict[str, Any] = {}
 
@@ -31,7 +31,8 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
                         on_startup: Any = ()) -> None:
         calls["options"] = options
 
-    def fake_serve_worker(config: Any, options: Any, interval: float = 3.0) -> None:
+    def fake_serve_worker(config: Any, options: Any, connector_factory: Any,
+                          interval: float = 3.0) -> None:
         calls["options"] = options
 
     monkeypatch.setattr(api_server, "run_server", fake_run_server)

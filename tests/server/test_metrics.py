@@ -120,7 +120,7 @@ def test_every_vllm_series_carries_model_name_and_engine_labels() -> None:
 def test_every_connector_counter_of_the_worker_is_exported() -> None:
     """Each event counter the P2P connector worker keeps reaches /metrics as a Prometheus
     counter (an operator sees restarts, expired leases and push-backs, not only bytes)."""
-    from connectors.p2p_nccl.worker_side import EVENT_COUNTERS
+    from connectors.p2p_nccl.worker_state import EVENT_COUNTERS
     from engine_core.messages import EngineStats
     from engine_core.server.metrics import CONNECTOR_COUNTERS, ServerMetrics
 

@@ -1,0 +1,1 @@
+"""The placement sweep: workloads, SLO cells and the rate search."""

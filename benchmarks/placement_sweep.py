@@ -1,0 +1,235 @@
+"""The placement sweep: maximum goodput of colocated replicas, every static xPyD split and the
+adaptive default on the same GPUs, per workload and SLO cell, found by a rate search.
+
+    source .device/env.sh && python3 -m benchmarks.placement_sweep --gpus 0,1 \\
+        --out-dir /tmp/placement-sweep [--workloads 2k,8k,512x1024,mixed] [--budget 6]
+
+Each topology is launched once (``pdserve launch``, dummy Qwen3-8B weights by default) and
+serves every workload; each measured point is a fresh prompt set at one Poisson rate for
+``--point-seconds``. A cell's maximum goodput is the highest rate at which >= 90% of the
+requests met TTFT and TPOT (benchmarks/placement/search.py). Output under ``--out-dir``:
+``raw/<topology>__<workload>__<rate>.json`` (per-request TTFT/TPOT), ``summary.json`` and
+``summary.md`` (the table, with adaptive against the best static layout and the replicas).
+``--smoke`` runs the pipeline on CPU with the demo model at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import subprocess
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from benchmarks.disagg.cluster import Cluster, ClusterSpec
+from benchmarks.model_shapes import SHAPES, write_model_dir
+from benchmarks.placement.search import PointResult, RateSearch
+from benchmarks.placement.workloads import (
+    GPU_WORKLOADS,
+    SMOKE_WORKLOADS,
+    SweepTopology,
+    Workload,
+    topologies_for,
+)
+from benchmarks.serve.config import BenchConfig
+from benchmarks.serve.runner import BenchmarkError, run_benchmark
+
+logger = logging.getLogger("pdserve.placement_sweep")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class SweepCluster(Cluster):
+    """A report ``Cluster`` launched with a sweep topology's worker counts."""
+
+    def argv(self) -> list[str]:
+        t, spec = self.topology, self.spec
+        argv = [sys.executable, "-m", "deploy.launch", *t.launch_args(),
+                "--port", str(self.port), "--model", spec.model,
+                "--served-model-name", spec.served_model_name,
+                "--log-dir", str(spec.log_dir / t.name), "--heartbeat-interval", "1",
+                "--stop-timeout", str(spec.stop_timeout_s / 2),
+                "--startup-timeout", str(spec.startup_timeout_s), *spec.engine_args]
+        if spec.gpus:
+            argv += ["--gpus", ",".join(spec.gpus[:t.num_workers])]
+        return argv
+
+
+def measure(cluster: Cluster, workload: Workload, rate: float, seconds: float, seed: int,
+            tokenizer: Any, out: Path) -> PointResult:
+    """Send ``rate`` req/s of ``workload`` for ``seconds``; save and return the point."""
+    num = max(4, round(rate * seconds))
+    dataset = dataclasses.replace(workload.dataset, num_prompts=num, seed=seed)
+    config = BenchConfig(base_url=cluster.url, model=cluster.spec.served_model_name,
+                         dataset=dataset, request_rates=(rate,), ignore_eos=True,
+                         disable_tqdm=True, ready_check_timeout_s=0,
+                         request_id_prefix=f"sweep-{cluster.topology.name}-{seed}-",
+                         label=f"{cluster.topology.name}/{workload.name}", plot=False)
+    result = run_benchmark(config, tokenizer)[0]
+    failed = [None] * result["failed"]
+    point = PointResult(rate, tuple(result["ttfts"]) + tuple(failed),
+                        tuple(result["tpots"]) + tuple(failed), result["duration"])
+    result["cells"] = {cell.name: point.attainment(cell) for cell in workload.cells()}
+    out.write_text(json.dumps(result))
+    logger.info("%s %s @ %.3g req/s: %s", cluster.topology.name, workload.name, rate,
+                ", ".join(f"{k} {v:.0%}" for k, v in result["cells"].items()))
+    return point
+
+
+def sweep_topology(cluster: Cluster, workloads: list[Workload], args: argparse.Namespace,
+                   tokenizer: Any, raw: Path) -> dict[str, Any]:
+    """Every workload's rate search on one running topology."""
+    figures: dict[str, Any] = {}
+    for w_index, workload in enumerate(workloads):
+        search = RateSearch(workload.cells(), workload.start_rate, workload.max_rate,
+                            args.budget)
+        while (rate := search.next_rate()) is not None:
+            seed = args.seed + 1000 * w_index + len(search.points)
+            path = raw / f"{cluster.topology.name}__{workload.name}__{rate:.4g}.json"
+            search.record(measure(cluster, workload, rate, args.point_seconds, seed,
+                                  tokenizer, path))
+        figures[workload.name] = {cell.name: search.max_goodput(cell)
+                                  for cell in workload.cells()}
+    return figures
+
+
+def summarize(figures: dict[str, dict[str, Any]], workloads: list[Workload],
+              topologies: list[SweepTopology]) -> tuple[str, dict[str, Any]]:
+    """The markdown table and the ratios: adaptive against the best static layout and the
+    colocated replicas, per cell (max goodput = the highest passing rate)."""
+    names = [t.name for t in topologies if t.name in figures]
+    colo = next((t.name for t in topologies if t.colocated and t.name in figures), None)
+    adaptive = next((t.name for t in topologies if t.workers and t.name in figures), None)
+    lines = ["| workload | SLO cell | " + " | ".join(names) + " | adaptive / best static "
+             "| adaptive / replicas |", "|" + "---|" * (len(names) + 4)]
+    ratios: dict[str, Any] = {}
+    for workload in workloads:
+        for cell in workload.cells():
+            rates = {n: (figures[n].get(workload.name, {}).get(cell.name) or {}).get("rate")
+                     for n in names}
+            static = [r or 0.0 for n, r in rates.items() if n != adaptive]
+            best = max(static, default=0.0)
+            own = rates.get(adaptive) or 0.0 if adaptive else None
+            vs_best = own / best if own is not None and best > 0 else None
+            vs_colo = (own / rates[colo] if own is not None and colo and rates.get(colo)
+                       else None)
+            ratios[f"{workload.name}/{cell.name}"] = {"vs_best_static": vs_best,
+                                                      "vs_replicas": vs_colo}
+            cells = " | ".join("-" if r is None else f"{r:.3g}" for r in rates.values())
+            lines.append(f"| {workload.name} | TTFT<={cell.ttft_ms:g} TPOT<={cell.tpot_ms:g} "
+                         f"| {cells} | {_ratio(vs_best)} | {_ratio(vs_colo)} |")
+    return "\n".join(lines) + "\n", ratios
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                              cwd=REPO_ROOT).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", default=None, help="GPU ids, one per worker (default 0,1)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--model", default=None, help="checkpoint (default: --shape, dummy)")
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma-separated, of {','.join(GPU_WORKLOADS)} (default all)")
+    parser.add_argument("--topologies", default=None,
+                        help="comma-separated names (default: every layout that fits)")
+    parser.add_argument("--budget", type=int, default=6, help="points per rate search")
+    parser.add_argument("--point-seconds", type=float, default=15.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-args", default="", help="more flags for every worker")
+    parser.add_argument("--out-dir", default=None,
+                        help="where results go (default: a new temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.placement_sweep",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    table = SMOKE_WORKLOADS if args.smoke else GPU_WORKLOADS
+    chosen = args.workloads.split(",") if args.workloads else list(table)
+    unknown = sorted(set(chosen) - set(table))
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; choose from {sorted(table)}")
+    workloads = [table[name] for name in chosen]
+    gpus = tuple(g for g in (args.gpus if args.gpus is not None
+                             else ("" if args.smoke else "0,1")).split(",") if g)
+    topologies = topologies_for(max(len(gpus), 2))
+    if args.topologies:
+        topologies = [t for t in topologies if t.name in args.topologies.split(",")]
+    out = Path(args.out_dir or tempfile.mkdtemp(prefix="pdserve-placement-sweep-"))
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    engine_args = shlex.split(args.engine_args)
+    if args.model or args.smoke:
+        from engine_core.demo_model import demo_model_path
+
+        model = args.model or str(demo_model_path())
+    else:
+        model = str(out / f"model-{args.shape}")
+        write_model_dir(args.shape, Path(model), tokenizer="words")
+        engine_args = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len",
+                       "10240", *engine_args]
+    spec = ClusterSpec(model=model, served_model_name="sweep-model",
+                       engine_args=tuple(engine_args), gpus=gpus, log_dir=out / "logs")
+    from benchmarks.serve.datasets import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    env = {"date": datetime.now().isoformat(timespec="seconds"),
+           "commit": _git("rev-parse", "--short", "HEAD"),
+           "devices": _devices(), "gpus": list(gpus), "model": model,
+           "command": " ".join(["python3 -m benchmarks.placement_sweep",
+                                *map(shlex.quote, sys.argv[1:])])}
+    figures: dict[str, Any] = {}
+    problems = []
+    for topology in topologies:
+        try:
+            with SweepCluster(spec, topology) as cluster:  # type: ignore[arg-type]
+                figures[topology.name] = sweep_topology(cluster, workloads, args, tokenizer,
+                                                        raw)
+        except (BenchmarkError, RuntimeError) as exc:
+            problems.append(f"{topology.name}: {exc}")
+            logger.error("%s failed: %s", topology.name, exc)
+    markdown, ratios = summarize(figures, workloads, topologies)
+    header = (f"# Placement sweep\n\n- {env['date']}, commit {env['commit']}, "
+              f"{'; '.join(env['devices'])}, GPUs {','.join(gpus) or 'none'}\n"
+              f"- `{env['command']}`\n- cells: max rate (req/s) with >= 90% of requests "
+              "within TTFT and TPOT\n\n")
+    text = header + markdown + "".join(f"\n- problem: {p}" for p in problems)
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(
+        {"environment": env, "figures": figures, "ratios": ratios, "problems": problems},
+        indent=2))
+    print(text, flush=True)
+    print(f"results in {out}", flush=True)
+    return 1 if problems else 0
+
+
+def _devices() -> list[str]:
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    return text.splitlines() if text else ["CPU"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""Consumer half of the P2P connector worker: pulls KV and scatters it into the paged cache.
+
+``add_load`` and ``admit_waiting`` reserve receive-buffer bytes for each new load and send the
+pull request (push back: no reservation, no pull); ``land_and_expire`` reports landed
+transfers and fails the ones past their deadline. The control thread validates headers and
+posts the receives, each data call followed by its scatter into the paged cache on the
+receiving stream (CPU transport: it copies each call's bytes in and scatters them). A load
+needs only a whole number of layers of receive buffer, not its whole size: when the transfer
+is larger than ``kv_buffer_size``, its calls take turns in the buffer (the stream orders each
+call's receive after the scatter of the call that used the space before), so a long prompt
+streams through a bounded buffer instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from connectors.p2p_nccl.handshake import ControlClient
+from connectors.p2p_nccl.messages import (
+    KVLayerData,
+    KVPullRequest,
+    KVSendAbort,
+    KVSendHeader,
+    call_ranges,
+    check_header,
+    layer_nbytes,
+)
+from connectors.p2p_nccl.metadata import LoadSpec
+from connectors.p2p_nccl.recv_buffer import RecvBuffer
+from connectors.p2p_nccl.worker_state import WorkerState
+from engine_core.errors import KVTransferError
+from engine_core.kv_connector import FinishedTransfers
+from engine_core.worker.block_copy import block_ids_tensor, scatter_layers, wire_shape
+
+logger = logging.getLogger(__name__)
+
+WAITING_BUFFER, REQUESTED, RECEIVING, DONE, FAILED = "waiting_buffer", "requested", "receiving", "done", "failed"
+# A failed load whose receives were posted is reported once its pair's stream has passed
+# the scatters queued behind them (an aborted pair's kernels end, so it does): until then
+# they could still write into its blocks, which the scheduler holds until the report. A
+# stream still busy after this long is logged as an error; the load keeps its blocks (a
+# leak is better than another request's KV overwritten).
+DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Load:
+    """One transfer this consumer pulls, from buffer reservation to its report."""
+
+    spec: LoadSpec
+    pull: KVPullRequest
+    nbytes: int  # the whole transfer
+    staging_bytes: int  # its receive buffer: all of it, or the whole layers kv_buffer_size holds
+    deadline: float
+    state: str = WAITING_BUFFER
+    buffer: torch.Tensor | None = None  # flat, ``staging_bytes``
+    # Per data call, its place in ``buffer`` (calls share it in turn when it is smaller than
+    # the transfer), and the block ids its scatter writes (uploaded on the scattering stream).
+    views: list[torch.Tensor] | None = None
+    scatter_ids: torch.Tensor | None = None
+    # Recorded on the allocating (engine) stream right after ``buffer`` was allocated: the
+    # transport's writes wait on it (the memory may have been another tensor's a moment ago).
+    buffer_ready: Any = None
+    producer_epoch: str = ""
+    # The producer whose header this load accepted: its pair holds the posted receives, so
+    # only it may abort the load, and a deadline aborts its pair (not the pull's address).
+    producer_address: str = ""
+    seq: int = -1
+    layers_received: int = 0
+    layers_per_call: int = 1
+    # Set once the pull went out; a load that ends before that tells P to drop the KV it
+    # keeps for it (a release) instead of leaving P to its lease.
+    pull_sent: bool = False
+    posted: Any = None  # the transport's PostedRecv (NCCL), or None
+    drain_deadline: float | None = None
+    drain_overdue: bool = False
+    # The control thread is posting its receives or landing a call (outside the lock): its
+    # scatters may be on the way, so the load is not ended meanwhile.
+    busy: bool = False
+    cancelled: bool = False
+    reason: str = ""
+    timed_out: bool = False
+
+
+class KVConsumer:
+    """Loads, pull requests, headers, layer data, scatters and aborts on the consuming side."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self._state = state
+        self.recv_buffer = RecvBuffer(state.config.kv_buffer_bytes)
+        self._loads: dict[str, Load] = {}
+        self._waiting: deque[str] = deque()
+        self._clients: dict[str, ControlClient] = {}
+        self._last_seq: dict[tuple[str, str], int] = {}
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    def close_clients(self) -> None:
+        """Close the control sockets to producers (shutdown)."""
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def take_landed_locked(self) -> tuple[set[str], set[str]]:
+        """Hand over the requests whose loads landed and failed since the last call (call
+        with the lock held)."""
+        landed = (self._finished_recving, self._failed_recving)
+        self._finished_recving, self._failed_recving = set(), set()
+        return landed
+
+    def gauges_locked(self) -> dict[str, float]:
+        """The consumer's gauges (call with the lock held); all 0 when idle."""
+        return {"recv_buffer_bytes_in_use": float(self.recv_buffer.in_use_bytes),
+                "pinned_bytes_in_use": 0.0,  # push back, never spill: see recv_buffer.py
+                "loads_in_flight": float(len(self._loads)),
+                "loads_waiting_for_buffer": float(len(self._waiting))}
+
+    def idle_locked(self) -> bool:
+        """True when no load, reserved byte or unreported result is kept."""
+        return not (self._loads or self._waiting or self.recv_buffer.in_use_bytes
+                    or self._finished_recving or self._failed_recving)
+
+    def land_loads(self) -> FinishedTransfers:
+        """Before the scheduling pass: report the loads that landed (their calls
+        were scattered as they arrived) and the failed ones at once. Reported only by
+        ``get_finished`` after the step, a landed request waited a step to be seen and (async
+        scheduling) another to be scheduled: two decode steps added to its first token."""
+        with self._state.lock:
+            idle = not self._loads and not self._waiting
+        if not idle:  # ended loads free their bytes first, so waiting ones may take them
+            self.land_and_expire(self._state.clock())
+            self.admit_waiting()
+        with self._state.lock:
+            recving, failed = self.take_landed_locked()
+        return FinishedTransfers(recving=recving, failed_recving=failed)
+
+    def make_pull(self, transfer_id: str, first_block: int, num_blocks: int,
+                  max_layers_per_call: int = 0) -> KVPullRequest:
+        num_layers, dtype, block_shape, _ = self._state.require_geometry()
+        return KVPullRequest(transfer_id=transfer_id, consumer_address=self._state.own_address,
+                             first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
+                             dtype=dtype, block_shape=list(block_shape),
+                             timeout_s=self._state.config.transfer_timeout_s,
+                             consumer_epoch=self._state.epoch, max_layers_per_call=max_layers_per_call)
+
+    def add_load(self, spec: LoadSpec, now: float) -> None:
+        num_layers, _, block_shape, element_size = self._state.require_geometry()
+        layer_bytes = layer_nbytes(len(spec.block_ids), block_shape, element_size)
+        nbytes = num_layers * layer_bytes
+        # Larger than the buffer: whole layers of half of it (at least one layer), so that
+        # smaller loads are not all pushed back behind it; its calls take turns in them, and
+        # the pull tells P to keep each call within them.
+        capacity = self.recv_buffer.capacity_bytes
+        staging = (nbytes if nbytes <= capacity
+                   else max(layer_bytes, capacity // 2 // max(layer_bytes, 1) * layer_bytes))
+        pull = self.make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids),
+                               max_layers_per_call=(0 if staging >= nbytes
+                                                    else staging // max(layer_bytes, 1)))
+        load = Load(spec=spec, pull=pull, nbytes=nbytes, staging_bytes=staging,
+                     deadline=now + self._state.config.transfer_timeout_s)
+        with self._state.lock:
+            if spec.transfer_id in self._loads:
+                self._state.counters["messages_rejected"] += 1
+                self._failed_recving.add(spec.request_id)
+                return
+            self._loads[spec.transfer_id] = load
+            if not self.recv_buffer.fits_ever(layer_bytes):
+                load.state, load.reason = FAILED, (
+                    f"one layer of this transfer ({layer_bytes} bytes) exceeds kv_buffer_size")
+                return
+            self._waiting.append(spec.transfer_id)
+
+    def admit_waiting(self) -> None:
+        """Push back: a load sends its pull request only once its bytes are reserved (FIFO)."""
+        while True:
+            with self._state.lock:
+                if not self._waiting:
+                    return
+                load = self._loads.get(self._waiting[0])
+                if load is None or load.state != WAITING_BUFFER:
+                    self._waiting.popleft()
+                    continue
+                if not self.recv_buffer.try_reserve(load.spec.transfer_id, load.staging_bytes):
+                    self._state.counters["loads_pushed_back"] += 1
+                    return
+                self._waiting.popleft()
+                if load.staging_bytes < load.nbytes:  # larger than the buffer: calls take turns
+                    self._state.counters["loads_streamed"] += 1
+            try:
+                stacked = self._state.require_stacked()
+                buffer = torch.empty(load.staging_bytes // stacked.element_size(),
+                                     dtype=stacked.dtype, device=self._state.device)
+            except RuntimeError as exc:  # allocation failure fails this transfer only
+                with self._state.lock:
+                    load.state, load.reason = FAILED, f"buffer allocation failed: {exc}"
+                continue
+            ready = self._state.record_event()
+            with self._state.lock:
+                load.buffer, load.buffer_ready, load.state = buffer, ready, REQUESTED
+                # The producer's send must end by this load's deadline: say how long it has.
+                load.pull.timeout_s = max(0.0, load.deadline - self._state.clock())
+            if self.send_pull(load.spec.peer_address, load.pull):
+                load.pull_sent = True
+            else:
+                with self._state.lock:
+                    if load.state == REQUESTED:
+                        load.state, load.reason = FAILED, "pull request not sent"
+
+    def send_pull(self, peer_address: str, pull: KVPullRequest) -> bool:
+        client = self._clients.get(peer_address)
+        try:
+            if client is None:
+                client = self._clients[peer_address] = ControlClient(
+                    peer_address, self._state.codec, send_timeout_s=0.5)
+            client.send(pull)
+        except KVTransferError as exc:
+            logger.warning("pull request %s to %s failed: %s", pull.transfer_id, peer_address, exc)
+            if client is not None:
+                client.close()
+            self._clients.pop(peer_address, None)
+            return False
+        with self._state.lock:
+            self._state.counters["control_messages_sent"] += 1
+        return True
+
+    def cancel_load(self, request_id: str) -> None:
+        """The request ended on D: mark its load cancelled; a REQUESTED one also releases P.
+
+        When its reserved bytes are free again, by state:
+        - WAITING_BUFFER: holds none (ends at the next ``land_and_expire``, releasing P).
+        - REQUESTED (pull sent, no header accepted): nothing has been, or can be, written
+          into its buffer yet: receives are posted (NCCL) and data messages landed (CPU)
+          only for a header accepted under the lock, and only in this state. So P is
+          released at once (a ``num_blocks=0`` pull behind the pull on the same socket).
+          With data messages (CPU transport) the load ends now: a late header or data
+          message for it finds no load waiting and is refused (logged, counted), never
+          written. On a pair transport (NCCL) it keeps the bytes until P answers: P's
+          abort says it dropped the pull before any send (no header will follow, so the
+          bytes are free then), while a send P had started arrives as a header that must
+          still be received into them: refused, P's data calls would stay unmatched on the
+          pair and D would have to abort it, failing every other transfer on it.
+        - RECEIVING: receives are posted or data is landing; freed when the data landed (or
+          the pair is drained after a failure), as before.
+        """
+        with self._state.lock:
+            requested: list[Load] = []
+            for load in self._loads.values():
+                if load.spec.request_id != request_id:
+                    continue
+                load.cancelled = True
+                if load.state == REQUESTED:
+                    requested.append(load)
+                    if self._state.transport.uses_data_messages:
+                        load.state, load.reason = FAILED, "cancelled"
+        for load in requested:
+            self.send_pull(load.spec.peer_address, self.make_pull(load.spec.transfer_id, 0, 0))
+
+    def land_and_expire(self, now: float) -> None:
+        """Report landed, failed and late loads and free the buffer they held."""
+        with self._state.lock:
+            loads = list(self._loads.values())
+        for load in loads:
+            if load.state == RECEIVING and load.posted is not None:
+                try:
+                    if load.posted.poll():
+                        with self._state.lock:
+                            if load.state == RECEIVING:
+                                load.state = DONE
+                except Exception as exc:
+                    with self._state.lock:
+                        load.state, load.reason = FAILED, f"receive failed: {exc}"
+        unasked: list[Load] = []
+        for load in loads:
+            with self._state.lock:
+                state = load.state
+                if state in (WAITING_BUFFER, REQUESTED, RECEIVING):
+                    if load.cancelled and state == WAITING_BUFFER:
+                        state = load.state = FAILED
+                    elif now > load.deadline:
+                        state, load.state, load.timed_out = FAILED, FAILED, True
+                        load.reason = "transfer timed out"
+                if state not in (DONE, FAILED):
+                    continue
+                if state == FAILED and not self._drained(load, now):
+                    continue
+                del self._loads[load.spec.transfer_id]
+            if not load.pull_sent:
+                unasked.append(load)
+            self.recv_buffer.release(load.spec.transfer_id)
+            load.buffer = load.views = load.scatter_ids = None
+            with self._state.lock:
+                if load.cancelled:
+                    # Its request ended while the load ran; the scheduler holds the blocks
+                    # the scatters write until this report (ids are never reused).
+                    self._failed_recving.add(load.spec.request_id)
+                    continue
+                if state == DONE:
+                    self._finished_recving.add(load.spec.request_id)
+                    self._state.counters["transfers_received"] += 1
+                else:
+                    logger.warning("kv load %s failed: %s", load.spec.transfer_id, load.reason)
+                    self._failed_recving.add(load.spec.request_id)
+                    self._state.counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
+        for load in unasked:  # cancelled, pushed back past its deadline, or too large
+            self.send_pull(load.spec.peer_address, self.make_pull(load.spec.transfer_id, 0, 0))
+
+    def _drained(self, load: Load, now: float) -> bool:
+        """Whether a failed load's posted receives and scatters are behind its pair's stream
+        (call with the lock held). A load past its deadline aborts its pair first, so that
+        receives waiting for data that is not coming end; every other failure of a posted
+        load (the producer's abort, a failed pair) has aborted it already."""
+        if load.busy:
+            return False
+        if load.posted is None:
+            return True
+        if load.drain_deadline is None:
+            load.drain_deadline = now + DRAIN_TIMEOUT_S
+            if load.timed_out:
+                self._state.transport.abort(load.producer_address)
+        if load.posted.drained():
+            return True
+        if now > load.drain_deadline and not load.drain_overdue:
+            load.drain_overdue = True
+            logger.error("kv load %s: its pair's stream is still busy %.0f s after the load "
+                         "failed; its blocks stay held until it drains",
+                         load.spec.transfer_id, DRAIN_TIMEOUT_S)
+        return False
+
+    def _scatter_call(self, load: Load, call: int) -> None:
+        """Scatter one landed data call into the load's blocks, on the current stream (the
+        receiving one): the block ids are uploaded on it the first time."""
+        assert load.views is not None
+        if load.scatter_ids is None:
+            load.scatter_ids = block_ids_tensor(load.spec.block_ids, self._state.device)
+        scatter_layers(self._state.require_stacked(), load.scatter_ids, load.views[call],
+                       call * load.layers_per_call)
+
+    def on_header(self, header: KVSendHeader) -> None:
+        key = (header.producer_address, header.producer_epoch)
+        with self._state.lock:
+            load = self._loads.get(header.transfer_id)
+            if load is None or load.state != REQUESTED:
+                reason = "no load is waiting for this transfer"
+            elif header.producer_address != load.spec.peer_address:
+                # Another producer's bytes would land in this request's blocks (on NCCL its
+                # next real transfer would be matched into them): refused.
+                reason = (f"header from {header.producer_address!r:.80}, but the load pulled "
+                          f"from {load.spec.peer_address}")
+                load = None  # not this load's failure: it keeps waiting for its producer
+            else:
+                reason = (check_header(header, load.pull, self._last_seq.get(key))
+                          or self._plan_calls(load, header.layers_per_call))
+            if reason is None and load is not None:
+                self._last_seq[key] = header.seq
+                load.state, load.producer_epoch, load.seq = RECEIVING, header.producer_epoch, header.seq
+                load.producer_address = header.producer_address
+                load.layers_per_call = header.layers_per_call
+                load.busy = True
+                views = load.views
+            else:
+                self._state.counters["messages_rejected"] += 1
+                if load is not None and load.state == REQUESTED:
+                    load.state, load.reason = FAILED, f"bad header: {reason}"
+        if reason is not None:
+            logger.warning("rejected kv header %.80r: %.300s", header.transfer_id, reason)
+            self._state.doorbell.ring()
+            if not self._state.transport.uses_data_messages:
+                # The producer's sends would never be matched: abort so they fail fast.
+                self._state.transport.abort(header.producer_address)
+            return
+        assert views is not None
+        try:
+            posted = self._state.transport.post_recv(
+                header.producer_address, views, ready=load.buffer_ready,
+                on_landed=self._state.doorbell.ring, after_each=lambda call: self._scatter_call(load, call))
+        except Exception as exc:  # no pair (a header without its hello): fail now, not at the deadline
+            with self._state.lock:
+                # Part may be queued (the pair failed midway): drained before it is reported.
+                load.posted = getattr(exc, "posted", None)
+                load.busy = False
+            self._fail_unposted(load, header, exc)
+            return
+        with self._state.lock:
+            load.posted, load.busy = posted, False
+            if posted is not None:
+                self._state.counters["bytes_received"] += load.nbytes
+
+    def _plan_calls(self, load: Load, layers_per_call: int) -> str | None:
+        """Place each data call of ``load`` in its buffer: calls take the buffer's slots in
+        turn, so a buffer of whole layers smaller than the transfer still serves it. Why it
+        cannot, or None (call with the lock held)."""
+        assert load.buffer is not None
+        num_layers = load.pull.num_layers
+        calls = call_ranges(num_layers, layers_per_call)
+        layer_elems = load.nbytes // num_layers // load.buffer.element_size()
+        slot_elems = layers_per_call * layer_elems
+        slots = load.buffer.numel() // slot_elems
+        if slots == 0:
+            return (f"data calls of {slot_elems * load.buffer.element_size()} bytes exceed the "
+                    f"{load.staging_bytes}-byte receive buffer")
+        shape = wire_shape(1, len(load.spec.block_ids), list(load.pull.block_shape))[1:]
+        load.views = [load.buffer[(i % slots) * slot_elems:][:(end - first) * layer_elems]
+                      .view(end - first, *shape) for i, (first, end) in enumerate(calls)]
+        return None
+
+    def _fail_unposted(self, load: Load, header: KVSendHeader, exc: Exception) -> None:
+        """A header accepted but its receives could not be posted: the load fails at once
+        (it used to sit in RECEIVING, nothing posted, until its deadline) and the producer's
+        pair is aborted, so its data calls fail instead of stalling."""
+        with self._state.lock:
+            if load.state == RECEIVING:
+                load.state, load.reason = FAILED, f"receives not posted: {exc}"
+        self._state.reject("header", f"{header.transfer_id!r:.80}: receives not posted: {exc}")
+        self._state.transport.abort(header.producer_address)
+        self._state.doorbell.ring()
+
+    def on_layer_data(self, message: KVLayerData, frames: list[Any]) -> None:
+        if not self._state.transport.uses_data_messages:
+            # NCCL moves the bytes: a data message is no part of any load here.
+            self._state.reject("layer data", f"{message.transfer_id!r:.80}: this consumer receives "
+                                       "over NCCL, not in data messages")
+            return
+        with self._state.lock:
+            load = self._loads.get(message.transfer_id)
+            end, expected = -1, -1
+            if load is not None:
+                num_layers = load.pull.num_layers
+                end = min(load.layers_received + load.layers_per_call, num_layers)
+                expected = load.nbytes // num_layers * (end - load.layers_received)
+            ok = (load is not None and load.state == RECEIVING
+                  and message.producer_epoch == load.producer_epoch and message.seq == load.seq
+                  and message.layer == load.layers_received and message.nbytes == expected
+                  and len(frames) == 1 and len(frames[0]) == expected)
+            receiving = load is not None and load.state == RECEIVING
+            if ok:
+                assert load.views is not None
+                call = message.layer // load.layers_per_call
+                destination = load.views[call]
+                load.busy = True
+            elif receiving:
+                load.state, load.reason = FAILED, "malformed layer data"
+                self._state.doorbell.ring()
+        if not ok:
+            self._state.reject("layer data", f"{message.transfer_id!r:.80} layer {message.layer}: "
+                         + ("does not match the transfer being received" if receiving
+                            else "no transfer is being received"))
+            return
+        try:
+            self._state.transport.land(destination.view(torch.uint8).reshape(-1),
+                                 np.frombuffer(frames[0].buffer, dtype=np.uint8),
+                                 load.buffer_ready, then=lambda: self._scatter_call(load, call))
+        finally:
+            with self._state.lock:
+                load.busy = False
+        self._state.transport.count_recv_call()
+        with self._state.lock:
+            if load.state == RECEIVING and load.seq == message.seq:
+                load.layers_received = end
+                self._state.counters["bytes_received"] += expected
+                if load.layers_received == load.pull.num_layers:
+                    load.state = DONE
+                    self._state.doorbell.ring()
+
+    def on_abort(self, message: KVSendAbort) -> None:
+        """Fail the load the abort names. Once a header was accepted only its producer may
+        abort: an abort from another address used to fail the load and abort that address's
+        pair, leaving the real producer's receives posted into a buffer about to be freed."""
+        with self._state.lock:
+            load = self._loads.get(message.transfer_id)
+            if load is None or load.state not in (REQUESTED, RECEIVING):
+                return  # the load already ended: a late abort is expected
+            was_receiving = load.state == RECEIVING
+            # Only the producer the load pulled from (then: whose header it accepted).
+            expected = load.producer_address if was_receiving else load.spec.peer_address
+            stranger = message.producer_address != expected
+            if not stranger:
+                load.state, load.reason = FAILED, f"producer aborted: {message.reason[:200]}"
+                self._state.doorbell.ring()
+        if stranger:
+            self._state.reject("abort", f"{message.transfer_id!r:.80} is pulled from {expected}, "
+                                  f"not {message.producer_address!r:.80}")
+            return
+        if was_receiving and not self._state.transport.uses_data_messages:
+            self._state.transport.abort(load.producer_address)
+

@@ -1,0 +1,469 @@
+"""Producer half of the P2P connector worker: serves the consumers' pulls.
+
+``bind_step`` turns each ``SaveSpec`` into a push job when the consumer's pull request is
+already here (PUT, PUT_ASYNC) or into a pending entry that is sent from the held blocks when
+the pull arrives (GET, or a late pull), under a lease. Transfers move in data calls of
+``layers_per_call`` consecutive layers: after the last layer of a call, ``after_layer``
+gathers the call's layers with one kernel into the job's staging buffer and tells the peer's
+sender thread once; every other layer's hook does nothing. Transfers this producer will never
+send are tombstoned, so a late pull for one is answered with an abort at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from connectors.p2p_nccl.messages import (
+    KVPullRequest,
+    call_ranges,
+    check_pull,
+    layer_nbytes,
+    plan_layers_per_call,
+)
+from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
+from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
+from connectors.p2p_nccl.worker_state import WorkerState
+from engine_core.addresses import is_host_port
+from engine_core.worker.block_copy import block_ids_tensor, gather_layers, wire_shape
+
+logger = logging.getLogger(__name__)
+
+MAX_ABORT_PEERS = 64  # peers a producer starts a sender for only to answer with an abort
+MAX_KNOWN_CONSUMERS = 4096  # consumer addresses whose process epoch a producer remembers
+# Pulls kept while their prefill has not reached the save (each until orphan_ttl_s): more
+# would be a flood of pulls for transfers this producer never runs, not a race.
+MAX_WAITING_PULLS = 4096
+# A producer's send ends this long before the consumer's deadline that the pull announced,
+# so that its header never reaches a consumer that already gave up (control latency).
+PULL_DEADLINE_MARGIN_S = 0.25
+
+
+@dataclass
+class PendingSave:
+    """A computed save held for its consumer's pull, until ``lease_deadline``."""
+
+    save: SaveSpec
+    lease_deadline: float
+    ready: bool = False
+    ready_event: Any = None
+
+
+class KVProducer:
+    """Pull handling, save binding, send jobs, per-peer sender threads and tombstones."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self._state = state
+        self._registrations: dict[str, tuple[KVPullRequest, float]] = {}
+        self._pending: dict[str, PendingSave] = {}
+        self._in_flight: dict[str, SendJob] = {}
+        self._senders: dict[str, PeerSender] = {}
+        # Epoch of the consumer process last seen at each address (from its pulls), least
+        # recently heard from first; a new one means that process restarted.
+        self._consumer_epochs: dict[str, str] = {}
+        self._step_push: list[tuple[SendJob, torch.Tensor]] = []  # (job, its block index)
+        self._step_deferred: list[str] = []
+        self._finished_sending: set[str] = set()
+        # Transfers this producer will never send (abandoned, lease expired): a late pull for
+        # one is answered with an abort at once. Bounded; holds no bytes.
+        self._tombstones: dict[str, float] = {}
+
+    def stop_senders(self) -> None:
+        """Stop every peer sender thread (shutdown)."""
+        for sender in list(self._senders.values()):
+            sender.stop()
+        self._senders.clear()
+
+    def take_finished_locked(self, now: float) -> set[str]:
+        """Expire leases, tombstones and orphan pulls, and hand over the requests whose sends
+        finished since the last call (call with the lock held)."""
+        for transfer_id, pending in list(self._pending.items()):
+            if now > pending.lease_deadline:
+                del self._pending[transfer_id]
+                self._finished_sending.add(pending.save.request_id)
+                self._state.counters["leases_expired"] += 1
+                self._tombstone(transfer_id, now)
+        self._expire_tombstones(now)
+        for transfer_id, (_, arrived) in list(self._registrations.items()):
+            if now - arrived > self._state.config.orphan_ttl_s:
+                del self._registrations[transfer_id]
+                self._state.counters["registrations_expired"] += 1
+        finished, self._finished_sending = self._finished_sending, set()
+        return finished
+
+    def gauges_locked(self) -> dict[str, float]:
+        """The producer's gauges (call with the lock held); all 0 when idle."""
+        send_bytes = sum(job.slots.held_bytes for job in self._in_flight.values()
+                         if job.slots is not None)
+        return {"send_buffer_bytes_in_use": float(send_bytes),
+                "sends_in_flight": float(len(self._in_flight)),
+                "sends_pending_pull": float(len(self._pending)),
+                "pull_requests_waiting": float(len(self._registrations))}
+
+    def idle_locked(self) -> bool:
+        """True when no send, held save, waiting pull or unreported finish is kept."""
+        return not (self._pending or self._in_flight or self._registrations
+                    or self._finished_sending)
+
+    def bind_step(self, metadata: P2pConnectorMetadata | None) -> None:
+        """Decide, once per save, whether it is pushed layer by layer or deferred."""
+        self._step_push = []
+        self._step_deferred = []
+        if metadata is not None:
+            for save in metadata.saves:
+                self._bind_save(save)
+
+    def after_layer(self, layer_idx: int) -> None:
+        """After a call's last layer, gather the call's layers of each pushed
+        request with one kernel and wake its sender; every other layer does nothing."""
+        stacked = self._state.require_stacked()
+        for job, index in self._step_push:
+            assert job.slots is not None
+            call = job.slots.call_ending_at(layer_idx)
+            if call is None or job.done.is_set():
+                continue
+            try:
+                staging = job.slots.staging
+                if staging is None:
+                    continue
+                first, end = job.slots.calls[call]
+                gather_layers(stacked, first, end, index, out=staging[first:end])
+                job.slots.put(call, self._state.record_event())
+            except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
+                job.slots.fail(exc)
+
+    def wait_for_save(self) -> None:
+        """End of step: deferred saves become sendable; PUT waits for this step's sends."""
+        event = self._state.record_event()
+        now = self._state.clock()
+        to_start: list[tuple[PendingSave, KVPullRequest, float]] = []
+        with self._state.lock:
+            for transfer_id in self._step_deferred:
+                pending = self._pending.get(transfer_id)
+                if pending is None:
+                    continue
+                pending.ready, pending.ready_event = True, event
+                registration = self._registrations.pop(transfer_id, None)
+                if registration is not None:
+                    del self._pending[transfer_id]
+                    to_start.append((pending, *registration))
+        for pending, pull, arrived in to_start:
+            self._start_deferred(pending, pull, arrived)
+        if self._state.config.send_type == "PUT":
+            for job, _ in self._step_push:
+                job.done.wait(max(0.0, job.deadline - now))
+        self._step_push = []
+        self._step_deferred = []
+
+    def _bind_save(self, save: SaveSpec) -> None:
+        with self._state.lock:
+            registration = self._registrations.pop(save.transfer_id, None)
+        if registration is not None and self._state.config.send_type != "GET":
+            pull, arrived = registration
+            if pull.num_blocks == 0:
+                self._finish_send(save.request_id)
+                return
+            if not self._range_ok(pull, save):
+                return
+            index = block_ids_tensor(save.block_ids[pull.first_block:], self._state.device)
+            num_layers, _, block_shape, _ = self._state.require_geometry()
+            layers_per_call = self._layers_per_call(pull)
+            calls = call_ranges(num_layers, layers_per_call)
+            try:
+                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
+                                      dtype=self._state.require_stacked().dtype, device=self._state.device)
+            except RuntimeError as exc:  # allocation failure fails this transfer only
+                job = self._make_job(save, pull, arrived,
+                                     slots=CallSlots(torch.empty(num_layers, 0), calls))
+                job.slots.fail(exc)
+                self._submit(job)
+                return
+            job = self._make_job(save, pull, arrived, slots=CallSlots(staging, calls))
+            self._step_push.append((job, index))
+            self._submit(job)
+            return
+        with self._state.lock:
+            self._pending[save.transfer_id] = PendingSave(
+                save, lease_deadline=self._state.clock() + self._state.config.get_lease_s)
+            if registration is not None:
+                self._registrations[save.transfer_id] = registration
+        self._step_deferred.append(save.transfer_id)
+
+    def _start_deferred(self, pending: PendingSave, pull: KVPullRequest, arrived: float) -> None:
+        save = pending.save
+        if pull.num_blocks == 0:
+            self._finish_send(save.request_id)
+            return
+        if not self._range_ok(pull, save):
+            return
+        block_ids = save.block_ids[pull.first_block:]
+        event = pending.ready_event
+        peer = pull.consumer_address
+        block_shape = self._state.require_geometry()[2]
+        index: torch.Tensor | None = None
+
+        def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
+            # The blocks are held by the scheduler until this send reports done. The index is
+            # uploaded inside the gather context, on the stream that gathers: uploaded on the
+            # caller's stream, a gather on the transport's stream could read it unwritten.
+            nonlocal index
+            stacked = self._state.require_stacked()
+            with self._state.transport.gather_context(peer, event):
+                if index is None:
+                    index = block_ids_tensor(block_ids, self._state.device)
+                out = torch.empty(wire_shape(end - first, len(block_ids), block_shape),
+                                  dtype=stacked.dtype, device=self._state.device)
+                return gather_layers(stacked, first, end, index, out=out), None
+
+        self._submit(self._make_job(save, pull, arrived, call_source=gather_call))
+
+    def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
+        if pull.first_block + pull.num_blocks == len(save.block_ids):
+            return True
+        reason = (f"consumer asks blocks [{pull.first_block}, {pull.first_block + pull.num_blocks})"
+                  f" but the prompt has {len(save.block_ids)}")
+        with self._state.lock:
+            self._state.counters["messages_rejected"] += 1
+        self._submit_abort(save.transfer_id, pull.consumer_address, reason)
+        self._finish_send(save.request_id)
+        return False
+
+    def _layers_per_call(self, pull: KVPullRequest) -> int:
+        num_layers, _, block_shape, element_size = self._state.require_geometry()
+        per_layer = layer_nbytes(pull.num_blocks, block_shape, element_size)
+        return plan_layers_per_call(num_layers, per_layer, self._state.config.min_call_bytes,
+                                    max_layers=pull.max_layers_per_call)
+
+    def _make_job(self, save: SaveSpec, pull: KVPullRequest, arrived: float,
+                  **source: Any) -> SendJob:
+        """The send of ``save`` that ``pull`` (received at ``arrived``) asked for. Its deadline
+        is also the consumer's, less a margin (the pull says how long it still waits): a
+        header sent after the consumer gave up is refused and, on NCCL, its pair aborted, and
+        the sends of every later transfer on that pair queued behind it (one sender thread a
+        consumer) failed with it."""
+        num_layers, dtype, block_shape, _ = self._state.require_geometry()
+        deadline = min(self._state.clock() + self._state.config.transfer_timeout_s,
+                       arrived + pull.timeout_s - PULL_DEADLINE_MARGIN_S)
+        return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
+                       peer_address=pull.consumer_address, first_block=pull.first_block,
+                       num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
+                       block_shape=list(block_shape), deadline=deadline,
+                       layers_per_call=self._layers_per_call(pull),
+                       peer_epoch=pull.consumer_epoch, **source)
+
+    def _submit(self, job: SendJob) -> None:
+        with self._state.lock:
+            self._in_flight[job.transfer_id] = job
+            sender = self._sender_locked(job.peer_address)
+        sender.submit(job)
+
+    def _sender_locked(self, peer_address: str) -> PeerSender:
+        """The peer's sender thread, started on first use (call with the lock held)."""
+        sender = self._senders.get(peer_address)
+        if sender is None:
+            sender = self._senders[peer_address] = PeerSender(
+                peer_address, self._state.own_address, self._state.epoch, self._state.codec, self._state.transport,
+                self._on_send_done, send_timeout_s=min(5.0, self._state.config.transfer_timeout_s),
+                current_epoch=self._current_consumer_epoch)
+            sender.start()
+        return sender
+
+    def _submit_abort(self, transfer_id: str, peer_address: str, reason: str) -> None:
+        job = SendJob(transfer_id=transfer_id, request_id=None, peer_address=peer_address,
+                      first_block=0, num_blocks=0, num_layers=0, dtype="", block_shape=[],
+                      deadline=self._state.clock() + self._state.config.transfer_timeout_s,
+                      abort_reason=reason)
+        with self._state.lock:
+            if peer_address not in self._senders and len(self._senders) >= MAX_ABORT_PEERS:
+                # An abort is a courtesy (the consumer's deadline covers it): pulls naming
+                # ever new addresses must not start a thread and a socket each.
+                self._state.counters["messages_rejected"] += 1
+                return
+            sender = self._sender_locked(peer_address)
+        sender.submit(job)
+
+    def abandon(self, transfer_id: str, peer_address: str) -> None:
+        """This producer will never send the transfer: tell a waiting consumer, drop a release."""
+        with self._state.lock:
+            registration = self._registrations.pop(transfer_id, None)
+            if registration is None:
+                self._tombstone(transfer_id, self._state.clock())
+        if registration is not None and registration[0].num_blocks > 0:
+            self._submit_abort(transfer_id, registration[0].consumer_address, "producer request ended")
+
+    def _tombstone(self, transfer_id: str, now: float) -> None:
+        """Remember a dead transfer id for ``orphan_ttl_s`` (caller holds the lock). Kept in
+        expiry order (re-inserted at the end), so expiring them stops at the first live one."""
+        self._tombstones.pop(transfer_id, None)
+        self._tombstones[transfer_id] = now + self._state.config.orphan_ttl_s
+        while len(self._tombstones) > 65536:
+            del self._tombstones[next(iter(self._tombstones))]
+
+    def _expire_tombstones(self, now: float) -> None:
+        """Drop the expired tombstones, oldest first (caller holds the lock): each step costs
+        the expired ones only, not every transfer sent in the last ``orphan_ttl_s``."""
+        while self._tombstones:
+            transfer_id, expiry = next(iter(self._tombstones.items()))
+            if now <= expiry:
+                return
+            del self._tombstones[transfer_id]
+
+    def _on_send_done(self, job: SendJob) -> None:
+        with self._state.lock:
+            if job.abort_reason is not None:
+                self._state.counters["control_messages_sent"] += 1
+                return
+            self._in_flight.pop(job.transfer_id, None)
+            # Never sent again (its blocks are handed back now; a job released while queued
+            # was never sent at all): a release that crossed the send is dropped, not kept
+            # as a waiting pull until orphan_ttl_s, and a late pull is told at once. A
+            # release that arrived between the pull's pop and the send's start (neither
+            # waiting nor in flight then) was stored: drop it too.
+            waiting = self._registrations.get(job.transfer_id)
+            if waiting is not None and waiting[0].num_blocks == 0:
+                del self._registrations[job.transfer_id]
+            self._tombstone(job.transfer_id, self._state.clock())
+            if job.slots is not None:
+                job.slots.clear()
+            if job.request_id is not None:
+                self._finished_sending.add(job.request_id)
+            if job.released:
+                pass  # the consumer no longer wanted it: not a failure of this producer
+            elif job.error is None:
+                self._state.counters["transfers_sent"] += 1
+                self._state.counters["control_messages_sent"] += 1
+                _, _, block_shape, element_size = self._state.require_geometry()
+                self._state.counters["bytes_sent"] += job.num_layers * layer_nbytes(
+                    job.num_blocks, block_shape, element_size)
+            else:
+                self._state.counters["sends_failed"] += 1
+        self._state.doorbell.ring()
+
+    def _finish_send(self, request_id: str) -> None:
+        with self._state.lock:
+            self._finished_sending.add(request_id)
+
+    def on_pull(self, pull: KVPullRequest) -> None:
+        if self._state.geometry is None or not self._state.config.is_producer:
+            self._state.reject("pull request", "this engine does not produce KV")
+            return
+        num_layers, dtype, block_shape, _ = self._state.geometry
+        reason = check_pull(pull, num_layers, dtype, block_shape)
+        if reason is not None:
+            self._state.reject("pull request", reason)
+            if pull.num_blocks > 0 and is_host_port(pull.consumer_address):
+                self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
+            return
+        if self._note_consumer_epoch(pull.consumer_address, pull.consumer_epoch):
+            # Our pair's other rank is gone and the new process has none: drop it now (this also
+            # ends a send stalled on it), so the next send re-handshakes with an NcclHello.
+            logger.info("kv consumer at %s restarted: dropping its pair", pull.consumer_address)
+            self._state.transport.abort(pull.consumer_address)
+        with self._state.lock:
+            dead = pull.transfer_id in self._tombstones
+            job = None if dead else self._in_flight.get(pull.transfer_id)
+        if job is not None:
+            if pull.num_blocks == 0:
+                self._release_queued_send(pull, job)
+                return
+            self._state.reject("pull request", f"{pull.transfer_id!r:.80} is already being sent")
+            return
+        if dead:
+            if pull.num_blocks > 0:
+                self._submit_abort(pull.transfer_id, pull.consumer_address, "transfer released")
+            return
+        if pull.num_blocks == 0 and self._cancel_waiting_pull(pull):
+            return
+        with self._state.lock:
+            pending = self._pending.get(pull.transfer_id)
+            full = (pending is None and pull.transfer_id not in self._registrations
+                    and len(self._registrations) >= MAX_WAITING_PULLS)
+            if pending is not None and pending.ready:
+                del self._pending[pull.transfer_id]
+            elif not full:  # its prefill has not reached the save yet: kept until it does
+                self._registrations[pull.transfer_id] = (pull, self._state.clock())
+                return
+        if full:
+            self._state.reject("pull request", f"{pull.transfer_id!r:.80}: {MAX_WAITING_PULLS} pulls "
+                                         "already wait for their prefill")
+            if pull.num_blocks > 0:
+                self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
+            return
+        self._start_deferred(pending, pull, self._state.clock())
+
+    def _cancel_waiting_pull(self, release: KVPullRequest) -> bool:
+        """A release (``num_blocks=0``) for a pull still waiting for its prefill cancels it;
+        True when handled here (cancelled, or refused), False when no such pull waits.
+
+        The waiting pull is the only thing this transfer's send can start from (the pull and
+        its release arrive in order on the consumer's one socket): replaced by the release
+        under the lock, no header will ever be sent, and the save ends without a send. The
+        abort that answers tells the consumer so, and it may reuse the receive bytes it
+        reserved at once (on NCCL it waits for this answer). Only the consumer address that
+        pulled may cancel (a new process there too: the old one's pull is dead): a release
+        from another would leave that consumer waiting for its deadline, so it is refused
+        (logged, counted) and the pull kept."""
+        with self._state.lock:
+            registered = self._registrations.get(release.transfer_id)
+            if registered is None or registered[0].num_blocks == 0:
+                return False
+            pull, arrived = registered
+            ours = pull.consumer_address == release.consumer_address
+            if ours:
+                self._registrations[release.transfer_id] = (release, arrived)
+        if not ours:
+            self._state.reject("pull release", f"{release.transfer_id!r:.80} was pulled by "
+                                         f"{pull.consumer_address}, not "
+                                         f"{release.consumer_address!r:.80}")
+            return True
+        self._submit_abort(release.transfer_id, release.consumer_address,
+                           "pull cancelled by the consumer")
+        return True
+
+    def _release_queued_send(self, release: KVPullRequest, job: SendJob) -> None:
+        """A release (``num_blocks=0``) for a transfer whose send job exists.
+
+        A job still queued behind other sends to this consumer is dropped unsent: its peer
+        sender reports it at once (``on_done``: the blocks go back, the id is tombstoned) and
+        the abort that answers lets the consumer free the receive bytes it reserved (on NCCL
+        it keeps them until this answer, which used to be the whole transfer arriving after
+        the jobs ahead of it). A job the sender thread already took runs in full: the
+        release crossed it, and its header answers the consumer. The sender decides which,
+        under the job's lock, so a job is never half sent. As for a waiting pull, only the
+        consumer address that pulled may release (refused, logged and counted otherwise)."""
+        if release.consumer_address != job.peer_address:
+            self._state.reject("pull release", f"{release.transfer_id!r:.80} is sent to "
+                                         f"{job.peer_address}, not "
+                                         f"{release.consumer_address!r:.80}")
+            return
+        with self._state.lock:
+            sender = self._senders.get(job.peer_address)
+        if sender is None or not sender.release(job, "transfer released"):
+            logger.debug("kv release of %.80r: its send already started", release.transfer_id)
+            return
+        self._submit_abort(release.transfer_id, release.consumer_address, "transfer released")
+
+    def _note_consumer_epoch(self, address: str, epoch: str) -> bool:
+        """Remember the epoch of the consumer process at ``address``; True when it replaces
+        another one (the process restarted). Recorded before the caller drops the pair, so a
+        sender that builds a pair after the drop sees the new epoch and skips the old jobs."""
+        if not epoch:
+            return False
+        with self._state.lock:
+            known = self._consumer_epochs.pop(address, None)
+            self._consumer_epochs[address] = epoch
+            while len(self._consumer_epochs) > MAX_KNOWN_CONSUMERS:
+                del self._consumer_epochs[next(iter(self._consumer_epochs))]
+            restarted = known is not None and known != epoch
+            if restarted:
+                self._state.counters["consumer_restarts"] += 1
+        return restarted
+
+    def _current_consumer_epoch(self, address: str) -> str | None:
+        """The epoch of the consumer process last seen at ``address`` (sender threads ask)."""
+        with self._state.lock:
+            return self._consumer_epochs.get(address)
+

@@ -1,0 +1,58 @@
+"""``POST /internal/kv/release``: its body, validated once at the edge.
+
+A decode worker that refused a request tells the prefill worker holding its KV to drop it now
+rather than at its lease's end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine_core.addresses import is_host_port
+from engine_core.errors import InvalidRequestError
+from engine_core.server import protocol
+
+# /internal/kv/release: transfers one call may name (a request's prompts move one each),
+# and a transfer id's length (the connector's own bound).
+MAX_RELEASES = protocol.MAX_CHOICES
+MAX_TRANSFER_ID_CHARS = 1024
+_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address"})
+RELEASE_TOKEN = 0  # the one-token prompt of a release (any id of the vocabulary does)
+
+
+@dataclass(frozen=True)
+class KVRelease:
+    """Transfers no decode leg will pull (this worker refused their request), whose KV the
+    prefill worker at ``producer_address`` holds and is to drop now, not at its lease's end."""
+
+    transfer_ids: list[str]
+    producer_address: str
+
+
+def _is_transfer_id(value: Any) -> bool:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRANSFER_ID_CHARS:
+        return False
+    try:
+        value.encode("utf-8")  # a lone surrogate cannot cross the engine socket
+    except UnicodeEncodeError:
+        return False
+    return value.isprintable()
+
+
+def parse_kv_release(body: dict[str, Any]) -> KVRelease:
+    """Validate a /internal/kv/release body: ``{"transfer_ids": [...], "remote_kv_address":
+    "host:port"}`` and nothing else."""
+    unknown = sorted(set(body) - _RELEASE_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
+    ids = body.get("transfer_ids")
+    if (not isinstance(ids, list) or not 0 < len(ids) <= MAX_RELEASES
+            or not all(_is_transfer_id(t) for t in ids) or len(set(ids)) != len(ids)):
+        raise InvalidRequestError(
+            f"transfer_ids must be 1 to {MAX_RELEASES} distinct printable strings of at most "
+            f"{MAX_TRANSFER_ID_CHARS} characters", "transfer_ids")
+    address = body.get("remote_kv_address")
+    if not is_host_port(address):
+        raise InvalidRequestError("remote_kv_address must be host:port", "remote_kv_address")
+    return KVRelease(list(ids), address)

@@ -1,0 +1,78 @@
+"""The placement sweep's rate search and summary (pure)."""
+
+from __future__ import annotations
+
+from benchmarks.placement.search import PointResult, RateSearch, SloCell
+from benchmarks.placement.workloads import SweepTopology, topologies_for
+from benchmarks.placement_sweep import summarize
+
+TIGHT = SloCell(1000.0, 15.0)
+LOOSE = SloCell(1000.0, 40.0)
+
+
+def synthetic_point(rate: float, tight_capacity: float, loose_capacity: float) -> PointResult:
+    """Ten requests: all meet LOOSE below its capacity, TIGHT below its own; else none."""
+    tpot = 0.010 if rate <= tight_capacity else (0.030 if rate <= loose_capacity else 0.080)
+    return PointResult(rate, (0.1,) * 10, (tpot,) * 10, duration_s=10.0 / rate)
+
+
+def run_search(search: RateSearch, tight: float, loose: float) -> list[float]:
+    rates = []
+    while (rate := search.next_rate()) is not None:
+        rates.append(rate)
+        search.record(synthetic_point(rate, tight, loose))
+    return rates
+
+
+def test_attainment_counts_failed_requests_as_missed() -> None:
+    point = PointResult(4.0, (0.1, 0.1, None, 2.0), (0.01, 0.02, None, 0.01), duration_s=2.0)
+    assert point.attainment(TIGHT) == 0.25   # only the first meets TPOT <= 15 ms
+    assert point.attainment(LOOSE) == 0.5
+    assert point.goodput(LOOSE) == 1.0
+
+
+def test_search_grows_until_every_cell_fails_then_brackets_each() -> None:
+    search = RateSearch([TIGHT, LOOSE], start_rate=1.0, max_rate=64.0, budget=20)
+    rates = run_search(search, tight=5.0, loose=11.0)
+    assert rates[:5] == [1.0, 2.0, 4.0, 8.0, 16.0]
+    tight_low, tight_high = search.bracket(TIGHT)
+    loose_low, loose_high = search.bracket(LOOSE)
+    assert tight_low <= 5.0 < tight_high and tight_high / tight_low <= search.tolerance
+    assert loose_low <= 11.0 < loose_high and loose_high / loose_low <= search.tolerance
+    assert search.max_goodput(TIGHT)["rate"] == tight_low
+    assert abs(search.max_goodput(LOOSE)["goodput"] - loose_low) < 1e-9
+
+
+def test_search_stops_at_its_budget_and_at_max_rate() -> None:
+    assert len(run_search(RateSearch([LOOSE], 1.0, 64.0, budget=3), 5.0, 11.0)) == 3
+    # Nothing ever fails: growth stops at max_rate, which is then the answer.
+    search = RateSearch([LOOSE], 1.0, 6.0, budget=20)
+    assert run_search(search, 100.0, 100.0) == [1.0, 2.0, 4.0, 6.0]
+    assert search.max_goodput(LOOSE)["rate"] == 6.0
+
+
+def test_search_goes_below_a_failing_start() -> None:
+    search = RateSearch([TIGHT], start_rate=8.0, max_rate=64.0, budget=6)
+    run_search(search, tight=1.5, loose=100.0)
+    low, _ = search.bracket(TIGHT)
+    assert low is not None and low <= 1.5
+
+
+def test_topologies_for_two_and_four_gpus() -> None:
+    assert [t.name for t in topologies_for(2)] == ["colo2", "1p1d", "adaptive2"]
+    assert [t.name for t in topologies_for(4)] == ["colo4", "1p3d", "2p2d", "3p1d",
+                                                   "adaptive4"]
+    assert all(t.num_workers == 4 for t in topologies_for(4))
+
+
+def test_summary_ratios_against_best_static_and_replicas() -> None:
+    from benchmarks.placement.workloads import SMOKE_WORKLOADS
+
+    workload = SMOKE_WORKLOADS["2k"]
+    cell = workload.cells()[1].name
+    figures = {"colo2": {"2k": {cell: {"rate": 4.0}}}, "1p1d": {"2k": {cell: {"rate": 5.0}}},
+               "adaptive2": {"2k": {cell: {"rate": 6.0}}}}
+    topologies = [SweepTopology("colo2", colocated=2), SweepTopology("1p1d", 1, 1),
+                  SweepTopology("adaptive2", workers=2)]
+    _, ratios = summarize(figures, [workload], topologies)
+    assert ratios[f"2k/{cell}"] == {"vs_best_static": 6.0 / 5.0, "vs_replicas": 1.5}

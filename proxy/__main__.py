@@ -110,8 +110,8 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        check_exposure([config.host, config.registration_bind_host], config.cluster_secret,
-                       config.insecure)
+        # The internal plane is the registration socket (the HTTP API is public anyway).
+        check_exposure([config.registration_bind_host], config.cluster_secret, config.insecure)
         # A taken port is one clear line, not an asyncio traceback after startup.
         check_port_free(config.host, config.port)
         if config.registration_port:

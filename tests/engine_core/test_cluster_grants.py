@@ -13,19 +13,11 @@ from engine_core.cluster.trust import (
     ClusterSecret,
     TrustRefusal,
 )
+from tests.manual_clock import ManualClock
 
 SECRET = ClusterSecret(b"0123456789abcdef0123456789abcdef")
 P_KV, D_KV, ATTACKER_KV = "10.0.0.1:14579", "10.0.0.2:14580", "10.6.6.6:14580"
 
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def refusal(authority: GrantAuthority, token: object, **names: str) -> str:
@@ -36,17 +28,17 @@ def refusal(authority: GrantAuthority, token: object, **names: str) -> str:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def proxy(clock: Clock) -> GrantAuthority:
+def proxy(clock: ManualClock) -> GrantAuthority:
     return GrantAuthority(SECRET, clock=clock)
 
 
 @pytest.fixture
-def worker(clock: Clock) -> GrantAuthority:
+def worker(clock: ManualClock) -> GrantAuthority:
     return GrantAuthority(SECRET, clock=clock, leeway_s=0.0)
 
 

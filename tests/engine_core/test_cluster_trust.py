@@ -30,22 +30,14 @@ from engine_core.cluster.trust import (
     write_secret_file,
 )
 from engine_core.errors import ConfigError
+from tests.manual_clock import ManualClock
 
 SECRET = ClusterSecret(b"0123456789abcdef0123456789abcdef")
 OTHER_SECRET = ClusterSecret(b"fedcba9876543210fedcba9876543210")
 
 
-class Clock:
-    """A clock the test moves by hand."""
 
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def pair(clock: Clock, secret: ClusterSecret = SECRET, channel: str = CHANNEL_REGISTRATION,
+def pair(clock: ManualClock, secret: ClusterSecret = SECRET, channel: str = CHANNEL_REGISTRATION,
          **verifier_args: float) -> tuple[Sealer, Verifier]:
     return (Sealer(secret, channel, "worker-1", clock=clock),
             Verifier(secret, channel, clock=clock, **verifier_args))
@@ -109,7 +101,7 @@ def test_exposed_bind_without_secret_refuses_unless_insecure():
 # -- the envelope ----------------------------------------------------------------------------
 
 def test_sealed_message_opens_with_sender_time_and_payload():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock)
     sealed = sealer.seal(b"heartbeat bytes")
     assert len(sealed) == len(b"heartbeat bytes") + ENVELOPE_OVERHEAD + len(b"worker-1")
@@ -121,7 +113,7 @@ def test_sealed_message_opens_with_sender_time_and_payload():
 
 
 def test_empty_secret_still_frames_and_deduplicates():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock, secret=ClusterSecret())
     sealed = sealer.seal(b"x")
     assert verifier.open(sealed).payload == b"x"
@@ -129,7 +121,7 @@ def test_empty_secret_still_frames_and_deduplicates():
 
 
 def test_forged_payload_is_refused():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock)
     sealed = bytearray(sealer.seal(b"role=D http=10.0.0.9:8200"))
     sealed[-40] ^= 0x01  # a byte of the payload
@@ -138,7 +130,7 @@ def test_forged_payload_is_refused():
 
 
 def test_forged_sender_id_is_refused():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock)
     sealed = sealer.seal(b"deregister")
     forged = sealed.replace(b"worker-1", b"worker-2", 1)
@@ -146,7 +138,7 @@ def test_forged_sender_id_is_refused():
 
 
 def test_wrong_secret_or_other_channel_is_forged():
-    clock = Clock()
+    clock = ManualClock()
     outsider = Sealer(OTHER_SECRET, CHANNEL_REGISTRATION, "attacker", clock=clock)
     _, verifier = pair(clock)
     assert refusal(verifier, outsider.seal(b"heartbeat")) == FORGED
@@ -157,7 +149,7 @@ def test_wrong_secret_or_other_channel_is_forged():
 
 
 def test_replayed_message_is_refused_and_counted():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock)
     sealed = sealer.seal(b"pull to attacker")
     verifier.open(sealed)
@@ -169,7 +161,7 @@ def test_replayed_message_is_refused_and_counted():
 
 @pytest.mark.parametrize("offset_s", [-31.0, 31.0])
 def test_message_outside_the_skew_bound_is_stale(offset_s):
-    sender_clock, receiver_clock = Clock(), Clock()
+    sender_clock, receiver_clock = ManualClock(), ManualClock()
     receiver_clock.now += offset_s
     sealer = Sealer(SECRET, CHANNEL_REGISTRATION, "worker-1", clock=sender_clock)
     verifier = Verifier(SECRET, CHANNEL_REGISTRATION, clock=receiver_clock, max_skew_s=30.0)
@@ -179,7 +171,7 @@ def test_message_outside_the_skew_bound_is_stale(offset_s):
 
 
 def test_replay_after_the_window_is_stale_not_accepted():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock, max_skew_s=10.0)
     sealed = sealer.seal(b"sleeping: true")
     verifier.open(sealed)
@@ -192,19 +184,19 @@ def test_replay_after_the_window_is_stale_not_accepted():
 @pytest.mark.parametrize("sealed", [
     b"", b"\x01" * 20, b"\x02" + b"\x00" * 80, bytes([1]) + b"\x00" * 24 + b"\xff" + b"\x00" * 40])
 def test_malformed_envelopes_are_refused(sealed):
-    _, verifier = pair(Clock())
+    _, verifier = pair(ManualClock())
     assert refusal(verifier, sealed) == MALFORMED
 
 
 def test_non_utf8_sender_is_malformed():
-    clock = Clock()
+    clock = ManualClock()
     sealer, verifier = pair(clock)
     sealed = sealer.seal(b"x").replace(b"worker-1", b"\xff\xfeorker", 1)
     assert refusal(verifier, sealed) == MALFORMED
 
 
 def test_refusals_are_logged_once_per_peer_and_reason(caplog):
-    clock = Clock()
+    clock = ManualClock()
     _, verifier = pair(clock)
     attacker = Sealer(OTHER_SECRET, CHANNEL_REGISTRATION, "attacker", clock=clock)
     with caplog.at_level(logging.WARNING, logger="engine_core.cluster.trust"):
@@ -224,7 +216,7 @@ def test_sender_id_must_fit_the_envelope():
 
 
 def test_nonces_are_unique_per_message_and_per_sealer():
-    clock = Clock()
+    clock = ManualClock()
     first = Sealer(SECRET, CHANNEL_REGISTRATION, "w", clock=clock)
     second = Sealer(SECRET, CHANNEL_REGISTRATION, "w", clock=clock)
     verifier = Verifier(SECRET, CHANNEL_REGISTRATION, clock=clock)

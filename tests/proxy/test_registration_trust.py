@@ -25,19 +25,11 @@ from engine_core.cluster.trust import (
 )
 from proxy.registration import RegistrationServer
 from proxy.registry import InstanceRegistry
+from tests.manual_clock import ManualClock
 
 SECRET = ClusterSecret(b"0123456789abcdef0123456789abcdef")
 D_HTTP, D_KV = "127.0.0.1:8200", "127.0.0.1:14580"
 
-
-class Clock:
-    """A wall clock the test moves by hand."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def heartbeat(http: str = D_HTTP, kv: str = D_KV, role: str = "D",
@@ -48,12 +40,12 @@ def heartbeat(http: str = D_HTTP, kv: str = D_KV, role: str = "D",
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def server(clock: Clock) -> RegistrationServer:
+def server(clock: ManualClock) -> RegistrationServer:
     """A server (never started: ``handle`` takes payloads) with the real D registered."""
     server = RegistrationServer(InstanceRegistry(max_workers=256), secret=SECRET, clock=clock)
     server.handle(Sealer(SECRET, CHANNEL_REGISTRATION, "real-d", clock=clock).seal(heartbeat()))
@@ -95,7 +87,7 @@ def test_replayed_sleeping_heartbeat_and_deregister_are_refused(server, clock):
 
 
 def test_stale_message_is_refused(server, clock):
-    sender_clock = Clock(clock.now - 120.0)  # captured two minutes ago, or a clock far off
+    sender_clock = ManualClock(clock.now - 120.0)  # captured two minutes ago, or a clock far off
     old = Sealer(SECRET, CHANNEL_REGISTRATION, "real-d", clock=sender_clock)
     server.handle(old.seal(REGISTRATION_CODEC.encode(Deregister(D_HTTP))))
     assert registry_of(server).get(D_HTTP) is not None

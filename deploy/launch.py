@@ -505,10 +505,10 @@ def user_kv_settings(text: str | None) -> tuple[dict, dict]:
 
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
-    """The proxy and the workers; every one reads the cluster secret that
-    ``new_cluster_secret`` writes into ``log_dir``."""
+    """The proxy and the workers; every one reads the new cluster secret this writes into
+    ``log_dir``."""
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
-    trust_args = ["--cluster-secret-file", str(log_dir / CLUSTER_SECRET_FILE)]
+    trust_args = ["--cluster-secret-file", str(new_cluster_secret(log_dir))]
     # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
     fixed = tuple(p for p in (args.port, args.registration_port) if p)
     ports = iter(free_ports(1 + 2 * (args.prefill + args.decode) + args.colocated, fixed))
@@ -692,7 +692,6 @@ def run_launch(args: argparse.Namespace, engine_args: list[str] | None = None) -
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"pdserve launch: logs in {log_dir}", flush=True)
-    new_cluster_secret(log_dir)
     proxy, workers, url = build_children(args, engine_args, log_dir)
     children = [proxy, *workers]
     stopping = False

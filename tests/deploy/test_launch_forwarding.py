@@ -63,7 +63,6 @@ def _parse(*argv: str) -> argparse.Namespace:
 def _children(tmp_path: Path, *argv: str) -> tuple[launch.Child, list[launch.Child]]:
     """The proxy and workers (1P1D plus one colocated) ``pdserve launch argv`` would start."""
     args = _parse("--colocated", "1", *argv)
-    launch.new_cluster_secret(tmp_path)  # the children's configs read it
     proxy, workers, _ = launch.build_children(args, launch.engine_argv(args), tmp_path)
     assert [w.name for w in workers] == ["prefill0", "decode0", "colocated0"]
     return proxy, workers

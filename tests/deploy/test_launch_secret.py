@@ -23,11 +23,10 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_every_child_reads_the_launch_secret(tmp_path: Path) -> None:
-    path = new_cluster_secret(tmp_path)
-    assert path == tmp_path / CLUSTER_SECRET_FILE
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     proxy, workers, _ = build_children(_parse("--prefill", "1", "--decode", "1",
                                               "--colocated", "1"), [], tmp_path)
+    path = tmp_path / CLUSTER_SECRET_FILE
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     for child in (proxy, *workers):
         argv = child.argv
         assert argv[argv.index("--cluster-secret-file") + 1] == str(path), child.name

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser
-from deploy.launch import build_children, engine_argv, new_cluster_secret
+from deploy.launch import build_children, engine_argv
 from engine_core.server.worker import worker_kv_config
 
 
@@ -52,7 +52,6 @@ def test_proxy_flags_reach_the_proxy(tmp_path: Path) -> None:
 
     args = _parse("--prefill", "1", "--decode", "1", "--prefill-overflow", "6",
                   "--first-token-from-prefill")
-    new_cluster_secret(tmp_path)  # the proxy's config reads it
     proxy, _, _ = build_children(args, engine_argv(args), tmp_path)
     assert _flag(proxy.argv, "--prefill-overflow") == "6"
     assert "--first-token-from-prefill" in proxy.argv

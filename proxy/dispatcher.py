@@ -98,6 +98,7 @@ class _HeldKV:
     decode: WorkerState
     transfer_ids: list[str]
     headers: dict[str, str]
+    grant: str  # the transfers' grant naming prefill and decode
 
 
 def _took_nothing(status: int) -> bool:
@@ -274,9 +275,10 @@ class Dispatcher:
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
         headers = fw.leg_headers(request.headers, attempt_id)
-        held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
-        p_leg, d_leg = _Leg(self, prefill, "prefill"), _Leg(self, decode, "decode")
         grant = self._grant(attempt_id, prefill, decode)
+        held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
+                       grant)
+        p_leg, d_leg = _Leg(self, prefill, "prefill"), _Leg(self, decode, "decode")
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
             prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address, grant),
@@ -365,7 +367,7 @@ class Dispatcher:
         effort: a failure leaves the KV to the lease."""
         url = held.decode.url + fw.RELEASE_PATH
         assert held.prefill.zmq_address is not None
-        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address)
+        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant)
         try:
             response = await fw.open_leg(self.session, url, body, held.headers,
                                          self.timeouts.release())
@@ -441,7 +443,8 @@ class Dispatcher:
             await _abort(p_task)
         if isinstance(verdict, web.Response):
             return verdict
-        held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
+        held = _HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
+                       grant)
         first = fw.first_token_of(verdict)
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             # Counted unless this D sends the request round again (unreachable, asleep):
@@ -482,7 +485,7 @@ class Dispatcher:
             d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
                                             first.token_ids, grant)
             d_leg = _Leg(self, decode, "decode")
-            held = dataclasses.replace(held, decode=decode)
+            held = dataclasses.replace(held, decode=decode, grant=grant)
             d_task = asyncio.create_task(fw.open_leg(
                 self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
             settling = False  # D's leg handed to ``_settle_decode``

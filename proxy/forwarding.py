@@ -117,9 +117,12 @@ def prompt_transfer_ids(path: str, body: dict[str, Any], transfer_id: str) -> li
     return [f"{transfer_id}-p{i}" for i in range(len(prompt))]
 
 
-def release_body(transfer_ids: list[str], prefill_kv_address: str) -> dict[str, Any]:
-    """The body of a decode worker's ``RELEASE_PATH``."""
-    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address}
+def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str
+                 ) -> dict[str, Any]:
+    """The body of a decode worker's ``RELEASE_PATH`` (with the transfers' grant, without
+    which the decode worker tells the prefill worker nothing)."""
+    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address,
+            "grant": grant}
 
 
 def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:

@@ -3,8 +3,8 @@ every server takes the same ones (vLLM's names) and builds its ``ServerOptions``
 
 Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``,
 ``VLLM_ENGINE_READY_TIMEOUT_S``, ``PDSERVE_CLUSTER_SECRET_FILE``) are folded into these flags
-by ``apply_environment``, the one place that reads them (``pdserve``, ``python -m proxy`` and
-``python -m prefill|decode`` call it).
+by ``apply_environment``, the one place that reads them (``pdserve`` and
+``python -m prefill|decode`` call it; ``python -m proxy`` folds the secret file's itself).
 """
 
 from __future__ import annotations

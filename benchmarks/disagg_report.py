@@ -3,7 +3,7 @@
 On two GPUs with dummy Qwen3-8B weights (the default):
 
     source .device/env.sh && python3 -m benchmarks.disagg_report --gpus 0,1 \\
-        --results-dir benchmarks/results/serve
+        --results-dir results/disagg_report
 
 It writes a config-only Qwen3-8B directory (word-level tokenizer over the whole
 vocabulary), launches each topology once with ``pdserve launch`` (one colocated worker,
@@ -22,7 +22,7 @@ machine, with goodput_2k's runs in the same directory for the per-GPU comparison
 the same ``--rates-2k``, ``--point-seconds`` and ``--seed``):
 
     python3 -m benchmarks.disagg_report --gpus 0,1,2,3 --only goodput_2k,goodput_2k_2p1d \\
-        --rates-2k 4,8,12,16 --point-seconds 15 --results-dir benchmarks/results/serve/2p1d
+        --rates-2k 4,8,12,16 --point-seconds 15 --results-dir results/disagg_report/2p1d
 
 Workers get the ``--gpus`` ids in order, one each (2P1D: P, P, D), so a topology needs as
 many ids as it has workers. An experiment named in ``--only`` none of whose topologies fit
@@ -60,6 +60,7 @@ from benchmarks.disagg.plan import (
 )
 from benchmarks.disagg.summary import build_summary, load_results, make_plots
 from benchmarks.model_shapes import SHAPES, write_model_dir
+from benchmarks.output import RESULTS_ROOT
 from benchmarks.serve.config import parse_rates
 
 logger = logging.getLogger("pdserve.report")
@@ -95,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(goodput_2k_2p1d: 2P1D vs three colocated replicas at goodput_2k's "
                           "points, three GPUs)")
     run.add_argument("--results-dir", default=None,
-                     help="default benchmarks/results/serve (smoke: a temp dir)")
+                     help="default results/disagg_report (smoke: a temp dir)")
     run.add_argument("--force", action="store_true", help="rerun runs that have results")
     run.add_argument("--summary-only", action="store_true",
                      help="rebuild summary and plots from saved results")
@@ -146,9 +147,9 @@ def _model(args: argparse.Namespace, results_dir: Path) -> tuple[str, bool]:
     if args.model:
         return args.model, False
     if args.smoke:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.demo_model import random_demo_model_path
 
-        return str(demo_model_path()), False
+        return str(random_demo_model_path()), False
     path = results_dir / f"model-{args.shape}"
     if not (path / "config.json").is_file():
         write_model_dir(args.shape, path, tokenizer="words")
@@ -291,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
                            "bigger machine", item.topology.name, item.topology.num_workers,
                            len(gpu_ids))
     results_dir = Path(args.results_dir or (Path(tempfile.gettempdir()) / "pdserve-report-smoke"
-                                            if args.smoke else REPO_ROOT / "benchmarks" /
-                                            "results" / "serve"))
+                                            if args.smoke else RESULTS_ROOT / "disagg_report"))
     results_dir.mkdir(parents=True, exist_ok=True)
     model, shape_dir = _model(args, results_dir)
-    served = args.served_model_name or ("pdserve-demo" if args.smoke else Path(model).name)
+    served = args.served_model_name or ("pdserve-demo-random" if args.smoke
+                                        else Path(model).name)
     spec = ClusterSpec(model=model, served_model_name=served,
                        engine_args=_engine_args(args, shape_dir), gpus=gpu_ids,
                        log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout)

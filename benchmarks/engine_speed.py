@@ -36,569 +36,47 @@ the host's share of a step is visible. Weights are ``--load-format dummy`` in bf
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import itertools
-import json
 import logging
+import os
 import platform
 import random
-import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.model_shapes import write_model_dir
+from benchmarks.output import default_out, write_json
+from benchmarks.speed.cases import decode_case, mixed_case, prefill_case, throughput_run
+from benchmarks.speed.driver import (
+    SMOKE_OVERRIDES,
+    BenchConfig,
+    Driver,
+    HookedStandIn,
+    build_engine,
+    engine_info,
+)
+from benchmarks.speed.hf_baseline import hf_throughput
+from benchmarks.speed.limits import (
+    free_memory,
+    kv_bytes_per_token,
+    measure_limits,
+    weight_bytes_read,
+)
+from benchmarks.speed.summary import summarize
+from engine_core.arg_utils import engine_environment
 from engine_core.config import (
     SPLIT_K_MLP_MODES,
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
 )
-from engine_core.engine_core import EngineCore
-from engine_core.kv_connector import NullConnectorWorker
-from engine_core.messages import AddRequest
-from engine_core.models.spec import ModelSpec
-from engine_core.sampling_params import SamplingParams
-from engine_core.worker.forward_timer import ForwardTimer
 from engine_core.worker.loader import read_model_spec
 
 PARTS = ("limits", "decode", "mixed", "prefill", "small", "e2e", "hf")
-# Tiny shapes for --smoke (CPU or GPU): every code path in seconds.
-SMOKE_OVERRIDES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       vocab_size=1024, max_position_embeddings=4096)
 
 logger = logging.getLogger("pdserve.bench.engine_speed")
-
-
-# ---- timing and limits ------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], object], device: torch.device, iters: int,
-            warmup: int = 3) -> list[float]:
-    """Per-call times in ms (CUDA events on GPU, wall clock elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def stats_ms(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {"median": statistics.median(ordered), "mean": statistics.fmean(ordered),
-            "min": ordered[0], "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "n": len(ordered)}
-
-
-def measure_limits(device: torch.device, copy_bytes: int, matmul_n: int,
-                   iters: int) -> dict[str, Any]:
-    """Copy bandwidth (read + write bytes per second) and the bf16 matmul rate."""
-    copy_times = _copy_times(device, copy_bytes, iters)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mm_times = _matmul_times(device, matmul_n, dtype, iters)
-    free_memory()
-    copy_ms, mm_ms = statistics.median(copy_times), statistics.median(mm_times)
-    return {
-        "copy_bytes_each_way": copy_bytes,
-        "copy_ms": stats_ms(copy_times),
-        "copy_bandwidth_bytes_per_s": 2 * copy_bytes / (copy_ms / 1e3),
-        "copy_bandwidth_best_bytes_per_s": 2 * copy_bytes / (min(copy_times) / 1e3),
-        "matmul_n": matmul_n,
-        "matmul_dtype": str(dtype),
-        "matmul_ms": stats_ms(mm_times),
-        "matmul_flops_per_s": 2 * matmul_n ** 3 / (mm_ms / 1e3),
-        "matmul_best_flops_per_s": 2 * matmul_n ** 3 / (min(mm_times) / 1e3),
-    }
-
-
-def _copy_times(device: torch.device, nbytes: int, iters: int) -> list[float]:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()
-    dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src), device, iters)
-
-
-def _matmul_times(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> list[float]:
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    return time_ms(lambda: torch.matmul(a, b), device, iters)
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# ---- model arithmetic -------------------------------------------------------------------
-
-
-def weight_bytes_read(model: torch.nn.Module, spec: ModelSpec) -> int:
-    """Parameter bytes a decode step reads: all of them, except an untied input embedding
-    (only the batch's rows are gathered)."""
-    total = 0
-    for name, param in model.named_parameters():  # a tied lm_head appears once
-        if name.endswith("embed_tokens.weight") and not spec.tie_word_embeddings:
-            continue
-        total += param.numel() * param.element_size()
-    return total
-
-
-def kv_bytes_per_token(spec: ModelSpec, element_size: int) -> int:
-    return 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * element_size
-
-
-def decoder_matmul_params(spec: ModelSpec) -> int:
-    """Weights of the per-token matmuls of the decoder layers (q, k, v, o, gate, up, down)."""
-    hidden, inter = spec.hidden_size, spec.intermediate_size
-    q = spec.num_attention_heads * spec.head_dim
-    kv = spec.num_key_value_heads * spec.head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
-    return spec.num_hidden_layers * per_layer
-
-
-def prefill_flops(spec: ModelSpec, num_tokens: int) -> dict[str, float]:
-    """FLOPs of one prefill of ``num_tokens`` (logits of the last token only)."""
-    matmul = 2.0 * num_tokens * decoder_matmul_params(spec) + 2.0 * spec.hidden_size * spec.vocab_size
-    # Causal: query i sees i + 1 keys; QK^T and PV are 2 * head_dim FLOPs per (query, key, head).
-    pairs = num_tokens * (num_tokens + 1) / 2
-    attention = 2 * 2.0 * spec.num_attention_heads * spec.head_dim * pairs * spec.num_hidden_layers
-    return {"matmul": matmul, "attention": attention, "total": matmul + attention}
-
-
-# ---- driving an engine ------------------------------------------------------------------
-
-
-@dataclass
-class BenchConfig:
-    device: str
-    dtype: str
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    gpu_memory_utilization: float
-    triton_gemv_max_rows: int | None = None
-    split_k_mlp: str = "auto"
-    async_scheduling: bool = True
-    cuda_graph_mode: str = "full"
-
-
-class HookedStandIn(NullConnectorWorker):
-    """A connector whose every step needs layer hooks that do nothing: a prefill worker's
-    step shape (hooks decide whether a step may replay a graph) without the transfers."""
-
-    def needs_layer_hooks(self, metadata: object) -> bool:
-        return True
-
-
-def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = False
-                 ) -> tuple[EngineCore, float]:
-    config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype=bench.dtype, load_format="dummy",
-                          max_model_len=bench.max_model_len),
-        cache=CacheConfig(gpu_memory_utilization=bench.gpu_memory_utilization),
-        scheduler=SchedulerConfig(max_num_seqs=bench.max_num_seqs,
-                                  max_num_batched_tokens=bench.max_num_batched_tokens,
-                                  async_scheduling=bench.async_scheduling),
-        device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
-                            triton_gemv_max_rows=bench.triton_gemv_max_rows,
-                            split_k_mlp=bench.split_k_mlp,
-                            cuda_graph_mode=bench.cuda_graph_mode),
-    )
-    t0 = time.perf_counter()
-    engine = EngineCore(config)
-    return engine, time.perf_counter() - t0
-
-
-def engine_info(engine: EngineCore, startup_s: float) -> dict[str, Any]:
-    capture = engine.graph_capture
-    return {
-        "startup_s": startup_s,
-        "attention_backend": engine.attn_backend.name,
-        "dtype": str(engine.dtype),
-        "num_kv_blocks": engine.num_blocks,
-        "block_size": engine.config.cache.block_size,
-        "cuda_graph_sizes": capture.sizes.decode if capture else [],
-        "cuda_graph_mixed_sizes": capture.sizes.mixed if capture else [],
-        "cuda_graph_count": capture.count if capture else 0,
-        "cuda_graph_mode": engine.config.device.cuda_graph_mode,
-        "cuda_graph_capture_s": capture.seconds if capture else 0.0,
-        "cuda_graph_pool_bytes": capture.pool_bytes if capture else 0,
-        "cuda_graph_pool_reserved_bytes": engine.graph_pool_reserve,
-        "enforce_eager": engine.config.device.enforce_eager,
-        "gemv_max_rows": engine.attn_backend.gemv_max_rows,
-        "split_k_mlp": engine.attn_backend.split_k_mlp,
-        # Layers whose MLP runs split-K (the flag's auto may leave them all off).
-        "split_k_mlp_layers": sum(bool(getattr(module, "split_k", False))
-                                  for module in engine.model.modules()),
-        "async_scheduling": engine.async_scheduling,
-    }
-
-
-class Driver:
-    """Adds requests to an EngineCore and steps it, with optional forward timing."""
-
-    def __init__(self, engine: EngineCore, seed: int) -> None:
-        self.engine = engine
-        self.rng = random.Random(seed)
-        self._ids = itertools.count()
-
-    def random_prompt(self, length: int) -> list[int]:
-        # Random ids: no two prompts share a block, so nothing hits the prefix cache.
-        top = min(self.engine.vocab_size, 150000) - 1
-        return [self.rng.randint(10, top) for _ in range(length)]
-
-    def add(self, prompt: list[int], max_tokens: int) -> str:
-        request_id = f"bench-{next(self._ids)}"
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.engine.add_request(AddRequest(request_id, prompt, params.to_dict(),
-                                           time.monotonic()))
-        return request_id
-
-    def all_decoding(self, count: int) -> bool:
-        sched = self.engine.scheduler
-        return (not sched.waiting and len(sched.running) == count
-                and all(r.num_tokens_with_pending - r.num_computed_tokens == 1
-                        for r in sched.running))
-
-    def start_decoding(self, batch: int, context: int, max_tokens: int, max_steps: int
-                       ) -> tuple[list[str], int]:
-        """Add ``batch`` random prompts of ``context`` tokens and step until every one is
-        decoding; (their ids, the steps it took)."""
-        ids = [self.add(self.random_prompt(context), max_tokens) for _ in range(batch)]
-        steps = 0
-        while not self.all_decoding(batch):
-            self.engine.step()
-            steps += 1
-            if steps > max_steps:
-                raise RuntimeError(f"{batch} x {context}: the batch never reached pure decode")
-        return ids, steps
-
-    def run_to_completion(self) -> tuple[int, int]:
-        """Step until idle; (steps, output tokens)."""
-        steps = tokens = 0
-        while self.engine.has_work():
-            for out in self.engine.step():
-                tokens += len(out.new_token_ids)
-            steps += 1
-        return steps, tokens
-
-    @contextlib.contextmanager
-    def _forward_timer(self) -> Iterator[ForwardTimer]:
-        """Time every forward the runner runs inside the block."""
-        timer = ForwardTimer(torch.device(self.engine.device))
-        self.engine.runner.forward_timer = timer
-        try:
-            yield timer
-        finally:
-            self.engine.runner.forward_timer = None
-
-    def timed_steps(self, count: int, before_each: Callable[[], object] | None = None
-                    ) -> tuple[list[float], list[Any]]:
-        """Host wall time of each of ``count`` ``step()`` calls (in steady state, with async
-        scheduling, one launch plus the previous step's collect), and their forwards;
-        ``before_each`` runs untimed before every step (a request arriving)."""
-        times = []
-        with self._forward_timer() as timer:
-            for _ in range(count):
-                if before_each is not None:
-                    before_each()
-                t0 = time.perf_counter()
-                self.engine.step()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return times, timer.collect()
-
-    def timed_first_output(self, request_id: str) -> tuple[float, list[Any]]:
-        """Host wall time from the first step until ``request_id``'s first token is out
-        (with async scheduling a step's tokens come out of the next ``step()`` call), and
-        the forward samples of those steps."""
-        with self._forward_timer() as timer:
-            t0 = time.perf_counter()
-            while not any(out.request_id == request_id and out.new_token_ids
-                          for out in self.engine.step()):
-                pass
-            elapsed = (time.perf_counter() - t0) * 1e3
-        return elapsed, timer.collect()
-
-    def drain(self, request_ids: list[str]) -> None:
-        self.engine.abort_requests(request_ids)
-        while self.engine.has_work():
-            self.engine.step()
-
-
-def decode_case(driver: Driver, batch: int, context: int, steps: int, warmup: int,
-                weight_bytes: int, kv_token_bytes: int, bandwidth: float | None) -> dict[str, Any]:
-    engine = driver.engine
-    budget = engine.config.scheduler.max_num_batched_tokens
-    # Requests prefilled first decode while the rest prefill: none may finish before the end.
-    prefill_steps_bound = 2 * (batch * context // budget + 2)
-    new_tokens = warmup + steps + 2 + prefill_steps_bound
-    block_size = engine.config.cache.block_size
-    need = batch * -(-(context + new_tokens) // block_size)
-    result: dict[str, Any] = {"batch": batch, "context": context, "timed_steps": steps}
-    if need > engine.num_blocks or batch > engine.config.scheduler.max_num_seqs:
-        result["skipped"] = (f"needs {need} KV blocks and {batch} sequences; the engine has "
-                             f"{engine.num_blocks} blocks, max_num_seqs "
-                             f"{engine.config.scheduler.max_num_seqs}")
-        return result
-    ids, prefill_steps = driver.start_decoding(batch, context, new_tokens, prefill_steps_bound)
-    driver.timed_steps(warmup)
-    # A decode step attends to every token of its request, the new one included.
-    attended_at_start = sum(r.num_tokens_with_pending for r in engine.scheduler.running)
-    step_ms, samples = driver.timed_steps(steps)
-    driver.drain(ids)
-    forward_ms = [s.ms for s in samples]
-    attended = attended_at_start + batch * (steps - 1) / 2  # mean over the timed steps
-    kv_bytes = attended * kv_token_bytes
-    result.update({
-        "mean_context": attended / batch,
-        "prefill_steps": prefill_steps,
-        "step_ms": stats_ms(step_ms),
-        "forward_ms": stats_ms(forward_ms),
-        "host_ms_median": statistics.median(step_ms) - statistics.median(forward_ms),
-        "graphed_steps": sum(s.graphed for s in samples),
-        "padded_batch": samples[-1].num_tokens if samples else None,
-        "weight_bytes": weight_bytes,
-        "kv_bytes": kv_bytes,
-        "tokens_per_s": batch / (statistics.median(step_ms) / 1e3),
-        "raw_step_ms": step_ms,
-        "raw_forward_ms": forward_ms,
-    })
-    if bandwidth:
-        roofline_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
-        result["roofline_ms"] = roofline_ms
-        result["step_over_roofline"] = statistics.median(step_ms) / roofline_ms
-        result["forward_over_roofline"] = statistics.median(forward_ms) / roofline_ms
-    return result
-
-
-def mixed_case(driver: Driver, batch: int, context: int, prompt_len: int, steps: int,
-               warmup: int) -> dict[str, Any]:
-    """``batch`` sequences decoding while, before every step, one prompt of ``prompt_len``
-    tokens arrives (one output token, so it leaves after its prefill): each timed step is a
-    mixed prefill + decode step. Timed like ``decode_case``; then as many decode-only steps
-    of the same batch for comparison."""
-    engine = driver.engine
-    block_size = engine.config.cache.block_size
-    budget = engine.config.scheduler.max_num_batched_tokens
-    prefill_steps_bound = 2 * (batch * context // budget + 2)
-    new_tokens = 2 * (warmup + steps) + 4 + prefill_steps_bound
-    need = (batch * -(-(context + new_tokens) // block_size)
-            + 2 * -(-(prompt_len + 1) // block_size))
-    result: dict[str, Any] = {"batch": batch, "context": context, "prompt_len": prompt_len,
-                              "timed_steps": steps}
-    if (need > engine.num_blocks or batch + 1 > engine.config.scheduler.max_num_seqs
-            or batch + prompt_len > budget):
-        result["skipped"] = (f"needs {need} KV blocks, {batch + 1} sequences and "
-                             f"{batch + prompt_len} tokens a step")
-        return result
-    ids, prefill_steps = driver.start_decoding(batch, context, new_tokens, prefill_steps_bound)
-
-    def arrive() -> None:
-        driver.add(driver.random_prompt(prompt_len), 1)
-
-    driver.timed_steps(warmup, arrive)
-    step_ms, samples = driver.timed_steps(steps, arrive)
-    mixed = [s for s in samples if s.num_tokens > batch]  # the forwards that held a prompt
-    while len(engine.scheduler.running) > batch or engine.scheduler.waiting:
-        engine.step()  # the last prompts leave
-    driver.timed_steps(warmup)
-    decode_ms, decode_samples = driver.timed_steps(steps)
-    driver.drain(ids)
-    result.update({
-        "prefill_steps": prefill_steps,
-        "step_ms": stats_ms(step_ms),
-        "forward_ms": stats_ms([s.ms for s in mixed]) if mixed else None,
-        "mixed_forwards": len(mixed),
-        "graphed_steps": sum(s.graphed for s in samples),
-        "decode_only_step_ms": stats_ms(decode_ms),
-        "decode_only_graphed_steps": sum(s.graphed for s in decode_samples),
-        "raw_step_ms": step_ms,
-        "raw_decode_only_step_ms": decode_ms,
-    })
-    return result
-
-
-def prefill_case(driver: Driver, length: int, reps: int, spec: ModelSpec,
-                 matmul_rate: float | None) -> dict[str, Any]:
-    engine = driver.engine
-    result: dict[str, Any] = {"tokens": length, "reps": reps}
-    if length >= engine.max_model_len or length > engine.config.scheduler.max_num_batched_tokens:
-        result["skipped"] = (f"needs max_model_len > {length} and max_num_batched_tokens >= "
-                             f"{length}")
-        return result
-    step_ms: list[float] = []
-    forward_ms: list[float] = []
-    for rep in range(reps + 1):  # the first is a warm-up
-        request_id = driver.add(driver.random_prompt(length), 1)
-        elapsed, samples = driver.timed_first_output(request_id)
-        driver.run_to_completion()
-        if rep:
-            step_ms.append(elapsed)
-            forward_ms += [s.ms for s in samples]
-    flops = prefill_flops(spec, length)
-    result.update({"step_ms": stats_ms(step_ms), "forward_ms": stats_ms(forward_ms),
-                   "flops": flops, "raw_step_ms": step_ms, "raw_forward_ms": forward_ms})
-    step_s = statistics.median(step_ms) / 1e3
-    result["achieved_flops_per_s"] = flops["total"] / step_s
-    result["forward_flops_per_s"] = flops["total"] / (statistics.median(forward_ms) / 1e3)
-    if matmul_rate:
-        result["fraction_of_matmul_rate"] = result["achieved_flops_per_s"] / matmul_rate
-        result["forward_fraction_of_matmul_rate"] = result["forward_flops_per_s"] / matmul_rate
-    return result
-
-
-def throughput_run(driver: Driver, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    for prompt in prompts:
-        driver.add(prompt, output_len)
-    steps, tokens = driver.run_to_completion()
-    elapsed = time.perf_counter() - t0
-    return {"prompts": len(prompts), "output_tokens": tokens, "steps": steps,
-            "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
-            "total_tokens_per_s": (tokens + sum(map(len, prompts))) / elapsed}
-
-
-# ---- HF transformers baseline -------------------------------------------------------------
-
-
-def hf_throughput(model_dir: Path, prompts: list[list[int]], output_len: int,
-                  device: torch.device, dtype: torch.dtype, batch: int) -> dict[str, Any]:
-    """HF generation of ``prompts`` with a randomly initialised model of the same config."""
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    result: dict[str, Any] = {"transformers": transformers.__version__,
-                              "prompts": len(prompts)}
-    config = AutoConfig.from_pretrained(str(model_dir))
-    t0 = time.perf_counter()
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation="sdpa")
-    model.eval()
-    result["build_s"] = time.perf_counter() - t0
-    generation = GenerationConfig(max_new_tokens=output_len, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-    errors = []
-    for options in ({}, {"auto_switch_to_flash": False}):
-        try:
-            result.update(_hf_generate_batch(model, prompts, generation, options))
-            break
-        except Exception as exc:  # an API difference or a failure: next try, and say so
-            errors.append(f"{options}: {type(exc).__name__}: {exc}")
-            logger.warning("HF generate_batch %s failed: %s", options, exc)
-            if hasattr(model, "destroy_cached_continuous_batching_manager"):
-                model.destroy_cached_continuous_batching_manager()
-            free_memory()
-    else:
-        result.update(_hf_padded_generate(model, prompts, generation, device, batch))
-    if errors:
-        result["generate_batch_errors"] = errors
-    del model
-    free_memory()
-    return result
-
-
-def _cb_config(options: dict[str, Any]) -> Any:
-    """A ContinuousBatchingConfig with the options this transformers version knows, or None."""
-    import dataclasses
-
-    try:
-        from transformers.generation import ContinuousBatchingConfig
-    except ImportError:
-        return None
-    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in known})
-
-
-def _hf_generate_batch(model: Any, prompts: list[list[int]], generation: Any,
-                       options: dict[str, Any]) -> dict[str, Any]:
-    """Continuous batching: a warm-up call keeps its (warmed) manager for the timed call.
-
-    The batch limit is what ``generate_batch`` would pick for the timed call itself (it
-    sizes a manager from the first call's requests, here the warm-up's)."""
-    cb_config = _cb_config({"max_requests_per_batch": len(prompts), **options})
-    kwargs: dict[str, Any] = dict(generation_config=generation, progress_bar=False,
-                                  persistent_manager=True)
-    if cb_config is not None:
-        kwargs["continuous_batching_config"] = cb_config
-    t0 = time.perf_counter()
-    model.generate_batch(prompts[:8], **kwargs)
-    warmup_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outputs = model.generate_batch(prompts, **kwargs)
-    elapsed = time.perf_counter() - t0
-    if hasattr(model, "destroy_cached_continuous_batching_manager"):
-        model.destroy_cached_continuous_batching_manager()
-    lengths = [len(o.generated_tokens) for o in outputs.values()]
-    errors = [o.error for o in outputs.values() if getattr(o, "error", None)]
-    if len(outputs) != len(prompts) or errors:
-        raise RuntimeError(f"generate_batch returned {len(outputs)} outputs, errors {errors[:3]}")
-    tokens = sum(lengths)
-    return {"method": "generate_batch", "options": options,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "warmup_s": warmup_s, "elapsed_s": elapsed,
-            "output_tokens": tokens, "min_output_len": min(lengths),
-            "output_tokens_per_s": tokens / elapsed}
-
-
-def _hf_padded_generate(model: Any, prompts: list[list[int]], generation: Any,
-                        device: torch.device, batch: int) -> dict[str, Any]:
-    """Static batches through ``generate`` (left-padded; equal lengths need no padding)."""
-    generation.min_new_tokens = generation.max_new_tokens
-
-    def run(chunk: list[list[int]]) -> int:
-        width = max(map(len, chunk))
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prompt in enumerate(chunk):
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            mask[i, width - len(prompt):] = 1
-        with torch.no_grad():
-            out = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                 generation_config=generation)
-        return int(out.shape[0] * (out.shape[1] - width))
-
-    t0 = time.perf_counter()
-    run(prompts[:min(batch, 4)])
-    warmup_s = time.perf_counter() - t0
-    sync(device)
-    t0 = time.perf_counter()
-    tokens = sum(run(prompts[i:i + batch]) for i in range(0, len(prompts), batch))
-    sync(device)
-    elapsed = time.perf_counter() - t0
-    return {"method": f"generate (static batches of {batch})", "warmup_s": warmup_s,
-            "elapsed_s": elapsed, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / elapsed}
 
 
 # ---- the parts ----------------------------------------------------------------------------
@@ -627,7 +105,8 @@ class Bench:
                            triton_gemv_max_rows=a.triton_gemv_max_rows,
                            split_k_mlp=a.split_k_mlp,
                            async_scheduling=a.async_scheduling,
-                           cuda_graph_mode=a.cuda_graph_mode)
+                           cuda_graph_mode=a.cuda_graph_mode,
+                           triton_pdl=a.triton_pdl)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -799,79 +278,6 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-# ---- summary ------------------------------------------------------------------------------
-
-
-def summarize(results: dict[str, Any]) -> str:
-    lines = []
-    limits = results.get("limits")
-    if limits:
-        lines.append(f"limits: copy {limits['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s "
-                     f"(read+write), matmul {limits['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
-    engine = results.get("engine")
-    if engine:
-        lines.append(f"engine: startup {engine['startup_s']:.1f} s, {engine['num_kv_blocks']} "
-                     f"KV blocks, {engine['cuda_graph_count']} graphs captured in "
-                     f"{engine['cuda_graph_capture_s']:.1f} s "
-                     f"({engine['cuda_graph_pool_bytes'] / 2**20:.0f} MiB)")
-    for case in results.get("decode", []):
-        lines.append(_decode_line("decode", case))
-    for case in results.get("mixed", []):
-        head = f"mixed b{case['batch']} ctx{case['context']} + {case['prompt_len']}-token prompt"
-        if "skipped" in case:
-            lines.append(f"{head}: skipped ({case['skipped']})")
-            continue
-        forward = case["forward_ms"]["median"] if case["forward_ms"] else float("nan")
-        lines.append(f"{head}: step {case['step_ms']['median']:.3f} ms (forward {forward:.3f}, "
-                     f"graphed {case['graphed_steps']}/{case['timed_steps']}); the batch's "
-                     f"decode-only step {case['decode_only_step_ms']['median']:.3f} ms "
-                     f"(graphed {case['decode_only_graphed_steps']}/{case['timed_steps']})")
-    for case in results.get("prefill", []):
-        if "skipped" in case:
-            lines.append(f"prefill {case['tokens']}: skipped ({case['skipped']})")
-            continue
-        frac = case.get("fraction_of_matmul_rate")
-        lines.append(
-            f"prefill {case['tokens']:>5}: step {case['step_ms']['median']:.1f} ms, forward "
-            f"{case['forward_ms']['median']:.1f} ms, {case['achieved_flops_per_s'] / 1e12:.0f} "
-            f"TFLOP/s" + (f" = {frac:.0%} of matmul (goal >= 60%)" if frac else ""))
-    for case in results.get("small", []):
-        lines.append(_decode_line("small " + ("eager " if case["enforce_eager"] else "graphs"),
-                                  case) + " (goal < 1.5 ms)")
-    e2e, hf = results.get("e2e"), results.get("hf")
-    if e2e:
-        ours = e2e["ours"]
-        lines.append(f"e2e ours: {ours['prompts']} prompts, {ours['output_tokens_per_s']:.0f} "
-                     f"out tok/s ({ours['elapsed_s']:.1f} s); on the HF subset "
-                     f"{e2e['ours_on_hf_prompts']['output_tokens_per_s']:.0f} out tok/s")
-    if hf and "output_tokens_per_s" in hf:
-        lines.append(f"e2e HF ({hf['method']}): {hf['prompts']} prompts, "
-                     f"{hf['output_tokens_per_s']:.0f} out tok/s ({hf['elapsed_s']:.1f} s)")
-    versus = results.get("e2e_vs_hf")
-    if versus:
-        lines.append(f"e2e ratio ours/HF: {versus['ratio_output_tokens_per_s']:.1f}x "
-                     f"(goal >= 5x)")
-    for name, error in results.get("errors", {}).items():
-        lines.append(f"ERROR in {name}: {error.strip().splitlines()[-1]}")
-    lines.append(f"total {results.get('total_s', 0):.0f} s")
-    return "\n".join(lines)
-
-
-def _decode_line(label: str, case: dict[str, Any]) -> str:
-    head = f"{label} b{case['batch']} ctx{case['context']}"
-    if "skipped" in case:
-        return f"{head}: skipped ({case['skipped']})"
-    line = (f"{head}: step {case['step_ms']['median']:.3f} ms, forward "
-            f"{case['forward_ms']['median']:.3f} ms, host {case['host_ms_median']:.3f} ms, "
-            f"graphed {case['graphed_steps']}/{case['timed_steps']}")
-    if "roofline_ms" in case:
-        line += (f", roofline {case['roofline_ms']:.3f} ms -> {case['step_over_roofline']:.2f}x"
-                 f" (forward {case['forward_over_roofline']:.2f}x)")
-    if "goal_step_over_roofline" in case and "roofline_ms" in case:
-        line += f" (goal <= {case['goal_step_over_roofline']:.2f}x)"
-    return line
-
-
 # ---- command line -------------------------------------------------------------------------
 
 
@@ -898,7 +304,8 @@ def parse_ints(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="raw results JSON")
+    parser.add_argument("--out", default=None,
+                        help="raw results JSON (default results/engine_speed/<time>.json)")
     parser.add_argument("--only", default=",".join(PARTS),
                         help=f"comma-separated parts among {','.join(PARTS)}")
     parser.add_argument("--smoke", action="store_true",
@@ -983,11 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.WARNING)
     args = parse_args(argv)
+    # PDSERVE_TRITON_PDL=0 turns PDL off for an A/B, as it does for the servers.
+    args.triton_pdl = engine_environment(os.environ)["triton_pdl"]
     results = Bench(args).run()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
+    out = write_json(args.out or default_out("engine_speed"), results, indent=1)
     print(summarize(results))
+    print(f"results in {out}")
     return 1 if results["errors"] else 0
 
 

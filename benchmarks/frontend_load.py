@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import engine_core
+from benchmarks.output import default_out, write_json
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
 
 
@@ -121,10 +122,10 @@ def token_pump_engine(config: Any, step_ms: float) -> TokenPumpEngine:
 
 def _serve(port: int, step_ms: float) -> None:
     from engine_core.config import EngineConfig, ModelConfig
-    from engine_core.demo_model import demo_model_path
+    from engine_core.demo_model import random_demo_model_path
     from engine_core.server.api_server import ServerOptions, run_server
 
-    run_server(EngineConfig(model=ModelConfig(model=str(demo_model_path()))),
+    run_server(EngineConfig(model=ModelConfig(model=str(random_demo_model_path()))),
                ServerOptions(port=port, log_stats_interval_s=0),
                functools.partial(token_pump_engine, step_ms=step_ms))
 
@@ -219,12 +220,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=400, help="tokens a stream")
     parser.add_argument("--step-ms", type=float, default=10.0, help="the engine's step time")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default results/frontend_load/<time>.json)")
     args = parser.parse_args()
-    text = json.dumps(measure(args.streams, args.tokens, args.step_ms), indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    result = measure(args.streams, args.tokens, args.step_ms)
+    print(json.dumps(result, indent=2))
+    print(f"results in {write_json(args.out or default_out('frontend_load'), result)}")
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ data, and ``data`` includes the wait for the receive. With several data calls an
 
 Each (``--switch-intervals``, ``--min-call-bytes``, ``--layer-us``) combination runs in a
 fresh producer/consumer pair (min call bytes 0 = one NCCL call per layer). Prints JSON and
-writes it to ``--out``.
+writes it to ``--out`` (default ``results/kv_transfer/<time>.json``).
 
-    source .device/env.sh && python3 benchmarks/kv_transfer.py --out benchmarks/results/kv_transfer.json
+    source .device/env.sh && python3 -m benchmarks.kv_transfer --out results/kv_transfer.json
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.output import default_out, write_json
 from deploy.launch import free_port
 
 NUM_LAYERS = 36
@@ -60,6 +61,18 @@ BYTES_PER_BLOCK = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2  # b
 def blocks_for(size_mb: float) -> int:
     """Whole blocks closest to ``size_mb`` MiB of KV (at least one)."""
     return max(1, round(size_mb * (1 << 20) / BYTES_PER_BLOCK))
+
+
+def sleep_cycles_per_us() -> float:
+    """``torch.cuda._sleep`` cycles per microsecond, measured (clocks vary with the part)."""
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
 
 
 def _raw(rank: int, uid_queue: Any, out: Any, sizes: list[int], iters: int) -> None:
@@ -167,8 +180,6 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
     peer = f"127.0.0.1:{peer_port}"
     cycles = 0
     if role == "kv_producer" and layer_us > 0 and cuda:
-        from benchmarks.kv_producer_hooks import sleep_cycles_per_us
-
         cycles = int(layer_us * sleep_cycles_per_us())
     try:
         for blocks in sizes:
@@ -355,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU engines and the CPU transport, no raw NCCL: checks the "
                              "benchmark itself (the numbers mean nothing)")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--out", default=None, help="results JSON (default results/kv_transfer/<time>.json)")
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
     blocks = [blocks_for(s) for s in args.sizes_mb]
@@ -385,11 +396,8 @@ def main(argv: list[str] | None = None) -> None:
             entry["data_vs_raw_idle"] = _ratio(entry["data_gbps"], row["raw_idle_gbps"])
         key = f"min_call_bytes={min_call},switch_interval={switch_interval},layer_us={layer_us:g}"
         result["connector"][key] = measured
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"results in {write_json(args.out or default_out('kv_transfer'), result)}")
 
 
 if __name__ == "__main__":

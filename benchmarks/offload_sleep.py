@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.output import default_out, write_json
 from engine_core import LLM, SamplingParams
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -180,14 +181,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="device KV cache size, in prompts")
     parser.add_argument("--kv-offloading-size", type=float, default=None,
                         help="GiB of host memory (default 16, smoke 0.01)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None,
+                        help="results JSON (default results/offload_sleep/<time>.json)")
     args = parser.parse_args(argv)
     args.prompt_len = args.prompt_len or (64 if args.smoke else 8192)
     args.kv_offloading_size = args.kv_offloading_size or (0.01 if args.smoke else 16.0)
     if args.smoke:
-        from engine_core.demo_model import DEMO_ARGS, demo_model_path
+        from engine_core.demo_model import DEMO_ARGS, random_demo_model_path
 
-        model, device, vocab = str(demo_model_path()), "cpu", DEMO_ARGS.get("vocab_size", 1024)
+        model, device, vocab = str(random_demo_model_path()), "cpu", DEMO_ARGS.get("vocab_size", 1024)
         engine: dict[str, Any] = {"device": "cpu", "max_model_len": 512}
     else:
         from benchmarks.model_shapes import write_model_dir
@@ -203,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                "sleep": sleep_cycle(model, engine, device, vocab)}
     if device == "cuda":
         results["copy_rates"] = copy_rates(args.shape)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    out = write_json(args.out or default_out("offload_sleep"), results)
     print(json.dumps(results, indent=2))
+    print(f"results in {out}")
     return 0
 
 

@@ -29,10 +29,11 @@ from typing import Any
 
 from benchmarks.disagg.cluster import Cluster, ClusterSpec
 from benchmarks.model_shapes import SHAPES, write_model_dir
-from benchmarks.placement.search import PointResult, RateSearch
+from benchmarks.placement.search import PointResult, RateSearch, SloCell
 from benchmarks.placement.workloads import (
     GPU_WORKLOADS,
     SMOKE_WORKLOADS,
+    TPOT_CELLS_MS,
     SweepTopology,
     Workload,
     topologies_for,
@@ -60,21 +61,21 @@ class SweepCluster(Cluster):
         return argv
 
 
-def measure(cluster: Cluster, workload: Workload, rate: float, seconds: float, seed: int,
-            tokenizer: Any, out: Path) -> PointResult:
+def measure(cluster: Cluster, workload: Workload, cells: tuple[SloCell, ...], rate: float,
+            seconds: float, seed: int, tokenizer: Any, out: Path) -> PointResult:
     """Send ``rate`` req/s of ``workload`` for ``seconds``; save and return the point."""
     num = max(4, round(rate * seconds))
     dataset = dataclasses.replace(workload.dataset, num_prompts=num, seed=seed)
     config = BenchConfig(base_url=cluster.url, model=cluster.spec.served_model_name,
                          dataset=dataset, request_rates=(rate,), ignore_eos=True,
-                         disable_tqdm=True, ready_check_timeout_s=0,
+                         disable_tqdm=True, ready_check_timeout_s=0, num_warmups=2,
                          request_id_prefix=f"sweep-{cluster.topology.name}-{seed}-",
                          label=f"{cluster.topology.name}/{workload.name}", plot=False)
     result = run_benchmark(config, tokenizer)[0]
     failed = [None] * result["failed"]
     point = PointResult(rate, tuple(result["ttfts"]) + tuple(failed),
                         tuple(result["tpots"]) + tuple(failed), result["duration"])
-    result["cells"] = {cell.name: point.attainment(cell) for cell in workload.cells()}
+    result["cells"] = {cell.name: point.attainment(cell) for cell in cells}
     out.write_text(json.dumps(result))
     logger.info("%s %s @ %.3g req/s: %s", cluster.topology.name, workload.name, rate,
                 ", ".join(f"{k} {v:.0%}" for k, v in result["cells"].items()))
@@ -86,20 +87,20 @@ def sweep_topology(cluster: Cluster, workloads: list[Workload], args: argparse.N
     """Every workload's rate search on one running topology."""
     figures: dict[str, Any] = {}
     for w_index, workload in enumerate(workloads):
-        search = RateSearch(workload.cells(), workload.start_rate, workload.max_rate,
-                            args.budget)
+        cells = workload.cells(args.tpot_cells)
+        search = RateSearch(cells, workload.start_rate, workload.max_rate, args.budget)
         while (rate := search.next_rate()) is not None:
             seed = args.seed + 1000 * w_index + len(search.points)
             path = raw / f"{cluster.topology.name}__{workload.name}__{rate:.4g}.json"
-            search.record(measure(cluster, workload, rate, args.point_seconds, seed,
+            search.record(measure(cluster, workload, cells, rate, args.point_seconds, seed,
                                   tokenizer, path))
-        figures[workload.name] = {cell.name: search.max_goodput(cell)
-                                  for cell in workload.cells()}
+        figures[workload.name] = {cell.name: search.max_goodput(cell) for cell in cells}
     return figures
 
 
 def summarize(figures: dict[str, dict[str, Any]], workloads: list[Workload],
-              topologies: list[SweepTopology]) -> tuple[str, dict[str, Any]]:
+              topologies: list[SweepTopology],
+              tpot_cells: tuple[float, ...] = TPOT_CELLS_MS) -> tuple[str, dict[str, Any]]:
     """The markdown table and the ratios: adaptive against the best static layout and the
     colocated replicas, per cell (max goodput = the highest passing rate)."""
     names = [t.name for t in topologies if t.name in figures]
@@ -109,7 +110,7 @@ def summarize(figures: dict[str, dict[str, Any]], workloads: list[Workload],
              "| adaptive / replicas |", "|" + "---|" * (len(names) + 4)]
     ratios: dict[str, Any] = {}
     for workload in workloads:
-        for cell in workload.cells():
+        for cell in workload.cells(tpot_cells):
             rates = {n: (figures[n].get(workload.name, {}).get(cell.name) or {}).get("rate")
                      for n in names}
             static = [r or 0.0 for n, r in rates.items() if n != adaptive]
@@ -147,6 +148,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topologies", default=None,
                         help="comma-separated names (default: every layout that fits)")
     parser.add_argument("--budget", type=int, default=6, help="points per rate search")
+    parser.add_argument("--tpot-cells", type=lambda t: tuple(float(x) for x in t.split(",")),
+                        default=TPOT_CELLS_MS, help="TPOT targets (ms) of the SLO cells")
+    parser.add_argument("--adaptive-args", default="",
+                        help="more launch flags for the adaptive topology, e.g. "
+                             "'--slo-tpot-ms 15' (the operator's targets)")
     parser.add_argument("--point-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-args", default="", help="more flags for every worker")
@@ -172,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = tuple(g for g in (args.gpus if args.gpus is not None
                              else ("" if args.smoke else "0,1")).split(",") if g)
     topologies = topologies_for(max(len(gpus), 2))
+    topologies = [dataclasses.replace(t, extra_args=tuple(shlex.split(args.adaptive_args)))
+                  if t.workers else t for t in topologies]
     if args.topologies:
         topologies = [t for t in topologies if t.name in args.topologies.split(",")]
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="pdserve-placement-sweep-"))
@@ -179,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     raw.mkdir(parents=True, exist_ok=True)
     engine_args = shlex.split(args.engine_args)
     if args.model or args.smoke:
-        from engine_core.demo_model import demo_model_path
+        from engine_core.demo_model import random_demo_model_path
 
-        model = args.model or str(demo_model_path())
+        model = args.model or str(random_demo_model_path())
     else:
         model = str(out / f"model-{args.shape}")
         write_model_dir(args.shape, Path(model), tokenizer="words")
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         except (BenchmarkError, RuntimeError) as exc:
             problems.append(f"{topology.name}: {exc}")
             logger.error("%s failed: %s", topology.name, exc)
-    markdown, ratios = summarize(figures, workloads, topologies)
+    markdown, ratios = summarize(figures, workloads, topologies, args.tpot_cells)
     header = (f"# Placement sweep\n\n- {env['date']}, commit {env['commit']}, "
               f"{'; '.join(env['devices'])}, GPUs {','.join(gpus) or 'none'}\n"
               f"- `{env['command']}`\n- cells: max rate (req/s) with >= 90% of requests "

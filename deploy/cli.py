@@ -23,15 +23,15 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
               "deploy.cli:add_serve_arguments", "deploy.cli:run_serve"),
     "prefill": ("one prefill worker (kv_producer)", "prefill.worker:add_worker_arguments", "prefill.worker:run"),
     "decode": ("one decode worker (kv_consumer)", "decode.worker:add_worker_arguments", "decode.worker:run"),
-    "launch": ("proxy + N prefill + M decode workers on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
+    "worker": ("one worker that prefills for others, decodes what others prefilled and serves "
+               "whole requests, as the proxy places them (kv_both)",
+               "engine_core.server.worker:add_worker_arguments", "deploy.cli:run_worker"),
+    "launch": ("proxy + N workers (or N prefill + M decode workers) on this host", "deploy.launch:add_launch_arguments", "deploy.launch:run_launch"),
     "proxy": ("run the prefill/decode proxy (OpenAI API, ZMQ worker registration)",
               "proxy.__main__:add_proxy_args", "proxy.__main__:run_proxy"),
     "bench": ("benchmarks: `bench serve` measures an OpenAI server (vLLM's bench serve flags)",
               "benchmarks.serve.cli:add_bench_arguments", "benchmarks.serve.cli:run_bench"),
 }
-
-DEMO_MODEL_NAME = "pdserve-demo"
-
 
 def _resolve(target: str) -> Callable:
     module, _, attr = target.partition(":")
@@ -40,15 +40,12 @@ def _resolve(target: str) -> Callable:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
-    from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
     from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
     from engine_core.server.worker import proxy_address
 
-    parser.add_argument("model", nargs="?", default=None,
-                        help="HF checkpoint directory (omit, or --demo, for the demo model)")
-    parser.add_argument("--demo", action="store_true",
-                        help="serve the embedded demo model (built and cached on first use)")
+    add_model_arguments(parser)
     add_server_arguments(parser)
     add_cluster_trust_args(parser)
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
@@ -62,33 +59,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``pdserve serve``: resolve the model, then run the API server until stopped."""
-    from engine_core.arg_utils import engine_config_from_args
-    from engine_core.errors import ConfigError, PdserveError
+    from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
+    from engine_core.errors import PdserveError
     from engine_core.server.api_server import run_server
     from engine_core.server.server_args import server_options
 
-    if args.demo or args.model is None:
-        if args.model is not None:
-            raise SystemExit("pdserve serve: give either MODEL or --demo, not both")
-        from engine_core.demo_model import demo_model_path
-
-        started = time.monotonic()
-        args.model = str(demo_model_path())
-        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
-        logger.info("Demo model ready in %.2fs at %s", time.monotonic() - started, args.model)
     options = server_options(args)
     try:
+        started = time.monotonic()
+        resolve_model_argument(args)
         config = engine_config_from_args(args)
+        logger.info("Model %s ready in %.2fs at %s", config.model.name,
+                    time.monotonic() - started, config.model.model)
         kv = config.kv_transfer
-        if kv is not None and kv.kv_role not in ("kv_producer", "kv_consumer"):
-            # A P2P connector worker is one side of a transfer: before, kv_both (also the
-            # default when no kv_role was given) dropped the config and served colocated.
-            raise ConfigError(f"--kv-transfer-config: kv_role must be kv_producer or "
-                              f"kv_consumer for a P/D worker, got {kv.kv_role!r} (omit "
-                              "--kv-transfer-config for a colocated worker)")
         if kv is not None:
-            # vLLM-style `serve ... --kv-transfer-config` naming a role starts that worker,
-            # with the flags `pdserve prefill|decode` would apply (--proxy-address, --port).
+            # vLLM-style `serve ... --kv-transfer-config` starts the worker its kv_role names
+            # (kv_both: `pdserve worker`), with the flags `pdserve prefill|decode|worker`
+            # would apply (--proxy-address, --port).
             from connectors import create_connector
             from engine_core.server.worker import (
                 serve_worker,
@@ -102,17 +89,28 @@ def run_serve(args: argparse.Namespace) -> int:
                          args.heartbeat_interval)
         elif args.proxy_address:
             from engine_core.cluster.trust_flags import cluster_secret_from_args
+            from engine_core.server.readiness import Readiness
             from engine_core.server.worker import colocated_hook
 
+            readiness = Readiness()
             run_server(config, options, on_startup=[
                 colocated_hook(config, args.proxy_address, args.heartbeat_interval,
-                               cluster_secret_from_args(args))])
+                               cluster_secret_from_args(args), readiness)],
+                readiness=readiness)
         else:
             run_server(config, options)
     except PdserveError as exc:
         logger.error("%s", exc)
         return 1
     return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """``pdserve worker``: a kv_both worker; the proxy places each request on it."""
+    from connectors import create_connector
+    from engine_core.server.worker import run_worker as run_role
+
+    return run_role(args, "kv_both", create_connector)
 
 
 def build_parser() -> argparse.ArgumentParser:

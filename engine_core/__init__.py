@@ -3,13 +3,13 @@
 from engine_core.config import EngineConfig
 from engine_core.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "SamplingParams", "LLM"]
+__all__ = ["EngineConfig", "SamplingParams", "LLM", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
     # LLM pulls in torch and the models; import it lazily so light users (proxy) stay light.
-    if name == "LLM":
-        from engine_core.llm import LLM
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from engine_core import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)

@@ -1,8 +1,11 @@
-"""The one check of a ``host:port`` that arrives over the network or on a command line."""
+"""The checks of addresses and ports that arrive over the network or on a command line."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
+
+from engine_core.errors import ConfigError
 
 # A host name or IP (IPv6 bracketed or bare). Anything else (spaces, ``/`` paths, ``?``
 # queries, ``@`` user parts, wildcards) is refused before a socket or URL is built from it:
@@ -37,3 +40,17 @@ def route_source_host(host: str) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+def check_distinct_ports(ports: Mapping[str, int | None]) -> None:
+    """Raise ConfigError naming the flags when two of ``ports`` (flag -> port; None or 0:
+    assigned later) are one port: two listeners cannot share it, and the second would fail
+    only once the first is up, deep in a child's startup."""
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if not port:
+            continue
+        if port in seen:
+            raise ConfigError(f"{seen[port]} and {flag} are both {port}: each needs a port "
+                              "of its own")
+        seen[port] = flag

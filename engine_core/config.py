@@ -53,6 +53,11 @@ class ModelConfig:
     generation_config: str = "auto"
     # vLLM's --override-generation-config: sampling defaults set over the loaded ones.
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # Where a GGUF model is converted to safetensors once (None: ~/.cache/pdserve/gguf).
+    gguf_cache_dir: str | None = None
+    # A --max-model-len past the model's trained length is refused unless this is set (as
+    # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): positions past it give garbage, not errors.
+    allow_long_max_model_len: bool = False
 
     def __post_init__(self) -> None:
         if not self.generation_config:
@@ -147,6 +152,9 @@ class DeviceConfig:
     # The decode MLP split-K with the down weight stored transposed (Triton path): auto on
     # the GPUs where it measured faster (kernels/split_k_mlp.py), on, or off.
     split_k_mlp: str = "auto"
+    # Launch the decode step's Triton kernels with programmatic dependent launch where the GPU
+    # has it (kernels/pdl.py); off under PDSERVE_TRITON_PDL=0 and the Triton interpreter.
+    triton_pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -1,7 +1,9 @@
 """Small HF-format checkpoints with fixed-seed random weights and a real BPE tokenizer.
 
-Used by ``pdserve serve --demo`` and by the tests: everything is built locally (no
-network) and deterministically, so every machine gets byte-identical weights.
+Used by the tests and benchmarks that need a model of a chosen shape, and by
+``pdserve serve --demo-random``: everything is built locally (no network) and
+deterministically, so every machine gets byte-identical weights. The weights are random,
+so the text they produce is noise; the real default model is ``default_model.py``'s.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 DEMO_VERSION = "1"
+RANDOM_DEMO_MODEL_NAME = "pdserve-demo-random"
 TOKENIZER_VOCAB_SIZE = 1000
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -166,8 +169,8 @@ DEMO_ARGS: dict[str, Any] = {
 }
 
 
-def demo_model_path(cache_dir: Path | None = None) -> Path:
-    """The embedded demo model, built on first use and reused afterwards.
+def random_demo_model_path(cache_dir: Path | None = None) -> Path:
+    """The random-weight demo model (``DEMO_ARGS``), built on first use and reused afterwards.
 
     Built in a temporary sibling directory and renamed into place, so concurrent first
     uses (several workers starting at once) never see a half-written checkpoint.

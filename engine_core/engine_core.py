@@ -8,7 +8,6 @@ it through ``add_request`` / ``abort_requests`` / ``step``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
+from engine_core.step_rates import StepRates
 from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
@@ -74,13 +74,16 @@ class EngineCore:
         self.config = config
         model_dir = Path(config.model.model)
         if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+            hint = (" (a .gguf file is converted by engine_core.gguf.resolve_gguf_model, "
+                    "which LLM and the pdserve commands call)"
+                    if model_dir.suffix.lower() == ".gguf" else "")
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist{hint}")
         self.device = config.device.resolve()
         self.spec = read_model_spec(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.spec.torch_dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.spec.max_position_embeddings
         if (self.max_model_len > self.spec.trained_max_len
-                and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"):
+                and not config.model.allow_long_max_model_len):
             # As vLLM: positions past the trained length give garbage, not an error.
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -104,7 +107,7 @@ class EngineCore:
         backend = get_attention_backend(self.device, cache_dtype,
                                         config.device.attention_backend,
                                         config.device.triton_gemv_max_rows,
-                                        config.device.split_k_mlp)
+                                        config.device.split_k_mlp, config.device.triton_pdl)
         self.attn_backend = backend
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.spec, self.device, self.dtype, backend,
@@ -166,6 +169,7 @@ class EngineCore:
         self._warm_up()
         self.step_watch = StepWatch()
         self.step_watch.start()
+        self.step_rates = StepRates()
         self.rejected_messages = 0
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
@@ -362,13 +366,16 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         transfer_updates = self.scheduler.transfer_updates
         launched = self.runner.launch(scheduler_output)
+        completed = scheduler_output  # the step whose end this call waits for
         if self._in_flight is not None:
+            completed = self._in_flight[0]
             outputs += self._complete(*self._in_flight)
             self._in_flight = None
         if self.async_scheduling and launched.sampled:
             self._in_flight = (scheduler_output, launched)
         else:
             outputs += self._complete(scheduler_output, launched)
+        self._observe_rates(time.perf_counter() - started, completed)
         self.step_watch.observe(time.perf_counter() - started,
                                 scheduler_output.total_num_scheduled_tokens,
                                 len(scheduler_output.num_scheduled_tokens))
@@ -378,6 +385,26 @@ class EngineCore:
                             or self._in_flight is not None
                             or self.scheduler.transfer_updates != transfer_updates)
         return outputs
+
+    def _observe_rates(self, seconds: float, completed: SchedulerOutput) -> None:
+        """Feed the prefill-rate and step-time averages (a one-token row is a decode)."""
+        if completed.is_empty:
+            return
+        num_decodes = sum(1 for n in completed.num_scheduled_tokens.values() if n == 1)
+        self.step_rates.observe(seconds, completed.total_num_scheduled_tokens - num_decodes,
+                                num_decodes)
+
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute here: waiting requests (landed ones only their
+        last) and running ones mid-prefill. Requests whose KV a peer sends compute one."""
+        def remaining(request: Request) -> int:
+            if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+                return 1  # its prompt's KV comes from the peer that prefills it
+            return max(0, request.num_prompt_tokens - request.num_computed_tokens)
+
+        scheduler = self.scheduler
+        return (sum(remaining(r) for r in scheduler.waiting)
+                + sum(remaining(r) for r in scheduler.running) + len(scheduler.landed))
 
     def _land_loads(self) -> list[EngineOutput]:
         """KV loads that arrived since the last pass join this one (their calls were
@@ -418,6 +445,9 @@ class EngineCore:
             connector={**scheduler.connector.stats(), **self.connector_worker.stats()},
             **self._offload_stats(),
             sleep_level=self.sleep_level,
+            num_prefill_tokens_queued=self._queued_prefill_tokens(),
+            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
+            decode_step_s=self.step_rates.decode_step_s,
         )
 
     def _offload_stats(self) -> dict[str, int | float]:

@@ -1,4 +1,5 @@
-"""The project's exception types, defined once. HTTP mapping lives in server/http_errors.py."""
+"""The project's exception types, defined once; ``server/http_errors.py`` maps them to HTTP
+statuses and error bodies for the workers and the proxy alike."""
 
 
 class PdserveError(Exception):
@@ -23,6 +24,14 @@ class InvalidRequestError(PdserveError, ValueError):
 
 class RequestTimeoutError(InvalidRequestError):
     """The client did not send its whole request body within the server's bound (HTTP 408)."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body exceeds the server's size bound (HTTP 413)."""
+
+
+class AuthenticationError(PdserveError):
+    """Missing or wrong API key (HTTP 401)."""
 
 
 class ModelNotFoundError(PdserveError):
@@ -55,3 +64,35 @@ class NoWorkerError(PdserveError):
 
 class EngineSleepingError(PdserveError):
     """The engine is asleep (sleep mode): it serves again after wake_up; HTTP 503."""
+
+
+class UpstreamError(PdserveError):
+    """A worker leg of a proxied request failed: connection, protocol, timeout or 5xx (HTTP
+    502). ``connect_failed`` means nothing reached the worker, so the request may go elsewhere.
+    """
+
+    def __init__(self, message: str, kind: str, connect_failed: bool = False,
+                 status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect | disconnect | timeout | status | empty
+        self.connect_failed = connect_failed
+        self.status = status
+
+
+class UpstreamUnavailableError(UpstreamError):
+    """A worker answered 503 (asleep, not ready) and no other could take the request (503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="status", status=503)
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """A worker leg ran past its deadline (HTTP 504)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, kind="timeout")
+
+
+class ShuttingDownError(PdserveError):
+    """The server is draining for shutdown and takes no new requests (HTTP 503: the proxy
+    tries them on another worker)."""

@@ -90,6 +90,9 @@ class RequestState:
     text_pieces: list[str] = field(default_factory=list)
     finished: bool = False
     engine_timings: RequestTimings | None = None  # the latest the engine sent
+    # The stop string that handed-over tokens completed (``assume_delivered``): the request
+    # ended there; its engine request only settles the prompt's KV.
+    handed_stop: str | None = None
 
     @property
     def output_text(self) -> str:
@@ -118,6 +121,7 @@ class RequestState:
         update = self.detokenizer.update(list(token_ids), finished=False)
         self.output_token_ids.extend(token_ids)
         self.text_pieces.append(update.text)
+        self.handed_stop = update.stop_str
 
     def _logprob_entries(self, logprobs: list[TokenLogprob]) -> list[LogprobEntry]:
         entries = []
@@ -133,6 +137,8 @@ class RequestState:
         if self.finished:
             return None
         engine_finished = output.finish_reason is not None
+        if self.handed_stop is not None:
+            return self._handed_stop_delta(output)
         text_ids = output.new_token_ids
         stopped_by_token = output.finish_reason == "stop"
         if (stopped_by_token and text_ids
@@ -174,6 +180,24 @@ class RequestState:
             kv_transfer_params=output.kv_transfer_params, error=output.error,
             needs_engine_abort=stopped_here and not engine_finished,
             timings=timings)
+
+
+    def _handed_stop_delta(self, output: EngineOutput) -> RequestDelta:
+        """The finish of a request whose handed-over tokens completed a stop string: what
+        a direct stream's last chunk carries after that text (sent by the worker that
+        sampled them); the engine's own output adds nothing."""
+        self.finished = True
+        engine_finished = output.finish_reason is not None
+        return RequestDelta(
+            request_id=self.request_id, text="", token_ids=[],
+            logprobs=[] if self.sampling_params.logprobs is not None else None,
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+            num_output_tokens=len(self.output_token_ids), finished=True,
+            finish_reason="stop", stop_reason=self.handed_stop,
+            kv_transfer_params=output.kv_transfer_params, error=output.error,
+            needs_engine_abort=not engine_finished,
+            timings=output.timings if engine_finished else None)
 
 
 class OutputProcessor:

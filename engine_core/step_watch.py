@@ -18,7 +18,7 @@ from engine_core.kernels.jit_variants import compiled_variants
 
 logger = logging.getLogger("pdserve.engine")
 
-# A Qwen3-8B step of 8192 prompt tokens takes ~0.24 s on an H100 (docs/PERFORMANCE.md); twice
+# A Qwen3-8B step of 8192 prompt tokens takes ~0.24 s on an H100; twice
 # that is no ordinary step on a GPU. CPU engines (tests, the demo) run far below it too.
 SLOW_STEP_S = 0.5
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
-import os
+import signal
 
 from aiohttp import web
 
-from engine_core.cluster.trust import check_exposure, secret_file_path
+from engine_core.cluster.trust import check_exposure
 from engine_core.cluster.trust_flags import add_cluster_trust_args, cluster_secret_from_args
 from engine_core.errors import ConfigError
+from engine_core.server.http_runner import EdgeAppRunner
+from engine_core.server.server_args import add_header_timeout_argument, apply_environment
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.routing import POLICIES
@@ -29,6 +32,11 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         type=int, default=d.registration_port,
                         help="ZMQ port workers heartbeat to (their proxy_port)")
     add_cluster_trust_args(parser)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health, "
+                        "/ping and /ready (or VLLM_API_KEY), and send it to the workers; "
+                        "/instances needs it always: without a key it answers loopback "
+                        "clients only")
     add_proxy_policy_args(parser)
     return parser
 
@@ -61,6 +69,7 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         help="seconds a client may take to send its whole request body once "
                         "its headers arrived (408 beyond; a slow or stalled upload holds an "
                         "--max-inflight slot while it is read)")
+    add_header_timeout_argument(parser)
     parser.add_argument("--write-timeout", type=float, default=d.write_timeout_s,
                         help="seconds a streamed answer's client may take no bytes; past that "
                         "the client (not reading, its window full) is "
@@ -74,18 +83,37 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         help="seconds to connect to a worker")
     parser.add_argument("--max-attempts", type=int, default=d.max_attempts,
                         help="attempts per request (retries on prefill or connect failures)")
-    parser.add_argument("--first-token-from-prefill", action="store_true",
-                        help="stream the prefill worker's sampled token to the client as soon "
-                        "as it answers and let the decode worker continue after it, instead "
-                        "of the decode worker computing the first token (streams without stop "
-                        "strings or logprobs): colocated's TTFT, while the second token waits "
-                        "for the KV transfer, which no longer overlaps the prefill")
+    parser.add_argument("--first-token-from-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.first_token_from_prefill,
+                        help="stream the prefill worker's sampled token of each choice to the "
+                        "client as soon as it answers and let the decode worker continue "
+                        "after it (streams; stop strings, logprobs, n, penalties and seeds "
+                        "as a single worker serves them): colocated's TTFT, while the second "
+                        "token waits for the KV transfer. --no-first-token-from-prefill: the "
+                        "decode worker computes the first token, its KV transfer overlapping "
+                        "the prefill")
     parser.add_argument("--prefill-overflow", type=int, default=d.prefill_overflow,
                         metavar="N",
                         help="when every prefill worker has N prefill legs in flight, send "
                         "the request to a decode worker alone, which prefills it itself "
                         "(conditional disaggregation: P's overload spills to D instead of "
                         "queueing); 0 (default) never")
+    parser.add_argument("--slo-ttft-ms", type=float, default=d.slo_ttft_ms,
+                        help="placement (workers started with `pdserve worker`): the TTFT "
+                        "target; a prefill that would miss it where the request decodes moves "
+                        "to a worker that finishes it sooner")
+    parser.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
+                        help="placement: the TPOT target; a prefill moves off a worker whose "
+                        "decodes it would push past it, and when a prefill chunk beside "
+                        "decodes breaks it on every worker, decodes pack onto fewer workers "
+                        "so others stay free to prefill")
+    parser.add_argument("--placement-short-prompt-tokens", type=int,
+                        default=d.placement_short_prompt_tokens,
+                        help="placement: a prompt with at most this many uncached tokens "
+                        "(estimated) is served whole where it decodes")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens,
+                        help="placement: the workers' --max-num-batched-tokens, the prefill "
+                        "a decode step carries beside its decodes (pdserve launch passes it)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -96,11 +124,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         routing=args.routing, affinity_prefix_chars=args.affinity_prefix_chars,
         affinity_max_imbalance=args.affinity_max_imbalance, max_inflight=args.max_inflight,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout, api_key=args.api_key or None,
         write_timeout_s=args.write_timeout,
         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
         connect_timeout_s=args.connect_timeout, max_attempts=args.max_attempts,
         first_token_from_prefill=args.first_token_from_prefill,
-        prefill_overflow=args.prefill_overflow, max_workers=args.max_workers,
+        prefill_overflow=args.prefill_overflow, slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        placement_short_prompt_tokens=args.placement_short_prompt_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, max_workers=args.max_workers,
         cluster_secret=cluster_secret_from_args(args), insecure=args.insecure)
 
 
@@ -123,18 +155,33 @@ def run_proxy(args: argparse.Namespace) -> int:
     logger.info("pdserve proxy: http://%s:%d (registration tcp://%s:%s, routing %s)",
                 config.host, config.port, config.registration_bind_host,
                 config.registration_port, config.routing)
+    asyncio.run(serve_app(app, config))
+    return 0
+
+
+async def serve_app(app: web.Application, config: ProxyConfig) -> None:
+    """Serve ``app`` on the configured address until SIGINT/SIGTERM."""
     # Handler cancellation makes a client disconnect cancel the handler, which closes both
     # upstream legs so the workers abort the request and free its KV.
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
-                access_log=None, print=None)
-    return 0
+    runner = EdgeAppRunner(app, header_timeout_s=config.header_timeout_s,
+                           handler_cancellation=True, access_log=None)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m proxy``."""
     parser = add_proxy_args(argparse.ArgumentParser(prog="pdserve proxy", description=__doc__))
     args = parser.parse_args(argv)
-    args.cluster_secret_file = secret_file_path(args.cluster_secret_file, os.environ)
+    apply_environment(args)  # VLLM_API_KEY, PDSERVE_CLUSTER_SECRET_FILE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run_proxy(args))
 

@@ -17,19 +17,27 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from engine_core.cluster.grants import GrantAuthority
+from engine_core.server.api_key import api_key_middleware
+from engine_core.server.http_errors import error_middleware
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
-from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.dispatcher import Dispatcher
 from proxy.forwarding import LegTimeouts, create_upstream_session
-from proxy.handlers import add_routes, http_error_middleware
+from proxy.handlers import add_routes
+from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
+from proxy.placer import Placer
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import make_policy
 
 logger = logging.getLogger(__name__)
+
+
+# The proxy's admin routes: they need the API key always (engine_core/server/api_key.py).
+ADMIN_ROUTES = ("/instances",)
 
 
 def new_request_id() -> str:
@@ -42,7 +50,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
                registry: InstanceRegistry | None = None) -> web.Application:
     """Build the proxy app; ``registry`` may be pre-filled (tests) or is created empty."""
     app = web.Application(client_max_size=config.max_body_bytes + 1,
-                          middlewares=[http_error_middleware])
+                          middlewares=[error_middleware,
+                                       api_key_middleware(config.api_key, ADMIN_ROUTES)])
     registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock,
                                             max_workers=config.max_workers)
     app[keys.CONFIG] = config
@@ -52,6 +61,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
+    app[keys.PLACER] = placer = Placer(config.placement)
+    registry.add_removal_listener(placer.index.forget)
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
@@ -77,7 +88,7 @@ async def _loop_watch_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
-    session = create_upstream_session()
+    session = create_upstream_session(config.api_key)
     app[keys.DISPATCHER] = dispatcher = Dispatcher(
         registry=app[keys.REGISTRY], policy=app[keys.POLICY], metrics=app[keys.METRICS],
         session=session, clock=app[keys.CLOCK], max_attempts=config.max_attempts,
@@ -85,7 +96,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_prefix_chars=config.affinity_prefix_chars,
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
-        grants=GrantAuthority(config.cluster_secret),
+        placer=app[keys.PLACER], grants=GrantAuthority(config.cluster_secret),
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s))

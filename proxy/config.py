@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine_core.addresses import check_distinct_ports
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import ConfigError
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
+from proxy.placement import PlacementConfig
 from proxy.registry import DEFAULT_MAX_WORKERS
 from proxy.routing import POLICIES
 
@@ -28,6 +31,11 @@ class ProxyConfig:
     # Seconds a client may take to send its whole body (408 beyond): the body is read while
     # the request holds an admission slot, so a stalled upload must not hold it for good.
     body_timeout_s: float = 30.0
+    # Seconds a client may take to send a request line and headers (408 and closed beyond).
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    # Clients must send it as a bearer token on every route but /health, /ping and /ready;
+    # the proxy sends it to the workers (one key for the cluster). None: no key.
+    api_key: str | None = field(default=None, repr=False)
     max_response_bytes: int = 64 << 20
     # Seconds one write to a streaming client may wait for it to take the bytes: one that
     # stops reading while connected would otherwise hold its slot and D's leg for good.
@@ -38,9 +46,15 @@ class ProxyConfig:
     max_attempts: int = 3
     suspect_s: float = 5.0
     # Stream P's sampled token at once and let D continue after it (else D computes it).
-    first_token_from_prefill: bool = False
+    first_token_from_prefill: bool = True
     # Prefill legs in flight on every P from which D prefills a request itself (0: never).
     prefill_overflow: int = 0
+    # Placement over workers with capabilities (proxy/placement.py): the operator's targets,
+    # the prompt size that always stays where it decodes, the workers' prefill chunk.
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 50.0
+    placement_short_prompt_tokens: int = 256
+    prefill_chunk_tokens: int = 8192
     max_workers: int = DEFAULT_MAX_WORKERS  # registrations beyond are refused
     # Authenticates registrations and signs transfer grants; none: loopback or --insecure.
     cluster_secret: ClusterSecret = ClusterSecret()
@@ -58,13 +72,26 @@ class ProxyConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("heartbeat_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                     "connect_timeout_s", "body_timeout_s", "write_timeout_s"):
+                     "connect_timeout_s", "body_timeout_s", "write_timeout_s",
+                     "header_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # NaN fails every comparison
                 raise ConfigError(f"{name} must be a finite number > 0")
+        try:
+            _ = self.placement
+        except ValueError as exc:
+            raise ConfigError(f"placement: {exc}") from None
         for name in ("port", "registration_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ConfigError(f"{name} out of range: {value}")
+        check_distinct_ports({"--port": self.port, "--registration-port": self.registration_port})
+
+    @property
+    def placement(self) -> PlacementConfig:
+        """The placement policy's settings."""
+        return PlacementConfig(slo_ttft_s=self.slo_ttft_ms / 1e3, slo_tpot_s=self.slo_tpot_ms / 1e3,
+                               short_prompt_tokens=self.placement_short_prompt_tokens,
+                               prefill_chunk_tokens=self.prefill_chunk_tokens)
 
     @property
     def registration_bind_host(self) -> str:

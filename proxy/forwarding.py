@@ -15,9 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from engine_core.errors import InvalidRequestError
+from engine_core.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from engine_core.server.protocol import stream_options
-from proxy.errors import UpstreamError, UpstreamTimeoutError
 
 # Client headers worth passing on to workers; the rest (Host, Content-Length, ...) are the
 # proxy's own business.
@@ -53,11 +52,14 @@ class LegTimeouts:
         return aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S, sock_connect=self.connect_s)
 
 
-def create_upstream_session() -> aiohttp.ClientSession:
-    """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us)."""
+def create_upstream_session(api_key: str | None = None) -> aiohttp.ClientSession:
+    """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us).
+    With the proxy's ``api_key``, every call to a worker carries it (the cluster's one key;
+    a client's forwarded ``Authorization`` passed the proxy's check, so it is the same)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=True)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                 auto_decompress=False)
+                                 auto_decompress=False, headers=headers)
 
 
 def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -154,25 +156,19 @@ def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
 
 # ---- first-token handoff: P's sampled token is streamed at once, D continues after it ---
 
-MAX_FIRST_EVENTS = 4  # P sends at most a chat role chunk and one content chunk
+EVENTS_PER_CHOICE = 2  # P sends at most a chat role chunk and one content chunk a choice
 
 
 def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
     """Why this request cannot take the first-token handoff, or None when it can.
 
-    Only streams gain (a non-streaming answer waits for the last token anyway); stop
-    strings and logprobs are left to D alone (their held-back text and per-token data of
-    the first token would have to cross over too); a one-token answer is P's own.
+    Only streams gain (a non-streaming answer waits for the last token anyway). Everything
+    else a stream carries crosses over: each choice's first token, its logprobs and its
+    stop-string hold-back (D replays the token through the same rules). Left to D alone:
+    echo (P's events would lack the prompt), per-chunk usage and prompt batches.
     """
     if body.get("stream") is not True:
         return "not_streaming"
-    if body.get("stop") not in (None, []):
-        return "stop_strings"
-    logprobs = body.get("logprobs")
-    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:
-        return "logprobs"  # completions' logprobs=0 (== False in Python) asks for them too
-    if body.get("n") not in (None, 1):
-        return "n"
     if body.get("echo"):
         return "echo"
     try:
@@ -181,10 +177,6 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
         return "stream_options"
     if continuous_usage:
         return "continuous_usage"  # P's events would lack the usage every chunk must carry
-    limits = ("max_completion_tokens", "max_tokens") if path == CHAT_PATH else ("max_tokens",)
-    limit = next((body[k] for k in limits if body.get(k) is not None), None)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
-        return "max_tokens"
     if path != CHAT_PATH:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -200,24 +192,32 @@ def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
 
 
 def handoff_decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str,
-                        generated_token_ids: list[int], grant: str) -> dict[str, Any]:
-    """D's request continuing after P's token(s), its prompt's KV pulled from P."""
+                        generated_token_ids: list[list[int]], grant: str) -> dict[str, Any]:
+    """D's request continuing each choice after P's token for it, the prompt's KV pulled
+    from P."""
     out = decode_body(body, transfer_id, prefill_kv_address, grant)
-    out["kv_transfer_params"]["generated_token_ids"] = list(generated_token_ids)
+    out["kv_transfer_params"]["generated_token_ids"] = [list(ids) for ids in generated_token_ids]
     return out
 
 
 @dataclass(frozen=True)
 class FirstToken:
-    """P's sampled token(s) and the SSE events that carry them to the client."""
+    """P's sampled token of each choice and the SSE events that carry them to the client."""
 
-    token_ids: list[int]
+    token_ids: list[list[int]]
     events: bytes
 
 
-def first_token_of(answer: bytes) -> FirstToken | None:
-    """The ``pdserve_first_token`` of P's JSON answer; None when absent or malformed (the
-    request then goes on without the handoff: D computes its first token itself)."""
+def num_choices(body: dict[str, Any]) -> int:
+    """The request's ``n`` (a single prompt's choices; the workers validated it)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
+def first_token_of(answer: bytes, choices: int) -> FirstToken | None:
+    """The ``pdserve_first_token`` of P's JSON answer: one token for each of ``choices``;
+    None when absent or malformed (the request then goes on without the handoff: D
+    computes its first tokens itself)."""
     try:
         value = json.loads(answer).get("pdserve_first_token")
     except (ValueError, AttributeError, RecursionError):
@@ -225,14 +225,16 @@ def first_token_of(answer: bytes) -> FirstToken | None:
     if not isinstance(value, dict):
         return None
     token_ids, events = value.get("token_ids"), value.get("events")
-    if (not isinstance(token_ids, list) or len(token_ids) != 1
-            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in token_ids)
-            or not isinstance(events, list) or len(events) > MAX_FIRST_EVENTS
+    if (not isinstance(token_ids, list) or len(token_ids) != choices
+            or any(not isinstance(ids, list) or len(ids) != 1 for ids in token_ids)
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   for ids in token_ids for t in ids)
+            or not isinstance(events, list) or len(events) > EVENTS_PER_CHOICE * choices
             or any(not isinstance(e, dict) for e in events)):
         return None
     data = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
                     for e in events)
-    return FirstToken(list(token_ids), data)
+    return FirstToken([list(ids) for ids in token_ids], data)
 
 
 def leg_headers(client_headers: Any, transfer_id: str) -> dict[str, str]:

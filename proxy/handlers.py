@@ -1,5 +1,6 @@
 """HTTP routes of the proxy: OpenAI endpoints, /v1/models, /tokenize, /detokenize, /version,
-/health (and /ping), /ready, /metrics, /instances."""
+/health (and /ping), /ready, /metrics, /instances, and the admin call that changes a
+worker's capabilities (POST /instances/capabilities)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,25 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from engine_core.cluster.messages import ROLES
-from engine_core.errors import InvalidRequestError, OverloadedError, PdserveError
-from engine_core.server.protocol import parse_json
+from engine_core.cluster.messages import CAPABILITIES, ROLES
+from engine_core.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PdserveError,
+    RequestTooLargeError,
+)
+from engine_core.server.http_errors import error_response
+from engine_core.server.request_body import read_json_body
 from engine_core.version import package_version
 from proxy import keys
-from proxy.dispatcher import RequestTimer, end_open_stream, proxy_overhead
-from proxy.errors import RequestTimeoutError, RequestTooLargeError, error_payload, to_http
+from proxy.client_stream import end_open_stream
 from proxy.forwarding import FORWARDED_HEADERS
+from proxy.legs import RequestTimer, proxy_overhead
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCard
 
@@ -45,15 +52,7 @@ async def read_json_object(request: web.Request, max_bytes: int, timeout_s: floa
     """The request body as a JSON object, at most ``max_bytes``, all of it within
     ``timeout_s``: it is read under an admission slot, which a client that sends slowly or
     stops mid-body would otherwise hold for good. The worker validates the rest."""
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise RequestTooLargeError(f"request body of {request.content_length} bytes exceeds "
-                                   f"the limit of {max_bytes} bytes")
-    try:
-        data = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
-                                  ) from None
-    body = parse_json(data)
+    body = await read_json_body(request, max_bytes, timeout_s)
     check_finite_numbers(body)
     return body
 
@@ -76,47 +75,8 @@ def check_finite_numbers(body: dict[str, Any]) -> None:
             stack.extend((param, item, False) for item in value)
 
 
-async def _read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The whole body, refused once past ``max_bytes`` (a chunked body has no length)."""
-    data = bytearray()
-    while chunk := await request.content.readany():
-        data += chunk
-        if len(data) > max_bytes:
-            raise RequestTooLargeError(f"request body exceeds the limit of {max_bytes} bytes")
-    return bytes(data)
-
-
-def error_response(exc: BaseException, request_id: str | None = None) -> web.Response:
-    """An OpenAI-style error response for an exception."""
-    status, payload = to_http(exc)
-    headers = {"X-Request-Id": request_id} if request_id else None
-    response = web.json_response(payload, status=status, headers=headers)
-    if isinstance(exc, RequestTimeoutError):
-        # The rest of the body stays unread, so the connection cannot carry another
-        # request: say so, and aiohttp closes it after its lingering close.
-        response.force_close()
-    return response
-
-
-_BODY_HEADERS = ("content-type", "content-length")  # json_response sets its own
-
-
-@web.middleware
-async def http_error_middleware(request: web.Request,
-                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                                ) -> web.StreamResponse:
-    """aiohttp's own errors (an unknown route's 404, a wrong method's 405) as OpenAI error
-    bodies, as every other proxy error is: OpenAI clients parse error bodies as JSON."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = exc.reason.lower().replace(" ", "_")
-        payload = error_payload(f"{exc.reason}: {request.method} {request.path}",
-                                "invalid_request_error", code)
-        headers = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
-        return web.json_response(payload, status=exc.status, headers=headers)
+def _error_response(exc: BaseException, request_id: str) -> web.Response:
+    return error_response(exc, headers={"X-Request-Id": request_id})
 
 
 _REJECT_REASONS = {413: "too_large", 408: "body_timeout", 429: "overloaded", 400: "invalid",
@@ -149,7 +109,7 @@ async def _serve(request: web.Request, path: str, generates: bool = True) -> web
         opened = await end_open_stream(request, exc)
         if opened is not None:  # after the first byte the stream can only end with an event
             return opened
-        response = error_response(exc, transfer_id)
+        response = _error_response(exc, transfer_id)
         status = response.status
         if status in _REJECT_REASONS and timer.dispatched is None:
             metrics.rejected.labels(_REJECT_REASONS[status]).inc()
@@ -159,7 +119,7 @@ async def _serve(request: web.Request, path: str, generates: bool = True) -> web
         raise
     except Exception as exc:  # a proxy bug must still answer with an error body
         logger.exception("request %s failed inside the proxy", transfer_id)
-        return await end_open_stream(request, exc) or error_response(exc, transfer_id)
+        return await end_open_stream(request, exc) or _error_response(exc, transfer_id)
     finally:
         if acquired:
             limiter.release()
@@ -263,6 +223,37 @@ async def instances(request: web.Request) -> web.Response:
     })
 
 
+async def set_capabilities(request: web.Request) -> web.Response:
+    """POST /instances/capabilities ``{"worker": "host:port", "capabilities": [...] | null}``:
+    what the proxy places on a worker from the next request on (null: all it announces);
+    legs in flight finish where they are, so no request is lost. Answers the worker's
+    /instances entry."""
+    try:
+        return _set_capabilities(request.app, await read_json_object(
+            request, 64 << 10, request.app[keys.CONFIG].body_timeout_s))
+    except PdserveError as exc:
+        return error_response(exc, "")
+
+
+def _set_capabilities(app: web.Application, body: dict[str, Any]) -> web.Response:
+    worker, capabilities = body.get("worker"), body.get("capabilities")
+    if not isinstance(worker, str):
+        raise InvalidRequestError("worker must be a worker's http_address (see /instances)",
+                                  "worker")
+    if capabilities is not None and not (
+            isinstance(capabilities, list) and set(capabilities) <= set(CAPABILITIES)
+            and all(isinstance(c, str) for c in capabilities)):
+        raise InvalidRequestError(f"capabilities must be null or a list of {CAPABILITIES}",
+                                  "capabilities")
+    registry = app[keys.REGISTRY]
+    if not registry.restrict(worker, None if capabilities is None else frozenset(capabilities)):
+        return error_response(web.HTTPNotFound(text=f"no worker {worker[:100]!r} is registered"))
+    state = registry.get(worker)
+    assert state is not None
+    logger.info("worker %s: capabilities now %s", worker, sorted(state.capabilities))
+    return web.json_response(state.to_json(app[keys.CLOCK]()))
+
+
 def add_routes(app: web.Application) -> None:
     """Register every route on the app."""
     app.router.add_post("/v1/completions", completions)
@@ -277,3 +268,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/ping", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", instances)
+    app.router.add_post("/instances/capabilities", set_capabilities)

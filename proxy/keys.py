@@ -7,9 +7,11 @@ from collections.abc import Callable
 from aiohttp import web
 
 from proxy.config import ProxyConfig
-from proxy.dispatcher import Dispatcher, InflightLimiter
+from proxy.dispatcher import Dispatcher
+from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
+from proxy.placer import Placer
 from proxy.registration import RegistrationServer
 from proxy.registry import Clock, InstanceRegistry
 from proxy.routing import RoutingPolicy
@@ -24,3 +26,4 @@ LIMITER = web.AppKey("limiter", InflightLimiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 REGISTRATION_SERVER = web.AppKey("registration_server", RegistrationServer)
 MODEL_CARDS = web.AppKey("model_cards", ModelCards)
+PLACER = web.AppKey("placer", Placer)

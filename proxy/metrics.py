@@ -87,6 +87,21 @@ class ProxyMetrics:
         self.routing_decisions = Counter(P + "routing_decisions", "Routing decisions",
                                          ["mode", "prefill", "decode"], registry=r)
         self.retries = Counter(P + "retries", "Request attempts retried", ["reason"], registry=r)
+        self.placements = Counter(
+            P + "placements",
+            "Attempts placed by the placement policy (workers with capabilities): 'local' "
+            "(whole on the worker that decodes it) or 'disaggregated' (prefilled on another), "
+            "with the rule that decided (proxy/placement.py)", ["placement", "reason"],
+            registry=r)
+        self.prefill_predicted = Histogram(
+            P + "prefill_predicted_seconds",
+            "Placed prefills: the policy's predicted time until the prompt's KV is ready, by "
+            "the worker that prefills", ["worker"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_actual = Histogram(
+            P + "prefill_actual_seconds",
+            "Placed prefills: measured time until the prompt's KV was ready (a prefill "
+            "leg's answer; a whole stream's first byte), by the worker that prefilled",
+            ["worker"], buckets=LATENCY_BUCKETS, registry=r)
         self.first_token_handoffs = Counter(
             P + "first_token_handoffs",
             "Disaggregated requests by how their first token reached the client: 'prefill' "
@@ -139,7 +154,8 @@ class ProxyMetrics:
         per_worker = ((self.worker_requests, ("worker", "role")),
                       (self.worker_errors, ("worker", "role", "kind")),
                       (self.worker_latency, ("worker", "role")),
-                      (self.routing_decisions, ("mode", "prefill", "decode")))
+                      (self.routing_decisions, ("mode", "prefill", "decode")),
+                      (self.prefill_predicted, ("worker",)), (self.prefill_actual, ("worker",)))
         for metric, names in per_worker:
             stale = set()
             for family in metric.collect():

@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, Heartbeat, WorkerLoad
+from engine_core.cluster.messages import (
+    CAP_DECODE,
+    CAP_WHOLE,
+    CAPABILITIES,
+    ROLE_CAPABILITIES,
+    Heartbeat,
+    WorkerLoad,
+)
 from engine_core.cluster.trust import CAPACITY, WRONG_IDENTITY, TrustRefusal
 
 Clock = Callable[[], float]
@@ -48,6 +55,19 @@ class WorkerState:
     # After a connection failure the worker is avoided until this time (or its next
     # heartbeat), so requests stop bouncing off a dead worker before it expires.
     suspect_until: float | None = None
+    announced: frozenset[str] = frozenset()  # capabilities from its heartbeat (or role)
+    restricted: frozenset[str] | None = None  # the admin call's subset (None: all announced)
+    # Prompt tokens the proxy placed here whose prefill has not answered yet: fresher than
+    # the heartbeat's queue, which is seconds old.
+    pending_prefill_tokens: int = 0
+    # Legs by the part the worker plays in them (prefill / decode / whole): its role mix.
+    parts_in_flight: dict[str, int] = field(default_factory=dict)
+    parts_total: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the proxy may place here now: announced, less what the admin call removed."""
+        return self.announced if self.restricted is None else self.announced & self.restricted
 
     @property
     def worker_id(self) -> str:
@@ -78,7 +98,13 @@ class WorkerState:
                 "kv_cache_usage": self.load.kv_cache_usage,
                 "num_waiting_for_remote_kv": self.load.num_waiting_for_remote_kv,
                 "sleeping": self.load.sleeping,
+                "num_prefill_tokens_queued": self.load.num_prefill_tokens_queued,
+                "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
+                "decode_step_s": self.load.decode_step_s,
             },
+            "capabilities": sorted(self.capabilities),
+            "role_mix": {"in_flight": dict(self.parts_in_flight), "total": dict(self.parts_total)},
+            "pending_prefill_tokens": self.pending_prefill_tokens,
             "in_flight": self.in_flight,
             "num_requests": self.num_requests,
             "num_errors": self.num_errors,
@@ -143,23 +169,29 @@ class InstanceRegistry:
             self._claim_kv_address(message, sender_id, now)
         if existing is None and len(self._workers) >= self._max_workers:
             raise TrustRefusal(CAPACITY, f"{self._max_workers} workers are registered")
+        announced = frozenset(message.capabilities or ROLE_CAPABILITIES[message.role])
         if existing is not None and existing.sender_id == sender_id \
                 and existing.role == message.role \
                 and existing.model == message.model and existing.zmq_address == message.zmq_address:
             existing.load = message.load
             existing.version = message.version
+            existing.announced = announced
             existing.last_heartbeat = now
             existing.suspect_until = None  # it is alive again
             return False
         # Legs already sent to this address still end against it: the new state keeps their
-        # count (before, they decremented a fresh zero and the in-flight count ran low, under
-        # --prefill-overflow's cap and least load's view).
+        # count (a fresh zero would run low as they end, under --prefill-overflow's cap and
+        # least load's view).
         self._workers[message.http_address] = WorkerState(
             role=message.role, http_address=message.http_address, model=message.model,
             zmq_address=message.zmq_address, version=message.version, load=message.load,
-            registered_at=now, last_heartbeat=now, sender_id=sender_id,
-            heartbeat_interval_s=message.heartbeat_interval_s,
-            in_flight=existing.in_flight if existing is not None else 0)
+            registered_at=now, last_heartbeat=now, announced=announced, sender_id=sender_id,
+            heartbeat_interval_s=message.heartbeat_interval_s)
+        if existing is not None:
+            new = self._workers[message.http_address]
+            new.in_flight, new.restricted = existing.in_flight, existing.restricted
+            new.pending_prefill_tokens = existing.pending_prefill_tokens
+            new.parts_in_flight = existing.parts_in_flight
         return True
 
     def _silent(self, worker: WorkerState, now: float) -> bool:
@@ -210,9 +242,10 @@ class InstanceRegistry:
         return [w for w in self._workers.values()
                 if (role is None or w.role == role) and (model is None or w.model == model)]
 
-    def candidates(self, role: str, model: str | None = None,
+    def candidates(self, role: str | None, model: str | None = None,
                    exclude: frozenset[str] | set[str] = frozenset()) -> list[WorkerState]:
-        """Routable workers of a role: awake, not excluded, and not suspect unless all are."""
+        """Routable workers of a role (None: any): awake, not excluded, and not suspect
+        unless all are."""
         pool = [w for w in self.workers(role, model)
                 if w.worker_id not in exclude and not w.load.sleeping]
         now = self._clock()
@@ -224,10 +257,40 @@ class InstanceRegistry:
         return sorted({w.model for w in self._workers.values()})
 
     def servable_models(self) -> list[str]:
-        """Models a request can be answered for now, sorted: those with a decode or
-        colocated worker (a model with only prefill workers gets a 503)."""
+        """Models a request can be answered for now, sorted: those with a worker that can
+        decode (a model with only prefill workers gets a 503)."""
         return sorted({w.model for w in self._workers.values()
-                       if w.role in (ROLE_DECODE, ROLE_COLOCATED)})
+                       if w.capabilities & {CAP_DECODE, CAP_WHOLE}})
+
+    def restrict(self, http_address: str, capabilities: frozenset[str] | None) -> bool:
+        """Limit what the proxy places on a worker to ``capabilities`` (None: all it
+        announces), from the next request on; legs in flight go on. False: unknown worker."""
+        worker = self._workers.get(http_address)
+        if worker is None:
+            return False
+        if capabilities is not None and not capabilities <= set(CAPABILITIES):
+            raise ValueError(f"capabilities must be among {CAPABILITIES}")
+        worker.restricted = capabilities
+        return True
+
+    def part_started(self, http_address: str, part: str, prefill_tokens: int = 0) -> None:
+        """A leg in which the worker plays ``part``, computing ``prefill_tokens`` of prompt."""
+        worker = self._workers.get(http_address)
+        if worker is not None:
+            worker.parts_in_flight[part] = worker.parts_in_flight.get(part, 0) + 1
+            worker.parts_total[part] = worker.parts_total.get(part, 0) + 1
+            worker.pending_prefill_tokens += prefill_tokens
+
+    def prefill_answered(self, http_address: str, prefill_tokens: int) -> None:
+        """The prompt tokens of a ``part_started`` leg are computed (or never will be)."""
+        worker = self._workers.get(http_address)
+        if worker is not None:
+            worker.pending_prefill_tokens = max(0, worker.pending_prefill_tokens - prefill_tokens)
+
+    def part_finished(self, http_address: str, part: str) -> None:
+        worker = self._workers.get(http_address)
+        if worker is not None and worker.parts_in_flight.get(part, 0) > 0:
+            worker.parts_in_flight[part] -= 1
 
     def leg_started(self, http_address: str) -> None:
         """Count a request leg sent to a worker."""

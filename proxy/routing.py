@@ -3,12 +3,15 @@
 ``RoutingPolicy`` picks one worker among candidates of a role; ``plan_route`` applies the
 cluster rule on top of a policy:
 
+0. workers with capabilities (``pdserve worker``, kv_both) are registered for the model ->
+   the placement policy decides over every worker of the model (``proxy/placer.py``;
+   static P, D and colocated workers join it with their role's capabilities);
 1. a prefill worker and a decode worker exist for the model -> disaggregated (P, D).
    With ``prefill_overflow`` N, a P with N prefill legs in flight takes no more; when every
    P has N, D gets the original request and prefills it itself (conditional
    disaggregation: P's overload spills to D instead of queueing). D's own load is not
-   consulted: on two H100s, overflow into a D whose KV cache was full still served more
-   than the P queue did (docs/PERFORMANCE.md);
+   consulted: on two H100s, overflow into a D whose KV cache is full still serves more
+   than the P queue does (docs/PERFORMANCE.md, conditional disaggregation);
 2. else a colocated worker exists -> the whole request goes to it;
 3. else a decode worker exists (no prefill worker left, or the prefill leg failed on every
    one) -> decode-only: D gets the original request and prefills it itself;
@@ -23,18 +26,22 @@ Pure: no sockets, no clock of its own.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 from engine_core.errors import InvalidRequestError, ModelNotFoundError, NoWorkerError
 from proxy.registry import InstanceRegistry, WorkerState
 
+if TYPE_CHECKING:
+    from proxy.placement import Placement
+
 MODE_PD = "pd"
 MODE_COLOCATED = "colocated"
 MODE_DECODE_ONLY = "decode_only"
 MODE_PREFILL_OVERFLOW = "prefill_overflow"
+MODE_LOCAL = "local"  # placed whole on a worker (proxy/placement.py)
 
 
 class RoutingPolicy(Protocol):
@@ -153,6 +160,8 @@ class Route:
     mode: str
     decode: WorkerState  # D, or the colocated worker
     prefill: WorkerState | None = None
+    placement: Placement | None = None  # the placement policy's decision, when it decided
+    prefill_tokens: int = 0  # the prompt tokens the prefilling worker computes (estimate)
 
     def describe(self) -> str:
         """Short text for logs."""
@@ -173,17 +182,25 @@ def _only_model(registry: InstanceRegistry) -> str | None:
     return models[0] if models else None
 
 
+Placer = Callable[[InstanceRegistry, "str | None", "frozenset[str] | set[str]"], "Route | None"]
+
+
 def plan_route(registry: InstanceRegistry, policy: RoutingPolicy, model: str | None,
                exclude: frozenset[str] | set[str] = frozenset(), key: str | None = None,
-               prefill_overflow: int = 0) -> Route:
+               prefill_overflow: int = 0, placer: Placer | None = None) -> Route:
     """Apply the cluster rule (module docstring) for one attempt; ``exclude`` lists failed
     workers, ``key`` is the request's prefix key for the policy, ``prefill_overflow`` the
-    prefill legs in flight on every P from which D prefills alone (0: never)."""
+    prefill legs in flight on every P from which D prefills alone (0: never), ``placer``
+    the placement of rule 0 (None from it: no worker with capabilities)."""
     if model is not None and registry.workers(model=model) == [] and len(registry) > 0:
         raise ModelNotFoundError(f"The model `{model}` does not exist. "
                                  f"Served models: {', '.join(registry.models())}")
     if model is None:
         model = _only_model(registry)
+    if placer is not None:
+        placed = placer(registry, model, exclude)
+        if placed is not None:
+            return placed
     prefills = registry.candidates(ROLE_PREFILL, model, exclude)
     decodes = registry.candidates(ROLE_DECODE, model, exclude)
     if prefills and decodes:

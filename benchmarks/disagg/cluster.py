@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.disagg.plan import Topology
-from deploy.launch import die_with_parent, free_port
+from deploy.launch import free_port
+from deploy.supervisor import die_with_parent
 
 logger = logging.getLogger("pdserve.report")
 
@@ -80,8 +81,8 @@ class Cluster:
             argv += ["--kv-cache-memory-bytes", str(t.kv_cache_bytes)]
         if t.kv_offload_gib > 0:
             argv += ["--kv-offloading-size", f"{t.kv_offload_gib:g}"]
-        if t.first_token_from_prefill:
-            argv.append("--first-token-from-prefill")
+        argv.append("--first-token-from-prefill" if t.first_token_from_prefill
+                    else "--no-first-token-from-prefill")
         if t.routing != "round_robin":
             argv += ["--routing", t.routing]
         if t.prefill_overflow:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.disagg.cells import device_models
 from benchmarks.disagg.cluster import Cluster, ClusterError, ClusterSpec
 from benchmarks.disagg.plan import PROXY, BenchRun, Scale, TopologyPlan
-from benchmarks.disagg.summary import device_models
 from benchmarks.serve import prometheus
 from benchmarks.serve.config import METRICS, BenchConfig
 from benchmarks.serve.datasets import load_tokenizer

@@ -20,8 +20,8 @@ class Workload:
     start_rate: float
     max_rate: float
 
-    def cells(self) -> tuple[SloCell, ...]:
-        return tuple(SloCell(self.ttft_ms, tpot) for tpot in TPOT_CELLS_MS)
+    def cells(self, tpot_ms: tuple[float, ...] = TPOT_CELLS_MS) -> tuple[SloCell, ...]:
+        return tuple(SloCell(self.ttft_ms, tpot) for tpot in tpot_ms)
 
 
 def _random(input_len: int, output_len: int) -> DatasetConfig:
@@ -60,6 +60,7 @@ class SweepTopology:
     decode: int = 0
     colocated: int = 0
     workers: int = 0
+    extra_args: tuple[str, ...] = ()   # more launch flags (e.g. the proxy's SLO targets)
 
     @property
     def num_workers(self) -> int:
@@ -67,7 +68,8 @@ class SweepTopology:
 
     def launch_args(self) -> list[str]:
         return ["--prefill", str(self.prefill), "--decode", str(self.decode),
-                "--colocated", str(self.colocated), "--workers", str(self.workers)]
+                "--colocated", str(self.colocated), "--workers", str(self.workers),
+                *self.extra_args]
 
 
 def topologies_for(num_gpus: int) -> list[SweepTopology]:

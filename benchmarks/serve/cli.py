@@ -24,11 +24,12 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run ``pdserve bench serve``; print each run's table; save JSON and PNGs when asked."""
     from benchmarks.serve.config import config_from_args
     from benchmarks.serve.plots import plot_latency_cdfs, plot_slo_attainment
-    from benchmarks.serve.report import format_summary, save_results
+    from benchmarks.serve.report import format_settings, format_summary, save_results
     from benchmarks.serve.runner import BenchmarkError, run_benchmark
 
     try:
         config = config_from_args(args)
+        print(format_settings(config), flush=True)
         results = run_benchmark(config)
     except (ValueError, BenchmarkError) as exc:
         logger.error("pdserve bench serve: %s", exc)

@@ -119,11 +119,15 @@ def _csv(text: str) -> list[str]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``pdserve bench serve``: vLLM's names and defaults where vLLM has them."""
+    """The flags of ``pdserve bench serve``: vLLM's names and defaults where vLLM has them,
+    but for --port: ``pdserve launch``'s proxy port, the server a pdserve user measures."""
+    from proxy.config import ProxyConfig
+
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default=None, help="server URL (overrides --host/--port)")
     target.add_argument("--host", default="127.0.0.1")
-    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--port", type=int, default=ProxyConfig.port,
+                        help="server port (default: pdserve launch's proxy port, %(default)s)")
     target.add_argument("--endpoint", default="/v1/completions",
                         help="/v1/completions or /v1/chat/completions")
     target.add_argument("--backend", choices=BACKENDS, default=None,
@@ -134,7 +138,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name sent in requests when --model is a tokenizer path")
     target.add_argument("--tokenizer", default=None,
                         help="local tokenizer directory (default: --model when it is one; the "
-                             "demo tokenizer for pdserve-demo)")
+                             "embedded models' for their served names)")
     target.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
@@ -175,7 +179,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--save-result", action="store_true", help="write JSON (and PNG plots)")
     out.add_argument("--save-detailed", action="store_true",
                      help="also keep every ITL and error per request in the JSON")
-    out.add_argument("--result-dir", default=None, help="where results go (default: .)")
+    out.add_argument("--result-dir", default=None, help="where results go (default: results/serve)")
     out.add_argument("--result-filename", default=None, help="JSON name (a sweep adds -RATEqps)")
     out.add_argument("--label", default=None, help="name of this run in results and plots")
     out.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",

@@ -20,7 +20,6 @@ from benchmarks.serve.config import DatasetConfig
 
 logger = logging.getLogger("pdserve.bench")
 
-DEMO_MODEL_NAME = "pdserve-demo"
 # ShareGPT filter, as vLLM's: drop too-short turns and too-long conversations.
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
@@ -37,20 +36,35 @@ class SampleRequest:
 
 
 def resolve_tokenizer_path(tokenizer: str | None, model: str | None) -> str | None:
-    """``--tokenizer``, else ``--model`` when it is a local directory, else the demo's."""
+    """``--tokenizer``, else ``--model`` when it is a local directory or .gguf file, else
+    the embedded models' (by their served names)."""
+    from engine_core.default_model import DEFAULT_MODEL_NAME
+    from engine_core.demo_model import RANDOM_DEMO_MODEL_NAME
+
     if tokenizer:
         return tokenizer
-    if model and Path(model).is_dir():
+    if model and (Path(model).is_dir() or Path(model).is_file()):
         return model
-    if model == DEMO_MODEL_NAME:
-        from engine_core.demo_model import demo_model_path
+    if model == DEFAULT_MODEL_NAME:
+        from engine_core.default_model import default_model_path
 
-        return str(demo_model_path())
+        return str(default_model_path())
+    if model == RANDOM_DEMO_MODEL_NAME:
+        from engine_core.demo_model import random_demo_model_path
+
+        return str(random_demo_model_path())
     return None
 
 
 def load_tokenizer(path: str) -> Any:
-    """A local HF tokenizer."""
+    """A local HF tokenizer: a checkpoint directory's, or a .gguf file's."""
+    from engine_core.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        from transformers import PreTrainedTokenizerFast
+
+        gguf = Path(path)
+        return PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.output import RESULTS_ROOT
 from benchmarks.serve.breakdown import STAGES
+from benchmarks.serve.config import BenchConfig, DatasetConfig
 from benchmarks.serve.metrics import percentile_key
 
 WIDTH = 50
@@ -23,6 +26,45 @@ def _row(name: str, value: Any, fmt: str = "{:<10.2f}") -> str:
     text = "n/a" if value is None else (fmt.format(value) if isinstance(value, float)
                                         else str(value))
     return f"{name:<40} {text}"
+
+
+def _dataset_text(dataset: DatasetConfig) -> str:
+    """The dataset and the lengths that shape its prompts."""
+    if dataset.name == "sharegpt":
+        output = (f"output {dataset.sharegpt_output_len} tokens" if dataset.sharegpt_output_len
+                  else "output lengths from the file")
+        return f"sharegpt {dataset.path}, {output}"
+    if dataset.name == "prefix_repetition":
+        return (f"prefix_repetition, {dataset.num_prefixes} prefixes of {dataset.prefix_len} "
+                f"tokens + {dataset.suffix_len} of their own, output {dataset.prefix_output_len} tokens")
+    if dataset.name == "lognormal":
+        return (f"lognormal, median input {dataset.random_input_len} tokens (at most "
+                f"{dataset.lognormal_max_input_len}), median output {dataset.random_output_len}, "
+                f"sigma {dataset.lognormal_sigma:g}")
+    spread = f" +-{dataset.random_range_ratio:.0%}" if dataset.random_range_ratio else ""
+    prefix = (f" after a shared {dataset.random_prefix_len}-token prefix"
+              if dataset.random_prefix_len else "")
+    return (f"{dataset.name}, input {dataset.random_input_len}{spread} tokens{prefix}, "
+            f"output {dataset.random_output_len}{spread} tokens")
+
+
+def format_settings(config: BenchConfig) -> str:
+    """What a run will do, printed before it starts: every default the user did not set is
+    visible (a 1,000-prompt default against a CPU server is the user's call to change)."""
+    model = config.served_model_name or config.model or "the server's first (GET /v1/models)"
+    rates = ", ".join("inf (all at once)" if math.isinf(r) else f"{r:g}"
+                      for r in config.request_rates)
+    concurrency = config.max_concurrency or "unlimited"
+    lines = [f"pdserve bench serve: {config.url}" + (
+                 f" and {config.interleave_base_url.rstrip('/')}{config.endpoint}"
+                 if config.interleave_base_url else ""),
+             f"  model: {model}" + (f", tokenizer {config.tokenizer}" if config.tokenizer else ""),
+             f"  dataset: {_dataset_text(config.dataset)}, seed {config.dataset.seed}",
+             f"  num prompts: {config.dataset.num_prompts} per rate, "
+             f"{config.num_warmups} warm-up",
+             f"  request rate: {rates} req/s, burstiness {config.burstiness:g}, "
+             f"max concurrency {concurrency}"]
+    return "\n".join(lines)
 
 
 def format_summary(result: dict[str, Any], percentile_metrics: Sequence[str]) -> str:
@@ -83,7 +125,7 @@ def default_filename(result: dict[str, Any]) -> str:
 def result_paths(results: Sequence[dict[str, Any]], result_dir: str | None,
                  filename: str | None) -> list[Path]:
     """Where each run's JSON goes; a sweep with one ``filename`` gets ``-RATEqps`` suffixes."""
-    directory = Path(result_dir or ".")
+    directory = Path(result_dir) if result_dir else RESULTS_ROOT / "serve"
     if filename is None:
         return [directory / default_filename(r) for r in results]
     if len(results) == 1:

@@ -188,6 +188,7 @@ async def _run_all(config: BenchConfig, tokenizer: Any) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = await resolve_model(session, config)
         tokenizer_id = resolve_tokenizer_path(config.tokenizer, config.model or model)
+        logger.info("requesting model %s (tokenizer %s)", model, tokenizer_id or "none")
         if tokenizer is None and tokenizer_id is not None:
             tokenizer = load_tokenizer(tokenizer_id)
         warm_config = dataclasses.replace(

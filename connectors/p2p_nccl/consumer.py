@@ -246,7 +246,7 @@ class KVConsumer:
           still be received into them: refused, P's data calls would stay unmatched on the
           pair and D would have to abort it, failing every other transfer on it.
         - RECEIVING: receives are posted or data is landing; freed when the data landed (or
-          the pair is drained after a failure), as before.
+          the pair is drained after a failure).
         """
         with self._state.lock:
             requested: list[Load] = []
@@ -411,7 +411,7 @@ class KVConsumer:
 
     def _fail_unposted(self, load: Load, header: KVSendHeader, exc: Exception) -> None:
         """A header accepted but its receives could not be posted: the load fails at once
-        (it used to sit in RECEIVING, nothing posted, until its deadline) and the producer's
+        (never left in RECEIVING, nothing posted, until its deadline) and the producer's
         pair is aborted, so its data calls fail instead of stalling."""
         with self._state.lock:
             if load.state == RECEIVING:
@@ -469,8 +469,9 @@ class KVConsumer:
 
     def on_abort(self, message: KVSendAbort) -> None:
         """Fail the load the abort names. Once a header was accepted only its producer may
-        abort: an abort from another address used to fail the load and abort that address's
-        pair, leaving the real producer's receives posted into a buffer about to be freed."""
+        abort: an abort from another address must not fail the load and abort that address's
+        pair, which would leave the real producer's receives posted into a buffer about to be
+        freed."""
         with self._state.lock:
             load = self._loads.get(message.transfer_id)
             if load is None or load.state not in (REQUESTED, RECEIVING):

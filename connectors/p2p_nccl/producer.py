@@ -429,8 +429,8 @@ class KVProducer:
         A job still queued behind other sends to this consumer is dropped unsent: its peer
         sender reports it at once (``on_done``: the blocks go back, the id is tombstoned) and
         the abort that answers lets the consumer free the receive bytes it reserved (on NCCL
-        it keeps them until this answer, which used to be the whole transfer arriving after
-        the jobs ahead of it). A job the sender thread already took runs in full: the
+        it keeps them until this answer, which must not wait for the whole transfer to
+        arrive after the jobs ahead of it). A job the sender thread already took runs in full: the
         release crossed it, and its header answers the consumer. The sender decides which,
         under the job's lock, so a job is never half sent. As for a waiting pull, only the
         consumer address that pulled may release (refused, logged and counted otherwise)."""

@@ -8,10 +8,8 @@ an aborted pair is rebuilt on the next contact. A restarted process at a known a
 no pair: a restarted producer sends a hello at first contact (which replaces the consumer's
 pair), and the producer's worker aborts its pair with a consumer whose pulls carry a new
 ``consumer_epoch``, so its next send re-handshakes. cupy is imported lazily: CPU engines
-and the CPU test suite never need it.
-
-Run on 2 x H200 on 2026-11-22 (`tests/connectors -m gpu`); the landing watcher (2026-11-23)
-has not run with NCCL yet (only single-GPU machines were lent since).
+and the CPU test suite never need it. Its GPU tests: ``pytest -m gpu tests/connectors``
+(two GPUs).
 """
 
 from __future__ import annotations

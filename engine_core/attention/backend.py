@@ -35,6 +35,8 @@ class AttentionPlan:
     decode_work_target: int = 0
     # Greedy sampling's argmax by the Triton kernel (kernels/argmax.py) on CUDA.
     triton_sampling: bool = False
+    # The Triton kernels launch with PDL where the GPU has it (DeviceConfig.triton_pdl).
+    triton_pdl: bool = False
 
 
 class AttentionBackend(ABC):
@@ -53,6 +55,8 @@ class AttentionBackend(ABC):
     gemv_max_rows: int = 0
     # The model's MLP runs split-K at decode (kernels/split_k_mlp.py; Triton path only).
     split_k_mlp: bool = False
+    # The Triton kernels launch with PDL where the GPU has it (kernels/pdl.py).
+    pdl: bool = False
 
     def plan(self, shapes: AttentionShapes) -> AttentionPlan:
         """What the runner must know of this backend's kernels for one model."""
@@ -68,7 +72,7 @@ class AttentionBackend(ABC):
 def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None = None,
                           name: str = "auto",
                           gemv_max_rows: int | None = None,
-                          split_k_mlp: str = "auto") -> AttentionBackend:
+                          split_k_mlp: str = "auto", pdl: bool = True) -> AttentionBackend:
     """Pick the backend for ``--attention-backend`` (auto | triton | torch_ref).
 
     ``auto`` takes Triton on CUDA when triton is installed and the GPU can run the cache
@@ -76,7 +80,8 @@ def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None 
     ``triton`` where it cannot run is a ConfigError rather than a silent fallback.
     ``gemv_max_rows`` (``--triton-gemv-max-rows``; None: the Triton backend's default)
     applies to the Triton path only, as does ``split_k_mlp`` (``--split-k-mlp``: auto, on,
-    off; auto asks ``kernels/split_k_mlp.split_k_mlp_pays`` for the device).
+    off; auto asks ``kernels/split_k_mlp.split_k_mlp_pays`` for the device), as does ``pdl``
+    (``DeviceConfig.triton_pdl``).
     """
     from engine_core.attention.torch_ref import TorchRefAttentionBackend
 
@@ -89,7 +94,8 @@ def get_attention_backend(device: str, kv_cache_dtype: str | torch.dtype | None 
 
         split_k = split_k_mlp == "on" or (split_k_mlp == "auto"
                                           and split_k_mlp_pays(torch.device(device)))
-        return TritonAttentionBackend(gemv_max_rows=gemv_max_rows, split_k_mlp=split_k)
+        return TritonAttentionBackend(gemv_max_rows=gemv_max_rows, split_k_mlp=split_k,
+                                      pdl=pdl)
     if name == "triton":
         raise ConfigError(f"--attention-backend triton: {problem}")
     if torch.device(device).type == "cuda":

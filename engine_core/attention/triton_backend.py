@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engine_core.kernels.paged_decode import NewTokenRope
 
 # Decode batches up to this size run their projections on the Triton GEMV (kernels/gemv.py):
-# measured faster than cuBLAS there on an H200 (docs/PERFORMANCE.md).
+# measured faster than cuBLAS there on an H200.
 DEFAULT_GEMV_MAX_ROWS = 8
 
 
@@ -44,11 +44,13 @@ class TritonAttentionBackend(AttentionBackend):
     triton_layers = True
 
     def __init__(self, num_decode_splits: int | None = None,
-                 gemv_max_rows: int | None = None, split_k_mlp: bool = False) -> None:
+                 gemv_max_rows: int | None = None, split_k_mlp: bool = False,
+                 pdl: bool = True) -> None:
         # None: choose_num_splits decides from shapes; tests force a count to cover merges.
         self.num_decode_splits = num_decode_splits
         self.gemv_max_rows = DEFAULT_GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
         self.split_k_mlp = split_k_mlp
+        self.pdl = pdl
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata,
@@ -69,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill_attention(q, k, v, out, None, None, meta.query_start_loc, tiles,
                                     count, tile_tokens, meta.block_size, scale)
             return out
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        write_kv(k, v, kv_cache, meta.slot_mapping, pdl=self.pdl)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if meta.prefill_tiles is None:
             tiles, count = prefill_tiles(meta.query_start_loc_cpu, tile_tokens, q.device)
@@ -84,7 +86,8 @@ class TritonAttentionBackend(AttentionBackend):
             work = decode_work(meta.query_start_loc_cpu, meta.seq_lens_cpu,
                                decode_work_target(k.shape[1], q.device), q.device)
         paged_decode_attention(q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-                               meta.query_start_loc, scale, self.num_decode_splits, work=work)
+                               meta.query_start_loc, scale, self.num_decode_splits, work=work,
+                               pdl=self.pdl)
         return out
 
     def plan(self, shapes: AttentionShapes) -> AttentionPlan:
@@ -96,7 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
         return AttentionPlan(prefill_tile_tokens=tile,
                              decode_work_target=decode_work_target(shapes.num_kv_heads,
                                                                    shapes.device),
-                             triton_sampling=True)
+                             triton_sampling=True, triton_pdl=self.pdl)
 
     def forward_decode(self, q: torch.Tensor, rope: NewTokenRope, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -109,5 +112,5 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables,
                                meta.seq_lens, meta.query_start_loc, scale,
-                               self.num_decode_splits, rope=rope)
+                               self.num_decode_splits, rope=rope, pdl=self.pdl)
         return out

@@ -8,6 +8,7 @@ types) and are then checked by ``validate`` for the values the codec cannot know
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine_core.addresses import is_host_port
@@ -17,9 +18,20 @@ from engine_core.errors import MessageDecodeError
 ROLE_PREFILL = "P"
 ROLE_DECODE = "D"
 ROLE_COLOCATED = "colocated"
-ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED)
+ROLE_WORKER = "worker"  # kv_both: its capabilities say what it does, the proxy places work
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_COLOCATED, ROLE_WORKER)
 # A role's ``role`` label value in the proxy's metrics (every family uses these).
-ROLE_LABELS = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode", ROLE_COLOCATED: "colocated"}
+ROLE_LABELS = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode", ROLE_COLOCATED: "colocated",
+               ROLE_WORKER: "worker"}
+
+# What a worker can do: prefill for another worker's decode, decode a request prefilled
+# elsewhere, serve a request whole. A static role is a fixed set of them.
+CAP_PREFILL = "prefill"
+CAP_DECODE = "decode"
+CAP_WHOLE = "whole"
+CAPABILITIES = (CAP_PREFILL, CAP_DECODE, CAP_WHOLE)
+ROLE_CAPABILITIES = {ROLE_PREFILL: (CAP_PREFILL,), ROLE_DECODE: (CAP_DECODE,),
+                     ROLE_COLOCATED: (CAP_WHOLE,), ROLE_WORKER: CAPABILITIES}
 
 
 @dataclass
@@ -31,6 +43,11 @@ class WorkerLoad:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     num_waiting_for_remote_kv: int = 0
     sleeping: bool = False  # sleep mode: asleep workers get no requests until awake
+    # Placement inputs (engine_core/step_rates.py): prompt tokens still to compute, the
+    # measured prefill rate (tokens/s) and decode step time (s); 0: not measured yet.
+    num_prefill_tokens_queued: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
 
 
 @dataclass
@@ -48,6 +65,8 @@ class Heartbeat:
     version: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     heartbeat_interval_s: float | None = None
+    # A ``worker``'s capabilities (CAPABILITIES); empty: those of its role.
+    capabilities: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -86,9 +105,14 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         if message.zmq_address is None:
             raise MessageDecodeError(f"a {message.role} worker needs a zmq_address")
         _check_address(message.zmq_address, "zmq_address")
+    if not set(message.capabilities) <= set(CAPABILITIES) or len(message.capabilities) > 3:
+        raise MessageDecodeError(f"capabilities must be among {CAPABILITIES}")
     load = message.load
-    if min(load.num_running, load.num_waiting, load.num_waiting_for_remote_kv) < 0:
+    if min(load.num_running, load.num_waiting, load.num_waiting_for_remote_kv,
+           load.num_prefill_tokens_queued) < 0:
         raise MessageDecodeError("load counts must be >= 0")
+    if not (0.0 <= load.prefill_tokens_per_s < math.inf and 0.0 <= load.decode_step_s < math.inf):
+        raise MessageDecodeError("prefill_tokens_per_s and decode_step_s must be finite, >= 0")
     if not 0.0 <= load.kv_cache_usage <= 1.0:
         raise MessageDecodeError("kv_cache_usage must be within [0, 1]")
     return message

@@ -60,6 +60,8 @@ class RegistrationClient:
         self._task: asyncio.Task[None] | None = None
         self.num_sent = 0
         self.num_dropped = 0
+        # Whether the latest heartbeat left for a connected proxy (a worker's readiness).
+        self.registered = False
 
     def start(self) -> None:
         """Connect and start heartbeating (call from a running event loop)."""
@@ -79,6 +81,7 @@ class RegistrationClient:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.registered = False
         if self._socket is not None:
             if deregister:
                 self._send(Deregister(self._template.http_address))
@@ -96,7 +99,9 @@ class RegistrationClient:
                 load = await result if inspect.isawaitable(result) else result
             except Exception:  # stats are best effort; the heartbeat itself matters
                 logger.exception("load provider failed; heartbeat sent without stats")
-        return self._send(dataclasses.replace(self._template, load=load))
+        message = dataclasses.replace(self._template, load=load)
+        self.registered = self._send(message)
+        return self.registered
 
     def _send(self, message: Heartbeat | Deregister) -> bool:
         assert self._socket is not None

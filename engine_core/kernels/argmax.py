@@ -2,7 +2,7 @@
 maximum, as ``torch.argmax`` gives (NaN counts as the maximum there, and here too).
 
 Why: ``torch.argmax`` over one 151,936-entry row took 8.7 us on an H100 plus a memset
-before it (``python3 -m benchmarks.profile_decode --graphs``): one reduction kernel that
+before it (``experiments/profile_decode.py --graphs``): one reduction kernel that
 reads the row with few blocks. Here ``CHUNK``-long pieces of every row are scanned by
 programs of their own and a second launch picks the best piece, both chained to the LM
 head by PDL.
@@ -64,8 +64,9 @@ def _pick_piece_kernel(val_ptr, idx_ptr, out_ptr, pieces, BLOCK_P: tl.constexpr,
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (int64 ``[R]``) for ``logits`` ``[R, V]``."""
+def row_argmax(logits: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64 ``[R]``) for ``logits`` ``[R, V]``; ``pdl`` as
+    ``pdl.pdl_args``."""
     rows, vocab = logits.shape
     assert vocab > 0
     if logits.stride(1) != 1:  # the kernels read rows as contiguous runs
@@ -76,9 +77,9 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     pieces = triton.cdiv(vocab, CHUNK)
     values = torch.empty(rows, pieces, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, pieces, dtype=torch.int32, device=logits.device)
-    pdl = pdl_args(logits.device)
+    launch = pdl_args(logits.device, pdl)
     _piece_argmax_kernel[(rows, pieces)](logits, values, index, vocab, logits.stride(0),
-                                         pieces, CHUNK=CHUNK, BLOCK=1024, num_warps=4, **pdl)
+                                         pieces, CHUNK=CHUNK, BLOCK=1024, num_warps=4, **launch)
     _pick_piece_kernel[(rows,)](values, index, out, pieces,
-                                BLOCK_P=max(16, next_power_of_2(pieces)), num_warps=1, **pdl)
+                                BLOCK_P=max(16, next_power_of_2(pieces)), num_warps=1, **launch)
     return out

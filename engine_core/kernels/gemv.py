@@ -103,14 +103,14 @@ class GemvTiling(NamedTuple):
 
 
 # Tilings by weight shape, from a sweep of 20 tilings timed in CUDA graphs on an H200 over
-# distinct copies of each weight (benchmarks/decode_kernels.py, one row; docs/PERFORMANCE.md).
+# distinct copies of each weight (experiments/decode_kernels.py, one row).
 # Narrow column blocks keep enough programs in flight to stream a matrix of few rows at
 # full bandwidth (a 1024-column matrix still gets 64 programs); wide matrices (a fused
 # gate/up is 6x wider than deep) stream best with 64 columns a program, and 4096 columns
 # or more with 32 (Qwen3-8B qkv: 16.7 -> 14.9 us; gate/up 49.5 us with cuBLAS -> 48.4).
 # Deep matrices of many rows (Qwen3-8B's down projection, 4096 x 12288) stream best with
 # 512-wide K chunks: one row, distinct copies, 26.47 -> 25.37 us on an H200 and 38.13 ->
-# 36.67 on an H100 (benchmarks/decode_kernels.py --parts gemv, 2026-11-23 and -25).
+# 36.67 on an H100 (experiments/decode_kernels.py --parts gemv).
 NARROW_TILING = GemvTiling(16, 256, 2, 4)
 MEDIUM_TILING = GemvTiling(32, 256, 4, 4)
 DEEP_TILING = GemvTiling(32, 512, 4, 4)
@@ -122,7 +122,7 @@ WIDE_TILING = GemvTiling(64, 128, 4, 4)
 # first loads then find them in L2. H100, Qwen3-8B layer graph at batch 1: 150.1-150.7 us
 # a layer without, 148.3-148.5 with one chunk, 148.1-150.3 with two, 150.0-152.4 with four,
 # 156.2 with eight (more requests than the window hides); the 8B b1 step 5.849-5.851 ->
-# 5.784 ms with one chunk (docs/PERFORMANCE.md).
+# 5.784 ms with one chunk.
 PREFETCH_CHUNKS = 1
 
 
@@ -149,7 +149,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          tiling: GemvTiling | None = None, silu_mul: bool = False,
          early_dependents: bool | None = None,
          prefetch_chunks: int | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, pdl: bool = True) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]`` with ``M <= 16``; ``weight`` ``[N, K]``.
 
     ``silu_mul``: ``weight`` is a fused gate/up ``[2 * I, K]`` (gate rows first) and the
@@ -161,13 +161,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     with ``silu_mul``, whose successor is the down projection's GEMV: scheduled early, its
     programs pile onto the SMs that gate/up frees first and stream at a fraction of the
     bandwidth (Qwen3-8B layer graph on an H200: 132.2 us a layer, 112.6 with the late
-    trigger, against 113.9 with the separate SiLU kernel; docs/PERFORMANCE.md).
+    trigger, against 113.9 with the separate SiLU kernel).
 
     ``prefetch_chunks``: K chunks of each program's rows of ``weight`` requested into L2
     before the PDL wait (a power of two; None: ``PREFETCH_CHUNKS``; only with PDL).
 
     ``out_dtype`` (the LM head's float32 logits): the result, rounded to ``x``'s dtype as
-    always, is stored in this dtype, so no cast kernel follows.
+    always, is stored in this dtype, so no cast kernel follows. ``pdl``: launch with PDL
+    where the device has it (``pdl.pdl_args``).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -185,5 +186,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
         **prefetch_args(t.block_k, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-        enable_fp_fusion=not silu_mul, **pdl_args(x.device))
+        enable_fp_fusion=not silu_mul, **pdl_args(x.device, pdl))
     return out

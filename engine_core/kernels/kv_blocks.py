@@ -6,7 +6,7 @@ The stacked cache is ``[layers, 2, num_blocks, block_size, heads, head_dim]``; a
 of ``block_size * heads * head_dim`` elements, so the copy is a plain streaming copy of
 chunks whose addresses come from block-id lists. ``torch.index_select``/``index_copy_``
 on a middle dimension index element by element and reach ~30% of the copy rate on an H200
-(``benchmarks/kv_gather.py``); this moves 16-byte words and runs near it. The chunks are
+(``experiments/kv_gather.py``); this moves 16-byte words and runs near it. The chunks are
 copied as integer words, so any cache dtype (fp8 included) is copied bit for bit.
 """
 

@@ -40,8 +40,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k/v ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]`` (``-1`` = skip) in ``kv_cache``."""
+             slot_mapping: torch.Tensor, pdl: bool = True) -> None:
+    """Store k/v ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]`` (``-1`` = skip) in ``kv_cache``;
+    ``pdl`` as ``pdl.pdl_args``."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -55,4 +56,4 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_SIZE=kv_cache.shape[2], num_warps=4 if block_h * block_d >= 2048 else 2,
-        **pdl_args(k.device))
+        **pdl_args(k.device, pdl))

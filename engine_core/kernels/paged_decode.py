@@ -439,7 +439,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_stages: int | None = None,
                            rope: NewTokenRope | None = None,
                            work: DecodeWork | None = None,
-                           early_kv: bool | None = None) -> None:
+                           early_kv: bool | None = None, pdl: bool = True) -> None:
     """Fill the rows of ``out`` ``[T, Hq, D]`` of the sequences with exactly one new token.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already hold the
@@ -451,7 +451,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``num_splits=None`` picks ``choose_num_splits``. ``work`` (mixed steps,
     ``attention/decode_work.py``) gives each decode row its own split count instead: one
     program per listed item and KV head; ``num_splits`` is then unused. ``early_kv`` and
-    ``num_warps`` (benchmarks) override ``early_kv_launch``'s choice.
+    ``num_warps`` (benchmarks) override ``early_kv_launch``'s choice. ``pdl``: launch with
+    PDL where the device has it (``pdl.pdl_args``).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -472,7 +473,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_n is None:
         block_n = 32 if q.dtype == torch.float32 or block_d > 128 else 64
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    pdl = pdl_args(q.device)
+    launch = pdl_args(q.device, pdl)
     if work is not None:
         if work.count == 0:
             return
@@ -521,7 +522,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_PRECISION=dot_precision(q.dtype), ROPE=rope is not None,
         HAS_NORM=has_norm, WORK_LIST=work is not None,
-        EARLY_KV=early, num_warps=num_warps, **extra, **pdl)
+        EARLY_KV=early, num_warps=num_warps, **extra, **launch)
     if num_splits > 1 or work is not None:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, part_out, part_lse, query_start_loc,
@@ -529,4 +530,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_splits, NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=block_n,
             SPLIT_CHUNK=SPLIT_CHUNK, WORK_LIST=work is not None, num_warps=MERGE_WARPS,
-            **pdl)
+            **launch)

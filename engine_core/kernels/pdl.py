@@ -14,13 +14,13 @@ qualify (no kernel writes them), and so do, for batch-1 decode attention after t
 GEMV, the step's inputs and the cache's older positions. Then a kernel's completion implies
 its predecessor's, so the chain is ordered exactly as without PDL (kernels launched without
 PDL, cuBLAS for instance, keep ordinary stream order on both sides). On Hopper and newer
-GPUs only; never under the Triton interpreter; ``PDSERVE_TRITON_PDL=0`` turns it off.
+GPUs only; never under the Triton interpreter; ``DeviceConfig.triton_pdl`` turns it off
+(False under ``PDSERVE_TRITON_PDL=0`` or ``TRITON_INTERPRET=1``, read at the entry points).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -60,18 +60,15 @@ def prefetch_l2(addr, ok):
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("PDSERVE_TRITON_PDL", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
     if not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_args(device: torch.device) -> dict[str, Any]:
-    """Launch keywords for a kernel with a ``USE_PDL`` constexpr, on ``device``."""
-    if device.type != "cuda":
+def pdl_args(device: torch.device, enabled: bool = True) -> dict[str, Any]:
+    """Launch keywords for a kernel with a ``USE_PDL`` constexpr, on ``device``: PDL when
+    ``enabled`` (``DeviceConfig.triton_pdl``) and the device has it."""
+    if not enabled or device.type != "cuda":
         return {"USE_PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _supported(index):

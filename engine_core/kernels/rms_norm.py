@@ -61,13 +61,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None,
-             clear: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             clear: torch.Tensor | None = None,
+             pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight * norm(x + residual), x + residual)``; without a residual the second is None.
 
     The sum is rounded to the residual's dtype before the norm, as ``x + residual`` in
     torch is (a float32 ``x``, a split-K accumulator, is rounded to it first). ``clear``:
     a float32 ``[rows, cols]`` buffer (not ``x``) set to zero, for a split-K projection
-    after the norm.
+    after the norm. ``pdl``: launch with PDL where the device has it (``pdl.pdl_args``).
     """
     n_cols = x.shape[-1]
     x2 = _rows(x)
@@ -93,7 +94,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             ro2.stride(0), c2.stride(0), n_cols, eps, BLOCK=block,
             HAS_RESIDUAL=residual is not None, CLEAR=clear is not None,
             num_warps=min(max(block // 512, 1), 16), enable_fp_fusion=False,
-            **pdl_args(x.device))
+            **pdl_args(x.device, pdl))
     out = out.view(*x.shape[:-1], n_cols)
     if residual_out is not None:
         residual_out = residual_out.view(residual.shape)

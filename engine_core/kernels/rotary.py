@@ -71,9 +71,10 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, q_w_ptr, 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                q_norm_weight: torch.Tensor | None = None,
                k_norm_weight: torch.Tensor | None = None,
-               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+               eps: float = 1e-6, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by cos/sin ``[T, 1, D]`` (new contiguous
-    tensors), after a per-head RMSNorm with ``[D]`` weights when both are given."""
+    tensors), after a per-head RMSNorm with ``[D]`` weights when both are given; ``pdl`` as
+    ``pdl.pdl_args``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert head_dim % 2 == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
@@ -98,7 +99,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         BLOCK_QH=next_power_of_2(num_q_heads), BLOCK_KH=next_power_of_2(num_k_heads),
         BLOCK_HALF=next_power_of_2(half), HAS_NORM=has_norm,
         num_warps=4 if num_q_heads * head_dim >= 2048 else 1, enable_fp_fusion=False,
-        **pdl_args(q.device))
+        **pdl_args(q.device, pdl))
     return q_out, k_out
 
 
@@ -128,7 +129,7 @@ def _cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, num_tokens,
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[T, 1, 2 * F]`` in ``dtype`` of ``positions[t] * inv_freq`` (``[F]``
     float32) repeated over both halves: ``RotaryEmbedding.cos_sin`` in one launch.
 
@@ -144,5 +145,5 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
     block_t = 16
     _cos_sin_kernel[(triton.cdiv(num_tokens, block_t),)](
         positions, inv_freq, cos, sin, num_tokens, HALF=half, BLOCK_T=block_t,
-        BLOCK_HALF=next_power_of_2(half), num_warps=4, **pdl_args(positions.device))
+        BLOCK_HALF=next_power_of_2(half), num_warps=4, **pdl_args(positions.device, pdl))
     return cos, sin

@@ -41,13 +41,14 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.const
     tl.store(out_ptr + row * stride_o + cols, silu_times_up(gate, up, dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``[T, 2 * I]`` (gate columns, then up columns) -> ``[T, I]``."""
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """``[T, 2 * I]`` (gate columns, then up columns) -> ``[T, I]``; ``pdl`` as
+    ``pdl.pdl_args``."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1
     num_rows, n_cols = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, n_cols, dtype=x.dtype, device=x.device)
     if num_rows:
         _silu_mul_kernel[(num_rows, triton.cdiv(n_cols, BLOCK))](
             x, out, x.stride(0), out.stride(0), n_cols, BLOCK=BLOCK, num_warps=4,
-            enable_fp_fusion=False, **pdl_args(x.device))
+            enable_fp_fusion=False, **pdl_args(x.device, pdl))
     return out

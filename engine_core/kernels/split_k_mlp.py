@@ -82,8 +82,7 @@ def _split_k_mlp_kernel(x_ptr, wgu_ptr, wd_ptr, acc_ptr, M, N_INTER, K, H, strid
 # GPUs (torch.cuda.get_device_name) on which the model takes these kernels by default
 # (--split-k-mlp auto). H100 SXM, Qwen3-8B at ctx 1k: b1 step 5.73 -> 5.58 ms, b2-b8
 # 0.4-1% faster. Not the H200: there every one-launch tiling lost in the layer graph
-# (107.5-108.3 -> 109.2-135.7 us a layer) and the b1 step went 4.20 -> 4.41 ms
-# (docs/PERFORMANCE.md).
+# (107.5-108.3 -> 109.2-135.7 us a layer) and the b1 step goes 4.20 -> 4.41 ms.
 SPLIT_K_MLP_DEVICES = frozenset({"NVIDIA H100 80GB HBM3"})
 
 
@@ -107,18 +106,19 @@ class SplitKMlpTiling(NamedTuple):
 DEFAULT_TILING = SplitKMlpTiling(32, 256, 256, 4, 4)
 # Rows up to which the model takes this launch; more take gate/up's GEMV and
 # ``split_k_gemv_t`` (its float32 atomics, one set a 32-column intermediate slice, grow with
-# the rows: Qwen3-8B on an H100, b6-b8 steps 6% slower than the two GEMVs; docs/PERFORMANCE.md).
+# the rows: Qwen3-8B on an H100, b6-b8 steps 6% slower than the two GEMVs).
 SPLIT_K_MAX_ROWS = 2
 
 
 def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 acc: torch.Tensor, tiling: SplitKMlpTiling | None = None,
                 down_transposed: bool = False, prefetch_chunks: int = 1,
-                early_dependents: bool = False) -> torch.Tensor:
+                early_dependents: bool = False, pdl: bool = True) -> torch.Tensor:
     """Add ``down(silu(gate(x)) * up(x))`` to the float32 ``acc`` ``[M, H]`` (zero on entry
     for the MLP alone) and return it; ``x`` ``[M, K]`` with ``M <= 16``, ``gate_up``
     ``[2 * I, K]`` (gate rows first), ``down`` ``[H, I]`` or, with ``down_transposed``,
-    ``[I, H]`` (contiguous: a program's slice is then one contiguous run)."""
+    ``[I, H]`` (contiguous: a program's slice is then one contiguous run); ``pdl`` as
+    ``pdl.pdl_args``."""
     m, k = x.shape
     n2 = gate_up.shape[0]
     inter = n2 // 2
@@ -137,7 +137,7 @@ def split_k_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         **prefetch_args(t.block_k, gate_up.element_size(), prefetch_chunks),
         EARLY_DEPENDENTS=early_dependents,
         num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=False,
-        **pdl_args(x.device))
+        **pdl_args(x.device, pdl))
     return acc
 
 
@@ -179,7 +179,7 @@ GEMV_T_TILING = SplitKGemvTiling(128, 1024, 32, 4, 4)
 
 
 def split_k_gemv_t(x: torch.Tensor, weight_t: torch.Tensor, acc: torch.Tensor,
-                   tiling: SplitKGemvTiling | None = None) -> torch.Tensor:
+                   tiling: SplitKGemvTiling | None = None, pdl: bool = True) -> torch.Tensor:
     """Add ``x @ weight_t`` to the float32 ``acc`` ``[M, N]`` and return it: ``x`` ``[M, K]``
     with ``M <= 16``, ``weight_t`` a contiguous ``[K, N]`` (a projection's weight stored
     transposed). Programs own ``block_n`` columns and ``k_per_program`` rows of it, so
@@ -187,7 +187,7 @@ def split_k_gemv_t(x: torch.Tensor, weight_t: torch.Tensor, acc: torch.Tensor,
 
     Why: the MLP of three to eight rows, with the down weight in the split-K layout
     (``split_k_mlp`` pays float32 atomics per intermediate slice, which grow with the
-    rows), runs gate/up's GEMV and then this (docs/PERFORMANCE.md)."""
+    rows), runs gate/up's GEMV and then this. ``pdl`` as ``pdl.pdl_args``."""
     m, k = x.shape
     n = weight_t.shape[1]
     assert m <= BLOCK_M and weight_t.shape[0] == k and weight_t.is_contiguous()
@@ -201,5 +201,5 @@ def split_k_gemv_t(x: torch.Tensor, weight_t: torch.Tensor, acc: torch.Tensor,
         x, weight_t, acc, m, n, k, x.stride(0), weight_t.stride(0), acc.stride(0),
         K_PER_PROGRAM=t.k_per_program, BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-        **pdl_args(x.device))
+        **pdl_args(x.device, pdl))
     return acc

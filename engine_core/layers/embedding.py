@@ -25,13 +25,15 @@ class LMHead(nn.Module):
 
     Up to ``gemv_max_rows`` rows (the Triton path's small batches) go through the Triton
     GEMV, whatever the vocabulary: Qwen3-8B's 1.24 GB head at 1-8 rows took 414-416 us on
-    an H100, the copy rate, against cuBLAS's 439-516 us (benchmarks/decode_floor.py; the
-    8B batch-1 step went from 6.028 to 6.002 ms, docs/PERFORMANCE.md).
+    an H100, the copy rate, against cuBLAS's 439-516 us (experiments/decode_floor.py; the
+    8B batch-1 step: 6.002 ms against 6.028).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, gemv_max_rows: int = 0) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, gemv_max_rows: int = 0,
+                 pdl: bool = True) -> None:
         super().__init__()
         self.gemv_max_rows = gemv_max_rows
+        self.pdl = pdl  # the GEMV launches with PDL (DeviceConfig.triton_pdl)
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
@@ -43,5 +45,5 @@ class LMHead(nn.Module):
         if takes_gemv(hidden, self.gemv_max_rows):
             from engine_core.kernels.gemv import gemv
 
-            return gemv(hidden, self.weight, out_dtype=torch.float32)
+            return gemv(hidden, self.weight, out_dtype=torch.float32, pdl=self.pdl)
         return F.linear(hidden, self.weight).float()

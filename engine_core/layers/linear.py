@@ -15,7 +15,7 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # one row and with each shape's tiling (kernels/gemv.py), it beat or tied cuBLAS on every
 # Qwen3-0.6B and Qwen3-8B projection from 4 to 201 MB (the 8B's fused gate/up: 48.4 vs
 # 49.5 us; the 0.6B's 4 MB o_proj: 4.5 vs 12.8); larger layer weights (a 70B's MLP) stay
-# with cuBLAS, untested here (docs/PERFORMANCE.md). The LM head has its own rule
+# with cuBLAS, untested here. The LM head has its own rule
 # (layers/embedding.py).
 GEMV_MAX_WEIGHT_ELEMENTS = 128 << 20
 
@@ -43,12 +43,14 @@ class Linear(nn.Module):
     ``gemv_max_rows`` > 0 (the Triton path) sends inputs of at most that many rows with
     16-bit CUDA weights to the Triton GEMV when the weight is small enough
     (``GEMV_MAX_WEIGHT_ELEMENTS``); the choice depends on shapes only, so a CUDA graph of a
-    decode batch records one or the other for good.
+    decode batch records one or the other for good; ``pdl`` launches it with PDL
+    (``DeviceConfig.triton_pdl``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 gemv_max_rows: int = 0, transposed: bool = False) -> None:
+                 gemv_max_rows: int = 0, transposed: bool = False, pdl: bool = True) -> None:
         super().__init__()
+        self.pdl = pdl
         self.in_features = in_features
         self.out_features = out_features
         small = gemv_sized(in_features, out_features)
@@ -70,7 +72,7 @@ class Linear(nn.Module):
         if self.takes_gemv(x):
             from engine_core.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, self.bias, pdl=self.pdl)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -89,10 +91,10 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, output_sizes: tuple[int, ...],
                  part_names: tuple[str, ...], bias: bool = False,
-                 gemv_max_rows: int = 0) -> None:
+                 gemv_max_rows: int = 0, pdl: bool = True) -> None:
         if len(output_sizes) != len(part_names):
             raise ValueError("one part name per output size")
-        super().__init__(in_features, sum(output_sizes), bias, gemv_max_rows)
+        super().__init__(in_features, sum(output_sizes), bias, gemv_max_rows, pdl=pdl)
         self.output_sizes = tuple(output_sizes)
         self.part_names = tuple(part_names)
 

@@ -10,13 +10,16 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension (Llama, Qwen2, Qwen3 q/k norms).
 
     ``use_triton`` (set when the Triton attention backend is chosen) runs the fused kernel
-    for CUDA tensors; it rounds where this module's torch code rounds.
+    for CUDA tensors; it rounds where this module's torch code rounds, and launches with
+    PDL when ``pdl`` (``DeviceConfig.triton_pdl``).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, use_triton: bool = False,
+                 pdl: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.use_triton = use_triton
+        self.pdl = pdl
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _triton(self, x: torch.Tensor) -> bool:
@@ -26,7 +29,7 @@ class RMSNorm(nn.Module):
         if self._triton(x):
             from engine_core.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)[0]
+            return rms_norm(x, self.weight, self.eps, pdl=self.pdl)[0]
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -45,7 +48,7 @@ class RMSNorm(nn.Module):
         if self._triton(x):
             from engine_core.kernels.rms_norm import rms_norm
 
-            out, summed = rms_norm(x, self.weight, self.eps, residual, clear)
+            out, summed = rms_norm(x, self.weight, self.eps, residual, clear, pdl=self.pdl)
             assert summed is not None
             return out, summed
         assert clear is None, "clear is for the Triton path's split-K accumulators"

@@ -68,10 +68,12 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, rope_theta: float,
-                 rope_scaling: dict[str, Any] | None = None, use_triton: bool = False) -> None:
+                 rope_scaling: dict[str, Any] | None = None, use_triton: bool = False,
+                 pdl: bool = True) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.use_triton = use_triton
+        self.pdl = pdl  # the kernel launches with PDL (DeviceConfig.triton_pdl)
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope_theta, rope_scaling),
                              persistent=False)
 
@@ -80,7 +82,7 @@ class RotaryEmbedding(nn.Module):
         if self.use_triton and positions.is_cuda:
             from engine_core.kernels.rotary import rope_cos_sin
 
-            return rope_cos_sin(positions, self.inv_freq, dtype)
+            return rope_cos_sin(positions, self.inv_freq, dtype, pdl=self.pdl)
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

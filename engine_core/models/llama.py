@@ -32,14 +32,14 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
         hidden = spec.hidden_size
         kv_size = self.num_kv_heads * self.head_dim
-        rows = attn_backend.gemv_max_rows
+        rows, pdl = attn_backend.gemv_max_rows, attn_backend.pdl
         self.qkv_proj = MergedLinear(hidden, (self.num_heads * self.head_dim, kv_size, kv_size),
-                                     ("q_proj", "k_proj", "v_proj"), qkv_bias, rows)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, o_bias, rows)
+                                     ("q_proj", "k_proj", "v_proj"), qkv_bias, rows, pdl)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, o_bias, rows, pdl=pdl)
         self.use_triton = attn_backend.triton_layers
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton)
-            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton)
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton, pdl)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, self.use_triton, pdl)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -86,9 +86,10 @@ class LlamaAttention(nn.Module):
         if self.use_triton and q.is_cuda:
             from engine_core.kernels.rotary import apply_rope
 
+            pdl = self.attn_backend.pdl
             if q_norm is None or k_norm is None:
-                return apply_rope(q, k, cos, sin)
-            return apply_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+                return apply_rope(q, k, cos, sin, pdl=pdl)
+            return apply_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps, pdl=pdl)
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
@@ -107,15 +108,16 @@ class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend) -> None:
         super().__init__()
         hidden, inter = spec.hidden_size, spec.intermediate_size
-        rows = attn_backend.gemv_max_rows
+        rows, self.pdl = attn_backend.gemv_max_rows, attn_backend.pdl
         self.gate_up_proj = MergedLinear(hidden, (inter, inter), ("gate_proj", "up_proj"),
-                                         spec.mlp_bias, rows)
+                                         spec.mlp_bias, rows, self.pdl)
         self.split_k = (attn_backend.triton_layers and attn_backend.split_k_mlp
                         and not spec.mlp_bias
                         and self.gate_up_proj.gemv_max_rows > 0
                         and gemv_sized(inter, hidden))
-        self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows, transposed=self.split_k)
-        self.act_fn = SiluAndMul(attn_backend.triton_layers)
+        self.down_proj = Linear(inter, hidden, spec.mlp_bias, rows, transposed=self.split_k,
+                                pdl=self.pdl)
+        self.act_fn = SiluAndMul(attn_backend.triton_layers, self.pdl)
 
     def takes_split_k(self, x: torch.Tensor) -> bool:
         """Whether ``forward`` of rows shaped as ``x`` sums into a float32 accumulator
@@ -138,14 +140,17 @@ class LlamaMLP(nn.Module):
 
             down_t = self.down_proj.weight.t()
             if x.shape[0] <= SPLIT_K_MAX_ROWS:
-                return split_k_mlp(x, gate_up.weight, down_t, acc, down_transposed=True)
-            return split_k_gemv_t(gemv(x, gate_up.weight, silu_mul=True), down_t, acc)
+                return split_k_mlp(x, gate_up.weight, down_t, acc, down_transposed=True,
+                                   pdl=self.pdl)
+            return split_k_gemv_t(gemv(x, gate_up.weight, silu_mul=True, pdl=self.pdl), down_t,
+                                  acc, pdl=self.pdl)
         if self.act_fn.use_triton and gate_up.takes_gemv(x):
             # SiLU * up in the GEMV's epilogue (the same roundings as the separate kernel):
             # one launch and the [T, 2 * I] round trip less per layer at decode.
             from engine_core.kernels.gemv import gemv
 
-            return self.down_proj(gemv(x, gate_up.weight, gate_up.bias, silu_mul=True))
+            return self.down_proj(gemv(x, gate_up.weight, gate_up.bias, silu_mul=True,
+                                       pdl=self.pdl))
         return self.down_proj(self.act_fn(gate_up(x)))
 
 
@@ -161,11 +166,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, attn_backend: AttentionBackend, layer_idx: int,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        use_triton = attn_backend.triton_layers
+        use_triton, pdl = attn_backend.triton_layers, attn_backend.pdl
         self.self_attn = LlamaAttention(spec, attn_backend, layer_idx, qkv_bias, o_bias, qk_norm)
         self.mlp = LlamaMLP(spec, attn_backend)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton, pdl)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, use_triton,
+                                                pdl)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -193,9 +199,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(spec, attn_backend, i, qkv_bias, o_bias, qk_norm)
             for i in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, attn_backend.triton_layers)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, attn_backend.triton_layers,
+                            attn_backend.pdl)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling,
-                                          attn_backend.triton_layers)
+                                          attn_backend.triton_layers, attn_backend.pdl)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -224,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.qkv_bias_always or spec.attention_bias
         o_bias = self.o_bias_follows_attention_bias and spec.attention_bias
         self.model = LlamaModel(spec, attn_backend, qkv_bias, o_bias, self.qk_norm)
-        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size, attn_backend.gemv_max_rows)
+        self.lm_head = LMHead(spec.vocab_size, spec.hidden_size, attn_backend.gemv_max_rows,
+                              attn_backend.pdl)
         if spec.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

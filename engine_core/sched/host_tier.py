@@ -85,8 +85,7 @@ class HostTier:
 
     def clear(self) -> None:
         """Forget every hash (a prefix-cache reset). A slot whose download is still in
-        flight is freed once it lands; before, it kept its hash and was served after the
-        reset."""
+        flight is freed once it lands, never served under its old hash after the reset."""
         for slot in self._hash_of:
             if slot in self._pending:
                 self._forgotten.add(slot)

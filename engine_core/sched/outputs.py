@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.request import Request
+    from engine_core.sched.kv_cache_manager import HostCopies
 
 
 @dataclass
@@ -39,27 +44,18 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
+    # The connector's own metadata for its worker side: opaque to the engine core, whose
+    # NullConnector puts None here.
     kv_connector_metadata: Any = None
-    # KV offload copies (kv_cache_manager.HostCopies) the runner queues before this step.
-    host_copies: Any = None
+    # KV offload copies the runner queues before this step.
+    host_copies: HostCopies | None = None
     # The scheduler's own request objects (the runner never reads them): the update of this
     # step lands only on these, never on a newer request that reuses a finished one's id.
-    scheduled_requests: dict[str, Any] = field(default_factory=dict, repr=False)
+    scheduled_requests: dict[str, Request] = field(default_factory=dict, repr=False)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class SampledLogprobs:
-    """Logprob of the sampled token and the top alternatives, for one position."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass
@@ -68,7 +64,8 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[SampledLogprobs | None] = field(default_factory=list)
+    # Per request: the sampled token's logprob and top alternatives, when asked for.
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)

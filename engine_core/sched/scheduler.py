@@ -178,8 +178,8 @@ class Scheduler:
         # Newly admitted requests must not take the blocks a preemption just freed from an
         # older running request: skip admissions on a step that preempted. Landed remote
         # loads go first: they own blocks for every known token, so admitting them takes no
-        # free block, while behind a head that needs blocks they would sit on theirs (before
-        # 2026-11-26 that wedged a decode worker whose cache they filled).
+        # free block, while behind a head that needs blocks they would sit on theirs (a decode
+        # worker whose cache landed loads filled would never schedule again).
         while ((self.landed or self.waiting) and budget > 0 and not preempted_any
                and len(self.running) < self.config.max_num_seqs):
             queue = self.landed if self.landed else self.waiting
@@ -349,11 +349,7 @@ class Scheduler:
                 self.counters.prompt_tokens += request.num_prompt_tokens
                 iteration_tokens += request.num_prompt_tokens
             iteration_tokens += len(new_tokens)
-            token_logprobs = None
-            if lp is not None:
-                token_logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.rank,
-                                               lp.top_token_ids, lp.top_logprobs)]
-            outputs.append(self._make_output(request, new_tokens, token_logprobs,
+            outputs.append(self._make_output(request, new_tokens, None if lp is None else [lp],
                                              with_timings=first))
         if iteration_tokens:
             self.counters.count_iteration(iteration_tokens)

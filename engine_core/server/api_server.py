@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import signal
@@ -27,14 +26,19 @@ from engine_core.errors import (
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
-    RequestTimeoutError,
+    ShuttingDownError,
 )
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
-from engine_core.server.http_errors import REQUEST_ID_KEY, AuthenticationError, error_middleware
+from engine_core.server.api_key import api_key_middleware
+from engine_core.server.drain import drain
+from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S, EdgeAppRunner
 from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
+from engine_core.server.readiness import Readiness
+from engine_core.server.request_body import read_json_body
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
 from engine_core.version import package_version
@@ -68,9 +72,11 @@ class ServerOptions:
     enable_admin_endpoints: bool = False
     client_max_size: int = 32 << 20
     log_stats_interval_s: float = 10.0
-    # On SIGTERM/SIGINT: stop accepting connections, let requests in flight finish for this
-    # long, then end the rest with an error (streams get an error event and [DONE]). Below
-    # `pdserve launch`'s --stop-timeout (15 s), so a launcher's stop drains before it kills.
+    # On SIGTERM/SIGINT (--shutdown-timeout): refuse new generation requests (503), let those
+    # in flight finish and the KV they hold be released for this long, then end the rest with
+    # an error (streams get an error event and [DONE]). Below `pdserve launch`'s
+    # --stop-timeout (15 s) and a pod's terminationGracePeriodSeconds, so a supervisor's
+    # stop drains before it kills.
     shutdown_drain_s: float = 10.0
     # How long the engine process may take to start (load the model) before the server
     # gives up and exits 1 (`--engine-startup-timeout`, VLLM_ENGINE_READY_TIMEOUT_S).
@@ -82,69 +88,66 @@ class ServerOptions:
     # Seconds a connection may sit idle, or with its request headers unfinished, before it is
     # closed: aiohttp's AppRunner default is an hour (web.run_app's is 75 s).
     keepalive_timeout_s: float = 75.0
+    # Seconds a client may take to send a request line and headers (--header-timeout): 408
+    # and the connection closed beyond, so headers trickled a byte at a time hold nothing.
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # Seconds one write of a streamed answer may wait for the client to take it (its TCP
     # window full: it stopped reading) before its connection and engine requests are aborted
     # (--write-timeout); unbounded, such a client held them, and their KV blocks, for good.
     write_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.write_timeout_s < math.inf:
-            raise ConfigError(f"write_timeout_s must be > 0 seconds, got {self.write_timeout_s}")
+        for name in ("write_timeout_s", "header_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
+READINESS_KEY = web.AppKey("readiness", Readiness)
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _auth_middleware(api_key: str | None) -> Any:
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key and request.path.startswith(("/v1", "/internal")):
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     api_key.encode()):
-                raise AuthenticationError("invalid or missing API key")
-        return await handler(request)
-
-    return check
+# The admin routes (``--enable-admin-endpoints``): they need the API key always (api_key.py).
+ADMIN_ROUTES = ("/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping")
 
 
 def app_runner(app: web.Application, options: ServerOptions) -> web.AppRunner:
     """The runner of a server's app: handlers cancelled with their connection, no access log,
-    connections idle (or with unfinished headers) for ``keepalive_timeout_s`` closed."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None,
+    connections idle for ``keepalive_timeout_s`` closed, request heads bounded by
+    ``header_timeout_s`` and parser errors in JSON (``http_runner``)."""
+    return EdgeAppRunner(app, header_timeout_s=options.header_timeout_s,
+                         handler_cancellation=True, access_log=None,
                          shutdown_timeout=_HANDLER_SHUTDOWN_S,
                          keepalive_timeout=options.keepalive_timeout_s)
 
 
-async def _read_json(request: web.Request, timeout_s: float) -> dict[str, Any]:
-    """The body as JSON, all of it within ``timeout_s`` (``ServerOptions.body_timeout_s``)."""
+async def _read_json(request: web.Request, options: ServerOptions) -> dict[str, Any]:
+    """The body as JSON, within the server's size and time bounds (``request_body``)."""
     request[REQUEST_ID_KEY] = request_id_of(request)
-    try:
-        data = await asyncio.wait_for(request.read(), timeout_s)
-    except asyncio.TimeoutError:
-        raise RequestTimeoutError(f"request body not received in full within {timeout_s:g} s"
-                                  ) from None
-    return protocol.parse_json(data)
+    return await read_json_body(request, options.client_max_size, options.body_timeout_s)
 
 
 class _Routes:
     """Request handlers bound to one ``OpenAIServing``."""
 
-    def __init__(self, serving: OpenAIServing, options: ServerOptions, model_path: str) -> None:
+    def __init__(self, serving: OpenAIServing, options: ServerOptions, model_path: str,
+                 readiness: Readiness | None = None) -> None:
         self.serving = serving
         self.options = options
         self.model_path = model_path
+        self.readiness = readiness or Readiness()
+
+    def _refuse_while_draining(self) -> None:
+        if self.readiness.draining:
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request, self.options.body_timeout_s)
+        self._refuse_while_draining()
+        body = await _read_json(request, self.options)
         return await self.serving.completions(request, body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request, self.options.body_timeout_s)
+        self._refuse_while_draining()
+        body = await _read_json(request, self.options)
         return await self.serving.chat(request, body)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -167,10 +170,17 @@ class _Routes:
             await client.call("check_health", timeout_s=HEALTH_TIMEOUT_S)
         return web.Response(status=200)
 
+    async def ready(self, request: web.Request) -> web.Response:
+        """``GET /ready`` (readiness; ``/health`` is liveness): 200 while the server takes new
+        requests, else 503 naming what it waits for (its proxy registration, the drain)."""
+        waiting_for = self.readiness.waiting_for()
+        return web.json_response({"ready": not waiting_for, "waiting_for": waiting_for},
+                                 status=503 if waiting_for else 200)
+
     async def release_kv(self, request: web.Request) -> web.Response:
         """``POST /internal/kv/release`` (decode workers; the proxy's): a prefill worker
         drops the KV it holds for transfers this worker refused (``OpenAIServing.release_kv``)."""
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         release = parse_kv_release(body)
         await self.serving.release_kv(release)
         return web.json_response({"released": len(release.transfer_ids)})
@@ -179,7 +189,7 @@ class _Routes:
         return web.json_response({"version": package_version()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         model, prompt, is_chat, add_special = protocol.parse_tokenize_request(body)
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
@@ -192,7 +202,7 @@ class _Routes:
                                   "max_model_len": tokenizer.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await _read_json(request, self.options.body_timeout_s)
+        body = await _read_json(request, self.options)
         model, tokens = protocol.parse_detokenize_request(body)
         self.serving.check_model(model)
         tokenizer = self.serving.tokenizer
@@ -258,9 +268,10 @@ async def _log_stats_periodically(client: AsyncEngineClient, interval_s: float) 
 
 def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: EngineConfig,
               options: ServerOptions,
-              generation: GenerationDefaults = protocol.NO_DEFAULTS) -> web.Application:
+              generation: GenerationDefaults = protocol.NO_DEFAULTS,
+              readiness: Readiness | None = None) -> web.Application:
     """The aiohttp application over a started engine client; ``generation``: the
-    generation config's request defaults."""
+    generation config's request defaults; ``readiness``: what ``/ready`` reports."""
     names = [config.model.name]
     cache = config.cache
     metrics = ServerMetrics(names[0], cache_info={
@@ -272,10 +283,12 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     serving = OpenAIServing(client, tokenizer, names, metrics,
                             write_timeout_s=options.write_timeout_s, generation=generation)
     app = web.Application(client_max_size=options.client_max_size,
-                          middlewares=[error_middleware, _auth_middleware(options.api_key)])
+                          middlewares=[error_middleware,
+                                       api_key_middleware(options.api_key, ADMIN_ROUTES)])
     app[SERVING_KEY] = serving
     app[OPTIONS_KEY] = options
-    routes = _Routes(serving, options, config.model.model)
+    app[READINESS_KEY] = readiness = readiness or Readiness()
+    routes = _Routes(serving, options, config.model.model, readiness)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
@@ -283,6 +296,7 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     # SageMaker's health check (vLLM serves it): /health's meaning, by GET or POST.
     app.router.add_get("/ping", routes.health)
     app.router.add_post("/ping", routes.health)
+    app.router.add_get("/ready", routes.ready)
     if config.kv_transfer is not None and config.kv_transfer.is_consumer:
         app.router.add_post("/internal/kv/release", routes.release_kv)
     app.router.add_get("/version", routes.version)
@@ -325,7 +339,8 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
 
 
 async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
-                               engine_factory: EngineFactory | None = None
+                               engine_factory: EngineFactory | None = None,
+                               readiness: Readiness | None = None,
                                ) -> tuple[AsyncEngineClient, web.Application]:
     """Start the engine process, load the tokenizer, build the app; logs each stage."""
     started = time.monotonic()
@@ -345,7 +360,7 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
-        return client, build_app(client, tokenizer, config, options, generation)
+        return client, build_app(client, tokenizer, config, options, generation, readiness)
     except BaseException:
         await client.shutdown()
         raise
@@ -372,16 +387,26 @@ async def _unless_stopped(startup: Awaitable[_T], stop: asyncio.Event) -> _T | N
 
 async def serve(config: EngineConfig, options: ServerOptions,
                 engine_factory: EngineFactory | None = None,
-                on_startup: Sequence[StartupHook] = ()) -> None:
+                on_startup: Sequence[StartupHook] = (),
+                readiness: Readiness | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, or until the engine dies: then, once shut down,
-    raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that)."""
+    raise ``EngineDeadError`` so the process exits non-zero (a supervisor restarts on that).
+
+    Shutdown order: draining (``/ready`` 503, new generation requests 503), the startup
+    hooks' cleanups (a worker deregisters from its proxy), the requests in flight finish and
+    their KV is released (``shutdown_drain_s`` at most), then the listener closes and the
+    engine stops. The listener stays open while draining, so liveness probes and the
+    proxy's KV releases still reach the server.
+    """
     started = time.monotonic()
+    readiness = readiness or Readiness()
     check_port_free(options.host, options.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    ready = await _unless_stopped(start_engine_and_app(config, options, engine_factory), stop)
+    ready = await _unless_stopped(
+        start_engine_and_app(config, options, engine_factory, readiness), stop)
     if ready is None:
         logger.info("Stopped during startup")
         return
@@ -410,14 +435,15 @@ async def serve(config: EngineConfig, options: ServerOptions,
             logger.error("engine core died; shutting down the server")
     finally:
         logger.info("Shutting down")
+        readiness.draining = True
         for cleanup in reversed(cleanups):
             try:
                 await cleanup()
             except Exception:
                 logger.exception("shutdown hook failed")
+        await drain(client, options.shutdown_drain_s if client.is_alive else 0.0)
         if site is not None:
-            await site.stop()  # no new connections while the requests in flight finish
-        await _drain(client, options.shutdown_drain_s if client.is_alive else 0.0)
+            await site.stop()
         await runner.cleanup()
         await client.shutdown()
     if engine_died:
@@ -426,7 +452,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
 
 def check_port_free(host: str | None, port: int) -> None:
     """Raise ConfigError when the HTTP port cannot be bound, before the engine starts: the
-    server binds only once the model is loaded, and a taken port used to show only then
+    server binds only once the model is loaded, and a taken port must not show only then
     (minutes on a GPU). A probe, not a reservation: a port taken in between still fails
     late, but the usual mistake is caught at once."""
     if port == 0:
@@ -452,25 +478,10 @@ def check_port_free(host: str | None, port: int) -> None:
                                   f"{host or 'every interface'}: {exc.strerror}") from None
 
 
-async def _drain(client: AsyncEngineClient, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for the requests in flight, then end the rest with an error
-    (their handlers answer it: an error event and [DONE] on a stream)."""
-    deadline = time.monotonic() + timeout_s
-    if client.num_in_flight:
-        logger.info("Waiting up to %.0f s for %d requests in flight", timeout_s,
-                    client.num_in_flight)
-    while client.num_in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if client.num_in_flight:
-        logger.warning("Ending %d requests still in flight: the server is shutting down",
-                       client.num_in_flight)
-        client.fail_in_flight(EngineDeadError("the server is shutting down"))
-        await asyncio.sleep(0.5)  # let their handlers write the error out
-
-
 def run_server(config: EngineConfig, options: ServerOptions,
                engine_factory: EngineFactory | None = None,
-               on_startup: Sequence[StartupHook] = ()) -> None:
+               on_startup: Sequence[StartupHook] = (),
+               readiness: Readiness | None = None) -> None:
     """Blocking entry point; uses uvloop when it is installed."""
     try:
         import uvloop
@@ -479,4 +490,4 @@ def run_server(config: EngineConfig, options: ServerOptions,
     # Outside the except clause: every traceback the server logs would be chained to the
     # ImportError otherwise.
     (asyncio.run if uvloop is None else uvloop.run)(
-        serve(config, options, engine_factory, on_startup))
+        serve(config, options, engine_factory, on_startup, readiness))

@@ -1,97 +1,142 @@
-"""The one place that maps exceptions to HTTP statuses and the OpenAI-style error body.
+"""The one place that maps exceptions to HTTP statuses and error bodies, for the workers
+and the proxy alike.
 
-Body shape (as vLLM's OpenAI server): ``{"error": {"message", "type", "param", "code"}}``
-with ``type`` the error class name clients see and ``code`` the HTTP status.
+Body shape (OpenAI's): ``{"error": {"message", "type", "param", "code"}}`` with ``type`` an
+error category (``invalid_request_error``, ``rate_limit_error``, ...), ``code`` a string
+naming the case or null, and ``param`` the request parameter at fault or null. Clients
+(the official ``openai`` one included) pick their exception class from the status.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from engine_core.errors import (
+    AuthenticationError,
     ConfigError,
     EngineDeadError,
     EngineSleepingError,
     EngineUnresponsiveError,
     InvalidRequestError,
-    KVTransferError,
     ModelNotFoundError,
     NoWorkerError,
     OverloadedError,
     RequestTimeoutError,
+    RequestTooLargeError,
+    ShuttingDownError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
 )
+from engine_core.server.streaming import encode_event
 
 logger = logging.getLogger("pdserve.server")
-
-_STATUS_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-    404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
-}
-
 
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
 
-class AuthenticationError(Exception):
-    """Missing or wrong API key (HTTP 401)."""
+@dataclass(frozen=True)
+class HttpError:
+    """How one kind of failure reads over HTTP."""
+
+    status: int
+    type: str
+    code: str | None
+
+
+INTERNAL_ERROR = HttpError(500, "server_error", "internal_error")
+
+# Exception type -> its HTTP answer; the first matching entry wins, so subclasses come
+# before their bases. Anything not listed is an internal error whose details stay private.
+HTTP_ERRORS: tuple[tuple[type[BaseException], HttpError], ...] = (
+    (RequestTooLargeError, HttpError(413, "invalid_request_error", "request_too_large")),
+    (RequestTimeoutError, HttpError(408, "invalid_request_error", "request_timeout")),
+    (ModelNotFoundError, HttpError(404, "invalid_request_error", "model_not_found")),
+    (InvalidRequestError, HttpError(400, "invalid_request_error", None)),
+    (ConfigError, HttpError(400, "invalid_request_error", None)),
+    (AuthenticationError, HttpError(401, "invalid_request_error", "invalid_api_key")),
+    (OverloadedError, HttpError(429, "rate_limit_error", "too_many_requests")),
+    (NoWorkerError, HttpError(503, "service_unavailable", "no_worker_available")),
+    (EngineSleepingError, HttpError(503, "service_unavailable", "engine_sleeping")),
+    (EngineDeadError, HttpError(503, "service_unavailable", "engine_dead")),
+    (EngineUnresponsiveError, HttpError(503, "service_unavailable", "engine_unresponsive")),
+    (ShuttingDownError, HttpError(503, "service_unavailable", "shutting_down")),
+    (UpstreamTimeoutError, HttpError(504, "upstream_timeout", "upstream_timeout")),
+    (UpstreamUnavailableError, HttpError(503, "service_unavailable", "worker_unavailable")),
+    (UpstreamError, HttpError(502, "upstream_error", "bad_gateway")),
+)
+
+# aiohttp's own errors for the cases the table names too answer with the table's code.
+_AIOHTTP_CODES = {answer.status: answer.code for exc_type, answer in HTTP_ERRORS
+                  if exc_type in (RequestTooLargeError, RequestTimeoutError)}
+
+
+def http_error_of(exc: BaseException) -> HttpError:
+    """The HTTP answer for an exception: aiohttp's own (404, 405, 413, ...) by their status,
+    ours from the table, anything else an internal error."""
+    if isinstance(exc, web.HTTPException):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        code = _AIOHTTP_CODES.get(exc.status) or exc.reason.lower().replace(" ", "_")
+        return HttpError(exc.status, kind, code)
+    for exc_type, answer in HTTP_ERRORS:
+        if isinstance(exc, exc_type):
+            return answer
+    return INTERNAL_ERROR
 
 
 def error_status(exc: BaseException) -> int:
     """The HTTP status for an exception."""
-    if isinstance(exc, web.HTTPException):
-        return exc.status
-    if isinstance(exc, RequestTimeoutError):
-        return 408
-    if isinstance(exc, (InvalidRequestError, ConfigError)):
-        return 400
-    if isinstance(exc, AuthenticationError):
-        return 401
-    if isinstance(exc, ModelNotFoundError):
-        return 404
-    if isinstance(exc, OverloadedError):
-        return 429
-    if isinstance(exc, (EngineDeadError, EngineUnresponsiveError, EngineSleepingError,
-                        NoWorkerError)):
-        return 503
-    if isinstance(exc, KVTransferError):
-        return 500
-    return 500
+    return http_error_of(exc).status
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI-style error object."""
-    return {"error": {"message": message, "type": _STATUS_TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
+def error_body(answer: HttpError, message: str, param: str | None = None) -> dict[str, Any]:
+    """The error object every server of the cluster answers with."""
+    return {"error": {"message": message, "type": answer.type, "param": param,
+                      "code": answer.code}}
 
 
 def exception_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """Status and body for an exception; internal details are not leaked on 500."""
-    status = error_status(exc)
+    """Status and body for an exception; an internal error's details are not leaked."""
+    answer = http_error_of(exc)
     if isinstance(exc, web.HTTPException):
         message = exc.text or exc.reason
-        if status == 413:
-            message = f"request body too large: {exc.reason}"
-    elif status == 500:
+    elif answer is INTERNAL_ERROR:
         message = "internal server error"
     else:
         message = str(exc) or type(exc).__name__
-    return status, error_body(status, message, getattr(exc, "param", None))
+    return answer.status, error_body(answer, message, getattr(exc, "param", None))
+
+
+_BODY_HEADERS = ("content-type", "content-length")  # json_response sets its own
 
 
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> web.Response:
+    """The JSON error response for an exception (with aiohttp's own headers, e.g. 405's
+    ``Allow``)."""
     status, body = exception_body(exc)
-    response = web.json_response(body, status=status, headers=headers)
-    if status == 408:
+    merged = {}
+    if isinstance(exc, web.HTTPException):
+        merged = {k: v for k, v in exc.headers.items() if k.lower() not in _BODY_HEADERS}
+    merged.update(headers or {})
+    response = web.json_response(body, status=status, headers=merged or None)
+    if isinstance(exc, (RequestTimeoutError, RequestTooLargeError)):
         # The rest of the body was never read, so the connection cannot carry another
-        # request: Connection: close, and aiohttp closes it after answering.
+        # request: Connection: close, and aiohttp closes it after answering (without first
+        # waiting to read, and discard, a body it refused).
         response.force_close()
     return response
+
+
+def sse_error_event(exc: BaseException) -> bytes:
+    """The SSE events that end a stream failing after its first byte: the error, then
+    ``[DONE]``."""
+    _, body = exception_body(exc)
+    return encode_event(body) + encode_event("[DONE]")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -99,7 +144,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn every failure (including aiohttp's 404/405/413) into a JSON error response."""
+    """Turn every failure (aiohttp's own 404/405/413 included) into a JSON error response."""
     try:
         return await handler(request)
     except web.HTTPException as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.sampling_params import SamplingParams
@@ -25,9 +25,12 @@ class Job:
     kv_transfer_params: dict[str, Any] | None
     prompt_index: int = 0
     sample: int = 0  # index among the prompt's n samples; sample 0 counts the prompt in usage
-    # A decode worker's later samples of a prompt wait for sample 0's first token (its KV
-    # from the prefill worker has landed and is cached by then), then compute locally.
+    # A later sample of a prompt whose KV moves between workers waits for sample 0's first
+    # token (on D its KV from P has landed and is cached by then; on P it is computed and
+    # cached), then finds the prompt in the prefix cache.
     after: int | None = None
+    # Output tokens this sample continues after (the handoff: the client has their text).
+    generated_token_ids: list[int] = field(default_factory=list)
 
 
 def engine_request_id(request_id: str) -> str:
@@ -49,6 +52,21 @@ def prefill_only(kv_transfer_params: dict[str, Any] | None, handoff: protocol.Ha
     (``one_sample_params``) and the answer given as one JSON body, never streamed.
     """
     return handoff.first_events or bool((kv_transfer_params or {}).get("do_remote_decode"))
+
+
+def samples_run(params: SamplingParams, kv_transfer_params: dict[str, Any] | None,
+                handoff: protocol.Handoff) -> int:
+    """Samples a prompt runs here: all ``n``, except on a prefill leg that only computes the
+    KV (one); a handoff's prefill samples each choice's first token."""
+    if handoff.first_events or not prefill_only(kv_transfer_params, handoff):
+        return params.n
+    return 1
+
+
+def moves_kv(kv_transfer_params: dict[str, Any] | None) -> bool:
+    """Whether this request's sample 0 moves the prompt's KV to or from another worker."""
+    params = kv_transfer_params or {}
+    return bool(params.get("do_remote_prefill") or params.get("do_remote_decode"))
 
 
 def one_sample_params(params: SamplingParams, one_token: bool) -> SamplingParams:

@@ -3,15 +3,15 @@
 Why: everything a server process does on the network runs on its loop, its heartbeats to
 the proxy included. A loop held for seconds (a long synchronous call, a burst of work that
 never yields) is seen from outside only as a worker that stopped answering: the proxy drops
-it after its heartbeat timeout (the decode worker of the 2026-11-24 two-GPU report was
-dropped so, overloaded, with no trace of why). The watch is a coroutine that stamps the time
+it after its heartbeat timeout, and without the watch an overloaded worker is dropped with
+no trace of why. The watch is a coroutine that stamps the time
 every ``interval_s`` and a thread that reads the stamp: when the stamp is older than
 ``threshold_s`` the thread logs the loop thread's stack at that moment (once a stall), and
 when the loop turns again the coroutine reports the stall's length to ``on_stall``, with
 the share of it the process spent in garbage collection (``GcClock``): a collection holds
 the GIL, so the stack sampled during a stall cannot tell a long collection from a long
-computation (2026-11-25: a decode worker's loop held 1.10 s once under load, its stack in a
-trivial ``queue.put_nowait``).
+computation (a loop held by a collection shows its stack in whatever trivial call, say a
+``queue.put_nowait``, the collection interrupted).
 """
 
 from __future__ import annotations

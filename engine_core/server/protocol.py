@@ -66,7 +66,7 @@ Prompt = str | list[int]
 MAX_PARAMS_DEPTH = 8  # kv_transfer_params nesting (the proxy's are two deep)
 
 
-# At most this many output tokens may come from elsewhere (the proxy sends one).
+# At most this many output tokens of one choice may come from elsewhere (the proxy sends one).
 MAX_GENERATED_TOKENS = 16
 # Choices (prompts x n) of one request: each is an engine request and a task in the server.
 MAX_CHOICES = 1024
@@ -76,14 +76,21 @@ MAX_CHOICES = 1024
 class Handoff:
     """The proxy's first-token handoff between a prefill and a decode worker.
 
-    ``first_events``: a prefill worker adds the stream's first events (for its sampled
-    token) to its answer, for the proxy to send before any decode worker is involved.
-    ``generated_token_ids``: a decode worker continues after these output tokens, whose
-    text the client already has, and streams only what follows them.
+    ``first_events``: a prefill worker samples each choice's first token and adds the
+    stream's first events (for those tokens) to its answer, for the proxy to send before
+    any decode worker is involved.
+    ``generated_token_ids``: one list per choice (the request's ``n``); a decode worker
+    continues each choice after its output tokens, whose text the client already has, and
+    streams only what follows them.
     """
 
     first_events: bool = False
-    generated_token_ids: list[int] = field(default_factory=list)
+    generated_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        """Either half of the handoff."""
+        return self.first_events or bool(self.generated_token_ids)
 
 
 @dataclass
@@ -227,9 +234,9 @@ def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _fits_the_wire(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` can cross the engine socket (msgpack) as it is: before, a lone
-    surrogate, an integer past 64 bits or 600 levels of nesting in kv_transfer_params
-    failed its encoding with a 500."""
+    """Whether ``value`` can cross the engine socket (msgpack) as it is: a lone surrogate,
+    an integer past 64 bits or deep nesting in kv_transfer_params must be a 400 here, not a
+    failed encoding (a 500) later."""
     if depth > MAX_PARAMS_DEPTH:
         return False
     if isinstance(value, dict):
@@ -257,15 +264,21 @@ def _handoff(params: dict[str, Any] | None) -> Handoff:
         raise InvalidRequestError("kv_transfer_params.first_token_events must be a boolean",
                                   "kv_transfer_params")
     generated = params.get("generated_token_ids", [])
-    if (not isinstance(generated, list) or len(generated) > MAX_GENERATED_TOKENS
-            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in generated)):
+    if (not isinstance(generated, list) or len(generated) > MAX_CHOICES
+            or any(not _handed_tokens_ok(ids) for ids in generated)):
         raise InvalidRequestError(
-            "kv_transfer_params.generated_token_ids must be a list of at most "
-            f"{MAX_GENERATED_TOKENS} non-negative token ids", "kv_transfer_params")
+            "kv_transfer_params.generated_token_ids must be a list (one per choice) of "
+            f"lists of 1 to {MAX_GENERATED_TOKENS} non-negative token ids", "kv_transfer_params")
     if first_events and generated:
         raise InvalidRequestError("kv_transfer_params: first_token_events and "
                                   "generated_token_ids exclude each other", "kv_transfer_params")
-    return Handoff(first_events, list(generated))
+    return Handoff(first_events, [list(ids) for ids in generated])
+
+
+def _handed_tokens_ok(value: Any) -> bool:
+    """One choice's handed-over tokens: 1 to ``MAX_GENERATED_TOKENS`` non-negative ids."""
+    return (isinstance(value, list) and 0 < len(value) <= MAX_GENERATED_TOKENS
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -302,8 +315,11 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
 
 
 def _check_handoff_n(handoff: Handoff, params: SamplingParams) -> None:
-    if (handoff.first_events or handoff.generated_token_ids) and params.n != 1:
-        raise InvalidRequestError("a first-token handoff carries one sample (n=1)", "n")
+    """A continuation names the tokens of every choice (each sample continues its own)."""
+    if handoff.generated_token_ids and len(handoff.generated_token_ids) != params.n:
+        raise InvalidRequestError(
+            f"kv_transfer_params.generated_token_ids has {len(handoff.generated_token_ids)} "
+            f"lists; the request has n={params.n} choices", "kv_transfer_params")
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -393,14 +409,14 @@ def parse_completion_request(body: dict[str, Any], defaults: GenerationDefaults 
                                   f"{MAX_CHOICES} choices in one request", "prompt")
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)
-    if (handoff.first_events or handoff.generated_token_ids) and len(prompts) != 1:
+    if handoff.active and len(prompts) != 1:
         raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
     _check_handoff_n(handoff, params)
     echo = _typed(body, "echo", (bool,), False)
     if echo and params.logprobs is not None:
         raise InvalidRequestError("echo with logprobs needs the prompt's logprobs, which are "
                                   "not supported", "echo")
-    if echo and (handoff.first_events or handoff.generated_token_ids):
+    if echo and handoff.active:
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
                              echo, continuous_usage, _truncate_prompt_tokens(body),

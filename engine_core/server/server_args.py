@@ -2,9 +2,10 @@
 every server takes the same ones (vLLM's names) and builds its ``ServerOptions`` one way.
 
 Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``,
-``VLLM_ENGINE_READY_TIMEOUT_S``, ``PDSERVE_CLUSTER_SECRET_FILE``) are folded into these flags
-by ``apply_environment``, the one place that reads them (``pdserve`` and
-``python -m prefill|decode`` call it; ``python -m proxy`` folds the secret file's itself).
+``VLLM_ENGINE_READY_TIMEOUT_S``, ``PDSERVE_CLUSTER_SECRET_FILE`` and the engine's of
+``arg_utils.engine_environment``) are folded into these flags by ``apply_environment``, the
+one place that reads them (``pdserve``, ``python -m prefill|decode`` and ``python -m proxy``
+call it).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine_core.arg_utils import positive_seconds
+from engine_core.arg_utils import engine_environment, positive_seconds
 from engine_core.cluster.trust import secret_file_path
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine_core.server.api_server import ServerOptions
+from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
 
 # vLLM's name for the engine startup timeout: the default of --engine-startup-timeout, so a
 # vLLM deployment's setting carries over.
@@ -34,6 +36,9 @@ def apply_environment(args: argparse.Namespace) -> None:
         args.engine_startup_timeout = _env_seconds(ENGINE_READY_TIMEOUT_ENV)
     if hasattr(args, "cluster_secret_file"):
         args.cluster_secret_file = secret_file_path(args.cluster_secret_file, os.environ)
+    if hasattr(args, "triton_pdl"):  # the command runs an engine
+        for name, value in engine_environment(os.environ).items():
+            setattr(args, name, value)
 
 
 def _env_flag(name: str) -> bool:
@@ -52,14 +57,24 @@ def _env_seconds(name: str) -> float | None:
         raise SystemExit(f"pdserve: {name}={raw!r}: must be a number of seconds > 0") from None
 
 
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (or VLLM_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "and /ping (or VLLM_API_KEY); admin routes need it always: without "
+                             "a key they answer loopback clients only")
     parser.add_argument("--enable-admin-endpoints", action="store_true",
                         help="expose /reset_prefix_cache, /sleep, /wake_up, /is_sleeping "
-                             "(or VLLM_SERVER_DEV_MODE=1)")
+                             "(or VLLM_SERVER_DEV_MODE=1); they still need the API key")
     parser.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
                         help="largest accepted request body")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
@@ -68,6 +83,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         default=ServerOptions.body_timeout_s, metavar="SECONDS",
                         help="how long a client may take to send its whole request body "
                              "(408 beyond)")
+    add_header_timeout_argument(parser)
     parser.add_argument("--write-timeout", type=positive_seconds,
                         default=ServerOptions.write_timeout_s, metavar="SECONDS",
                         help="how long a streamed answer's client may take no bytes; past "
@@ -79,6 +95,22 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the engine process may take to load the model and "
                              "start before the server gives up and exits 1 (default: "
                              f"VLLM_ENGINE_READY_TIMEOUT_S, else {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    parser.add_argument("--shutdown-timeout", type=non_negative_seconds,
+                        default=ServerOptions.shutdown_drain_s, metavar="SECONDS",
+                        help="on SIGTERM: new requests are refused (503) and a worker "
+                             "deregisters from its proxy; the requests in flight may finish "
+                             "and their KV be released for this long, then the rest end with "
+                             "an error (0: at once). Keep it below the supervisor's grace "
+                             "period (a pod's terminationGracePeriodSeconds)")
+
+
+def add_header_timeout_argument(parser: argparse._ActionsContainer) -> None:
+    """``--header-timeout``, taken by the workers' servers and the proxy alike."""
+    parser.add_argument("--header-timeout", type=positive_seconds,
+                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="how long a client may take to send a request line and headers, "
+                             "from its connection's opening or its request's first byte (408 "
+                             "and the connection closed beyond)")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -88,6 +120,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          client_max_size=args.max_request_body_bytes,
                          log_stats_interval_s=args.log_stats_interval,
                          body_timeout_s=args.body_timeout,
+                         header_timeout_s=args.header_timeout,
                          write_timeout_s=args.write_timeout,
+                         shutdown_drain_s=args.shutdown_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
                                                    or DEFAULT_STARTUP_TIMEOUT_S))

@@ -33,9 +33,11 @@ from engine_core.server.http_errors import REQUEST_ID_KEY
 from engine_core.server.jobs import (
     Job,
     engine_request_id,
+    moves_kv,
     one_sample_params,
     prefill_only,
     prompt_transfer_params,
+    samples_run,
     without_transfer,
 )
 from engine_core.server.kv_release import RELEASE_TOKEN, KVRelease
@@ -120,24 +122,27 @@ class OpenAIServing:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def _generate(self, job: Job, generated: list[int],
-                        arrival: float) -> AsyncIterator[RequestDelta]:
+    async def _generate(self, job: Job, arrival: float) -> AsyncIterator[RequestDelta]:
         """Deltas of one engine request, with metrics; stops the engine on a stop string.
 
-        A request continuing after ``generated`` tokens (the client got their text from
-        the prefill worker, which observed the time to first token) streams what follows.
+        A request continuing after the job's ``generated_token_ids`` (the client got their
+        text from the prefill worker, which observed the time to first token) streams what
+        follows; where they completed a stop string it only sends the finish, its engine
+        request limited to them (it settles the prompt's KV and samples nothing).
         ``arrival``: when the HTTP request arrived, shared by all its samples (a sample
         that waits for sample 0's first token still counts that wait, as vLLM's children
         share their parent's arrival)."""
-        params = job.params
+        params, generated = job.params, job.generated_token_ids
         state = RequestState.create(job.request_id, job.prompt_token_ids, params,
                                     self.tokenizer.tokenizer, self._token_texts)
         state.assume_delivered(generated)
+        engine_params = (params if state.handed_stop is None
+                         else dataclasses.replace(params, max_tokens=len(generated)))
         first_token_time: float | None = None
         last_token_time: float | None = None
         finish_reason, num_output = None, 0
         try:
-            outputs = self.client.generate(job.request_id, job.prompt_token_ids, params,
+            outputs = self.client.generate(job.request_id, job.prompt_token_ids, engine_params,
                                            job.kv_transfer_params, generated)
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
@@ -176,15 +181,9 @@ class OpenAIServing:
                                           max(0, num_output - len(generated)), max_tokens,
                                           decode_s)
 
-    async def _run_jobs(self, jobs: list[Job], handoff: protocol.Handoff
-                        ) -> AsyncIterator[tuple[int, RequestDelta]]:
+    async def _run_jobs(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(choice index, delta) of all jobs, interleaved as they arrive."""
         queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
-        params = jobs[0].params
-        if handoff.generated_token_ids and (params.stop or params.logprobs is not None):
-            # The client holds no held-back stop-string text or logprobs for those tokens.
-            raise InvalidRequestError("generated_token_ids cannot be combined with stop "
-                                      "strings or logprobs", "kv_transfer_params")
         started = [asyncio.Event() for _ in jobs]  # set at a job's first delta (or its end)
         arrival = time.monotonic()
 
@@ -192,7 +191,7 @@ class OpenAIServing:
             try:
                 if job.after is not None:
                     await started[job.after].wait()
-                async for delta in self._generate(job, handoff.generated_token_ids, arrival):
+                async for delta in self._generate(job, arrival):
                     started[index].set()
                     queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))
@@ -204,9 +203,6 @@ class OpenAIServing:
         tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
         # Per prompt: samples not finished yet, and the most tokens one of them generated.
         group_size = collections.Counter(job.prompt_index for job in jobs)  # the request's n
-        # Tokens another worker generated (the handoff) are not this worker's, as in
-        # request_generation_tokens.
-        handed_over = len(handoff.generated_token_ids)
         unfinished = group_size.copy()
         most_tokens = dict.fromkeys(unfinished, 0)
         try:
@@ -220,7 +216,10 @@ class OpenAIServing:
                 else:
                     if item.finished and item.finish_reason in ("stop", "length"):
                         prompt = jobs[index].prompt_index
-                        generated_here = item.num_output_tokens - handed_over
+                        # Tokens another worker generated (the handoff) are not this
+                        # worker's, as in request_generation_tokens.
+                        generated_here = (item.num_output_tokens
+                                          - len(jobs[index].generated_token_ids))
                         most_tokens[prompt] = max(most_tokens[prompt], generated_here)
                         unfinished[prompt] -= 1
                         if not unfinished[prompt]:
@@ -238,20 +237,21 @@ class OpenAIServing:
 
         Sample ``s`` of a seeded request draws with ``seed + s``. Each prompt of a batch
         has its own transfer id (``T-p<i>``, derived the same way on P and D); only a
-        prompt's sample 0 moves KV between workers: on D the others wait for sample 0's
-        first token and then find the prompt in the prefix cache. A prefill-only request
+        prompt's sample 0 moves KV between workers: the others wait for sample 0's first
+        token and then find the prompt in the prefix cache. A prefill-only request
         (``prefill_only``) is checked with the client's limits, so one D would refuse is
-        refused here, before anything is computed; then each prompt runs once, for one
-        token.
+        refused here, before anything is computed; then it runs one token, of one sample
+        (a prefill leg) or of each (a handoff's first tokens). Sample ``s`` of a handoff's
+        continuation goes on after the handoff's ``generated_token_ids[s]``.
         """
         for ids in prompts:
             self.tokenizer.check_length(len(ids), params.max_tokens)
         # The detokenizer decodes handed-over ids before the engine checks them (the
         # tokenizer fails, a 500, on ids past 32 bits): the engine's rule, checked first here.
-        check_generated_ids(handoff.generated_token_ids, self.tokenizer.vocab_size)
-        one_token = prefill_only(kv_transfer_params, handoff)
-        engine_params = one_sample_params(params, one_token)
-        num_samples = 1 if one_token else params.n
+        for ids in handoff.generated_token_ids:
+            check_generated_ids(ids, self.tokenizer.vocab_size)
+        engine_params = one_sample_params(params, prefill_only(kv_transfer_params, handoff))
+        num_samples = samples_run(params, kv_transfer_params, handoff)
         single = len(prompts) == 1 and num_samples == 1
         jobs: list[Job] = []
         for prompt_index, ids in enumerate(prompts):
@@ -262,10 +262,12 @@ class OpenAIServing:
                 sample_params = engine_params if params.seed is None or sample == 0 else \
                     dataclasses.replace(engine_params, seed=sample_seed(params.seed, sample))
                 remote = transfer if sample == 0 else without_transfer(transfer)
-                waits = sample > 0 and bool((transfer or {}).get("do_remote_prefill"))
+                waits = sample > 0 and moves_kv(transfer)
                 jobs.append(Job(request_id if single else f"{request_id}-{index}", ids,
                                  sample_params, remote, prompt_index, sample,
-                                 first if waits else None))
+                                 first if waits else None,
+                                 list(handoff.generated_token_ids[sample])
+                                 if handoff.generated_token_ids else []))
         return jobs
 
     # ---- /v1/completions ----------------------------------------------------------------
@@ -287,7 +289,7 @@ class OpenAIServing:
                           parsed.kv_transfer_params, parsed.handoff)
         stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
         _check_client_connected(request)
-        events = self._run_jobs(jobs, parsed.handoff)
+        events = self._run_jobs(jobs)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         headers = {"X-Request-Id": request_id}
@@ -303,9 +305,9 @@ class OpenAIServing:
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
 
-                def first_chunks(delta: RequestDelta) -> list[dict[str, Any]]:
-                    return ([completion_chunk(head, 0, delta, 0, want_logprobs)]
-                            if worth_a_chunk(delta) else [])
+                def first_chunks(deltas: list[RequestDelta]) -> list[dict[str, Any]]:
+                    return [completion_chunk(head, i, delta, 0, want_logprobs)
+                            for i, delta in enumerate(deltas) if worth_a_chunk(delta)]
 
                 return await self._json_answer(request, response, choices, jobs,
                                                parsed.handoff, headers, first_chunks)
@@ -313,6 +315,10 @@ class OpenAIServing:
             first = await anext(events, None)
             sse = await streaming.start_sse(request, self.write_bound, headers)
             send = chunk_sender(sse, parsed.continuous_usage, choices, jobs)
+            if want_logprobs:  # text offsets go on after handed-over tokens' characters
+                for choice, job in zip(choices, jobs, strict=True):
+                    choice.logprob_chars = sum(len(self._token_texts.text(t))
+                                               for t in job.generated_token_ids)
             async with stream_ending(sse, request_id):
                 if parsed.echo:
                     for index, job in enumerate(jobs):
@@ -354,7 +360,7 @@ class OpenAIServing:
                           parsed.kv_transfer_params, parsed.handoff)
         stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
         _check_client_connected(request)
-        events = self._run_jobs(jobs, parsed.handoff)
+        events = self._run_jobs(jobs)
         head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
         chunk_head = {**head, "object": "chat.completion.chunk"}
         headers = {"X-Request-Id": request_id}
@@ -370,10 +376,10 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
 
-                def first_chunks(delta: RequestDelta) -> list[dict[str, Any]]:
-                    content = ([chat_chunk(chunk_head, 0, delta, want_logprobs)]
-                               if worth_a_chunk(delta) else [])
-                    return [chat_role_chunk(chunk_head, 0), *content]
+                def first_chunks(deltas: list[RequestDelta]) -> list[dict[str, Any]]:
+                    return [*(chat_role_chunk(chunk_head, i) for i in range(len(deltas))),
+                            *(chat_chunk(chunk_head, i, delta, want_logprobs)
+                              for i, delta in enumerate(deltas) if worth_a_chunk(delta))]
 
                 return await self._json_answer(request, response, choices, jobs,
                                                parsed.handoff, headers, first_chunks)
@@ -438,12 +444,15 @@ class OpenAIServing:
         the stop it is, so its text is dropped as a direct stream drops it (kept with
         ``include_stop_str_in_output``); its finish is not sent: the decode worker,
         continuing after the token, finds that it ends the request and sends the finish
-        (reason and stop reason) as a direct stream's last chunk carries it."""
+        (reason and stop reason) as a direct stream's last chunk carries it. A stop string
+        the token completes is handled alike: the text before it (with it, under
+        ``include_stop_str_in_output``) goes now, the finish from the decode worker."""
         if not choice.token_ids:
             return None
         state = RequestState.create(job.request_id, job.prompt_token_ids, job.params,
                                     self.tokenizer.tokenizer, self._token_texts)
-        stopped = choice.finish_reason == "stop"
+        # Stopped by the token itself; a stop string is found again by ``process``.
+        stopped = choice.finish_reason == "stop" and not isinstance(choice.stop_reason, str)
         delta = state.process(EngineOutput(
             request_id=job.request_id, new_token_ids=choice.token_ids[:1],
             num_prompt_tokens=choice.num_prompt_tokens, num_cached_tokens=choice.num_cached_tokens,
@@ -460,21 +469,25 @@ class OpenAIServing:
     async def _json_answer(self, request: web.Request, response: dict[str, Any],
                            choices: list[ChoiceResult], jobs: list[Job],
                            handoff: protocol.Handoff, headers: dict[str, str],
-                           first_chunks: Callable[[RequestDelta], list[dict[str, Any]]]
+                           first_chunks: Callable[[list[RequestDelta]], list[dict[str, Any]]]
                            ) -> web.StreamResponse:
         """A non-streamed answer with its extras: the engine's transfer params, server
-        timings and, for a prefill worker asked for them, ``pdserve_first_token``: the token
-        the decode worker continues after and the stream events (``first_chunks`` of its
-        delta) that carry it to the client, which the proxy sends as they are. Written
+        timings and, for a prefill worker asked for them, ``pdserve_first_token``: each
+        choice's token the decode worker continues after (``token_ids[i]`` for choice i)
+        and the stream events (``first_chunks`` of their deltas) that carry them to the
+        client, which the proxy sends as they are. Written
         under the write bound as streams are: aiohttp's own final write waits without
         limit on a client that does not read (n samples with logprobs make MBs)."""
         add_kv_transfer_params(response, choices)
         add_server_timings(response, choices)
         if handoff.first_events:
-            first = self._first_delta(jobs[0], choices[0])
-            if first is not None:
-                response["pdserve_first_token"] = {"token_ids": first.token_ids,
-                                                   "events": first_chunks(first)}
+            firsts = [self._first_delta(job, choice) for job, choice in zip(jobs, choices,
+                                                                            strict=True)]
+            if all(first is not None for first in firsts):
+                deltas = [first for first in firsts if first is not None]
+                response["pdserve_first_token"] = {
+                    "token_ids": [delta.token_ids for delta in deltas],
+                    "events": first_chunks(deltas)}
         body = json.dumps(response).encode()
         out = web.StreamResponse(headers={"Content-Type": "application/json", **headers})
         out.content_length = len(body)

@@ -15,6 +15,21 @@ from engine_core.server.protocol import ChatTemplateOptions, Prompt
 
 _T = TypeVar("_T")
 
+# Threads tokenizing at once: a long prompt holds one of them, not the other requests.
+TOKENIZER_THREADS = 4
+# Characters one token covers at most when the vocabulary cannot say (``longest_token_chars``).
+FALLBACK_CHARS_PER_TOKEN = 32
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters (or bytes, for byte-level vocabularies) one token stands for: a
+    text longer than ``max_model_len`` times this cannot fit the context, whatever it says."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a listable vocabulary
+        return FALLBACK_CHARS_PER_TOKEN
+    return max((len(token) for token in vocab), default=FALLBACK_CHARS_PER_TOKEN)
+
 
 class TokenizerService:
     """Wraps the HF tokenizer the engine names (``EngineInfo.tokenizer_path``)."""
@@ -26,9 +41,17 @@ class TokenizerService:
         self.vocab_size = vocab_size
         # Tokens the worker's whole KV cache holds (None: unknown, the engine checks alone).
         self.kv_capacity = kv_capacity
-        # ``call`` runs tokenizer work here: one thread, so it never overlaps itself.
-        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-                        if own_thread else None)
+        # A text longer than this is refused before it is tokenized (``encode``): it cannot
+        # fit the context, and tokenizing megabytes takes seconds and keeps memory.
+        self.max_prompt_chars = max_model_len * longest_token_chars(tokenizer)
+        # ``call`` runs tokenizer work on these threads, so a long prompt holds one thread
+        # and neither the event loop nor the other requests.
+        self._thread = None
+        if own_thread:
+            # One encode first, alone: it settles the backend's truncation and padding
+            # state, which later encodes only read (concurrent writes would collide).
+            tokenizer.encode("", add_special_tokens=False)
+            self._thread = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
         # apply_chat_template's own parameters: chat_template_kwargs may not set them (a
         # client's tokenize=True or chat_template would change what rendering means).
         self._template_params = frozenset(
@@ -41,10 +64,10 @@ class TokenizerService:
         return getattr(self.tokenizer, "eos_token_id", None)
 
     async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` (this service's encode or decode work) on the tokenizer's thread, so
-        that a long prompt holds that thread and not the event loop: before, 8 MiB sent to
-        /tokenize held every stream, /health and the proxy's heartbeats for ~6 s (the HF
-        tokenizer releases the GIL while it works). Inline without a thread (tests)."""
+        """``fn(*args)`` (this service's encode or decode work) on a tokenizer thread, so
+        that a long prompt holds that thread, not the event loop (every stream, /health, the
+        heartbeats) nor other requests' tokenizing (the HF tokenizer releases the GIL while
+        it works). Inline without threads (tests)."""
         if self._thread is None:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(
@@ -64,7 +87,14 @@ class TokenizerService:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               truncating: bool = False) -> list[int]:
+        """Token ids of ``text``; one too long to fit the context is refused untokenized,
+        unless the caller keeps only its last tokens (``truncating``)."""
+        if not truncating and len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters: more than the {self.max_prompt_chars} "
+                f"that can fit this model's context of {self.max_model_len} tokens", "prompt")
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except (TypeError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate
@@ -74,7 +104,8 @@ class TokenizerService:
                       add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt (its last ``truncate`` ones when given), checked
         against the vocabulary and context."""
-        ids = (self.encode(prompt, add_special_tokens) if isinstance(prompt, str)
+        ids = (self.encode(prompt, add_special_tokens, truncate is not None)
+               if isinstance(prompt, str)
                else list(prompt))
         ids = self._truncated(ids, truncate)
         if not ids:
@@ -106,7 +137,8 @@ class TokenizerService:
                 documents=options.documents, **options.chat_template_kwargs)
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from None
-        ids = self._truncated(self.encode(text, options.add_special_tokens), truncate)
+        ids = self._truncated(self.encode(text, options.add_special_tokens, truncate is not None),
+                              truncate)
         self.check_length(len(ids))
         return ids
 

@@ -16,15 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from engine_core.addresses import is_host_port, route_source_host
-from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
+from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, ROLE_WORKER
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.engine_core import EngineCore
 from engine_core.kv_connector import ConnectorScheduler, ConnectorWorker
+from engine_core.server.readiness import Readiness
 
 logger = logging.getLogger("pdserve.worker")
 
-ROLE_LETTER = {"kv_producer": ROLE_PREFILL, "kv_consumer": ROLE_DECODE}
+ROLE_LETTER = {"kv_producer": ROLE_PREFILL, "kv_consumer": ROLE_DECODE, "kv_both": ROLE_WORKER}
 DEFAULT_PROXY = ("127.0.0.1", 30001)
 
 # (config, device) -> the engine's (scheduler side, worker side) connector pair; must be
@@ -47,12 +48,11 @@ def proxy_address(value: str) -> str:
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
-    from engine_core.arg_utils import add_engine_args, positive_seconds
+    from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
     from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
 
-    parser.add_argument("model", nargs="?", default=None, help="HF checkpoint (default: demo)")
-    parser.add_argument("--demo", action="store_true", help="serve the embedded demo model")
+    add_model_arguments(parser)
     add_server_arguments(parser)
     add_cluster_trust_args(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
@@ -83,12 +83,13 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
 
 def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str | None,
                    interval_s: float, secret: ClusterSecret, http_ip: str | None = None,
-                   fallback_host: str = "127.0.0.1") -> Any:
+                   fallback_host: str = "127.0.0.1", readiness: Readiness | None = None) -> Any:
     """A startup hook for ``run_server`` that heartbeats ``role`` to the proxy until shutdown,
     its messages sealed with the cluster ``secret``.
 
     The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
-    ``fallback_host``.
+    ``fallback_host``. With ``readiness``, the server is ready only while its heartbeats
+    reach the proxy.
     """
 
     async def start(client: Any, options: Any) -> Any:
@@ -103,20 +104,24 @@ def heartbeat_hook(role: str, proxy_address: str, model: str, zmq_address: str |
             s = client.latest_stats
             return WorkerLoad() if s is None else WorkerLoad(
                 s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv,
-                sleeping=s.sleep_level > 0)
+                sleeping=s.sleep_level > 0, num_prefill_tokens_queued=s.num_prefill_tokens_queued,
+                prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s)
 
         registration = RegistrationClient(
             proxy_address, role=role, http_address=f"{host}:{options.port}", model=model,
             zmq_address=zmq_address, version=package_version(), load_provider=load,
             interval_s=interval_s, secret=secret)
         registration.start()
+        if readiness is not None:
+            readiness.add_check("proxy_registration", lambda: registration.registered)
         logger.info("registering as %s with proxy %s", role, proxy_address)
         return registration.stop
 
     return start
 
 
-def registration_hook(config: EngineConfig, interval_s: float) -> Any:
+def registration_hook(config: EngineConfig, interval_s: float,
+                      readiness: Readiness | None = None) -> Any:
     """The P/D worker's heartbeat hook, from its kv-transfer config."""
     kv = config.kv_transfer
     assert kv is not None
@@ -127,30 +132,35 @@ def registration_hook(config: EngineConfig, interval_s: float) -> Any:
         return skip
     return heartbeat_hook(ROLE_LETTER[kv.kv_role], f"{kv.proxy_ip}:{kv.proxy_port}",
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
-                          kv.cluster_secret, http_ip=kv.http_ip, fallback_host=kv.kv_ip)
+                          kv.cluster_secret, http_ip=kv.http_ip, fallback_host=kv.kv_ip,
+                          readiness=readiness)
 
 
 def colocated_hook(config: EngineConfig, proxy_address: str, interval_s: float,
-                   secret: ClusterSecret) -> Any:
+                   secret: ClusterSecret, readiness: Readiness | None = None) -> Any:
     """``pdserve serve --proxy-address``: register as colocated, so the proxy sends whole
     requests. Bound to a wildcard address, it advertises the address it reaches the proxy
     from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
     proxy_host = proxy_address.rpartition(":")[0]
     return heartbeat_hook(ROLE_COLOCATED, proxy_address, config.model.name, None, interval_s,
-                          secret, fallback_host=route_source_host(proxy_host))
+                          secret, fallback_host=route_source_host(proxy_host),
+                          readiness=readiness)
 
 
 def serve_worker(config: EngineConfig, options: Any, connector_factory: ConnectorFactory,
                  heartbeat_interval_s: float = 3.0) -> None:
-    """Serve ``config`` (its kv_transfer names the role) as a P or D worker until stopped.
+    """Serve ``config`` (its kv_transfer names the role) as a P, D or kv_both worker until
+    stopped.
 
     ``pdserve serve --kv-transfer-config '{"kv_role": "kv_producer", ...}'`` calls this.
     """
     from engine_core.server.api_server import run_server
 
+    readiness = Readiness()
     run_server(config, options,
                functools.partial(build_engine, connector_factory=connector_factory),
-               on_startup=[registration_hook(config, heartbeat_interval_s)])
+               on_startup=[registration_hook(config, heartbeat_interval_s, readiness)],
+               readiness=readiness)
 
 
 def with_cluster_secret(config: EngineConfig, options: Any, args: argparse.Namespace
@@ -172,16 +182,12 @@ def with_cluster_secret(config: EngineConfig, options: Any, args: argparse.Names
 
 def run_worker(args: argparse.Namespace, role: str, connector_factory: ConnectorFactory) -> int:
     """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
-    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
     from engine_core.errors import PdserveError
     from engine_core.server.server_args import server_options
 
-    if args.model is None or args.demo:
-        from engine_core.demo_model import demo_model_path
-
-        args.model = args.model or str(demo_model_path())
-        args.served_model_name = args.served_model_name or "pdserve-demo"
     try:
+        resolve_model_argument(args)
         config = engine_config_from_args(args)
         config = dataclasses.replace(
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))

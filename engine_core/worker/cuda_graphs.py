@@ -2,8 +2,8 @@
 
 Why: a step of a small batch is hundreds of kernel launches, and launching them from
 Python (Triton's launcher, torch dispatch) costs more host time than their GPU time: an
-eager Qwen3-8B step of 16 decodes plus a 64-token prompt took 22.1 ms against 7.3 ms for the
-same batch's decode step from a graph (one H100, docs/PERFORMANCE.md). A replay is one launch.
+eager Qwen3-8B step of 16 decodes plus a 64-token prompt takes 22-37 ms against 7.3 ms for
+the same batch's decode step from a graph (one H100). A replay is one launch.
 
 Two kinds per size ``p`` (tokens): a *decode* graph (every sequence one token, the model's
 fused decode path; up to ``max_num_seqs``) and a *mixed* graph (prefill chunks and decodes
@@ -45,7 +45,7 @@ DEFAULT_MAX_MIXED_TOKENS = 2048
 # Steps whose connector needs per-layer hooks (a prefill worker sending KV) replay a graph up
 # to this many tokens, with every layer's hooks called around the replay instead of between
 # layers: the sends of such a step then start after its last layer, not during it. Measured
-# on one H100 with Qwen3-8B prefill-only steps (docs/PERFORMANCE.md): eagerly a step of 64,
+# on one H100 with Qwen3-8B prefill-only steps: eagerly a step of 64,
 # 256, 512 or 1024 tokens took 32-48 ms, all host time; from a graph 6.5, 8.1, 12.2-12.6 and
 # 23.8 ms. The
 # overlap given up is at most one step's KV (1024 tokens: ~150 MB, 1-3 ms at the

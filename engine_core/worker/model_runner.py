@@ -98,7 +98,7 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         limits = limits or BatchLimits(1, 1, block_size, block_size)
         self.plan = plan or AttentionPlan()
-        self.sampler = Sampler(self.plan.triton_sampling)
+        self.sampler = Sampler(self.plan.triton_sampling, self.plan.triton_pdl)
         self.inputs = StepInputs(limits, device, self.plan.prefill_tile_tokens,
                                  self.plan.decode_work_target)
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
-from engine_core.sched.outputs import SampledLogprobs
 
 _MASK = float("-inf")
 
@@ -25,8 +25,8 @@ class PromptTokens:
     step needs them (repetition penalty) and kept with the request's runner state.
 
     Why: the prompt never changes, and rebuilding its (row, token) pairs on the host every
-    step took ~140 ms of host time a step for 64 requests of 8k-token prompts (dev machine,
-    2026-11-26; 20 ms with this)."""
+    step costs ~140 ms of host time a step for 64 requests of 8k-token prompts (20 ms with
+    this, on a dev machine)."""
 
     tensor: torch.Tensor | None = None
 
@@ -80,21 +80,22 @@ class Sampler:
     parameter tensors reach the device by non-blocking copies from pinned memory, so the
     step's only host sync is reading the sampled tokens (logprobs add one more read).
     ``use_triton`` (the Triton backend) takes greedy rows' argmax with ``kernels.argmax``
-    on CUDA.
+    on CUDA, launched with PDL when ``pdl`` (``DeviceConfig.triton_pdl``).
     """
 
-    def __init__(self, use_triton: bool = False) -> None:
+    def __init__(self, use_triton: bool = False, pdl: bool = True) -> None:
         self.use_triton = use_triton
+        self.pdl = pdl
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.use_triton and logits.is_cuda:
             from engine_core.kernels.argmax import row_argmax
 
-            return row_argmax(logits)
+            return row_argmax(logits, pdl=self.pdl)
         return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
-                 ) -> tuple[list[int], list[SampledLogprobs | None]]:
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample and read the results back (one sync)."""
         return self.sample(logits, rows).read()
 
@@ -336,7 +337,7 @@ class DeviceSamples:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def read(self) -> tuple[list[int], list[SampledLogprobs | None]]:
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """The sampled tokens and logprobs as host lists (waits for the step)."""
         if self._host is None:
             tokens_t, packed_t = self.token_ids, self.packed_logprobs
@@ -351,15 +352,15 @@ class DeviceSamples:
 
 
 def _unpack_logprobs(packed: list[list[float]], tokens: list[int],
-                     num_logprobs: list[int | None]) -> list[SampledLogprobs | None]:
+                     num_logprobs: list[int | None]) -> list[TokenLogprob | None]:
     width = (len(packed[0]) - 2) // 2 if packed else 0
-    result: list[SampledLogprobs | None] = []
+    result: list[TokenLogprob | None] = []
     for token, row, n in zip(tokens, packed, num_logprobs):
         if n is None:
             result.append(None)
             continue
         top_ids = [int(t) for t in row[2 + width:2 + width + n]]
-        result.append(SampledLogprobs(token, row[0], int(row[1]), top_ids,
+        result.append(TokenLogprob(token, row[0], int(row[1]), top_ids,
                                       row[2:2 + n]))
     return result
 

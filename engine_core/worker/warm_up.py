@@ -3,10 +3,9 @@
 Why: Triton compiles a kernel variant the first time a step needs it (about a second each
 on an H200). Graph capture compiles the decode and mixed paths at the captured sizes, but
 steps that run eagerly (connector layer hooks, steps beyond the graphs) take other shapes;
-without this, the first eager paged prefill and mixed prefill + decode step compiled while
-serving, and every request queued behind them waited (on a fresh
-H200 at 200 req/s the median TTFT of each tenth of the run fell from 742 to 53 ms as the
-variants got compiled; docs/PERFORMANCE.md). A sampled request rides along so that the
+without this, the first eager paged prefill and mixed prefill + decode step compile while
+serving, and every request queued behind them waits (hundreds of ms of TTFT on a fresh
+machine). A sampled request rides along so that the
 sampler's non-greedy path has run too. The steps use blocks of the still-empty cache and
 leave no runner state behind; a GPU test asserts that a varied workload compiles nothing
 after it. The engine runs these steps with graphs paused (``ModelRunner.graphs_paused``).

@@ -1,4 +1,4 @@
-"""`pdserve bench serve` against a real `pdserve serve --demo` subprocess."""
+"""`pdserve bench serve` against a real `pdserve serve --demo-random` subprocess."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "serve", "--demo", "--port", str(port),
+        [sys.executable, "-m", "deploy.cli", "serve", "--demo-random", "--port", str(port),
          "--num-gpu-blocks-override", "256", "--max-model-len", "512",
          "--log-stats-interval", "0", "--device", "cpu"],
         stdout=log, stderr=subprocess.STDOUT)
@@ -58,7 +58,7 @@ def _bench(url: str, *argv: str) -> int:
 
 
 def test_sweep_results_json_and_plots(demo_server: str, tmp_path: Path) -> None:
-    code = _bench(demo_server, "--num-prompts", "10", "--request-rate", "20,inf",
+    code = _bench(demo_server, "--num-prompts", "6", "--request-rate", "20,inf",
                   "--goodput", "ttft:60000", "tpot:60000",
                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                   "--num-warmups", "1", "--save-result", "--result-dir", str(tmp_path),
@@ -69,20 +69,20 @@ def test_sweep_results_json_and_plots(demo_server: str, tmp_path: Path) -> None:
     assert (paced["request_rate"], burst["request_rate"]) == (20.0, "inf")
     assert paced["seed"] != burst["seed"]  # fresh prompts per sweep point
     for result in (paced, burst):
-        assert result["completed"] == 10 and result["failed"] == 0 and result["errors"] == []
-        assert result["model_id"] == "pdserve-demo" and result["label"] == "demo"
+        assert result["completed"] == 6 and result["failed"] == 0 and result["errors"] == []
+        assert result["model_id"] == "pdserve-demo-random" and result["label"] == "demo"
         assert result["kind"] == "e2e" and result["backend"] == "openai"
-        assert result["total_input_tokens"] == 320 and result["total_output_tokens"] == 80
-        assert result["output_lens"] == [8] * 10 and len(result["ttfts"]) == 10
+        assert result["total_input_tokens"] == 192 and result["total_output_tokens"] == 48
+        assert result["output_lens"] == [8] * 6 and len(result["ttfts"]) == 6
         for metric in ("ttft", "tpot", "itl", "e2el"):
             for stat in ("mean", "median", "std", "p50", "p99"):
                 assert result[f"{stat}_{metric}_ms"] > 0
         assert result["p99_ttft_ms"] <= result["p99_e2el_ms"]
         assert result["slo_attainment"] == 1.0
         assert result["request_goodput"] == pytest.approx(result["request_throughput"])
-        assert result["request_throughput"] * result["duration"] == pytest.approx(10)
+        assert result["request_throughput"] * result["duration"] == pytest.approx(6)
         stages = result["server_breakdown"]
-        assert stages["prefill_compute"]["count"] == 10 and stages["prefill_queue"]["count"] == 10
+        assert stages["prefill_compute"]["count"] == 6 and stages["prefill_queue"]["count"] == 6
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (tmp_path / "run-20.0qps-cdf.png").is_file() == has_matplotlib
     assert (tmp_path / "run-20.0qps-slo.png").is_file() == has_matplotlib
@@ -99,10 +99,10 @@ def test_chat_endpoint(demo_server: str, tmp_path: Path) -> None:
 
 
 def test_failures_are_counted_and_summarised(demo_server: str, tmp_path: Path) -> None:
-    from engine_core.demo_model import demo_model_path
+    from engine_core.demo_model import random_demo_model_path
 
     code = _bench(demo_server, "--model", "no-such-model", "--tokenizer",
-                  str(demo_model_path()), "--num-prompts", "4", "--ready-check-timeout-sec", "0",
+                  str(random_demo_model_path()), "--num-prompts", "4", "--ready-check-timeout-sec", "0",
                   "--save-result", "--no-plot", "--result-dir", str(tmp_path),
                   "--result-filename", "fail.json")
     assert code == 2  # nothing completed
@@ -114,11 +114,11 @@ def test_failures_are_counted_and_summarised(demo_server: str, tmp_path: Path) -
 
 
 def test_ready_check_fails_fast_on_a_client_error(demo_server: str) -> None:
-    from engine_core.demo_model import demo_model_path
+    from engine_core.demo_model import random_demo_model_path
 
     started = time.monotonic()
     assert _bench(demo_server, "--model", "no-such-model", "--tokenizer",
-                  str(demo_model_path()), "--num-prompts", "2") == 1
+                  str(random_demo_model_path()), "--num-prompts", "2") == 1
     assert time.monotonic() - started < 30
 
 

@@ -8,7 +8,7 @@ from benchmarks.serve.breakdown import request_stages, summarize_stages
 from benchmarks.serve.prometheus import histogram_mean, histogram_quantile, parse_samples
 from engine_core.messages import RequestTimings
 from engine_core.server.timings import breakdown
-from proxy.dispatcher import RequestTimer, breakdown_headers
+from proxy.legs import RequestTimer, breakdown_headers
 
 # One host: monotonic 0 == unix 1e9.
 NOW_MONO, NOW_UNIX = 50.0, 1e9 + 50.0

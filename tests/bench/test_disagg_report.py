@@ -286,7 +286,7 @@ def _scored_run(label: str, rate: float, ttfts: list[float], tpots: list[float])
 
 
 def test_rescore_counts_requests_meeting_both_slos() -> None:
-    from benchmarks.disagg.summary import rescore
+    from benchmarks.disagg.goodput import rescore
 
     run = _scored_run("1P1D", 2, [0.1, 0.2, 1.5, 0.3], [0.012, 0.030, 0.010, 0.009])
     assert rescore(run, {"ttft": 1000.0, "tpot": 40.0}) is run  # its own SLOs
@@ -358,7 +358,7 @@ def test_overflow_plan_reuses_goodput_2k_prompts_and_sets_the_proxy_flag(tmp_pat
 
 def test_rescore_lets_a_one_token_request_meet_a_tpot_slo() -> None:
     """bench serve and vLLM count a request of one output token (no TPOT) as TPOT 0."""
-    from benchmarks.disagg.summary import rescore
+    from benchmarks.disagg.goodput import rescore
 
     run = _scored_run("1P1D", 2, [0.1, 0.2, 0.3], [None, 0.030, 0.010])  # type: ignore[list-item]
     scored = rescore(run, {"ttft": 1000.0, "tpot": 15.0})

@@ -1,8 +1,8 @@
 """The report end to end on CPU (``--smoke``): a real cluster, real benchmark runs, summary.
 
-A few experiments (proxy_overhead: one colocated worker and the proxy, ~15 s; the others
-up to ~35 s on two cores): the rest share their launch, run and summary code, and their
-plans are checked without processes in test_disagg_report.py.
+A few experiments, each topology launched once per test (every launch starts real worker
+processes, the slow part on two cores): the rest share their launch, run and summary code,
+and their plans are checked without processes in test_disagg_report.py.
 """
 
 from __future__ import annotations
@@ -18,16 +18,24 @@ import pytest
 from benchmarks import disagg_report
 from benchmarks.disagg.cluster import Cluster, ClusterSpec
 from benchmarks.disagg.plan import PD, SMOKE_SCALE
-from engine_core.demo_model import demo_model_path
+from engine_core.demo_model import random_demo_model_path
 from tests.integration.cluster_harness import children_of
 
 
-def test_report_smoke_proxy_overhead(tmp_path: Path) -> None:
-    rc = disagg_report.main(["--smoke", "--only", "proxy_overhead", "--results-dir",
-                             str(tmp_path), "--disable-tqdm"])
-    assert rc == 0
+def test_report_smoke_ttft_and_proxy_overhead(tmp_path: Path) -> None:
+    """The low-load and proxy-overhead experiments on CPU in one report (they share the
+    colocated topology): 1P1D passes the health gate (no worker lost, no KV load or send
+    failed), so its runs are saved and the overhead is computed; the proxy overhead's
+    interleaved A/B sends half its requests through the proxy."""
+    rc = disagg_report.main(["--smoke", "--only", "ttft_overhead,proxy_overhead",
+                             "--results-dir", str(tmp_path), "--disable-tqdm"])
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["problems"] == [] and summary["left"] == [] and summary["need_gpus"] == []
+    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    assert summary["left"] == [] and summary["need_gpus"] == []
+    for name in ("pd", "pd_handoff"):
+        pd = json.loads((tmp_path / "raw" / f"ttft_overhead__{name}.json").read_text())
+        assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
+        assert pd["topology"] == name
     section = summary["figures"]["proxy_overhead"]
     assert section["ttft_p50_added_ms"] is not None
     assert section["interleaved"]["ttft_p50_added_ms"] is not None
@@ -50,7 +58,7 @@ def test_report_smoke_proxy_overhead(tmp_path: Path) -> None:
 def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> None:
     """The 1P1D whose prefill worker stops (as one whose engine died does) is reported
     broken, so the report cannot publish D's local prefills as 1P1D figures."""
-    spec = ClusterSpec(model=str(demo_model_path()), served_model_name="pdserve-demo",
+    spec = ClusterSpec(model=str(random_demo_model_path()), served_model_name="pdserve-demo-random",
                        engine_args=("--max-model-len", "256"), log_dir=tmp_path)
     with Cluster(spec, PD) as cluster:
         assert cluster.problems() == []
@@ -65,19 +73,6 @@ def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> N
             time.sleep(0.2)
         (problem,) = cluster.problems()
         assert problem.startswith("workers no longer registered: P ")
-
-
-def test_report_smoke_ttft_overhead_runs_a_healthy_1p1d(tmp_path: Path) -> None:
-    """The 1P1D experiment on CPU: its topology passes the health gate (no worker lost, no
-    KV load or send failed), so its runs are saved and the overhead is computed."""
-    rc = disagg_report.main(["--smoke", "--only", "ttft_overhead", "--results-dir",
-                             str(tmp_path), "--disable-tqdm"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert rc == 0 and summary["problems"] == [], summary["problems"]
-    for name in ("pd", "pd_handoff"):
-        pd = json.loads((tmp_path / "raw" / f"ttft_overhead__{name}.json").read_text())
-        assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
-        assert pd["topology"] == name
 
 
 def test_report_smoke_kv_offload(tmp_path: Path) -> None:

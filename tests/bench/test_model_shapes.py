@@ -30,6 +30,6 @@ def test_dummy_model_generates_text(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), load_format="dummy", max_model_len=256,
               num_gpu_blocks_override=64, device="cpu")
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6,
-                                                      ignore_eos=True))[0]
+                                                      ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6
     assert len(out.text.split()) == 6  # every sampled id decodes to one word

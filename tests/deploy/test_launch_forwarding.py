@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import deploy.child_flags as child_flags
 import deploy.launch as launch  # its new names looked up at call time: old code fails
 from deploy.cli import build_parser
 from deploy.cli import main as pdserve
@@ -61,10 +62,14 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def _children(tmp_path: Path, *argv: str) -> tuple[launch.Child, list[launch.Child]]:
-    """The proxy and workers (1P1D plus one colocated) ``pdserve launch argv`` would start."""
-    args = _parse("--colocated", "1", *argv)
-    proxy, workers, _ = launch.build_children(args, launch.engine_argv(args), tmp_path)
+    """The proxy and workers (1P1D, a placed worker and one colocated) ``pdserve launch
+    argv`` would start."""
+    static = _parse("--colocated", "1", "--prefill", "1", "--decode", "1", *argv)
+    proxy, workers, _ = launch.build_children(static, launch.engine_argv(static), tmp_path)
     assert [w.name for w in workers] == ["prefill0", "decode0", "colocated0"]
+    placed = _parse("--workers", "1", *argv)
+    workers += launch.build_children(placed, launch.engine_argv(placed), tmp_path)[1]
+    assert workers[-1].name == "worker0" and workers[-1].argv[3] == "worker"
     return proxy, workers
 
 
@@ -75,7 +80,7 @@ def _proxy_config(proxy: launch.Child) -> ProxyConfig:
 
 
 def _worker_args(worker: launch.Child) -> argparse.Namespace:
-    """A worker child's argv as ``pdserve prefill|decode|serve`` reads it."""
+    """A worker child's argv as ``pdserve prefill|decode|worker|serve`` reads it."""
     assert worker.argv[1:3] == ["-m", "deploy.cli"]
     return build_parser().parse_args(worker.argv[3:])
 
@@ -111,9 +116,12 @@ def test_a_proxy_flag_reaches_the_proxy(tmp_path: Path, flag: str, value: str, f
         assert all(flag not in w.argv for w in workers)
 
 
-def test_first_token_from_prefill_reaches_the_proxy(tmp_path: Path) -> None:
-    proxy, _ = _children(tmp_path, "--first-token-from-prefill")
+def test_first_token_from_prefill_is_on_unless_turned_off(tmp_path: Path) -> None:
+    proxy, _ = _children(tmp_path)
     assert _proxy_config(proxy).first_token_from_prefill
+    assert not any("first-token-from-prefill" in arg for arg in proxy.argv)
+    proxy, _ = _children(tmp_path, "--no-first-token-from-prefill")
+    assert not _proxy_config(proxy).first_token_from_prefill
 
 
 @pytest.mark.parametrize("flag,value,field,expected", WORKER_FLAGS,
@@ -139,7 +147,7 @@ def test_every_forwarded_server_flag_reaches_the_workers(tmp_path: Path) -> None
     proxy gets a flag it takes too."""
     server = _options(_probe_server())
     proxy_flags = _options(add_proxy_args(argparse.ArgumentParser()))
-    forwarded = [f for f in launch.WORKER_SERVER_FLAGS if f in server]
+    forwarded = [f for f in child_flags.WORKER_SERVER_FLAGS if f in server]
     assert {"--body-timeout", "--engine-startup-timeout"} <= set(forwarded)
     argv = [arg for flag in forwarded for arg in (flag, "7")]
     proxy, workers = _children(tmp_path, *argv)
@@ -160,7 +168,7 @@ def test_launch_takes_every_proxy_and_cluster_wide_server_flag() -> None:
     assert proxy_flags - PROXY_FLAGS_OWNED <= launch_flags
     server_flags = _options(_probe_server())
     assert server_flags - SERVER_FLAGS_NOT_FORWARDED <= launch_flags
-    assert server_flags - SERVER_FLAGS_NOT_FORWARDED <= set(launch.WORKER_SERVER_FLAGS)
+    assert server_flags - SERVER_FLAGS_NOT_FORWARDED <= set(child_flags.WORKER_SERVER_FLAGS)
 
 
 def test_launch_parses_them_as_the_children_do() -> None:
@@ -194,7 +202,7 @@ def test_defaults_are_unchanged(tmp_path: Path) -> None:
     default = server_options(_probe_server().parse_args([]))
     for worker in workers:
         # Only the write bound is set: twice the proxy's default, so the proxy decides.
-        assert set(launch.WORKER_SERVER_FLAGS) & set(worker.argv) == {"--write-timeout"}
+        assert set(child_flags.WORKER_SERVER_FLAGS) & set(worker.argv) == {"--write-timeout"}
         assert _flag(worker, "--write-timeout") == "120"
         options = server_options(_worker_args(worker))
         assert options == dataclasses.replace(default, host=options.host, port=options.port,
@@ -232,12 +240,12 @@ def test_a_bad_value_is_refused_before_anything_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         argv: list[str], reason: str) -> None:
     """``pdserve launch`` itself refuses what its proxy or workers would: no child started,
-    no log directory made, no demo model built, instead of a child dying at startup."""
+    no log directory made, no default model looked up, instead of a child dying at startup."""
     def refuse(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a child was started")
 
     monkeypatch.setattr(launch.Child, "start", refuse)
-    monkeypatch.setattr("engine_core.demo_model.demo_model_path", refuse)
+    monkeypatch.setattr("engine_core.default_model.default_model_path", refuse)
     log_dir = tmp_path / "logs"
     with pytest.raises(SystemExit) as exc:
         pdserve(["launch", "--log-dir", str(log_dir), *argv])
@@ -245,3 +253,24 @@ def test_a_bad_value_is_refused_before_anything_starts(
     message = f"{exc.value.code}{capsys.readouterr().err}"
     assert reason in message and "unrecognized" not in message, message
     assert not log_dir.exists()
+
+
+def test_workers_drain_within_launchs_stop_timeout() -> None:
+    """--shutdown-timeout reaches every worker; one given that is not below --stop-timeout
+    is refused (the launcher would kill workers mid-drain)."""
+    argv = child_flags.worker_server_argv(_parse("--shutdown-timeout", "5"))
+    assert argv[argv.index("--shutdown-timeout") + 1] == "5.0"
+    with pytest.raises(SystemExit, match="--shutdown-timeout 20 must be below --stop-timeout 15"):
+        child_flags.worker_server_argv(_parse("--shutdown-timeout", "20"))
+    assert "--shutdown-timeout" not in child_flags.worker_server_argv(_parse("--stop-timeout", "5"))
+
+
+def test_the_api_key_reaches_every_child_in_its_environment(tmp_path: Path) -> None:
+    """``launch --api-key`` keys the proxy and every worker (each reads VLLM_API_KEY at its
+    entry point), and the key is on no command line (``ps`` shows those)."""
+    proxy, workers = _children(tmp_path, "--api-key", "cluster-key")
+    for child in (proxy, *workers):
+        assert child.env["VLLM_API_KEY"] == "cluster-key"
+        assert not any("cluster-key" in arg for arg in child.argv)
+    assert config_from_args(add_proxy_args(argparse.ArgumentParser()).parse_args(
+        ["--api-key", "cluster-key"])).api_key == "cluster-key"

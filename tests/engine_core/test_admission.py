@@ -27,9 +27,9 @@ def test_a_request_must_fit_the_whole_kv_cache(tiny_checkpoint) -> None:
     out = llm.generate([prompt, [5, 6, 7, 8, 9]],
                        [SamplingParams(max_tokens=24, ignore_eos=True),
                         SamplingParams(max_tokens=8, ignore_eos=True)])
-    assert [len(o.token_ids) for o in out] == [24, 8]
+    assert [len(o.outputs[0].token_ids) for o in out] == [24, 8]
     (unbounded,) = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True))
-    assert len(unbounded.token_ids) == 64 - len(prompt)
+    assert len(unbounded.outputs[0].token_ids) == 64 - len(prompt)
     manager = llm.engine.kv_manager
     assert manager.num_free_blocks == manager.num_total_blocks
 
@@ -42,4 +42,4 @@ def test_unchunked_prefill_needs_a_step_budget_of_one_context(tiny_checkpoint) -
     llm = LLM(path, device="cpu", max_model_len=256, enable_chunked_prefill=False,
               max_num_batched_tokens=256, num_gpu_blocks_override=32)
     out = llm.generate([list(range(1, 41)), [5, 6, 7]], SamplingParams(max_tokens=4))
-    assert [len(o.token_ids) for o in out] == [4, 4]
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]

@@ -73,7 +73,8 @@ def _run(path, prompts, params, **engine_args):
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_total_blocks
     assert not llm.engine.has_work()
-    return [(o.token_ids, o.finish_reason, o.logprobs) for o in outputs]
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs)
+            for o in outputs]
 
 
 @pytest.mark.parametrize("engine_args", [

@@ -199,11 +199,11 @@ def test_padded_decode_path_matches_eager_on_cpu(tiny_checkpoint, arch):
     path = str(tiny_checkpoint(arch))
     prompts = prompts_of([5, 17, 33, 2, 40, 16, 9])
     params = staggered(prompts)
-    eager = [o.token_ids for o in LLM(path, max_num_seqs=8).generate(prompts, params)]
+    eager = [o.outputs[0].token_ids for o in LLM(path, max_num_seqs=8).generate(prompts, params)]
     llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=64)
     runner = llm.engine.runner
     runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4, 8])
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == eager
     assert 8 in stand_in.replayed  # 5 to 7 rows padded to 8
     assert 4 in stand_in.replayed  # 3 rows padded to 4
@@ -217,11 +217,11 @@ def test_padded_mixed_path_matches_eager_on_cpu(tiny_checkpoint, arch):
     prompts = prompts_of([5, 17, 33, 2, 40, 16, 9, 60, 3])
     params = staggered(prompts)
     engine_args = dict(max_num_seqs=6, max_num_batched_tokens=24)
-    eager = [o.token_ids for o in LLM(path, **engine_args).generate(prompts, params)]
+    eager = [o.outputs[0].token_ids for o in LLM(path, **engine_args).generate(prompts, params)]
     llm = LLM(path, **engine_args)
     runner = llm.engine.runner
     runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4, 6], [8, 16, 24])
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == eager
     assert {8, 16, 24} <= set(stand_in.replayed_mixed), stand_in.replayed_mixed
     assert stand_in.replayed
@@ -239,13 +239,13 @@ same saved KV either way."""
     params = staggered(prompts)
     eager_llm = LLM(path, max_num_seqs=4)
     eager_llm.engine.runner.connector = eager_hooks = HookedConnector()
-    eager = [o.token_ids for o in eager_llm.generate(prompts, params)]
+    eager = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params)]
     monkeypatch.setattr(model_runner, "HOOKED_GRAPH_MAX_TOKENS", 16)
     llm = LLM(path, max_num_seqs=4)
     runner = llm.engine.runner
     runner.graphs = stand_in = EagerStandIn(runner, [1, 2, 4], [8, 16, 64])
     runner.connector = hooks = HookedConnector()
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == eager
     num_layers = len(runner.kv_caches)
     assert hook_patterns(eager_hooks, num_layers) == {"between"}
@@ -289,7 +289,7 @@ def timed_run(llm: LLM, prompts, params):
     """(token ids, forward samples) of one generate call."""
     timer = ForwardTimer(torch.device("cuda"))
     llm.engine.runner.forward_timer = timer
-    out = [o.token_ids for o in llm.generate(prompts, params)]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.engine.runner.forward_timer = None
     return out, timer.collect()
 
@@ -297,7 +297,7 @@ def timed_run(llm: LLM, prompts, params):
 def eager_tokens(path, prompts, params, **kwargs) -> list[list[int]]:
     llm = cuda_llm(path, enforce_eager=True, **kwargs)
     assert llm.engine.runner.graphs is None
-    out = [o.token_ids for o in llm.generate(prompts, params)]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     del llm
     free_gpu()
     return out
@@ -437,7 +437,7 @@ def test_hooked_steps_save_what_eager_saves(tiny_checkpoint, release_gpu_memory)
         llm = cuda_llm(path, dtype="float32", max_num_seqs=16, max_num_batched_tokens=48,
                        **kwargs)
         llm.engine.runner.connector = hooks = HookedConnector()
-        out = [o.token_ids for o in llm.generate(prompts, params)]
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         patterns = hook_patterns(hooks, len(llm.engine.runner.kv_caches))
         saved = [t.cpu() for t in hooks.saved]
         del llm

@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 
 from engine_core.attention.backend import get_attention_backend
 from engine_core.config import ModelConfig
-from engine_core.demo_model import SPECIAL_TOKENS, demo_model_path
+from engine_core.demo_model import SPECIAL_TOKENS, random_demo_model_path
 from engine_core.worker.loader import load_model, read_model_spec
 
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo_model_path(tmp_path_factory.mktemp("cache") / "demo")
+    return random_demo_model_path(tmp_path_factory.mktemp("cache") / "demo")
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +56,10 @@ def test_chat_template(tokenizer) -> None:
 def test_demo_is_cached_and_deterministic(demo_dir: Path, tmp_path: Path) -> None:
     weights = demo_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert demo_model_path(demo_dir) == demo_dir
+    assert random_demo_model_path(demo_dir) == demo_dir
     assert weights.stat().st_mtime_ns == mtime          # reused, not rebuilt
     assert not [p for p in demo_dir.parent.iterdir() if p.name.startswith(".")]  # no staging left
-    rebuilt = demo_model_path(tmp_path / "again")
+    rebuilt = random_demo_model_path(tmp_path / "again")
     assert (rebuilt / "model.safetensors").read_bytes() == weights.read_bytes()
     assert (rebuilt / "tokenizer.json").read_bytes() == (demo_dir / "tokenizer.json").read_bytes()
 

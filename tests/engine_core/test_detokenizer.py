@@ -262,3 +262,37 @@ def test_byte_fallback_streaming_equals_full_decode(byte_fallback_tokenizer):
             continue  # the prompt itself ends inside a character: nothing to compare
         detok = IncrementalDetokenizer(tok, prompt_ids)
         assert "".join(_stream(detok, output_ids)) == expected, (text, cut)
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("handed", [1, 2, 3])
+def test_handed_over_tokens_then_engine_outputs_equal_one_stream(tokenizer, handed: int,
+                                                                 include: bool) -> None:
+    """A continuation (``assume_delivered``) releases exactly what one stream releases after
+    the same tokens, a stop string completed by the handed-over tokens included: then it
+    sends only the finish, whatever the engine's output for the request."""
+    ids = tokenizer.encode("the quick brown fox STOP here")
+    prefix = tokenizer.decode(ids[:handed])
+    stop = prefix[-2:]  # completed by the last handed-over token
+    params = SamplingParams(max_tokens=10, stop=[stop, "STOP"], include_stop_str_in_output=include)
+
+    def fresh() -> RequestState:
+        return RequestState.create("r", [1, 2], params, tokenizer)
+
+    whole, sent = fresh(), []
+    for token in ids:
+        delta = whole.process(EngineOutput("r", [token], 2, 0))
+        sent.append(delta.text)
+        if delta.finished:
+            break
+    assert whole.finished and delta.stop_reason == stop and delta.finish_reason == "stop"
+    assert len(sent) == handed or stop in prefix[:-1], "the stop ends the handed-over tokens"
+
+    rest = fresh()
+    rest.assume_delivered(ids[:handed])
+    assert rest.handed_stop == stop and "".join(rest.text_pieces) == "".join(sent)
+    final = rest.process(EngineOutput("r", [], 2, 0, finish_reason="length"))
+    assert final.finished and (final.finish_reason, final.stop_reason) == ("stop", stop)
+    assert final.text == "" and final.num_output_tokens == handed
+    assert not final.needs_engine_abort
+    assert rest.process(EngineOutput("r", [7], 2, 0)) is None

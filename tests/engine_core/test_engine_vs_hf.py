@@ -31,7 +31,7 @@ def run_engine(path, prompts, **engine_args):
     llm = LLM(str(path), **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outputs = llm.generate(prompts, params)
-    return llm, [o.token_ids for o in outputs]
+    return llm, [o.outputs[0].token_ids for o in outputs]
 
 
 def assert_engine_idle(llm: LLM) -> None:
@@ -93,7 +93,7 @@ def test_shared_prefixes_hit_cache_and_match(tiny_checkpoint, hf_greedy):
     llm, first = run_engine(path, prompts)
     stats_before = llm.engine.get_stats()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    second = [o.token_ids for o in llm.generate(prompts, params)]
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     stats_after = llm.engine.get_stats()
     assert first == expected and second == expected
     assert stats_after.prefix_cache_hits - stats_before.prefix_cache_hits > 500
@@ -105,13 +105,14 @@ def test_repeated_prompt_computes_only_last_partial_block(tiny_checkpoint):
     llm = LLM(str(path), block_size=16)
     prompt = list(range(100, 100 + 53))  # 3 full blocks + 5 tokens
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    first = llm.generate([prompt], params)[0]
+    first = llm.generate([prompt], params)[0].outputs[0]
     computed_before = llm.engine.get_stats().num_computed_prompt_tokens_total
-    second = llm.generate([prompt], params)[0]
+    second_request = llm.generate([prompt], params)[0]
+    second = second_request.outputs[0]
     stats = llm.engine.get_stats()
     assert second.token_ids == first.token_ids
     assert stats.num_computed_prompt_tokens_total - computed_before == 5
-    assert second.num_cached_tokens == 48
+    assert second_request.num_cached_tokens == 48
     assert_engine_idle(llm)
 
 
@@ -121,9 +122,9 @@ def test_prompt_of_exact_blocks_recomputes_one_block(tiny_checkpoint):
     llm = LLM(str(path), block_size=16)
     prompt = list(range(200, 232))  # exactly 2 blocks
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    first = llm.generate([prompt], params)[0]
+    first = llm.generate([prompt], params)[0].outputs[0]
     before = llm.engine.get_stats().num_computed_prompt_tokens_total
-    second = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0].outputs[0]
     assert second.token_ids == first.token_ids
     assert llm.engine.get_stats().num_computed_prompt_tokens_total - before == 16
     assert_engine_idle(llm)

@@ -134,19 +134,19 @@ def llm(tiny_checkpoint) -> LLM:
 def test_generation_config_eos_stops_a_request(llm):
     """The checkpoint's generation_config.json names <|im_end|> an eos token: vLLM stops
     there ("stop", the id as stop_reason, no text for it); it used to run to max_tokens."""
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, logit_bias={IM_END: 100}))[0]
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, logit_bias={IM_END: 100}))[0].outputs[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (
         [IM_END], "stop", IM_END, "")
     ignoring = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True,
-                                                        logit_bias={IM_END: 100}))[0]
+                                                        logit_bias={IM_END: 100}))[0].outputs[0]
     assert ignoring.token_ids == [IM_END] * 6 and ignoring.finish_reason == "length"
-    eos = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, logit_bias={ENDOFTEXT: 100}))[0]
+    eos = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, logit_bias={ENDOFTEXT: 100}))[0].outputs[0]
     assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([ENDOFTEXT], "stop", None)
 
 
 def test_min_tokens_holds_back_generation_config_eos(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, min_tokens=3,
-                                                   logit_bias={IM_END: 100}))[0]
+                                                   logit_bias={IM_END: 100}))[0].outputs[0]
     assert len(out.token_ids) == 4 and out.token_ids[-1] == IM_END
     assert IM_END not in out.token_ids[:3] and out.stop_reason == IM_END
 
@@ -164,6 +164,6 @@ def test_default_params_come_from_the_generation_config(tiny_checkpoint, tmp_pat
     assert (defaults.temperature, defaults.top_k) == (0.0, 1)
     prompts = [[5, 6, 7], [9, 10]]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    assert ([o.token_ids for o in llm.generate(prompts)]
-            == [o.token_ids for o in llm.generate(prompts, greedy)])
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts)]
+            == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
     assert llm.get_default_sampling_params().max_tokens == 16  # vLLM's offline default

@@ -36,7 +36,7 @@ def test_float32_greedy_matches_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, var
               **VARIANTS[variant])
     assert llm.engine.attn_backend.name == "triton", "the fast path must serve CUDA"
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     manager = llm.engine.kv_manager
     assert manager.num_free_blocks == manager.num_total_blocks
@@ -60,7 +60,7 @@ def test_bfloat16_close_to_hf_on_cuda(tiny_checkpoint, hf_greedy, arch, split_k_
         layers = llm.engine.model.model.layers
         assert all(layer.mlp.split_k == (split_k_mlp == "on") for layer in layers)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     equal = sum(g == e for g, e in zip(got, expected))
     assert equal >= len(prompts) * 3 // 4, f"only {equal}/{len(prompts)} prompts equal"
     # Random tiny weights give flat logits, so bf16 rounding can flip near-ties. Every

@@ -78,17 +78,17 @@ def test_prefixes_evicted_from_the_device_come_back_from_host(
               max_num_seqs=4, async_scheduling=async_scheduling)
     tier = llm.engine.kv_manager.host_tier
     assert tier is not None
-    assert [o.token_ids for o in llm.generate(first, GREEDY)] == expected_first
+    assert [o.outputs[0].token_ids for o in llm.generate(first, GREEDY)] == expected_first
     manager = llm.engine.kv_manager
     # The bytes of every cached block now, by hash: what host memory must give back.
     snapshot = {h: _block_bytes(llm, b.block_id)
                 for h, b in manager.block_pool.cached_blocks.items()}
-    assert [o.token_ids for o in llm.generate(others, GREEDY)] == hf_greedy(path, others, 6)
+    assert [o.outputs[0].token_ids for o in llm.generate(others, GREEDY)] == hf_greedy(path, others, 6)
     assert not set(snapshot) & set(manager.block_pool.cached_blocks), "first's blocks stayed"
     assert tier.stored_blocks > 0, "the device evicted nothing: the test proves nothing"
     hits_before, loaded_before = manager.prefix_cache_hits, tier.loaded_blocks
     again = llm.generate(first, GREEDY)
-    assert [o.token_ids for o in again] == expected_first
+    assert [o.outputs[0].token_ids for o in again] == expected_first
     back = {h: b.block_id for h, b in manager.block_pool.cached_blocks.items() if h in snapshot}
     assert len(back) >= 4 * len(first)
     assert all(torch.equal(_block_bytes(llm, block), snapshot[h]) for h, block in back.items())
@@ -119,7 +119,7 @@ def test_offload_with_preemption_and_shared_prefixes(tiny_checkpoint, hf_greedy)
         order = list(range(len(prompts)))
         random.Random(round_).shuffle(order)
         got = llm.generate([prompts[i] for i in order], GREEDY)
-        assert [o.token_ids for o in got] == [expected[i] for i in order], round_
+        assert [o.outputs[0].token_ids for o in got] == [expected[i] for i in order], round_
         llm.engine.kv_manager.check_integrity()
     assert llm.engine.kv_manager.host_tier.loaded_blocks > 0
     assert llm.engine.get_stats().num_preemptions > 0
@@ -150,14 +150,14 @@ def test_offload_on_cuda_is_byte_exact_and_hf_equal(tiny_checkpoint, hf_greedy) 
     llm = LLM(str(path), device="cuda", dtype="float32", num_gpu_blocks_override=24,
               kv_offloading_size=0.01, max_num_seqs=4)
     assert llm.engine.runner.graphs is not None
-    assert [o.token_ids for o in llm.generate(first, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(first, GREEDY)] == expected
     manager = llm.engine.kv_manager
     snapshot = {h: _block_bytes(llm, b.block_id).cpu()
                 for h, b in manager.block_pool.cached_blocks.items()}
     llm.generate(others, GREEDY)
     torch.cuda.synchronize()
     llm.engine.host_kv.poll()
-    assert [o.token_ids for o in llm.generate(first, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(first, GREEDY)] == expected
     back = {h: b.block_id for h, b in manager.block_pool.cached_blocks.items() if h in snapshot}
     assert len(back) >= 4 * len(first)
     assert all(torch.equal(_block_bytes(llm, block).cpu(), snapshot[h])
@@ -177,7 +177,7 @@ def test_host_tier_outlives_sleep(tiny_checkpoint, hf_greedy, level: int) -> Non
     llm = LLM(str(path), num_gpu_blocks_override=24, kv_offloading_size=0.01, max_num_seqs=4,
               enable_sleep_mode=True)
     manager, tier = llm.engine.kv_manager, llm.engine.kv_manager.host_tier
-    assert [o.token_ids for o in llm.generate(first, GREEDY)] == expected_first
+    assert [o.outputs[0].token_ids for o in llm.generate(first, GREEDY)] == expected_first
     snapshot = {h: _block_bytes(llm, b.block_id)
                 for h, b in manager.block_pool.cached_blocks.items()}
     llm.generate(others, GREEDY)  # pushes first's blocks out to the host tier
@@ -186,7 +186,7 @@ def test_host_tier_outlives_sleep(tiny_checkpoint, hf_greedy, level: int) -> Non
     assert not manager.block_pool.cached_blocks, "sleep must drop the device's cached blocks"
     loaded_before = tier.loaded_blocks
     again = llm.generate(first, GREEDY)
-    assert [o.token_ids for o in again] == expected_first
+    assert [o.outputs[0].token_ids for o in again] == expected_first
     if level == 2:
         assert tier.loaded_blocks == loaded_before
         manager.check_integrity()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core import LLM, SamplingParams
+from engine_core.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -19,55 +20,57 @@ def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
 def test_seeded_sampling_is_reproducible(llm):
     prompts = ["hello world", "the quick brown fox", "a"]
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=123, max_tokens=16, ignore_eos=True)
-    first = [o.token_ids for o in llm.generate(prompts, params)]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     # Different batch composition, same seeds: same tokens.
-    second = [o.token_ids for o in llm.generate(prompts[::-1], params)][::-1]
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params)][::-1]
     assert first == second
     other = llm.generate(prompts, SamplingParams(temperature=0.9, seed=7, max_tokens=16,
                                                  ignore_eos=True))
-    assert [o.token_ids for o in other] != first
+    assert [o.outputs[0].token_ids for o in other] != first
 
 
 def test_top_k_one_equals_greedy(llm):
     prompts = ["one two three", "four five"]
-    want = [o.token_ids for o in llm.generate(prompts, greedy())]
-    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(
         temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True))]
     assert got == want
 
 
 def test_stop_token_ids_end_output_at_the_token(llm):
-    base = llm.generate(["stop tokens"], greedy())[0]
+    base = llm.generate(["stop tokens"], greedy())[0].outputs[0]
     stop_id = base.token_ids[5]
     first_hit = base.token_ids.index(stop_id)
-    out = llm.generate(["stop tokens"], greedy(stop_token_ids=[stop_id]))[0]
+    out = llm.generate(["stop tokens"], greedy(stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == base.token_ids[:first_hit + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
 def test_stop_string_ends_text_exactly(llm):
-    base = llm.generate(["stop strings"], greedy(max_tokens=20))[0]
+    base = llm.generate(["stop strings"], greedy(max_tokens=20))[0].outputs[0]
     assert len(base.text) > 6
     stop = base.text[4:7]
     first = base.text.find(stop)
-    out = llm.generate(["stop strings"], greedy(max_tokens=20, stop=[stop]))[0]
+    out = llm.generate(["stop strings"], greedy(max_tokens=20, stop=[stop]))[0].outputs[0]
     assert out.text == base.text[:first]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     kept = llm.generate(["stop strings"], greedy(max_tokens=20, stop=[stop],
-                                                  include_stop_str_in_output=True))[0]
+                                                  include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == base.text[:first + len(stop)]
     manager = llm.engine.kv_manager
     assert manager.num_free_blocks == manager.num_total_blocks
 
 
 def test_max_tokens_and_finish_reason_length(llm):
-    out = llm.generate([[5, 6, 7]], greedy(max_tokens=7))[0]
-    assert len(out.token_ids) == 7 and out.finish_reason == "length"
-    assert out.metrics.ttft is not None and out.metrics.ttft >= 0
+    result = llm.generate([[5, 6, 7]], greedy(max_tokens=7))[0]
+    out = result.outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length" and result.finished
+    assert result.prompt_token_ids == [5, 6, 7] and result.prompt is None
+    assert result.metrics.ttft is not None and result.metrics.ttft >= 0
 
 
 def test_logprobs_returned_per_token(llm):
-    out = llm.generate(["logprobs"], greedy(max_tokens=4, logprobs=3))[0]
+    out = llm.generate(["logprobs"], greedy(max_tokens=4, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs):
         assert entry.token_id == token and len(entry.top) == 3
@@ -75,8 +78,6 @@ def test_logprobs_returned_per_token(llm):
 
 
 def test_invalid_requests_are_rejected(llm):
-    from engine_core.errors import InvalidRequestError
-
     with pytest.raises(InvalidRequestError):
         llm.generate([[1] * 2000], greedy())
     with pytest.raises(InvalidRequestError):
@@ -123,6 +124,8 @@ def test_max_model_len_beyond_the_trained_length_is_refused(tiny_checkpoint, mon
     trained = read_model_spec(path).max_position_embeddings
     with pytest.raises(ConfigError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         LLM(str(path), max_model_len=trained + 1)
+    assert LLM(str(path), max_model_len=trained + 1,
+               allow_long_max_model_len=True).engine.max_model_len == trained + 1
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert LLM(str(path), max_model_len=trained + 1).engine.max_model_len == trained + 1
     spec = read_model_spec(path)
@@ -133,3 +136,33 @@ def test_max_model_len_beyond_the_trained_length_is_refused(tiny_checkpoint, mon
     assert linear.trained_max_len == 2 * spec.max_position_embeddings
     llama3 = dataclasses.replace(spec, rope_scaling={"rope_type": "llama3", "factor": 8.0})
     assert llama3.trained_max_len == spec.max_position_embeddings
+
+
+def test_prompt_forms_are_vllms(llm):
+    """Text, token ids, {"prompt"} and {"prompt_token_ids"} prompts, alone or in a list,
+    give the same tokens for the same ids, in vLLM's RequestOutput shape."""
+    text = "the quick brown fox"
+    ids = llm.get_tokenizer().encode(text)
+    params = greedy(max_tokens=5)
+    forms = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}]
+    outputs = llm.generate(forms, params)
+    assert [o.prompt for o in outputs] == [text, None, text, None]
+    assert all(o.prompt_token_ids == ids and o.finished for o in outputs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert all(len(o.outputs) == 1 and o.outputs[0].index == 0 for o in outputs)
+    for single in forms:
+        (alone,) = llm.generate(single, params)
+        assert alone.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError):
+        llm.generate({"text": text}, params)
+
+
+def test_chat_applies_the_models_template(llm):
+    messages = [{"role": "user", "content": "hello"}]
+    params = greedy(max_tokens=4)
+    (out,) = llm.chat(messages, params)
+    assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    (same,) = llm.generate({"prompt_token_ids": out.prompt_token_ids}, params)
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
+    assert len(llm.chat([messages, messages + [{"role": "assistant", "content": "hi"}]],
+                        params)) == 2

@@ -26,7 +26,7 @@ def check_logit_bias_matches_hf(path, hf_greedy, device: str, **engine_args) -> 
     unbiased = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     # Biased and unbiased requests in one batch: each row gets only its own biases.
     outputs = llm.generate(prompts + prompts, [biased] * len(prompts) + [unbiased] * len(prompts))
-    got = [o.token_ids for o in outputs]
+    got = [o.outputs[0].token_ids for o in outputs]
     assert got[:len(prompts)] == expected
     assert got[len(prompts):] == plain
 
@@ -50,7 +50,7 @@ def check_repetition_penalty_matches_hf(path, hf_greedy, device: str, **engine_a
     unpenalised = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outputs = llm.generate(prompts + prompts,
                            [penalised] * len(prompts) + [unpenalised] * len(prompts))
-    got = [o.token_ids for o in outputs]
+    got = [o.outputs[0].token_ids for o in outputs]
     assert got[:len(prompts)] == expected
     assert got[len(prompts):] == plain
 

@@ -55,14 +55,14 @@ def test_llm_min_tokens_with_a_stop_string_in_the_first_token(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("llama")))
     prompt = [5, 6, 7, 8, 9]
     base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
-                                                 ignore_eos=True))[0]
+                                                 ignore_eos=True))[0].outputs[0]
     first = llm.tokenizer.decode(base.token_ids[:1]).strip()
     assert first, "the first greedy token must have visible text"
     stop = first[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6,
-                                                ignore_eos=True, stop=[stop]))[0]
+                                                ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert len(out.token_ids) > 6
     assert out.token_ids == base.token_ids[:len(out.token_ids)]
     early = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
-                                                  ignore_eos=True, stop=[stop]))[0]
+                                                  ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert len(early.token_ids) == 1 and early.finish_reason == "stop"

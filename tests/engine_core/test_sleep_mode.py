@@ -45,7 +45,7 @@ def test_sleep_frees_and_wake_up_answers_as_hf(tiny_checkpoint, hf_greedy, level
     prompts = mixed_prompts()[:6]
     expected = hf_greedy(path, prompts, 8)
     llm = LLM(str(path), device="cpu", enable_sleep_mode=True, num_gpu_blocks_override=64)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.engine.kv_manager.prefix_cache_hits == 0
     weights, kv = _weight_bytes(llm), _kv_bytes(llm)
     assert weights >= _param_sizes(llm) > 0 and kv > 0
@@ -63,7 +63,7 @@ def test_sleep_frees_and_wake_up_answers_as_hf(tiny_checkpoint, hf_greedy, level
     assert _weight_bytes(llm) == weights and _kv_bytes(llm) == kv
     assert all(a is b for a, b in zip(llm.engine.kv_caches, caches, strict=True))
     queries = llm.engine.kv_manager.prefix_cache_queries
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     # The cache was dropped asleep: the same prompts found no cached block.
     assert llm.engine.kv_manager.prefix_cache_queries > queries
     assert llm.engine.kv_manager.prefix_cache_hits == 0
@@ -100,7 +100,7 @@ def test_level_one_keeps_its_host_copy_for_the_next_sleep(tiny_checkpoint, hf_gr
     for level in (2, 1):
         llm.sleep(level)
         assert set(llm.wake_up()) == {"weights_s", "kv_cache_s"}
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.engine._host_weights is host
 
 
@@ -140,7 +140,7 @@ def test_sleep_on_cuda_gives_the_memory_back(tiny_checkpoint, hf_greedy, level: 
               gpu_memory_utilization=0.3)
     graphs = llm.engine.runner.graphs
     assert graphs is not None, "graphs must be captured for this test"
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     kv = llm.engine.kv_arena.nbytes
     addresses = [t.data_ptr() for t in (*llm.engine.model.parameters(), *llm.engine.kv_caches)]
@@ -158,7 +158,7 @@ def test_sleep_on_cuda_gives_the_memory_back(tiny_checkpoint, hf_greedy, level: 
         assert [t.data_ptr() for t in (*llm.engine.model.parameters(),
                                        *llm.engine.kv_caches)] == addresses
         replayed.clear()
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert replayed, "the startup graphs did not run after waking"
 
 
@@ -183,7 +183,7 @@ def test_staged_wake_up_serves_once_both_are_back(tiny_checkpoint, hf_greedy) ->
     assert llm.wake_up(["weights"]) == {}  # awake already: nothing to do
     assert set(llm.wake_up(["kv_cache"])) == {"kv_cache_s"}
     assert llm.engine.sleep_level == 0 and _kv_bytes(llm) == kv
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
 def test_level_two_wake_up_drops_host_kv_of_the_old_weights(tmp_path) -> None:
@@ -210,7 +210,7 @@ def test_level_two_wake_up_drops_host_kv_of_the_old_weights(tmp_path) -> None:
     def host_hits_of(prompts) -> tuple[int, list]:
         before = tier.loaded_blocks
         outputs = llm.generate(prompts, greedy)
-        return tier.loaded_blocks - before, [[e.logprob for e in o.logprobs] for o in outputs]
+        return tier.loaded_blocks - before, [[e.logprob for e in o.outputs[0].logprobs] for o in outputs]
 
     llm.generate(first, greedy)
     llm.generate(others, greedy)  # pushes first's prefixes out to host memory
@@ -226,5 +226,5 @@ def test_level_two_wake_up_drops_host_kv_of_the_old_weights(tmp_path) -> None:
     hits, got = host_hits_of(first)
     assert hits == 0
     fresh = LLM(str(new), num_gpu_blocks_override=24, max_num_seqs=4)
-    want = [[e.logprob for e in o.logprobs] for o in fresh.generate(first, greedy)]
+    want = [[e.logprob for e in o.outputs[0].logprobs] for o in fresh.generate(first, greedy)]
     assert got == want

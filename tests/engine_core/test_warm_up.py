@@ -67,7 +67,7 @@ def test_engine_leaves_no_warm_up_state(tiny_checkpoint) -> None:
     assert runner.requests == {}
     assert llm.engine.kv_manager.block_pool.num_free_blocks == llm.engine.num_blocks
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
-    assert len(out[0].token_ids) == 3
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def _varied_prompts(rng: random.Random, count: int, shared: list[int]) -> list[list[int]]:
@@ -110,7 +110,7 @@ def test_varied_workload_compiles_nothing_after_startup(tiny_checkpoint, dtype) 
         prompts = _varied_prompts(rng, batch, shared)
         params = [_varied_params(rng, next(counter)) for _ in prompts]
         outputs = llm.generate(prompts, params)
-        assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     after = compiled_variants()
     assert after == before, {k: (before.get(k, 0), v) for k, v in after.items()
                              if before.get(k, 0) != v}

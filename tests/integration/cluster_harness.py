@@ -155,16 +155,20 @@ class Cluster:
     started: list[Child] = field(default_factory=list)
 
     @classmethod
-    def build(cls, log_dir: Path, checkpoint: Path, num_prefill: int, num_decode: int,
+    def build(cls, log_dir: Path, checkpoint: Path, num_prefill: int = 0, num_decode: int = 0,
               heartbeat_s: float = 1.0, heartbeat_timeout_s: float | None = None,
-              kv_extra: dict | None = None, launch_flags: Sequence[str] = ()) -> Cluster:
-        """Plan (not start) ``num_prefill`` P and ``num_decode`` D workers plus the proxy."""
+              kv_extra: dict | None = None, launch_flags: Sequence[str] = (),
+              num_workers: int = 0) -> Cluster:
+        """Plan (not start) ``num_prefill`` P and ``num_decode`` D workers (or, with
+        ``num_workers``, that many workers the proxy places requests on) plus the proxy."""
         log_dir.mkdir(parents=True, exist_ok=True)
         parser = argparse.ArgumentParser()
         add_launch_arguments(parser)
         reg_port = free_port()
+        shape = (["--workers", str(num_workers)] if num_workers else
+                 ["--prefill", str(num_prefill), "--decode", str(num_decode)])
         args = parser.parse_args([
-            "--prefill", str(num_prefill), "--decode", str(num_decode), "--model",
+            *shape, "--model",
             str(checkpoint), "--port", str(free_port()), "--registration-port", str(reg_port),
             "--heartbeat-interval", str(heartbeat_s), *launch_flags, *ENGINE_ARGS])
         proxy, workers, url = build_children(args, engine_argv(args), log_dir)

@@ -55,18 +55,20 @@ def _two_gpus() -> None:
 
 
 def _start_cluster(tmp_path: Path, model: Path, engine: list[str], gpus: str = "0,1",
-                   launch_flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Path]:
+                   launch_flags: tuple[str, ...] = (),
+                   topology: tuple[str, ...] = ("--prefill", "1", "--decode", "1"),
+                   ready: str = "ready: 1P1D") -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "launch.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
+            [sys.executable, "-m", "deploy.launch", *topology,
              "--model", str(model), "--gpus", gpus, "--port", str(port),
              "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1", *launch_flags,
              *engine],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
-    while "ready: 1P1D" not in log.read_text():
+    while ready not in log.read_text():
         assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.5)
@@ -108,7 +110,7 @@ PLANES = ["nccl-two-gpus", "cpu-transport-one-gpu"]
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("plane", PLANES)
-@pytest.mark.parametrize("launch_flags", [(), ("--first-token-from-prefill",)],
+@pytest.mark.parametrize("launch_flags", [("--no-first-token-from-prefill",), ()],
                          ids=["d-first-token", "p-first-token"])
 def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...],
                                     plane: str) -> None:
@@ -134,8 +136,52 @@ def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...
         assert _decode_bytes_received(proxy) > 0, "no KV went over the connector"
         handoffs = labelled_counter(proxy.removeprefix("http://"),
                                     "pdserve:proxy_first_token_handoffs")
-        if launch_flags:  # every stream of the mix took it (none has stop strings)
+        if not launch_flags:  # the default: every stream of the mix took the handoff
             assert handoffs.get("prefill") == sum(r.stream for r in reqs), handoffs
+    finally:
+        _stop(cluster)
+
+
+def _set_capabilities(proxy: str, worker: str, capabilities: list[str] | None) -> None:
+    request = urllib.request.Request(
+        f"{proxy}/instances/capabilities", method="POST",
+        data=json.dumps({"worker": worker, "capabilities": capabilities}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+@pytest.mark.timeout(1200)
+def test_gpu_placed_workers_match_colocated(tmp_path: Path) -> None:
+    """`launch --workers 2` on two GPUs: placed requests (whole, and prefilled on one GPU and
+    decoded on the other over NCCL) give colocated's greedy output."""
+    _two_gpus()
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
+    reqs = mixed_requests(48)
+    serve_port = free_port()
+    with open(tmp_path / "serve.log", "wb") as out:
+        colocated = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
+             *engine], cwd=ROOT, env=dict(child_env(), CUDA_VISIBLE_DEVICES="0"),
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
+                  [colocated], [tmp_path / "serve.log"])
+        want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
+    finally:
+        _stop(colocated)
+    cluster, proxy, _ = _start_cluster(
+        tmp_path, ckpt, engine, "0,1", ("--placement-short-prompt-tokens", "12"),
+        topology=("--workers", "2"), ready="ready: 2 workers")
+    try:
+        check_matches(reqs[:24], run_all(proxy, reqs[:24]), want[:24])
+        first, second = (w["http_address"] for w in get_json(f"{proxy}/instances")["workers"])
+        _set_capabilities(proxy, first, ["prefill"])
+        _set_capabilities(proxy, second, ["decode"])
+        check_matches(reqs[24:], run_all(proxy, reqs[24:]), want[24:])
+        received = scrape(second).get("pdserve:kv_transfer_bytes_received_total", 0.0)
+        assert received > 0, "no KV went over NCCL while worker1 only decoded"
     finally:
         _stop(cluster)
 

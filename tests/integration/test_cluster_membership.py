@@ -147,8 +147,11 @@ def _judge_cut(req: Req, out: Outcome, ref: Outcome) -> str:
 @pytest.mark.timeout(300)
 def test_late_worker_used_within_one_heartbeat_and_dead_decode_dropped(tmp_path: Path) -> None:
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
+    # D computes the first tokens: the mid-stream kill below waits for first tokens on the
+    # victim (vllm:time_to_first_token_seconds, which a handoff's D does not observe).
     cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=2,
-                            heartbeat_s=HEARTBEAT_S, heartbeat_timeout_s=EXPIRY_S)
+                            heartbeat_s=HEARTBEAT_S, heartbeat_timeout_s=EXPIRY_S,
+                            launch_flags=["--no-first-token-from-prefill"])
     prefill0, decode0, decode1 = cluster.workers
     reqs = mixed_requests(16)
     try:

@@ -4,8 +4,8 @@ A request the cluster refuses must not leave P holding the prompt's KV for a pul
 never comes (until its 60 s lease): P validates the client's own request as D does (the
 proxy sends P the client's fields), so what D refuses P refuses first, computing nothing;
 and what P accepts but D refuses (their configs differ: here D's context is shorter) is
-released through D as soon as D refused. The handoff (``--first-token-from-prefill``)
-likewise, and a client that leaves once it has P's token frees P's KV at once too.
+released through D as soon as D refused. The first-token handoff (the default) likewise,
+and a client that leaves once it has P's token frees P's KV at once too.
 Besides: a first token that stops the request streams through the handoff as directly, and
 the proxy's model card is the workers'. One cluster serves every test of the module.
 """
@@ -42,8 +42,7 @@ IDLE_S = 15.0  # well under P's 60 s lease: only a release frees it this soon
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("refusals")
     ckpt = build_tiny_checkpoint(root / "ckpt")
-    built = Cluster.build(root / "logs", ckpt, num_prefill=1, num_decode=1,
-                          launch_flags=["--first-token-from-prefill"])
+    built = Cluster.build(root / "logs", ckpt, num_prefill=1, num_decode=1)
     decode = built.worker("decode0")
     index = len(decode.argv) - 1 - decode.argv[::-1].index("--max-model-len")
     decode.argv[index + 1] = str(D_MAX_MODEL_LEN)

@@ -33,7 +33,7 @@ DISTINCT = 50  # each distinct request is sent 10 times, shuffled
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("launch_flags", [[], ["--first-token-from-prefill"]],
+@pytest.mark.parametrize("launch_flags", [["--no-first-token-from-prefill"], []],
                          ids=["plain", "first-token-handoff"])
 def test_soak_500_requests_leaves_every_worker_idle(tmp_path: Path,
                                                     launch_flags: list[str]) -> None:

@@ -51,16 +51,16 @@ def test_proxy_flags_reach_the_proxy(tmp_path: Path) -> None:
     from proxy.__main__ import add_proxy_args, config_from_args
 
     args = _parse("--prefill", "1", "--decode", "1", "--prefill-overflow", "6",
-                  "--first-token-from-prefill")
+                  "--no-first-token-from-prefill")
     proxy, _, _ = build_children(args, engine_argv(args), tmp_path)
     assert _flag(proxy.argv, "--prefill-overflow") == "6"
-    assert "--first-token-from-prefill" in proxy.argv
+    assert "--no-first-token-from-prefill" in proxy.argv
     default, _, _ = build_children(_parse(), engine_argv(_parse()), tmp_path)
     assert "--prefill-overflow" not in default.argv
     parser = argparse.ArgumentParser()
     add_proxy_args(parser)
     config = config_from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1:]))
-    assert config.prefill_overflow == 6 and config.first_token_from_prefill
+    assert config.prefill_overflow == 6 and not config.first_token_from_prefill
     with pytest.raises(SystemExit):  # by the proxy's own check, before any child starts
         build_children(_parse("--prefill-overflow", "-1"), [], tmp_path)
 
@@ -130,7 +130,7 @@ def test_worker_kv_config_role() -> None:
 def test_restart_backs_off_and_resets_after_a_healthy_run() -> None:
     """``--restart`` waits 0.5 s, then twice as long after each quick death, up to 30 s;
     a child that ran a minute starts over (a crash loop no longer restarts twice a second)."""
-    from deploy.launch import RESTART_MAX_DELAY_S, restart_delay
+    from deploy.supervisor import RESTART_MAX_DELAY_S, restart_delay
 
     delays, restarts = [], 0
     for _ in range(10):
@@ -214,12 +214,19 @@ def test_workers_sharing_a_gpu_send_kv_over_zmq_by_default(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("kv", ['{"kv_role": "kv_both"}', '{"kv_port": 21001}'])
-def test_serve_refuses_a_connector_without_a_p_or_d_role(kv: str) -> None:
+def test_serve_with_a_kv_both_connector_is_a_worker(kv: str, monkeypatch) -> None:
     """`pdserve serve --kv-transfer-config` with kv_both (also the default without a kv_role)
-    used to drop the config and serve colocated without a word."""
+    starts the worker `pdserve worker` starts: it prefills, decodes and serves whole."""
+    import engine_core.server.worker as worker
     from deploy.cli import main
 
-    assert main(["serve", "--demo", "--device", "cpu", "--kv-transfer-config", kv]) == 1
+    served = []
+    monkeypatch.setattr(worker, "serve_worker", lambda config, options, factory, interval:
+                        served.append(config.kv_transfer))
+    assert main(["serve", "--demo-random", "--device", "cpu", "--kv-transfer-config", kv]) == 0
+    (kv_config,) = served
+    assert kv_config.kv_role == "kv_both" and kv_config.is_producer and kv_config.is_consumer
+    assert worker.ROLE_LETTER[kv_config.kv_role] == "worker"
 
 
 def test_a_users_kv_transfer_config_reaches_every_p_and_d_worker(tmp_path: Path) -> None:
@@ -275,3 +282,28 @@ def test_a_dead_childs_leftovers_are_killed(tmp_path: Path) -> None:
     else:
         raise AssertionError("the dead child's leftover process is still running")
     child.log.close()
+
+
+def test_workers_are_the_default_and_static_roles_stay(tmp_path: Path) -> None:
+    """Without --prefill/--decode, launch starts workers the proxy places requests on
+    (kv_both, `pdserve worker`); --prefill/--decode keep their static meaning."""
+    from deploy.launch import topology
+
+    assert topology(_parse()).describe() == "2 workers"
+    assert topology(_parse("--workers", "3", "--colocated", "1")).describe() == (
+        "3 workers + 1 colocated")
+    assert topology(_parse("--colocated", "2")).describe() == "2 colocated"
+    assert topology(_parse("--prefill", "2")).describe() == "2P1D"
+    # The benchmark sweep's spelling: every count given, zeros included.
+    assert topology(_parse("--prefill", "0", "--decode", "0", "--colocated", "0",
+                           "--workers", "2")).describe() == "2 workers"
+    assert topology(_parse("--prefill", "0", "--decode", "0", "--colocated", "2",
+                           "--workers", "0")).describe() == "2 colocated"
+    assert topology(_parse("--workers", "2", "--decode", "1")).describe() == "2 workers + 1P1D"
+    _, workers, _ = build_children(_parse("--gpus", "0,1"), [], tmp_path)
+    assert [w.name for w in workers] == ["worker0", "worker1"]
+    for index, worker in enumerate(workers):
+        assert worker.argv[3] == "worker" and worker.env["CUDA_VISIBLE_DEVICES"] == str(index)
+        kv = json.loads(_flag(worker.argv, "--kv-transfer-config"))
+        assert kv["kv_role"] == "kv_both"
+        assert kv["kv_connector_extra_config"]["transport"] == "auto"  # two GPUs: NCCL

@@ -52,6 +52,7 @@ class FakeWorker:
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     releases: list[dict[str, Any]] = field(default_factory=list)  # /internal/kv/release bodies
+    authorizations: list[str | None] = field(default_factory=list)  # each call's Authorization
     server: TestServer | None = None
     flood_bytes: int = 32 << 20
     delay_s: float = 0.0  # every answer waits this long first
@@ -74,6 +75,7 @@ class FakeWorker:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         request_id = request.headers.get("X-Request-Id", "")
+        self.authorizations.append(request.headers.get("Authorization"))
         self.received.append({"path": request.path, "body": body, "request_id": request_id})
         try:
             return await self._answer(request, body, request_id)
@@ -89,13 +91,14 @@ class FakeWorker:
         if self.mode == "error500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.mode == "asleep":
-            return web.json_response({"error": {"message": "the engine is asleep; POST "
-                                                "/wake_up first", "type": "ServiceUnavailable",
-                                                "param": None, "code": 503}}, status=503)
+            return web.json_response({"error": {
+                "message": "the engine is asleep; POST /wake_up first",
+                "type": "service_unavailable", "param": None, "code": "engine_sleeping"}},
+                status=503)
         if self.mode == "error400":
             return web.json_response({"error": {"message": f"{self.role} says bad",
-                                                "type": "BadRequestError", "param": "n",
-                                                "code": 400}}, status=400)
+                                                "type": "invalid_request_error", "param": "n",
+                                                "code": None}}, status=400)
         if self.mode == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
         # A prefill leg (do_remote_decode) is answered as one JSON body, streamed or not.
@@ -106,8 +109,10 @@ class FakeWorker:
             extra: dict[str, Any] = {}
             if (self.role == "P" and (body.get("kv_transfer_params") or {}).get(
                     "first_token_events") and self.mode != "no_first_token"):
-                extra["pdserve_first_token"] = {"token_ids": [42], "events": [
-                    {"id": f"cmpl-{request_id}", "choices": [{"index": 0, "text": "P0"}]}]}
+                choices = range(body.get("n") or 1)  # one first token a choice
+                extra["pdserve_first_token"] = {"token_ids": [[42] for _ in choices], "events": [
+                    {"id": f"cmpl-{request_id}", "choices": [{"index": i, "text": f"P{i}"}]}
+                    for i in choices]}
             return web.json_response({
                 "id": f"cmpl-{request_id}", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],
@@ -197,7 +202,10 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
     clients: list[TestClient] = []
 
     async def factory(*workers: FakeWorker, **overrides: Any) -> TestClient:
-        config = ProxyConfig(**{"registration_port": None, **overrides})
+        # D computes the first token unless a test turns the handoff (the product's
+        # default) on: most tests here are about the legs of that path.
+        config = ProxyConfig(**{"registration_port": None, "first_token_from_prefill": False,
+                                **overrides})
         registry = InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s)
         for worker in workers:
             registry.heartbeat(worker.heartbeat())

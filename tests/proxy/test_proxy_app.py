@@ -12,7 +12,8 @@ from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import ModelNotFoundError
 from engine_core.server.streaming import WriteBound
 from proxy import keys
-from proxy.dispatcher import _open_stream
+from proxy.client_stream import open_stream
+from proxy.config import ProxyConfig
 
 MODEL = "tiny"
 PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
@@ -274,8 +275,8 @@ async def test_worker_400_forwarded_unchanged(make_worker, make_proxy) -> None:
         resp = await client.post("/v1/completions", json={**PROMPT, "n": -1})
         assert resp.status == 400
         assert (await resp.json()) == {"error": {"message": f"{bad_role} says bad",
-                                                 "type": "BadRequestError", "param": "n",
-                                                 "code": 400}}
+                                                 "type": "invalid_request_error", "param": "n",
+                                                 "code": None}}
 
 
 async def test_unknown_model_is_404(make_worker, make_proxy) -> None:
@@ -301,7 +302,7 @@ async def test_models_health_instances_metrics(make_worker, make_proxy) -> None:
     models = await (await client.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     health = await (await client.get("/health")).json()
-    assert health == {"status": "ok", "workers": {"P": 1, "D": 1, "colocated": 0}}
+    assert health == {"status": "ok", "workers": {"P": 1, "D": 1, "colocated": 0, "worker": 0}}
     instances = await (await client.get("/instances")).json()
     assert {w["role"] for w in instances["workers"]} == {"P", "D"}
     assert all(w["num_requests"] == 1 and w["in_flight"] == 0 for w in instances["workers"])
@@ -395,7 +396,7 @@ def test_prompt_transfer_ids_follow_the_workers_per_prompt_ids() -> None:
     assert prompt_transfer_ids(cmpl, {"prompt": ["a", [1]]}, "T") == ["T-p0", "T-p1"]
 
 
-# ---- first-token handoff (--first-token-from-prefill) -----------------------------------
+# ---- first-token handoff (default; --no-first-token-from-prefill) -----------------------
 
 STREAM = {**PROMPT, "stream": True, "min_tokens": 3}
 
@@ -416,10 +417,39 @@ async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy)
     assert p_req["body"]["stream"] is True
     assert d_req["body"]["kv_transfer_params"] == {
         "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
-        "generated_token_ids": [42], "grant": p_req["body"]["kv_transfer_params"]["grant"]}
+        "generated_token_ids": [[42]], "grant": p_req["body"]["kv_transfer_params"]["grant"]}
     assert d_req["body"]["min_tokens"] == 3 and d_req["body"]["stream"] is True
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 1.0' in metrics
+
+
+async def test_handoff_is_the_default_and_carries_every_stream_feature(make_worker,
+                                                                       make_proxy) -> None:
+    """Stop strings, logprobs, n > 1 and a one-token limit take the handoff by default:
+    D continues each choice after P's token for it; off, D computes the first tokens."""
+    assert ProxyConfig().first_token_from_prefill
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    bodies = ({**STREAM, "stop": ["x"], "include_stop_str_in_output": True},
+              {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1, "min_tokens": 0},
+              {**STREAM, "n": 2, "seed": 5, "temperature": 0.8})
+    for body in bodies:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200
+        events = sse_events(await resp.text())
+        firsts = [json.loads(e)["choices"][0]["text"] for e in events[:body.get("n", 1)]]
+        assert firsts == [f"P{i}" for i in range(body.get("n", 1))], events
+    assert all(r["body"]["kv_transfer_params"]["first_token_events"] for r in p.received)
+    assert [r["body"]["kv_transfer_params"]["generated_token_ids"] for r in d.received] == [
+        [[42]], [[42]], [[42]], [[42], [42]]]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 4.0' in metrics
+
+    off = await make_proxy(p, d, first_token_from_prefill=False)
+    resp = await off.post("/v1/completions", json=STREAM)
+    assert resp.status == 200 and "P0" not in await resp.text()
+    assert "first_token_events" not in p.received[-1]["body"]["kv_transfer_params"]
+    assert "generated_token_ids" not in d.received[-1]["body"]["kv_transfer_params"]
 
 
 async def test_handoff_falls_back_when_p_sends_no_token(make_worker, make_proxy) -> None:
@@ -436,8 +466,7 @@ async def test_handoff_falls_back_when_p_sends_no_token(make_worker, make_proxy)
 async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy) -> None:
     p, d = await make_worker("P"), await make_worker("D")
     client = await make_proxy(p, d, first_token_from_prefill=True)
-    for body in ({**STREAM, "stop": ["x"]}, {**STREAM, "logprobs": 0}, {**STREAM, "max_tokens": 1},
-                 {**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
+    for body in ({**STREAM, "prompt": ["a", "b"]}, PROMPT, {**STREAM, "echo": True},
                  {**STREAM, "stream_options": {"include_usage": True,
                                                "continuous_usage_stats": True}},
                  {**STREAM, "stream_options": {"include_usage": "yes"}}):
@@ -446,8 +475,8 @@ async def test_handoff_skipped_for_what_it_cannot_carry(make_worker, make_proxy)
         await resp.read()
     assert not any("first_token_events" in r["body"]["kv_transfer_params"] for r in p.received)
     metrics = await (await client.get("/metrics")).text()
-    for reason in ("stop_strings", "logprobs", "max_tokens", "prompt_batch", "not_streaming",
-                   "echo", "continuous_usage", "stream_options"):
+    for reason in ("prompt_batch", "not_streaming", "echo", "continuous_usage",
+                   "stream_options"):
         assert f'first_token_handoffs_total{{result="{reason}"}} 1.0' in metrics, reason
 
 
@@ -565,7 +594,7 @@ async def test_an_error_after_the_stream_opened_ends_it_with_an_event(make_proxy
 
     async def dispatch(request, path, body, transfer_id, timer, generates):
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        stream = await _open_stream(request, out, WriteBound(60.0, lambda _request: None))
+        stream = await open_stream(request, out, WriteBound(60.0, lambda _request: None))
         await stream.write(b'data: {"choices": [{"text": "P0"}]}\n\n')
         raise ModelNotFoundError("every worker of the model left")
 

@@ -24,6 +24,14 @@ def test_round_trip() -> None:
     assert decode_registration(REGISTRATION_CODEC.encode(leave)) == leave
 
 
+def test_a_worker_announces_capabilities_and_placement_load() -> None:
+    message = Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+                        capabilities=["prefill", "decode", "whole"],
+                        load=WorkerLoad(num_prefill_tokens_queued=4096,
+                                        prefill_tokens_per_s=40_000.0, decode_step_s=0.012))
+    assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
+
+
 def test_colocated_needs_no_kv_address() -> None:
     message = Heartbeat(role="colocated", http_address="h:8000", model="m")
     assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
@@ -39,6 +47,15 @@ def test_colocated_needs_no_kv_address() -> None:
                load=WorkerLoad(kv_cache_usage=1.5)), "kv_cache_usage"),
     (Heartbeat(role="D", http_address="h:1", model="m", zmq_address="h:2",
                load=WorkerLoad(num_waiting=-1)), "load counts"),
+    (Heartbeat(role="worker", http_address="h:1", model="m"), "zmq_address"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               capabilities=["prefill", "teleport"]), "capabilities"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(num_prefill_tokens_queued=-5)), "load counts"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(prefill_tokens_per_s=float("nan"))), "prefill_tokens_per_s"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(decode_step_s=float("inf"))), "decode_step_s"),
 ])
 def test_invalid_values(message: Heartbeat, match: str) -> None:
     with pytest.raises(MessageDecodeError, match=match):

@@ -197,7 +197,7 @@ def test_metrics_label_roles_alike_and_count_remote_kv_waits(proxy_clock) -> Non
                for family in text_string_to_metric_families(metrics.render().decode())
                for s in family.samples}
     roles = {dict(labels).get("role") for _, labels in samples} - {None}
-    assert roles == {"prefill", "decode", "colocated"}
+    assert roles == {"prefill", "decode", "colocated", "worker"}
     d = (("role", "decode"), ("worker", "127.0.0.1:2"))
     assert samples[("pdserve:proxy_worker_num_requests_waiting", d)] == 5
     assert samples[("pdserve:proxy_worker_requests_total", d)] == 1

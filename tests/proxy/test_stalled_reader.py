@@ -54,7 +54,9 @@ async def serve_proxy() -> AsyncIterator[Callable[..., Awaitable[ProxyServer]]]:
 
     async def factory(*workers: Any, handler_cancellation: bool = True,
                       **overrides: Any) -> ProxyServer:
-        config = ProxyConfig(**{"registration_port": None, **overrides})
+        # D computes the first token unless a test turns the handoff (the default) on.
+        config = ProxyConfig(**{"registration_port": None, "first_token_from_prefill": False,
+                                **overrides})
         registry = InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s)
         for worker in workers:
             registry.heartbeat(worker.heartbeat())

@@ -35,8 +35,9 @@ CASES = [
     ("n zero", C, {"prompt": "hi", "n": 0}, 400),
     ("too many choices", C, {"prompt": ["hi"] * 9, "n": 128}, 400),
     ("n too large", C, {"prompt": "hi", "n": 129}, 400),
-    ("n with a first-token handoff", C, {"prompt": "hi", "n": 2, "kv_transfer_params": {
-        "generated_token_ids": [1]}}, 400),
+    ("generated_token_ids not one list per choice", C, {"prompt": "hi", "n": 2,
+                                                        "kv_transfer_params": {
+                                                            "generated_token_ids": [[1]]}}, 400),
     ("logprobs too many", C, {"prompt": "hi", "logprobs": 50}, 400),
     ("logprobs wrong type", C, {"prompt": "hi", "logprobs": "yes"}, 400),
     ("stream wrong type", C, {"prompt": "hi", "stream": "yes"}, 400),
@@ -51,31 +52,29 @@ CASES = [
     ("generated_token_ids wrong type", C, {"prompt": "hi", "kv_transfer_params": {
         "generated_token_ids": "7"}}, 400),
     ("generated_token_ids bool", C, {"prompt": "hi", "kv_transfer_params": {
-        "generated_token_ids": [True]}}, 400),
+        "generated_token_ids": [[True]]}}, 400),
+    ("generated_token_ids flat", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": [1]}}, 400),
+    ("generated_token_ids empty choice", C, {"prompt": "hi", "kv_transfer_params": {
+        "generated_token_ids": [[]]}}, 400),
     ("generated_token_ids negative", C, {"prompt": "hi", "kv_transfer_params": {
-        "generated_token_ids": [-1]}}, 400),
+        "generated_token_ids": [[-1]]}}, 400),
     ("generated_token_ids too many", C, {"prompt": "hi", "kv_transfer_params": {
-        "generated_token_ids": [1] * 17}}, 400),
+        "generated_token_ids": [[1] * 17]}}, 400),
     ("generated_token_ids beyond vocab", C, {"prompt": "hi", "kv_transfer_params": {
-        "generated_token_ids": [10_000_000]}}, 400),
+        "generated_token_ids": [[10_000_000]]}}, 400),
     ("generated_token_ids beyond max_tokens", C, {"prompt": "hi", "max_tokens": 1,
                                                   "kv_transfer_params": {
-                                                      "generated_token_ids": [1, 2]}}, 400),
-    ("generated_token_ids with stop strings", C, {"prompt": "hi", "stop": ["x"],
-                                                  "kv_transfer_params": {
-                                                      "generated_token_ids": [1]}}, 400),
-    ("generated_token_ids with logprobs", CHAT, {"messages": OK_MSG, "logprobs": True,
-                                                 "kv_transfer_params": {
-                                                     "generated_token_ids": [1]}}, 400),
+                                                      "generated_token_ids": [[1, 2]]}}, 400),
     ("generated_token_ids with a prompt batch", C, {"prompt": ["a", "b"], "kv_transfer_params": {
-        "generated_token_ids": [1]}}, 400),
+        "generated_token_ids": [[1]]}}, 400),
     ("first_token_events checks the client's max_tokens", C, {
         "prompt": "hi", "max_tokens": MAX_MODEL_LEN, "kv_transfer_params": {
             "first_token_events": True}}, 400),
     ("first_token_events wrong type", C, {"prompt": "hi", "kv_transfer_params": {
         "first_token_events": "yes"}}, 400),
     ("first_token_events with generated_token_ids", C, {"prompt": "hi", "kv_transfer_params": {
-        "first_token_events": True, "generated_token_ids": [1]}}, 400),
+        "first_token_events": True, "generated_token_ids": [[1]]}}, 400),
     ("logit_bias not an object", C, {"prompt": "hi", "logit_bias": [1, 2]}, 400),
     ("logit_bias key not a token id", C, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400),
     ("logit_bias negative token id", C, {"prompt": "hi", "logit_bias": {"-3": 1}}, 400),
@@ -155,7 +154,8 @@ def _check_error_body(body: dict, status: int) -> None:
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
-    assert error["code"] == status
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert error["code"] is None or isinstance(error["code"], str)
 
 
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
@@ -182,16 +182,18 @@ async def test_auth_size_method_and_health(server, auth):
             assert response.status == 405
             _check_error_body(await response.json(), 405)
         # Admin endpoints do not exist unless enabled.
-        async with session.post(server.url + "/reset_prefix_cache") as response:
+        async with session.post(server.url + "/reset_prefix_cache", headers=auth) as response:
             assert response.status == 404
         async with session.get(server.url + "/health") as response:
             assert response.status == 200
-        async with session.get(server.url + "/version") as response:
+        async with session.get(server.url + "/version", headers=auth) as response:
             assert "version" in await response.json()
-        async with session.post(server.url + "/tokenize", json={"prompt": "hello"}) as response:
+        async with session.post(server.url + "/tokenize", json={"prompt": "hello"},
+                                headers=auth) as response:
             tokens = (await response.json())["tokens"]
             assert tokens
-        async with session.post(server.url + "/detokenize", json={"tokens": tokens}) as response:
+        async with session.post(server.url + "/detokenize", json={"tokens": tokens},
+                                headers=auth) as response:
             assert (await response.json())["prompt"] == "hello"
         async with session.post(server.url + C, data=body, headers=auth) as response:
             assert response.status == 200

@@ -1,4 +1,4 @@
-"""`pdserve serve --demo` as a real subprocess answers requests; bad flags get clear errors."""
+"""`pdserve serve --demo-random` as a real subprocess answers requests; bad flags get clear errors."""
 
 from __future__ import annotations
 
@@ -45,6 +45,21 @@ def test_vllm_flags_parse_into_config():
     assert config.cache.block_size == 32 and not config.cache.enable_prefix_caching
     assert config.scheduler.max_num_seqs == 8 and not config.scheduler.enable_chunked_prefill
     assert config.kv_transfer.kv_port == 21001 and config.kv_transfer.send_type == "PUT"
+    assert config.device.triton_pdl and not config.model.allow_long_max_model_len
+
+
+def test_engine_environment_variables_become_config_at_the_entry_point(monkeypatch):
+    """The engine reads no environment variable: ``apply_environment`` folds them into the
+    parsed flags the config is built from."""
+    from engine_core.arg_utils import engine_config_from_args
+    from engine_core.server.server_args import apply_environment
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    monkeypatch.setenv("PDSERVE_TRITON_PDL", "0")
+    args = build_parser().parse_args(["serve", "/models/x"])
+    apply_environment(args)
+    config = engine_config_from_args(args)
+    assert config.model.allow_long_max_model_len and not config.device.triton_pdl
 
 
 @pytest.mark.slow
@@ -52,7 +67,7 @@ def test_pdserve_serve_demo_subprocess():
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": "k"}
     proc = subprocess.Popen(
-        _command() + ["serve", "--demo", "--port", str(port), "--num-gpu-blocks-override", "256",
+        _command() + ["serve", "--demo-random", "--port", str(port), "--num-gpu-blocks-override", "256",
                       "--max-model-len", "512"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -72,9 +87,14 @@ def test_pdserve_serve_demo_subprocess():
             data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
             headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
         body = json.loads(urllib.request.urlopen(request, timeout=60).read())
-        assert body["model"] == "pdserve-demo"
+        assert body["model"] == "pdserve-demo-random"
         assert body["usage"]["completion_tokens"] == 4
+        # VLLM_SERVER_DEV_MODE exposes the admin routes; they still need the key.
         reset = urllib.request.Request(url + "/reset_prefix_cache", method="POST", data=b"")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(reset, timeout=30)
+        assert refused.value.code == 401
+        reset.add_header("Authorization", "Bearer k")
         assert urllib.request.urlopen(reset, timeout=30).status == 200
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -95,7 +115,7 @@ def test_server_exits_nonzero_when_its_engine_dies():
 
     port = free_port()
     proc = subprocess.Popen(
-        _command() + ["serve", "--demo", "--port", str(port), "--num-gpu-blocks-override", "64",
+        _command() + ["serve", "--demo-random", "--port", str(port), "--num-gpu-blocks-override", "64",
                       "--max-model-len", "256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -135,6 +155,6 @@ def test_a_taken_http_port_fails_before_the_engine_starts() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        assert main(["serve", "--demo", "--device", "cpu", "--host", "127.0.0.1",
+        assert main(["serve", "--demo-random", "--device", "cpu", "--host", "127.0.0.1",
                      "--port", str(port)]) == 1
         assert time.monotonic() - started < 20  # no engine was started

@@ -25,7 +25,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         calls.update(config=config, options=options, interval=interval)
 
     def fake_run_server(config: Any, options: Any, engine_factory: Any = None,
-                        on_startup: Any = ()) -> None:
+                        on_startup: Any = (), readiness: Any = None) -> None:
         calls.update(config=config, options=options, on_startup=list(on_startup))
 
     monkeypatch.setattr(worker, "serve_worker", fake_serve_worker)

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from engine_core.demo_model import demo_model_path
+from engine_core.demo_model import random_demo_model_path
 from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.serving import OpenAIServing
@@ -42,7 +42,7 @@ def _request(closing: bool):
 
 @pytest.mark.asyncio
 async def test_no_engine_request_for_a_client_already_gone(caplog) -> None:
-    tokenizer = TokenizerService.load(str(demo_model_path()), 256, 1000)
+    tokenizer = TokenizerService.load(str(random_demo_model_path()), 256, 1000)
     client = _RecordingClient()
     serving = OpenAIServing(client, tokenizer, ["demo"], ServerMetrics("demo"))
     body = {"model": "demo", "prompt": "hello", "max_tokens": 4,

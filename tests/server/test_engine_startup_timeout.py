@@ -28,7 +28,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     calls: dict[str, Any] = {}
 
     def fake_run_server(config: Any, options: Any, engine_factory: Any = None,
-                        on_startup: Any = ()) -> None:
+                        on_startup: Any = (), readiness: Any = None) -> None:
         calls["options"] = options
 
     def fake_serve_worker(config: Any, options: Any, connector_factory: Any,
@@ -89,8 +89,8 @@ from deploy.cli import main
 from tests.server.test_shutdown import slow_engine_factory
 
 real_run_server = api_server.run_server
-api_server.run_server = lambda config, options, engine_factory=None, on_startup=(): \\
-    real_run_server(config, options, slow_engine_factory, on_startup)
+api_server.run_server = lambda config, options, engine_factory=None, on_startup=(), \\
+    readiness=None: real_run_server(config, options, slow_engine_factory, on_startup, readiness)
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -109,7 +109,7 @@ async def test_generated_token_beyond_the_vocabulary_is_a_400(server, auth, path
     async with aiohttp.ClientSession(headers=auth) as session:
         for stream in (False, True):
             body = {"model": MODEL_NAME, "max_tokens": 4, "stream": stream, **extra,
-                    "kv_transfer_params": {"generated_token_ids": [token_id]}}
+                    "kv_transfer_params": {"generated_token_ids": [[token_id]]}}
             async with session.post(server.url + path, json=body) as response:
                 assert response.status == 400, await response.text()
                 error = (await response.json())["error"]
@@ -202,3 +202,148 @@ async def test_a_first_token_that_stops_the_request_streams_as_directly(server, 
     assert all(not c.get("finish_reason") for e in first["events"] for c in e["choices"])
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert _usage(rest)[key] == _usage(whole)[key], key
+
+
+# ---- what a whole stream carries: n choices, logprobs, stop strings, one-token limits ----
+
+def _choices(events: list[dict]) -> dict[int, dict]:
+    """Per choice index: its text, finish, stop reason and logprobs, events glued."""
+    out: dict[int, dict] = {}
+    for event in events:
+        for c in event.get("choices") or []:
+            acc = out.setdefault(c["index"], {"text": "", "finish": None, "stop_reason": None,
+                                              "logprobs": []})
+            acc["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            if c.get("finish_reason"):
+                acc["finish"], acc["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+            lp = c.get("logprobs")
+            if lp and "content" in lp:  # chat
+                acc["logprobs"] += lp["content"]
+            elif lp:  # completions: one entry per token, with its text offset
+                acc["logprobs"] += [list(row) for row in zip(
+                    lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"],
+                    strict=True)]
+    return out
+
+
+async def _whole_and_glued(session: aiohttp.ClientSession, server, path: str,
+                           body: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """The uninterrupted stream; P's first events followed by D's continuation; D's part."""
+    async with session.post(server.url + path, json=body) as response:
+        assert response.status == 200, await response.text()
+        whole = _stream_events(await response.read())
+    first_body = {**body, "kv_transfer_params": {"first_token_events": True}}
+    async with session.post(server.url + path, json=first_body) as response:
+        assert response.status == 200, await response.text()
+        first = (await response.json())["pdserve_first_token"]
+    assert len(first["token_ids"]) == body.get("n", 1)
+    rest_body = {**body, "kv_transfer_params": {"generated_token_ids": first["token_ids"]}}
+    async with session.post(server.url + path, json=rest_body) as response:
+        assert response.status == 200, await response.text()
+        rest = _stream_events(await response.read())
+    return whole, first["events"] + rest, rest
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, logprob values within float noise (a batch's shape moves the last bits)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, abs=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _assert_same_stream(whole: list[dict], glued: list[dict], rest: list[dict]) -> None:
+    assert _same(_choices(glued), _choices(whole)), (_choices(glued), _choices(whole))
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):  # cached: the cache's
+        assert _usage(rest)[key] == _usage(whole)[key], key
+
+
+FEATURE_CASES = {
+    "completions n=2 seeded logprobs": ("/v1/completions", {
+        "prompt": "The quick brown fox jumps over", "n": 2, "temperature": 1.0, "seed": 5,
+        "logprobs": 2}),
+    "chat n=2 seeded top_logprobs": ("/v1/chat/completions", {
+        "messages": MSG, "n": 2, "temperature": 0.8, "top_p": 0.9, "seed": 9,
+        "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5}),
+    "completions greedy logprobs": ("/v1/completions", {"prompt": "a b a b a b a",
+                                                        "logprobs": 0}),
+    "chat max_tokens=1 n=2": ("/v1/chat/completions", {"messages": MSG, "max_tokens": 1,
+                                                       "n": 2, "temperature": 1.0, "seed": 1}),
+    "completions max_tokens=1 logprobs": ("/v1/completions", {
+        "prompt": "The quick brown fox", "max_tokens": 1, "logprobs": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FEATURE_CASES))
+async def test_choices_logprobs_and_seeds_cross_the_handoff(server, auth, case) -> None:
+    """Each choice's first token from P (seed + index, as the direct run draws it), its
+    logprobs in P's events, and D's continuation drawing the seeded stream on from the
+    next position with penalties counting P's token: the glued stream is the whole one,
+    per choice (text, finish, logprobs with completions' text offsets) and in usage."""
+    path, extra = FEATURE_CASES[case]
+    body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
+            **extra, "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(headers=auth) as session:
+        whole, glued, rest = await _whole_and_glued(session, server, path, body)
+    _assert_same_stream(whole, glued, rest)
+    assert len(_choices(whole)) == body.get("n", 1)
+    assert all(len(c["logprobs"]) == (body["max_tokens"] if "logprobs" in extra else 0)
+               for c in _choices(whole).values())
+
+
+PROMPTS = ["The quick brown fox jumps over", "tell me about the sea and the ships",
+           "a b a b a b a", "Once upon a time there was", "hello world, hello sea"]
+
+
+def _chunk_texts(events: list[dict]) -> list[tuple[str, int]]:
+    """(text, tokens) of each chunk that carries text (tokens counted by its logprobs)."""
+    out = []
+    for event in events:
+        for c in event.get("choices") or []:
+            text = c.get("text") or (c.get("delta") or {}).get("content")
+            lp = c.get("logprobs") or {}
+            if text:
+                out.append((text, len(lp.get("content") or lp.get("tokens") or [])))
+    return out
+
+
+async def _stops_around_first_token(session: aiohttp.ClientSession, server, path: str,
+                                    body: dict) -> tuple[dict, dict[str, str]]:
+    """A body (one of ``PROMPTS``) whose direct stream's first token is plain text of 2+
+    characters alone in its chunk, and stop strings inside it, across its end and later."""
+    for prompt in PROMPTS:
+        probe = ({**body, "prompt": prompt} if path == "/v1/completions" else
+                 {**body, "messages": [{"role": "user", "content": prompt}]})
+        async with session.post(server.url + path, json=probe) as response:
+            chunks = _chunk_texts(_stream_events(await response.read()))
+        text = "".join(t for t, _ in chunks)
+        first = len(chunks[0][0]) if chunks and chunks[0][1] == 1 else 0
+        stops = {"within": text[first - 2:first], "across": text[first - 1:first + 1],
+                 "later": text[first + 3:first + 6]}
+        if first >= 2 and all(len(v) >= 2 and "\ufffd" not in v for v in stops.values()):
+            return probe, stops
+    raise AssertionError("no prompt with a plain first token")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stop_strings_within_and_after_the_handed_token(server, auth, path) -> None:
+    """Stop strings taken from the direct output: one inside the first token's text (P's
+    token completes it: D only sends the finish), one across its end (D completes it, the
+    held-back text of P's token released then or dropped), and one later; each glued
+    stream is the direct one, logprobs included, with ``include_stop_str_in_output``
+    either way."""
+    logprobs = {"logprobs": 1} if path == "/v1/completions" else {"logprobs": True}
+    body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
+            **logprobs, "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(headers=auth) as session:
+        body, stops = await _stops_around_first_token(session, server, path, body)
+        for include in (False, True):
+            for where, stop in stops.items():
+                stream_body = {**body, "stop": [stop], "include_stop_str_in_output": include}
+                whole, glued, rest = await _whole_and_glued(session, server, path, stream_body)
+                _assert_same_stream(whole, glued, rest)
+                assert _choices(whole)[0]["finish"] == "stop", (where, stop, whole)
+    assert server.wait_idle().num_running == 0

@@ -50,7 +50,8 @@ async def test_health_of_a_dead_or_hung_engine_is_a_503(monkeypatch: pytest.Monk
     with pytest.raises(error) as caught:
         await _routes(alive, hang).health(None)
     status, body = exception_body(caught.value)
-    assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    assert body["error"]["code"] == ("engine_dead" if not alive else "engine_unresponsive")
     assert "check_health" in body["error"]["message"] or not alive
 
 

@@ -57,3 +57,34 @@ def test_the_proxy_refuses_a_taken_port_in_one_line() -> None:
                               env=child_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and str(port) in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_launch_refuses_one_port_for_http_and_registration(tmp_path, capsys) -> None:
+    """Refused in one line before the log folder, the model or any child."""
+    port = _free_port()
+    log_dir = tmp_path / "logs"
+    assert main(["launch", "--port", str(port), "--registration-port", str(port),
+                 "--log-dir", str(log_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port and --registration-port are both {port}" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not log_dir.exists()
+
+
+@pytest.mark.parametrize("flags", [["--registration-port", "{port}"], ["--proxy-port", "{port}"]])
+def test_the_proxy_refuses_one_port_for_http_and_registration_in_one_line(
+        flags: list[str]) -> None:
+    port = str(_free_port())
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "proxy", "--port", port,
+                           *(f.format(port=port) for f in flags)],
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--port and --registration-port are both {port}" in lines[0], \
+        done.stderr

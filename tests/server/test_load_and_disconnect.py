@@ -73,17 +73,16 @@ async def test_disconnect_50_clients_frees_blocks(server):
             assert response.status == 200
 
 
-async def test_tokenizing_a_long_prompt_does_not_hold_the_event_loop(server):
-    """Four /tokenize calls of ~1 MB each (about 2.5 s of tokenizer work on the dev machine)
-    while /v1/models is asked ten times: the tokenizer works on its own thread, so each
-    answer comes at once. Before, tokenization ran on the event loop and /v1/models waited
-    ~2 s behind it (streams, /health and the proxy's heartbeats with it)."""
+async def test_a_prompt_too_long_to_fit_is_refused_without_tokenizing(server, auth):
+    """Four /tokenize calls of ~1 MB each (seconds of tokenizer work) while /v1/models is
+    asked ten times: each prompt has more characters than the context can hold tokens of,
+    so it is a 400 at once, and the other answers come at once."""
     body = json.dumps({"prompt": "hello world, the quick brown fox " * 30000}).encode()
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth) as session:
         async def tokenize() -> None:
             async with session.post(server.url + "/tokenize", data=body) as response:
-                assert response.status == 200
-                await response.read()
+                assert response.status == 400
+                assert "characters" in (await response.json())["error"]["message"]
 
         async def slowest_models_answer() -> float:
             await asyncio.sleep(0.05)

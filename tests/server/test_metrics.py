@@ -10,7 +10,9 @@ from tests.server.conftest import API_KEY
 
 
 def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    scrape = urllib.request.Request(url + "/metrics",
+                                    headers={"Authorization": f"Bearer {API_KEY}"})
+    text = urllib.request.urlopen(scrape, timeout=30).read().decode()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -17,22 +17,28 @@ def oai(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
-def _offline(llm, prompts, **params):
+def _offline_requests(llm, prompts, **params):
     return llm.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS, **params)
                                   for _ in prompts])
 
 
+def _offline(llm, prompts, **params):
+    """Each prompt's one completion (text, token ids, logprobs)."""
+    return [o.outputs[0] for o in _offline_requests(llm, prompts, **params)]
+
+
 @pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 42}])
 def test_completions_match_offline(oai, offline_llm, params):
-    expected = _offline(offline_llm, PROMPTS, **params)
-    for prompt, want in zip(PROMPTS, expected, strict=True):
+    expected = _offline_requests(offline_llm, PROMPTS, **params)
+    for prompt, request in zip(PROMPTS, expected, strict=True):
+        want = request.outputs[0]
         got = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                                      **params)
         assert got.choices[0].text == want.text
         assert got.choices[0].finish_reason == "length"
-        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.prompt_tokens == len(request.prompt_token_ids)
         assert got.usage.completion_tokens == MAX_TOKENS
-        assert got.usage.total_tokens == len(want.prompt_token_ids) + MAX_TOKENS
+        assert got.usage.total_tokens == len(request.prompt_token_ids) + MAX_TOKENS
         assert got.usage.prompt_tokens_details.cached_tokens >= 0
         stream = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                                         stream=True, stream_options={"include_usage": True},
@@ -44,15 +50,15 @@ def test_completions_match_offline(oai, offline_llm, params):
 
 
 def test_completions_batch_and_token_ids(oai, offline_llm):
-    expected = _offline(offline_llm, PROMPTS, temperature=0.0)
+    expected = _offline_requests(offline_llm, PROMPTS, temperature=0.0)
     got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS,
                                  temperature=0)
-    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [e.text for e in expected]
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [e.outputs[0].text for e in expected]
     assert got.usage.completion_tokens == MAX_TOKENS * len(PROMPTS)
     ids = expected[0].prompt_token_ids
     by_ids = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=MAX_TOKENS,
                                     temperature=0)
-    assert by_ids.choices[0].text == expected[0].text
+    assert by_ids.choices[0].text == expected[0].outputs[0].text
     # A repeated prompt hits the prefix cache for its full blocks and says so.
     long_ids = (ids * 20)[:40]
     oai.completions.create(model=MODEL_NAME, prompt=long_ids, max_tokens=2, temperature=0)
@@ -106,7 +112,7 @@ def test_stop_string_finishes_with_stop(oai, offline_llm):
     full = _offline(offline_llm, PROMPTS[:1], temperature=0.0)[0].text
     stop = full[3:6]
     want = offline_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                            stop=[stop]))[0]
+                                                            stop=[stop]))[0].outputs[0]
     got = oai.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                                  temperature=0, stop=[stop])
     assert got.choices[0].finish_reason == "stop"
@@ -226,7 +232,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(oai, offline_llm):
     longer than the context is served and equals the offline run of those N tokens."""
     ids = [(i * 37) % 900 + 10 for i in range(400)]  # longer than the 256-token context
     want = offline_llm.generate([ids[-50:]], SamplingParams(temperature=0.0,
-                                                            max_tokens=MAX_TOKENS))[0]
+                                                            max_tokens=MAX_TOKENS))[0].outputs[0]
     got = oai.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=MAX_TOKENS,
                                  temperature=0.0, extra_body={"truncate_prompt_tokens": 50})
     assert got.choices[0].text == want.text and got.usage.prompt_tokens == 50

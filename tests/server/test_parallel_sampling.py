@@ -36,7 +36,9 @@ def _histogram(server, name: str) -> tuple[float, float]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
+    scrape = urllib.request.Request(server.url + "/metrics",
+                                    headers={"Authorization": f"Bearer {API_KEY}"})
+    text = urllib.request.urlopen(scrape, timeout=30).read().decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
               if s.name in (f"{name}_count", f"{name}_sum")}
     return values[f"{name}_count"], values[f"{name}_sum"]
@@ -49,7 +51,7 @@ def test_completions_n_samples_per_prompt(oai, offline_llm, server) -> None:
                                  temperature=1.0, seed=11)
     want = [w for p in PROMPTS for w in _want(offline_llm, p, 3, temperature=1.0, seed=11)]
     assert [c.index for c in got.choices] == list(range(6))
-    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert [c.text for c in got.choices] == [w.outputs[0].text for w in want]
     assert len({c.text for c in got.choices[:3]}) > 1  # distinct draws per sample
     prompt_tokens = sum(len(want[3 * i].prompt_token_ids) for i in range(len(PROMPTS)))
     assert got.usage.prompt_tokens == prompt_tokens  # each prompt once
@@ -68,7 +70,7 @@ def test_completions_n_samples_per_prompt(oai, offline_llm, server) -> None:
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
-    assert texts == [w.text for w in want]
+    assert texts == [w.outputs[0].text for w in want]
     assert chunks[-1].usage.prompt_tokens == prompt_tokens
     assert chunks[-1].usage.completion_tokens == 6 * MAX_TOKENS
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine_core.demo_model import demo_model_path
+from engine_core.demo_model import random_demo_model_path
 from engine_core.messages import EngineOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol
@@ -35,7 +35,7 @@ class _SlowFirstSample:
 
 @pytest.mark.asyncio
 async def test_every_sample_counts_its_time_to_first_token_from_the_arrival() -> None:
-    tokenizer = TokenizerService.load(str(demo_model_path()), 256, 1000)
+    tokenizer = TokenizerService.load(str(random_demo_model_path()), 256, 1000)
     metrics = ServerMetrics("demo")
     serving = OpenAIServing(_SlowFirstSample(), tokenizer, ["demo"], metrics)
     transfer = {"do_remote_prefill": True, "transfer_id": "t",
@@ -43,7 +43,7 @@ async def test_every_sample_counts_its_time_to_first_token_from_the_arrival() ->
     jobs = serving._jobs("r", [[1, 2, 3]], SamplingParams(n=3, max_tokens=1), transfer,
                          protocol.Handoff())
     assert [job.after for job in jobs] == [None, 0, 0]
-    async for _ in serving._run_jobs(jobs, protocol.Handoff()):
+    async for _ in serving._run_jobs(jobs):
         pass
     ttft = metrics.ttft.labels(*metrics._label_values)
     observed = {s.name: s.value for s in ttft.collect()[0].samples

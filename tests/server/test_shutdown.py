@@ -118,7 +118,7 @@ def slow_step_engine_factory(config: object) -> object:
 
 
 def test_sigterm_drains_then_ends_the_remaining_streams_with_an_error(demo_checkpoint) -> None:
-    """On SIGTERM the server stops accepting connections, lets requests in flight finish for
+    """On SIGTERM the server refuses new requests, lets requests in flight finish for
     ``shutdown_drain_s`` (a short one completes), then ends the rest with an error event and
     [DONE] (not a cut connection), and exits 0 promptly with its engine gone."""
     import json

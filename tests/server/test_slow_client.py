@@ -73,7 +73,7 @@ def test_a_stalled_body_gets_408_and_its_connection_closed(impatient_server) -> 
     assert head.startswith(b"HTTP/1.1 408"), head
     assert b"connection: close" in head.lower()
     error = json.loads(body)["error"]
-    assert error["type"] == "RequestTimeoutError" and error["code"] == 408
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_timeout"
     assert "within 1 s" in error["message"]
     assert BODY_TIMEOUT_S * 0.9 <= waited < BODY_TIMEOUT_S + 5
     assert _completes(impatient_server)  # the worker serves on

@@ -1,0 +1,1 @@
+"""The lab: experiments outside the product (see README.md); not packaged."""

@@ -1,0 +1,201 @@
+"""The first-token handoff (on by default; ``--no-first-token-from-prefill`` turns it
+off): P alone first; the stream events of P's sampled token of each choice go to the client
+as soon as P answers, then D's leg leaves carrying those tokens and D streams what follows
+them. The client's first token then costs P's prefill and nothing of D. A mixin of
+``Dispatcher``, whose legs, retries and releases it uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
+from engine_core.errors import UpstreamError, UpstreamUnavailableError
+from proxy import forwarding as fw
+from proxy.client_stream import end_stream
+from proxy.legs import (
+    HeldKV,
+    Leg,
+    RequestTimer,
+    Retry,
+    abort_tasks,
+    breakdown_headers,
+    took_nothing,
+)
+from proxy.routing import Route
+
+if TYPE_CHECKING:
+    from proxy.dispatcher import Dispatcher
+
+logger = logging.getLogger("proxy.dispatcher")
+
+
+class FirstTokenHandoff:
+    """``Dispatcher``'s handoff path (``_run_pd_handoff``)."""
+
+    async def _settle_decode(self: Dispatcher, d_task: asyncio.Task[aiohttp.ClientResponse], d_leg: Leg,
+                             held: HeldKV) -> None:
+        """D's leg of a handoff whose client left before D answered: whether D took the
+        request decides who frees the KV P holds for it, and D's answer says which. A
+        stream (its engine runs the request) is closed, which aborts it there and D's
+        connector frees or releases the KV; a 4xx took nothing, so P is told directly."""
+        try:
+            await asyncio.wait({d_task})
+            try:
+                response = d_task.result()
+            except UpstreamError as err:
+                d_leg.finish(err)
+                return
+            status = response.status
+            response.close()
+            if took_nothing(status):
+                d_leg.finish()
+                await self._release(held)
+        finally:
+            d_leg.finish(aborted=True)
+            await abort_tasks(d_task)
+
+
+    async def _run_pd_handoff(self: Dispatcher, request: web.Request, path: str, body: dict[str, Any],
+                              route: Route, attempt_id: str, timer: RequestTimer,
+                              model: str | None, key: str | None) -> web.StreamResponse:
+        """P first; its sampled token goes to the client at once and D continues after it.
+
+        D's leg leaves only once P answered (it must carry P's token), so D pulls the
+        prompt's KV from the blocks P holds for it. Until P answered nothing went out and a
+        failure is retried as in ``_run_pd``; after that the stream is the client's, and a D
+        that cannot be reached (or is asleep) is replaced by another decode worker: it never
+        got the request, so P's held KV is still there for the next one to pull (a failed
+        pull falls back to computing the prompt there). Anything else ends the stream with
+        an SSE error event (a D's 4xx also releases P's KV). ``model`` and ``key`` route
+        that replacement as the request was routed.
+        """
+        prefill, decode = route.prefill, route.decode
+        assert prefill is not None and prefill.zmq_address and decode.zmq_address
+        headers = fw.leg_headers(request.headers, attempt_id)
+        p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
+        timer.prefill_sent = self.clock()
+        grant = self._grant(attempt_id, prefill, decode)
+        p_task = asyncio.create_task(self._prefill(
+            prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address,
+                                                        grant),
+            headers))
+        try:
+            await asyncio.wait({p_task})
+            verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
+        finally:
+            p_leg.finish(aborted=True)
+            await abort_tasks(p_task)
+        if isinstance(verdict, web.Response):
+            return verdict
+        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
+                      grant)
+        first = fw.first_token_of(verdict, fw.num_choices(body))
+        if first is None:  # an older P, or one that sampled nothing: D computes the token
+            # Counted unless this D sends the request round again (unreachable, asleep):
+            # then the attempt that serves it counts it, so one request counts once.
+            retried = False
+            try:
+                response = await self._run_one_leg(
+                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
+                    decode, "decode", attempt_id, timer)
+                if took_nothing(response.status):  # P holds KV D will never pull
+                    self._spawn(self._release(held))
+                return response
+            except Retry:
+                retried = True
+                raise
+            finally:
+                if not retried:
+                    self.metrics.first_token_handoffs.labels("decode").inc()
+        self.metrics.first_token_handoffs.labels("prefill").inc()
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
+            "X-Request-Id": attempt_id, **breakdown_headers(timer)})
+        try:
+            stream = await self._open_stream(request, out)
+            await stream.write(first.events)
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            # The client left before any decode leg went out: nobody will pull P's KV.
+            self._spawn(self._release(held))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return out
+        timer.first_byte = self.clock()
+        excluded = {prefill.worker_id}
+        granted = decode
+        for attempt in range(self.max_attempts):
+            if decode is not granted:  # a replacement decode worker: its own grant
+                grant, granted = self._grant(attempt_id, prefill, decode), decode
+            d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
+                                            first.token_ids, grant)
+            d_leg = Leg(self, decode, "decode")
+            held = dataclasses.replace(held, decode=decode, grant=grant)
+            d_task = asyncio.create_task(fw.open_leg(
+                self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
+            settling = False  # D's leg handed to ``_settle_decode``
+            try:
+                try:
+                    try:
+                        # Not ``await d_task``: a client leaving now would cancel the leg
+                        # with it, and whether D took the request (its abort then frees the
+                        # KV) or not (P must be told) would stay unknown.
+                        await asyncio.wait({d_task})
+                    except asyncio.CancelledError:
+                        settling = self._spawn(self._settle_decode(d_task, d_leg, held))
+                        raise
+                    d_response = d_task.result()
+                    if d_response.status == 503 and attempt + 1 < self.max_attempts:
+                        data = await fw.read_body(d_response, self.max_response_bytes)
+                        raise UpstreamUnavailableError(
+                            f"decode worker {decode.worker_id} is unavailable: "
+                            f"{data[:300].decode(errors='replace')}")
+                except UpstreamError as err:
+                    d_leg.finish(err)
+                    if not (err.connect_failed or isinstance(err, UpstreamUnavailableError)) \
+                            or attempt + 1 == self.max_attempts:
+                        return await end_stream(stream, err)
+                    excluded.add(decode.worker_id)
+                    # Another decode-capable worker (it pulls the KV P holds); only when none
+                    # is left one that serves whole requests, which recomputes the prompt
+                    # (P's hold then lapses with its lease): routing the usual way would skip
+                    # the decode workers, since with P excluded no (P, D) pair remains.
+                    pool = self.registry.candidates(None, model, excluded)
+                    role = ROLE_DECODE
+                    others = [w for w in pool if CAP_DECODE in w.capabilities]
+                    if not others:
+                        role = ROLE_COLOCATED
+                        others = [w for w in pool if CAP_WHOLE in w.capabilities]
+                    if not others:
+                        return await end_stream(stream, err)
+                    decode = self.policy.choose(role, others, key)
+                    logger.warning("request %s: decode leg failed before its first byte (%s); "
+                                   "continuing on %s", attempt_id, err, decode.worker_id)
+                    self.metrics.retries.labels("handoff_decode").inc()
+                    continue
+                if not 200 <= d_response.status < 300 or not fw.is_event_stream(d_response):
+                    try:
+                        data = await fw.read_body(d_response, self.max_response_bytes)
+                    except UpstreamError as exc:  # the refusal's body itself failed
+                        data = str(exc).encode()
+                    err = UpstreamError(
+                        f"decode worker {decode.worker_id} answered {d_response.status}: "
+                        f"{data[:500].decode(errors='replace')}", kind="status",
+                        status=d_response.status)
+                    d_leg.finish(err)
+                    if took_nothing(d_response.status):  # P holds KV D will never pull
+                        self._spawn(self._release(held))
+                    return await end_stream(stream, err)
+                return await self._stream_into(stream, d_response, d_leg, attempt_id, timer, b"")
+            finally:
+                if not settling:
+                    d_leg.finish(aborted=True)
+                    await abort_tasks(d_task)
+        raise AssertionError("unreachable: the last attempt returns")
+

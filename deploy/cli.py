@@ -41,11 +41,13 @@ def _resolve(target: str) -> Callable:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve serve``: vLLM's names."""
     from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
+    from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
     from engine_core.server.worker import proxy_address
 
     add_model_arguments(parser)
     add_server_arguments(parser)
+    add_cluster_trust_args(parser)
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="register with this proxy (registration HOST:PORT; several "
                              "comma-separated: with each) as a colocated worker: it sends "
@@ -76,18 +78,25 @@ def run_serve(args: argparse.Namespace) -> int:
             # (kv_both: `pdserve worker`), with the flags `pdserve prefill|decode|worker`
             # would apply (--proxy-address, --port).
             from connectors import create_connector
-            from engine_core.server.worker import serve_worker, worker_kv_config
+            from engine_core.server.worker import (
+                serve_worker,
+                with_cluster_secret,
+                worker_kv_config,
+            )
 
             config = dataclasses.replace(
                 config, kv_transfer=worker_kv_config(kv, kv.kv_role, args))
-            serve_worker(config, options, create_connector, args.heartbeat_interval)
+            serve_worker(with_cluster_secret(config, options, args), options, create_connector,
+                         args.heartbeat_interval)
         elif args.proxy_address:
+            from engine_core.cluster.trust_flags import cluster_secret_from_args
             from engine_core.server.readiness import Readiness
             from engine_core.server.worker import colocated_hook
 
             readiness = Readiness()
             run_server(config, options, on_startup=[
-                colocated_hook(config, args.proxy_address, args.heartbeat_interval, readiness)],
+                colocated_hook(config, args.proxy_address, args.heartbeat_interval,
+                               cluster_secret_from_args(args), readiness)],
                 readiness=readiness)
         else:
             run_server(config, options)

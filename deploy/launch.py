@@ -51,6 +51,9 @@ logger = logging.getLogger("pdserve.launch")
 HOST = "127.0.0.1"
 
 
+CLUSTER_SECRET_FILE = "cluster.secret"
+
+
 def tcp_port(text: str) -> int:
     """A TCP port to listen on: 1-65535, checked at parse time so a bad one never surfaces
     only once the workers have started, when the proxy fails to bind."""
@@ -243,7 +246,10 @@ CONNECTOR_KINDS = {"prefill": "kv_producer", "decode": "kv_consumer", "worker": 
 
 def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                    ) -> tuple[Child, list[Child], str]:
+    """The proxy and the workers; every one reads the new cluster secret this writes into
+    ``log_dir``."""
     base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    trust_args = ["--cluster-secret-file", str(new_cluster_secret(log_dir))]
     if args.api_key:  # the children read it at their entry points (not visible in `ps`)
         base_env["VLLM_API_KEY"] = args.api_key
     shape = topology(args)
@@ -259,7 +265,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         proxy_flags += ["--prefill-chunk-tokens", str(args.max_num_batched_tokens)]
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
                             str(args.port), "--registration-port", str(reg_port),
-                            *proxy_flags],
+                            *trust_args, *proxy_flags],
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
@@ -292,7 +298,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         # variables (VLLM_SERVER_DEV_MODE, VLLM_API_KEY) into the worker's server flags.
         argv = [sys.executable, "-m", "deploy.cli", module, args.model, "--host", HOST, "--port",
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
-                "--heartbeat-interval", str(args.heartbeat_interval),
+                "--heartbeat-interval", str(args.heartbeat_interval), *trust_args,
                 *server_args, *device_args, *engine_args,
                 "--tensor-parallel-size", str(tp_sizes[i])]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
@@ -302,13 +308,24 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
         http_port = next(ports)
         argv = [sys.executable, "-m", "deploy.cli", "serve", args.model, "--host", HOST,
                 "--port", str(http_port), "--proxy-address", f"{HOST}:{reg_port}",
-                "--heartbeat-interval", str(args.heartbeat_interval), *server_args,
-                *([] if gpus else ["--device", "cpu"]), *engine_args,
+                "--heartbeat-interval", str(args.heartbeat_interval), *trust_args,
+                *server_args, *([] if gpus else ["--device", "cpu"]), *engine_args,
                 "--tensor-parallel-size", str(tp_sizes[len(workers)])]
         workers.append(Child(f"colocated{index}", argv, {**base_env, **gpu_env, **cpu_env},
                              log_dir / f"colocated{index}.log",
                              http_address=f"{HOST}:{http_port}"))
     return proxy, workers, f"http://{HOST}:{args.port}"
+
+
+def new_cluster_secret(run_dir: Path) -> Path:
+    """A new cluster secret for this launch, written 0600 as ``run_dir/cluster.secret``
+    (replacing one a previous launch left there); the children read it from there."""
+    from engine_core.cluster.trust import write_secret_file
+
+    path = run_dir / CLUSTER_SECRET_FILE
+    path.unlink(missing_ok=True)
+    write_secret_file(path)
+    return path
 
 
 def check_topology(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from engine_core.addresses import is_host_port, route_source_host
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -272,6 +273,9 @@ class KVTransferConfig:
     orphan_ttl_s: float = 60.0
     transport: str = "auto"  # auto | nccl | cpu
     extra: dict[str, Any] = field(default_factory=dict)
+    # Seals KV control messages and verifies transfer grants. Not in the JSON: the worker's
+    # entry point reads it from --cluster-secret-file.
+    cluster_secret: ClusterSecret = ClusterSecret()
 
     def __post_init__(self) -> None:
         if self.kv_connector not in ("P2pNcclConnector", "PdserveConnector"):

@@ -233,6 +233,8 @@ class AsyncEngineClient:
         output_socket = async_context.socket(zmq.PULL)
         output_socket.setsockopt(zmq.LINGER, 0)
         output_socket.setsockopt(zmq.RCVHWM, 0)
+        # No larger message can decode: one is refused at its frame header, never buffered.
+        output_socket.setsockopt(zmq.MAXMSGSIZE, ENGINE_OUTPUT_CODEC.max_bytes)
         output_socket.bind(output_address)
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
         process = multiprocessing.get_context("spawn").Process(

@@ -290,6 +290,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.setsockopt(zmq.LINGER, 0)
+    # No larger message can decode: one is refused at its frame header, never buffered.
+    input_socket.setsockopt(zmq.MAXMSGSIZE, ENGINE_INPUT_CODEC.max_bytes)
     input_socket.connect(input_address)
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.LINGER, 2000)

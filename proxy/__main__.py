@@ -9,6 +9,8 @@ import signal
 
 from aiohttp import web
 
+from engine_core.cluster.trust import check_exposure
+from engine_core.cluster.trust_flags import add_cluster_trust_args, cluster_secret_from_args
 from engine_core.errors import ConfigError
 from engine_core.server.http_runner import EdgeAppRunner
 from engine_core.server.server_args import add_header_timeout_argument, apply_environment
@@ -29,6 +31,7 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--registration-port", "--proxy-port", dest="registration_port",
                         type=int, default=d.registration_port,
                         help="ZMQ port workers heartbeat to (their proxy_port)")
+    add_cluster_trust_args(parser)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health, "
                         "/ping and /ready (or VLLM_API_KEY), and send it to the workers; "
@@ -56,6 +59,8 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         help="prefix_affinity: when the affine worker's load score (in-flight "
                         "legs + queued + 4 x KV usage) exceeds the lowest by more, the least "
                         "loaded worker is used")
+    parser.add_argument("--max-workers", type=int, default=d.max_workers,
+                        help="registered workers at most; registrations beyond are refused")
     parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
                         help="client requests in flight before answering 429")
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
@@ -123,7 +128,7 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    """The frozen ProxyConfig of parsed flags."""
+    """The frozen ProxyConfig of parsed flags (the cluster secret read from its file)."""
     return ProxyConfig(
         host=args.host, port=args.port, registration_host=args.registration_host,
         registration_port=args.registration_port, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -140,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_overflow=args.prefill_overflow, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         placement_short_prompt_tokens=args.placement_short_prompt_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens)
+        prefill_chunk_tokens=args.prefill_chunk_tokens, max_workers=args.max_workers,
+        cluster_secret=cluster_secret_from_args(args), insecure=args.insecure)
 
 
 def run_proxy(args: argparse.Namespace) -> int:
@@ -149,6 +155,8 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        # The internal plane is the registration socket (the HTTP API is public anyway).
+        check_exposure([config.registration_bind_host], config.cluster_secret, config.insecure)
         # A taken port is one clear line, not an asyncio traceback after startup.
         check_port_free(config.host, config.port)
         if config.registration_port:
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m proxy``."""
     parser = add_proxy_args(argparse.ArgumentParser(prog="pdserve proxy", description=__doc__))
     args = parser.parse_args(argv)
-    apply_environment(args)  # VLLM_API_KEY
+    apply_environment(args)  # VLLM_API_KEY, PDSERVE_CLUSTER_SECRET_FILE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run_proxy(args))
 

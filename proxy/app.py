@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from engine_core.cluster.grants import GrantAuthority
 from engine_core.server.api_key import api_key_middleware
 from engine_core.server.http_errors import error_middleware
 from engine_core.server.loop_watch import LoopWatch
@@ -51,7 +52,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app = web.Application(client_max_size=config.max_body_bytes + 1,
                           middlewares=[error_middleware,
                                        api_key_middleware(config.api_key, ADMIN_ROUTES)])
-    registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock)
+    registry = registry or InstanceRegistry(config.heartbeat_timeout_s, config.suspect_s, clock,
+                                            max_workers=config.max_workers)
     app[keys.CONFIG] = config
     app[keys.CLOCK] = clock
     app[keys.ID_FACTORY] = id_factory
@@ -64,10 +66,11 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,
-                                    config.registration_port)
+                                    config.registration_port, secret=config.cluster_secret)
         app[keys.REGISTRATION_SERVER] = server
         app.cleanup_ctx.append(_registration_ctx)
-    app[keys.METRICS] = ProxyMetrics(registry, (lambda: server.stats) if server else (lambda: (0, 0)))
+    app[keys.METRICS] = ProxyMetrics(registry, (lambda: server.stats) if server else (lambda: (0, 0)),
+                                     (lambda: server.refusals) if server else dict)
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_expiry_ctx)
     app.cleanup_ctx.append(_loop_watch_ctx)
@@ -94,6 +97,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         first_token_from_prefill=config.first_token_from_prefill,
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
         placer=app[keys.PLACER], migration_limit=config.migration_limit,
+        grants=GrantAuthority(config.cluster_secret),
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s,

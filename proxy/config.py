@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 from engine_core.addresses import check_distinct_ports
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import ConfigError
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
 from proxy.placement import PlacementConfig
+from proxy.registry import DEFAULT_MAX_WORKERS
 from proxy.routing import POLICIES
 
 
@@ -59,6 +61,10 @@ class ProxyConfig:
     slo_tpot_ms: float = 50.0
     placement_short_prompt_tokens: int = 256
     prefill_chunk_tokens: int = 8192
+    max_workers: int = DEFAULT_MAX_WORKERS  # registrations beyond are refused
+    # Authenticates registrations and signs transfer grants; none: loopback or --insecure.
+    cluster_secret: ClusterSecret = ClusterSecret()
+    insecure: bool = False  # bind a non-loopback address without a cluster secret
 
     def __post_init__(self) -> None:
         if self.routing not in POLICIES:
@@ -68,7 +74,7 @@ class ProxyConfig:
         if self.prefill_overflow < 0:
             raise ConfigError("prefill_overflow must be >= 0 (0: off)")
         for name in ("max_inflight", "max_body_bytes", "max_response_bytes", "max_attempts",
-                     "affinity_prefix_chars"):
+                     "affinity_prefix_chars", "max_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.migration_limit < 0:

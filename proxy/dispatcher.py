@@ -49,6 +49,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import (
     NoWorkerError,
     UpstreamError,
@@ -90,9 +92,11 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = True,
                  prefill_overflow: int = 0, write_timeout_s: float = 60.0,
                  limiter: InflightLimiter | None = None, placer: Placer | None = None,
-                 migration_limit: int = 3) -> None:
+                 migration_limit: int = 3, grants: GrantAuthority | None = None) -> None:
         self.registry = registry
         self.placer = placer
+        # Signs each request's transfer grant (P, D, transfer id), attached to both legs.
+        self.grants = grants or GrantAuthority(ClusterSecret())
         self.policy = policy
         self.metrics = metrics
         self.session = session
@@ -113,6 +117,13 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         # Each background task holds a slot of the client requests' limiter (--max-inflight)
         # while it runs: a leg left running is load on its worker like a client's request.
         self.limiter = limiter or InflightLimiter(1 << 30)
+
+    def _grant(self, transfer_id: str, prefill: WorkerState, decode: WorkerState) -> str:
+        """The grant moving ``transfer_id``'s KV from ``prefill`` to ``decode``, valid while
+        either leg may still run."""
+        return self.grants.issue(transfer_id, prefill.zmq_address or prefill.worker_id,
+                                 decode.zmq_address or decode.worker_id,
+                                 self.timeouts.prefill_s + self.timeouts.decode_s)
 
     async def aclose(self) -> None:
         """Cancel the background settles and releases (shutdown, before the session closes)."""
@@ -219,14 +230,18 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
         headers = fw.leg_headers(request.headers, attempt_id)
-        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
+        grant = self._grant(attempt_id, prefill, decode)
+        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
+                      grant)
         p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
         d_leg = Leg(self, decode, "decode")
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
-            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address), headers))
+            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address, grant),
+            headers))
         d_task = asyncio.create_task(fw.open_leg(
-            self.session, decode.url + path, fw.decode_body(body, attempt_id, prefill.zmq_address),
+            self.session, decode.url + path,
+            fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
             headers, self.timeouts.decode()))
         p_settling = False  # P's leg handed to ``_settle_prefill``
         try:
@@ -286,7 +301,7 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         effort: a failure leaves the KV to the lease."""
         url = held.decode.url + fw.RELEASE_PATH
         assert held.prefill.zmq_address is not None
-        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address)
+        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant)
         try:
             response = await fw.open_leg(self.session, url, body, held.headers,
                                          self.timeouts.release())

@@ -74,7 +74,7 @@ def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str,
+def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str, grant: str,
                   first_token_events: bool = False) -> dict[str, Any]:
     """P's request, plain or handoff: the client's own fields (``max_tokens``, ``n``,
     ``min_tokens``, ``stream``, ``stream_options``, ...) plus transfer params marking a
@@ -84,30 +84,32 @@ def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str
     KV is computed and held for a pull that never comes; only then does P limit what it
     runs (one sample, one token, its answer one JSON body: the server's ``prefill_only``).
     ``first_token_events``: P's answer also carries the stream events of that token.
+    ``grant``: the signed transfer grant naming P and D (both legs carry the same one).
     """
     out = _without_transfer_fields(body)
     params: dict[str, Any] = {"transfer_id": transfer_id, "do_remote_decode": True,
-                              "remote_kv_address": decode_kv_address}
+                              "remote_kv_address": decode_kv_address, "grant": grant}
     if first_token_events:
         params["first_token_events"] = True
     out["kv_transfer_params"] = params
     return out
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str,
+                 grant: str) -> dict[str, Any]:
     """P's request while D's leg runs alongside: P's answer only says the KV is ready."""
-    return producer_body(body, transfer_id, decode_kv_address)
+    return producer_body(body, transfer_id, decode_kv_address, grant)
 
 
-def decode_body(body: dict[str, Any], transfer_id: str,
-                prefill_kv_address: str | None) -> dict[str, Any]:
-    """D's request: the original body, plus transfer params naming P unless decode-only;
-    a stream's events name their tokens, for migration (``proxy/migration.py``)."""
+def decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str | None,
+                grant: str | None = None) -> dict[str, Any]:
+    """D's request: the original body, plus transfer params naming P (and the grant) unless
+    decode-only; a stream's events name their tokens, for migration (``proxy/migration.py``)."""
     out = _without_transfer_fields(body)
     params: dict[str, Any] = {}
     if prefill_kv_address is not None:
         params = {"transfer_id": transfer_id, "do_remote_prefill": True,
-                  "remote_kv_address": prefill_kv_address}
+                  "remote_kv_address": prefill_kv_address, "grant": grant}
     if body.get("stream") is True:
         params["stream_token_ids"] = True
     if params:
@@ -136,9 +138,12 @@ def prompt_transfer_ids(path: str, body: dict[str, Any], transfer_id: str) -> li
     return [f"{transfer_id}-p{i}" for i in range(len(prompt))]
 
 
-def release_body(transfer_ids: list[str], prefill_kv_address: str) -> dict[str, Any]:
-    """The body of a decode worker's ``RELEASE_PATH``."""
-    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address}
+def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str
+                 ) -> dict[str, Any]:
+    """The body of a decode worker's ``RELEASE_PATH`` (with the transfers' grant, without
+    which the decode worker tells the prefill worker nothing)."""
+    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address,
+            "grant": grant}
 
 
 def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
@@ -200,16 +205,16 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
 
 
 def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
-                         decode_kv_address: str) -> dict[str, Any]:
+                         decode_kv_address: str, grant: str) -> dict[str, Any]:
     """P's request when its token is streamed: the first events in its answer too."""
-    return producer_body(body, transfer_id, decode_kv_address, first_token_events=True)
+    return producer_body(body, transfer_id, decode_kv_address, grant, first_token_events=True)
 
 
 def handoff_decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str,
-                        generated_token_ids: list[list[int]]) -> dict[str, Any]:
+                        generated_token_ids: list[list[int]], grant: str) -> dict[str, Any]:
     """D's request continuing each choice after P's token for it, the prompt's KV pulled
     from P."""
-    out = decode_body(body, transfer_id, prefill_kv_address)
+    out = decode_body(body, transfer_id, prefill_kv_address, grant)
     out["kv_transfer_params"]["generated_token_ids"] = [list(ids) for ids in generated_token_ids]
     return out
 

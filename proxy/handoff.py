@@ -82,8 +82,10 @@ class FirstTokenHandoff:
         headers = fw.leg_headers(request.headers, attempt_id)
         p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
         timer.prefill_sent = self.clock()
+        grant = self._grant(attempt_id, prefill, decode)
         p_task = asyncio.create_task(self._prefill(
-            prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address),
+            prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address,
+                                                        grant),
             headers))
         try:
             await asyncio.wait({p_task})
@@ -93,7 +95,8 @@ class FirstTokenHandoff:
             await abort_tasks(p_task)
         if isinstance(verdict, web.Response):
             return verdict
-        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers)
+        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
+                      grant)
         first = fw.first_token_of(verdict, fw.num_choices(body))
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             # Counted unless this D sends the request round again (unreachable, asleep):
@@ -101,7 +104,7 @@ class FirstTokenHandoff:
             retried = False
             try:
                 response = await self._run_one_leg(
-                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address),
+                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
                     decode, "decode", attempt_id, timer)
                 if took_nothing(response.status):  # P holds KV D will never pull
                     self._spawn(self._release(held))
@@ -130,10 +133,14 @@ class FirstTokenHandoff:
         if resume is not None and resume.continuable:  # one choice; the client holds P's
             resume.token_ids.extend(first.token_ids[0])  # token: a migration follows it
         excluded = {prefill.worker_id}
-        d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address, first.token_ids)
+        granted = decode
         for attempt in range(self.max_attempts):
+            if decode is not granted:  # a replacement decode worker: its own grant
+                grant, granted = self._grant(attempt_id, prefill, decode), decode
+            d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
+                                            first.token_ids, grant)
             d_leg = Leg(self, decode, "decode")
-            held = dataclasses.replace(held, decode=decode)
+            held = dataclasses.replace(held, decode=decode, grant=grant)
             d_task = asyncio.create_task(fw.open_leg(
                 self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
             settling = False  # D's leg handed to ``_settle_decode``

@@ -61,6 +61,7 @@ class HeldKV:
     decode: WorkerState
     transfer_ids: list[str]
     headers: dict[str, str]
+    grant: str  # the transfers' grant naming prefill and decode
 
 
 def took_nothing(status: int) -> bool:

@@ -27,9 +27,11 @@ class _RegistryCollector(Collector):
     """Scrape-time view of registered workers and registration-socket counters."""
 
     def __init__(self, registry: InstanceRegistry,
-                 registration_stats: Callable[[], tuple[int, int]]) -> None:
+                 registration_stats: Callable[[], tuple[int, int]],
+                 registration_refusals: Callable[[], dict[str, int]]) -> None:
         self._registry = registry
         self._registration_stats = registration_stats
+        self._registration_refusals = registration_refusals
 
     def collect(self) -> Iterable[Metric]:
         workers = self._registry.workers()
@@ -59,14 +61,22 @@ class _RegistryCollector(Collector):
         bad_messages = CounterMetricFamily(P + "registration_bad_messages",
                                            "Registration messages dropped as malformed")
         bad_messages.add_metric([], bad)
-        return [registered, in_flight, running, waiting, kv_usage, messages, bad_messages]
+        refused = CounterMetricFamily(
+            P + "registration_refusals", "Registration messages refused (forged, stale, "
+            "replayed, another worker's identity, over --max-workers), by reason",
+            labels=["reason"])
+        for reason, count in self._registration_refusals().items():
+            refused.add_metric([reason], count)
+        return [registered, in_flight, running, waiting, kv_usage, messages, bad_messages,
+                refused]
 
 
 class ProxyMetrics:
     """Every metric the proxy exports; ``render`` gives the /metrics text."""
 
     def __init__(self, registry: InstanceRegistry,
-                 registration_stats: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                 registration_stats: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 registration_refusals: Callable[[], dict[str, int]] = dict) -> None:
         self.collector_registry = CollectorRegistry(auto_describe=True)
         r = self.collector_registry
         self.requests = Counter(P + "requests", "Client requests by endpoint and HTTP status",
@@ -139,7 +149,7 @@ class ProxyMetrics:
         self.loop_stall_seconds = Counter(P + "event_loop_stall_seconds",
                                           "Seconds the proxy's event loop was held, in stalls",
                                           registry=r)
-        r.register(_RegistryCollector(registry, registration_stats))
+        r.register(_RegistryCollector(registry, registration_stats, registration_refusals))
         registry.add_removal_listener(self.forget_worker)
 
     def forget_worker(self, worker_id: str) -> None:

@@ -3,18 +3,29 @@
 Workers (``engine_core.cluster.registration_client.RegistrationClient``) hold a DEALER socket
 connected to this ROUTER (``proxy_ip:proxy_port``, default port 30001) and send a
 ``Heartbeat`` every few seconds; the first one registers the worker, and a ``Deregister`` on
-shutdown removes it at once.
+shutdown removes it at once. Every message travels in the cluster's authenticated envelope
+(``engine_core.cluster.trust``): forged, stale and replayed ones are refused, and the registry
+binds a worker's name to the sender that registered it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import zmq
 import zmq.asyncio
 
-from engine_core.cluster.messages import Deregister, decode_registration
+from engine_core.cluster.messages import REGISTRATION_CODEC, Deregister, decode_registration
+from engine_core.cluster.trust import (
+    CHANNEL_REGISTRATION,
+    Clock,
+    ClusterSecret,
+    TrustRefusal,
+    Verifier,
+    max_sealed_bytes,
+)
 from engine_core.errors import MessageDecodeError
 from proxy.registry import InstanceRegistry
 
@@ -27,12 +38,15 @@ DEFAULT_REGISTRATION_PORT = 30001
 
 
 class RegistrationServer:
-    """ROUTER socket feeding heartbeats into an ``InstanceRegistry``; bad messages are counted."""
+    """ROUTER socket feeding heartbeats into an ``InstanceRegistry``; bad messages are counted,
+    refused ones (envelope, identity, capacity) are counted by reason in ``refusals``."""
 
     def __init__(self, registry: InstanceRegistry, host: str = "127.0.0.1",
                  port: int = DEFAULT_REGISTRATION_PORT,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None,
+                 secret: ClusterSecret = ClusterSecret(), clock: Clock = time.time) -> None:
         self._registry = registry
+        self._verifier = Verifier(secret, CHANNEL_REGISTRATION, clock=clock)
         self._host = host
         self._requested_port = port
         self._owns_context = context is None
@@ -48,11 +62,16 @@ class RegistrationServer:
         """(messages received, messages dropped as malformed)."""
         return self.num_messages, self.num_bad_messages
 
+    @property
+    def refusals(self) -> dict[str, int]:
+        """Messages refused, by reason (``engine_core.cluster.trust.REFUSAL_REASONS``)."""
+        return dict(self._verifier.refusals.counts)
+
     async def start(self) -> None:
         """Bind (port 0 picks a free one, see ``port``) and start receiving."""
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_sealed_bytes(REGISTRATION_CODEC.max_bytes))
         if self._requested_port == 0:
             self.port = socket.bind_to_random_port(f"tcp://{self._host}")
         else:
@@ -75,10 +94,15 @@ class RegistrationServer:
             self._context.term()
 
     def handle(self, payload: bytes) -> None:
-        """Apply one payload to the registry; a malformed one is logged and counted."""
+        """Apply one sealed payload to the registry; a refused or malformed one is logged and
+        counted."""
         self.num_messages += 1
         try:
-            message = decode_registration(payload)
+            opened = self._verifier.open(payload)
+        except TrustRefusal:  # counted and logged (once per peer) by the verifier
+            return
+        try:
+            message = decode_registration(opened.payload)
         except MessageDecodeError as exc:
             self.num_bad_messages += 1
             # Every one is counted; the log gets the first and then one in LOG_EVERY_BAD
@@ -87,13 +111,16 @@ class RegistrationServer:
                 logger.warning("dropped a malformed registration message (%d so far): %.200s",
                                self.num_bad_messages, exc)
             return
-        if isinstance(message, Deregister):
-            if self._registry.remove(message.http_address):
-                logger.info("worker %s deregistered", message.http_address)
-            return
-        if self._registry.heartbeat(message):
-            logger.info("worker registered: role=%s http=%s kv=%s model=%s", message.role,
-                        message.http_address, message.zmq_address, message.model)
+        try:
+            if isinstance(message, Deregister):
+                if self._registry.remove(message.http_address, opened.sender_id):
+                    logger.info("worker %s deregistered", message.http_address)
+                return
+            if self._registry.heartbeat(message, opened.sender_id):
+                logger.info("worker registered: role=%s http=%s kv=%s model=%s", message.role,
+                            message.http_address, message.zmq_address, message.model)
+        except TrustRefusal as refusal:  # another sender's name, or the registry is full
+            self._verifier.refusals.refuse(refusal.reason, str(refusal), opened.sender_id)
 
     async def _receive_loop(self) -> None:
         assert self._socket is not None

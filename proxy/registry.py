@@ -3,6 +3,12 @@
 Pure: no sockets, no tasks. The registration server feeds it heartbeats, a periodic task
 calls ``expire``, and the request path reads candidates and counts legs in and out. Time
 comes from an injected clock so expiry is testable without sleeping.
+
+A worker's name (its HTTP address) and its KV address are bound to the sender that
+registered them first (the authenticated sender id of its messages): only that sender can
+refresh, change or deregister them while it keeps heartbeating. A sender silent for more
+than two of its heartbeat intervals (a process that died) can be replaced by a new one, so a
+restarted worker registers again at once. At most ``max_workers`` are registered.
 """
 
 from __future__ import annotations
@@ -20,8 +26,13 @@ from engine_core.cluster.messages import (
     Heartbeat,
     WorkerLoad,
 )
+from engine_core.cluster.trust import CAPACITY, WRONG_IDENTITY, TrustRefusal
 
 Clock = Callable[[], float]
+
+DEFAULT_MAX_WORKERS = 256
+# Heartbeat intervals a bound sender may miss before another may take its name over.
+TAKEOVER_MISSED_HEARTBEATS = 2.0
 
 
 @dataclass
@@ -36,6 +47,8 @@ class WorkerState:
     load: WorkerLoad
     registered_at: float
     last_heartbeat: float
+    sender_id: str = ""  # the authenticated sender the worker's name is bound to
+    heartbeat_interval_s: float | None = None
     in_flight: int = 0
     num_requests: int = 0
     num_errors: int = 0
@@ -113,10 +126,13 @@ class InstanceRegistry:
     """Workers keyed by HTTP address, dropped when they miss heartbeats for ``heartbeat_timeout_s``."""
 
     def __init__(self, heartbeat_timeout_s: float = 10.0, suspect_s: float = 5.0,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, max_workers: int = DEFAULT_MAX_WORKERS) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be > 0")
+        if max_workers < 1:
+            raise ValueError("max_workers must be >= 1")
         self._timeout_s = heartbeat_timeout_s
+        self._max_workers = max_workers
         self._suspect_s = suspect_s
         self._clock = clock
         self._workers: dict[str, WorkerState] = {}
@@ -141,12 +157,27 @@ class InstanceRegistry:
     def heartbeat_timeout_s(self) -> float:
         return self._timeout_s
 
-    def heartbeat(self, message: Heartbeat) -> bool:
-        """Add or refresh a worker; return True when it is new (or changed role/model)."""
+    def heartbeat(self, message: Heartbeat, sender_id: str = "") -> bool:
+        """Add or refresh a worker; return True when it is new (or changed role/model).
+
+        ``sender_id`` is the authenticated sender of the message (in-process registrations
+        share the empty one). Raises TrustRefusal: ``wrong_identity`` when the name or the KV
+        address is bound to another live sender, ``capacity`` when ``max_workers`` are
+        registered and this one is new."""
         now = self._clock()
         existing = self._workers.get(message.http_address)
+        if existing is not None and existing.sender_id != sender_id \
+                and not self._silent(existing, now):
+            raise TrustRefusal(WRONG_IDENTITY, f"{message.http_address} is registered by "
+                               "another live sender")
+        if message.zmq_address is not None and (existing is None
+                                                or existing.zmq_address != message.zmq_address):
+            self._claim_kv_address(message, sender_id, now)
+        if existing is None and len(self._workers) >= self._max_workers:
+            raise TrustRefusal(CAPACITY, f"{self._max_workers} workers are registered")
         announced = frozenset(message.capabilities or ROLE_CAPABILITIES[message.role])
-        if existing is not None and existing.role == message.role \
+        if existing is not None and existing.sender_id == sender_id \
+                and existing.role == message.role \
                 and existing.model == message.model and existing.zmq_address == message.zmq_address:
             existing.load = message.load
             existing.version = message.version
@@ -160,7 +191,8 @@ class InstanceRegistry:
         self._workers[message.http_address] = WorkerState(
             role=message.role, http_address=message.http_address, model=message.model,
             zmq_address=message.zmq_address, version=message.version, load=message.load,
-            registered_at=now, last_heartbeat=now, announced=announced)
+            registered_at=now, last_heartbeat=now, announced=announced, sender_id=sender_id,
+            heartbeat_interval_s=message.heartbeat_interval_s)
         if existing is not None:
             new = self._workers[message.http_address]
             new.in_flight, new.restricted = existing.in_flight, existing.restricted
@@ -168,12 +200,35 @@ class InstanceRegistry:
             new.parts_in_flight = existing.parts_in_flight
         return True
 
-    def remove(self, http_address: str) -> bool:
-        """Drop a worker now (clean deregistration); return whether it was known."""
-        known = self._workers.pop(http_address, None) is not None
-        if known:
-            self._removed(http_address)
-        return known
+    def _silent(self, worker: WorkerState, now: float) -> bool:
+        """Whether ``worker`` missed enough heartbeats that another sender may take its name
+        or KV address over (its process is gone, or restarted)."""
+        interval = worker.heartbeat_interval_s or self._timeout_s / TAKEOVER_MISSED_HEARTBEATS
+        return now - worker.last_heartbeat > TAKEOVER_MISSED_HEARTBEATS * interval
+
+    def _claim_kv_address(self, message: Heartbeat, sender_id: str, now: float) -> None:
+        """Refuse a KV address another live sender holds; drop a silent holder of it."""
+        for holder in list(self._workers.values()):
+            if holder.zmq_address != message.zmq_address \
+                    or holder.http_address == message.http_address \
+                    or holder.sender_id == sender_id:
+                continue
+            if not self._silent(holder, now):
+                raise TrustRefusal(WRONG_IDENTITY, f"kv address {message.zmq_address} is "
+                                   f"registered by {holder.http_address}")
+            self.remove(holder.http_address, holder.sender_id)
+
+    def remove(self, http_address: str, sender_id: str = "") -> bool:
+        """Drop a worker now (clean deregistration); return whether it was known. Raises
+        TrustRefusal(``wrong_identity``) when another sender registered it."""
+        worker = self._workers.get(http_address)
+        if worker is None:
+            return False
+        if worker.sender_id != sender_id:
+            raise TrustRefusal(WRONG_IDENTITY, f"{http_address} is registered by another sender")
+        del self._workers[http_address]
+        self._removed(http_address)
+        return True
 
     def expire(self) -> list[str]:
         """Drop workers whose last heartbeat is older than the timeout; return their ids."""

@@ -46,7 +46,11 @@ class P2pConnectorWorker:
         self.state = WorkerState(config, device, transport, clock)
         self.producer_side = KVProducer(self.state)
         self.consumer_side = KVConsumer(self.state)
-        self._server = ControlServer(self.state.own_address, self.state.codec, self._on_message)
+        # Data calls over the control socket land in the receive buffer: none is larger.
+        self._server = ControlServer(
+            self.state.own_address, self.state.codec, self._on_message,
+            max_message_bytes=(config.kv_buffer_bytes if self.state.transport.uses_data_messages
+                               else None))
         self._started = False
 
     # ---- lifecycle ----------------------------------------------------------------------

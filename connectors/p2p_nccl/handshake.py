@@ -1,8 +1,10 @@
 """ZMQ control channel: a ROUTER server per engine at ``kv_port``, a DEALER client per peer.
 
 Every socket has send/receive timeouts and linger 0, so closing never blocks and a dead peer
-never hangs a thread. Messages are typed dataclasses (``messages.py``); a message that fails
-its schema check is counted and dropped.
+never hangs a thread, and a message-size cap (ZMQ drops a peer that sends a larger frame).
+Messages are typed dataclasses (``messages.py``) sealed in the cluster's authenticated
+envelope; one that is refused (forged, stale, replayed) or fails its schema check is counted
+and dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 import zmq
 
 from engine_core.addresses import is_host_port
-from engine_core.codec import MessageCodec
+from engine_core.cluster.sealed_codec import SealedCodec
+from engine_core.cluster.trust import TrustRefusal
 from engine_core.errors import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -37,13 +40,15 @@ class ControlServer:
     """ROUTER socket served by one thread; hands each decoded message to ``handler``.
 
     The handler runs on the server thread and must not block for long; an exception in it
-    is logged and counted, never fatal to the thread.
+    is logged and counted, never fatal to the thread. ``max_message_bytes`` caps every frame
+    (default: the largest control message; the CPU transport's data frames need more).
     """
 
-    def __init__(self, address: str, codec: MessageCodec, handler: Handler,
-                 poll_interval_s: float = 0.05) -> None:
+    def __init__(self, address: str, codec: SealedCodec, handler: Handler,
+                 poll_interval_s: float = 0.05, max_message_bytes: int | None = None) -> None:
         self.address = address
         self._codec = codec
+        self._max_message_bytes = max(max_message_bytes or 0, codec.max_bytes)
         self._handler = handler
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._context = zmq.Context.instance()
@@ -61,6 +66,7 @@ class ControlServer:
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         try:
             sock.bind(tcp_endpoint(self.address))
         except zmq.ZMQError as exc:
@@ -104,6 +110,9 @@ class ControlServer:
             return
         try:
             message = self._codec.decode(frames[1].bytes)
+        except TrustRefusal:  # counted by reason and logged once per peer by the codec
+            self.messages_rejected += 1
+            return
         except Exception as exc:  # MessageDecodeError, or a decoder bug: never the thread
             self.messages_rejected += 1
             logger.warning("dropped malformed kv control message: %s", exc)
@@ -123,12 +132,13 @@ class ControlClient:
     within ``send_timeout_s`` (high-water mark reached: the peer is not reading) raises.
     """
 
-    def __init__(self, address: str, codec: MessageCodec, send_timeout_s: float = 5.0,
+    def __init__(self, address: str, codec: SealedCodec, send_timeout_s: float = 5.0,
                  high_water_mark: int = 1000) -> None:
         self.address = address
         self._codec = codec
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes)  # it reads nothing: nothing large
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(send_timeout_s * 1000)))
         sock.setsockopt(zmq.SNDHWM, high_water_mark)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core.addresses import is_host_port
+from engine_core.cluster.sealed_codec import SealedCodec
+from engine_core.cluster.trust import CHANNEL_KV_CONTROL, ClusterSecret
 from engine_core.codec import MessageCodec
 
 # Cache dtypes the wire may carry (names as in torch, without the ``torch.`` prefix).
@@ -120,9 +122,17 @@ CONTROL_MESSAGES = (KVPullRequest, KVSendHeader, KVLayerData, KVSendAbort, NcclH
 WIRE_VERSION = 3
 
 
-def make_codec() -> MessageCodec:
-    """The codec every control socket of the connector uses."""
-    return MessageCodec(CONTROL_MESSAGES, version=WIRE_VERSION)
+# A control message is a few hundred bytes (a transfer id of at most 1,024 characters is the
+# largest field); the bound is what a receiver reads before refusing one.
+MAX_CONTROL_BYTES = 64 << 10
+CONTROL_CODEC = MessageCodec(CONTROL_MESSAGES, version=WIRE_VERSION, max_bytes=MAX_CONTROL_BYTES)
+
+
+def make_codec(secret: ClusterSecret = ClusterSecret(), sender_id: str = "kv") -> SealedCodec:
+    """The codec every control socket of the connector uses: control messages in the
+    cluster's authenticated envelope (``engine_core.cluster.trust``), sealed as ``sender_id``.
+    The CPU transport's data frames follow a sealed ``KVLayerData`` that names their size."""
+    return SealedCodec(CONTROL_CODEC, secret, CHANNEL_KV_CONTROL, sender_id)
 
 
 def layer_nbytes(num_blocks: int, block_shape: list[int], element_size: int) -> int:

@@ -5,6 +5,12 @@ tokens from its producer (D computes the last prompt token itself to get logits)
 blocks exist, a ``LoadSpec`` goes to the worker. Producer (P): a request with
 ``do_remote_decode`` gets a ``SaveSpec`` in the step that computes its final prompt chunk,
 and its blocks are held after it finishes until the worker reports the send done.
+
+Either side moves KV only under the proxy's transfer grant (``kv_transfer_params.grant``,
+``engine_core.cluster.grants``) naming this engine and the peer: P sends only to the D its
+grant names, D pulls only from the P its grant names. A request whose grant is missing,
+forged, expired or names other peers moves no KV: P computes and answers it, D computes the
+prompt itself.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
 from engine_core.addresses import is_host_port
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import TrustRefusal
 from engine_core.config import KVTransferConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers
 from engine_core.request import Request
@@ -37,8 +45,11 @@ class _ProducerRequest:
     num_send_blocks: int = 0
 
 
-def _remote_params(request: Request, flag: str) -> tuple[str, str] | None:
-    """(transfer_id, remote_kv_address) when the request's params carry ``flag``."""
+_FLAGS = ("do_remote_prefill", "do_remote_decode")
+
+
+def _remote_params(request: Request, flag: str) -> tuple[str, str, object] | None:
+    """(transfer_id, remote_kv_address, grant) when the request's params carry ``flag``."""
     params = request.kv_transfer_params
     if not isinstance(params, dict) or not params.get(flag):
         return None
@@ -46,7 +57,7 @@ def _remote_params(request: Request, flag: str) -> tuple[str, str] | None:
     address = params.get("remote_kv_address")
     if not isinstance(transfer_id, str) or not transfer_id or not is_host_port(address):
         return None
-    return transfer_id, address
+    return transfer_id, address, params.get("grant")
 
 
 class P2pConnectorScheduler:
@@ -69,13 +80,17 @@ class P2pConnectorScheduler:
         self._sent_early: set[str] = set()
         self._abandons: list[PeerNotice] = []
         self._invalid_params = 0
+        self._grants = GrantAuthority(config.cluster_secret)
+        # (request id, flag) -> its checked (transfer id, peer) or None (refused): a grant is
+        # checked once, when the request is first seen, however long it then waits.
+        self._checked: dict[tuple[str, str], tuple[str, str] | None] = {}
 
     # ---- ConnectorScheduler -------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
         """Consumer: prompt tokens after the local hit, minus the last one; producer: 0."""
         if self._config.is_consumer and request.request_id not in self._loaded:
-            remote = _remote_params(request, "do_remote_prefill")
+            remote = self._granted(request, "do_remote_prefill")
             if remote is not None:
                 num_external = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
                 if num_external == 0:
@@ -87,7 +102,7 @@ class P2pConnectorScheduler:
             if (request.kv_transfer_params or {}).get("do_remote_prefill"):
                 self._invalid_params += 1
         if self._config.is_producer:
-            remote = _remote_params(request, "do_remote_decode")
+            remote = self._granted(request, "do_remote_decode")
             if remote is None and (request.kv_transfer_params or {}).get("do_remote_decode"):
                 self._invalid_params += 1
             if remote is not None:
@@ -114,7 +129,7 @@ class P2pConnectorScheduler:
         """Remember which of the request's blocks the producer must fill."""
         if num_external_tokens <= 0 or not self._config.is_consumer:
             return
-        remote = _remote_params(request, "do_remote_prefill")
+        remote = self._granted(request, "do_remote_prefill")
         if remote is None:
             return
         first_block = num_local_computed_tokens // self._block_size
@@ -163,9 +178,11 @@ class P2pConnectorScheduler:
             self._cancels.append(request_id)  # the worker releases P if its pull is unsent
             loading = True
         elif not asked and self._config.is_consumer:
-            remote = _remote_params(request, "do_remote_prefill")
+            remote = self._granted(request, "do_remote_prefill")
             if remote is not None:
                 self._releases.append(PeerNotice(remote[0], remote[1]))
+        for flag in _FLAGS:
+            self._checked.pop((request_id, flag), None)
         state = self._producing.pop(request_id, None)
         if state is None:
             return loading, None
@@ -210,16 +227,38 @@ class P2pConnectorScheduler:
             "producer_requests": float(len(self._producing)),
             "held_requests": float(len(self._holding)),
             "invalid_transfer_params": float(self._invalid_params),
+            "transfer_grants_refused": float(self._grants.refusals.total),
         }
 
     def is_idle(self) -> bool:
         """True when no request state is kept (tests assert this after every run)."""
         return not (self._new_loads or self._loading or self._producing or self._holding
-                    or self._transfer_owner
+                    or self._transfer_owner or self._checked
                     or self._sent_early or self._loaded or self._releases or self._abandons
                     or self._cancels)
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def _granted(self, request: Request, flag: str) -> tuple[str, str] | None:
+        """(transfer_id, peer kv address) when the request moves KV under ``flag`` and its
+        grant names this engine and that peer; None otherwise (checked once per request)."""
+        key = (request.request_id, flag)
+        if key in self._checked:
+            return self._checked[key]
+        remote = _remote_params(request, flag)
+        if remote is None:
+            return None
+        transfer_id, peer, token = remote
+        producer, consumer = ((peer, self._own_address) if flag == "do_remote_prefill"
+                              else (self._own_address, peer))
+        try:
+            self._grants.verify(token, transfer_id=transfer_id, producer=producer,
+                                consumer=consumer, peer=peer)
+            granted: tuple[str, str] | None = (transfer_id, peer)
+        except TrustRefusal:  # counted and logged once per peer by the authority
+            granted = None
+        self._checked[key] = granted
+        return granted
 
     def _maybe_save(self, request_id: str, state: _ProducerRequest, num_computed: int,
                     num_scheduled: int, meta: P2pConnectorMetadata) -> None:

@@ -55,7 +55,7 @@ class WorkerState:
         self.clock = clock
         self.own_address = f"{config.kv_ip}:{config.kv_port}"
         self.epoch = uuid.uuid4().hex
-        self.codec = make_codec()
+        self.codec = make_codec(config.cluster_secret, self.own_address)
         self.transport = transport if transport is not None else make_transport(config, device)
         self.doorbell = Doorbell()
         self.lock = threading.Lock()

@@ -1,2 +1,3 @@
-"""What a worker and the proxy share about cluster membership: the registration and
-heartbeat messages, and the client a worker heartbeats with."""
+"""What a worker and the proxy share about the cluster: the registration and heartbeat
+messages, the client a worker heartbeats with, and trust (the cluster secret, the
+authenticated envelope, transfer grants)."""

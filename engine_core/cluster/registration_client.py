@@ -1,7 +1,9 @@
 """The client a worker heartbeats to the proxy with (ZMQ DEALER to the proxy's ROUTER).
 
 A worker sends a ``Heartbeat`` every few seconds; the first one registers it, and a
-``Deregister`` on shutdown removes it at once. Messages are one-way: a worker never waits on
+``Deregister`` on shutdown removes it at once. Each travels in the cluster's authenticated
+envelope (``trust.py``), sealed under a sender id new per client: the proxy binds the
+worker's name to it. Messages are one-way: a worker never waits on
 the proxy, so a proxy that is down or restarting costs a worker nothing but dropped
 heartbeats (sends never block: IMMEDIATE, a small HWM, NOBLOCK, and linger 0 on close).
 """
@@ -12,11 +14,13 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 
 import zmq
 
 from engine_core.cluster.messages import REGISTRATION_CODEC, Deregister, Heartbeat, WorkerLoad
+from engine_core.cluster.trust import CHANNEL_REGISTRATION, ClusterSecret, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +37,17 @@ class RegistrationClient:
     """Sends this worker's heartbeat to the proxy every ``interval_s`` from an asyncio task.
 
     ``load_provider`` returns the current ``WorkerLoad`` (sync or async); it is called once
-    per heartbeat and its failure only skips that heartbeat's stats.
+    per heartbeat and its failure only skips that heartbeat's stats. Messages are sealed with
+    ``secret``.
     """
 
     def __init__(self, proxy_address: str, *, role: str, http_address: str, model: str,
                  zmq_address: str | None = None, version: str = "",
                  load_provider: LoadProvider | None = None, interval_s: float = 3.0,
-                 send_timeout_s: float = 1.0, context: zmq.Context | None = None) -> None:
+                 send_timeout_s: float = 1.0, context: zmq.Context | None = None,
+                 secret: ClusterSecret = ClusterSecret()) -> None:
         self._proxy_address = proxy_address
+        self._sealer = Sealer(secret, CHANNEL_REGISTRATION, f"{role}-{secrets.token_hex(8)}")
         self._template = Heartbeat(role=role, http_address=http_address, model=model,
                                    zmq_address=zmq_address, version=version,
                                    heartbeat_interval_s=interval_s)
@@ -77,7 +84,7 @@ class RegistrationClient:
         self.registered = False
         if self._socket is not None:
             if deregister:
-                self._send(REGISTRATION_CODEC.encode(Deregister(self._template.http_address)))
+                self._send(Deregister(self._template.http_address))
             self._socket.close(linger=0)
             self._socket = None
         if self._owns_context:
@@ -93,13 +100,14 @@ class RegistrationClient:
             except Exception:  # stats are best effort; the heartbeat itself matters
                 logger.exception("load provider failed; heartbeat sent without stats")
         message = dataclasses.replace(self._template, load=load)
-        self.registered = self._send(REGISTRATION_CODEC.encode(message))
+        self.registered = self._send(message)
         return self.registered
 
-    def _send(self, payload: bytes) -> bool:
+    def _send(self, message: Heartbeat | Deregister) -> bool:
         assert self._socket is not None
         try:
-            self._socket.send(payload, flags=zmq.NOBLOCK)
+            self._socket.send(self._sealer.seal(REGISTRATION_CODEC.encode(message)),
+                              flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # zmq.Again: not connected yet or the proxy is slow
             self.num_dropped += 1
             return False

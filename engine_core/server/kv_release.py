@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_core.addresses import is_host_port
+from engine_core.cluster.grants import MAX_GRANT_CHARS
 from engine_core.errors import InvalidRequestError
 from engine_core.server import protocol
 
@@ -17,17 +18,20 @@ from engine_core.server import protocol
 # and a transfer id's length (the connector's own bound).
 MAX_RELEASES = protocol.MAX_CHOICES
 MAX_TRANSFER_ID_CHARS = 1024
-_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address"})
+_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address", "grant"})
 RELEASE_TOKEN = 0  # the one-token prompt of a release (any id of the vocabulary does)
 
 
 @dataclass(frozen=True)
 class KVRelease:
     """Transfers no decode leg will pull (this worker refused their request), whose KV the
-    prefill worker at ``producer_address`` holds and is to drop now, not at its lease's end."""
+    prefill worker at ``producer_address`` holds and is to drop now, not at its lease's end.
+    ``grant`` is the transfers' grant (the proxy's, naming that worker and this one): the
+    connector tells a producer nothing without it."""
 
     transfer_ids: list[str]
     producer_address: str
+    grant: str = ""
 
 
 def _is_transfer_id(value: Any) -> bool:
@@ -42,7 +46,7 @@ def _is_transfer_id(value: Any) -> bool:
 
 def parse_kv_release(body: dict[str, Any]) -> KVRelease:
     """Validate a /internal/kv/release body: ``{"transfer_ids": [...], "remote_kv_address":
-    "host:port"}`` and nothing else."""
+    "host:port", "grant": "..."}`` and nothing else."""
     unknown = sorted(set(body) - _RELEASE_FIELDS)
     if unknown:
         raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
@@ -55,4 +59,8 @@ def parse_kv_release(body: dict[str, Any]) -> KVRelease:
     address = body.get("remote_kv_address")
     if not is_host_port(address):
         raise InvalidRequestError("remote_kv_address must be host:port", "remote_kv_address")
-    return KVRelease(list(ids), address)
+    grant = body.get("grant", "")
+    if not isinstance(grant, str) or len(grant) > MAX_GRANT_CHARS:
+        raise InvalidRequestError(f"grant must be a string of at most {MAX_GRANT_CHARS} "
+                                  "characters", "grant")
+    return KVRelease(list(ids), address, grant)

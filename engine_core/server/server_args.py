@@ -2,9 +2,10 @@
 every server takes the same ones (vLLM's names) and builds its ``ServerOptions`` one way.
 
 Environment variables (``VLLM_API_KEY``, ``VLLM_SERVER_DEV_MODE``,
-``VLLM_ENGINE_READY_TIMEOUT_S``, and the engine's of ``arg_utils.engine_environment``) are
-folded into these flags by ``apply_environment``, the one place that reads them (``pdserve``
-and ``python -m prefill|decode`` call it).
+``VLLM_ENGINE_READY_TIMEOUT_S``, ``PDSERVE_CLUSTER_SECRET_FILE`` and the engine's of
+``arg_utils.engine_environment``) are folded into these flags by ``apply_environment``, the
+one place that reads them (``pdserve``, ``python -m prefill|decode`` and ``python -m proxy``
+call it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import os
 
 from engine_core.arg_utils import engine_environment, positive_seconds
+from engine_core.cluster.trust import secret_file_path
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine_core.server.api_server import ServerOptions
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
@@ -32,6 +34,8 @@ def apply_environment(args: argparse.Namespace) -> None:
                                        or _env_flag("VLLM_SERVER_DEV_MODE"))
     if hasattr(args, "engine_startup_timeout") and args.engine_startup_timeout is None:
         args.engine_startup_timeout = _env_seconds(ENGINE_READY_TIMEOUT_ENV)
+    if hasattr(args, "cluster_secret_file"):
+        args.cluster_secret_file = secret_file_path(args.cluster_secret_file, os.environ)
     if hasattr(args, "triton_pdl"):  # the command runs an engine
         for name, value in engine_environment(os.environ).items():
             setattr(args, name, value)

@@ -422,13 +422,13 @@ class OpenAIServing:
         It returns once those requests ended, the releases sent. Not a client request: no
         request metrics."""
         params = SamplingParams(max_tokens=1)
-        await asyncio.gather(*(self._release_one(transfer_id, release.producer_address, params)
+        await asyncio.gather(*(self._release_one(transfer_id, release, params)
                                for transfer_id in release.transfer_ids))
 
-    async def _release_one(self, transfer_id: str, producer_address: str,
+    async def _release_one(self, transfer_id: str, release: KVRelease,
                            params: SamplingParams) -> None:
         transfer = {"do_remote_prefill": True, "transfer_id": transfer_id,
-                    "remote_kv_address": producer_address}
+                    "remote_kv_address": release.producer_address, "grant": release.grant}
         outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [RELEASE_TOKEN],
                                        params, transfer)
         async with contextlib.aclosing(outputs):

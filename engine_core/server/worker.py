@@ -17,6 +17,7 @@ from typing import Any
 
 from engine_core.addresses import route_source_host
 from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, ROLE_WORKER
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, KVTransferConfig, address_list
 from engine_core.engine_core import EngineCore
 from engine_core.errors import ConfigError
@@ -55,10 +56,12 @@ def proxy_address(value: str) -> list[str]:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """``pdserve prefill|decode [MODEL] [engine flags]``: the serve flags plus the proxy's."""
     from engine_core.arg_utils import add_engine_args, add_model_arguments, positive_seconds
+    from engine_core.cluster.trust_flags import add_cluster_trust_args
     from engine_core.server.server_args import add_server_arguments
 
     add_model_arguments(parser)
     add_server_arguments(parser)
+    add_cluster_trust_args(parser)
     parser.add_argument("--kv-port", type=int, default=None, help="kv_port (overrides the JSON)")
     parser.add_argument("--proxy-address", default=None, type=proxy_address,
                         help="proxy registration HOST:PORT, or several comma-separated to "
@@ -89,10 +92,12 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
 
 
 def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], model: str,
-                   zmq_address: str | None, interval_s: float, http_ip: str | None = None,
-                   fallback_host: str = "127.0.0.1", readiness: Readiness | None = None) -> Any:
+                   zmq_address: str | None, interval_s: float, secret: ClusterSecret,
+                   http_ip: str | None = None, fallback_host: str = "127.0.0.1",
+                   readiness: Readiness | None = None) -> Any:
     """A startup hook for ``run_server`` that heartbeats ``role`` to each proxy until
-    shutdown (one client each: a proxy that is down costs the others nothing).
+    shutdown (one client each: a proxy that is down costs the others nothing), its messages
+    sealed with the cluster ``secret``.
 
     The advertised HTTP host is ``http_ip``, else the bind host, else (wildcard bind)
     ``fallback_host``. With ``readiness``, the server is ready only while its heartbeats
@@ -117,7 +122,7 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
         registrations = [RegistrationClient(
             address, role=role, http_address=f"{host}:{options.port}", model=model,
             zmq_address=zmq_address, version=package_version(), load_provider=load,
-            interval_s=interval_s) for address in proxy_addresses]
+            interval_s=interval_s, secret=secret) for address in proxy_addresses]
         for registration in registrations:
             registration.start()
         if readiness is not None:
@@ -146,17 +151,19 @@ def registration_hook(config: EngineConfig, interval_s: float,
         return skip
     return heartbeat_hook(ROLE_LETTER[kv.kv_role], kv.registration_addresses,
                           config.model.name, f"{kv.kv_ip}:{kv.kv_port}", interval_s,
-                          http_ip=kv.http_ip, fallback_host=kv.kv_ip, readiness=readiness)
+                          kv.cluster_secret, http_ip=kv.http_ip, fallback_host=kv.kv_ip,
+                          readiness=readiness)
 
 
 def colocated_hook(config: EngineConfig, proxy_addresses: list[str], interval_s: float,
-                   readiness: Readiness | None = None) -> Any:
+                   secret: ClusterSecret, readiness: Readiness | None = None) -> Any:
     """``pdserve serve --proxy-address``: register as colocated with each proxy, so they send
     whole requests. Bound to a wildcard address, it advertises the address it reaches the
     first proxy from (P/D workers advertise ``http_ip``, else their ``kv_ip``)."""
     proxy_host = proxy_addresses[0].rpartition(":")[0]
     return heartbeat_hook(ROLE_COLOCATED, proxy_addresses, config.model.name, None, interval_s,
-                          fallback_host=route_source_host(proxy_host), readiness=readiness)
+                          secret, fallback_host=route_source_host(proxy_host),
+                          readiness=readiness)
 
 
 def serve_worker(config: EngineConfig, options: Any, connector_factory: ConnectorFactory,
@@ -177,6 +184,23 @@ def serve_worker(config: EngineConfig, options: Any, connector_factory: Connecto
                readiness=readiness)
 
 
+def with_cluster_secret(config: EngineConfig, options: Any, args: argparse.Namespace
+                        ) -> EngineConfig:
+    """``config`` with the cluster secret of ``--cluster-secret-file`` in its transfer
+    config; ConfigError when the worker would bind a non-loopback address without one and
+    without ``--insecure``."""
+    from engine_core.cluster.trust import check_exposure
+    from engine_core.cluster.trust_flags import cluster_secret_from_args
+
+    secret = cluster_secret_from_args(args)
+    kv = config.kv_transfer
+    check_exposure([options.host, *([kv.kv_ip] if kv is not None else [])], secret,
+                   args.insecure)
+    if kv is None:
+        return config
+    return dataclasses.replace(config, kv_transfer=dataclasses.replace(kv, cluster_secret=secret))
+
+
 def run_worker(args: argparse.Namespace, role: str, connector_factory: ConnectorFactory) -> int:
     """Build the config from flags and serve until SIGINT/SIGTERM; return the exit code."""
     from engine_core.arg_utils import engine_config_from_args, resolve_model_argument
@@ -188,9 +212,11 @@ def run_worker(args: argparse.Namespace, role: str, connector_factory: Connector
         config = engine_config_from_args(args)
         config = dataclasses.replace(
             config, kv_transfer=worker_kv_config(config.kv_transfer, role, args))
+        options = server_options(args)
+        config = with_cluster_secret(config, options, args)
         logger.info("%s worker, kv config %s", role, json.dumps(dataclasses.asdict(
             config.kv_transfer), default=str))
-        serve_worker(config, server_options(args), connector_factory, args.heartbeat_interval)
+        serve_worker(config, options, connector_factory, args.heartbeat_interval)
     except PdserveError as exc:
         logger.error("%s", exc)
         return 1

@@ -23,6 +23,7 @@ from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
+from tests.kv_grants import granted
 
 NUM_LAYERS = 3
 NUM_HEADS = 2
@@ -120,8 +121,9 @@ class FakeEngine:
                 "worker_stats": self.worker.stats(), "scheduler_stats": self.scheduler.stats()}
 
 
-def _request(spec: dict[str, Any], flag: str, peer: str) -> Request:
-    params = {"transfer_id": spec["transfer_id"], flag: True, "remote_kv_address": peer}
+def _request(spec: dict[str, Any], flag: str, peer: str, own: str) -> Request:
+    params = granted({"transfer_id": spec["transfer_id"], flag: True, "remote_kv_address": peer},
+                     own)
     return Request(request_id=spec["request_id"], prompt_token_ids=list(spec["prompt"]),
                    sampling_params=SamplingParams(max_tokens=1), kv_transfer_params=params)
 
@@ -144,7 +146,7 @@ def run_producer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
                     if spec is None:
                         stopping = True
                         continue
-                    live = _Live(_request(spec, "do_remote_decode", peer), chunk=spec["chunk"], spec=spec)
+                    live = _Live(_request(spec, "do_remote_decode", peer, engine.worker.address), chunk=spec["chunk"], spec=spec)
                     hit = spec["p_hit_blocks"] * BLOCK_SIZE
                     live.block_ids = engine.allocate(spec["p_hit_blocks"])
                     engine.fill_local(spec["prompt"], live.block_ids, hit)
@@ -302,7 +304,7 @@ def run_consumer(config: EngineConfig, inbox: Any, outbox: Any, peer: str, dtype
 
 def _consumer_admit(engine: FakeEngine, spec: dict[str, Any], peer: str,
                     waiting: dict[str, _Live], outbox: Any) -> None:
-    live = _Live(_request(spec, "do_remote_prefill", peer), spec=spec)
+    live = _Live(_request(spec, "do_remote_prefill", peer, engine.worker.address), spec=spec)
     spec["_admitted"] = time.monotonic()
     prompt = spec["prompt"]
     num_local = min(spec["d_hit_blocks"] * BLOCK_SIZE, (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE)

@@ -22,6 +22,7 @@ from engine_core.demo_model import build_checkpoint
 from engine_core.engine_core import EngineCore
 from engine_core.messages import AddRequest
 from tests.connectors.kv_harness import free_port
+from tests.kv_grants import granted
 
 NOWHERE = "127.0.0.1:1"  # a peer that never answers: pulls and sends wait for it
 
@@ -41,10 +42,11 @@ def _engine(checkpoint: Path, role: str, num_blocks: int, **kv: object) -> Engin
     return EngineCore(config, connector=create_connector(config, "cpu"))
 
 
-def _producer_request(request_id: str, prompt: list[int], transfer_id: str) -> AddRequest:
+def _producer_request(engine: EngineCore, request_id: str, prompt: list[int],
+                      transfer_id: str) -> AddRequest:
     return AddRequest(request_id, prompt, {"max_tokens": 1}, time.time(),
-                      {"do_remote_decode": True, "transfer_id": transfer_id,
-                       "remote_kv_address": NOWHERE})
+                      granted({"do_remote_decode": True, "transfer_id": transfer_id,
+                               "remote_kv_address": NOWHERE}, engine.connector_worker.address))
 
 
 def test_a_producer_is_not_preempted_between_its_save_and_its_send(checkpoint: Path) -> None:
@@ -55,7 +57,7 @@ def test_a_producer_is_not_preempted_between_its_save_and_its_send(checkpoint: P
     try:
         engine.add_request(AddRequest("Q", list(range(1, 65)),
                                       {"max_tokens": 50, "ignore_eos": True}, time.time()))
-        engine.add_request(_producer_request("R", list(range(100, 150)), "tR"))
+        engine.add_request(_producer_request(engine, "R", list(range(100, 150)), "tR"))
         engine.step()
         saved = engine.connector_worker.producer_side._pending["tR"].save.block_ids
         assert saved == engine.kv_manager.get_block_ids("R")
@@ -96,7 +98,7 @@ def test_one_transfer_id_sends_once_and_leaks_nothing(checkpoint: Path) -> None:
                      orphan_ttl_s=0.3)
     try:
         for request_id in ("A", "B"):
-            engine.add_request(_producer_request(request_id, list(range(1, 40)), "tD"))
+            engine.add_request(_producer_request(engine, request_id, list(range(1, 40)), "tD"))
         deadline = time.monotonic() + 10.0
         while engine.has_work() and time.monotonic() < deadline:
             engine.step()

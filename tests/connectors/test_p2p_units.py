@@ -12,6 +12,7 @@ import torch
 from connectors import create_connector
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
+    CONTROL_CODEC,
     KVPullRequest,
     KVSendHeader,
     call_ranges,
@@ -22,6 +23,7 @@ from connectors.p2p_nccl.messages import (
 )
 from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
+from engine_core.cluster.trust import ClusterSecret, TrustRefusal
 from engine_core.config import EngineConfig, KVTransferConfig, ModelConfig
 from engine_core.errors import KVTransferError, MessageDecodeError
 from engine_core.kv_connector import FinishedTransfers, NullConnectorScheduler
@@ -37,6 +39,7 @@ from engine_core.worker.block_copy import (
 )
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.kv_harness import free_port
+from tests.kv_grants import granted
 
 BS = 4
 
@@ -59,13 +62,28 @@ def _header(**kw: object) -> KVSendHeader:
 # ---- messages ---------------------------------------------------------------------------
 
 def test_codec_round_trip_and_rejects() -> None:
-    codec = make_codec()
+    codec = CONTROL_CODEC
     pull = _pull()
     assert codec.decode(codec.encode(pull)) == pull
     bad = codec.encode(pull).replace(b"bfloat16", b"bfloat1X")
     assert codec.decode(bad).dtype == "bfloat1X"  # schema-valid, caught by check_pull
     with pytest.raises(MessageDecodeError):
         codec.decode(b"\x93garbage")
+
+
+def test_sealed_codec_refuses_edited_replayed_and_unsealed_messages() -> None:
+    sender, receiver = make_codec(sender_id="d"), make_codec(sender_id="p")
+    pull = _pull()
+    sealed = sender.encode(pull)
+    assert receiver.decode(sealed) == pull
+    reasons = []
+    for payload in (sealed, sealed.replace(b"bfloat16", b"bfloat1X"), CONTROL_CODEC.encode(pull),
+                    make_codec(ClusterSecret(b"k" * 32)).encode(pull)):
+        with pytest.raises(TrustRefusal) as info:
+            receiver.decode(payload)
+        reasons.append(info.value.reason)
+    assert reasons == ["replayed", "forged", "malformed", "forged"]
+    assert receiver.refusals.total == 4
 
 
 def test_check_pull_and_header() -> None:
@@ -226,8 +244,12 @@ def test_control_client_to_dead_peer_never_blocks() -> None:
 
 # ---- scheduler side ---------------------------------------------------------------------
 
+OWN_ADDRESS = "127.0.0.1:14579"  # KVTransferConfig's default kv_ip:kv_port
+
+
 def _req(request_id: str, length: int, flag: str | None, transfer_id: str = "T") -> Request:
-    params = {"transfer_id": transfer_id, flag: True, "remote_kv_address": "h:1"} if flag else None
+    params = granted({"transfer_id": transfer_id, flag: True, "remote_kv_address": "h:1"},
+                     OWN_ADDRESS) if flag else None
     return Request(request_id=request_id, prompt_token_ids=list(range(length)),
                    sampling_params=SamplingParams(max_tokens=1), kv_transfer_params=params)
 
@@ -323,9 +345,10 @@ def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> Non
     def load(request_id: str, blocks: int) -> Request:
         req = Request(request_id=request_id, prompt_token_ids=list(range(16 * blocks + 1)),
                       sampling_params=SamplingParams(max_tokens=1),
-                      kv_transfer_params={"do_remote_prefill": True,
-                                          "transfer_id": f"T{request_id}",
-                                          "remote_kv_address": producer})
+                      kv_transfer_params=granted({"do_remote_prefill": True,
+                                                  "transfer_id": f"T{request_id}",
+                                                  "remote_kv_address": producer},
+                                                 worker.address))
         sched.get_num_new_matched_tokens(req, 0)
         sched.update_state_after_alloc(req, list(range(blocks)), 0, 16 * blocks)
         return req

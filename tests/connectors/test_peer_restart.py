@@ -21,6 +21,7 @@ from connectors.cpu_transport import CpuTransport
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
 from connectors.p2p_nccl.messages import (
+    CONTROL_CODEC,
     WIRE_VERSION,
     KVLayerData,
     KVPullRequest,
@@ -172,9 +173,9 @@ def test_consumer_epoch_is_validated() -> None:
                                  list(BLOCK_SHAPE))
     fields = {name: value for name, value in vars(pull).items() if name != "consumer_epoch"}
     with pytest.raises(MessageDecodeError):
-        codec.decode(_envelope({**fields, "consumer_epoch": 5}))
+        CONTROL_CODEC.decode(_envelope({**fields, "consumer_epoch": 5}))
     # Pulls without the field (tools, older consumers) still decode: no epoch said.
-    assert codec.decode(_envelope(fields)).consumer_epoch == ""
+    assert CONTROL_CODEC.decode(_envelope(fields)).consumer_epoch == ""
 
     port = free_port()
     producer = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu",

@@ -13,7 +13,10 @@ import kubernetes_validate
 import pytest
 
 from deploy.cli import build_parser
+from engine_core.cluster.trust import ClusterSecret
+from engine_core.cluster.trust_flags import cluster_secret_from_args
 from engine_core.config import KVTransferConfig
+from engine_core.server.server_args import apply_environment
 from tests.deploy.kube import (
     OVERLAYS,
     component,
@@ -134,6 +137,23 @@ def test_every_container_command_parses_as_pdserve_flags(rendered: dict, overlay
             assert kv.kv_ip == kv.http_ip == "127.0.0.1"  # the pod IP, from the downward API
             assert kv.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer",
                                   "worker": "kv_both"}[pod.component]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_process_loads_the_mounted_cluster_secret(rendered: dict, overlay: str,
+                                                        tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifests name the secret only in PDSERVE_CLUSTER_SECRET_FILE: every entry point
+    folds it into --cluster-secret-file and loads the Secret's bytes, so no pod binds its
+    pod IP without a secret (which it refuses to do)."""
+    secret = ClusterSecret(b"test-cluster-secret-not-for-production")  # kube.kustomize_tree's
+    for pod in local_pods(rendered[overlay], tmp_path):
+        args = build_parser().parse_args(pod.argv[3:])
+        assert args.cluster_secret_file is None, pod.argv  # not on the command line
+        monkeypatch.setenv(SECRET_ENV, pod.env[SECRET_ENV])
+        apply_environment(args)
+        assert args.cluster_secret_file == pod.env[SECRET_ENV]
+        assert cluster_secret_from_args(args) == secret, pod.name
 
 
 def test_the_checks_fail_on_an_unknown_field_a_missing_probe_or_request(rendered: dict) -> None:

@@ -18,6 +18,7 @@ import deploy.child_flags as child_flags
 import deploy.launch as launch  # its new names looked up at call time: old code fails
 from deploy.cli import build_parser
 from deploy.cli import main as pdserve
+from engine_core.cluster.trust import load_secret_file
 from engine_core.server.server_args import add_server_arguments, server_options
 from proxy.__main__ import add_proxy_args, config_from_args
 from proxy.config import ProxyConfig
@@ -37,6 +38,7 @@ PROXY_FLAGS = [
     ("--affinity-prefix-chars", "64", "affinity_prefix_chars", 64),
     ("--affinity-max-imbalance", "2.5", "affinity_max_imbalance", 2.5),
     ("--prefill-overflow", "3", "prefill_overflow", 3),
+    ("--max-workers", "9", "max_workers", 9),
 ]
 # (flag, value, ServerOptions field, the value a worker gets)
 WORKER_FLAGS = [
@@ -49,8 +51,10 @@ WORKER_FLAGS = [
 # The server flags launch does not take: it assigns --host and --port; the API key and the
 # admin endpoints reach every worker from VLLM_API_KEY / VLLM_SERVER_DEV_MODE.
 SERVER_FLAGS_NOT_FORWARDED = {"--host", "--port", "--api-key", "--enable-admin-endpoints"}
-# The proxy flags launch owns: it binds every child to 127.0.0.1 and names the ports itself.
-PROXY_FLAGS_OWNED = {"--host", "--registration-host", "--port", "--registration-port"}
+# The proxy flags launch owns: it binds every child to 127.0.0.1, names the ports itself and
+# makes the cluster secret.
+PROXY_FLAGS_OWNED = {"--host", "--registration-host", "--port", "--registration-port",
+                     "--cluster-secret-file", "--insecure"}
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -189,10 +193,12 @@ def test_defaults_are_unchanged(tmp_path: Path) -> None:
     the workers their server's defaults."""
     proxy, workers = _children(tmp_path)
     tail = proxy.argv[proxy.argv.index("--registration-port") + 2:]
-    assert tail == ["--heartbeat-timeout", "10"]
+    secret_file = tmp_path / launch.CLUSTER_SECRET_FILE
+    assert tail == ["--cluster-secret-file", str(secret_file), "--heartbeat-timeout", "10"]
     config = _proxy_config(proxy)
     assert config == ProxyConfig(host="127.0.0.1", port=config.port,
-                                 registration_port=config.registration_port)
+                                 registration_port=config.registration_port,
+                                 cluster_secret=load_secret_file(secret_file))
     default = server_options(_probe_server().parse_args([]))
     for worker in workers:
         # Only the write bound is set: twice the proxy's default, so the proxy decides.

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from connectors.p2p_nccl.messages import WIRE_VERSION, make_codec
+from connectors.p2p_nccl.messages import CONTROL_CODEC, WIRE_VERSION
 from engine_core.cluster.messages import REGISTRATION_CODEC
 from engine_core.codec import PROTOCOL_VERSION
 from engine_core.engine_process import EngineCoreProc
@@ -57,7 +57,8 @@ HOSTILE = [
      _with_deep("Heartbeat", HEARTBEAT, "zmq_address")),
     ("registration, mixed unknown keys", REGISTRATION_CODEC,
      _envelope("Deregister", {"http_address": "h:1", 1: 1, "z": 1})),
-    ("kv control, mixed unknown keys", make_codec(),
+    # The control codec inside the sealed envelope (``make_codec``), which opens first.
+    ("kv control, mixed unknown keys", CONTROL_CODEC,
      _envelope("KVSendAbort", {"transfer_id": "t", "producer_address": "h:1", "reason": "r",
                                1: 2, "x": 3}, WIRE_VERSION)),
 ]

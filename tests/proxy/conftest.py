@@ -12,7 +12,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.messages import Heartbeat
+from engine_core.cluster.trust import ClusterSecret
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.registry import InstanceRegistry
@@ -162,6 +164,13 @@ class FakeWorker:
     async def release(self, request: web.Request) -> web.Response:
         """A decode worker's /internal/kv/release: recorded, answered as a real one does."""
         body = await request.json()
+        # The proxy's grant for these transfers names their P and this worker (a real
+        # decode worker's connector tells P nothing otherwise); checked, then set aside.
+        grant = body.pop("grant")
+        for transfer_id in body["transfer_ids"]:
+            GrantAuthority(ClusterSecret()).verify(grant, transfer_id=transfer_id,
+                                                   producer=body["remote_kv_address"],
+                                                   consumer=self.zmq_address)
         self.releases.append({**body, "request_id": request.headers.get("X-Request-Id", "")})
         return web.json_response({"released": len(body["transfer_ids"])},
                                  status=self.release_status)

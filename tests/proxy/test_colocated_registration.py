@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from deploy.cli import build_parser
 from engine_core.cluster.messages import ROLE_COLOCATED
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, ModelConfig
 from engine_core.server.worker import colocated_hook
 from proxy.registration import RegistrationServer
@@ -21,14 +22,16 @@ def test_serve_flags() -> None:
 
 async def test_colocated_hook_registers_and_deregisters(wait_until) -> None:
     registry = InstanceRegistry(heartbeat_timeout_s=5)
-    server = RegistrationServer(registry, "127.0.0.1", port=0)
+    secret = ClusterSecret(b"0123456789abcdef0123456789abcdef")
+    server = RegistrationServer(registry, "127.0.0.1", port=0, secret=secret)
     await server.start()
     config = EngineConfig(model=ModelConfig(model="/models/x", served_model_name="m"))
     engine = SimpleNamespace(latest_stats=None)
     options = SimpleNamespace(host="0.0.0.0", port=8123)
     stop = None
     try:
-        stop = await colocated_hook(config, [f"127.0.0.1:{server.port}"], 0.05)(engine, options)
+        stop = await colocated_hook(config, [f"127.0.0.1:{server.port}"], 0.05, secret)(
+            engine, options)
         await wait_until(lambda: len(registry) == 1)
         (worker,) = registry.workers(ROLE_COLOCATED)
         assert (worker.http_address, worker.model, worker.zmq_address) == (

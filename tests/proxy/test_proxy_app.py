@@ -7,6 +7,8 @@ import json
 
 from aiohttp import web
 
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import ModelNotFoundError
 from engine_core.server.streaming import WriteBound
 from proxy import keys
@@ -39,10 +41,13 @@ async def test_both_legs_get_transfer_params(make_worker, make_proxy) -> None:
     assert p_req["path"] == d_req["path"] == "/v1/completions"
     # P gets the client's own request (its limits, stream_options, min_tokens: P validates
     # them as D will, then runs one token itself), marked as a prefill for D.
+    grant = p_req["body"]["kv_transfer_params"]["grant"]
     assert p_req["body"] == {**body, "kv_transfer_params": {
-        "transfer_id": transfer_id, "do_remote_decode": True, "remote_kv_address": d.zmq_address}}
+        "transfer_id": transfer_id, "do_remote_decode": True, "remote_kv_address": d.zmq_address,
+        "grant": grant}}
     assert d_req["body"] == {**body, "kv_transfer_params": {
-        "transfer_id": transfer_id, "do_remote_prefill": True, "remote_kv_address": p.zmq_address}}
+        "transfer_id": transfer_id, "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
+        "grant": grant}}
     assert p_req["request_id"] == d_req["request_id"] == transfer_id
 
 
@@ -82,8 +87,11 @@ async def test_prefill_failure_retries_on_other_prefill(make_worker, make_proxy)
     assert len(bad.received) == 1 and len(good.received) == 1
     retry_id = good.received[0]["body"]["kv_transfer_params"]["transfer_id"]
     assert retry_id == "id1-retry1"
-    assert d.received[-1]["body"]["kv_transfer_params"] == {
-        "transfer_id": retry_id, "do_remote_prefill": True, "remote_kv_address": good.zmq_address}
+    params = d.received[-1]["body"]["kv_transfer_params"]
+    assert params == {
+        "transfer_id": retry_id, "do_remote_prefill": True, "remote_kv_address": good.zmq_address,
+        "grant": params["grant"]}
+    assert params["grant"] == good.received[0]["body"]["kv_transfer_params"]["grant"]
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_retries_total{reason="prefill_status"} 1.0' in metrics
 
@@ -358,12 +366,27 @@ def test_prefill_body_is_the_clients_request_marked_for_remote_decode() -> None:
     chat = {"model": MODEL, "messages": [], "max_completion_tokens": 50, "n": 3,
             "min_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
             "kv_transfer_params": {"transfer_id": "spoofed"}}
-    transfer = {"transfer_id": "t1", "do_remote_decode": True, "remote_kv_address": "d:1"}
+    transfer = {"transfer_id": "t1", "do_remote_decode": True, "remote_kv_address": "d:1",
+                "grant": "g1.x.y"}
     client_fields = {k: v for k, v in chat.items() if k != "kv_transfer_params"}
-    assert prefill_body(chat, "t1", "d:1") == {**client_fields, "kv_transfer_params": transfer}
-    assert handoff_prefill_body(chat, "t1", "d:1") == {
+    assert prefill_body(chat, "t1", "d:1", "g1.x.y") == {**client_fields,
+                                                         "kv_transfer_params": transfer}
+    assert handoff_prefill_body(chat, "t1", "d:1", "g1.x.y") == {
         **client_fields, "kv_transfer_params": {**transfer, "first_token_events": True}}
     assert chat["kv_transfer_params"] == {"transfer_id": "spoofed"}  # the client's untouched
+
+
+async def test_both_legs_carry_one_grant_naming_their_p_and_d(make_worker, make_proxy) -> None:
+    p, d = await make_worker("P"), await make_worker("D")
+    client = await make_proxy(p, d)
+    assert (await client.post("/v1/completions", json=PROMPT)).status == 200
+    (p_params,), (d_params,) = ([r["body"]["kv_transfer_params"] for r in w.received]
+                                for w in (p, d))
+    assert p_params["grant"] == d_params["grant"]
+    grant = GrantAuthority(ClusterSecret()).verify(
+        p_params["grant"], transfer_id=p_params["transfer_id"], producer=p.zmq_address,
+        consumer=d.zmq_address)
+    assert grant.transfer_id == d_params["transfer_id"]
 
 
 def test_prompt_transfer_ids_follow_the_workers_per_prompt_ids() -> None:
@@ -398,7 +421,8 @@ async def test_handoff_streams_p_token_then_d_continues(make_worker, make_proxy)
     assert p_req["body"]["stream"] is True
     assert d_req["body"]["kv_transfer_params"] == {
         "transfer_id": "id1", "do_remote_prefill": True, "remote_kv_address": p.zmq_address,
-        "generated_token_ids": [[42]], "stream_token_ids": True}
+        "generated_token_ids": [[42]], "stream_token_ids": True,
+        "grant": p_req["body"]["kv_transfer_params"]["grant"]}
     assert d_req["body"]["min_tokens"] == 3 and d_req["body"]["stream"] is True
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_first_token_handoffs_total{result="prefill"} 1.0' in metrics
@@ -530,10 +554,16 @@ async def test_handoff_asleep_decode_is_replaced(make_worker, make_proxy) -> Non
         assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == \
             ["P0", "t0", "t1", "t2"]
     assert len(awake.received) == 2 and asleep.received
-    # The replacement gets the same request: it pulls the KV P holds for that transfer.
+    # The replacement gets the same request: it pulls the KV P holds for that transfer,
+    # under a grant naming it.
     by_id = {r["request_id"]: r["body"] for r in awake.received}
     for refused in asleep.received:
-        assert by_id[refused["request_id"]] == refused["body"]
+        body = by_id[refused["request_id"]]
+        grant = body["kv_transfer_params"].pop("grant")
+        refused["body"]["kv_transfer_params"].pop("grant")
+        assert body == refused["body"]
+        assert GrantAuthority(ClusterSecret()).verify(
+            grant, transfer_id=refused["request_id"], consumer=awake.zmq_address)
     metrics = await (await client.get("/metrics")).text()
     assert (f'pdserve:proxy_retries_total{{reason="handoff_decode"}} '
             f'{float(len(asleep.received))}') in metrics

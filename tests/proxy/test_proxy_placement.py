@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import ClusterSecret
 from proxy import keys
 from tests.proxy.conftest import MODEL
 
@@ -52,6 +54,11 @@ async def test_capabilities_change_while_serving(make_worker, make_proxy) -> Non
     (p_leg,), (d_leg,) = a.received, b.received
     assert _kv(p_leg)["do_remote_decode"] and _kv(p_leg)["remote_kv_address"] == b.zmq_address
     assert _kv(d_leg)["do_remote_prefill"] and _kv(d_leg)["remote_kv_address"] == a.zmq_address
+    # The placed workers' legs carry one grant naming them as P and D, as static ones do.
+    assert _kv(p_leg)["grant"] == _kv(d_leg)["grant"]
+    GrantAuthority(ClusterSecret()).verify(_kv(d_leg)["grant"],
+                                           transfer_id=_kv(d_leg)["transfer_id"],
+                                           producer=a.zmq_address, consumer=b.zmq_address)
     instances = {w["http_address"]: w for w in
                  (await (await client.get("/instances")).json())["workers"]}
     assert instances[a.http_address]["role_mix"]["total"] == {"prefill": 1}

@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from engine_core.cluster.messages import WorkerLoad
 from engine_core.cluster.registration_client import RegistrationClient
+from engine_core.cluster.trust import CHANNEL_REGISTRATION, ClusterSecret, Sealer
 from proxy.registration import RegistrationServer
 from proxy.registry import InstanceRegistry
 
@@ -49,13 +50,19 @@ def _heartbeat_with_deep_zmq_address() -> bytes:
     return payload.replace(b"\xc0", b"\x91" * 1000 + b"\x90")
 
 
-MALFORMED = [[b"not msgpack"], [b"two", b"frames"]]
+def sealed(payload: bytes) -> bytes:
+    """``payload`` in a valid envelope (no cluster secret, as the server's)."""
+    return Sealer(ClusterSecret(), CHANNEL_REGISTRATION, "test-sender").seal(payload)
+
+
+MALFORMED = [[sealed(b"not msgpack")], [b"two", b"frames"]]
 # Each used to raise out of the decoder as RecursionError or TypeError, ending the server's
 # receive task: the proxy then registered no worker and refreshed no heartbeat (every worker
 # expired) until it restarted.
 HOSTILE = [
-    [_heartbeat_with_deep_zmq_address()],  # repr() of it raised RecursionError
-    [msgpack.packb({"t": "Deregister", "v": 1, "d": {"http_address": "h:1", 1: 1, "x": 1}})],
+    [sealed(_heartbeat_with_deep_zmq_address())],  # repr() of it raised RecursionError
+    [sealed(msgpack.packb({"t": "Deregister", "v": 1,
+                           "d": {"http_address": "h:1", 1: 1, "x": 1}}))],
 ]
 
 

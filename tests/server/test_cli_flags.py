@@ -39,12 +39,28 @@ def test_serve_proxy_address_reaches_a_kv_role_worker(served: dict[str, Any]) ->
     ``pdserve prefill``) names the proxy it registers with, instead of being dropped."""
     args = build_parser().parse_args([
         "serve", "/models/x", "--port", "20001", "--kv-transfer-config", KV_PRODUCER,
-        "--proxy-address", "10.1.2.3:31000", "--heartbeat-interval", "1.5"])
+        "--proxy-address", "10.1.2.3:31000", "--heartbeat-interval", "1.5", "--insecure"])
     assert run_serve(args) == 0
     kv = served["config"].kv_transfer
     assert (kv.proxy_ip, kv.proxy_port) == ("10.1.2.3", 31000)
     assert kv.kv_port == 21001 and kv.http_port == 20001
     assert served["interval"] == 1.5
+
+
+def test_a_worker_reachable_from_other_hosts_needs_the_cluster_secret(
+        served: dict[str, Any], tmp_path: Any) -> None:
+    """Its KV address is the one the proxy reaches it from: not loopback, so without a
+    secret (or --insecure) it refuses to start; with one, its config carries it."""
+    from engine_core.cluster.trust import write_secret_file
+
+    argv = ["serve", "/models/x", "--port", "20001", "--kv-transfer-config", KV_PRODUCER,
+            "--proxy-address", "10.1.2.3:31000"]
+    assert run_serve(build_parser().parse_args(argv)) == 1
+    assert "config" not in served
+    secret = write_secret_file(tmp_path / "secret")
+    args = build_parser().parse_args([*argv, "--cluster-secret-file", str(tmp_path / "secret")])
+    assert run_serve(args) == 0
+    assert served["config"].kv_transfer.cluster_secret == secret
 
 
 @pytest.mark.parametrize("command", ["serve", "prefill", "decode"])

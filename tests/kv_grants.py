@@ -1,0 +1,19 @@
+"""Transfer grants for tests that write ``kv_transfer_params`` themselves, as the proxy
+would attach them (no cluster secret, as the tests' engines)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import ClusterSecret
+
+
+def granted(params: dict[str, Any], own_address: str, ttl_s: float = 3600.0) -> dict[str, Any]:
+    """``params`` (a ``do_remote_prefill`` or ``do_remote_decode`` leg) plus the grant naming
+    the engine at ``own_address`` and the params' ``remote_kv_address``."""
+    peer = params["remote_kv_address"]
+    producer, consumer = ((peer, own_address) if params.get("do_remote_prefill")
+                          else (own_address, peer))
+    grant = GrantAuthority(ClusterSecret()).issue(params["transfer_id"], producer, consumer, ttl_s)
+    return {**params, "grant": grant}

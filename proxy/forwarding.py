@@ -17,6 +17,7 @@ import aiohttp
 
 from engine_core.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from engine_core.server.protocol import stream_options
+from proxy.prefix_index import chat_text
 
 # Client headers worth passing on to workers; the rest (Host, Content-Length, ...) are the
 # proxy's own business.
@@ -152,19 +153,8 @@ def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
     when there is no single prompt to key on (a batch, a malformed body: the worker judges
     it). Token-id prompts key on their first ``num_chars // 4`` ids."""
     if path == CHAT_PATH:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return None
-        parts = []
-        for message in messages:
-            if not isinstance(message, dict):
-                return None
-            content = message.get("content")
-            text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
-            parts.append(f"{message.get('role')}\n{text}\n")
-            if sum(len(p) for p in parts) >= num_chars:
-                break
-        return "".join(parts)[:num_chars]
+        text = chat_text(body.get("messages"))
+        return None if text is None else text[:num_chars]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt[:num_chars]

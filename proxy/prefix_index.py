@@ -41,7 +41,8 @@ def _chain(pieces: list[Any]) -> tuple[int, ...]:
     return tuple(hashes)
 
 
-def _chat_text(messages: Any) -> str | None:
+def chat_text(messages: Any) -> str | None:
+    """A chat request's messages as one text (role and content each); None when malformed."""
     if not isinstance(messages, list):
         return None
     parts = []
@@ -58,7 +59,7 @@ def prompt_shape(path: str, body: dict[str, Any]) -> PromptShape:
     """The shape of a request's one prompt; a batch or an unreadable body counts as empty
     (the placement then treats it as short; the worker judges the body)."""
     if path == CHAT_PATH:
-        text = _chat_text(body.get("messages"))
+        text = chat_text(body.get("messages"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:

@@ -63,8 +63,9 @@ def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> N
     with Cluster(spec, PD) as cluster:
         assert cluster.problems() == []
         assert cluster.proc is not None
+        # The worker's subcommand is its own argument (the proxy's flags also say "prefill").
         prefill = [pid for pid in children_of(cluster.proc.pid)
-                   if b"prefill" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                   if b"\0prefill\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(prefill) == 1
         os.kill(prefill[0], signal.SIGTERM)
         deadline = time.monotonic() + 30.0

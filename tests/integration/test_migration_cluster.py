@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from deploy.launch import Child, free_ports
+from deploy.launch import CLUSTER_SECRET_FILE, Child, free_ports
 from engine_core.cluster.messages import ROLE_DECODE
 from engine_core.cluster.registration_client import RegistrationClient
+from engine_core.cluster.trust import ClusterSecret, load_secret_file
 from engine_core.version import package_version
 from tests.integration.cluster_harness import (
     MODEL,
@@ -51,13 +52,14 @@ LONG_TOKENS = 150
 class SilentWorker:
     """A decode worker that registers, takes requests and never answers them."""
 
-    def __init__(self, registration_address: str, port: int, kv_port: int) -> None:
+    def __init__(self, registration_address: str, port: int, kv_port: int,
+                 secret: ClusterSecret) -> None:
         self.received: list[dict] = []
         self._port = port
         self._registration = RegistrationClient(
             registration_address, role=ROLE_DECODE, http_address=f"127.0.0.1:{port}",
             model=MODEL, zmq_address=f"127.0.0.1:{kv_port}", version=package_version(),
-            interval_s=0.5)
+            interval_s=0.5, secret=secret)
         self._runner: web.AppRunner | None = None
 
     async def _swallow(self, request: web.Request) -> web.StreamResponse:
@@ -158,7 +160,9 @@ def test_migration_past_a_silent_worker_and_two_proxies(tmp_path: Path) -> None:
             time.sleep(0.1)
         want = run_all(url_b, streams + whole + long_reqs)
 
-        silent = SilentWorker(f"127.0.0.1:{cluster.registration_port}", silent_port, silent_kv)
+        # It holds the cluster's secret: what it tests is a worker that fails, not an intruder.
+        silent = SilentWorker(f"127.0.0.1:{cluster.registration_port}", silent_port, silent_kv,
+                              load_secret_file(cluster.log_dir / CLUSTER_SECRET_FILE))
         got = asyncio.run(_through_the_silent_worker(cluster.url, silent, streams, whole))
         check_matches(streams + whole, got, want[:8])
         assert any(r.get("stream") for r in silent.received), silent.received

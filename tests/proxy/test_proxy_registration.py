@@ -55,19 +55,24 @@ def sealed(payload: bytes) -> bytes:
     return Sealer(ClusterSecret(), CHANNEL_REGISTRATION, "test-sender").seal(payload)
 
 
-MALFORMED = [[sealed(b"not msgpack")], [b"two", b"frames"]]
-# Each used to raise out of the decoder as RecursionError or TypeError, ending the server's
-# receive task: the proxy then registered no worker and refreshed no heartbeat (every worker
-# expired) until it restarted.
-HOSTILE = [
-    [sealed(_heartbeat_with_deep_zmq_address())],  # repr() of it raised RecursionError
-    [sealed(msgpack.packb({"t": "Deregister", "v": 1,
-                           "d": {"http_address": "h:1", 1: 1, "x": 1}}))],
-]
+def malformed() -> list[list[bytes]]:
+    return [[sealed(b"not msgpack")], [b"two", b"frames"]]
 
 
-@pytest.mark.parametrize("messages", [MALFORMED, HOSTILE], ids=["malformed", "hostile"])
-async def test_bad_messages_counted_not_fatal(wait_until, messages: list[list[bytes]]) -> None:
+def hostile() -> list[list[bytes]]:
+    """Messages whose decoding raises deep inside (RecursionError, TypeError): each must be
+    counted, never end the server's receive task."""
+    return [
+        [sealed(_heartbeat_with_deep_zmq_address())],  # repr() of it raises RecursionError
+        [sealed(msgpack.packb({"t": "Deregister", "v": 1,
+                               "d": {"http_address": "h:1", 1: 1, "x": 1}}))],
+    ]
+
+
+# Sealed when the test runs: an envelope made at collection time is stale by then.
+@pytest.mark.parametrize("make_messages", [malformed, hostile], ids=["malformed", "hostile"])
+async def test_bad_messages_counted_not_fatal(wait_until, make_messages) -> None:
+    messages = make_messages()
     registry = InstanceRegistry()
     server = RegistrationServer(registry, "127.0.0.1", port=0)
     await server.start()

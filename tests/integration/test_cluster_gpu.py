@@ -105,6 +105,22 @@ def _plane(plane: str) -> tuple[str, list[str]]:
     return "0,0", ["--kv-transport", "cpu", "--gpu-memory-utilization", "0.42"]
 
 
+def _colocated_answers(tmp_path: Path, ckpt: Path, engine: list[str], reqs: list[Req]) -> list:
+    """``reqs`` answered by one colocated ``pdserve serve`` of ``ckpt`` on GPU 0."""
+    serve_port = free_port()
+    with open(tmp_path / "serve.log", "wb") as out:
+        colocated = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
+             *engine], cwd=ROOT, env=dict(child_env(), CUDA_VISIBLE_DEVICES="0"),
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
+                  [colocated], [tmp_path / "serve.log"])
+        return run_all(f"http://127.0.0.1:{serve_port}", reqs)
+    finally:
+        _stop(colocated)
+
+
 PLANES = ["nccl-two-gpus", "cpu-transport-one-gpu"]
 
 
@@ -118,18 +134,7 @@ def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
     reqs = mixed_requests(64)
-    serve_port = free_port()
-    with open(tmp_path / "serve.log", "wb") as out:
-        colocated = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
-             *engine], cwd=ROOT, env=dict(child_env(), CUDA_VISIBLE_DEVICES="0"),
-            stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
-                  [colocated], [tmp_path / "serve.log"])
-        want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
-    finally:
-        _stop(colocated)
+    want = _colocated_answers(tmp_path, ckpt, engine, reqs)
     cluster, proxy, log = _start_cluster(tmp_path, ckpt, [*engine, *extra], gpus, launch_flags)
     try:
         check_matches(reqs, run_all(proxy, reqs), want)
@@ -159,18 +164,7 @@ def test_gpu_placed_workers_match_colocated(tmp_path: Path) -> None:
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
     reqs = mixed_requests(48)
-    serve_port = free_port()
-    with open(tmp_path / "serve.log", "wb") as out:
-        colocated = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
-             *engine], cwd=ROOT, env=dict(child_env(), CUDA_VISIBLE_DEVICES="0"),
-            stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
-                  [colocated], [tmp_path / "serve.log"])
-        want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
-    finally:
-        _stop(colocated)
+    want = _colocated_answers(tmp_path, ckpt, engine, reqs)
     cluster, proxy, _ = _start_cluster(
         tmp_path, ckpt, engine, "0,1", ("--placement-short-prompt-tokens", "12"),
         topology=("--workers", "2"), ready="ready: 2 workers")

@@ -108,6 +108,14 @@ def wait_http(url: str, deadline: float, procs: Sequence[subprocess.Popen],
     pytest.fail(f"{url} not ready in time:\n" + "\n".join(p.read_text()[-3000:] for p in logs))
 
 
+def registered_workers(proxy_url: str) -> set[str]:
+    """The HTTP addresses a proxy lists in ``/instances`` (none while it does not answer)."""
+    try:
+        return {w["http_address"] for w in get_json(f"{proxy_url}/instances", timeout=2.0)["workers"]}
+    except OSError:
+        return set()
+
+
 def get_json(url: str, timeout: float = 5.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
@@ -205,6 +213,13 @@ class Cluster:
         while not want <= self.registered():
             assert time.monotonic() < deadline, f"not registered: {want - self.registered()}"
             time.sleep(0.1)
+
+    def second_proxy(self, http_port: int, registration_port: int) -> Child:
+        """Proxy B: this cluster's proxy command line on its own ports."""
+        argv = list(self.proxy.argv)
+        argv[argv.index("--port") + 1] = str(http_port)
+        argv[argv.index("--registration-port") + 1] = str(registration_port)
+        return Child("proxy_b", argv, self.proxy.env, self.log_dir / "proxy_b.log")
 
     def instances(self) -> list[dict]:
         return get_json(f"{self.url}/instances")["workers"]

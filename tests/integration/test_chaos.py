@@ -30,10 +30,10 @@ from tests.integration.cluster_harness import (
     Req,
     build_tiny_checkpoint,
     check_matches,
-    get_json,
     idle_violations,
     labelled_counter,
     mixed_requests,
+    registered_workers,
     run_all,
     send,
     wait_http,
@@ -44,20 +44,6 @@ from tests.integration.cluster_harness import (
 CLIENT_TIMEOUT_S = 120.0  # far past any request's time; reaching it is a hang
 CONCURRENCY = 6
 PAUSE_S = 2.0  # load between two kills
-
-
-def _second_proxy(cluster: Cluster, http_port: int, registration_port: int) -> Child:
-    argv = list(cluster.proxy.argv)
-    argv[argv.index("--port") + 1] = str(http_port)
-    argv[argv.index("--registration-port") + 1] = str(registration_port)
-    return Child("proxy_b", argv, cluster.proxy.env, cluster.log_dir / "proxy_b.log")
-
-
-def _registered(url: str) -> set[str]:
-    try:
-        return {w["http_address"] for w in get_json(f"{url}/instances", timeout=2.0)["workers"]}
-    except OSError:
-        return set()
 
 
 def _wait(predicate: Callable[[], bool], deadline_s: float, what: str) -> None:
@@ -103,7 +89,7 @@ async def _chaos(cluster: Cluster, proxy_b: Child, url_b: str) -> None:
     await asyncio.sleep(PAUSE_S)
     await loop.run_in_executor(None, _kill_group, proxy_b)
     proxy_b.start()
-    await loop.run_in_executor(None, _wait, lambda: len(_registered(url_b)) == 2, 60.0,
+    await loop.run_in_executor(None, _wait, lambda: len(registered_workers(url_b)) == 2, 60.0,
                                "the survivors did not register with the new proxy B")
     await asyncio.sleep(PAUSE_S)
 
@@ -133,7 +119,7 @@ def test_chaos_kills_lose_no_request(tmp_path: Path) -> None:
         heartbeat_timeout_s=2.0,
         kv_extra={"proxy_addresses": [f"127.0.0.1:{registration_b}"], "get_lease_s": 5,
                   "transfer_timeout_s": 5, "orphan_ttl_s": 5})
-    proxy_b = _second_proxy(cluster, http_b, registration_b)
+    proxy_b = cluster.second_proxy(http_b, registration_b)
     url_b = f"http://127.0.0.1:{http_b}"
     reqs = [with_limit(r, 8 + 8 * (i % 4)) for i, r in enumerate(mixed_requests(12, 16))]
     workers = [w.http_address for w in cluster.workers]
@@ -141,7 +127,7 @@ def test_chaos_kills_lose_no_request(tmp_path: Path) -> None:
         cluster.start([cluster.proxy, proxy_b, *cluster.workers])
         cluster.wait_ready([cluster.proxy, *cluster.workers])
         wait_http(f"{url_b}/health", time.monotonic() + 60, [proxy_b.proc], [proxy_b.log_path])
-        _wait(lambda: set(workers) <= _registered(url_b), 60.0, "not registered with B")
+        _wait(lambda: set(workers) <= registered_workers(url_b), 60.0, "not registered with B")
         want = run_all(cluster.url, reqs)
         assert all(o.ok for o in want), want
         by_req = {id(r): w for r, w in zip(reqs, want)}

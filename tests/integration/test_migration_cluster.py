@@ -33,10 +33,10 @@ from tests.integration.cluster_harness import (
     Throttle,
     build_tiny_checkpoint,
     check_matches,
-    get_json,
     idle_violations,
     labelled_counter,
     mixed_requests,
+    registered_workers,
     run_all,
     send_all,
     wait_http,
@@ -84,18 +84,6 @@ class SilentWorker:
         await self._runner.cleanup()
 
 
-def _second_proxy(cluster: Cluster, http_port: int, registration_port: int) -> Child:
-    """Proxy B: proxy A's command line on its own ports."""
-    argv = list(cluster.proxy.argv)
-    argv[argv.index("--port") + 1] = str(http_port)
-    argv[argv.index("--registration-port") + 1] = str(registration_port)
-    return Child("proxy_b", argv, cluster.proxy.env, cluster.log_dir / "proxy_b.log")
-
-
-def _registered(url: str) -> set[str]:
-    return {w["http_address"] for w in get_json(f"{url}/instances")["workers"]}
-
-
 async def _through_the_silent_worker(url_a: str, silent: SilentWorker, streams: list[Req],
                                      whole: list[Req]) -> list[Outcome]:
     """Streams, then whole requests, through A while the silent worker is registered (round
@@ -103,7 +91,7 @@ async def _through_the_silent_worker(url_a: str, silent: SilentWorker, streams: 
     await silent.start()
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + 30
-    while f"127.0.0.1:{silent._port}" not in await loop.run_in_executor(None, _registered, url_a):
+    while f"127.0.0.1:{silent._port}" not in await loop.run_in_executor(None, registered_workers, url_a):
         assert time.monotonic() < deadline, "the silent worker never registered"
         await asyncio.sleep(0.1)
     try:
@@ -146,7 +134,7 @@ def test_migration_past_a_silent_worker_and_two_proxies(tmp_path: Path) -> None:
         # silent worker's) after a short lease, so the gauges settle within the test.
         kv_extra={"proxy_addresses": [f"127.0.0.1:{registration_b}"], "get_lease_s": 5,
                   "transfer_timeout_s": 5, "orphan_ttl_s": 5})
-    proxy_b = _second_proxy(cluster, http_b, registration_b)
+    proxy_b = cluster.second_proxy(http_b, registration_b)
     url_b = f"http://127.0.0.1:{http_b}"
     workers = [w.http_address for w in cluster.workers]
     streams = [with_limit(r, 24, stream=True) for r in mixed_requests(4, 12)]
@@ -156,7 +144,7 @@ def test_migration_past_a_silent_worker_and_two_proxies(tmp_path: Path) -> None:
         cluster.start([cluster.proxy, proxy_b, *cluster.workers])
         cluster.wait_ready([cluster.proxy, *cluster.workers])
         wait_http(f"{url_b}/health", time.monotonic() + 60, [proxy_b.proc], [proxy_b.log_path])
-        while not set(workers) <= _registered(url_b):
+        while not set(workers) <= registered_workers(url_b):
             time.sleep(0.1)
         want = run_all(url_b, streams + whole + long_reqs)
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine_core.errors import InvalidRequestError
+from engine_core.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # Bounds on the host work one request adds to every step it is in (its bias and allowed
@@ -86,8 +87,12 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # vLLM's allowed_token_ids: when given, every other token is masked out.
     allowed_token_ids: list[int] | None = None
+    # The grammar the output must match (response_format, structured_outputs, guided_*).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -169,7 +174,10 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -155,9 +155,10 @@ def _check_generated(generated: object) -> None:
 
 
 def _fits_the_wire(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` can cross the engine socket (msgpack) as it is: a lone surrogate,
-    an integer past 64 bits or deep nesting must be a 400 at the edge, not a failed
-    encoding (a 500) later."""
+    """Whether ``value`` is JSON the engine socket (msgpack) could carry: a lone surrogate,
+    an integer past 64 bits or deep nesting is a 400 at the edge, never a failed encoding
+    (a 500) later. The whole value is checked, ignored keys too, so what a body may hold
+    does not depend on which keys this version reads."""
     if depth > MAX_PARAMS_DEPTH:
         return False
     if isinstance(value, dict):

@@ -439,7 +439,7 @@ def test_producer_saves_on_final_chunk_and_holds() -> None:
     (save,) = sched.build_connector_meta(_out(cached=[cached], scheduled={"p": 1})).saves
     assert save.block_ids == [4, 5] and save.num_tokens == 8 and save.transfer_id == "T"
     hold, params = sched.request_finished(req, [4, 5, 6])
-    assert hold and params["transfer_id"] == "T"
+    assert hold and params.transfer_id == "T"
     assert sched.stats()["held_requests"] == 1
     sched.update_finished(FinishedTransfers(sending={"p"}))
     assert sched.is_idle()

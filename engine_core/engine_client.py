@@ -37,6 +37,7 @@ from engine_core.errors import (
     MessageDecodeError,
     PdserveError,
 )
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import (
     ENGINE_INPUT_CODEC,
     ENGINE_OUTPUT_CODEC,
@@ -378,7 +379,7 @@ class AsyncEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling_params: SamplingParams,
-                       kv_transfer_params: dict[str, Any] | None = None,
+                       kv_transfer_params: KVTransferParams | None = None,
                        generated_token_ids: Sequence[int] = (),
                        ) -> AsyncIterator[EngineOutput]:
         """Stream the engine's outputs for one request; abort it if the caller stops early.

@@ -423,7 +423,8 @@ class EngineCore:
         """Prompt tokens still to compute here: waiting requests (landed ones only their
         last) and running ones mid-prefill. Requests whose KV a peer sends compute one."""
         def remaining(request: Request) -> int:
-            if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            if (request.kv_transfer_params is not None
+                    and request.kv_transfer_params.do_remote_prefill):
                 return 1  # its prompt's KV comes from the peer that prefills it
             return max(0, request.num_prompt_tokens - request.num_computed_tokens)
 

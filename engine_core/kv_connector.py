@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from engine_core.attention.metadata import AttentionMetadata
     from engine_core.doorbell import Doorbell
+    from engine_core.kv_transfer_params import KVTransferResult
     from engine_core.request import Request
     from engine_core.sched.outputs import SchedulerOutput
 
@@ -64,8 +65,9 @@ class ConnectorScheduler(Protocol):
         """The metadata the worker side needs for this step (loads to start, layers to save)."""
         ...
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Return (hold_blocks, kv_transfer_params for the response) for a finished request.
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, KVTransferResult | None]:
+        """Return (hold_blocks, the transfer result for the response) for a finished request.
         Held blocks are freed once the request's id is reported in a ``FinishedTransfers``
         (a send done, or a load ended)."""
         ...
@@ -162,7 +164,8 @@ class NullConnectorScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         return None
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, KVTransferResult | None]:
         return False, None
 
     def pins_blocks(self, request: Request) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.codec import MessageCodec
+from engine_core.kv_transfer_params import KVTransferParams, KVTransferResult
 
 
 @dataclass
@@ -16,7 +17,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any]
     arrival_time: float
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # Output tokens sampled elsewhere that the client already has (a prefill worker's first
     # token, streamed by the proxy): the request continues after them, counting them as
     # output (max_tokens, min_tokens, penalties, seeded positions, stop checks).
@@ -86,7 +87,7 @@ class EngineOutput:
     finish_reason: str | None = None     # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id, when one ended it
     new_logprobs: list[TokenLogprob] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferResult | None = None  # a prefill worker's, when finished
     error: str | None = None
     error_param: str | None = None  # the request parameter an invalid request's error names
     timings: RequestTimings | None = None

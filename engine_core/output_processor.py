@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.detokenizer import IncrementalDetokenizer
+from engine_core.kv_transfer_params import KVTransferResult
 from engine_core.messages import EngineOutput, RequestTimings, TokenLogprob
 from engine_core.sampling_params import SamplingParams
 
@@ -51,7 +52,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferResult | None = None
     error: str | None = None
     # A stop string ended the request here: the engine still runs it until aborted.
     needs_engine_abort: bool = False

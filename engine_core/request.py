@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from engine_core.kv_transfer_params import KVTransferParams, KVTransferResult
 from engine_core.sampling_params import SamplingParams
 
 
@@ -53,7 +53,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    kv_transfer_result: KVTransferResult | None = None  # the connector's, once finished
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0

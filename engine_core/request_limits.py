@@ -9,6 +9,9 @@ from collections.abc import Sequence
 
 from engine_core.errors import InvalidRequestError
 
+# Choices (prompts x n) of one request: each is an engine request and a task in the server.
+MAX_CHOICES = 1024
+
 
 def check_generated_ids(ids: Sequence[int], vocab_size: int) -> None:
     """Tokens handed over as already generated must be ids of the vocabulary."""

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from engine_core.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.server.protocol import stream_options
 from proxy.prefix_index import chat_text
 
@@ -88,11 +89,9 @@ def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str
     ``grant``: the signed transfer grant naming P and D (both legs carry the same one).
     """
     out = _without_transfer_fields(body)
-    params: dict[str, Any] = {"transfer_id": transfer_id, "do_remote_decode": True,
-                              "remote_kv_address": decode_kv_address, "grant": grant}
-    if first_token_events:
-        params["first_token_events"] = True
-    out["kv_transfer_params"] = params
+    out["kv_transfer_params"] = KVTransferParams(
+        transfer_id=transfer_id, do_remote_decode=True, remote_kv_address=decode_kv_address,
+        grant=grant, first_token_events=first_token_events).to_wire()
     return out
 
 
@@ -103,16 +102,19 @@ def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str,
 
 
 def decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str | None,
-                grant: str | None = None) -> dict[str, Any]:
+                grant: str | None = None,
+                generated_token_ids: list[list[int]] | None = None) -> dict[str, Any]:
     """D's request: the original body, plus transfer params naming P (and the grant) unless
-    decode-only; a stream's events name their tokens, for migration (``proxy/migration.py``)."""
+    decode-only; a stream's events name their tokens, for migration (``proxy/migration.py``).
+    ``generated_token_ids``: each choice's tokens P sampled, which D continues after."""
     out = _without_transfer_fields(body)
-    params: dict[str, Any] = {}
-    if prefill_kv_address is not None:
-        params = {"transfer_id": transfer_id, "do_remote_prefill": True,
-                  "remote_kv_address": prefill_kv_address, "grant": grant}
-    if body.get("stream") is True:
-        params["stream_token_ids"] = True
+    remote = prefill_kv_address is not None
+    params = KVTransferParams(
+        transfer_id=transfer_id if remote else None, do_remote_prefill=remote,
+        remote_kv_address=prefill_kv_address, grant=grant if remote else None,
+        generated_token_ids=None if generated_token_ids is None
+        else tuple(tuple(ids) for ids in generated_token_ids),
+        stream_token_ids=body.get("stream") is True).to_wire()
     if params:
         out["kv_transfer_params"] = params
     return out
@@ -122,8 +124,8 @@ def continuation_body(body: dict[str, Any], generated_token_ids: list[int]) -> d
     """A migrated request's: the client's, continuing its one choice after the output tokens
     the client holds; the worker computes the prompt itself."""
     out = _without_transfer_fields(body)
-    out["kv_transfer_params"] = {"generated_token_ids": [list(generated_token_ids)],
-                                 "stream_token_ids": True}
+    out["kv_transfer_params"] = KVTransferParams(
+        generated_token_ids=(tuple(generated_token_ids),), stream_token_ids=True).to_wire()
     return out
 
 
@@ -204,9 +206,7 @@ def handoff_decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_addre
                         generated_token_ids: list[list[int]], grant: str) -> dict[str, Any]:
     """D's request continuing each choice after P's token for it, the prompt's KV pulled
     from P."""
-    out = decode_body(body, transfer_id, prefill_kv_address, grant)
-    out["kv_transfer_params"]["generated_token_ids"] = [list(ids) for ids in generated_token_ids]
-    return out
+    return decode_body(body, transfer_id, prefill_kv_address, grant, generated_token_ids)
 
 
 @dataclass(frozen=True)

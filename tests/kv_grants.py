@@ -7,6 +7,7 @@ from typing import Any
 
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import ClusterSecret
+from engine_core.kv_transfer_params import KVTransferParams
 
 
 def granted(params: dict[str, Any], own_address: str, ttl_s: float = 3600.0) -> dict[str, Any]:
@@ -17,3 +18,9 @@ def granted(params: dict[str, Any], own_address: str, ttl_s: float = 3600.0) -> 
                           else (own_address, peer))
     grant = GrantAuthority(ClusterSecret()).issue(params["transfer_id"], producer, consumer, ttl_s)
     return {**params, "grant": grant}
+
+
+def granted_params(params: dict[str, Any], own_address: str,
+                   ttl_s: float = 3600.0) -> KVTransferParams:
+    """``granted``, as the typed params an engine request carries."""
+    return KVTransferParams.from_wire(granted(params, own_address, ttl_s))

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
-from engine_core.addresses import is_host_port
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import TrustRefusal
 from engine_core.config import KVTransferConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers
+from engine_core.kv_transfer_params import KVTransferResult
 from engine_core.request import Request
 from engine_core.sched.outputs import SchedulerOutput
 
@@ -45,19 +44,26 @@ class _ProducerRequest:
     num_send_blocks: int = 0
 
 
-_FLAGS = ("do_remote_prefill", "do_remote_decode")
+# The two directions a request's KV moves: pulled from a producer (its params'
+# ``do_remote_prefill``) or pushed to a consumer (``do_remote_decode``).
+_PULL, _PUSH = True, False
 
 
-def _remote_params(request: Request, flag: str) -> tuple[str, str, object] | None:
-    """(transfer_id, remote_kv_address, grant) when the request's params carry ``flag``."""
+def _asks(request: Request, pull: bool) -> bool:
+    """Whether the request's params ask to move its KV in this direction."""
     params = request.kv_transfer_params
-    if not isinstance(params, dict) or not params.get(flag):
+    return params is not None and (params.do_remote_prefill if pull
+                                   else params.do_remote_decode)
+
+
+def _remote_params(request: Request, pull: bool) -> tuple[str, str, str | None] | None:
+    """(transfer_id, remote_kv_address, grant) when the request asks to move KV in this
+    direction and names the transfer and the peer."""
+    params = request.kv_transfer_params
+    if (params is None or not _asks(request, pull) or params.transfer_id is None
+            or params.remote_kv_address is None):
         return None
-    transfer_id = params.get("transfer_id")
-    address = params.get("remote_kv_address")
-    if not isinstance(transfer_id, str) or not transfer_id or not is_host_port(address):
-        return None
-    return transfer_id, address, params.get("grant")
+    return params.transfer_id, params.remote_kv_address, params.grant
 
 
 class P2pConnectorScheduler:
@@ -81,16 +87,16 @@ class P2pConnectorScheduler:
         self._abandons: list[PeerNotice] = []
         self._invalid_params = 0
         self._grants = GrantAuthority(config.cluster_secret)
-        # (request id, flag) -> its checked (transfer id, peer) or None (refused): a grant is
+        # (request id, pull) -> its checked (transfer id, peer) or None (refused): a grant is
         # checked once, when the request is first seen, however long it then waits.
-        self._checked: dict[tuple[str, str], tuple[str, str] | None] = {}
+        self._checked: dict[tuple[str, bool], tuple[str, str] | None] = {}
 
     # ---- ConnectorScheduler -------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
         """Consumer: prompt tokens after the local hit, minus the last one; producer: 0."""
         if self._config.is_consumer and request.request_id not in self._loaded:
-            remote = self._granted(request, "do_remote_prefill")
+            remote = self._granted(request, _PULL)
             if remote is not None:
                 num_external = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
                 if num_external == 0:
@@ -99,11 +105,11 @@ class P2pConnectorScheduler:
                     self._releases.append(PeerNotice(remote[0], remote[1]))
                     return ExternalMatch(0, False)
                 return ExternalMatch(num_external, True)
-            if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            if _asks(request, _PULL):
                 self._invalid_params += 1
         if self._config.is_producer:
-            remote = self._granted(request, "do_remote_decode")
-            if remote is None and (request.kv_transfer_params or {}).get("do_remote_decode"):
+            remote = self._granted(request, _PUSH)
+            if remote is None and _asks(request, _PUSH):
                 self._invalid_params += 1
             if remote is not None:
                 state = self._producing.get(request.request_id)
@@ -129,7 +135,7 @@ class P2pConnectorScheduler:
         """Remember which of the request's blocks the producer must fill."""
         if num_external_tokens <= 0 or not self._config.is_consumer:
             return
-        remote = self._granted(request, "do_remote_prefill")
+        remote = self._granted(request, _PULL)
         if remote is None:
             return
         first_block = num_local_computed_tokens // self._block_size
@@ -161,7 +167,8 @@ class P2pConnectorScheduler:
                                  scheduled.get(cached.request_id, 0), meta)
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, KVTransferResult | None]:
         """Producer: hold the blocks while a send is due or running; consumer: cancel a
         running load and hold the blocks until the worker reports it ended (its receives
         scatter into them as they land), or tell the producer to drop what it keeps when no
@@ -178,28 +185,27 @@ class P2pConnectorScheduler:
             self._cancels.append(request_id)  # the worker releases P if its pull is unsent
             loading = True
         elif not asked and self._config.is_consumer:
-            remote = self._granted(request, "do_remote_prefill")
+            remote = self._granted(request, _PULL)
             if remote is not None:
                 self._releases.append(PeerNotice(remote[0], remote[1]))
-        for flag in _FLAGS:
-            self._checked.pop((request_id, flag), None)
+        for pull in (_PULL, _PUSH):
+            self._checked.pop((request_id, pull), None)
         state = self._producing.pop(request_id, None)
         if state is None:
             return loading, None
-        params = {"transfer_id": state.transfer_id, "remote_kv_address": self._own_address,
-                  "num_kv_blocks": state.num_send_blocks}
+        result = KVTransferResult(state.transfer_id, self._own_address, state.num_send_blocks)
         sent = request_id in self._sent_early
         self._sent_early.discard(request_id)
         if not state.saved:
             self._abandons.append(PeerNotice(state.transfer_id, state.peer_address))
             self._transfer_owner.pop(state.transfer_id, None)
-            return False, params
+            return False, result
         hold = state.num_send_blocks > 0 and not sent
         if hold:
             self._holding[request_id] = state.transfer_id
         else:
             self._transfer_owner.pop(state.transfer_id, None)
-        return hold, params
+        return hold, result
 
     def pins_blocks(self, request: Request) -> bool:
         """A producer request whose save is scheduled but whose send is not done: the worker
@@ -239,17 +245,18 @@ class P2pConnectorScheduler:
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _granted(self, request: Request, flag: str) -> tuple[str, str] | None:
-        """(transfer_id, peer kv address) when the request moves KV under ``flag`` and its
-        grant names this engine and that peer; None otherwise (checked once per request)."""
-        key = (request.request_id, flag)
+    def _granted(self, request: Request, pull: bool) -> tuple[str, str] | None:
+        """(transfer_id, peer kv address) when the request moves KV in this direction and
+        its grant names this engine and that peer; None otherwise (checked once per
+        request)."""
+        key = (request.request_id, pull)
         if key in self._checked:
             return self._checked[key]
-        remote = _remote_params(request, flag)
+        remote = _remote_params(request, pull)
         if remote is None:
             return None
         transfer_id, peer, token = remote
-        producer, consumer = ((peer, self._own_address) if flag == "do_remote_prefill"
+        producer, consumer = ((peer, self._own_address) if pull
                               else (self._own_address, peer))
         try:
             self._grants.verify(token, transfer_id=transfer_id, producer=producer,

@@ -12,6 +12,7 @@ the connector reports the send done.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import (
     ITERATION_TOKEN_BUCKETS,
     EngineOutput,
@@ -421,8 +423,7 @@ class Scheduler:
         request.status = status
         self._forget.add(request.request_id)
         block_ids = self.kv.get_block_ids(request.request_id)
-        hold, params = self.connector.request_finished(request, block_ids)
-        request.kv_transfer_params = params
+        hold, request.kv_transfer_result = self.connector.request_finished(request, block_ids)
         if hold:
             self.held[request.request_id] = request
             return
@@ -444,7 +445,7 @@ class Scheduler:
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
             new_logprobs=logprobs,
-            kv_transfer_params=request.kv_transfer_params if finished else None,
+            kv_transfer_params=request.kv_transfer_result if finished else None,
             error=error,
             timings=RequestTimings(
                 arrival_time=request.arrival_time,
@@ -457,8 +458,8 @@ class Scheduler:
         )
 
 
-def _without_remote_prefill(params: dict | None) -> dict | None:
+def _without_remote_prefill(params: KVTransferParams | None) -> KVTransferParams | None:
     """A consumer request that must recompute locally no longer waits for remote KV."""
-    if not params or not params.get("do_remote_prefill"):
+    if params is None or not params.do_remote_prefill:
         return params
-    return {k: v for k, v in params.items() if k != "do_remote_prefill"}
+    return dataclasses.replace(params, do_remote_prefill=False)

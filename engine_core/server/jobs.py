@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol
 
@@ -22,7 +22,7 @@ class Job:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # this sample's (n 1; a seed offset by the sample's index)
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     prompt_index: int = 0
     sample: int = 0  # index among the prompt's n samples; sample 0 counts the prompt in usage
     # A later sample of a prompt whose KV moves between workers waits for sample 0's first
@@ -41,7 +41,8 @@ def engine_request_id(request_id: str) -> str:
     return f"{request_id}-{uuid.uuid4().hex[:16]}"
 
 
-def prefill_only(kv_transfer_params: dict[str, Any] | None, handoff: protocol.Handoff) -> bool:
+def prefill_only(kv_transfer_params: KVTransferParams | None, handoff: protocol.Handoff
+                 ) -> bool:
     """Whether this worker computes just the prompt's KV and one token for another worker
     to decode: a prefill leg (``do_remote_decode``) or a handoff's first token.
 
@@ -51,10 +52,11 @@ def prefill_only(kv_transfer_params: dict[str, Any] | None, handoff: protocol.Ha
     for a decode leg that will never pull it; only then is the engine request limited
     (``one_sample_params``) and the answer given as one JSON body, never streamed.
     """
-    return handoff.first_events or bool((kv_transfer_params or {}).get("do_remote_decode"))
+    return handoff.first_events or (kv_transfer_params is not None
+                                    and kv_transfer_params.do_remote_decode)
 
 
-def samples_run(params: SamplingParams, kv_transfer_params: dict[str, Any] | None,
+def samples_run(params: SamplingParams, kv_transfer_params: KVTransferParams | None,
                 handoff: protocol.Handoff) -> int:
     """Samples a prompt runs here: all ``n``, except on a prefill leg that only computes the
     KV (one); a handoff's prefill samples each choice's first token."""
@@ -63,10 +65,9 @@ def samples_run(params: SamplingParams, kv_transfer_params: dict[str, Any] | Non
     return 1
 
 
-def moves_kv(kv_transfer_params: dict[str, Any] | None) -> bool:
+def moves_kv(kv_transfer_params: KVTransferParams | None) -> bool:
     """Whether this request's sample 0 moves the prompt's KV to or from another worker."""
-    params = kv_transfer_params or {}
-    return bool(params.get("do_remote_prefill") or params.get("do_remote_decode"))
+    return kv_transfer_params is not None and kv_transfer_params.moves_kv
 
 
 def one_sample_params(params: SamplingParams, one_token: bool) -> SamplingParams:
@@ -80,16 +81,14 @@ def one_sample_params(params: SamplingParams, one_token: bool) -> SamplingParams
     return engine_params
 
 
-def prompt_transfer_params(params: dict[str, Any] | None, prompt_index: int,
-                            num_prompts: int) -> dict[str, Any] | None:
+def prompt_transfer_params(params: KVTransferParams | None, prompt_index: int,
+                           num_prompts: int) -> KVTransferParams | None:
     """A prompt batch moves one transfer per prompt: ``T-p<i>`` on both P and D."""
-    if num_prompts == 1 or not params or not isinstance(params.get("transfer_id"), str):
+    if num_prompts == 1 or params is None or params.transfer_id is None:
         return params
-    return {**params, "transfer_id": f"{params['transfer_id']}-p{prompt_index}"}
+    return dataclasses.replace(params, transfer_id=f"{params.transfer_id}-p{prompt_index}")
 
 
-def without_transfer(params: dict[str, Any] | None) -> dict[str, Any] | None:
+def without_transfer(params: KVTransferParams | None) -> KVTransferParams | None:
     """The params of a sample that moves no KV (a prompt's samples after the first)."""
-    if not params:
-        return params
-    return {k: v for k, v in params.items() if k not in ("do_remote_prefill", "do_remote_decode")}
+    return None if params is None else params.without_kv_transfer()

@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_core.addresses import is_host_port
-from engine_core.cluster.grants import MAX_GRANT_CHARS
+from engine_core.cluster.grants import MAX_GRANT_CHARS, MAX_TRANSFER_ID_CHARS
 from engine_core.errors import InvalidRequestError
-from engine_core.server import protocol
+from engine_core.kv_transfer_params import is_transfer_id
+from engine_core.request_limits import MAX_CHOICES
 
-# /internal/kv/release: transfers one call may name (a request's prompts move one each),
-# and a transfer id's length (the connector's own bound).
-MAX_RELEASES = protocol.MAX_CHOICES
-MAX_TRANSFER_ID_CHARS = 1024
+# /internal/kv/release: transfers one call may name (a request's prompts move one each).
+MAX_RELEASES = MAX_CHOICES
 _RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address", "grant"})
 RELEASE_TOKEN = 0  # the one-token prompt of a release (any id of the vocabulary does)
 
@@ -34,16 +33,6 @@ class KVRelease:
     grant: str = ""
 
 
-def _is_transfer_id(value: Any) -> bool:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRANSFER_ID_CHARS:
-        return False
-    try:
-        value.encode("utf-8")  # a lone surrogate cannot cross the engine socket
-    except UnicodeEncodeError:
-        return False
-    return value.isprintable()
-
-
 def parse_kv_release(body: dict[str, Any]) -> KVRelease:
     """Validate a /internal/kv/release body: ``{"transfer_ids": [...], "remote_kv_address":
     "host:port", "grant": "..."}`` and nothing else."""
@@ -52,7 +41,7 @@ def parse_kv_release(body: dict[str, Any]) -> KVRelease:
         raise InvalidRequestError(f"unsupported parameter(s): {', '.join(unknown)}", unknown[0])
     ids = body.get("transfer_ids")
     if (not isinstance(ids, list) or not 0 < len(ids) <= MAX_RELEASES
-            or not all(_is_transfer_id(t) for t in ids) or len(set(ids)) != len(ids)):
+            or not all(is_transfer_id(t) for t in ids) or len(set(ids)) != len(ids)):
         raise InvalidRequestError(
             f"transfer_ids must be 1 to {MAX_RELEASES} distinct printable strings of at most "
             f"{MAX_TRANSFER_ID_CHARS} characters", "transfer_ids")

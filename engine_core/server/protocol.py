@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.errors import InvalidRequestError
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.models.generation_config import GenerationDefaults
+from engine_core.request_limits import MAX_CHOICES
 from engine_core.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve.server")
@@ -63,17 +65,12 @@ MAX_IGNORED_NAMES_LOGGED = 10
 NO_DEFAULTS = GenerationDefaults()
 
 Prompt = str | list[int]
-MAX_PARAMS_DEPTH = 8  # kv_transfer_params nesting (the proxy's are two deep)
-
-
-# Choices (prompts x n) of one request: each is an engine request and a task in the server.
-MAX_CHOICES = 1024
 
 
 @dataclass
 class Handoff:
     """How a request continues a stream another worker began (the proxy's first-token
-    handoff and request migration), from internal ``kv_transfer_params`` fields.
+    handoff and request migration), from the request's ``KVTransferParams``.
 
     ``first_events``: a prefill worker samples each choice's first token and adds the
     stream's first events (for those tokens) to its answer, for the proxy to send before
@@ -109,7 +106,7 @@ class CompletionRequest:
     sampling_params: SamplingParams
     stream: bool
     include_usage: bool
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     handoff: Handoff
     echo: bool = False  # each choice's text starts with its prompt
     continuous_usage: bool = False  # usage so far on every chunk of a stream
@@ -138,7 +135,7 @@ class ChatCompletionRequest:
     stream: bool
     include_usage: bool
     add_generation_prompt: bool
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     handoff: Handoff
     continuous_usage: bool = False  # usage so far on every chunk of a stream
     truncate_prompt_tokens: int | None = None  # the prompt's last N tokens (-1: the context)
@@ -230,71 +227,18 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and continuous
 
 
-def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+def _kv_transfer_params(body: dict[str, Any]) -> KVTransferParams | None:
     params = _typed(body, "kv_transfer_params", (dict,), None)
-    if params is not None and not _fits_the_wire(params):
-        raise InvalidRequestError(
-            f"kv_transfer_params must be JSON of string keys, 64-bit integers and UTF-8 "
-            f"strings, nested at most {MAX_PARAMS_DEPTH} deep", "kv_transfer_params")
-    return params
+    return None if params is None else KVTransferParams.from_wire(params)
 
 
-
-def _fits_the_wire(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` can cross the engine socket (msgpack) as it is: a lone surrogate,
-    an integer past 64 bits or deep nesting in kv_transfer_params must be a 400 here, not a
-    failed encoding (a 500) later."""
-    if depth > MAX_PARAMS_DEPTH:
-        return False
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _fits_the_wire(k, depth)
-                   and _fits_the_wire(v, depth + 1) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_fits_the_wire(v, depth + 1) for v in value)
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(value, bool) or value is None or isinstance(value, float):
-        return True
-    return isinstance(value, int) and -(1 << 63) <= value < (1 << 64)
-
-
-def _handoff(params: dict[str, Any] | None) -> Handoff:
-    """The handoff fields of ``kv_transfer_params`` (validated; absent means none)."""
-    if not params:
+def _handoff(params: KVTransferParams | None) -> Handoff:
+    """The handoff the request's params ask for (absent params: none)."""
+    if params is None:
         return Handoff()
-    first_events = params.get("first_token_events", False)
-    if not isinstance(first_events, bool):
-        raise InvalidRequestError("kv_transfer_params.first_token_events must be a boolean",
-                                  "kv_transfer_params")
-    continues = "generated_token_ids" in params
-    generated = params.get("generated_token_ids", [])
-    if (not isinstance(generated, list) or len(generated) > MAX_CHOICES
-            or any(not _handed_tokens_ok(ids) for ids in generated)):
-        raise InvalidRequestError(
-            "kv_transfer_params.generated_token_ids must be a list (one per choice) of "
-            "lists of non-negative token ids", "kv_transfer_params")
-    if continues and not generated:
-        raise InvalidRequestError("kv_transfer_params.generated_token_ids names no choice",
-                                  "kv_transfer_params")
-    if first_events and continues:
-        raise InvalidRequestError("kv_transfer_params: first_token_events and "
-                                  "generated_token_ids exclude each other", "kv_transfer_params")
-    stream_token_ids = params.get("stream_token_ids", False)
-    if not isinstance(stream_token_ids, bool):
-        raise InvalidRequestError("kv_transfer_params.stream_token_ids must be a boolean",
-                                  "kv_transfer_params")
-    return Handoff(first_events, [list(ids) for ids in generated], continues, stream_token_ids)
-
-
-def _handed_tokens_ok(value: Any) -> bool:
-    """One choice's handed-over tokens: non-negative ids (none: a stream moved before
-    its first token)."""
-    return (isinstance(value, list)
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+    generated = params.generated_token_ids
+    return Handoff(params.first_token_events, [list(ids) for ids in generated or ()],
+                   generated is not None, params.stream_token_ids)
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_core.kv_transfer_params import KVTransferResult
 from engine_core.messages import RequestTimings
 from engine_core.output_processor import LogprobEntry, RequestDelta
 from engine_core.server import streaming
@@ -33,7 +34,7 @@ class ChoiceResult:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferResult | None = None
     timings: RequestTimings | None = None
     # Characters of the tokens in ``logprobs``: the next entry's ``text_offset`` (the text
     # itself lags it while stop-string or UTF-8 hold-back keeps characters back).
@@ -163,10 +164,10 @@ def chunk_sender(sse: streaming.SSEStream, continuous_usage: bool,
 
 
 def add_kv_transfer_params(response: dict[str, Any], choices: list[ChoiceResult]) -> None:
-    """The engine's transfer params (the first choice's that has them) on the response."""
-    params = next((c.kv_transfer_params for c in choices if c.kv_transfer_params), None)
-    if params is not None:
-        response["kv_transfer_params"] = params
+    """The engine's transfer result (the first choice's that has one) on the response."""
+    result = next((c.kv_transfer_params for c in choices if c.kv_transfer_params), None)
+    if result is not None:
+        response["kv_transfer_params"] = result.to_wire()
 
 
 @contextlib.asynccontextmanager

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import EngineOutput
 from engine_core.models.generation_config import GenerationDefaults
 from engine_core.output_processor import RequestDelta, RequestState, TokenTextCache
@@ -231,7 +232,7 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-              kv_transfer_params: dict[str, Any] | None, handoff: protocol.Handoff
+              kv_transfer_params: KVTransferParams | None, handoff: protocol.Handoff
               ) -> list[Job]:
         """One engine request per (prompt, sample), in OpenAI's choice order.
 
@@ -427,8 +428,9 @@ class OpenAIServing:
 
     async def _release_one(self, transfer_id: str, release: KVRelease,
                            params: SamplingParams) -> None:
-        transfer = {"do_remote_prefill": True, "transfer_id": transfer_id,
-                    "remote_kv_address": release.producer_address, "grant": release.grant}
+        transfer = KVTransferParams(transfer_id=transfer_id, do_remote_prefill=True,
+                                    remote_kv_address=release.producer_address,
+                                    grant=release.grant)
         outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [RELEASE_TOKEN],
                                        params, transfer)
         async with contextlib.aclosing(outputs):

@@ -23,7 +23,7 @@ from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
-from tests.kv_grants import granted
+from tests.kv_grants import granted_params
 
 NUM_LAYERS = 3
 NUM_HEADS = 2
@@ -122,8 +122,8 @@ class FakeEngine:
 
 
 def _request(spec: dict[str, Any], flag: str, peer: str, own: str) -> Request:
-    params = granted({"transfer_id": spec["transfer_id"], flag: True, "remote_kv_address": peer},
-                     own)
+    params = granted_params({"transfer_id": spec["transfer_id"], flag: True,
+                             "remote_kv_address": peer}, own)
     return Request(request_id=spec["request_id"], prompt_token_ids=list(spec["prompt"]),
                    sampling_params=SamplingParams(max_tokens=1), kv_transfer_params=params)
 

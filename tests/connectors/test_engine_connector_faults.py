@@ -1,6 +1,7 @@
 """A real EngineCore with the P2P connector on CPU, driven into the corners where request
 params or scheduling pressure used to corrupt, leak or crash: a producer preempted between
-its save and its send, a bad peer address, two producer requests naming one transfer."""
+its save and its send, two producer requests naming one transfer (a bad peer address is
+refused before it reaches an engine: tests/engine_core/test_kv_transfer_params.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engine_core.demo_model import build_checkpoint
 from engine_core.engine_core import EngineCore
 from engine_core.messages import AddRequest
 from tests.connectors.kv_harness import free_port
-from tests.kv_grants import granted
+from tests.kv_grants import granted_params
 
 NOWHERE = "127.0.0.1:1"  # a peer that never answers: pulls and sends wait for it
 
@@ -45,8 +46,9 @@ def _engine(checkpoint: Path, role: str, num_blocks: int, **kv: object) -> Engin
 def _producer_request(engine: EngineCore, request_id: str, prompt: list[int],
                       transfer_id: str) -> AddRequest:
     return AddRequest(request_id, prompt, {"max_tokens": 1}, time.time(),
-                      granted({"do_remote_decode": True, "transfer_id": transfer_id,
-                               "remote_kv_address": NOWHERE}, engine.connector_worker.address))
+                      granted_params({"do_remote_decode": True, "transfer_id": transfer_id,
+                                      "remote_kv_address": NOWHERE},
+                                     engine.connector_worker.address))
 
 
 def test_a_producer_is_not_preempted_between_its_save_and_its_send(checkpoint: Path) -> None:
@@ -66,26 +68,6 @@ def test_a_producer_is_not_preempted_between_its_save_and_its_send(checkpoint: P
         assert engine.connector_worker.producer_side._pending["tR"].save.block_ids == saved
         assert set(engine.kv_manager.get_block_ids("R")) == set(saved)  # still R's (held)
         assert not set(saved) & set(engine.kv_manager.get_block_ids("Q"))
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.parametrize("address", ["x y:1", "h/x:1", "*:1", "h:0", "h:99999", ""])
-def test_a_bad_peer_address_is_refused_not_fatal(checkpoint: Path, address: str) -> None:
-    """A consumer request naming an address ZMQ cannot connect to is computed locally (the
-    params are counted invalid); the engine keeps stepping."""
-    engine = _engine(checkpoint, "kv_consumer", num_blocks=32)
-    try:
-        engine.add_request(AddRequest("r1", list(range(1, 40)), {"max_tokens": 4}, time.time(),
-                                      {"do_remote_prefill": True, "transfer_id": "t1",
-                                       "remote_kv_address": address}))
-        finished = []
-        for _ in range(20):
-            finished += [o for o in engine.step() if o.finish_reason is not None]
-            if finished:
-                break
-        assert [(o.request_id, o.finish_reason) for o in finished] == [("r1", "length")]
-        assert engine.scheduler.connector.stats()["invalid_transfer_params"] >= 1
     finally:
         engine.shutdown()
 

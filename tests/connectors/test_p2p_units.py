@@ -39,7 +39,7 @@ from engine_core.worker.block_copy import (
 )
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.kv_harness import free_port
-from tests.kv_grants import granted
+from tests.kv_grants import granted_params
 
 BS = 4
 
@@ -248,8 +248,8 @@ OWN_ADDRESS = "127.0.0.1:14579"  # KVTransferConfig's default kv_ip:kv_port
 
 
 def _req(request_id: str, length: int, flag: str | None, transfer_id: str = "T") -> Request:
-    params = granted({"transfer_id": transfer_id, flag: True, "remote_kv_address": "h:1"},
-                     OWN_ADDRESS) if flag else None
+    params = granted_params({"transfer_id": transfer_id, flag: True, "remote_kv_address": "h:1"},
+                            OWN_ADDRESS) if flag else None
     return Request(request_id=request_id, prompt_token_ids=list(range(length)),
                    sampling_params=SamplingParams(max_tokens=1), kv_transfer_params=params)
 
@@ -345,10 +345,10 @@ def test_consumer_loads_that_end_before_their_pull_release_the_producer() -> Non
     def load(request_id: str, blocks: int) -> Request:
         req = Request(request_id=request_id, prompt_token_ids=list(range(16 * blocks + 1)),
                       sampling_params=SamplingParams(max_tokens=1),
-                      kv_transfer_params=granted({"do_remote_prefill": True,
-                                                  "transfer_id": f"T{request_id}",
-                                                  "remote_kv_address": producer},
-                                                 worker.address))
+                      kv_transfer_params=granted_params({"do_remote_prefill": True,
+                                                         "transfer_id": f"T{request_id}",
+                                                         "remote_kv_address": producer},
+                                                        worker.address))
         sched.get_num_new_matched_tokens(req, 0)
         sched.update_state_after_alloc(req, list(range(blocks)), 0, 16 * blocks)
         return req
@@ -439,7 +439,7 @@ def test_producer_saves_on_final_chunk_and_holds() -> None:
     (save,) = sched.build_connector_meta(_out(cached=[cached], scheduled={"p": 1})).saves
     assert save.block_ids == [4, 5] and save.num_tokens == 8 and save.transfer_id == "T"
     hold, params = sched.request_finished(req, [4, 5, 6])
-    assert hold and params["transfer_id"] == "T"
+    assert hold and params.transfer_id == "T"
     assert sched.stats()["held_requests"] == 1
     sched.update_finished(FinishedTransfers(sending={"p"}))
     assert sched.is_idle()

@@ -10,6 +10,7 @@ from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import KVTransferConfig
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import NewRequestData, SchedulerOutput
@@ -31,7 +32,8 @@ def request(flag: str, grant: Any, transfer_id: str = "T", peer: str = PEER,
     if grant is not None:
         params["grant"] = grant
     return Request(request_id=request_id, prompt_token_ids=list(range(3 * BS + 1)),
-                   sampling_params=SamplingParams(max_tokens=1), kv_transfer_params=params)
+                   sampling_params=SamplingParams(max_tokens=1),
+                   kv_transfer_params=KVTransferParams.from_wire(params))
 
 
 def saves_of(producer: P2pConnectorScheduler, req: Request) -> list:

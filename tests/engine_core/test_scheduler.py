@@ -8,6 +8,7 @@ import pytest
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers, NullConnectorScheduler
+from engine_core.kv_transfer_params import KVTransferParams, KVTransferResult
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.block_hash import BlockHasher
@@ -144,6 +145,10 @@ def test_abort_at_any_point_frees_blocks(abort_after_steps):
     assert_all_free(scheduler)
 
 
+REMOTE = KVTransferParams(do_remote_prefill=True)
+DONE = KVTransferResult("t", "p:1", 1)
+
+
 class RemoteConnector(NullConnectorScheduler):
     """Says every prompt but its last token arrives from a remote worker."""
 
@@ -152,7 +157,7 @@ class RemoteConnector(NullConnectorScheduler):
         self.hold = hold
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if not (request.kv_transfer_params or {}).get("do_remote_prefill"):
+        if request.kv_transfer_params is None or not request.kv_transfer_params.do_remote_prefill:
             return ExternalMatch()
         return ExternalMatch(request.num_prompt_tokens - 1 - num_computed_tokens, True)
 
@@ -160,7 +165,7 @@ class RemoteConnector(NullConnectorScheduler):
         self.allocated[request.request_id] = list(block_ids)
 
     def request_finished(self, request, block_ids):
-        return self.hold, {"done": True}
+        return self.hold, DONE
 
     def pins_blocks(self, request):
         return False
@@ -169,7 +174,7 @@ class RemoteConnector(NullConnectorScheduler):
 def test_remote_kv_request_parks_without_blocking_others():
     connector = RemoteConnector()
     scheduler, runner = make_scheduler(connector=connector), FakeRunner()
-    scheduler.add_request(make_request("remote", 10, kv_transfer_params={"do_remote_prefill": True}))
+    scheduler.add_request(make_request("remote", 10, kv_transfer_params=REMOTE))
     scheduler.add_request(make_request("local", 5))
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens) == ["local"]
@@ -190,7 +195,7 @@ def test_remote_kv_request_parks_without_blocking_others():
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_remote_load(policy):
     scheduler, runner = make_scheduler(connector=RemoteConnector(), policy=policy), FakeRunner()
-    scheduler.add_request(make_request("remote", 10, kv_transfer_params={"do_remote_prefill": True}))
+    scheduler.add_request(make_request("remote", 10, kv_transfer_params=REMOTE))
     out = scheduler.schedule()
     scheduler.update_from_output(out, runner.execute(out))
     runner.finished.failed_recving = {"remote"}
@@ -206,7 +211,7 @@ def test_finished_request_blocks_held_until_sent():
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, runner.execute(out))
     assert outputs[0].finish_reason == "length"
-    assert outputs[0].kv_transfer_params == {"done": True}
+    assert outputs[0].kv_transfer_params == DONE
     assert scheduler.kv.num_free_blocks < scheduler.kv.num_total_blocks
     runner.finished.sending = {"p"}
     run_until_idle(scheduler, runner)
@@ -219,7 +224,7 @@ def test_request_aborted_mid_load_holds_its_blocks_until_the_load_ends(ended):
     receives still scatter into them) until the worker reports the load's end, landed or
     failed, and are freed then."""
     scheduler, runner = make_scheduler(connector=RemoteConnector(hold=True)), FakeRunner()
-    scheduler.add_request(make_request("remote", 10, kv_transfer_params={"do_remote_prefill": True}))
+    scheduler.add_request(make_request("remote", 10, kv_transfer_params=REMOTE))
     out = scheduler.schedule()
     scheduler.update_from_output(out, runner.execute(out))
     assert "remote" in scheduler.parked
@@ -261,7 +266,7 @@ def test_landed_loads_that_fill_the_cache_still_run():
     scheduler, runner = make_scheduler(num_blocks=4, connector=RemoteConnector()), FakeRunner()
     for rid in ("a", "b"):
         scheduler.add_request(make_request(rid, 9, start=100 if rid == "a" else 200,
-                                           kv_transfer_params={"do_remote_prefill": True}))
+                                           kv_transfer_params=REMOTE))
     out = scheduler.schedule()
     assert list(scheduler.parked) == ["a"] and scheduler.kv.num_blocks_of("a") == 3
     scheduler.update_from_output(out, runner.execute(out))
@@ -280,7 +285,7 @@ def test_a_landed_load_passes_a_head_that_found_no_blocks():
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, runner.execute(out))
     scheduler.add_request(make_request("remote", 9, max_tokens=2, start=500,
-                                       kv_transfer_params={"do_remote_prefill": True}))
+                                       kv_transfer_params=REMOTE))
     out = scheduler.schedule()
     assert "remote" in scheduler.parked and scheduler.kv.num_free_blocks == 0
     outputs += scheduler.update_from_output(out, runner.execute(out))

@@ -18,6 +18,7 @@ import pytest
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers, NullConnectorScheduler
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.block_hash import BlockHasher
@@ -89,7 +90,7 @@ class FakeConsumer(NullConnectorScheduler):
         self.loads: dict[str, tuple[list[int], int, int, list[int]]] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if not (request.kv_transfer_params or {}).get("do_remote_prefill"):
+        if request.kv_transfer_params is None or not request.kv_transfer_params.do_remote_prefill:
             return ExternalMatch()
         num = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
         return ExternalMatch(num, num > 0)
@@ -148,7 +149,7 @@ def run_one(seed: int, aborts: bool) -> int:
             scheduler.add_request(Request(
                 rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                             ignore_eos=True),
-                kv_transfer_params={"do_remote_prefill": True} if remote else None))
+                kv_transfer_params=KVTransferParams(do_remote_prefill=True) if remote else None))
             expected[rid] = reference(prompt, max_tokens)
         if aborts and scheduler.requests and rng.random() < 0.03:
             rid = rng.choice(sorted(scheduler.requests))

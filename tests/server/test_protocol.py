@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core.errors import InvalidRequestError
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.server import protocol
 
 
@@ -17,7 +18,7 @@ def test_completion_request_fields():
     assert req.sampling_params.max_tokens == 7 and req.sampling_params.stop == ["x"]
     assert req.sampling_params.logprobs == 2 and req.sampling_params.seed == 3
     assert req.stream and req.include_usage
-    assert req.kv_transfer_params == {"transfer_id": "t"}
+    assert req.kv_transfer_params == KVTransferParams(transfer_id="t")
     assert protocol.parse_completion_request({"prompt": [5, 6]}).prompts == [[5, 6]]
     assert protocol.parse_completion_request({"prompt": "x"}).sampling_params.max_tokens == 16
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from engine_core.demo_model import random_demo_model_path
+from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import EngineOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol
@@ -28,7 +29,7 @@ class _SlowFirstSample:
 
     async def generate(self, request_id: str, prompt_token_ids: Any, params: Any,
                        kv_transfer_params: Any = None, generated_token_ids: Any = ()):
-        if (kv_transfer_params or {}).get("do_remote_prefill"):
+        if kv_transfer_params is not None and kv_transfer_params.do_remote_prefill:
             await asyncio.sleep(WAIT_S)
         yield EngineOutput(request_id, [5], len(prompt_token_ids), 0, finish_reason="length")
 
@@ -38,8 +39,8 @@ async def test_every_sample_counts_its_time_to_first_token_from_the_arrival() ->
     tokenizer = TokenizerService.load(str(random_demo_model_path()), 256, 1000)
     metrics = ServerMetrics("demo")
     serving = OpenAIServing(_SlowFirstSample(), tokenizer, ["demo"], metrics)
-    transfer = {"do_remote_prefill": True, "transfer_id": "t",
-                "remote_kv_address": "127.0.0.1:1"}
+    transfer = KVTransferParams(transfer_id="t", do_remote_prefill=True,
+                                remote_kv_address="127.0.0.1:1")
     jobs = serving._jobs("r", [[1, 2, 3]], SamplingParams(n=3, max_tokens=1), transfer,
                          protocol.Handoff())
     assert [job.after for job in jobs] == [None, 0, 0]

@@ -36,7 +36,7 @@ from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.errors import KVTransferError
 from engine_core.kv_connector import FinishedTransfers
-from engine_core.worker.block_copy import block_ids_tensor, scatter_layers, wire_shape
+from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, scatter_layers, wire_shape
 
 logger = logging.getLogger(__name__)
 
@@ -141,17 +141,18 @@ class KVConsumer:
         return FinishedTransfers(recving=recving, failed_recving=failed)
 
     def make_pull(self, transfer_id: str, first_block: int, num_blocks: int,
-                  max_layers_per_call: int = 0) -> KVPullRequest:
+                  max_layers_per_call: int = 0, heads: HeadSlice | None = None) -> KVPullRequest:
         num_layers, dtype, block_shape, _ = self._state.require_geometry()
         return KVPullRequest(transfer_id=transfer_id, consumer_address=self._state.own_address,
                              first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
-                             dtype=dtype, block_shape=list(block_shape),
+                             dtype=dtype, block_shape=self._state.slice_shape(heads),
                              timeout_s=self._state.config.transfer_timeout_s,
                              consumer_epoch=self._state.epoch, max_layers_per_call=max_layers_per_call)
 
     def add_load(self, spec: LoadSpec, now: float) -> None:
-        num_layers, _, block_shape, element_size = self._state.require_geometry()
-        layer_bytes = layer_nbytes(len(spec.block_ids), block_shape, element_size)
+        num_layers, _, _, element_size = self._state.require_geometry()
+        layer_bytes = layer_nbytes(len(spec.block_ids), self._state.slice_shape(spec.heads),
+                                   element_size)
         nbytes = num_layers * layer_bytes
         # Larger than the buffer: whole layers of half of it (at least one layer), so that
         # smaller loads are not all pushed back behind it; its calls take turns in them, and
@@ -161,7 +162,8 @@ class KVConsumer:
                    else max(layer_bytes, capacity // 2 // max(layer_bytes, 1) * layer_bytes))
         pull = self.make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids),
                                max_layers_per_call=(0 if staging >= nbytes
-                                                    else staging // max(layer_bytes, 1)))
+                                                    else staging // max(layer_bytes, 1)),
+                               heads=spec.heads)
         load = Load(spec=spec, pull=pull, nbytes=nbytes, staging_bytes=staging,
                      deadline=now + self._state.config.transfer_timeout_s)
         with self._state.lock:
@@ -339,7 +341,7 @@ class KVConsumer:
         if load.scatter_ids is None:
             load.scatter_ids = block_ids_tensor(load.spec.block_ids, self._state.device)
         scatter_layers(self._state.require_stacked(), load.scatter_ids, load.views[call],
-                       call * load.layers_per_call)
+                       call * load.layers_per_call, load.spec.heads)
 
     def on_header(self, header: KVSendHeader) -> None:
         key = (header.producer_address, header.producer_epoch)

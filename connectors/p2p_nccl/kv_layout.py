@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine_core.errors import ConfigError, KVTransferError
 from engine_core.parallel.sharding import kv_head_range
+from engine_core.worker.block_copy import HeadSlice
 
 MAX_TP_SIZE = 1024
 
@@ -104,6 +105,21 @@ class HeadRoute:
     src_head: int
     dst_head: int
     num_heads: int
+
+    @property
+    def src_slice(self) -> HeadSlice:
+        """What the producer rank gathers from each block."""
+        return HeadSlice(self.src_head, self.num_heads)
+
+    @property
+    def dst_slice(self) -> HeadSlice:
+        """Where the consumer rank scatters it."""
+        return HeadSlice(self.dst_head, self.num_heads)
+
+    def transfer_id(self, transfer_id: str) -> str:
+        """The route's own transfer id: each route is one ordinary transfer between two
+        ranks (its own pull, header and data calls), named after the request's."""
+        return f"{transfer_id}/kv{self.src_rank}-{self.dst_rank}"
 
 
 def plan_head_routes(producer: KVLayout, consumer: KVLayout) -> list[HeadRoute]:

@@ -28,7 +28,7 @@ from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.addresses import is_host_port
-from engine_core.worker.block_copy import block_ids_tensor, gather_layers, wire_shape
+from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, gather_layers, wire_shape
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class KVProducer:
         # Epoch of the consumer process last seen at each address (from its pulls), least
         # recently heard from first; a new one means that process restarted.
         self._consumer_epochs: dict[str, str] = {}
-        self._step_push: list[tuple[SendJob, torch.Tensor]] = []  # (job, its block index)
+        # (job, its block index, the KV heads it moves)
+        self._step_push: list[tuple[SendJob, torch.Tensor, HeadSlice | None]] = []
         self._step_deferred: list[str] = []
         self._finished_sending: set[str] = set()
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
@@ -120,7 +121,7 @@ class KVProducer:
         """After a call's last layer, gather the call's layers of each pushed
         request with one kernel and wake its sender; every other layer does nothing."""
         stacked = self._state.require_stacked()
-        for job, index in self._step_push:
+        for job, index, heads in self._step_push:
             assert job.slots is not None
             call = job.slots.call_ending_at(layer_idx)
             if call is None or job.done.is_set():
@@ -130,7 +131,7 @@ class KVProducer:
                 if staging is None:
                     continue
                 first, end = job.slots.calls[call]
-                gather_layers(stacked, first, end, index, out=staging[first:end])
+                gather_layers(stacked, first, end, index, out=staging[first:end], heads=heads)
                 job.slots.put(call, self._state.record_event())
             except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
                 job.slots.fail(exc)
@@ -153,7 +154,7 @@ class KVProducer:
         for pending, pull, arrived in to_start:
             self._start_deferred(pending, pull, arrived)
         if self._state.config.send_type == "PUT":
-            for job, _ in self._step_push:
+            for job, _, _ in self._step_push:
                 job.done.wait(max(0.0, job.deadline - now))
         self._step_push = []
         self._step_deferred = []
@@ -169,11 +170,11 @@ class KVProducer:
             if not self._range_ok(pull, save):
                 return
             index = block_ids_tensor(save.block_ids[pull.first_block:], self._state.device)
-            num_layers, _, block_shape, _ = self._state.require_geometry()
+            num_layers = self._state.require_geometry()[0]
             layers_per_call = self._layers_per_call(pull)
             calls = call_ranges(num_layers, layers_per_call)
             try:
-                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
+                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, pull.block_shape),
                                       dtype=self._state.require_stacked().dtype, device=self._state.device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
                 job = self._make_job(save, pull, arrived,
@@ -182,7 +183,7 @@ class KVProducer:
                 self._submit(job)
                 return
             job = self._make_job(save, pull, arrived, slots=CallSlots(staging, calls))
-            self._step_push.append((job, index))
+            self._step_push.append((job, index, save.heads))
             self._submit(job)
             return
         with self._state.lock:
@@ -202,7 +203,7 @@ class KVProducer:
         block_ids = save.block_ids[pull.first_block:]
         event = pending.ready_event
         peer = pull.consumer_address
-        block_shape = self._state.require_geometry()[2]
+        block_shape = list(pull.block_shape)
         index: torch.Tensor | None = None
 
         def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
@@ -216,15 +217,20 @@ class KVProducer:
                     index = block_ids_tensor(block_ids, self._state.device)
                 out = torch.empty(wire_shape(end - first, len(block_ids), block_shape),
                                   dtype=stacked.dtype, device=self._state.device)
-                return gather_layers(stacked, first, end, index, out=out), None
+                return gather_layers(stacked, first, end, index, out=out, heads=save.heads), None
 
         self._submit(self._make_job(save, pull, arrived, call_source=gather_call))
 
     def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
-        if pull.first_block + pull.num_blocks == len(save.block_ids):
+        """The pull asks for the save's blocks and, block by block, the KV heads the save
+        moves (all of them, or its route's slice); else the transfer is aborted."""
+        shape = self._state.slice_shape(save.heads)
+        if (pull.first_block + pull.num_blocks == len(save.block_ids)
+                and list(pull.block_shape) == shape):
             return True
         reason = (f"consumer asks blocks [{pull.first_block}, {pull.first_block + pull.num_blocks})"
-                  f" but the prompt has {len(save.block_ids)}")
+                  f" of shape {list(pull.block_shape)} but the prompt has "
+                  f"{len(save.block_ids)} of shape {shape}")
         with self._state.lock:
             self._state.counters["messages_rejected"] += 1
         self._submit_abort(save.transfer_id, pull.consumer_address, reason)
@@ -232,8 +238,8 @@ class KVProducer:
         return False
 
     def _layers_per_call(self, pull: KVPullRequest) -> int:
-        num_layers, _, block_shape, element_size = self._state.require_geometry()
-        per_layer = layer_nbytes(pull.num_blocks, block_shape, element_size)
+        num_layers, _, _, element_size = self._state.require_geometry()
+        per_layer = layer_nbytes(pull.num_blocks, pull.block_shape, element_size)
         return plan_layers_per_call(num_layers, per_layer, self._state.config.min_call_bytes,
                                     max_layers=pull.max_layers_per_call)
 
@@ -244,13 +250,13 @@ class KVProducer:
         header sent after the consumer gave up is refused and, on NCCL, its pair aborted, and
         the sends of every later transfer on that pair queued behind it (one sender thread a
         consumer) failed with it."""
-        num_layers, dtype, block_shape, _ = self._state.require_geometry()
+        num_layers, dtype, _, _ = self._state.require_geometry()
         deadline = min(self._state.clock() + self._state.config.transfer_timeout_s,
                        arrived + pull.timeout_s - PULL_DEADLINE_MARGIN_S)
         return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
                        peer_address=pull.consumer_address, first_block=pull.first_block,
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
-                       block_shape=list(block_shape), deadline=deadline,
+                       block_shape=list(pull.block_shape), deadline=deadline,
                        layers_per_call=self._layers_per_call(pull),
                        peer_epoch=pull.consumer_epoch, **source)
 
@@ -335,9 +341,9 @@ class KVProducer:
             elif job.error is None:
                 self._state.counters["transfers_sent"] += 1
                 self._state.counters["control_messages_sent"] += 1
-                _, _, block_shape, element_size = self._state.require_geometry()
+                element_size = self._state.require_geometry()[3]
                 self._state.counters["bytes_sent"] += job.num_layers * layer_nbytes(
-                    job.num_blocks, block_shape, element_size)
+                    job.num_blocks, job.block_shape, element_size)
             else:
                 self._state.counters["sends_failed"] += 1
         self._state.doorbell.ring()

@@ -116,11 +116,6 @@ class HeadRoute:
         """Where the consumer rank scatters it."""
         return HeadSlice(self.dst_head, self.num_heads)
 
-    def transfer_id(self, transfer_id: str) -> str:
-        """The route's own transfer id: each route is one ordinary transfer between two
-        ranks (its own pull, header and data calls), named after the request's."""
-        return f"{transfer_id}/kv{self.src_rank}-{self.dst_rank}"
-
 
 def plan_head_routes(producer: KVLayout, consumer: KVLayout) -> list[HeadRoute]:
     """Every (producer rank, consumer rank, head slice) move that fills all consumer ranks,
@@ -165,3 +160,12 @@ def routes_into(routes: list[HeadRoute], consumer_rank: int) -> list[HeadRoute]:
 def routes_from(routes: list[HeadRoute], producer_rank: int) -> list[HeadRoute]:
     """The moves one producer rank serves."""
     return [route for route in routes if route.src_rank == producer_rank]
+
+
+def route_transfer_ids(transfer_id: str, routes: list[HeadRoute]) -> list[str]:
+    """Each route's own transfer id (each route is one ordinary transfer between two ranks:
+    its own pull, header and data calls), named after the request's; a single route (TP=1
+    <-> TP=1) keeps the request's id, so that path is unchanged on the wire."""
+    if len(routes) == 1:
+        return [transfer_id]
+    return [f"{transfer_id}/kv{route.src_rank}-{route.dst_rank}" for route in routes]

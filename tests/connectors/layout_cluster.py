@@ -8,7 +8,12 @@ from __future__ import annotations
 import torch
 
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
-from connectors.p2p_nccl.kv_layout import KVLayout, plan_head_routes
+from connectors.p2p_nccl.kv_layout import (
+    HeadRoute,
+    KVLayout,
+    plan_head_routes,
+    route_transfer_ids,
+)
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from deploy.launch import free_ports
 from engine_core.config import KVTransferConfig
@@ -75,20 +80,23 @@ class LayoutCluster:
 
     def ask(self, transfer_id: str, dst_heads: dict[str, HeadSlice] | None = None) -> None:
         """Each consumer rank pulls its routes (``dst_heads`` overrides a route's slice)."""
+        named = self.named_routes(transfer_id)
         for rank, worker in enumerate(self.d_workers):
-            loads = [LoadSpec(route.transfer_id(transfer_id), route.transfer_id(transfer_id),
-                              self.p_addrs[route.src_rank], DST, 0, 12,
-                              (dst_heads or {}).get(route.transfer_id(transfer_id),
-                                                    route.dst_slice))
-                     for route in self.routes if route.dst_rank == rank]
+            loads = [LoadSpec(tid, tid, self.p_addrs[route.src_rank], DST, 0, 12,
+                              (dst_heads or {}).get(tid, route.dst_slice))
+                     for tid, route in named if route.dst_rank == rank]
             worker.start_load_kv(P2pConnectorMetadata(loads=loads))
+
+    def named_routes(self, transfer_id: str) -> list[tuple[str, HeadRoute]]:
+        """(the route's transfer id, the route) for one request."""
+        return list(zip(route_transfer_ids(transfer_id, self.routes), self.routes, strict=True))
 
     def compute(self, transfer_id: str) -> None:
         """Each producer rank's step that computes the prompt: it saves its routes."""
+        named = self.named_routes(transfer_id)
         for rank, worker in enumerate(self.p_workers):
-            saves = [SaveSpec(route.transfer_id(transfer_id), route.transfer_id(transfer_id),
-                              self.d_addrs[route.dst_rank], SRC, 12, route.src_slice)
-                     for route in self.routes if route.src_rank == rank]
+            saves = [SaveSpec(tid, tid, self.d_addrs[route.dst_rank], SRC, 12, route.src_slice)
+                     for tid, route in named if route.src_rank == rank]
             worker.bind_step(P2pConnectorMetadata(saves=saves), None)
             for layer in range(LAYERS):
                 worker.after_layer(layer, None)
@@ -109,7 +117,7 @@ class LayoutCluster:
 
     def outcomes(self, transfer_id: str) -> dict[str, str]:
         """Each route's load: "ok" or "failed", once every one resolved."""
-        wanted = {route.transfer_id(transfer_id) for route in self.routes}
+        wanted = set(route_transfer_ids(transfer_id, self.routes))
         seen: dict[str, str] = {}
 
         def resolved() -> bool:

@@ -13,6 +13,7 @@ from connectors.p2p_nccl.kv_layout import (
     check_layout,
     layout_mismatch,
     plan_head_routes,
+    route_transfer_ids,
     routes_from,
     routes_into,
 )
@@ -124,3 +125,9 @@ def test_a_descriptor_that_misstates_its_heads_is_refused():
     assert "claims KV heads" in check_layout(replace(honest, kv_head_start=0))
     assert "out of range" in check_layout(replace(honest, rank=2))
     assert "positive" in check_layout(replace(honest, head_dim=0))
+
+
+def test_route_transfer_ids_are_distinct_and_one_route_keeps_the_request_id():
+    assert route_transfer_ids("r1", plan_head_routes(layout(1), layout(1))) == ["r1"]
+    ids = route_transfer_ids("r1", plan_head_routes(layout(4, 8), layout(2, 8)))
+    assert ids == ["r1/kv0-0", "r1/kv1-0", "r1/kv2-1", "r1/kv3-1"]

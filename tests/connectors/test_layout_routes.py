@@ -43,11 +43,11 @@ def test_requests_in_turn_reuse_the_routes(make_cluster):
 
 def test_a_pull_for_other_heads_than_the_route_is_refused(make_cluster):
     cluster = make_cluster(1, 2)
-    wrong = cluster.routes[0].transfer_id("req")
+    (wrong, _), (right, _) = cluster.named_routes("req")
     cluster.compute("req")
     cluster.ask("req", dst_heads={wrong: HeadSlice(0, 1)})  # asks 1 head of the route's 2
     outcomes = cluster.outcomes("req")
     assert outcomes[wrong] == "failed"
-    assert outcomes[cluster.routes[1].transfer_id("req")] == "ok"
+    assert outcomes[right] == "ok"
     assert cluster.p_workers[0].stats()["messages_rejected"] >= 1
     assert cluster.idle()

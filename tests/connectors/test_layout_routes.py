@@ -7,6 +7,7 @@ import pytest
 
 from engine_core.worker.block_copy import HeadSlice
 from tests.connectors.layout_cluster import LayoutCluster
+from tests.connectors.worker_pair import wait_until
 
 
 @pytest.fixture
@@ -50,4 +51,42 @@ def test_a_pull_for_other_heads_than_the_route_is_refused(make_cluster):
     assert outcomes[wrong] == "failed"
     assert outcomes[right] == "ok"
     assert cluster.p_workers[0].stats()["messages_rejected"] >= 1
+    assert cluster.idle()
+
+
+def reports(cluster: LayoutCluster, request_id: str, seconds: float) -> list[str]:
+    """What the one consumer rank reports for ``request_id`` within ``seconds``."""
+    seen: list[str] = []
+
+    def reported() -> bool:
+        finished = cluster.d_workers[0].land_loads()
+        seen.extend(["ok"] * (request_id in finished.recving)
+                    + ["failed"] * (request_id in finished.failed_recving))
+        return bool(seen)
+
+    wait_until(reported, seconds)
+    return seen
+
+
+def test_a_request_whose_heads_come_from_two_ranks_lands_once_both_did(make_cluster):
+    cluster = make_cluster(2, 1)
+    cluster.ask("req", request_id="r")
+    cluster.compute("req", ranks=[1])
+    assert reports(cluster, "r", 0.5) == []  # rank 0's heads are not there yet
+    cluster.compute("req", ranks=[0])
+    assert reports(cluster, "r", 10.0) == ["ok"]
+    cluster.assert_landed()
+    assert cluster.idle()
+
+
+def test_one_failed_route_fails_the_request_after_every_route_ended(make_cluster):
+    cluster = make_cluster(2, 1)
+    (_, _), (wrong, _) = cluster.named_routes("req")
+    cluster.ask("req", dst_heads={wrong: HeadSlice(2, 1)}, request_id="r")
+    cluster.compute("req", ranks=[1])  # refuses the pull: that route fails at once
+    assert wait_until(lambda: cluster.p_workers[1].stats()["messages_rejected"] >= 1, 5.0)
+    # The other route still runs (its scatters may yet write the blocks): no report.
+    assert reports(cluster, "r", 0.5) == []
+    cluster.compute("req", ranks=[0])
+    assert reports(cluster, "r", 10.0) == ["failed"]
     assert cluster.idle()

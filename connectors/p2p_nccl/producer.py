@@ -68,6 +68,9 @@ class KVProducer:
         self._step_push: list[tuple[SendJob, torch.Tensor, HeadSlice | None]] = []
         self._step_deferred: list[str] = []
         self._finished_sending: set[str] = set()
+        # A request's KV may go out in several sends (routes between tensor-parallel layouts,
+        # each its own heads of the same blocks): its blocks are handed back once all ended.
+        self._open_saves: dict[str, int] = {}
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
         # one is answered with an abort at once. Bounded; holds no bytes.
         self._tombstones: dict[str, float] = {}
@@ -84,7 +87,7 @@ class KVProducer:
         for transfer_id, pending in list(self._pending.items()):
             if now > pending.lease_deadline:
                 del self._pending[transfer_id]
-                self._finished_sending.add(pending.save.request_id)
+                self._end_save_locked(pending.save.request_id)
                 self._state.counters["leases_expired"] += 1
                 self._tombstone(transfer_id, now)
         self._expire_tombstones(now)
@@ -107,7 +110,7 @@ class KVProducer:
     def idle_locked(self) -> bool:
         """True when no send, held save, waiting pull or unreported finish is kept."""
         return not (self._pending or self._in_flight or self._registrations
-                    or self._finished_sending)
+                    or self._finished_sending or self._open_saves)
 
     def bind_step(self, metadata: P2pConnectorMetadata | None) -> None:
         """Decide, once per save, whether it is pushed layer by layer or deferred."""
@@ -161,6 +164,7 @@ class KVProducer:
 
     def _bind_save(self, save: SaveSpec) -> None:
         with self._state.lock:
+            self._open_saves[save.request_id] = self._open_saves.get(save.request_id, 0) + 1
             registration = self._registrations.pop(save.transfer_id, None)
         if registration is not None and self._state.config.send_type != "GET":
             pull, arrived = registration
@@ -335,7 +339,7 @@ class KVProducer:
             if job.slots is not None:
                 job.slots.clear()
             if job.request_id is not None:
-                self._finished_sending.add(job.request_id)
+                self._end_save_locked(job.request_id)
             if job.released:
                 pass  # the consumer no longer wanted it: not a failure of this producer
             elif job.error is None:
@@ -350,6 +354,15 @@ class KVProducer:
 
     def _finish_send(self, request_id: str) -> None:
         with self._state.lock:
+            self._end_save_locked(request_id)
+
+    def _end_save_locked(self, request_id: str) -> None:
+        """One send of ``request_id`` ended; hand its blocks back once its last one has (call
+        with the lock held)."""
+        remaining = self._open_saves.pop(request_id, 1) - 1
+        if remaining > 0:
+            self._open_saves[request_id] = remaining
+        else:
             self._finished_sending.add(request_id)
 
     def on_pull(self, pull: KVPullRequest) -> None:

@@ -79,11 +79,14 @@ class LayoutCluster:
         return worker
 
     def ask(self, transfer_id: str, dst_heads: dict[str, HeadSlice] | None = None,
-            request_id: str | None = None) -> None:
-        """Each consumer rank pulls its routes (``dst_heads`` overrides a route's slice); the
-        loads belong to ``request_id``, else each route is a request of its own."""
+            request_id: str | None = None, ranks: list[int] | None = None) -> None:
+        """Each consumer rank (or those of ``ranks``) pulls its routes (``dst_heads``
+        overrides a route's slice); the loads belong to ``request_id``, else each route is a
+        request of its own."""
         named = self.named_routes(transfer_id)
         for rank, worker in enumerate(self.d_workers):
+            if ranks is not None and rank not in ranks:
+                continue
             loads = [LoadSpec(request_id or tid, tid, self.p_addrs[route.src_rank], DST, 0, 12,
                               (dst_heads or {}).get(tid, route.dst_slice))
                      for tid, route in named if route.dst_rank == rank]
@@ -93,14 +96,15 @@ class LayoutCluster:
         """(the route's transfer id, the route) for one request."""
         return list(zip(route_transfer_ids(transfer_id, self.routes), self.routes, strict=True))
 
-    def compute(self, transfer_id: str, ranks: list[int] | None = None) -> None:
+    def compute(self, transfer_id: str, ranks: list[int] | None = None,
+                request_id: str | None = None) -> None:
         """Each producer rank's (or those of ``ranks``) step that computes the prompt: it
-        saves its routes."""
+        saves its routes, as ``request_id`` or each route as a request of its own."""
         named = self.named_routes(transfer_id)
         for rank, worker in enumerate(self.p_workers):
             if ranks is not None and rank not in ranks:
                 continue
-            saves = [SaveSpec(tid, tid, self.d_addrs[route.dst_rank], SRC, 12, route.src_slice)
+            saves = [SaveSpec(request_id or tid, tid, self.d_addrs[route.dst_rank], SRC, 12, route.src_slice)
                      for tid, route in named if route.src_rank == rank]
             worker.bind_step(P2pConnectorMetadata(saves=saves), None)
             for layer in range(LAYERS):

@@ -90,3 +90,24 @@ def test_one_failed_route_fails_the_request_after_every_route_ended(make_cluster
     cluster.compute("req", ranks=[0])
     assert reports(cluster, "r", 10.0) == ["failed"]
     assert cluster.idle()
+
+
+def test_a_producer_hands_blocks_back_once_every_route_out_of_it_ended(make_cluster):
+    cluster = make_cluster(1, 2)
+    producer = cluster.p_workers[0]
+    sent: list[str] = []
+
+    def finished(seconds: float) -> list[str]:
+        wait_until(lambda: bool(sent.extend(producer.get_finished().sending) or sent), seconds)
+        return sent
+
+    (first, _), (second, _) = cluster.named_routes("req")
+    cluster.compute("req", request_id="r")  # both routes' saves wait for their pulls
+    cluster.ask("req", ranks=[0])
+    assert wait_until(lambda: first in cluster.d_workers[0].land_loads().recving, 10.0)
+    assert finished(0.5) == []  # the route to rank 1 still reads the blocks
+    cluster.ask("req", ranks=[1])
+    assert finished(10.0) == ["r"]
+    assert wait_until(lambda: second in cluster.d_workers[1].land_loads().recving, 10.0)
+    cluster.assert_landed()
+    assert cluster.idle()

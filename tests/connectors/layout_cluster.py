@@ -5,6 +5,9 @@ ordinary transfer. Devices per rank may be given (CUDA ranks use the CPU transpo
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
@@ -32,6 +35,12 @@ from tests.connectors.worker_pair import (
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 4, 4
 
 
+def on_device(device: str) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` current, as each rank's process has its own: the engine-side hooks
+    record their events on the current device's stream."""
+    return torch.cuda.device(device) if device.startswith("cuda") else contextlib.nullcontext()
+
+
 class LayoutCluster:
     """A producer of ``p_size`` ranks and a consumer of ``d_size`` ranks, one worker a rank."""
 
@@ -39,6 +48,7 @@ class LayoutCluster:
                  d_devices: list[str] | None = None) -> None:
         p_devices = p_devices or ["cpu"] * p_size
         d_devices = d_devices or ["cpu"] * d_size
+        self.p_devices, self.d_devices = p_devices, d_devices
         shape = dict(total_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
                      dtype="float32", num_layers=LAYERS)
         self.producer = KVLayout.of_rank(p_size, 0, **shape)
@@ -90,7 +100,8 @@ class LayoutCluster:
             loads = [LoadSpec(request_id or tid, tid, self.p_addrs[route.src_rank], DST, 0, 12,
                               (dst_heads or {}).get(tid, route.dst_slice))
                      for tid, route in named if route.dst_rank == rank]
-            worker.start_load_kv(P2pConnectorMetadata(loads=loads))
+            with on_device(self.d_devices[rank]):
+                worker.start_load_kv(P2pConnectorMetadata(loads=loads))
 
     def named_routes(self, transfer_id: str) -> list[tuple[str, HeadRoute]]:
         """(the route's transfer id, the route) for one request."""
@@ -106,10 +117,11 @@ class LayoutCluster:
                 continue
             saves = [SaveSpec(request_id or tid, tid, self.d_addrs[route.dst_rank], SRC, 12, route.src_slice)
                      for tid, route in named if route.src_rank == rank]
-            worker.bind_step(P2pConnectorMetadata(saves=saves), None)
-            for layer in range(LAYERS):
-                worker.after_layer(layer, None)
-            worker.wait_for_save()
+            with on_device(self.p_devices[rank]):
+                worker.bind_step(P2pConnectorMetadata(saves=saves), None)
+                for layer in range(LAYERS):
+                    worker.after_layer(layer, None)
+                worker.wait_for_save()
 
     def send(self, transfer_id: str, pull_first: bool) -> dict[str, str]:
         """One request's KV over every route: pulls first (each producer rank pushes its
@@ -130,8 +142,9 @@ class LayoutCluster:
         seen: dict[str, str] = {}
 
         def resolved() -> bool:
-            for worker in self.d_workers:
-                finished = worker.land_loads()
+            for rank, worker in enumerate(self.d_workers):
+                with on_device(self.d_devices[rank]):
+                    finished = worker.land_loads()
                 seen.update(dict.fromkeys(finished.recving & wanted, "ok"))
                 seen.update(dict.fromkeys(finished.failed_recving & wanted, "failed"))
             return seen.keys() == wanted

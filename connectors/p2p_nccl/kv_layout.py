@@ -3,7 +3,7 @@ different tensor-parallel sizes: pure arithmetic, no device, socket or thread.
 
 A worker of tensor-parallel size N keeps on rank r the KV heads ``kv_head_range`` gives it
 (``engine_core/parallel/sharding.py``, the rule its cache and attention kernels follow).
-``KVLayout`` is one rank's descriptor as a handshake carries it; ``plan_head_routes`` turns a
+``KVLayout`` is one rank's descriptor (what two workers compare); ``plan_head_routes`` turns a
 (producer layout, consumer layout) pair into ``HeadRoute`` s: for every head a consumer rank
 holds, exactly one producer rank that sends it, even where either side replicates KV heads
 over several ranks. Each producer rank therefore moves only heads it owns, straight to the

@@ -40,6 +40,7 @@ import logging
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 import traceback
@@ -51,6 +52,7 @@ import torch
 
 from benchmarks.model_shapes import write_model_dir
 from benchmarks.output import default_out, write_json
+from benchmarks.speed.allreduce import measure_allreduce
 from benchmarks.speed.cases import decode_case, mixed_case, prefill_case, throughput_run
 from benchmarks.speed.driver import (
     SMOKE_OVERRIDES,
@@ -106,7 +108,8 @@ class Bench:
                            split_k_mlp=a.split_k_mlp,
                            async_scheduling=a.async_scheduling,
                            cuda_graph_mode=a.cuda_graph_mode,
-                           triton_pdl=a.triton_pdl)
+                           triton_pdl=a.triton_pdl,
+                           tensor_parallel_size=a.tensor_parallel_size)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -125,7 +128,20 @@ class Bench:
 
     @property
     def matmul_rate(self) -> float | None:
-        return self.results.get("limits", {}).get("matmul_flops_per_s")
+        """The group's matmul rate: one GPU's, times the tensor-parallel size."""
+        rate = self.results.get("limits", {}).get("matmul_flops_per_s")
+        return rate * self.args.tensor_parallel_size if rate else None
+
+    def allreduce(self) -> dict[str, Any]:
+        a = self.args
+        hidden = read_model_spec(self.big_dir).hidden_size
+        rows = sorted({batch for batch, _ in a.decode_cases})
+        return measure_allreduce(a.tensor_parallel_size, rows, hidden)
+
+    def allreduce_ms(self, layers: int, rows: int) -> float | None:
+        """Two all-reduces per layer of a decode step of ``rows`` (graphed), or None."""
+        measured = self.results.get("allreduce", {}).get("rows", {}).get(str(rows))
+        return 2 * layers * measured["graphed_us"] / 1e3 if measured else None
 
     def limits(self) -> dict[str, Any]:
         a = self.args
@@ -158,13 +174,23 @@ class Bench:
 
     def decode(self, driver: Driver) -> list[dict[str, Any]]:
         a, engine = self.args, driver.engine
+        # Rank 0's shard and KV heads: every rank reads as much (the per-GPU roofline).
         weights = weight_bytes_read(engine.model, engine.spec)
-        kv_token = kv_bytes_per_token(engine.spec, engine.kv_caches[0].element_size())
+        kv_token = kv_bytes_per_token(engine.rank_spec, engine.kv_caches[0].element_size())
         out = []
         for batch, context in a.decode_cases:
             case = decode_case(driver, batch, context, a.decode_steps, a.warmup_steps,
                                weights, kv_token, self.bandwidth)
             case["goal_step_over_roofline"] = 1.10 if batch == 1 else 1.25
+            allreduce = self.allreduce_ms(engine.spec.num_hidden_layers, batch)
+            if a.tensor_parallel_size > 1:
+                case["goal_step_over_roofline"] = 1.15
+                if allreduce is not None and "roofline_ms" in case:
+                    case["allreduce_ms"] = allreduce
+                    case["roofline_ms"] += allreduce
+                    for kind in ("step", "forward"):
+                        case[f"{kind}_over_roofline"] = (
+                            statistics.median(case[f"raw_{kind}_ms"]) / case["roofline_ms"])
             if "step_over_roofline" in case:
                 case["meets_goal"] = case["step_over_roofline"] <= case["goal_step_over_roofline"]
             out.append(case)
@@ -244,6 +270,8 @@ class Bench:
         self.results["meta"] = meta(a)
         if "limits" in parts or parts & {"decode", "prefill", "small"}:
             self.guarded("limits", self.limits)
+        if a.tensor_parallel_size > 1 and "decode" in parts and self.device.type == "cuda":
+            self.guarded("allreduce", self.allreduce)
         if parts & {"decode", "mixed", "prefill", "e2e"}:
             self.guarded("big_engine", lambda: self.big_engine_parts(parts))
             if self.device.type == "cuda":  # a leak here would shrink every later engine
@@ -315,6 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="qwen3-8b", help="shape of decode/prefill/e2e/hf")
     parser.add_argument("--small-model", default="qwen3-0.6b", help="shape of the small part")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks of the large engine (decode's roofline is per GPU, plus "
+                             "the measured all-reduces; prefill's rate is the group's)")
     parser.add_argument("--max-model-len", type=int, default=10240)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

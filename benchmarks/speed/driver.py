@@ -18,6 +18,7 @@ from engine_core.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from engine_core.engine_core import EngineCore
@@ -45,6 +46,7 @@ class BenchConfig:
     async_scheduling: bool = True
     cuda_graph_mode: str = "full"
     triton_pdl: bool = True
+    tensor_parallel_size: int = 1
 
 
 class HookedStandIn(NullConnectorWorker):
@@ -69,6 +71,7 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
                             split_k_mlp=bench.split_k_mlp,
                             cuda_graph_mode=bench.cuda_graph_mode,
                             triton_pdl=bench.triton_pdl),
+        parallel=ParallelConfig(tensor_parallel_size=bench.tensor_parallel_size),
     )
     t0 = time.perf_counter()
     engine = EngineCore(config)

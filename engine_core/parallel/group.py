@@ -94,6 +94,17 @@ class TensorParallelGroup:
         return int(tensor.item())
 
     def close(self) -> None:
-        """Leave the process group (so a later engine in this process can form another)."""
-        if self.size > 1 and dist.is_initialized():
+        """Leave the process group (so a later engine in this process can form another).
+
+        NCCL's destroy is collective: a rank destroying its communicator waits for its
+        peers to do the same, so ranks that stop one after another (rank 0 waits for the
+        others to exit first) would hang. Aborting is local and never waits; gloo's destroy
+        is local already.
+        """
+        if self.size == 1 or not dist.is_initialized():
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if dist.get_backend() == "nccl" and abort is not None:
+            abort()
+        else:
             dist.destroy_process_group()

@@ -10,6 +10,9 @@
    1P1D: every request completes, every KV load lands (none recomputed on D) and the
    prefill worker is alive at the end; over NCCL on two GPUs, and with P and D sharing one
    GPU over the CPU transport.
+4. A decode worker killed with SIGKILL mid-stream (P on GPU0, two D on GPU1, KV over NCCL):
+   its streams continue on the other D, P sending the prompt's KV again over NCCL, with the
+   greedy text of an undisturbed colocated run.
 
     source .device/env.sh && python3 -m pytest -m gpu -q tests/integration/test_cluster_gpu.py
 """
@@ -17,9 +20,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -36,12 +42,14 @@ from tests.integration.cluster_harness import (
     build_tiny_checkpoint,
     check_matches,
     child_env,
+    children_of,
     get_json,
     labelled_counter,
     mixed_requests,
     run_all,
     scrape,
     wait_http,
+    with_limit,
 )
 
 pytestmark = pytest.mark.gpu
@@ -244,5 +252,76 @@ def test_gpu_1p1d_long_prompts(tmp_path: Path, plane: str) -> None:
                 for k in ("transfers_failed", "transfers_timed_out", "messages_rejected")}
         assert not any(lost.values()), lost
         assert d.get("pdserve:kv_transfer_transfers_received_total", 0.0) == len(reqs), d
+    finally:
+        _stop(cluster)
+
+
+def _server_pid(http_address: str) -> int:
+    """The pid of the ``pdserve`` API process listening on ``http_address``."""
+    port = http_address.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"deploy.cli" in argv and b"--port" in argv and port.encode() in argv:
+            return int(entry.name)
+    raise AssertionError(f"no process serves {http_address}")
+
+
+def _kill_tree(pid: int) -> None:
+    for child in children_of(pid):
+        _kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+MIGRATION_TOKENS = 1500
+
+
+@pytest.mark.timeout(900)
+def test_gpu_dead_decode_streams_move_over_nccl(tmp_path: Path) -> None:
+    _two_gpus()
+    from engine_core.demo_model import build_checkpoint
+
+    # Long streams: the kill lands mid-stream.
+    ckpt = build_checkpoint(tmp_path / "ckpt", max_position_embeddings=4096)
+    engine = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "4096"]
+    reqs = []
+    for i, req in enumerate(mixed_requests(8, offset=3)):
+        long = with_limit(req, MIGRATION_TOKENS, stream=i < 6)
+        reqs.append(Req(long.path, long.stream, {**long.body, "ignore_eos": True}, long.limit))
+    want = _colocated_answers(tmp_path, ckpt, engine, reqs)
+    cluster, proxy, _ = _start_cluster(
+        tmp_path, ckpt, [*engine, "--kv-transport", "nccl", "--gpu-memory-utilization", "0.3"],
+        "0,1,1", ("--no-first-token-from-prefill",),
+        topology=("--prefill", "1", "--decode", "2"), ready="ready: 1P2D")
+    try:
+        decoders = [w["http_address"] for w in get_json(f"{proxy}/instances")["workers"]
+                    if w["role"] == "D"]
+        assert len(decoders) == 2, decoders
+        victim = decoders[0]
+        got: list = []
+        sender = threading.Thread(target=lambda: got.extend(
+            run_all(proxy, reqs, concurrency=len(reqs), timeout_s=300.0)))
+        sender.start()
+        ttft = "vllm:time_to_first_token_seconds_count"
+        deadline = time.monotonic() + 60
+        while scrape(victim).get(ttft, 0.0) < 2:  # two of the requests decode on the victim
+            assert time.monotonic() < deadline, "no request started on the victim"
+            time.sleep(0.05)
+        time.sleep(0.5)  # mid-stream: tokens already sent to the clients
+        _kill_tree(_server_pid(victim))
+        sender.join(timeout=400)
+        assert not sender.is_alive(), "requests hung after the kill"
+        check_matches(reqs, got, want)
+        moved = labelled_counter(proxy.removeprefix("http://"), "pdserve:proxy_migrations")
+        assert sum(moved.values()) >= 2, moved
+        survivor = scrape(decoders[1])
+        assert survivor.get("pdserve:kv_transfer_bytes_received_total", 0.0) > 0
     finally:
         _stop(cluster)

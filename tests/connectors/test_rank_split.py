@@ -9,7 +9,7 @@ from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNot
 from connectors.p2p_nccl.rank_split import PeerRanks, split_step
 from engine_core.worker.block_copy import HeadSlice
 
-P0 = "tcp://p:9000"
+P0 = "p:9000"
 
 
 def layout(tp_size: int, kv_heads: int = 4, **shape: object) -> KVLayout:
@@ -19,7 +19,7 @@ def layout(tp_size: int, kv_heads: int = 4, **shape: object) -> KVLayout:
 
 def peer(tp_size: int, kv_heads: int = 4, **shape: object) -> PeerRanks:
     return PeerRanks(layout(tp_size, kv_heads, **shape),
-                     tuple(f"tcp://p:{9000 + rank}" for rank in range(tp_size)))
+                     tuple(f"p:{9000 + rank}" for rank in range(tp_size)))
 
 
 def load_step() -> P2pConnectorMetadata:
@@ -54,19 +54,19 @@ def test_two_producer_ranks_fill_one_consumer() -> None:
     shares = split_step(load_step(), layout(1), {P0: peer(2)})
     [share] = shares.per_rank
     assert [(load.transfer_id, load.peer_address, load.heads) for load in share.loads] == [
-        ("t1/kv0-0", "tcp://p:9000", HeadSlice(0, 2)),
-        ("t1/kv1-0", "tcp://p:9001", HeadSlice(2, 2))]
+        ("t1/kv0-0", "p:9000", HeadSlice(0, 2)),
+        ("t1/kv1-0", "p:9001", HeadSlice(2, 2))]
     assert [(n.transfer_id, n.peer_address) for n in share.releases] == [
-        ("t0/kv0-0", "tcp://p:9000"), ("t0/kv1-0", "tcp://p:9001")]
+        ("t0/kv0-0", "p:9000"), ("t0/kv1-0", "p:9001")]
 
 
 def test_producer_ranks_send_only_what_they_hold() -> None:
     """P TP=4 over 2 KV heads replicates each head twice; D TP=1 takes each head from one
     holder, so two producer ranks send nothing."""
-    meta = P2pConnectorMetadata(saves=[SaveSpec("r1", "t1", "tcp://d:7000", [5], 15)],
-                                abandons=[PeerNotice("t2", "tcp://d:7000")])
-    d = PeerRanks(layout(1, 2), ("tcp://d:7000",))
-    shares = split_step(meta, layout(4, 2), {"tcp://d:7000": d})
+    meta = P2pConnectorMetadata(saves=[SaveSpec("r1", "t1", "d:7000", [5], 15)],
+                                abandons=[PeerNotice("t2", "d:7000")])
+    d = PeerRanks(layout(1, 2), ("d:7000",))
+    shares = split_step(meta, layout(4, 2), {"d:7000": d})
     senders = [rank for rank, share in enumerate(shares.per_rank) if share.saves]
     assert senders == [0, 2]
     assert shares.save_ranks == {"r1": frozenset({0, 2})}
@@ -74,7 +74,7 @@ def test_producer_ranks_send_only_what_they_hold() -> None:
         ["t2/kv0-0"], [], ["t2/kv2-0"], []]
     for rank in senders:
         [save] = shares.per_rank[rank].saves
-        assert save.heads == HeadSlice(0, 1) and save.peer_address == "tcp://d:7000"
+        assert save.heads == HeadSlice(0, 1) and save.peer_address == "d:7000"
 
 
 def test_single_route_keeps_the_request_transfer_id() -> None:
@@ -91,4 +91,26 @@ def test_unmappable_peer_is_refused() -> None:
 
 def test_peer_must_name_every_rank() -> None:
     with pytest.raises(KVLayoutError, match="rank addresses"):
-        PeerRanks(layout(2), ("tcp://p:9000",))
+        PeerRanks(layout(2), ("p:9000",))
+
+
+def test_peer_ranks_round_trip_the_wire() -> None:
+    sent = peer(2)
+    assert PeerRanks.from_wire(sent.to_wire()) == sent
+
+
+@pytest.mark.parametrize(("mutate", "reason"), [
+    (lambda wire: wire.pop("addresses"), "layout, addresses"),
+    (lambda wire: wire["layout"].pop("dtype"), "exactly the fields"),
+    (lambda wire: wire["layout"].update(head_dim="8"), "head_dim must be int"),
+    (lambda wire: wire["layout"].update(num_kv_heads=True), "num_kv_heads must be int"),
+    (lambda wire: wire["layout"].update(kv_head_start=1), "claims KV heads"),
+    (lambda wire: wire["layout"].update(tp_size=3), "do not split"),
+    (lambda wire: wire.update(addresses=["p:9000"]), "rank addresses"),
+    (lambda wire: wire.update(addresses=["p:9000", "no-port"]), "host:port"),
+])
+def test_bad_peer_ranks_are_refused_clearly(mutate, reason: str) -> None:
+    wire = peer(2).to_wire()
+    mutate(wire)
+    with pytest.raises(KVLayoutError, match=reason):
+        PeerRanks.from_wire(wire)

@@ -36,7 +36,7 @@ from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.errors import KVTransferError
 from engine_core.kv_connector import FinishedTransfers
-from engine_core.worker.block_copy import block_ids_tensor, scatter_layers, wire_shape
+from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, scatter_layers, wire_shape
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,11 @@ class KVConsumer:
         self._last_seq: dict[tuple[str, str], int] = {}
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        # A request's KV may come in several loads (routes between tensor-parallel layouts,
+        # each its own heads of the same blocks): it is reported once all of them ended,
+        # landed only if every one landed, so no scatter still writes its blocks after.
+        self._open_loads: dict[str, int] = {}
+        self._requests_failed: set[str] = set()
 
     def close_clients(self) -> None:
         """Close the control sockets to producers (shutdown)."""
@@ -124,7 +129,7 @@ class KVConsumer:
     def idle_locked(self) -> bool:
         """True when no load, reserved byte or unreported result is kept."""
         return not (self._loads or self._waiting or self.recv_buffer.in_use_bytes
-                    or self._finished_recving or self._failed_recving)
+                    or self._finished_recving or self._failed_recving or self._open_loads)
 
     def land_loads(self) -> FinishedTransfers:
         """Before the scheduling pass: report the loads that landed (their calls
@@ -141,17 +146,18 @@ class KVConsumer:
         return FinishedTransfers(recving=recving, failed_recving=failed)
 
     def make_pull(self, transfer_id: str, first_block: int, num_blocks: int,
-                  max_layers_per_call: int = 0) -> KVPullRequest:
+                  max_layers_per_call: int = 0, heads: HeadSlice | None = None) -> KVPullRequest:
         num_layers, dtype, block_shape, _ = self._state.require_geometry()
         return KVPullRequest(transfer_id=transfer_id, consumer_address=self._state.own_address,
                              first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
-                             dtype=dtype, block_shape=list(block_shape),
+                             dtype=dtype, block_shape=self._state.slice_shape(heads),
                              timeout_s=self._state.config.transfer_timeout_s,
                              consumer_epoch=self._state.epoch, max_layers_per_call=max_layers_per_call)
 
     def add_load(self, spec: LoadSpec, now: float) -> None:
-        num_layers, _, block_shape, element_size = self._state.require_geometry()
-        layer_bytes = layer_nbytes(len(spec.block_ids), block_shape, element_size)
+        num_layers, _, _, element_size = self._state.require_geometry()
+        layer_bytes = layer_nbytes(len(spec.block_ids), self._state.slice_shape(spec.heads),
+                                   element_size)
         nbytes = num_layers * layer_bytes
         # Larger than the buffer: whole layers of half of it (at least one layer), so that
         # smaller loads are not all pushed back behind it; its calls take turns in them, and
@@ -161,15 +167,18 @@ class KVConsumer:
                    else max(layer_bytes, capacity // 2 // max(layer_bytes, 1) * layer_bytes))
         pull = self.make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids),
                                max_layers_per_call=(0 if staging >= nbytes
-                                                    else staging // max(layer_bytes, 1)))
+                                                    else staging // max(layer_bytes, 1)),
+                               heads=spec.heads)
         load = Load(spec=spec, pull=pull, nbytes=nbytes, staging_bytes=staging,
                      deadline=now + self._state.config.transfer_timeout_s)
         with self._state.lock:
             if spec.transfer_id in self._loads:
                 self._state.counters["messages_rejected"] += 1
-                self._failed_recving.add(spec.request_id)
+                self._open_loads[spec.request_id] = self._open_loads.get(spec.request_id, 0) + 1
+                self._end_load_locked(spec.request_id, landed=False)
                 return
             self._loads[spec.transfer_id] = load
+            self._open_loads[spec.request_id] = self._open_loads.get(spec.request_id, 0) + 1
             if not self.recv_buffer.fits_ever(layer_bytes):
                 load.state, load.reason = FAILED, (
                     f"one layer of this transfer ({layer_bytes} bytes) exceeds kv_buffer_size")
@@ -298,17 +307,32 @@ class KVConsumer:
                 if load.cancelled:
                     # Its request ended while the load ran; the scheduler holds the blocks
                     # the scatters write until this report (ids are never reused).
-                    self._failed_recving.add(load.spec.request_id)
+                    self._end_load_locked(load.spec.request_id, landed=False)
                     continue
                 if state == DONE:
-                    self._finished_recving.add(load.spec.request_id)
+                    self._end_load_locked(load.spec.request_id, landed=True)
                     self._state.counters["transfers_received"] += 1
                 else:
                     logger.warning("kv load %s failed: %s", load.spec.transfer_id, load.reason)
-                    self._failed_recving.add(load.spec.request_id)
+                    self._end_load_locked(load.spec.request_id, landed=False)
                     self._state.counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
         for load in unasked:  # cancelled, pushed back past its deadline, or too large
             self.send_pull(load.spec.peer_address, self.make_pull(load.spec.transfer_id, 0, 0))
+
+    def _end_load_locked(self, request_id: str, landed: bool) -> None:
+        """One load of ``request_id`` ended; report the request once its last one has (call
+        with the lock held)."""
+        if not landed:
+            self._requests_failed.add(request_id)
+        remaining = self._open_loads.pop(request_id, 1) - 1
+        if remaining > 0:
+            self._open_loads[request_id] = remaining
+            return
+        if request_id in self._requests_failed:
+            self._requests_failed.discard(request_id)
+            self._failed_recving.add(request_id)
+        else:
+            self._finished_recving.add(request_id)
 
     def _drained(self, load: Load, now: float) -> bool:
         """Whether a failed load's posted receives and scatters are behind its pair's stream
@@ -339,7 +363,7 @@ class KVConsumer:
         if load.scatter_ids is None:
             load.scatter_ids = block_ids_tensor(load.spec.block_ids, self._state.device)
         scatter_layers(self._state.require_stacked(), load.scatter_ids, load.views[call],
-                       call * load.layers_per_call)
+                       call * load.layers_per_call, load.spec.heads)
 
     def on_header(self, header: KVSendHeader) -> None:
         key = (header.producer_address, header.producer_epoch)

@@ -180,13 +180,18 @@ def check_geometry(num_layers: int, num_blocks: int, dtype: str, block_shape: li
 
 
 def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: list[int]) -> str | None:
-    """Validate a pull request against this producer's cache geometry."""
+    """Validate a pull request against this producer's cache geometry. A pull may ask for
+    fewer KV heads than a block holds (one route between tensor-parallel layouts); that they
+    are the heads its transfer moves is checked when it meets its save."""
     reason = check_geometry(pull.num_layers, pull.num_blocks, pull.dtype, pull.block_shape)
     if reason:
         return reason
     if pull.first_block < 0:
         return "negative first_block"
-    if (pull.num_layers, pull.dtype, list(pull.block_shape)) != (num_layers, dtype, list(block_shape)):
+    block_size, num_heads, head_dim = block_shape
+    asked_size, asked_heads, asked_dim = pull.block_shape
+    if ((pull.num_layers, pull.dtype, asked_size, asked_dim)
+            != (num_layers, dtype, block_size, head_dim) or asked_heads > num_heads):
         return (f"geometry mismatch: peer has {pull.num_layers} layers {pull.dtype} "
                 f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
     if not 0 < len(pull.transfer_id) <= MAX_TRANSFER_ID_CHARS:

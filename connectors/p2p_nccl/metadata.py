@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_core.worker.block_copy import HeadSlice
+
 
 @dataclass
 class LoadSpec:
@@ -15,6 +17,9 @@ class LoadSpec:
     block_ids: list[int]
     first_block: int
     num_tokens: int
+    # The KV heads of this rank's blocks the load fills (one route between tensor-parallel
+    # layouts, ``kv_layout.plan_head_routes``); None: all of them.
+    heads: HeadSlice | None = None
 
 
 @dataclass
@@ -27,6 +32,8 @@ class SaveSpec:
     peer_address: str
     block_ids: list[int]
     num_tokens: int
+    # The KV heads of this rank's blocks the send moves (one route); None: all of them.
+    heads: HeadSlice | None = None
 
 
 @dataclass

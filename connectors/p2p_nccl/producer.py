@@ -28,7 +28,7 @@ from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.addresses import is_host_port
-from engine_core.worker.block_copy import block_ids_tensor, gather_layers, wire_shape
+from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, gather_layers, wire_shape
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,13 @@ class KVProducer:
         # Epoch of the consumer process last seen at each address (from its pulls), least
         # recently heard from first; a new one means that process restarted.
         self._consumer_epochs: dict[str, str] = {}
-        self._step_push: list[tuple[SendJob, torch.Tensor]] = []  # (job, its block index)
+        # (job, its block index, the KV heads it moves)
+        self._step_push: list[tuple[SendJob, torch.Tensor, HeadSlice | None]] = []
         self._step_deferred: list[str] = []
         self._finished_sending: set[str] = set()
+        # A request's KV may go out in several sends (routes between tensor-parallel layouts,
+        # each its own heads of the same blocks): its blocks are handed back once all ended.
+        self._open_saves: dict[str, int] = {}
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
         # one is answered with an abort at once. Bounded; holds no bytes.
         self._tombstones: dict[str, float] = {}
@@ -83,7 +87,7 @@ class KVProducer:
         for transfer_id, pending in list(self._pending.items()):
             if now > pending.lease_deadline:
                 del self._pending[transfer_id]
-                self._finished_sending.add(pending.save.request_id)
+                self._end_save_locked(pending.save.request_id)
                 self._state.counters["leases_expired"] += 1
                 self._tombstone(transfer_id, now)
         self._expire_tombstones(now)
@@ -106,7 +110,7 @@ class KVProducer:
     def idle_locked(self) -> bool:
         """True when no send, held save, waiting pull or unreported finish is kept."""
         return not (self._pending or self._in_flight or self._registrations
-                    or self._finished_sending)
+                    or self._finished_sending or self._open_saves)
 
     def bind_step(self, metadata: P2pConnectorMetadata | None) -> None:
         """Decide, once per save, whether it is pushed layer by layer or deferred."""
@@ -120,7 +124,7 @@ class KVProducer:
         """After a call's last layer, gather the call's layers of each pushed
         request with one kernel and wake its sender; every other layer does nothing."""
         stacked = self._state.require_stacked()
-        for job, index in self._step_push:
+        for job, index, heads in self._step_push:
             assert job.slots is not None
             call = job.slots.call_ending_at(layer_idx)
             if call is None or job.done.is_set():
@@ -130,7 +134,7 @@ class KVProducer:
                 if staging is None:
                     continue
                 first, end = job.slots.calls[call]
-                gather_layers(stacked, first, end, index, out=staging[first:end])
+                gather_layers(stacked, first, end, index, out=staging[first:end], heads=heads)
                 job.slots.put(call, self._state.record_event())
             except RuntimeError as exc:  # allocation failure: this transfer fails, not the step
                 job.slots.fail(exc)
@@ -153,13 +157,14 @@ class KVProducer:
         for pending, pull, arrived in to_start:
             self._start_deferred(pending, pull, arrived)
         if self._state.config.send_type == "PUT":
-            for job, _ in self._step_push:
+            for job, _, _ in self._step_push:
                 job.done.wait(max(0.0, job.deadline - now))
         self._step_push = []
         self._step_deferred = []
 
     def _bind_save(self, save: SaveSpec) -> None:
         with self._state.lock:
+            self._open_saves[save.request_id] = self._open_saves.get(save.request_id, 0) + 1
             registration = self._registrations.pop(save.transfer_id, None)
         if registration is not None and self._state.config.send_type != "GET":
             pull, arrived = registration
@@ -169,11 +174,11 @@ class KVProducer:
             if not self._range_ok(pull, save):
                 return
             index = block_ids_tensor(save.block_ids[pull.first_block:], self._state.device)
-            num_layers, _, block_shape, _ = self._state.require_geometry()
+            num_layers = self._state.require_geometry()[0]
             layers_per_call = self._layers_per_call(pull)
             calls = call_ranges(num_layers, layers_per_call)
             try:
-                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, block_shape),
+                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, pull.block_shape),
                                       dtype=self._state.require_stacked().dtype, device=self._state.device)
             except RuntimeError as exc:  # allocation failure fails this transfer only
                 job = self._make_job(save, pull, arrived,
@@ -182,7 +187,7 @@ class KVProducer:
                 self._submit(job)
                 return
             job = self._make_job(save, pull, arrived, slots=CallSlots(staging, calls))
-            self._step_push.append((job, index))
+            self._step_push.append((job, index, save.heads))
             self._submit(job)
             return
         with self._state.lock:
@@ -202,7 +207,7 @@ class KVProducer:
         block_ids = save.block_ids[pull.first_block:]
         event = pending.ready_event
         peer = pull.consumer_address
-        block_shape = self._state.require_geometry()[2]
+        block_shape = list(pull.block_shape)
         index: torch.Tensor | None = None
 
         def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
@@ -216,15 +221,20 @@ class KVProducer:
                     index = block_ids_tensor(block_ids, self._state.device)
                 out = torch.empty(wire_shape(end - first, len(block_ids), block_shape),
                                   dtype=stacked.dtype, device=self._state.device)
-                return gather_layers(stacked, first, end, index, out=out), None
+                return gather_layers(stacked, first, end, index, out=out, heads=save.heads), None
 
         self._submit(self._make_job(save, pull, arrived, call_source=gather_call))
 
     def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
-        if pull.first_block + pull.num_blocks == len(save.block_ids):
+        """The pull asks for the save's blocks and, block by block, the KV heads the save
+        moves (all of them, or its route's slice); else the transfer is aborted."""
+        shape = self._state.slice_shape(save.heads)
+        if (pull.first_block + pull.num_blocks == len(save.block_ids)
+                and list(pull.block_shape) == shape):
             return True
         reason = (f"consumer asks blocks [{pull.first_block}, {pull.first_block + pull.num_blocks})"
-                  f" but the prompt has {len(save.block_ids)}")
+                  f" of shape {list(pull.block_shape)} but the prompt has "
+                  f"{len(save.block_ids)} of shape {shape}")
         with self._state.lock:
             self._state.counters["messages_rejected"] += 1
         self._submit_abort(save.transfer_id, pull.consumer_address, reason)
@@ -232,8 +242,8 @@ class KVProducer:
         return False
 
     def _layers_per_call(self, pull: KVPullRequest) -> int:
-        num_layers, _, block_shape, element_size = self._state.require_geometry()
-        per_layer = layer_nbytes(pull.num_blocks, block_shape, element_size)
+        num_layers, _, _, element_size = self._state.require_geometry()
+        per_layer = layer_nbytes(pull.num_blocks, pull.block_shape, element_size)
         return plan_layers_per_call(num_layers, per_layer, self._state.config.min_call_bytes,
                                     max_layers=pull.max_layers_per_call)
 
@@ -244,13 +254,13 @@ class KVProducer:
         header sent after the consumer gave up is refused and, on NCCL, its pair aborted, and
         the sends of every later transfer on that pair queued behind it (one sender thread a
         consumer) failed with it."""
-        num_layers, dtype, block_shape, _ = self._state.require_geometry()
+        num_layers, dtype, _, _ = self._state.require_geometry()
         deadline = min(self._state.clock() + self._state.config.transfer_timeout_s,
                        arrived + pull.timeout_s - PULL_DEADLINE_MARGIN_S)
         return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
                        peer_address=pull.consumer_address, first_block=pull.first_block,
                        num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
-                       block_shape=list(block_shape), deadline=deadline,
+                       block_shape=list(pull.block_shape), deadline=deadline,
                        layers_per_call=self._layers_per_call(pull),
                        peer_epoch=pull.consumer_epoch, **source)
 
@@ -329,21 +339,30 @@ class KVProducer:
             if job.slots is not None:
                 job.slots.clear()
             if job.request_id is not None:
-                self._finished_sending.add(job.request_id)
+                self._end_save_locked(job.request_id)
             if job.released:
                 pass  # the consumer no longer wanted it: not a failure of this producer
             elif job.error is None:
                 self._state.counters["transfers_sent"] += 1
                 self._state.counters["control_messages_sent"] += 1
-                _, _, block_shape, element_size = self._state.require_geometry()
+                element_size = self._state.require_geometry()[3]
                 self._state.counters["bytes_sent"] += job.num_layers * layer_nbytes(
-                    job.num_blocks, block_shape, element_size)
+                    job.num_blocks, job.block_shape, element_size)
             else:
                 self._state.counters["sends_failed"] += 1
         self._state.doorbell.ring()
 
     def _finish_send(self, request_id: str) -> None:
         with self._state.lock:
+            self._end_save_locked(request_id)
+
+    def _end_save_locked(self, request_id: str) -> None:
+        """One send of ``request_id`` ended; hand its blocks back once its last one has (call
+        with the lock held)."""
+        remaining = self._open_saves.pop(request_id, 1) - 1
+        if remaining > 0:
+            self._open_saves[request_id] = remaining
+        else:
             self._finished_sending.add(request_id)
 
     def on_pull(self, pull: KVPullRequest) -> None:

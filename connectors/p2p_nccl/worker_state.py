@@ -20,6 +20,7 @@ from connectors.p2p_nccl.messages import make_codec
 from engine_core.config import KVTransferConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import KVTransferError
+from engine_core.worker.block_copy import HeadSlice
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,12 @@ class WorkerState:
         if self.geometry is None:
             raise KVTransferError("register_kv_caches was not called")
         return self.geometry
+
+    def slice_shape(self, heads: HeadSlice | None) -> list[int]:
+        """``[block_size, heads, head_dim]`` of a transfer that moves ``heads`` of each block
+        (None: all of them)."""
+        block_size, num_heads, head_dim = self.require_geometry()[2]
+        return [block_size, num_heads if heads is None else heads.count, head_dim]
 
     def require_stacked(self) -> torch.Tensor:
         """The registered caches stacked as one tensor."""

@@ -7,15 +7,36 @@ Wire layout of a run of layers: ``[layers, 2, request_blocks, block_size, heads,
 one scatters all of them: never a loop per block or per layer. On CUDA both are
 the chunk-copy kernel of ``engine_core.kernels.kv_blocks`` (near the copy rate); on CPU
 ``index_select``/``index_copy_``. Both copy integer words, so every cache dtype (fp8
-included) arrives bit for bit.
+included) arrives bit for bit. Between tensor-parallel layouts a rank moves a ``HeadSlice``
+of each block: the wire buffer then holds only those heads,
+``[layers, 2, request_blocks, block_size, slice_heads, head_dim]``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine_core.errors import KVTransferError
 from engine_core.kernels import as_int_words
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """KV heads ``[start, start + count)`` of a cache block ``[block_size, heads, head_dim]``.
+    A slice of a block is strided, so it is copied by ``index_select``/``index_copy_`` (on
+    CUDA too) rather than the contiguous chunk kernel; the whole block keeps that kernel."""
+
+    start: int
+    count: int
+
+    def of(self, layers: torch.Tensor) -> torch.Tensor:
+        """The slice of a ``[..., heads, head_dim]`` tensor (a view)."""
+        return layers.narrow(-2, self.start, self.count)
+
+    def is_whole(self, layers: torch.Tensor) -> bool:
+        return self.start == 0 and self.count == layers.shape[-2]
 
 
 def stack_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -38,9 +59,13 @@ def stack_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor:
 
 
 def gather_layers(stacked: torch.Tensor, first: int, end: int, block_ids: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:
-    """K and V of ``block_ids`` in layers ``[first, end)`` into ``out`` (wire layout)."""
-    if stacked.is_cuda:
+                  out: torch.Tensor, heads: HeadSlice | None = None) -> torch.Tensor:
+    """K and V of ``block_ids`` in layers ``[first, end)`` into ``out`` (wire layout); with
+    ``heads``, only those KV heads of each block (a transfer between tensor-parallel layouts)."""
+    if heads is not None and not heads.is_whole(stacked):
+        torch.index_select(as_int_words(heads.of(stacked[first:end])), 2, block_ids,
+                           out=as_int_words(out))
+    elif stacked.is_cuda:
         from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
 
         copy_blocks(stacked[first:end], out, block_ids, None)
@@ -50,11 +75,14 @@ def gather_layers(stacked: torch.Tensor, first: int, end: int, block_ids: torch.
 
 
 def scatter_layers(stacked: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor,
-                   first: int = 0) -> None:
+                   first: int = 0, heads: HeadSlice | None = None) -> None:
     """Write a wire-layout buffer of layers ``[first, first + len(buffer))`` into
-    ``block_ids`` of the paged cache."""
+    ``block_ids`` of the paged cache; with ``heads``, into only those KV heads of each block
+    (the others keep what other senders wrote)."""
     layers = stacked[first:first + buffer.shape[0]]
-    if stacked.is_cuda:
+    if heads is not None and not heads.is_whole(stacked):
+        as_int_words(heads.of(layers)).index_copy_(2, block_ids, as_int_words(buffer))
+    elif stacked.is_cuda:
         from engine_core.kernels.kv_blocks import copy_blocks  # imports triton
 
         copy_blocks(buffer, layers, None, block_ids)

@@ -92,6 +92,10 @@ def test_check_pull_and_header() -> None:
     assert check_pull(_pull(dtype="int7"), 2, "bfloat16", [4, 2, 8])
     assert check_pull(_pull(first_block=-1), 2, "bfloat16", [4, 2, 8])
     assert check_pull(_pull(block_shape=[4, 2]), 2, "bfloat16", [4, 2, 8])
+    # A route between tensor-parallel layouts asks for a slice of each block's KV heads.
+    assert check_pull(_pull(block_shape=[4, 1, 8]), 2, "bfloat16", [4, 2, 8]) is None
+    assert "mismatch" in check_pull(_pull(block_shape=[4, 3, 8]), 2, "bfloat16", [4, 2, 8])
+    assert "mismatch" in check_pull(_pull(block_shape=[4, 1, 4]), 2, "bfloat16", [4, 2, 8])
     pull = _pull()
     assert check_header(_header(), pull, None) is None
     assert check_header(_header(seq=5), pull, 4) is None

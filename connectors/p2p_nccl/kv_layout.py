@@ -1,0 +1,171 @@
+"""Which KV heads move between which ranks when a producer and a consumer are split over
+different tensor-parallel sizes: pure arithmetic, no device, socket or thread.
+
+A worker of tensor-parallel size N keeps on rank r the KV heads ``kv_head_range`` gives it
+(``engine_core/parallel/sharding.py``, the rule its cache and attention kernels follow).
+``KVLayout`` is one rank's descriptor (what two workers compare); ``plan_head_routes`` turns a
+(producer layout, consumer layout) pair into ``HeadRoute`` s: for every head a consumer rank
+holds, exactly one producer rank that sends it, even where either side replicates KV heads
+over several ranks. Each producer rank therefore moves only heads it owns, straight to the
+consumer ranks that keep them; no rank gathers another rank's heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.errors import ConfigError, KVTransferError
+from engine_core.parallel.sharding import kv_head_range
+from engine_core.worker.block_copy import HeadSlice
+
+MAX_TP_SIZE = 1024
+
+
+class KVLayoutError(KVTransferError):
+    """A producer and a consumer whose KV caches cannot be mapped onto each other."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's paged KV cache as KV transfer sees it: the worker's tensor-parallel size,
+    this rank and the KV heads it holds, and the model shape both sides must share."""
+
+    tp_size: int
+    rank: int
+    kv_head_start: int
+    num_kv_heads: int  # held by this rank
+    total_kv_heads: int  # of the model
+    head_dim: int
+    block_size: int
+    dtype: str
+    num_layers: int
+
+    @classmethod
+    def of_rank(cls, tp_size: int, rank: int, total_kv_heads: int, head_dim: int,
+                block_size: int, dtype: str, num_layers: int) -> KVLayout:
+        """The layout of rank ``rank`` of a worker of ``tp_size`` ranks."""
+        start, count = kv_head_range(total_kv_heads, rank, tp_size)
+        return cls(tp_size, rank, start, count, total_kv_heads, head_dim, block_size, dtype,
+                   num_layers)
+
+    @property
+    def model_shape(self) -> tuple[int, int, int, str, int]:
+        """What producer and consumer must agree on, whatever their sizes."""
+        return (self.total_kv_heads, self.head_dim, self.block_size, self.dtype,
+                self.num_layers)
+
+    def rank_layout(self, rank: int) -> KVLayout:
+        """The layout of another rank of the same worker."""
+        return KVLayout.of_rank(self.tp_size, rank, *self.model_shape)
+
+
+def check_layout(layout: KVLayout) -> str | None:
+    """Why ``layout`` cannot describe a rank of a worker (a peer's descriptor is checked
+    before it is used), or None."""
+    if not 1 <= layout.tp_size <= MAX_TP_SIZE or not 0 <= layout.rank < layout.tp_size:
+        return f"rank {layout.rank} of tensor-parallel size {layout.tp_size} out of range"
+    if min(layout.total_kv_heads, layout.head_dim, layout.block_size, layout.num_layers) < 1:
+        return (f"KV heads {layout.total_kv_heads}, head dim {layout.head_dim}, block size "
+                f"{layout.block_size}, layers {layout.num_layers}: all must be positive")
+    try:
+        expected = kv_head_range(layout.total_kv_heads, layout.rank, layout.tp_size)
+    except ConfigError as exc:
+        return str(exc)
+    if (layout.kv_head_start, layout.num_kv_heads) != expected:
+        return (f"rank {layout.rank} of {layout.tp_size} claims KV heads "
+                f"[{layout.kv_head_start}, +{layout.num_kv_heads}); it holds "
+                f"[{expected[0]}, +{expected[1]})")
+    return None
+
+
+def layout_mismatch(producer: KVLayout, consumer: KVLayout) -> str | None:
+    """Why a producer of layout ``producer`` cannot fill a consumer of layout ``consumer``
+    (each checked, then the model shape they must share), or None."""
+    for side, layout in (("producer", producer), ("consumer", consumer)):
+        reason = check_layout(layout)
+        if reason is not None:
+            return f"{side} layout: {reason}"
+    names = ("KV heads", "head dim", "block size", "cache dtype", "layers")
+    for name, ours, theirs in zip(names, producer.model_shape, consumer.model_shape,
+                                  strict=True):
+        if ours != theirs:
+            return (f"{name} differ: producer has {ours}, consumer has {theirs} (the same "
+                    "model, cache dtype and block size on both sides is required)")
+    return None
+
+
+@dataclass(frozen=True)
+class HeadRoute:
+    """Producer rank ``src_rank`` sends ``num_heads`` KV heads to consumer rank ``dst_rank``:
+    its local heads ``[src_head, src_head + num_heads)`` land in the consumer's local heads
+    ``[dst_head, dst_head + num_heads)``."""
+
+    src_rank: int
+    dst_rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+    @property
+    def src_slice(self) -> HeadSlice:
+        """What the producer rank gathers from each block."""
+        return HeadSlice(self.src_head, self.num_heads)
+
+    @property
+    def dst_slice(self) -> HeadSlice:
+        """Where the consumer rank scatters it."""
+        return HeadSlice(self.dst_head, self.num_heads)
+
+
+def plan_head_routes(producer: KVLayout, consumer: KVLayout) -> list[HeadRoute]:
+    """Every (producer rank, consumer rank, head slice) move that fills all consumer ranks,
+    sorted by consumer rank then head. Raises ``KVLayoutError`` for an unmappable pair.
+
+    Where the producer replicates a KV head on several ranks, consumer rank ``j`` takes it
+    from the ``j mod replicas``-th of them: one source per destination head, and equal
+    layouts map each rank to itself.
+    """
+    reason = layout_mismatch(producer, consumer)
+    if reason is not None:
+        raise KVLayoutError(f"KV layouts cannot be mapped: {reason}")
+    holders: dict[int, list[KVLayout]] = {}
+    for rank in range(producer.tp_size):
+        source = producer.rank_layout(rank)
+        for head in range(source.kv_head_start, source.kv_head_start + source.num_kv_heads):
+            holders.setdefault(head, []).append(source)
+    routes: list[HeadRoute] = []
+    for rank in range(consumer.tp_size):
+        target = consumer.rank_layout(rank)
+        for head in range(target.kv_head_start, target.kv_head_start + target.num_kv_heads):
+            candidates = holders[head]
+            source = candidates[rank % len(candidates)]
+            src_head = head - source.kv_head_start
+            dst_head = head - target.kv_head_start
+            last = routes[-1] if routes else None
+            if (last is not None and last.dst_rank == rank and last.src_rank == source.rank
+                    and last.src_head + last.num_heads == src_head
+                    and last.dst_head + last.num_heads == dst_head):
+                routes[-1] = HeadRoute(source.rank, rank, last.src_head, last.dst_head,
+                                       last.num_heads + 1)
+            else:
+                routes.append(HeadRoute(source.rank, rank, src_head, dst_head, 1))
+    return routes
+
+
+def routes_into(routes: list[HeadRoute], consumer_rank: int) -> list[HeadRoute]:
+    """The moves that fill one consumer rank (what that rank pulls)."""
+    return [route for route in routes if route.dst_rank == consumer_rank]
+
+
+def routes_from(routes: list[HeadRoute], producer_rank: int) -> list[HeadRoute]:
+    """The moves one producer rank serves."""
+    return [route for route in routes if route.src_rank == producer_rank]
+
+
+def route_transfer_ids(transfer_id: str, routes: list[HeadRoute]) -> list[str]:
+    """Each route's own transfer id (each route is one ordinary transfer between two ranks:
+    its own pull, header and data calls), named after the request's; a single route (TP=1
+    <-> TP=1) keeps the request's id, so that path is unchanged on the wire."""
+    if len(routes) == 1:
+        return [transfer_id]
+    return [f"{transfer_id}/kv{route.src_rank}-{route.dst_rank}" for route in routes]

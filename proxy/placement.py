@@ -4,25 +4,33 @@ A worker is a set of capabilities: ``prefill`` (prefills for another worker's de
 ``decode`` (decodes a request prefilled elsewhere), ``whole`` (serves a request from prompt
 to last token). ``place`` chooses between serving the request whole on the worker that
 decodes it (``local``) and prefilling it on another worker P while D decodes it
-(``disaggregated``):
+(``disaggregated``).
 
-1. D is the decode-capable worker whose decodes are in the best shape: not over the TPOT
-   target (its decode steps, plus a prefill chunk per step while it has prefill queued),
-   then a significant cached prefix of this prompt, then its decode batch, then the least
-   KV in use (a worker at ``kv_full`` takes new decodes only when every one is). The batch
-   counts two ways. When the target is *tight* (on every worker a prefill chunk beside
-   decodes breaks it), decodes pack onto the workers already decoding, which keeps other
-   workers free of decodes to prefill for them: the cluster splits itself into prefill and
-   decode workers, as far as the load needs. Otherwise they spread (smallest batch first),
-   as replicas do.
+The TPOT a client is held to is a request's mean (``(e2e - ttft) / (tokens - 1)``), so a
+worker may prefill beside its decodes as long as the share of its time spent prefilling
+(its *prefill duty*: recent and queued prefill seconds per second, over a window of about
+one stream's lifetime) stays within its *duty budget*: a stream that sees decode steps of
+``step_s`` while the worker prefills a share ``duty`` of the time gets a mean TPOT of about
+``step_s / (1 - duty)``, so the budget is ``duty_headroom * (1 - step_s / slo_tpot_s)``.
+
+1. D is the decode-capable worker whose decodes are in the best shape: its streams' mean
+   TPOT (decode step over the time left by its prefill duty) within the target, then a
+   significant cached prefix of this prompt, then its decode batch, then the least KV in
+   use (a worker at ``kv_full`` takes new decodes only when every one is). The batch
+   counts two ways. When the target is *tight* (the cluster's prefill duty, shared evenly
+   over the decode-capable workers, is over their budget), decodes pack onto the workers
+   already decoding, which keeps other workers free of decodes to prefill for them: the
+   cluster splits itself into prefill and decode workers, as far as the load needs.
+   Otherwise they spread (smallest batch first), as replicas do.
 2. Serving whole on D is always a candidate, so the cluster never does worse than replicas.
    It is taken when the prompt's uncached part on D is short (``short_prompt_tokens``), or
    no other worker can prefill it.
-3. The prefill moves off D to the prefill-capable worker P where it finishes first (queued
-   prefill tokens plus this prompt's uncached part, over P's measured rate):
-   - ``tpot``: D's running decodes would break the TPOT target with a prefill chunk in
-     their steps, fewer of P's decodes would (none, mostly), and P still meets the TTFT
-     target (or beats D);
+3. The prefill goes where it finishes first (queued prefill tokens plus this prompt's
+   uncached part, over the worker's measured rate; a move pays the transfer's fixed cost)
+   among the workers whose duty budget takes it: D itself or the prefill-capable worker P
+   that harms the fewest decodes, then finishes first. It moves off D when:
+   - ``tpot``: the prefill is over D's duty budget, harms fewer of P's decodes (none,
+     mostly), and P still meets the TTFT target (or beats D);
    - ``ttft``: D would miss the TTFT target and P finishes sooner;
    - ``sooner``: P finishes sooner than D by more than the transfer's fixed cost.
    Otherwise it stays (``local_first``).
@@ -63,24 +71,31 @@ class PlacementConfig:
     # A prompt whose uncached part is at most this many tokens stays where it decodes: its
     # prefill is about one decode step's work, less than a transfer's fixed cost.
     short_prompt_tokens: int = 256
-    # The engine's prefill chunk (--max-num-batched-tokens): what one step adds to a running
-    # decode batch while a prefill is on the same worker.
-    prefill_chunk_tokens: int = 2048
     # Rate assumed for a worker that has not measured one yet (tokens/s).
     default_prefill_tokens_per_s: float = 4096.0
     # The fixed cost of moving a prefill (two legs, the KV transfer's control round trip);
     # P must beat D by more than this.
     transfer_overhead_s: float = 0.005
     kv_full: float = 0.95             # KV usage at which a worker takes no new decodes
+    # The span a stream's mean TPOT averages prefill stalls over: about one stream's
+    # lifetime (256 tokens of ~12 ms). Prefill seconds placed on a worker count in its duty
+    # for about this long.
+    duty_window_s: float = 3.0
+    # The share of the duty budget (1 - step / TPOT target) the policy fills: the rest
+    # absorbs bursts and the decode steps growing with the batch.
+    duty_headroom: float = 0.8
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s", "default_prefill_tokens_per_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0")
-        if self.short_prompt_tokens < 0 or self.prefill_chunk_tokens < 1:
-            raise ValueError("short_prompt_tokens must be >= 0, prefill_chunk_tokens >= 1")
+        if self.short_prompt_tokens < 0:
+            raise ValueError("short_prompt_tokens must be >= 0")
         if not 0 <= self.transfer_overhead_s < math.inf or not 0 < self.kv_full <= 1:
             raise ValueError("transfer_overhead_s must be >= 0 and kv_full in (0, 1]")
+        if not 0 < self.duty_window_s < math.inf or not 0 < self.duty_headroom <= 1:
+            raise ValueError("duty_window_s must be a finite number > 0, duty_headroom in "
+                             "(0, 1]")
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class WorkerSnapshot:
     kv_usage: float = 0.0              # 0..1
     step_s: float = 0.0                # its current decode step (the TPOT it gives); 0: unknown
     cached_tokens: int = 0             # this prompt's prefix already in its cache (estimate)
+    prefill_duty: float = 0.0          # recent and queued prefill seconds per second there
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities
@@ -131,38 +147,55 @@ def prefill_finish_s(worker: WorkerSnapshot, prompt_tokens: int,
     return work / _rate(worker, config)
 
 
-def tpot_with_prefill_s(worker: WorkerSnapshot, prefill_tokens: int,
-                        config: PlacementConfig) -> float:
-    """The step time ``worker``'s decodes see while it prefills ``prefill_tokens`` more
-    (one chunk rides along each decode step)."""
-    chunk = min(prefill_tokens, config.prefill_chunk_tokens)
-    return worker.step_s + chunk / _rate(worker, config)
+def prefill_seconds(worker: WorkerSnapshot, prefill_tokens: int,
+                    config: PlacementConfig) -> float:
+    """Seconds of ``worker``'s time that ``prefill_tokens`` of prompt take."""
+    return prefill_tokens / _rate(worker, config)
+
+
+def duty_budget(worker: WorkerSnapshot, config: PlacementConfig) -> float:
+    """The prefill duty ``worker`` can carry while its streams keep a mean TPOT within the
+    target: ``headroom * (1 - step / target)`` (<= 0 when its steps alone miss it)."""
+    return config.duty_headroom * (1.0 - worker.step_s / config.slo_tpot_s)
+
+
+def duty_with(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -> float:
+    """``worker``'s prefill duty once it takes ``prefill_tokens`` more."""
+    return (worker.prefill_duty
+            + prefill_seconds(worker, prefill_tokens, config) / config.duty_window_s)
+
+
+def mean_tpot_s(worker: WorkerSnapshot, duty: float) -> float:
+    """The mean TPOT of ``worker``'s streams while it prefills a share ``duty`` of its time."""
+    return math.inf if duty >= 1.0 else worker.step_s / (1.0 - duty)
 
 
 def breaks_tpot(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -> bool:
-    """True when ``worker`` has decodes running and a prefill there pushes them over the
-    TPOT target."""
+    """True when ``worker`` has decodes running and a prefill there takes its duty over its
+    budget (its streams' mean TPOT toward the target)."""
     return (worker.decode_batch > 0
-            and tpot_with_prefill_s(worker, prefill_tokens, config) > config.slo_tpot_s)
+            and duty_with(worker, prefill_tokens, config) > duty_budget(worker, config))
 
 
 def harm(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -> int:
-    """Decode streams pushed over the TPOT target by a prefill on ``worker``."""
+    """Decode streams pushed toward the TPOT target by a prefill on ``worker``."""
     return worker.decode_batch if breaks_tpot(worker, prefill_tokens, config) else 0
 
 
 def is_tight(workers: Sequence[WorkerSnapshot], config: PlacementConfig) -> bool:
-    """On every worker, a prefill chunk in a decode step breaks the TPOT target."""
-    return all(tpot_with_prefill_s(w, config.prefill_chunk_tokens, config) > config.slo_tpot_s
-               for w in workers)
+    """The cluster's prefill duty, shared evenly over ``workers`` (the decode-capable
+    ones), is over the duty budget of those decoding: replicas would break the target."""
+    decoding = [w for w in workers if w.decode_batch > 0]
+    if not decoding:
+        return False
+    demand = sum(w.prefill_duty for w in workers) / len(workers)
+    return demand > min(duty_budget(w, config) for w in decoding)
 
 
 def _over_tpot_now(worker: WorkerSnapshot, config: PlacementConfig) -> bool:
-    """A decode added here misses the TPOT target even without new prefills: its steps are
-    too slow, or it already has prefill work that rides along them."""
-    pending = worker.queued_prefill_tokens
-    step = tpot_with_prefill_s(worker, pending, config) if pending else worker.step_s
-    return step > config.slo_tpot_s
+    """A decode added here misses the TPOT target even without new prefills: its steps,
+    stretched by the prefill duty it already has, are too slow."""
+    return mean_tpot_s(worker, worker.prefill_duty) > config.slo_tpot_s
 
 
 def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
@@ -174,11 +207,13 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
     roomy = [w for w in decoders if w.kv_usage < config.kv_full] or decoders
     pack = -1 if is_tight(decoders, config) else 1
 
-    def key(item: tuple[int, WorkerSnapshot]) -> tuple[bool, int, int, float, int]:
+    def key(item: tuple[int, WorkerSnapshot]) -> tuple[bool, int, float, float, int]:
         index, worker = item
         cached = worker.cached_tokens if worker.cached_tokens > config.short_prompt_tokens else 0
-        return (_over_tpot_now(worker, config), -min(cached, prompt_tokens),
-                pack * worker.decode_batch, worker.kv_usage, index)
+        over = _over_tpot_now(worker, config)
+        # Over the target everywhere: the least slow takes it (packing would pile on).
+        shape = mean_tpot_s(worker, worker.prefill_duty) if over else pack * worker.decode_batch
+        return (over, -min(cached, prompt_tokens), shape, worker.kv_usage, index)
 
     return min(enumerate(roomy), key=key)[1]
 

@@ -11,7 +11,7 @@ worker may prefill beside its decodes as long as the share of its time spent pre
 (its *prefill duty*: recent and queued prefill seconds per second, over a window of about
 one stream's lifetime) stays within its *duty budget*: a stream that sees decode steps of
 ``step_s`` while the worker prefills a share ``duty`` of the time gets a mean TPOT of about
-``step_s / (1 - duty)``, so the budget is ``duty_headroom * (1 - step_s / slo_tpot_s)``.
+``step_s / (1 - duty)``, so the budget is ``1 - step_s / (tpot_headroom * slo_tpot_s)``.
 
 1. D is the decode-capable worker whose decodes are in the best shape: its streams' mean
    TPOT (decode step over the time left by its prefill duty) within the target, then a
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE
 
@@ -81,9 +81,9 @@ class PlacementConfig:
     # lifetime (256 tokens of ~12 ms). Prefill seconds placed on a worker count in its duty
     # for about this long.
     duty_window_s: float = 3.0
-    # The share of the duty budget (1 - step / TPOT target) the policy fills: the rest
-    # absorbs bursts and the decode steps growing with the batch.
-    duty_headroom: float = 0.8
+    # The share of the TPOT target the policy plans to: the rest absorbs bursts, heartbeats
+    # a second old and decode steps growing with the batch.
+    tpot_headroom: float = 0.8
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s", "default_prefill_tokens_per_s"):
@@ -93,8 +93,8 @@ class PlacementConfig:
             raise ValueError("short_prompt_tokens must be >= 0")
         if not 0 <= self.transfer_overhead_s < math.inf or not 0 < self.kv_full <= 1:
             raise ValueError("transfer_overhead_s must be >= 0 and kv_full in (0, 1]")
-        if not 0 < self.duty_window_s < math.inf or not 0 < self.duty_headroom <= 1:
-            raise ValueError("duty_window_s must be a finite number > 0, duty_headroom in "
+        if not 0 < self.duty_window_s < math.inf or not 0 < self.tpot_headroom <= 1:
+            raise ValueError("duty_window_s must be a finite number > 0, tpot_headroom in "
                              "(0, 1]")
 
 
@@ -153,10 +153,15 @@ def prefill_seconds(worker: WorkerSnapshot, prefill_tokens: int,
     return prefill_tokens / _rate(worker, config)
 
 
+def planned_tpot_s(config: PlacementConfig) -> float:
+    """The mean TPOT the policy plans to: the target less its headroom."""
+    return config.tpot_headroom * config.slo_tpot_s
+
+
 def duty_budget(worker: WorkerSnapshot, config: PlacementConfig) -> float:
     """The prefill duty ``worker`` can carry while its streams keep a mean TPOT within the
-    target: ``headroom * (1 - step / target)`` (<= 0 when its steps alone miss it)."""
-    return config.duty_headroom * (1.0 - worker.step_s / config.slo_tpot_s)
+    planned TPOT: ``1 - step / planned`` (<= 0 when its steps alone miss it)."""
+    return 1.0 - worker.step_s / planned_tpot_s(config)
 
 
 def duty_with(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -> float:
@@ -184,18 +189,27 @@ def harm(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -
 
 def is_tight(workers: Sequence[WorkerSnapshot], config: PlacementConfig) -> bool:
     """The cluster's prefill duty, shared evenly over ``workers`` (the decode-capable
-    ones), is over the duty budget of those decoding: replicas would break the target."""
+    ones), is over the mean duty budget of those decoding: replicas would break the
+    target."""
     decoding = [w for w in workers if w.decode_batch > 0]
     if not decoding:
         return False
     demand = sum(w.prefill_duty for w in workers) / len(workers)
-    return demand > min(duty_budget(w, config) for w in decoding)
+    return demand > sum(duty_budget(w, config) for w in decoding) / len(decoding)
+
+
+def committed_duty(worker: WorkerSnapshot, config: PlacementConfig) -> float:
+    """The part of ``worker``'s prefill duty a stream starting now surely sees: its queued
+    prefill, over the window (what it prefilled before is past; new prefills can go
+    elsewhere)."""
+    queued = prefill_seconds(worker, worker.queued_prefill_tokens, config)
+    return min(worker.prefill_duty, queued / config.duty_window_s)
 
 
 def _over_tpot_now(worker: WorkerSnapshot, config: PlacementConfig) -> bool:
     """A decode added here misses the TPOT target even without new prefills: its steps,
-    stretched by the prefill duty it already has, are too slow."""
-    return mean_tpot_s(worker, worker.prefill_duty) > config.slo_tpot_s
+    stretched by the prefill already queued there, are too slow."""
+    return mean_tpot_s(worker, committed_duty(worker, config)) > config.slo_tpot_s
 
 
 def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
@@ -212,7 +226,8 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
         cached = worker.cached_tokens if worker.cached_tokens > config.short_prompt_tokens else 0
         over = _over_tpot_now(worker, config)
         # Over the target everywhere: the least slow takes it (packing would pile on).
-        shape = mean_tpot_s(worker, worker.prefill_duty) if over else pack * worker.decode_batch
+        shape = (mean_tpot_s(worker, committed_duty(worker, config)) if over
+                 else pack * worker.decode_batch)
         return (over, -min(cached, prompt_tokens), shape, worker.kv_usage, index)
 
     return min(enumerate(roomy), key=key)[1]
@@ -234,10 +249,19 @@ def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
     return min(enumerate(others), key=key)[1]
 
 
+def with_known_steps(workers: Sequence[WorkerSnapshot]) -> list[WorkerSnapshot]:
+    """A worker that has not measured a decode step (it never decoded) is taken to step as
+    fast as the fastest that has, so a new stream's mean TPOT there still counts the
+    prefill queued there."""
+    fastest = min((w.step_s for w in workers if w.step_s > 0), default=0.0)
+    return [w if w.step_s > 0 else replace(w, step_s=fastest) for w in workers]
+
+
 def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
           config: PlacementConfig) -> Placement:
     """Where a request of ``prompt_tokens`` (an estimate) runs; the module docstring gives
     the rules. Raises ``NoPlacementError`` when no worker can decode it."""
+    workers = with_known_steps(workers)
     decode = choose_decode(workers, prompt_tokens, config)
     prefill = choose_prefill(workers, decode, prompt_tokens, config)
     local_s = prefill_finish_s(decode, prompt_tokens, config)

@@ -23,6 +23,7 @@ from proxy.placement import (
     PlacementConfig,
     WorkerSnapshot,
     breaks_tpot,
+    committed_duty,
     duty_budget,
     duty_with,
     is_tight,
@@ -33,7 +34,7 @@ from proxy.placement import (
 ALL = frozenset(CAPABILITIES)
 CONFIG = PlacementConfig(slo_ttft_s=1.0, slo_tpot_s=0.040, short_prompt_tokens=256,
                          default_prefill_tokens_per_s=40_000, transfer_overhead_s=0.005,
-                         duty_window_s=2.0, duty_headroom=0.8)
+                         duty_window_s=2.0, tpot_headroom=0.8)
 
 
 def worker(name: str, caps: frozenset[str] = ALL, **fields: object) -> WorkerSnapshot:
@@ -60,20 +61,21 @@ def test_cached_prompt_stays_where_its_prefix_is() -> None:
 
 
 def test_duty_budget_admits_a_prefill_beside_decodes_under_the_target() -> None:
-    # a decodes 10 streams at 20 ms a step: its budget is 0.8 * (1 - 20/40) = 0.4 of its
-    # time. A 4096-token prefill is 0.1 s, 0.05 of a 2 s window: with 0.2 already, 0.25
-    # fits (mean TPOT about 20 / 0.75 = 27 ms), so it stays where it finishes first.
+    # The policy plans to 0.8 of the 40 ms target: 32 ms. a decodes 10 streams at 20 ms a
+    # step: its budget is 1 - 20/32 = 0.375 of its time. A 4096-token prefill is 0.1 s,
+    # 0.05 of a 2 s window: with 0.2 already, 0.25 fits (mean TPOT about 20 / 0.75 =
+    # 27 ms), so it stays where it finishes first.
     workers = [worker("a", decode_batch=10, step_s=0.020, prefill_duty=0.2),
                worker("b", frozenset({CAP_PREFILL}))]
     decision = place(workers, 4096, CONFIG)
     assert (decision.placement, decision.decode, decision.reason) == (
         PLACEMENT_LOCAL, "a", REASON_LOCAL)
-    # At 0.36 it would go to 0.41, over the budget: the prefill moves to b.
+    # At 0.36 it would go to 0.41, over its budget: the prefill moves to b.
     workers[0] = worker("a", decode_batch=10, step_s=0.020, prefill_duty=0.36)
     decision = place(workers, 4096, CONFIG)
     assert (decision.placement, decision.decode, decision.prefill, decision.reason) == (
         PLACEMENT_DISAGGREGATED, "a", "b", REASON_TPOT)
-    # With a looser target the budget is 0.8 * (1 - 20/100) = 0.64: it stays.
+    # With a looser target the budget is 1 - 20/80 = 0.75: it stays.
     loose = dataclasses.replace(CONFIG, slo_tpot_s=0.100)
     assert place(workers, 4096, loose).placement == PLACEMENT_LOCAL
     # A worker with no decodes running has nothing to protect, whatever its duty.
@@ -83,12 +85,12 @@ def test_duty_budget_admits_a_prefill_beside_decodes_under_the_target() -> None:
 
 def test_one_long_prefill_counts_by_its_share_of_the_window() -> None:
     # A single 8192-token chunk stalls a's 20 ms steps by 205 ms once; spread over the
-    # window it is 0.1 of a's time, within its 0.4 budget: the mean TPOT holds, so it stays.
+    # window it is 0.1 of a's time, within its 0.375 budget: the mean TPOT holds; it stays.
     workers = [worker("a", decode_batch=30, step_s=0.020), worker("b", frozenset({CAP_PREFILL}))]
     assert place(workers, 8192, CONFIG).placement == PLACEMENT_LOCAL
     # A worker whose steps alone miss the target has no budget at all.
     workers[0] = worker("a", decode_batch=30, step_s=0.038)
-    assert duty_budget(workers[0], CONFIG) == pytest.approx(0.8 * (1 - 38 / 40))
+    assert duty_budget(workers[0], CONFIG) == pytest.approx(1 - 38 / 32)
     assert place(workers, 8192, CONFIG).reason == REASON_TPOT
 
 
@@ -97,9 +99,14 @@ def test_duty_model() -> None:
     assert mean_tpot_s(a, 0.25) == pytest.approx(0.010 / 0.75)
     assert mean_tpot_s(a, 1.0) == math.inf
     assert duty_with(a, 8000, CONFIG) == pytest.approx(0.25 + 0.2 / 2.0)
-    assert duty_budget(a, CONFIG) == pytest.approx(0.8 * 0.75)
+    assert duty_budget(a, CONFIG) == pytest.approx(1 - 10 / 32)
     assert not breaks_tpot(a, 8000, CONFIG)
-    assert breaks_tpot(a, 60_000, CONFIG)  # 1.5 s of prefill: 0.25 + 0.75 > 0.6
+    assert breaks_tpot(a, 60_000, CONFIG)  # 1.5 s of prefill: 0.25 + 0.75 > 0.69
+    # Queued prefill is what a new stream surely sees: the duty's part still queued.
+    assert committed_duty(a, CONFIG) == 0.0
+    queued = worker("q", decode_batch=5, step_s=0.010, prefill_duty=0.25,
+                    queued_prefill_tokens=8000)
+    assert committed_duty(queued, CONFIG) == pytest.approx(0.1)
 
 
 def test_tpot_move_goes_where_decodes_are_not_hurt() -> None:
@@ -182,13 +189,13 @@ def test_decode_only_worker_gets_its_prefill_elsewhere() -> None:
 
 
 def test_decodes_spread_when_prefills_fit_beside_them() -> None:
-    # The cluster's prefill duty shared evenly (0.15) is within every decoding worker's
+    # The cluster's prefill duty shared evenly (0.15) is within the decoding workers' mean
     # budget: decodes spread as on replicas; workers over the target (their steps stretched
-    # by their prefill duty) and full ones come last.
+    # by the prefill queued there) and full ones come last.
     loose = dataclasses.replace(CONFIG, slo_tpot_s=0.100)
     workers = [worker("busy", decode_batch=30, step_s=0.030),
-               worker("prefilling", decode_batch=1, prefill_duty=0.6,
-                      step_s=0.060),  # 60 / 0.4 = 150 ms: over
+               worker("prefilling", decode_batch=1, prefill_duty=0.6, step_s=0.070,
+                      queued_prefill_tokens=40_000),  # 70 / (1 - 0.5) = 140 ms: over
                worker("full", decode_batch=0, kv_usage=0.97),
                worker("light", decode_batch=2, step_s=0.010)]
     assert not is_tight(workers, loose)
@@ -206,22 +213,29 @@ def test_decodes_spread_when_prefills_fit_beside_them() -> None:
 
 def test_decodes_pack_when_the_tpot_target_is_tight() -> None:
     # The cluster prefills 0.9 s a second; shared over two workers, 0.45 each is over the
-    # decoding worker's budget (0.8 * (1 - 28/40) = 0.24): replicas would break the target.
+    # decoding worker's budget (1 - 20/32 = 0.375): replicas would break the target.
     # Decodes pack onto the worker already decoding, which leaves the other to prefill.
     workers = [worker("prefiller", prefill_duty=0.8),
-               worker("decoding", decode_batch=40, step_s=0.028, prefill_duty=0.1)]
+               worker("decoding", decode_batch=40, step_s=0.020, prefill_duty=0.1)]
     assert is_tight(workers, CONFIG)
     assert place(workers, 100, CONFIG).decode == "decoding"
     decision = place(workers, 4000, CONFIG)  # 0.05 more duty fits its budget: local
     assert (decision.decode, decision.reason) == ("decoding", REASON_LOCAL)
-    workers[1] = worker("decoding", decode_batch=40, step_s=0.028, prefill_duty=0.22)
-    decision = place(workers, 4000, CONFIG)  # 0.27 does not: prefilled on the other
+    workers[1] = worker("decoding", decode_batch=40, step_s=0.020, prefill_duty=0.35)
+    decision = place(workers, 4000, CONFIG)  # 0.40 does not: prefilled on the other
     assert (decision.decode, decision.prefill, decision.reason) == (
         "decoding", "prefiller", REASON_TPOT)
     # Past the target the decoding worker takes no more: the next one starts decoding.
-    workers = [worker("idle", prefill_duty=0.3),
+    workers = [worker("idle", prefill_duty=0.3, step_s=0.008),
                worker("decoding", decode_batch=60, step_s=0.045)]
     assert place(workers, 100, CONFIG).decode == "idle"
+    # A worker that never decoded steps as fast as the fastest that has: with 1.5 s of
+    # prefill queued (0.75 of the window) it would give 4 x 20 ms: not for this stream.
+    workers = [worker("prefiller", queued_prefill_tokens=60_000, prefill_duty=0.9),
+               worker("decoding", decode_batch=40, step_s=0.020)]
+    assert place(workers, 100, CONFIG).decode == "decoding"
+    workers[1] = worker("decoding", decode_batch=40, step_s=0.060)  # over: least slow
+    assert place(workers, 100, CONFIG).decode == "decoding"
     # The same duties with nobody decoding yet: not tight, decodes spread.
     workers = [worker("a", prefill_duty=0.8), worker("b", prefill_duty=0.1)]
     assert not is_tight(workers, CONFIG)
@@ -246,6 +260,6 @@ def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         PlacementConfig(kv_full=1.5)
     with pytest.raises(ValueError):
-        PlacementConfig(duty_headroom=0)
+        PlacementConfig(tpot_headroom=0)
     with pytest.raises(ValueError):
         PlacementConfig(duty_window_s=math.nan)

@@ -189,13 +189,13 @@ def harm(worker: WorkerSnapshot, prefill_tokens: int, config: PlacementConfig) -
 
 def is_tight(workers: Sequence[WorkerSnapshot], config: PlacementConfig) -> bool:
     """The cluster's prefill duty, shared evenly over ``workers`` (the decode-capable
-    ones), is over the mean duty budget of those decoding: replicas would break the
-    target."""
+    ones), is over the duty budget of a worker decoding: replicas would break the target
+    there."""
     decoding = [w for w in workers if w.decode_batch > 0]
     if not decoding:
         return False
     demand = sum(w.prefill_duty for w in workers) / len(workers)
-    return demand > sum(duty_budget(w, config) for w in decoding) / len(decoding)
+    return demand > min(duty_budget(w, config) for w in decoding)
 
 
 def committed_duty(worker: WorkerSnapshot, config: PlacementConfig) -> float:

@@ -189,13 +189,13 @@ def test_decode_only_worker_gets_its_prefill_elsewhere() -> None:
 
 
 def test_decodes_spread_when_prefills_fit_beside_them() -> None:
-    # The cluster's prefill duty shared evenly (0.15) is within the decoding workers' mean
-    # budget: decodes spread as on replicas; workers over the target (their steps stretched
-    # by the prefill queued there) and full ones come last.
+    # The cluster's prefill duty shared evenly (0.15) is within every decoding worker's
+    # budget (the least: 1 - 50/80): decodes spread as on replicas; workers over the target
+    # (their steps stretched by the prefill queued there) and full ones come last.
     loose = dataclasses.replace(CONFIG, slo_tpot_s=0.100)
     workers = [worker("busy", decode_batch=30, step_s=0.030),
-               worker("prefilling", decode_batch=1, prefill_duty=0.6, step_s=0.070,
-                      queued_prefill_tokens=40_000),  # 70 / (1 - 0.5) = 140 ms: over
+               worker("prefilling", decode_batch=1, prefill_duty=0.6, step_s=0.050,
+                      queued_prefill_tokens=48_000),  # 50 / (1 - 0.6) = 125 ms: over
                worker("full", decode_batch=0, kv_usage=0.97),
                worker("light", decode_batch=2, step_s=0.010)]
     assert not is_tight(workers, loose)

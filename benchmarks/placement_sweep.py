@@ -141,6 +141,24 @@ def summarize(figures: dict[str, dict[str, Any]], workloads: list[Workload],
     return "\n".join(lines) + "\n", ratios
 
 
+def merge_summaries(out_dirs: list[Path]) -> tuple[str, dict[str, Any]]:
+    """One table from the ``summary.json`` of sweeps run in parts (a GPU call each)."""
+    figures: dict[str, Any] = {}
+    for out_dir in out_dirs:
+        for label, by_workload in json.loads((out_dir / "summary.json").read_text())[
+                "figures"].items():
+            for workload, cells in by_workload.items():
+                figures.setdefault(label, {}).setdefault(workload, {}).update(cells)
+    names = {w for by_workload in figures.values() for w in by_workload}
+    workloads = [w for name, w in GPU_WORKLOADS.items() if name in names]
+    tpots = sorted({float(cell.rsplit("_tpot", 1)[1]) for by_workload in figures.values()
+                    for cells in by_workload.values() for cell in cells})
+    sizes = sorted({t.num_workers for n in range(2, 9) for t in topologies_for(n)
+                    if t.name in figures})
+    topologies = [t for n in sizes for t in topologies_for(n)]
+    return summarize(figures, workloads, topologies, tuple(tpots))
+
+
 def _rates(text: str) -> dict[str, float]:
     """``2k=12,8k=3`` -> {"2k": 12.0, "8k": 3.0}."""
     try:
@@ -190,6 +208,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default=None,
                         help="where results go (default: a new temp dir)")
     parser.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="OUT_DIR",
+                        help="print one table from the --out-dir of sweeps run in parts; "
+                             "runs nothing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.merge:
+        print(merge_summaries(args.merge)[0], flush=True)
+        return 0
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     table = SMOKE_WORKLOADS if args.smoke else GPU_WORKLOADS

@@ -105,3 +105,21 @@ def test_sweep_runs_launch_adaptive_once_per_cell_and_ttft_target() -> None:
         "colo2", "1p1d", "adaptive2-ttft1000-tpot15", "adaptive2-ttft2000-tpot15"]
     assert [r.label for r in sweep_runs(topologies, workloads, (15.0,), "default")] == [
         "colo2", "1p1d", "adaptive2"]
+
+
+def test_merge_summaries_of_a_sweep_run_in_parts(tmp_path) -> None:
+    import json
+
+    from benchmarks.placement_sweep import merge_summaries
+
+    cell = "ttft1000_tpot15"
+    parts = {"static": {"colo2": {"2k": {cell: {"rate": 15.0}}},
+                        "1p1d": {"2k": {cell: {"rate": 18.0}}}},
+             "adaptive": {"adaptive2@cell": {"2k": {cell: {"rate": 19.5}}}}}
+    for name, figures in parts.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"figures": figures}))
+    table, ratios = merge_summaries([tmp_path / "static", tmp_path / "adaptive"])
+    assert ratios == {f"2k/{cell}": {"adaptive2@cell": {"vs_best_static": 19.5 / 18.0,
+                                                         "vs_replicas": 1.3}}}
+    assert "| 2k | TTFT<=1000 TPOT<=15 | 15 | 18 | 19.5 | 1.08x | 1.30x |" in table

@@ -249,19 +249,25 @@ def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
     return min(enumerate(others), key=key)[1]
 
 
-def with_known_steps(workers: Sequence[WorkerSnapshot]) -> list[WorkerSnapshot]:
-    """A worker that has not measured a decode step (it never decoded) is taken to step as
-    fast as the fastest that has, so a new stream's mean TPOT there still counts the
-    prefill queued there."""
-    fastest = min((w.step_s for w in workers if w.step_s > 0), default=0.0)
-    return [w if w.step_s > 0 else replace(w, step_s=fastest) for w in workers]
+def with_measured_speeds(workers: Sequence[WorkerSnapshot]) -> list[WorkerSnapshot]:
+    """A worker that has not measured its prefill rate or decode step yet (it just joined,
+    or never prefilled or decoded) is taken to be as fast as the fastest that has: an
+    unmeasured rate read as the default would send every prefill to the first worker that
+    measured one, and an unknown step would hide the prefill queued there from a new
+    stream's mean TPOT."""
+    rate = max((w.prefill_tokens_per_s for w in workers), default=0.0)
+    step = min((w.step_s for w in workers if w.step_s > 0), default=0.0)
+    return [w if (w.prefill_tokens_per_s or not rate) and (w.step_s or not step)
+            else replace(w, prefill_tokens_per_s=w.prefill_tokens_per_s or rate,
+                         step_s=w.step_s or step)
+            for w in workers]
 
 
 def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
           config: PlacementConfig) -> Placement:
     """Where a request of ``prompt_tokens`` (an estimate) runs; the module docstring gives
     the rules. Raises ``NoPlacementError`` when no worker can decode it."""
-    workers = with_known_steps(workers)
+    workers = with_measured_speeds(workers)
     decode = choose_decode(workers, prompt_tokens, config)
     prefill = choose_prefill(workers, decode, prompt_tokens, config)
     local_s = prefill_finish_s(decode, prompt_tokens, config)

@@ -254,6 +254,17 @@ def test_unmeasured_rate_uses_the_default() -> None:
     assert decision.predicted_prefill_s == pytest.approx(8192 / 40_000)
 
 
+def test_a_worker_that_has_not_measured_is_taken_as_fast_as_the_fastest() -> None:
+    # b just joined: read at the default rate (a tenth of a's), a's queue would look
+    # shorter; taken at a's measured rate, b (idle) finishes first.
+    a = worker("a", queued_prefill_tokens=8000, prefill_tokens_per_s=40_000)
+    b = WorkerSnapshot("b", ALL)
+    slow_default = dataclasses.replace(CONFIG, default_prefill_tokens_per_s=4000)
+    decision = place([a, b], 4000, slow_default)
+    assert (decision.decode, decision.prefill, decision.reason) == ("a", "b", REASON_SOONER)
+    assert decision.predicted_prefill_s == pytest.approx(4000 / 40_000 + 0.005)
+
+
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         PlacementConfig(slo_tpot_s=0)

@@ -12,16 +12,17 @@ worker may prefill beside its decodes as long as the share of its time spent pre
 one stream's lifetime) stays within its *duty budget*: a stream that sees decode steps of
 ``step_s`` while the worker prefills a share ``duty`` of the time gets a mean TPOT of about
 ``step_s / (1 - duty)``, so the budget is ``1 - step_s / (tpot_headroom * slo_tpot_s)``.
+A worker that has not measured its speed yet is taken as fast as the fastest that has.
 
-1. D is the decode-capable worker whose decodes are in the best shape: its streams' mean
-   TPOT (decode step over the time left by its prefill duty) within the target, then a
-   significant cached prefix of this prompt, then its decode batch, then the least KV in
-   use (a worker at ``kv_full`` takes new decodes only when every one is). The batch
+1. D is the decode-capable worker whose decodes are in the best shape: a new stream's mean
+   TPOT there (its decode step stretched by the prefill queued there) within the target,
+   then a significant cached prefix of this prompt, then its decode batch, then the least
+   KV in use (a worker at ``kv_full`` takes new decodes only when every one is). The batch
    counts two ways. When the target is *tight* (the cluster's prefill duty, shared evenly
-   over the decode-capable workers, is over their budget), decodes pack onto the workers
-   already decoding, which keeps other workers free of decodes to prefill for them: the
-   cluster splits itself into prefill and decode workers, as far as the load needs.
-   Otherwise they spread (smallest batch first), as replicas do.
+   over the decode-capable workers, is over a decoding worker's budget), decodes pack
+   onto the workers already decoding, which keeps other workers free of decodes to
+   prefill for them: the cluster splits itself into prefill and decode workers, as far as
+   the load needs. Otherwise they spread (smallest batch first), as replicas do.
 2. Serving whole on D is always a candidate, so the cluster never does worse than replicas.
    It is taken when the prompt's uncached part on D is short (``short_prompt_tokens``), or
    no other worker can prefill it.

@@ -58,7 +58,7 @@ class ProxyConfig:
     # Placement over workers with capabilities (proxy/placement.py): the operator's targets,
     # the prompt size that always stays where it decodes.
     slo_ttft_ms: float = 1000.0
-    slo_tpot_ms: float = 50.0
+    slo_tpot_ms: float = 20.0
     placement_short_prompt_tokens: int = 256
     max_workers: int = DEFAULT_MAX_WORKERS  # registrations beyond are refused
     # Authenticates registrations and signs transfer grants; none: loopback or --insecure.

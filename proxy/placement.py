@@ -68,7 +68,7 @@ class PlacementConfig:
     """The operator's targets and the policy's constants (``pdserve proxy`` flags)."""
 
     slo_ttft_s: float = 1.0           # --slo-ttft-ms
-    slo_tpot_s: float = 0.05          # --slo-tpot-ms
+    slo_tpot_s: float = 0.02          # --slo-tpot-ms
     # A prompt whose uncached part is at most this many tokens stays where it decodes: its
     # prefill is about one decode step's work, less than a transfer's fixed cost.
     short_prompt_tokens: int = 256

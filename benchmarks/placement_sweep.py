@@ -2,11 +2,15 @@
 adaptive default on the same GPUs, per workload and SLO cell, found by a rate search.
 
     source .device/env.sh && python3 -m benchmarks.placement_sweep --gpus 0,1 \\
-        --out-dir /tmp/placement-sweep [--workloads 2k,8k,512x1024,mixed] [--budget 6]
+        --out-dir /tmp/placement-sweep [--workloads 2k,8k,512x1024,mixed] [--budget 6] \\
+        [--adaptive-targets default|cell|both] [--start-rates 2k=12,8k=3 --growth 1.3]
 
-Each topology is launched once (``pdserve launch``, dummy Qwen3-8B weights by default) and
-serves every workload; each measured point is a fresh prompt set at one Poisson rate for
-``--point-seconds``. A cell's maximum goodput is the highest rate at which >= 90% of the
+Each static topology is launched once (``pdserve launch``, dummy Qwen3-8B weights by
+default) and serves every workload. The adaptive workers run with the proxy's default
+targets (column ``adaptive<N>``) and, with ``--adaptive-targets cell`` or ``both``, once per
+cell with the cell's targets as the operator would state them (``--slo-tpot-ms`` and
+``--slo-ttft-ms``; column ``adaptive<N>@cell``). Each measured point is a fresh prompt set
+at one Poisson rate for ``--point-seconds``. A cell's maximum goodput is the highest rate at which >= 90% of the
 requests met TTFT and TPOT (benchmarks/placement/search.py). Output under ``--out-dir``:
 ``raw/<topology>__<workload>__<rate>.json`` (per-request TTFT/TPOT), ``summary.json`` and
 ``summary.md`` (the table, with adaptive against the best static layout and the replicas).
@@ -31,11 +35,14 @@ from benchmarks.disagg.cluster import Cluster, ClusterSpec
 from benchmarks.model_shapes import SHAPES, write_model_dir
 from benchmarks.placement.search import PointResult, RateSearch, SloCell
 from benchmarks.placement.workloads import (
+    ADAPTIVE_TARGETS,
     GPU_WORKLOADS,
     SMOKE_WORKLOADS,
     TPOT_CELLS_MS,
+    SweepRun,
     SweepTopology,
     Workload,
+    sweep_runs,
     topologies_for,
 )
 from benchmarks.serve.config import BenchConfig
@@ -82,13 +89,15 @@ def measure(cluster: Cluster, workload: Workload, cells: tuple[SloCell, ...], ra
     return point
 
 
-def sweep_topology(cluster: Cluster, workloads: list[Workload], args: argparse.Namespace,
+def sweep_topology(cluster: Cluster, run: SweepRun, args: argparse.Namespace,
                    tokenizer: Any, raw: Path) -> dict[str, Any]:
     """Every workload's rate search on one running topology."""
     figures: dict[str, Any] = {}
-    for w_index, workload in enumerate(workloads):
-        cells = workload.cells(args.tpot_cells)
-        search = RateSearch(cells, workload.start_rate, workload.max_rate, args.budget)
+    for w_index, workload in enumerate(run.workloads):
+        cells = workload.cells(run.tpot_cells)
+        start = args.start_rates.get(workload.name, workload.start_rate)
+        search = RateSearch(cells, start, max(workload.max_rate, start), args.budget,
+                            growth=args.growth)
         while (rate := search.next_rate()) is not None:
             seed = args.seed + 1000 * w_index + len(search.points)
             path = raw / f"{cluster.topology.name}__{workload.name}__{rate:.4g}.json"
@@ -101,30 +110,62 @@ def sweep_topology(cluster: Cluster, workloads: list[Workload], args: argparse.N
 def summarize(figures: dict[str, dict[str, Any]], workloads: list[Workload],
               topologies: list[SweepTopology],
               tpot_cells: tuple[float, ...] = TPOT_CELLS_MS) -> tuple[str, dict[str, Any]]:
-    """The markdown table and the ratios: adaptive against the best static layout and the
-    colocated replicas, per cell (max goodput = the highest passing rate)."""
-    names = [t.name for t in topologies if t.name in figures]
+    """The markdown table and the ratios: each adaptive column (default targets, and the
+    cell's targets: ``<name>@cell``) against the best static layout and the colocated
+    replicas, per cell (max goodput = the highest passing rate)."""
+    static = [t.name for t in topologies if not t.workers and t.name in figures]
+    adaptive = [n for t in topologies if t.workers for n in (t.name, f"{t.name}@cell")
+                if n in figures]
     colo = next((t.name for t in topologies if t.colocated and t.name in figures), None)
-    adaptive = next((t.name for t in topologies if t.workers and t.name in figures), None)
-    lines = ["| workload | SLO cell | " + " | ".join(names) + " | adaptive / best static "
-             "| adaptive / replicas |", "|" + "---|" * (len(names) + 4)]
+    names = static + adaptive
+    lines = ["| workload | SLO cell | " + " | ".join(names) + "".join(
+        f" | {a} / best static | {a} / replicas" for a in adaptive) + " |",
+        "|" + "---|" * (len(names) + 2 + 2 * len(adaptive))]
     ratios: dict[str, Any] = {}
     for workload in workloads:
         for cell in workload.cells(tpot_cells):
             rates = {n: (figures[n].get(workload.name, {}).get(cell.name) or {}).get("rate")
                      for n in names}
-            static = [r or 0.0 for n, r in rates.items() if n != adaptive]
-            best = max(static, default=0.0)
-            own = rates.get(adaptive) or 0.0 if adaptive else None
-            vs_best = own / best if own is not None and best > 0 else None
-            vs_colo = (own / rates[colo] if own is not None and colo and rates.get(colo)
-                       else None)
-            ratios[f"{workload.name}/{cell.name}"] = {"vs_best_static": vs_best,
-                                                      "vs_replicas": vs_colo}
+            best = max((rates[n] or 0.0 for n in static), default=0.0)
+            row = ratios[f"{workload.name}/{cell.name}"] = {}
+            text = ""
+            for name in adaptive:
+                own = rates[name] or 0.0
+                vs_best = own / best if best > 0 else None
+                vs_colo = own / rates[colo] if colo and rates.get(colo) else None
+                row[name] = {"vs_best_static": vs_best, "vs_replicas": vs_colo}
+                text += f" | {_ratio(vs_best)} | {_ratio(vs_colo)}"
             cells = " | ".join("-" if r is None else f"{r:.3g}" for r in rates.values())
             lines.append(f"| {workload.name} | TTFT<={cell.ttft_ms:g} TPOT<={cell.tpot_ms:g} "
-                         f"| {cells} | {_ratio(vs_best)} | {_ratio(vs_colo)} |")
+                         f"| {cells}{text} |")
     return "\n".join(lines) + "\n", ratios
+
+
+def merge_summaries(out_dirs: list[Path]) -> tuple[str, dict[str, Any]]:
+    """One table from the ``summary.json`` of sweeps run in parts (a GPU call each)."""
+    figures: dict[str, Any] = {}
+    for out_dir in out_dirs:
+        for label, by_workload in json.loads((out_dir / "summary.json").read_text())[
+                "figures"].items():
+            for workload, cells in by_workload.items():
+                figures.setdefault(label, {}).setdefault(workload, {}).update(cells)
+    names = {w for by_workload in figures.values() for w in by_workload}
+    workloads = [w for name, w in GPU_WORKLOADS.items() if name in names]
+    tpots = sorted({float(cell.rsplit("_tpot", 1)[1]) for by_workload in figures.values()
+                    for cells in by_workload.values() for cell in cells})
+    sizes = sorted({t.num_workers for n in range(2, 9) for t in topologies_for(n)
+                    if t.name in figures})
+    topologies = [t for n in sizes for t in topologies_for(n)]
+    return summarize(figures, workloads, topologies, tuple(tpots))
+
+
+def _rates(text: str) -> dict[str, float]:
+    """``2k=12,8k=3`` -> {"2k": 12.0, "8k": 3.0}."""
+    try:
+        return {name: float(rate) for name, rate in
+                (item.split("=", 1) for item in text.split(",") if item)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected name=rate,...: {text!r}") from None
 
 
 def _ratio(value: float | None) -> str:
@@ -153,12 +194,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-args", default="",
                         help="more launch flags for the adaptive topology, e.g. "
                              "'--slo-tpot-ms 15' (the operator's targets)")
+    parser.add_argument("--adaptive-targets", choices=ADAPTIVE_TARGETS, default="both",
+                        help="adaptive with the proxy's default targets, with each cell's "
+                             "targets (one launch per cell and TTFT target), or both")
+    parser.add_argument("--start-rates", type=_rates, default={},
+                        help="where each workload's search starts, e.g. 2k=12,8k=3 "
+                             "(default: the workload's own)")
+    parser.add_argument("--growth", type=float, default=2.0,
+                        help="rate factor while every measured rate passes")
     parser.add_argument("--point-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-args", default="", help="more flags for every worker")
     parser.add_argument("--out-dir", default=None,
                         help="where results go (default: a new temp dir)")
     parser.add_argument("--smoke", action="store_true", help="CPU, demo model, tiny sizes")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="OUT_DIR",
+                        help="print one table from the --out-dir of sweeps run in parts; "
+                             "runs nothing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.merge:
+        print(merge_summaries(args.merge)[0], flush=True)
+        return 0
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     table = SMOKE_WORKLOADS if args.smoke else GPU_WORKLOADS
@@ -207,14 +262,14 @@ def main(argv: list[str] | None = None) -> int:
                                 *map(shlex.quote, sys.argv[1:])])}
     figures: dict[str, Any] = {}
     problems = []
-    for topology in topologies:
+    for run in sweep_runs(topologies, workloads, args.tpot_cells, args.adaptive_targets):
         try:
-            with SweepCluster(spec, topology) as cluster:  # type: ignore[arg-type]
-                figures[topology.name] = sweep_topology(cluster, workloads, args, tokenizer,
-                                                        raw)
+            with SweepCluster(spec, run.topology) as cluster:  # type: ignore[arg-type]
+                for name, cells in sweep_topology(cluster, run, args, tokenizer, raw).items():
+                    figures.setdefault(run.label, {}).setdefault(name, {}).update(cells)
         except (BenchmarkError, RuntimeError) as exc:
-            problems.append(f"{topology.name}: {exc}")
-            logger.error("%s failed: %s", topology.name, exc)
+            problems.append(f"{run.topology.name}: {exc}")
+            logger.error("%s failed: %s", run.topology.name, exc)
     markdown, ratios = summarize(figures, workloads, topologies, args.tpot_cells)
     header = (f"# Placement sweep\n\n- {env['date']}, commit {env['commit']}, "
               f"{'; '.join(env['devices'])}, GPUs {','.join(gpus) or 'none'}\n"

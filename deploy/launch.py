@@ -259,10 +259,6 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     ports = iter(free_ports(1 + 2 * len(kinds) + shape.colocated, fixed))
     reg_port = args.registration_port or next(ports)
     proxy_flags = proxy_argv(args)
-    if "--prefill-chunk-tokens" not in proxy_flags and \
-            args.max_num_batched_tokens != ProxyConfig.prefill_chunk_tokens:
-        # Placement predicts the workers' steps from their prefill chunk.
-        proxy_flags += ["--prefill-chunk-tokens", str(args.max_num_batched_tokens)]
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
                             str(args.port), "--registration-port", str(reg_port),
                             *trust_args, *proxy_flags],

@@ -114,17 +114,15 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         "target; a prefill that would miss it where the request decodes moves "
                         "to a worker that finishes it sooner")
     parser.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
-                        help="placement: the TPOT target; a prefill moves off a worker whose "
-                        "decodes it would push past it, and when a prefill chunk beside "
-                        "decodes breaks it on every worker, decodes pack onto fewer workers "
-                        "so others stay free to prefill")
+                        help="placement: the target for a request's mean TPOT; a worker "
+                        "prefills beside its decodes while the share of its time spent "
+                        "prefilling keeps their mean within it (else the prefill moves), and "
+                        "when replicas would break it, decodes pack onto fewer workers so "
+                        "others stay free to prefill. State the target you serve to")
     parser.add_argument("--placement-short-prompt-tokens", type=int,
                         default=d.placement_short_prompt_tokens,
                         help="placement: a prompt with at most this many uncached tokens "
                         "(estimated) is served whole where it decodes")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens,
-                        help="placement: the workers' --max-num-batched-tokens, the prefill "
-                        "a decode step carries beside its decodes (pdserve launch passes it)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -145,7 +143,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_overflow=args.prefill_overflow, slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         placement_short_prompt_tokens=args.placement_short_prompt_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens, max_workers=args.max_workers,
+        max_workers=args.max_workers,
         cluster_secret=cluster_secret_from_args(args), insecure=args.insecure)
 
 

@@ -61,8 +61,8 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
-    app[keys.PLACER] = placer = Placer(config.placement)
-    registry.add_removal_listener(placer.index.forget)
+    app[keys.PLACER] = placer = Placer(config.placement, clock=clock)
+    registry.add_removal_listener(placer.forget)
     server = None
     if config.registration_port is not None:
         server = RegistrationServer(registry, config.registration_bind_host,

@@ -56,11 +56,10 @@ class ProxyConfig:
     # Prefill legs in flight on every P from which D prefills a request itself (0: never).
     prefill_overflow: int = 0
     # Placement over workers with capabilities (proxy/placement.py): the operator's targets,
-    # the prompt size that always stays where it decodes, the workers' prefill chunk.
+    # the prompt size that always stays where it decodes.
     slo_ttft_ms: float = 1000.0
-    slo_tpot_ms: float = 50.0
+    slo_tpot_ms: float = 20.0
     placement_short_prompt_tokens: int = 256
-    prefill_chunk_tokens: int = 8192
     max_workers: int = DEFAULT_MAX_WORKERS  # registrations beyond are refused
     # Authenticates registrations and signs transfer grants; none: loopback or --insecure.
     cluster_secret: ClusterSecret = ClusterSecret()
@@ -98,8 +97,7 @@ class ProxyConfig:
     def placement(self) -> PlacementConfig:
         """The placement policy's settings."""
         return PlacementConfig(slo_ttft_s=self.slo_ttft_ms / 1e3, slo_tpot_s=self.slo_tpot_ms / 1e3,
-                               short_prompt_tokens=self.placement_short_prompt_tokens,
-                               prefill_chunk_tokens=self.prefill_chunk_tokens)
+                               short_prompt_tokens=self.placement_short_prompt_tokens)
 
     @property
     def first_byte_deadline_s(self) -> float:

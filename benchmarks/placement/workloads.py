@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from benchmarks.placement.search import SloCell
@@ -79,3 +80,44 @@ def topologies_for(num_gpus: int) -> list[SweepTopology]:
             for p in range(1, num_gpus)]
     out.append(SweepTopology(f"adaptive{num_gpus}", workers=num_gpus))
     return out
+
+
+ADAPTIVE_TARGETS = ("default", "cell", "both")
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One launch of the sweep: a topology and what it serves (workloads, TPOT cells).
+    ``label`` is the table column its figures go to."""
+
+    topology: SweepTopology
+    label: str
+    workloads: tuple[Workload, ...]
+    tpot_cells: tuple[float, ...]
+
+
+def sweep_runs(topologies: list[SweepTopology], workloads: list[Workload],
+               tpot_cells: tuple[float, ...], adaptive_targets: str = "both") -> list[SweepRun]:
+    """Each static topology once for every workload and cell. The adaptive one with the
+    proxy's default targets (``default``), and/or once per cell with the cell's targets
+    (``cell``: ``--slo-tpot-ms`` its TPOT, ``--slo-ttft-ms`` its TTFT, column
+    ``<name>@cell``), which serves only the workloads and the cell it was set for."""
+    if adaptive_targets not in ADAPTIVE_TARGETS:
+        raise ValueError(f"adaptive_targets must be one of {ADAPTIVE_TARGETS}")
+    runs = []
+    for topology in topologies:
+        if not topology.workers or adaptive_targets in ("default", "both"):
+            runs.append(SweepRun(topology, topology.name, tuple(workloads), tpot_cells))
+        if not topology.workers or adaptive_targets == "default":
+            continue
+        for ttft in sorted({w.ttft_ms for w in workloads}):
+            for tpot in tpot_cells:
+                extra = (*topology.extra_args, "--slo-ttft-ms", f"{ttft:g}",
+                         "--slo-tpot-ms", f"{tpot:g}")
+                variant = dataclasses.replace(
+                    topology, name=f"{topology.name}-ttft{ttft:g}-tpot{tpot:g}",
+                    extra_args=extra)
+                runs.append(SweepRun(variant, f"{topology.name}@cell",
+                                     tuple(w for w in workloads if w.ttft_ms == ttft),
+                                     (tpot,)))
+    return runs

@@ -75,4 +75,51 @@ def test_summary_ratios_against_best_static_and_replicas() -> None:
     topologies = [SweepTopology("colo2", colocated=2), SweepTopology("1p1d", 1, 1),
                   SweepTopology("adaptive2", workers=2)]
     _, ratios = summarize(figures, [workload], topologies)
-    assert ratios[f"2k/{cell}"] == {"vs_best_static": 6.0 / 5.0, "vs_replicas": 1.5}
+    assert ratios[f"2k/{cell}"] == {
+        "adaptive2": {"vs_best_static": 6.0 / 5.0, "vs_replicas": 1.5}}
+    # With the cell's targets too: a column and ratios of its own.
+    figures["adaptive2@cell"] = {"2k": {cell: {"rate": 10.0}}}
+    table, ratios = summarize(figures, [workload], topologies)
+    assert ratios[f"2k/{cell}"]["adaptive2@cell"] == {"vs_best_static": 2.0,
+                                                      "vs_replicas": 2.5}
+    assert "| adaptive2@cell / best static |" in table.splitlines()[0]
+    assert "| 4 | 5 | 6 | 10 | 1.20x | 1.50x | 2.00x | 2.50x |" in table
+
+
+def test_sweep_runs_launch_adaptive_once_per_cell_and_ttft_target() -> None:
+    from benchmarks.placement.workloads import GPU_WORKLOADS, sweep_runs
+
+    workloads = [GPU_WORKLOADS["2k"], GPU_WORKLOADS["8k"]]
+    topologies = topologies_for(2)
+    runs = sweep_runs(topologies, workloads, (10.0, 15.0), "both")
+    assert [r.label for r in runs] == ["colo2", "1p1d", "adaptive2"] + ["adaptive2@cell"] * 4
+    assert all(r.workloads == tuple(workloads) and r.tpot_cells == (10.0, 15.0)
+               for r in runs[:3])
+    run = runs[4]
+    assert run.topology.name == "adaptive2-ttft1000-tpot15"
+    assert run.topology.launch_args()[-4:] == ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "15"]
+    assert [w.name for w in run.workloads] == ["2k"] and run.tpot_cells == (15.0,)
+    assert [w.name for w in runs[-1].workloads] == ["8k"]
+    cell_only = sweep_runs(topologies, workloads, (15.0,), "cell")
+    assert [r.topology.name for r in cell_only] == [
+        "colo2", "1p1d", "adaptive2-ttft1000-tpot15", "adaptive2-ttft2000-tpot15"]
+    assert [r.label for r in sweep_runs(topologies, workloads, (15.0,), "default")] == [
+        "colo2", "1p1d", "adaptive2"]
+
+
+def test_merge_summaries_of_a_sweep_run_in_parts(tmp_path) -> None:
+    import json
+
+    from benchmarks.placement_sweep import merge_summaries
+
+    cell = "ttft1000_tpot15"
+    parts = {"static": {"colo2": {"2k": {cell: {"rate": 15.0}}},
+                        "1p1d": {"2k": {cell: {"rate": 18.0}}}},
+             "adaptive": {"adaptive2@cell": {"2k": {cell: {"rate": 19.5}}}}}
+    for name, figures in parts.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"figures": figures}))
+    table, ratios = merge_summaries([tmp_path / "static", tmp_path / "adaptive"])
+    assert ratios == {f"2k/{cell}": {"adaptive2@cell": {"vs_best_static": 19.5 / 18.0,
+                                                         "vs_replicas": 1.3}}}
+    assert "| 2k | TTFT<=1000 TPOT<=15 | 15 | 18 | 19.5 | 1.08x | 1.30x |" in table

@@ -1,0 +1,292 @@
+"""A discrete-event model of a pdserve cluster, for the placement policy. CPU, no engine.
+
+Each worker is an engine as ``engine_core/sched/scheduler.py`` runs it: a step carries every
+running decode plus prefill chunks (FCFS) up to ``max_num_batched_tokens``; a step takes
+``base + per_seq * batch + per_ctx_token * context`` while it decodes, plus its prefill
+tokens over the prefill rate. A prefill for another worker hands its first token to the
+client when it ends (the first-token handoff) and its KV lands on the decoding worker
+``transfer_s`` later. Layouts: ``replicas`` (round robin, whole requests), ``xPyD`` (round
+robin per role) and ``adaptive``, which asks the real ``proxy.placement.place`` with the
+snapshot fields the proxy fills (``proxy/placer.py``): heartbeat numbers a heartbeat old,
+the proxy's own pending prefill tokens, legs in flight and ``PrefillDuty``.
+
+It is a model: its figures are predictions, never measurements.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
+from engine_core.step_rates import StepRates
+from proxy.placement import PlacementConfig, WorkerSnapshot, place, prefill_seconds
+from proxy.prefill_duty import PrefillDuty
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """One worker's speed. Defaults: dummy Qwen3-8B bf16 on an H100 (docs/PERFORMANCE.md:
+    ~41k prompt tokens/s; 9.4 ms steps at 50 streams of ~2.3k tokens, 20-27 ms at 150-250)."""
+
+    prefill_tokens_per_s: float = 41_000.0
+    step_base_s: float = 0.0050
+    step_per_seq_s: float = 1.0e-5
+    step_per_ctx_token_s: float = 3.4e-8
+    kv_capacity_tokens: int = 350_000
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    transfer_s: float = 0.003          # P's last chunk to D's blocks holding the KV
+    heartbeat_s: float = 1.0
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """A step's time without its prefill tokens (the fixed part is in every step)."""
+        return (self.step_base_s + self.step_per_seq_s * batch
+                + self.step_per_ctx_token_s * context_tokens)
+
+
+@dataclass
+class SimRequest:
+    """One request and what happened to it (times in seconds from the start)."""
+
+    arrival: float
+    prompt: int
+    output: int
+    first_token: float | None = None
+    finish: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish is None or self.first_token is None:
+            return None
+        return 0.0 if self.output <= 1 else (self.finish - self.first_token) / (self.output - 1)
+
+
+@dataclass
+class _Prefill:
+    request: SimRequest
+    remaining: int
+    decode: SimWorker | None      # None: served whole here
+
+
+@dataclass
+class _Heartbeat:
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    step_s: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass(eq=False)
+class SimWorker:
+    """One engine: a prefill queue, running decodes, KV accounting, measured rates."""
+
+    name: str
+    capabilities: frozenset[str]
+    gpu: GpuModel
+    prefills: deque[_Prefill] = field(default_factory=deque)
+    landed: deque[SimRequest] = field(default_factory=deque)
+    finishing: list[tuple[int, int, SimRequest]] = field(default_factory=list)  # heap
+    steps: int = 0
+    prompt_sum: int = 0          # context = prompt_sum + steps * batch - joined_sum
+    joined_sum: int = 0
+    kv_tokens: int = 0           # reserved: prompt + output of each request held
+    busy: bool = False
+    rates: StepRates = field(default_factory=StepRates)
+    heartbeat: _Heartbeat = field(default_factory=_Heartbeat)
+    # The proxy's own accounting of this worker.
+    pending_prefill_tokens: int = 0
+    legs_decoding: int = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.finishing)
+
+    def queued_tokens(self) -> int:
+        return sum(p.remaining for p in self.prefills)
+
+    def beat(self) -> None:
+        self.heartbeat = _Heartbeat(
+            self.batch + sum(1 for p in self.prefills if p.remaining < p.request.prompt),
+            self.queued_tokens(), self.rates.prefill_tokens_per_s, self.rates.decode_step_s,
+            min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens))
+
+    def join(self, request: SimRequest, tokens_left: int, now: float) -> None:
+        """A request that holds its first token decodes the rest from the next step."""
+        if tokens_left <= 0:
+            self._finish(request, now)
+            return
+        heapq.heappush(self.finishing, (self.steps + tokens_left, id(request), request))
+        self.prompt_sum += request.prompt + 1
+        self.joined_sum += self.steps
+
+    def _finish(self, request: SimRequest, now: float) -> None:
+        request.finish = now
+        self.kv_tokens -= request.prompt + request.output
+        self.legs_decoding -= 1
+
+    def plan_step(self) -> tuple[float, list[tuple[_Prefill, int]]]:
+        """The next step's duration and the prefill chunks it carries."""
+        started = sum(1 for job in self.prefills if job.remaining < job.request.prompt)
+        while self.landed and self.batch + started < self.gpu.max_num_seqs:
+            request = self.landed.popleft()
+            self.join(request, request.output - 1, 0.0)
+        batch = self.batch
+        budget = self.gpu.max_num_batched_tokens - batch
+        chunks = []
+        for job in self.prefills:
+            fresh = job.remaining == job.request.prompt
+            if budget <= 0 or (fresh and batch + started >= self.gpu.max_num_seqs):
+                break
+            started += fresh
+            take = min(job.remaining, budget)
+            chunks.append((job, take))
+            budget -= take
+        prefill_tokens = sum(take for _, take in chunks)
+        context = self.prompt_sum + self.steps * batch - self.joined_sum
+        seconds = (self.gpu.decode_step_s(batch, context)
+                   + prefill_tokens / self.gpu.prefill_tokens_per_s)
+        self.rates.observe(seconds, prefill_tokens, batch)
+        return seconds, chunks
+
+
+class SimCluster:
+    """Workers, an event queue and a placement rule (``layout``): replicas, xPyD, adaptive."""
+
+    def __init__(self, layout: str, num_workers: int, gpu: GpuModel,
+                 config: PlacementConfig | None = None, num_prefill: int = 0) -> None:
+        self.layout, self.gpu = layout, gpu
+        self.config = config or PlacementConfig()
+        if layout == "replicas":
+            caps = [frozenset({CAP_WHOLE})] * num_workers
+        elif layout == "pd":
+            caps = ([frozenset({CAP_PREFILL})] * num_prefill
+                    + [frozenset({CAP_DECODE})] * (num_workers - num_prefill))
+        elif layout == "adaptive":
+            caps = [frozenset(CAPABILITIES)] * num_workers
+        else:
+            raise ValueError(f"unknown layout {layout!r}")
+        self.workers = [SimWorker(f"w{i}", c, gpu) for i, c in enumerate(caps)]
+        self.duty = PrefillDuty(self.config.duty_window_s)
+        self.events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self._turn = itertools.count()
+        self.now = 0.0
+        self.placements: dict[str, int] = {}
+
+    def _push(self, at: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (at, next(self._seq), kind, payload))
+
+    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        """Serve ``requests`` (sorted by arrival) to the end; returns them, filled in."""
+        for request in requests:
+            self._push(request.arrival, "arrival", request)
+        for index, worker in enumerate(self.workers):
+            self._push(index * self.gpu.heartbeat_s / len(self.workers), "beat", worker)
+        pending = len(requests)
+        while self.events and pending:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "arrival":
+                self._place(payload)  # type: ignore[arg-type]
+            elif kind == "step":
+                pending -= self._step_done(*payload)  # type: ignore[misc]
+            elif kind == "landed":
+                worker, request = payload  # type: ignore[misc]
+                worker.landed.append(request)
+                self._kick(worker)
+            elif kind == "beat":
+                payload.beat()  # type: ignore[attr-defined]
+                self._push(self.now + self.gpu.heartbeat_s, "beat", payload)
+        return requests
+
+    def _kick(self, worker: SimWorker) -> None:
+        if worker.busy or not (worker.prefills or worker.landed or worker.finishing):
+            return
+        seconds, chunks = worker.plan_step()
+        worker.busy = True
+        self._push(self.now + seconds, "step", (worker, chunks))
+
+    def _step_done(self, worker: SimWorker, chunks: list[tuple[_Prefill, int]]) -> int:
+        """Apply a finished step; returns how many requests it finished."""
+        worker.busy = False
+        worker.steps += 1
+        done = 0
+        while worker.finishing and worker.finishing[0][0] <= worker.steps:
+            _, _, request = heapq.heappop(worker.finishing)
+            worker.prompt_sum -= request.prompt + 1
+            worker.joined_sum -= worker.steps - (request.output - 1)
+            worker._finish(request, self.now)
+            done += 1
+        for job, take in chunks:
+            job.remaining -= take
+            if job.remaining:
+                continue
+            worker.prefills.remove(job)
+            worker.pending_prefill_tokens -= job.request.prompt
+            job.request.first_token = self.now
+            if job.decode is None:
+                worker.join(job.request, job.request.output - 1, self.now)
+                done += job.request.finish is not None
+            else:
+                worker.kv_tokens -= job.request.prompt
+                if job.request.output <= 1:
+                    job.decode._finish(job.request, self.now)
+                    done += 1
+                else:
+                    self._push(self.now + self.gpu.transfer_s, "landed",
+                               (job.decode, job.request))
+        self._kick(worker)
+        return done
+
+    def _place(self, request: SimRequest) -> None:
+        decode, prefill = self._route(request)
+        decode.legs_decoding += 1
+        decode.kv_tokens += request.prompt + request.output
+        target = prefill or decode
+        if prefill is not None:
+            prefill.kv_tokens += request.prompt
+        target.pending_prefill_tokens += request.prompt
+        target.prefills.append(_Prefill(request, request.prompt,
+                                        decode if prefill is not None else None))
+        self._kick(target)
+
+    def _route(self, request: SimRequest) -> tuple[SimWorker, SimWorker | None]:
+        turn = next(self._turn)
+        if self.layout == "replicas":
+            return self.workers[turn % len(self.workers)], None
+        if self.layout == "pd":
+            ps = [w for w in self.workers if CAP_PREFILL in w.capabilities]
+            ds = [w for w in self.workers if CAP_DECODE in w.capabilities]
+            return ds[turn % len(ds)], ps[turn % len(ps)]
+        workers = self.workers[turn % len(self.workers):] + self.workers[
+            :turn % len(self.workers)]
+        snapshots = [self.snapshot(w) for w in workers]
+        decision = place(snapshots, request.prompt, self.config)
+        key = f"{decision.placement}/{decision.reason}"
+        self.placements[key] = self.placements.get(key, 0) + 1
+        by_name = {w.name: w for w in workers}
+        prefilling = by_name[decision.prefill or decision.decode]
+        snap = next(s for s in snapshots if s.worker_id == prefilling.name)
+        self.duty.add(prefilling.name, prefill_seconds(snap, request.prompt, self.config),
+                      self.now)
+        return by_name[decision.decode], (by_name[decision.prefill] if decision.prefill
+                                          else None)
+
+    def snapshot(self, worker: SimWorker) -> WorkerSnapshot:
+        """What ``proxy/placer.py`` would see of ``worker`` now."""
+        beat = worker.heartbeat
+        return WorkerSnapshot(
+            worker_id=worker.name, capabilities=worker.capabilities,
+            queued_prefill_tokens=max(beat.queued_prefill_tokens,
+                                      worker.pending_prefill_tokens),
+            prefill_tokens_per_s=beat.prefill_tokens_per_s,
+            decode_batch=max(beat.num_running, worker.legs_decoding),
+            kv_usage=beat.kv_usage, step_s=beat.step_s,
+            prefill_duty=self.duty.share(worker.name, self.now))

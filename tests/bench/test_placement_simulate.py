@@ -1,0 +1,78 @@
+"""The placement simulator: its static layouts behave as queueing says, and the real policy
+runs in it (seconds, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from benchmarks.placement.search import SloCell
+from benchmarks.placement.sim_cluster import GpuModel, SimCluster, SimRequest
+from benchmarks.placement.simulate import draw_requests, run_point
+from benchmarks.placement.workloads import GPU_WORKLOADS
+from proxy.placement import PlacementConfig
+
+GPU = GpuModel()
+WORKLOAD = GPU_WORKLOADS["2k"]
+TIGHT = SloCell(1000.0, 15.0)
+
+
+def test_one_request_alone_takes_its_prefill_then_its_decode_steps() -> None:
+    request = SimRequest(0.0, 2048, 4)
+    SimCluster("replicas", 1, GPU).run([request])
+    prefill_s = GPU.decode_step_s(0, 0) + 2048 / GPU.prefill_tokens_per_s
+    assert request.ttft is not None and abs(request.ttft - prefill_s) < 1e-9
+    # Three more tokens, one a step, each step over the one stream's context.
+    expected = sum(GPU.decode_step_s(1, 2049 + i) for i in range(3)) / 3
+    assert request.tpot is not None and abs(request.tpot - expected) < 1e-9
+
+
+def test_disaggregated_request_decodes_after_the_transfer() -> None:
+    request = SimRequest(0.0, 2048, 2)
+    SimCluster("pd", 2, GPU, num_prefill=1).run([request])
+    prefill_s = GPU.decode_step_s(0, 0) + 2048 / GPU.prefill_tokens_per_s
+    assert request.ttft is not None and abs(request.ttft - prefill_s) < 1e-9
+    assert request.tpot is not None and request.tpot > GPU.transfer_s
+
+
+def test_prefill_queue_grows_past_capacity() -> None:
+    # One prefill worker serves ~19 of these prompts a second: below it TTFT stays small,
+    # above it the queue (and TTFT) grows with the run.
+    low, _ = run_point(lambda _c: SimCluster("pd", 2, GPU, num_prefill=1), TIGHT, WORKLOAD,
+                       10.0, 10.0, seed=1)
+    high, _ = run_point(lambda _c: SimCluster("pd", 2, GPU, num_prefill=1), TIGHT, WORKLOAD,
+                        30.0, 10.0, seed=1)
+    assert max(t for t in low.ttfts if t is not None) < 0.5
+    assert max(t for t in high.ttfts if t is not None) > 3.0
+    # Its decode worker alone keeps TPOT low at either rate.
+    assert high.attainment(SloCell(1e9, 15.0)) == 1.0
+
+
+def test_replicas_lose_the_tight_cell_as_their_prefills_stretch_decodes() -> None:
+    replicas = lambda _c: SimCluster("replicas", 2, GPU)  # noqa: E731
+    assert run_point(replicas, TIGHT, WORKLOAD, 8.0, 10.0, seed=2)[0].attainment(TIGHT) == 1.0
+    assert run_point(replicas, TIGHT, WORKLOAD, 24.0, 10.0, seed=2)[0].attainment(TIGHT) < 0.5
+
+
+def test_adaptive_policy_at_the_cell_target_beats_both_static_layouts() -> None:
+    # 21 req/s of 2k prompts: more than one prefill worker gives, more prefill than
+    # replicas' decodes can take beside them at 15 ms.
+    config = PlacementConfig(slo_tpot_s=0.015)
+    adaptive, cluster = run_point(lambda _c: SimCluster("adaptive", 2, GPU, config), TIGHT,
+                                  WORKLOAD, 21.0, 20.0, seed=4)
+    replicas, _ = run_point(lambda _c: SimCluster("replicas", 2, GPU), TIGHT, WORKLOAD,
+                            21.0, 20.0, seed=4)
+    pd, _ = run_point(lambda _c: SimCluster("pd", 2, GPU, num_prefill=1), TIGHT, WORKLOAD,
+                      21.0, 20.0, seed=4)
+    assert adaptive.attainment(TIGHT) >= 0.9 > max(replicas.attainment(TIGHT),
+                                                  pd.attainment(TIGHT))
+    # Both placements happen: most prefills move, some stay beside the decodes.
+    assert any(k.startswith("disaggregated/") for k in cluster.placements)
+    assert any(k.startswith("local/") for k in cluster.placements)
+
+
+def test_draw_requests_follows_the_workload() -> None:
+    mixed = draw_requests(GPU_WORKLOADS["mixed"], 10.0, 20.0, seed=0)
+    assert len(mixed) == 200 and len({r.prompt for r in mixed}) > 50
+    assert all(16 <= r.prompt <= 8192 and r.output >= 8 for r in mixed)
+    fixed = draw_requests(dataclasses.replace(WORKLOAD), 4.0, 5.0, seed=0)
+    assert {(r.prompt, r.output) for r in fixed} == {(2048, 256)}

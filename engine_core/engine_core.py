@@ -19,6 +19,7 @@ from engine_core.attention.backend import AttentionPlan, AttentionShapes
 from engine_core.config import EngineConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import ConfigError, EngineSleepingError, InvalidRequestError, ModelLoadError
+from engine_core.grammar.compiler import GrammarCompiler
 from engine_core.kernels.jit_variants import compiled_variants
 from engine_core.kv_connector import (
     ConnectorScheduler,
@@ -113,6 +114,7 @@ class EngineCore:
         self.eos_token_ids = self.spec.eos_token_ids
         self.vocab_size = self.spec.vocab_size
         self.tokenizer_path = config.model.tokenizer or str(model_dir)
+        self.grammars = GrammarCompiler(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
 
         from engine_core.attention.backend import get_attention_backend
 
@@ -344,6 +346,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             arrival_time=msg.arrival_time,
             kv_transfer_params=msg.kv_transfer_params,
+            grammar=self.grammars.sequence_grammar(params.structured_outputs),
         )
         for token_id in msg.generated_token_ids:
             request.append_token(token_id)
@@ -386,6 +389,9 @@ class EngineCore:
         if self.host_kv is not None:
             self.host_kv.poll()  # downloads that landed may serve this pass's lookups
         outputs = self._land_loads()
+        if self._in_flight is not None and self._in_flight[0].grammar_bitmask is not None:
+            outputs += self._complete(*self._in_flight)  # the next masks need its tokens
+            self._in_flight = None
         scheduler_output = self.scheduler.schedule()
         transfer_updates = self.scheduler.transfer_updates
         if self.rank_processes is not None:
@@ -586,6 +592,7 @@ class EngineCore:
         return None if request is None else request.status
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.connector_worker.shutdown()
         if self.rank_processes is not None:
             self.rank_processes.shutdown()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -17,7 +18,7 @@ from engine_core.messages import AddRequest
 from engine_core.models.generation_config import load_generation_defaults
 from engine_core.output_processor import OutputProcessor
 from engine_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, sample_seed
 
 # vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 Prompt = str | list[int] | Mapping[str, Any]
@@ -98,7 +99,8 @@ class LLM:
     def _run(self, prompts: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None
              ) -> list[RequestOutput]:
-        """Add every (text, token ids) prompt, step the engine until all finish."""
+        """Add every (text, token ids) prompt, step the engine until all finish. A prompt
+        with ``n`` > 1 is ``n`` engine requests (seeds ``seed + i``, as the server fans out)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -106,25 +108,32 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
         processor = OutputProcessor(self.tokenizer)
-        results: dict[str, RequestOutput] = {}
+        results: list[RequestOutput] = []
+        samples: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for (text, token_ids), given in zip(prompts, sampling_params):
             params = self.generation.stopping(given)
             request_id = f"offline-{next(self._ids)}"
             now = time.monotonic()
-            self.engine.add_request(AddRequest(request_id, token_ids, params.to_dict(), now))
-            processor.add_request(request_id, token_ids, params)
-            completion = CompletionOutput(
-                index=0, logprobs=[] if params.logprobs is not None else None)
-            results[request_id] = RequestOutput(request_id, text, token_ids, [completion],
-                                                metrics=RequestMetrics(arrival_time=now))
+            result = RequestOutput(request_id, text, token_ids, [],
+                                   metrics=RequestMetrics(arrival_time=now))
+            results.append(result)
+            for index in range(params.n):
+                one = dataclasses.replace(params, n=1, seed=None if params.seed is None
+                                          else sample_seed(params.seed, index))
+                sample_id = request_id if params.n == 1 else f"{request_id}-{index}"
+                self.engine.add_request(AddRequest(sample_id, token_ids, one.to_dict(), now))
+                processor.add_request(sample_id, token_ids, one)
+                completion = CompletionOutput(
+                    index=index, logprobs=[] if params.logprobs is not None else None)
+                result.outputs.append(completion)
+                samples[sample_id] = (result, completion)
         while processor.has_unfinished():
             deltas, to_abort = processor.process_outputs(self.engine.step())
             if to_abort:
                 self.engine.abort_requests(to_abort)
             now = time.monotonic()
             for delta in deltas:
-                result = results[delta.request_id]
-                completion = result.outputs[0]
+                result, completion = samples[delta.request_id]
                 completion.token_ids.extend(delta.token_ids)
                 completion.text += delta.text
                 result.num_cached_tokens = delta.num_cached_tokens
@@ -135,12 +144,12 @@ class LLM:
                 if delta.finished:
                     completion.finish_reason = delta.finish_reason
                     completion.stop_reason = delta.stop_reason
-                    result.finished = True
+                    result.finished = all(c.finish_reason is not None for c in result.outputs)
                     result.metrics.finished_time = now
         # Aborted-by-stop-string requests leave a final engine output behind; drain it.
         while self.engine.has_runnable():
             self.engine.step()
-        return list(results.values())
+        return results
 
     def sleep(self, level: int = 1) -> dict[str, float]:
         """Free the weights' and KV cache's device memory (needs ``enable_sleep_mode=True``);

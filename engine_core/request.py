@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_core.kv_transfer_params import KVTransferParams, KVTransferResult
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.grammar.matcher import SequenceGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -70,6 +74,8 @@ class Request:
     compute_start_time: float | None = None
     remote_kv_ready_time: float | None = None
     first_token_time: float | None = None
+    # The grammar its output must match (structured outputs); None when unconstrained.
+    grammar: SequenceGrammar | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -18,8 +18,9 @@ class BroadcastSampler:
         self.group = group
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               pending_tokens: torch.Tensor | None = None) -> DeviceSamples:
-        samples = self.sampler.sample(logits, rows, pending_tokens)
+               pending_tokens: torch.Tensor | None = None,
+               grammar_bitmask: torch.Tensor | None = None) -> DeviceSamples:
+        samples = self.sampler.sample(logits, rows, pending_tokens, grammar_bitmask)
         samples.token_ids = samples.token_ids.to(torch.int64).contiguous()
         self.group.broadcast(samples.token_ids, src=0)
         return samples
@@ -32,7 +33,8 @@ class FollowerSampler:
         self.group = group
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               pending_tokens: torch.Tensor | None = None) -> DeviceSamples:
+               pending_tokens: torch.Tensor | None = None,
+               grammar_bitmask: torch.Tensor | None = None) -> DeviceSamples:
         token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
         self.group.broadcast(token_ids, src=0)
         return DeviceSamples(token_ids, None, [None] * len(rows))

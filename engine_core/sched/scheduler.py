@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine_core.config import CacheConfig, SchedulerConfig
+from engine_core.grammar.bitmask import GrammarBitmask, fill_bitmask
 from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
 from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import (
@@ -76,6 +77,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
+        # Requests whose grammar is still compiling (vLLM's WAITING_FOR_FSM): they join
+        # ``waiting`` once it is ready. ``num_constrained`` counts unfinished requests with
+        # a grammar, so a batch without one spends nothing on masks.
+        self.compiling: dict[str, Request] = {}
+        self.num_constrained = 0
         # Parked requests whose KV landed, in landing order: admitted before ``waiting``.
         self.landed: deque[Request] = deque()
         # Finished requests whose blocks stay allocated until the connector sent them.
@@ -96,13 +102,32 @@ class Scheduler:
         """Queue a request; one continuing after output tokens sampled elsewhere finishes
         at once when its last such token ends it (a stop token, max_tokens)."""
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self.num_constrained += 1
         if request.num_output_tokens:
             status = self._check_stop(request, request.token_ids[-1])
             if status is not None:
                 self._finish(request, status)
                 self._pending_outputs.append(self._make_output(request, []))
                 return
+        if request.grammar is not None:
+            self.compiling[request.request_id] = request
+            return
         self.waiting.append(request)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; fail those whose grammar cannot be."""
+        ready = [r for r in self.compiling.values()
+                 if r.grammar is not None and r.grammar.ready(r.output_token_ids)]
+        for request in ready:
+            del self.compiling[request.request_id]
+            assert request.grammar is not None
+            if request.grammar.error is None:
+                self.waiting.append(request)
+                continue
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            self._pending_outputs.append(self._make_output(request, [],
+                                                           error=request.grammar.error))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish these requests as aborted wherever they are; unknown ids are ignored."""
@@ -115,6 +140,8 @@ class Scheduler:
             self._pending_outputs.append(self._make_output(request, []))
 
     def _remove_from_queues(self, request: Request) -> None:
+        if self.compiling.pop(request.request_id, None) is not None:
+            return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -127,7 +154,8 @@ class Scheduler:
 
     def has_runnable(self) -> bool:
         """True when a step would schedule tokens (or flush pending outputs)."""
-        return bool(self.running or self.waiting or self.landed or self._pending_outputs)
+        return bool(self.running or self.waiting or self.landed or self._pending_outputs
+                    or self.compiling)
 
     def has_unfinished(self) -> bool:
         """True while any request holds engine state, including remote waits and held sends."""
@@ -135,12 +163,14 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.landed)
+        return len(self.waiting) + len(self.landed) + len(self.compiling)
 
     # ---- scheduling -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch."""
+        if self.compiling:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -154,7 +184,9 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0 or self._stops_with_pending(request):
+            if num_new <= 0 or self._stops_with_pending(request) or (
+                    request.grammar is not None and request.num_pending_tokens):
+                # A constrained request's next mask needs its pending token.
                 index += 1
                 continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
@@ -235,7 +267,21 @@ class Scheduler:
         output.host_copies = self.kv.end_pass()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._advance_scheduled(output)
+        if self.num_constrained:
+            output.grammar_bitmask = self._grammar_bitmask(scheduled)
         return output
+
+    @staticmethod
+    def _grammar_bitmask(scheduled: dict[str, Request]) -> GrammarBitmask | None:
+        """The masks of the constrained requests that sample in this step (those with a
+        pending sample now: a constrained request is scheduled only without one)."""
+        sampling = [r for r in scheduled.values()
+                    if r.grammar is not None and r.num_pending_tokens]
+        if not sampling:
+            return None
+        grammars = [g for r in sampling if (g := r.grammar) is not None]
+        return fill_bitmask([r.request_id for r in sampling], [g.matcher for g in grammars],
+                            grammars[0].vocab_size)
 
     def _stops_with_pending(self, request: Request) -> bool:
         """A request whose in-flight tokens certainly end it (length) gets no more steps."""
@@ -338,7 +384,7 @@ class Scheduler:
                 request.append_token(token)
                 new_tokens.append(token)
                 self.counters.generation_tokens += 1
-                status = self._check_stop(request, token)
+                status = self._grammar_stop(request, token) or self._check_stop(request, token)
                 if status is not None:
                     self.running.remove(request)
                     self._finish(request, status)
@@ -361,6 +407,20 @@ class Scheduler:
             failed_recving=runner_output.failed_recving,
         )))
         return outputs
+
+    @staticmethod
+    def _grammar_stop(request: Request, token: int) -> RequestStatus | None:
+        """Advance a constrained request's grammar by ``token``: a complete grammar (its
+        stop token accepted) ends the request as a stop."""
+        grammar = request.grammar
+        if grammar is None:
+            return None
+        if not grammar.accept(token):
+            # The sampler masks every token the grammar refuses: this is a bug, not input.
+            logger.error("Request %s sampled token %d outside its grammar; stopping it",
+                         request.request_id, token)
+            return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -420,6 +480,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release (or hold, for a pending send) the request's blocks."""
+        if request.grammar is not None:
+            self.num_constrained -= 1
         request.status = status
         self._forget.add(request.request_id)
         block_ids = self.kv.get_block_ids(request.request_id)

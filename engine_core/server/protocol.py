@@ -17,6 +17,7 @@ from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.models.generation_config import GenerationDefaults
 from engine_core.request_limits import MAX_CHOICES
 from engine_core.sampling_params import SamplingParams
+from engine_core.server.structured_fields import STRUCTURED_FIELDS, structured_outputs_from
 
 logger = logging.getLogger("pdserve.server")
 
@@ -32,7 +33,8 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
 # Fields honoured (checked where they are parsed).
 _COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens",
                   "allowed_token_ids", "truncate_prompt_tokens", "kv_transfer_params",
-                  "logit_bias", "add_special_tokens", "user", *_SAMPLING_FIELDS}
+                  "logit_bias", "add_special_tokens", "user", *_SAMPLING_FIELDS,
+                  *STRUCTURED_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                  "add_generation_prompt", "continue_final_message",
@@ -46,10 +48,9 @@ _NO_EFFECT_FIELDS: dict[str, tuple[type, ...]] = {
 # vLLM's fields this server cannot honour -> the values that ask for nothing (null always
 # does): any other value is a 400 naming the field.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "response_format": ({"type": "text"},), "prompt_logprobs": (),
-    "use_beam_search": (False,), "length_penalty": (1.0,), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structured_outputs": (), "logits_processors": (),
+    "best_of": (1,), "prompt_logprobs": (), "use_beam_search": (False,),
+    "length_penalty": (1.0,), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "logits_processors": (),
     "bad_words": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
     "cache_salt": (), "vllm_xargs": (), "priority": (0,), "spaces_between_special_tokens": (True,),
     "request_id": (),  # the X-Request-Id header names requests here
@@ -270,6 +271,7 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
             raise InvalidRequestError("allowed_token_ids must be a list of token ids",
                                       "allowed_token_ids")
         kwargs["allowed_token_ids"] = allowed
+    kwargs["structured_outputs"] = structured_outputs_from(body)
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                           **defaults.request_kwargs(kwargs))
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine_core.attention.backend import AttentionPlan
+from engine_core.grammar.bitmask import bitmask_to_device
 from engine_core.kv_connector import ConnectorWorker
 from engine_core.parallel.rank_sampler import RankSampler
 from engine_core.sampling_params import SamplingParams
@@ -311,8 +312,14 @@ class ModelRunner:
                                       pending_index=s.pending_index if s.num_pending else -1,
                                       prompt_tokens=s.prompt_tokens)
                           for s in sampled]
+        grammar_mask = None
+        if scheduler_output.grammar_bitmask is not None:
+            mask_rows = scheduler_output.grammar_bitmask.for_rows(
+                [request_ids[i] for i in sample_rows])
+            if mask_rows is not None:
+                grammar_mask = bitmask_to_device(mask_rows, logits.device)
         # _last_samples is still the step in flight's: pending tokens are read from it.
-        samples = self.sampler.sample(logits, rows_to_sample, self._last_samples)
+        samples = self.sampler.sample(logits, rows_to_sample, self._last_samples, grammar_mask)
         host = self._host_tokens[self._num_launched % 2] if self._host_tokens else None
         self._num_launched += 1
         samples.start_copy(host)

@@ -1,5 +1,5 @@
-"""Batched sampling over a logits tensor: greedy, temperature, top-k, top-p, min-p, penalties,
-logit bias, allowed tokens.
+"""Batched sampling over a logits tensor: grammar masks, greedy, temperature, top-k, top-p,
+min-p, penalties, logit bias, allowed tokens.
 
 Everything is one set of tensor ops over the whole batch; the only per-request work is
 building the parameter tensors and drawing noise for requests that carry a seed. Seeded
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.grammar.bitmask import apply_bitmask
 from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
 
@@ -100,14 +101,19 @@ class Sampler:
         return self.sample(logits, rows).read()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-               pending_tokens: torch.Tensor | None = None) -> DeviceSamples:
+               pending_tokens: torch.Tensor | None = None,
+               grammar_bitmask: torch.Tensor | None = None) -> DeviceSamples:
         """Sample on the device; nothing is read back until ``DeviceSamples.read``.
         ``pending_tokens``: the last launched step's sampled ids, which rows with a pending
-        token index (``SamplingRow.pending_index``)."""
+        token index (``SamplingRow.pending_index``). ``grammar_bitmask``: one packed row per
+        row of ``logits`` (``grammar/bitmask.py``), applied before every other logit change
+        so that no sampled token leaves a grammar."""
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in num_logprobs) else None)
+        if grammar_bitmask is not None:
+            logits = apply_bitmask(logits, grammar_bitmask)
         logits = self._apply_logit_bias(logits, rows)
         logits = self._apply_allowed_tokens(logits, rows)
         logits = self._apply_min_tokens(logits, rows)

@@ -6,6 +6,7 @@ import pytest
 
 from engine_core import LLM, SamplingParams
 from engine_core.errors import InvalidRequestError
+from engine_core.messages import AddRequest
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +83,23 @@ def test_invalid_requests_are_rejected(llm):
         llm.generate([[1] * 2000], greedy())
     with pytest.raises(InvalidRequestError):
         SamplingParams(n=0)
-    with pytest.raises(InvalidRequestError, match="fans n out"):  # the API server does
-        llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="fans n out"):  # LLM and the server do
+        llm.engine.add_request(AddRequest("n2", [1, 2, 3],
+                                          SamplingParams(n=2, max_tokens=2).to_dict(), 0.0))
     with pytest.raises(InvalidRequestError):
         llm.generate([[]], greedy())
+
+
+def test_n_samples_are_separate_requests(llm):
+    """n > 1 fans out into n engine requests (seeds seed + i, as the server does)."""
+    [out] = llm.generate([[1, 2, 3]], SamplingParams(n=3, max_tokens=4, temperature=1.0,
+                                                     seed=5, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    assert all(len(c.token_ids) == 4 for c in out.outputs)
+    again = [llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=1.0, seed=s,
+                                                      ignore_eos=True))[0].outputs[0].token_ids
+             for s in (5, 6, 7)]
+    assert [c.token_ids for c in out.outputs] == again
 
 
 @pytest.mark.parametrize("steps_before_abort", [0, 1, 3, 8])

@@ -39,7 +39,7 @@ from engine_core.sched.block_hash import BlockHasher
 from engine_core.sched.block_pool import BlockPool
 from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import KVCacheManager
-from engine_core.sched.outputs import SchedulerOutput
+from engine_core.sched.outputs import NewRequestData, SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
 from engine_core.step_rates import StepRates
 from engine_core.step_watch import StepWatch
@@ -275,8 +275,6 @@ class EngineCore:
         runner = ModelRunner(self.model, caches, block_size, device, self.eos_token_ids,
                              NullConnectorWorker(), self._batch_limits(),
                              self._attention_plan(), self._rank_sampler())
-        from engine_core.sched.outputs import NewRequestData
-
         params = SamplingParams(temperature=0.0, max_tokens=1)
         request = NewRequestData("profile", [0] * num_tokens, num_tokens, params,
                                  list(range(num_blocks)), 0)

@@ -99,6 +99,12 @@ def build_grammar(spec: GrammarSpec):  # -> xgrammar.Grammar
                                   "structured_outputs") from None
 
 
+def import_grammar_engine() -> None:
+    """Import xgrammar (a second or more): a server does it on a thread at startup, so the
+    first constrained request does not pay for it on the event loop."""
+    import xgrammar  # noqa: F401
+
+
 def check_spec(params: StructuredOutputsParams) -> None:
     """Raise InvalidRequestError unless ``params`` compiles (no tokenizer needed)."""
     build_grammar(grammar_spec(params))

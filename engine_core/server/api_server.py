@@ -28,6 +28,7 @@ from engine_core.errors import (
     InvalidRequestError,
     ShuttingDownError,
 )
+from engine_core.grammar.spec import import_grammar_engine
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.api_key import api_key_middleware
@@ -352,6 +353,7 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                 info.max_model_len)
     try:
         stage = time.monotonic()
+        asyncio.get_running_loop().run_in_executor(None, import_grammar_engine)  # not awaited
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, lambda: TokenizerService.load(
                 info.tokenizer_path, info.max_model_len, info.vocab_size,

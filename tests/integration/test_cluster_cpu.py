@@ -1,4 +1,5 @@
-"""Real 1P1D and 2P2D clusters on CPU (`python -m deploy.launch`) give colocated greedy output."""
+"""Real 1P1D and 2P2D clusters on CPU (`python -m deploy.launch`) give colocated greedy output
+(one colocated server's answers are the reference for both)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from tests.integration.cluster_harness import (
     ENGINE_ARGS,
     ROOT,
     STARTUP_S,
+    Outcome,
     alive,
     build_tiny_checkpoint,
     check_matches,
@@ -30,38 +33,64 @@ from tests.integration.cluster_harness import (
 )
 
 NUM_REQUESTS = 64  # mixed: completions and chat, streaming and not, all concurrent
+REQUESTS = mixed_requests(NUM_REQUESTS)
+
+
+@dataclass(frozen=True)
+class Colocated:
+    """The tiny checkpoint and a colocated `pdserve serve`'s answers to ``REQUESTS`` on it:
+    the reference every cluster shape of this module must equal."""
+
+    checkpoint: Path
+    answers: list[Outcome]
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory) -> Colocated:
+    root = tmp_path_factory.mktemp("colocated")
+    ckpt = build_tiny_checkpoint(root / "ckpt")
+    serve_port, serve_log = free_port(), root / "serve.log"
+    with open(serve_log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
+             *ENGINE_ARGS], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
+                  [proc], [serve_log])
+        answers = run_all(f"http://127.0.0.1:{serve_port}", REQUESTS)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return Colocated(ckpt, answers)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
-def test_cluster_matches_colocated(tmp_path: Path, num_prefill: int, num_decode: int) -> None:
-    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
-    env = child_env()
-    engine = ENGINE_ARGS
-    reqs = mixed_requests(NUM_REQUESTS)
-    proxy_port, serve_port = free_port(), free_port()
-    launch_log, serve_log = tmp_path / "launch.log", tmp_path / "serve.log"
-    with open(launch_log, "wb") as out1, open(serve_log, "wb") as out2:
+def test_cluster_matches_colocated(colocated: Colocated, tmp_path: Path, num_prefill: int,
+                                   num_decode: int) -> None:
+    reqs, want = REQUESTS, colocated.answers
+    proxy_port = free_port()
+    launch_log = tmp_path / "launch.log"
+    with open(launch_log, "wb") as out:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "deploy.launch", "--prefill", str(num_prefill),
-             "--decode", str(num_decode),
-             "--model", str(ckpt), "--port", str(proxy_port), "--log-dir", str(tmp_path / "logs"),
-             "--heartbeat-interval", "1", "--stop-timeout", "10", "--restart", *engine],
-            cwd=ROOT, env=env, stdout=out1, stderr=subprocess.STDOUT)
-        colocated = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
-             *engine], cwd=ROOT, env=env, stdout=out2, stderr=subprocess.STDOUT)
+             "--decode", str(num_decode), "--model", str(colocated.checkpoint),
+             "--port", str(proxy_port), "--log-dir", str(tmp_path / "logs"),
+             "--heartbeat-interval", "1", "--stop-timeout", "10", "--restart", *ENGINE_ARGS],
+            cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + STARTUP_S
-        wait_http(f"http://127.0.0.1:{serve_port}/health", deadline, [colocated], [serve_log])
         while f"ready: {num_prefill}P{num_decode}D" not in launch_log.read_text():
             assert launcher.poll() is None, launch_log.read_text()[-4000:]
             assert time.monotonic() < deadline, launch_log.read_text()[-4000:]
             time.sleep(0.5)
 
         proxy = f"http://127.0.0.1:{proxy_port}"
-        want = run_all(f"http://127.0.0.1:{serve_port}", reqs)
         check_matches(reqs, run_all(proxy, reqs), want)
 
         # A decode worker that dies is reported and restarted, and serves again.
@@ -103,12 +132,10 @@ def test_cluster_matches_colocated(tmp_path: Path, num_prefill: int, num_decode:
         assert not [p for p in pids if alive(p)], launch_log.read_text()[-4000:]
         assert "stopped" in launch_log.read_text()
     finally:
-        for proc in (launcher, colocated):  # SIGTERM first: the launcher stops its children
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in (launcher, colocated):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if launcher.poll() is None:  # SIGTERM first: the launcher stops its children
+            launcher.terminate()
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()

@@ -95,8 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--smoke", action="store_true", help="a tiny model (runs on CPU)")
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.device = args.device or "cpu"
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     return args
 
 

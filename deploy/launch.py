@@ -157,11 +157,22 @@ def free_ports(count: int, avoid: tuple[int, ...] = ()) -> list[int]:
 
 
 def detect_gpus(spec: str | None) -> list[str]:
+    """The GPUs the workers get, as CUDA_VISIBLE_DEVICES values. ``--gpus`` counts the GPUs
+    this process sees: under CUDA_VISIBLE_DEVICES=2,3, ``--gpus 0,1`` is physical 2 and 3."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = None if env is None else [
+        g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
     if spec:
-        return [g.strip() for g in spec.split(",") if g.strip()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        wanted = [g.strip() for g in spec.split(",") if g.strip()]
+        if visible is None:
+            return wanted
+        try:
+            return [visible[int(g)] for g in wanted]
+        except (ValueError, IndexError):
+            raise SystemExit(f"pdserve launch: --gpus {spec} names GPUs beyond the "
+                             f"{len(visible)} of CUDA_VISIBLE_DEVICES={env}") from None
     if visible is not None:
-        return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+        return visible
     try:
         import torch
 

@@ -78,3 +78,15 @@ def test_placed_workers_take_one_gpu_and_colocated_their_group(tmp_path: Path) -
     assert [w.name for w in workers] == ["worker0", "worker1", "colocated0"]
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0", "1", "2,3"]
     assert [_tp_of(w.argv) for w in workers] == ["1", "1", "2"]
+
+
+def test_gpus_count_the_visible_ones(monkeypatch) -> None:
+    from deploy.launch import detect_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert detect_gpus("0,1,1") == ["2", "3", "3"]
+    assert detect_gpus(None) == ["2", "3"]
+    with pytest.raises(SystemExit, match="beyond"):
+        detect_gpus("0,2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert detect_gpus("4,5") == ["4", "5"]

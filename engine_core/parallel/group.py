@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine_core.config import ParallelConfig
+from engine_core.errors import ConfigError
 
 # A peer that never arrives (or died) fails the collective after this long, not never.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -49,6 +50,9 @@ class TensorParallelGroup:
             return cls()
         if config.distributed_init_method is None:
             raise ValueError("a tensor-parallel rank needs distributed_init_method")
+        if dist.is_initialized():
+            raise ConfigError("this process already belongs to a tensor-parallel group: a CUDA "
+                              "engine with --tensor-parallel-size > 1 is one per process")
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cpu":
             # Ranks share the host's cores: each one's intra-op threads take at most its
@@ -96,15 +100,10 @@ class TensorParallelGroup:
     def close(self) -> None:
         """Leave the process group (so a later engine in this process can form another).
 
-        NCCL's destroy is collective: a rank destroying its communicator waits for its
-        peers to do the same, so ranks that stop one after another (rank 0 waits for the
-        others to exit first) would hang. Aborting is local and never waits; gloo's destroy
-        is local already.
+        Only gloo's group is torn down here: its destroy is local. NCCL's destroy and abort
+        wait on the communicator's peers and their kernels, so a rank stopping before the
+        others would hang in them; an NCCL group ends with its process (a CUDA engine with
+        N > 1 is one per process, which ``start`` enforces).
         """
-        if self.size == 1 or not dist.is_initialized():
-            return
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if dist.get_backend() == "nccl" and abort is not None:
-            abort()
-        else:
+        if self.size > 1 and dist.is_initialized() and dist.get_backend() != "nccl":
             dist.destroy_process_group()

@@ -77,7 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s [rank] %(name)s: %(message)s")
     die_with_parent(args.parent_pid)
-    sys.exit(serve_rank(args.address, args.parent_pid))
+    code = serve_rank(args.address, args.parent_pid)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: an NCCL communicator's destructor waits on its peers.
+    os._exit(code)
 
 
 if __name__ == "__main__":

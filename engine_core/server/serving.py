@@ -422,11 +422,11 @@ class OpenAIServing:
                     chunks = (tools.chunks(chunk_head, index, delta, want_logprobs) if tools
                               else [chat_chunk(chunk_head, index, delta, want_logprobs)]
                               if worth_a_chunk(delta) else [])
-                    for number, chunk in enumerate(chunks):
-                        if delta.finished and number == len(chunks) - 1:
-                            add_kv_transfer_params(chunk, [choice])
-                            add_server_timings(chunk, [choice])
-                        await send(chunk, index)
+                    if chunks:
+                        if delta.finished:
+                            add_kv_transfer_params(chunks[-1], [choice])
+                            add_server_timings(chunks[-1], [choice])
+                        await send(chunks, index)
                     item = await anext(events, None)
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],

@@ -14,7 +14,12 @@ import json
 import openai
 import pytest
 
-from tests.integration.cluster_harness import MODEL, Cluster, build_tiny_checkpoint
+from tests.integration.cluster_harness import (
+    MODEL,
+    Cluster,
+    build_tiny_checkpoint,
+    labelled_counter,
+)
 
 # A short Hermes-style template: the tiny cluster's context is 256 tokens.
 TEMPLATE = (
@@ -77,7 +82,8 @@ def _answer(client: openai.OpenAI, stream: bool, **request) -> dict:
 REQUESTS = [
     {"messages": USER, "tools": [LOOKUP], "max_tokens": 12, "temperature": 0},
     {"messages": USER, "tools": [LOOKUP], "max_tokens": 12, "temperature": 1.0, "seed": 5},
-    {"messages": USER, "tools": [LOOKUP], "tool_choice": "none", "max_tokens": 8},
+    {"messages": USER, "tools": [LOOKUP], "tool_choice": "none", "max_tokens": 8,
+     "temperature": 0},
     {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "lookup", "arguments": '{"q": "fox"}'}}]},
@@ -95,6 +101,9 @@ def test_tool_answers_through_the_cluster_match_a_single_worker(cluster) -> None
         want = _answer(direct, False, **request)
         for stream in (False, True):
             assert _answer(proxy, stream, **request) == want, (request, stream)
+    handoffs = labelled_counter(cluster.url.removeprefix("http://"),
+                                "pdserve:proxy_first_token_handoffs")
+    assert handoffs.get("prefill") == len(REQUESTS), handoffs  # every stream took it
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from engine_core.config import ModelConfig
+from engine_core.server.streaming import TOKEN_IDS_COMMENT
 from tests.server.conftest import API_KEY, MODEL_NAME, ServerHandle, demo_engine_config
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy/configs/tool_chat_template_hermes.jinja"
@@ -163,3 +164,62 @@ def test_a_named_function_is_always_called_with_valid_arguments(oai, stream) -> 
         assert answer["finish"] == "stop"
         if stream:
             _same_answer(answer, _whole(oai, **request))
+
+
+def _assembled(events: list[dict]) -> dict:
+    """Content and calls (id, name, arguments) a client builds from chat stream events."""
+    content, calls, finish = "", {}, None
+    for event in events:
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(call["index"], ["", "", ""])
+                entry[0] += call.get("id", "")
+                entry[1] += call.get("function", {}).get("name") or ""
+                entry[2] += call.get("function", {}).get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return {"content": content, "calls": calls, "finish": finish}
+
+
+def _writes(raw: bytes) -> list[tuple[list[int], list[dict]]]:
+    """(token ids, events) of each write of a stream asked for ``stream_token_ids``: a
+    write begins with the line naming its tokens (one delta's events share it)."""
+    writes: list[tuple[list[int], list[dict]]] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(TOKEN_IDS_COMMENT):
+            line, _, block = block.partition(b"\n")
+            writes.append(([int(t) for t in line[len(TOKEN_IDS_COMMENT):].split(b",") if t],
+                           []))
+        if block.startswith(b"data: ") and block != b"data: [DONE]":
+            if not writes:
+                writes.append(([], []))
+            writes[-1][1].append(json.loads(block[len(b"data: "):]))
+    return writes
+
+
+async def test_a_tool_stream_continued_elsewhere_keeps_its_calls(tool_server) -> None:
+    """The worker's half of the handoff and of migration: a named call's stream cut
+    between any two writes and continued from the token ids sent glues into the
+    uninterrupted stream, the call's id, name and arguments included."""
+    import aiohttp
+
+    body = {"model": MODEL_NAME, "messages": USER, "tools": [WEATHER], "temperature": 0.0,
+            "max_tokens": 16, "ignore_eos": True, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "tools-continued"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        async def run(params: dict) -> list[tuple[list[int], list[dict]]]:
+            async with session.post(tool_server.url + "/v1/chat/completions", json={
+                    **body, "kv_transfer_params": {**params, "stream_token_ids": True}}) as r:
+                assert r.status == 200, await r.text()
+                return _writes(await r.read())
+
+        whole = await run({})
+        want = _assembled([e for _, events in whole for e in events])
+        assert want["calls"][0][1] == "get_weather" and want["calls"][0][0].startswith("call_")
+        assert any(len(events) > 1 for _, events in whole)  # the call's head and arguments
+        for cut in range(1, len(whole)):
+            sent = whole[:cut]
+            rest = await run({"generated_token_ids": [[t for ids, _ in sent for t in ids]]})
+            assert _assembled([e for _, events in sent + rest for e in events]) == want, cut

@@ -116,7 +116,7 @@ class ChatTools:
             last = number == len(pieces) - 1
             chunks.append({**head, "choices": [{
                 "index": choice, "delta": piece,
-                "logprobs": (chat_logprobs(delta.logprobs or [] if number == 0 else [])
+                "logprobs": (chat_logprobs((delta.logprobs or []) if number == 0 else [])
                              if want_logprobs else None),
                 "finish_reason": reason if last else None,
                 "stop_reason": delta.stop_reason if last and delta.finished else None}]})

@@ -69,16 +69,25 @@ class ToolRequest:
             return StructuredOutputsParams(json=function.parameters)
         if self.choice != "required":
             return None
-        calls: dict[str, Any] = {
-            "type": "array", "minItems": 1,
-            "items": {"anyOf": [{
-                "type": "object",
-                "properties": {"name": {"type": "string", "enum": [f.name]},
-                               "parameters": f.parameters},
-                "required": ["name", "parameters"], "additionalProperties": False}
-                for f in self.functions]}}
+        # Each tool's "$defs" move to the array schema's root, where its "$ref"s resolve.
+        defs: dict[str, Any] = {}
+        items = []
+        for f in self.functions:
+            parameters = dict(f.parameters)
+            for key, value in parameters.pop("$defs", {}).items():
+                if defs.setdefault(key, value) != value:
+                    raise InvalidRequestError(f'tools define "$defs" {key!r} differently; '
+                                              'tool_choice "required" needs one meaning',
+                                              "tools")
+            items.append({"type": "object",
+                          "properties": {"name": {"type": "string", "enum": [f.name]},
+                                         "parameters": parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not self.parallel:
             calls["maxItems"] = 1
+        if defs:
+            calls["$defs"] = defs
         return StructuredOutputsParams(json=calls)
 
     def parser(self, options: ToolCallOptions) -> ToolCallParser | None:

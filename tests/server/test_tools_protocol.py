@@ -46,6 +46,26 @@ def test_required_constrains_the_output_to_an_array_of_calls() -> None:
         .sampling_params.structured_outputs.json
 
 
+def test_required_moves_the_tools_defs_to_the_root_where_refs_resolve() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    tool = {"type": "function", "function": {"name": "draw", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}},
+        "$defs": {"point": point}}}}
+    schema = _chat(tools=[tool, TIME], tool_choice="required") \
+        .sampling_params.structured_outputs.json
+    assert schema["$defs"] == {"point": point}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    import jsonschema
+
+    jsonschema.validate([{"name": "draw", "parameters": {"at": {"x": 1}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "draw", "parameters": {"at": {"x": "one"}}}], schema)
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"point": {"type": "string"}}}}}
+    with pytest.raises(InvalidRequestError, match="point"):
+        _chat(tools=[tool, other], tool_choice="required")
+
+
 def test_a_named_choice_constrains_the_output_to_its_parameters() -> None:
     parsed = _chat(tools=[WEATHER, TIME],
                    tool_choice={"type": "function", "function": {"name": "get_weather"}})

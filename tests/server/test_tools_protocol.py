@@ -178,3 +178,15 @@ def test_a_template_without_tools_is_a_clear_400(demo_tokenizer) -> None:
     with pytest.raises(InvalidRequestError, match="does not render tools") as exc:
         service.encode_chat(parsed.messages, True, None, parsed.template)
     assert exc.value.param == "tools"
+
+
+def test_the_chat_template_flag_takes_a_file_or_a_template(tmp_path) -> None:
+    from engine_core.server.server_args import chat_template_text
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert chat_template_text(str(path)) == "{{ messages }}"
+    assert chat_template_text("{% for m in messages %}{% endfor %}").startswith("{%")
+    assert chat_template_text(None) is None
+    with pytest.raises(ConfigError, match="no such file"):
+        chat_template_text(str(tmp_path / "missing.jinja"))

@@ -29,7 +29,7 @@ TEMPLATE = (
     "{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}},
+    "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
     "required": ["q"], "additionalProperties": False}}}
 USER = [{"role": "user", "content": "the quick brown fox"}]
 

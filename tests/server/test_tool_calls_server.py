@@ -20,11 +20,13 @@ from engine_core.server.streaming import TOKEN_IDS_COMMENT
 from tests.server.conftest import API_KEY, MODEL_NAME, ServerHandle, demo_engine_config
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy/configs/tool_chat_template_hermes.jinja"
+# Strings are bounded by patterns: random weights pick among the allowed tokens nearly
+# uniformly, and xgrammar 0.2.8 lets a string with only a maxLength hold control characters.
 MAX_MODEL_LEN = 1024  # the template's tool prompt is ~400 demo tokens
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
+        "city": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {

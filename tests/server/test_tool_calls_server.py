@@ -139,15 +139,23 @@ def _check_arguments(call: tuple, tools: dict) -> None:
     jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one_call", "parallel"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_required_always_calls_with_valid_arguments(oai, stream) -> None:
+def test_required_always_calls_with_valid_arguments(oai, stream, parallel) -> None:
+    """One call (``maxItems`` 1) ends the answer; random weights may add parallel calls
+    until ``max_tokens`` cuts the last one, so only the calls before it must be whole."""
     tools = {t["function"]["name"]: t for t in (WEATHER, TIME)}
     for seed in range(NUM_FORCED):
         request = {"messages": USER, "tools": list(tools.values()), "tool_choice": "required",
-                   "max_tokens": 120, "temperature": 1.0, "seed": seed}
+                   "parallel_tool_calls": parallel, "max_tokens": 120, "temperature": 1.0,
+                   "seed": seed}
         answer = (_streamed if stream else _whole)(oai, **request)
-        assert answer["calls"] and answer["finish"] == "tool_calls", answer
-        for call in answer["calls"]:
+        assert answer["calls"], answer
+        if not parallel:
+            assert len(answer["calls"]) == 1 and answer["finish"] == "tool_calls", answer
+        whole_calls = answer["calls"][:-1] if answer["finish"] == "length" else answer["calls"]
+        assert whole_calls or answer["finish"] != "tool_calls"
+        for call in whole_calls:
             _check_arguments(call, tools)
         if stream:
             _same_answer(answer, _whole(oai, **request))

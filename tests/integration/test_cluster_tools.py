@@ -31,7 +31,7 @@ TEMPLATE = (
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
     "required": ["q"], "additionalProperties": False}}}
-USER = [{"role": "user", "content": "the quick brown fox"}]
+USER = [{"role": "user", "content": "a fox"}]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ REQUESTS = [
     {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "lookup", "arguments": '{"q": "fox"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "a small animal"}],
-     "tools": [LOOKUP], "max_tokens": 8, "temperature": 0},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}],
+     "tools": [LOOKUP], "max_tokens": 4, "temperature": 0},
 ]
 
 

@@ -48,7 +48,8 @@ def add_worker_server_arguments(parser: argparse.ArgumentParser) -> None:
 # from VLLM_API_KEY and VLLM_SERVER_DEV_MODE in the environment (not in `ps`).
 WORKER_SERVER_FLAGS = ("--max-request-body-bytes", "--log-stats-interval", "--body-timeout",
                        "--header-timeout", "--write-timeout", "--engine-startup-timeout",
-                       "--shutdown-timeout")
+                       "--shutdown-timeout", "--chat-template", "--enable-auto-tool-choice",
+                       "--tool-call-parser")
 # The proxy drops a worker after max(10 s, 3 heartbeat intervals) without a heartbeat unless
 # --heartbeat-timeout says otherwise: a worker heartbeating every interval is not dropped in
 # between.

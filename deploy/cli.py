@@ -65,8 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine_core.server.api_server import run_server
     from engine_core.server.server_args import server_options
 
-    options = server_options(args)
     try:
+        options = server_options(args)
         started = time.monotonic()
         resolve_model_argument(args)
         config = engine_config_from_args(args)

@@ -167,7 +167,9 @@ def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
 
 # ---- first-token handoff: P's sampled token is streamed at once, D continues after it ---
 
-EVENTS_PER_CHOICE = 2  # P sends at most a chat role chunk and one content chunk a choice
+# P sends at most a chat role chunk and, for its one token, a content chunk or a tool
+# call's first delta and its first argument characters, a choice.
+EVENTS_PER_CHOICE = 3
 
 
 def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:

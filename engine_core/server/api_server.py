@@ -14,7 +14,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -42,6 +42,7 @@ from engine_core.server.readiness import Readiness
 from engine_core.server.request_body import read_json_body
 from engine_core.server.serving import OpenAIServing, request_id_of
 from engine_core.server.tokenization import TokenizerService
+from engine_core.server.tools import ToolCallOptions
 from engine_core.version import package_version
 
 logger = logging.getLogger("pdserve.server")
@@ -96,6 +97,10 @@ class ServerOptions:
     # window full: it stopped reading) before its connection and engine requests are aborted
     # (--write-timeout); unbounded, such a client held them, and their KV blocks, for good.
     write_timeout_s: float = 60.0
+    # --enable-auto-tool-choice and --tool-call-parser.
+    tool_calls: ToolCallOptions = field(default_factory=ToolCallOptions)
+    # --chat-template's text, in place of the tokenizer's template (None: the tokenizer's).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("write_timeout_s", "header_timeout_s"):
@@ -282,7 +287,8 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
         "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
         "kv_offloading_size": str(cache.kv_offloading_size)})
     serving = OpenAIServing(client, tokenizer, names, metrics,
-                            write_timeout_s=options.write_timeout_s, generation=generation)
+                            write_timeout_s=options.write_timeout_s, generation=generation,
+                            tool_calls=options.tool_calls)
     app = web.Application(client_max_size=options.client_max_size,
                           middlewares=[error_middleware,
                                        api_key_middleware(options.api_key, ADMIN_ROUTES)])
@@ -358,7 +364,8 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
             None, lambda: TokenizerService.load(
                 info.tokenizer_path, info.max_model_len, info.vocab_size,
                 config.model.trust_remote_code,
-                kv_capacity=info.num_total_blocks * config.cache.block_size))
+                kv_capacity=info.num_total_blocks * config.cache.block_size,
+                chat_template=options.chat_template))
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)

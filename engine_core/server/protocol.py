@@ -7,6 +7,7 @@ cannot honour are refused unless they ask for nothing, so a feature is never sil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -17,12 +18,13 @@ from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.models.generation_config import GenerationDefaults
 from engine_core.request_limits import MAX_CHOICES
 from engine_core.sampling_params import SamplingParams
+from engine_core.server.chat_messages import parse_messages
 from engine_core.server.structured_fields import STRUCTURED_FIELDS, structured_outputs_from
+from engine_core.server.tools import ToolRequest, parse_tools
 
 logger = logging.getLogger("pdserve.server")
 
 MAX_LOGPROBS = 20
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "temperature": (int, float), "top_p": (int, float), "top_k": (int,), "min_p": (int, float),
@@ -39,12 +41,10 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                  "add_generation_prompt", "continue_final_message",
                                  "chat_template_kwargs", "documents", "parallel_tool_calls",
-                                 "include_reasoning"}
+                                 "tools", "tool_choice", "include_reasoning"}
 # Honoured fields with no effect here, as in vLLM: type-checked only (user: the client's
-# end-user id; parallel_tool_calls without tools; include_reasoning without a reasoning
-# parser).
-_NO_EFFECT_FIELDS: dict[str, tuple[type, ...]] = {
-    "user": (str,), "parallel_tool_calls": (bool,), "include_reasoning": (bool,)}
+# end-user id; include_reasoning without a reasoning parser).
+_NO_EFFECT_FIELDS: dict[str, tuple[type, ...]] = {"user": (str,), "include_reasoning": (bool,)}
 # vLLM's fields this server cannot honour -> the values that ask for nothing (null always
 # does): any other value is a 400 naming the field.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
@@ -57,7 +57,7 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
 }
 _UNSUPPORTED_COMPLETION = _UNSUPPORTED_COMMON | {"suffix": ("",), "prompt_embeds": ()}
 _UNSUPPORTED_CHAT = _UNSUPPORTED_COMMON | {
-    "tools": ([],), "tool_choice": ("none",), "echo": (False,), "chat_template": (),
+    "echo": (False,), "chat_template": (),
     "mm_processor_kwargs": ({},), "reasoning_effort": ()}
 _UNSUPPORTED_TOKENIZE = {"continue_final_message": (False,), "chat_template": (),
                          "chat_template_kwargs": ({},), "tools": ([],), "documents": ([],),
@@ -124,14 +124,16 @@ class ChatTemplateOptions:
     add_special_tokens: bool = False  # the template writes them itself
     documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables
+    tools: list[dict[str, Any]] | None = None  # the request's tools, for the template
 
 
 @dataclass
 class ChatCompletionRequest:
-    """A validated /v1/chat/completions body; messages reduced to role and text."""
+    """A validated /v1/chat/completions body; messages reduced to role, text and (assistant
+    and tool messages) their tool-call fields."""
 
     model: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sampling_params: SamplingParams
     stream: bool
     include_usage: bool
@@ -141,6 +143,7 @@ class ChatCompletionRequest:
     continuous_usage: bool = False  # usage so far on every chunk of a stream
     truncate_prompt_tokens: int | None = None  # the prompt's last N tokens (-1: the context)
     template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
+    tools: ToolRequest | None = None  # declared tools and tool_choice
 
 
 def _truncate_prompt_tokens(body: dict[str, Any]) -> int | None:
@@ -385,46 +388,12 @@ def parse_completion_request(body: dict[str, Any], defaults: GenerationDefaults 
                              _typed(body, "add_special_tokens", (bool,), True))
 
 
-def _message_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
-                raise InvalidRequestError(
-                    f"messages[{index}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        return "\n".join(parts)  # as vLLM joins a message's text parts
-    if content is None:
-        return ""
-    raise InvalidRequestError(f"messages[{index}].content must be a string or text parts",
-                              "messages")
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequestError("messages must be a non-empty list", "messages")
-    messages = []
-    for index, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{index}] must be an object", "messages")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {role!r}",
-                "messages")
-        messages.append({"role": role, "content": _message_text(message.get("content"), index)})
-    return messages
-
-
 def parse_chat_request(body: dict[str, Any], defaults: GenerationDefaults = NO_DEFAULTS
                        ) -> ChatCompletionRequest:
     """Validate a /v1/chat/completions body; ``defaults``: the generation config's."""
     _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_CHAT)
     model = _typed(body, "model", (str,))
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
     stream, include_usage, continuous_usage = stream_options(body)
     want_logprobs = _typed(body, "logprobs", (bool,), False)
     top_logprobs = _check_logprobs(body.get("top_logprobs"), "top_logprobs")
@@ -433,6 +402,8 @@ def parse_chat_request(body: dict[str, Any], defaults: GenerationDefaults = NO_D
     logprobs = (top_logprobs or 0) if want_logprobs else None
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     params = _sampling_params(body, max_tokens, logprobs, defaults)
+    tools = parse_tools(body)
+    params = _with_tool_constraint(params, tools)
     add_generation_prompt = _typed(body, "add_generation_prompt", (bool,), True)
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)
@@ -440,11 +411,23 @@ def parse_chat_request(body: dict[str, Any], defaults: GenerationDefaults = NO_D
     return ChatCompletionRequest(model, messages, params, stream, include_usage,
                                  add_generation_prompt, kv_params, handoff, continuous_usage,
                                  _truncate_prompt_tokens(body),
-                                 _template_options(body, add_generation_prompt))
+                                 _template_options(body, add_generation_prompt, tools), tools)
 
 
-def _template_options(body: dict[str, Any], add_generation_prompt: bool
-                      ) -> ChatTemplateOptions:
+def _with_tool_constraint(params: SamplingParams, tools: ToolRequest | None) -> SamplingParams:
+    """``params`` constrained to the output a forced tool choice needs."""
+    constraint = None if tools is None else tools.constraint()
+    if constraint is None:
+        return params
+    if params.structured_outputs is not None:
+        raise InvalidRequestError("a required or named tool_choice constrains the output "
+                                  "itself; it cannot be combined with another output "
+                                  "constraint", "tool_choice")
+    return dataclasses.replace(params, structured_outputs=constraint)
+
+
+def _template_options(body: dict[str, Any], add_generation_prompt: bool,
+                      tools: ToolRequest | None = None) -> ChatTemplateOptions:
     continue_final = _typed(body, "continue_final_message", (bool,), False)
     if continue_final and add_generation_prompt:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot "
@@ -453,7 +436,8 @@ def _template_options(body: dict[str, Any], add_generation_prompt: bool
         continue_final_message=continue_final,
         add_special_tokens=_typed(body, "add_special_tokens", (bool,), False),
         documents=_documents(body.get("documents")),
-        chat_template_kwargs=_typed(body, "chat_template_kwargs", (dict,), {}))
+        chat_template_kwargs=_typed(body, "chat_template_kwargs", (dict,), {}),
+        tools=None if tools is None else list(tools.tools))
 
 
 def _documents(value: Any) -> list[dict[str, str]] | None:
@@ -474,7 +458,7 @@ def parse_tokenize_request(body: dict[str, Any]) -> tuple[str | None, Any, bool,
     model = _typed(body, "model", (str,))
     add_special = _typed(body, "add_special_tokens", (bool,), True)
     if "messages" in body:
-        return model, _messages(body["messages"]), True, add_special
+        return model, parse_messages(body["messages"]), True, add_special
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidRequestError("prompt must be a string", "prompt")

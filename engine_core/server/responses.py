@@ -147,13 +147,18 @@ def chunk_sender(sse: streaming.SSEStream, continuous_usage: bool,
     """Sends a stream chunk, with the usage so far when the client asked for
     ``stream_options.continuous_usage_stats``. ``send(chunk, index)`` for choice ``index``
     with ``stream_token_ids`` first names that choice's output tokens not yet named (those
-    of deltas that sent no chunk included), so what an event completes is exact."""
+    of deltas that sent no chunk included), so what an event completes is exact. A list
+    of chunks (one delta's) goes in one write under one name line: the tokens are the
+    events', all or none."""
     named = [0] * len(choices)
 
-    async def send(chunk: dict[str, Any], index: int | None = None) -> None:
+    async def send(chunk: dict[str, Any] | list[dict[str, Any]],
+                   index: int | None = None) -> None:
+        chunks = chunk if isinstance(chunk, list) else [chunk]
         if continuous_usage:
-            chunk["usage"] = usage(choices, jobs)
-        data = streaming.encode_event(chunk)
+            for each in chunks:
+                each["usage"] = usage(choices, jobs)
+        data = b"".join(streaming.encode_event(each) for each in chunks)
         if stream_token_ids and index is not None:
             token_ids = choices[index].token_ids
             data = streaming.token_ids_comment(token_ids[named[index]:]) + data

@@ -16,8 +16,11 @@ import os
 from engine_core.arg_utils import engine_environment, positive_seconds
 from engine_core.cluster.trust import secret_file_path
 from engine_core.engine_client import DEFAULT_STARTUP_TIMEOUT_S
+from engine_core.errors import ConfigError
 from engine_core.server.api_server import ServerOptions
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S
+from engine_core.server.tool_parsers import TOOL_PARSERS
+from engine_core.server.tools import ToolCallOptions
 
 # vLLM's name for the engine startup timeout: the default of --engine-startup-timeout, so a
 # vLLM deployment's setting carries over.
@@ -84,6 +87,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a client may take to send its whole request body "
                              "(408 beyond)")
     add_header_timeout_argument(parser)
+    add_tool_arguments(parser)
     parser.add_argument("--write-timeout", type=positive_seconds,
                         default=ServerOptions.write_timeout_s, metavar="SECONDS",
                         help="how long a streamed answer's client may take no bytes; past "
@@ -102,6 +106,32 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "and their KV be released for this long, then the rest end with "
                              "an error (0: at once). Keep it below the supervisor's grace "
                              "period (a pod's terminationGracePeriodSeconds)")
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's chat flags: the chat template and how tool calls are read from answers."""
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (a file, or the template itself) used in "
+                             "place of the tokenizer's; e.g. one that renders tools")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice="auto" (the default when a request has '
+                             "tools): the model decides, --tool-call-parser reads its calls")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how the model writes tool calls: hermes (Qwen, Hermes: "
+                             "<tool_call> tags), llama3_json (Llama 3.x JSON calls)")
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """``--chat-template``'s template: a file's text, or the value itself when it is a
+    template (it has a Jinja brace)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r:.200}: no such file, and not a template")
 
 
 def add_header_timeout_argument(parser: argparse._ActionsContainer) -> None:
@@ -124,4 +154,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                          write_timeout_s=args.write_timeout,
                          shutdown_drain_s=args.shutdown_timeout,
                          engine_startup_timeout_s=(args.engine_startup_timeout
-                                                   or DEFAULT_STARTUP_TIMEOUT_S))
+                                                   or DEFAULT_STARTUP_TIMEOUT_S),
+                         tool_calls=ToolCallOptions(args.enable_auto_tool_choice,
+                                                    args.tool_call_parser),
+                         chat_template=chat_template_text(args.chat_template))

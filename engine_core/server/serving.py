@@ -59,6 +59,8 @@ from engine_core.server.responses import (
 )
 from engine_core.server.timings import breakdown
 from engine_core.server.tokenization import TokenizerService
+from engine_core.server.tool_stream import ChatTools
+from engine_core.server.tools import ToolCallOptions
 
 logger = logging.getLogger("pdserve.server")
 
@@ -96,8 +98,10 @@ class OpenAIServing:
     def __init__(self, client: AsyncEngineClient, tokenizer: TokenizerService,
                  model_names: list[str], metrics: ServerMetrics,
                  write_timeout_s: float = 60.0,
-                 generation: GenerationDefaults = protocol.NO_DEFAULTS) -> None:
+                 generation: GenerationDefaults = protocol.NO_DEFAULTS,
+                 tool_calls: ToolCallOptions | None = None) -> None:
         self.client = client
+        self.tool_calls = tool_calls or ToolCallOptions()  # --tool-call-parser and its switch
         self.generation = generation  # the generation config's request defaults
         self.tokenizer = tokenizer
         self.model_names = model_names
@@ -355,11 +359,18 @@ class OpenAIServing:
         parsed = protocol.parse_chat_request(body, self.generation)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
+        params = parsed.sampling_params
+        if parsed.tools is not None:
+            parsed.tools.check_auto(self.tool_calls)
+            if parsed.tools.keeps_special_tokens(self.tool_calls):
+                params = dataclasses.replace(params, skip_special_tokens=False)
         prompt = await self.tokenizer.call(self.tokenizer.encode_chat, parsed.messages,
                                            parsed.add_generation_prompt,
                                            parsed.truncate_prompt_tokens, parsed.template)
-        jobs = self._jobs(engine_request_id(request_id), [prompt], parsed.sampling_params,
+        jobs = self._jobs(engine_request_id(request_id), [prompt], params,
                           parsed.kv_transfer_params, parsed.handoff)
+        tools = (None if parsed.tools is None or parsed.tools.choice == "none" else
+                 ChatTools(parsed.tools, self.tool_calls, request_id, prompt, len(jobs)))
         stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
         _check_client_connected(request)
         events = self._run_jobs(jobs)
@@ -373,15 +384,22 @@ class OpenAIServing:
                 async for index, delta in events:
                     choices[index].add(delta)
                 response = {**head, "object": "chat.completion", "choices": [{
-                    "index": i, "message": {"role": "assistant", "content": c.text},
+                    "index": i, "message": (tools.message(i, c.text) if tools else
+                                            {"role": "assistant", "content": c.text}),
                     "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": (tools.finish_reason(i, c.finish_reason) if tools
+                                      else c.finish_reason),
+                    "stop_reason": c.stop_reason}
                     for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
 
                 def first_chunks(deltas: list[RequestDelta]) -> list[dict[str, Any]]:
-                    return [*(chat_role_chunk(chunk_head, i) for i in range(len(deltas))),
-                            *(chat_chunk(chunk_head, i, delta, want_logprobs)
-                              for i, delta in enumerate(deltas) if worth_a_chunk(delta))]
+                    roles = [chat_role_chunk(chunk_head, i) for i in range(len(deltas))]
+                    if tools is not None:
+                        return [*roles, *(chunk for i, delta in enumerate(deltas)
+                                          for chunk in tools.chunks(chunk_head, i, delta,
+                                                                    want_logprobs))]
+                    return [*roles, *(chat_chunk(chunk_head, i, delta, want_logprobs)
+                                      for i, delta in enumerate(deltas) if worth_a_chunk(delta))]
 
                 return await self._json_answer(request, response, choices, jobs,
                                                parsed.handoff, headers, first_chunks)
@@ -389,6 +407,10 @@ class OpenAIServing:
             sse = await streaming.start_sse(request, self.write_bound, headers)
             send = chunk_sender(sse, parsed.continuous_usage, choices, jobs,
                                 parsed.handoff.stream_token_ids)
+            if tools is not None:  # the client has the text of handed-over tokens
+                for index, job in enumerate(jobs):
+                    if job.generated_token_ids:
+                        tools.prime(index, self._handed_text(job))
             async with stream_ending(sse, request_id):
                 if not parsed.handoff.continues:  # else the client has the role chunk
                     for index in range(len(jobs)):
@@ -398,17 +420,26 @@ class OpenAIServing:
                     index, delta = item
                     choice = choices[index]
                     choice.add(delta)
-                    if worth_a_chunk(delta):
-                        chunk = chat_chunk(chunk_head, index, delta, want_logprobs)
+                    chunks = (tools.chunks(chunk_head, index, delta, want_logprobs) if tools
+                              else [chat_chunk(chunk_head, index, delta, want_logprobs)]
+                              if worth_a_chunk(delta) else [])
+                    if chunks:
                         if delta.finished:
-                            add_kv_transfer_params(chunk, [choice])
-                            add_server_timings(chunk, [choice])
-                        await send(chunk, index)
+                            add_kv_transfer_params(chunks[-1], [choice])
+                            add_server_timings(chunks[-1], [choice])
+                        await send(chunks, index)
                     item = await anext(events, None)
                 if parsed.include_usage:
                     await streaming.send_event(sse, {**chunk_head, "choices": [],
                                                      "usage": usage(choices, jobs)})
             return sse.response
+
+    def _handed_text(self, job: Job) -> str:
+        """The text a stream already sent for a job's handed-over tokens."""
+        state = RequestState.create(job.request_id, job.prompt_token_ids, job.params,
+                                    self.tokenizer.tokenizer, self._token_texts)
+        state.assume_delivered(job.generated_token_ids)
+        return "".join(state.text_pieces)
 
     # ---- KV release (decode worker) -----------------------------------------------------
 

@@ -7,6 +7,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from engine_core.errors import InvalidRequestError
@@ -35,8 +36,11 @@ class TokenizerService:
     """Wraps the HF tokenizer the engine names (``EngineInfo.tokenizer_path``)."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 kv_capacity: int | None = None, own_thread: bool = False) -> None:
+                 kv_capacity: int | None = None, own_thread: bool = False,
+                 chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # The server's --chat-template, in place of the tokenizer's own (None: its own).
+        self.chat_template = chat_template
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # Tokens the worker's whole KV cache holds (None: unknown, the engine checks alone).
@@ -80,12 +84,13 @@ class TokenizerService:
 
     @classmethod
     def load(cls, path: str, max_model_len: int, vocab_size: int,
-             trust_remote_code: bool = False, kv_capacity: int | None = None
-             ) -> TokenizerService:
+             trust_remote_code: bool = False, kv_capacity: int | None = None,
+             chat_template: str | None = None) -> TokenizerService:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True)
+        return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True,
+                   chat_template=chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True,
                truncating: bool = False) -> list[int]:
@@ -116,13 +121,26 @@ class TokenizerService:
         self.check_length(len(ids))
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     truncate: int | None = None, options: ChatTemplateOptions | None = None
                     ) -> list[int]:
         """Token ids of the chat template applied to ``messages`` (the last ``truncate``
         ones when given)."""
         options = options or ChatTemplateOptions()
-        if not getattr(self.tokenizer, "chat_template", None):
+        text = self.render_chat(messages, add_generation_prompt, options)
+        if options.tools and text == self.render_chat(
+                messages, add_generation_prompt, replace(options, tools=None)):
+            raise InvalidRequestError("this model's chat template does not render tools; "
+                                      "serve it with a --chat-template that does", "tools")
+        ids = self._truncated(self.encode(text, options.add_special_tokens, truncate is not None),
+                              truncate)
+        self.check_length(len(ids))
+        return ids
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    options: ChatTemplateOptions) -> str:
+        """The chat template's text for ``messages`` (and the request's tools)."""
+        if not (self.chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequestError("this model's tokenizer has no chat template; "
                                       "use /v1/completions", "messages")
         reserved = sorted(self._template_params & options.chat_template_kwargs.keys())
@@ -131,16 +149,13 @@ class TokenizerService:
                                       "the request's own fields or not settable",
                                       "chat_template_kwargs")
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=options.continue_final_message,
-                documents=options.documents, **options.chat_template_kwargs)
+                documents=options.documents, tools=options.tools,
+                chat_template=self.chat_template, **options.chat_template_kwargs)
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from None
-        ids = self._truncated(self.encode(text, options.add_special_tokens, truncate is not None),
-                              truncate)
-        self.check_length(len(ids))
-        return ids
 
     def _truncated(self, ids: list[int], truncate: int | None) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the last ``truncate`` ids (-1: the context

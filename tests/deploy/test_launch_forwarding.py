@@ -20,6 +20,7 @@ from deploy.cli import build_parser
 from deploy.cli import main as pdserve
 from engine_core.cluster.trust import load_secret_file
 from engine_core.server.server_args import add_server_arguments, server_options
+from engine_core.server.tools import ToolCallOptions
 from proxy.__main__ import add_proxy_args, config_from_args
 from proxy.config import ProxyConfig
 
@@ -149,13 +150,20 @@ def test_every_forwarded_server_flag_reaches_the_workers(tmp_path: Path) -> None
     proxy_flags = _options(add_proxy_args(argparse.ArgumentParser()))
     forwarded = [f for f in child_flags.WORKER_SERVER_FLAGS if f in server]
     assert {"--body-timeout", "--engine-startup-timeout"} <= set(forwarded)
-    argv = [arg for flag in forwarded for arg in (flag, "7")]
+    # Seconds flags take 7; the chat flags a template, a switch and a parser.
+    template = "{{ messages }}"
+    chat = {"--chat-template": [template], "--enable-auto-tool-choice": [],
+            "--tool-call-parser": ["hermes"]}
+    seconds = [flag for flag in forwarded if flag not in chat]
+    argv = [arg for flag in forwarded for arg in (flag, *chat.get(flag, ["7"]))]
     proxy, workers = _children(tmp_path, *argv)
     for worker in workers:
         # Behind the proxy a worker's write bound is twice the proxy's, so the proxy decides.
         assert all(float(_flag(worker, flag)) == (14 if flag == "--write-timeout" else 7)
-                   for flag in forwarded)
-        server_options(_worker_args(worker))
+                   for flag in seconds)
+        options = server_options(_worker_args(worker))
+        assert options.chat_template == template
+        assert options.tool_calls == ToolCallOptions(True, "hermes")
     for flag in forwarded:
         assert (flag in proxy.argv) == (flag in proxy_flags)
 

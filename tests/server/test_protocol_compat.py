@@ -58,8 +58,7 @@ def test_many_unknown_fields_log_a_bounded_line(caplog):
     (_chat, "guided_whitespace_pattern", " "), (_chat, "cache_salt", "s"),
     (_completion, "bad_words", ["no"]), (_completion, "return_token_ids", True),
     (_completion, "spaces_between_special_tokens", False), (_completion, "request_id", "r"),
-    (_chat, "tools", [{"type": "f"}]),
-    (_chat, "tool_choice", "auto"), (_chat, "echo", True), (_chat, "chat_template", "{{x}}"),
+    (_chat, "echo", True), (_chat, "chat_template", "{{x}}"),
     (_chat, "reasoning_effort", "low"), (_completion, "prompt_embeds", "AAAA"),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(parse, field, value):

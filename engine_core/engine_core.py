@@ -325,6 +325,10 @@ class EngineCore:
             # min_tokens masks them by index in the sampler
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        if (params.prompt_logprobs is not None
+                and (msg.kv_transfer_params or {}).get("do_remote_prefill")):
+            raise InvalidRequestError("prompt logprobs come from the worker that computes the "
+                                      "prompt, not from one that loads its KV", "prompt_logprobs")
         capacity = self.kv_manager.num_total_blocks * self.config.cache.block_size
         check_context(len(prompt), params.max_tokens, self.max_model_len, capacity)
         if params.max_tokens is None:

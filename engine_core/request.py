@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
 
 
@@ -69,6 +70,8 @@ class Request:
     compute_start_time: float | None = None
     remote_kv_ready_time: float | None = None
     first_token_time: float | None = None
+    # Prompt logprobs computed so far (prompt_logprobs requests), sent with the first token.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

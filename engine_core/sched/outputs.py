@@ -66,6 +66,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request: the sampled token's logprob and top alternatives, when asked for.
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # Per request asking for them: the logprobs of the prompt positions this step computed.
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)

@@ -298,6 +298,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # an in-flight sample of it is dropped, then recomputed
+        request.prompt_logprobs = []  # unsent ones are computed again with the prompt
         request.num_preemptions += 1
         request.kv_transfer_params = _without_remote_prefill(request.kv_transfer_params)
         self.counters.num_preemptions += 1
@@ -322,6 +323,13 @@ class Scheduler:
         # vLLM's iteration tokens: the tokens generated, plus the whole prompt of each request
         # whose prefill ended with this step (its first token).
         iteration_tokens = 0
+        for request_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            request = scheduled.get(request_id)
+            # Only until they are sent: a request recomputed after its first token (a
+            # preemption) computes them again.
+            if (request is not None and self.requests.get(request_id) is request
+                    and request.first_token_time is None):
+                request.prompt_logprobs.extend(prompt_logprobs)
         for request_id, sampled, lp in zip(runner_output.req_ids,
                                            runner_output.sampled_token_ids, logprobs):
             request = scheduled.get(request_id)
@@ -349,8 +357,11 @@ class Scheduler:
                 self.counters.prompt_tokens += request.num_prompt_tokens
                 iteration_tokens += request.num_prompt_tokens
             iteration_tokens += len(new_tokens)
-            outputs.append(self._make_output(request, new_tokens, None if lp is None else [lp],
-                                             with_timings=first))
+            output = self._make_output(request, new_tokens, None if lp is None else [lp],
+                                       with_timings=first)
+            if first and request.sampling_params.prompt_logprobs is not None:
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+            outputs.append(output)
         if iteration_tokens:
             self.counters.count_iteration(iteration_tokens)
         outputs.extend(self.apply_finished_transfers(FinishedTransfers(

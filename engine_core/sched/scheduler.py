@@ -32,6 +32,7 @@ from engine_core.sched.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobsChunk,
     SchedulerOutput,
 )
 
@@ -298,7 +299,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # an in-flight sample of it is dropped, then recomputed
-        request.prompt_logprobs = []  # unsent ones are computed again with the prompt
         request.num_preemptions += 1
         request.kv_transfer_params = _without_remote_prefill(request.kv_transfer_params)
         self.counters.num_preemptions += 1
@@ -323,13 +323,10 @@ class Scheduler:
         # vLLM's iteration tokens: the tokens generated, plus the whole prompt of each request
         # whose prefill ended with this step (its first token).
         iteration_tokens = 0
-        for request_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+        for request_id, chunk in runner_output.prompt_logprobs.items():
             request = scheduled.get(request_id)
-            # Only until they are sent: a request recomputed after its first token (a
-            # preemption) computes them again.
-            if (request is not None and self.requests.get(request_id) is request
-                    and request.first_token_time is None):
-                request.prompt_logprobs.extend(prompt_logprobs)
+            if request is not None and self.requests.get(request_id) is request:
+                self._add_prompt_logprobs(request, chunk)
         for request_id, sampled, lp in zip(runner_output.req_ids,
                                            runner_output.sampled_token_ids, logprobs):
             request = scheduled.get(request_id)
@@ -370,6 +367,17 @@ class Scheduler:
             failed_recving=runner_output.failed_recving,
         )))
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, chunk: PromptLogprobsChunk) -> None:
+        """Append the positions after those held, until the first token sent them: a step
+        scheduled before a preemption and one recomputing after it give the same positions
+        again (the same values), which are skipped by position."""
+        if request.first_token_time is not None:
+            return
+        wanted = len(request.prompt_logprobs) + 1
+        if chunk.first_position <= wanted < chunk.first_position + len(chunk.entries):
+            request.prompt_logprobs.extend(chunk.entries[wanted - chunk.first_position:])
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

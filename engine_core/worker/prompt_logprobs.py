@@ -18,6 +18,7 @@ import torch
 
 from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
+from engine_core.sched.outputs import PromptLogprobsChunk
 
 ROWS_PER_SLICE = 1024
 
@@ -27,6 +28,7 @@ class PromptRows:
     """The rows of one step that give prompt logprobs, grouped by request in step order."""
 
     request_ids: list[str]
+    first_positions: list[int]  # the prompt position each request's first row scores
     counts: list[int]  # rows of each request
     num_logprobs: list[int]  # top-k of each request
     hidden_rows: np.ndarray  # each row's index among the step's flattened tokens
@@ -46,6 +48,7 @@ def prompt_rows(request_ids: Sequence[str], requests: Sequence[RequestTokens],
     """Rows scoring prompt tokens among a step's tokens (request i adds ``num_new[i]``
     tokens after ``starts[i]``); None when no scheduled request asked."""
     ids: list[str] = []
+    firsts: list[int] = []
     counts: list[int] = []
     ks: list[int] = []
     rows: list[np.ndarray] = []
@@ -56,6 +59,7 @@ def prompt_rows(request_ids: Sequence[str], requests: Sequence[RequestTokens],
         end = min(start + n, request.num_prompt_tokens - 1)  # positions before a prompt token
         if k is not None and end > start:
             ids.append(request_id)
+            firsts.append(start + 1)
             counts.append(end - start)
             ks.append(k)
             rows.append(np.arange(offset, offset + end - start, dtype=np.int64))
@@ -63,7 +67,7 @@ def prompt_rows(request_ids: Sequence[str], requests: Sequence[RequestTokens],
         offset += n
     if not ids:
         return None
-    return PromptRows(ids, counts, ks, np.concatenate(rows),
+    return PromptRows(ids, firsts, counts, ks, np.concatenate(rows),
                       np.fromiter((t for part in targets for t in part), dtype=np.int64))
 
 
@@ -85,7 +89,7 @@ class DevicePromptLogprobs:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def read(self) -> dict[str, list[TokenLogprob]]:
+    def read(self) -> dict[str, PromptLogprobsChunk]:
         """Each request's entries, in position order (waits for the step)."""
         packed = self.packed
         if self._host is not None:
@@ -95,14 +99,15 @@ class DevicePromptLogprobs:
         values = packed.tolist()
         width = (packed.shape[1] - 2) // 2
         targets = self.rows.target_ids.tolist()
-        out: dict[str, list[TokenLogprob]] = {}
+        out: dict[str, PromptLogprobsChunk] = {}
         first = 0
-        for request_id, count, k in zip(self.rows.request_ids, self.rows.counts,
-                                        self.rows.num_logprobs):
-            out[request_id] = [
+        rows = self.rows
+        for request_id, position, count, k in zip(rows.request_ids, rows.first_positions,
+                                                  rows.counts, rows.num_logprobs):
+            out[request_id] = PromptLogprobsChunk(position, [
                 TokenLogprob(targets[i], row[0], int(row[1]),
                              [int(t) for t in row[2 + width:2 + width + k]], row[2:2 + k])
-                for i, row in zip(range(first, first + count), values[first:first + count])]
+                for i, row in zip(range(first, first + count), values[first:first + count])])
             first += count
         return out
 

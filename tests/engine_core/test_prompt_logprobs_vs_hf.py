@@ -52,18 +52,21 @@ def check_against_hf(result, prompt: list[int], expected: torch.Tensor, k: int) 
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 32},  # prompts longer than a chunk
-], ids=["whole", "chunked"])
+    {"num_gpu_blocks_override": 14, "max_num_batched_tokens": 64},  # preemption by recompute
+], ids=["whole", "chunked", "preemption"])
 def test_prompt_logprobs_match_hf(tiny_checkpoint, hf_prompt_logprobs, engine_args) -> None:
     path = tiny_checkpoint("qwen3")
     prompts = [p for p in mixed_prompts() if len(p) > 1][:10]
     llm = LLM(str(path), block_size=16, **engine_args)
-    asking = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+    asking = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                             prompt_logprobs=TOP_K)
-    plain = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     results = llm.generate(prompts + prompts, [asking] * len(prompts) + [plain] * len(prompts))
     for prompt, result in zip(prompts, results[:len(prompts)]):
         check_against_hf(result, prompt, hf_prompt_logprobs(path, prompt), TOP_K)
     assert all(r.prompt_logprobs is None for r in results[len(prompts):])
+    if "num_gpu_blocks_override" in engine_args:
+        assert llm.engine.get_stats().num_preemptions > 0
     # Asking changes nothing of what is sampled.
     assert ([r.outputs[0].token_ids for r in results[:len(prompts)]]
             == [r.outputs[0].token_ids for r in results[len(prompts):]])

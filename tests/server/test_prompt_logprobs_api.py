@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.server.prompt_logprobs import ANSWER_KEY, TRANSFER_KEY
 from tests.server.conftest import API_KEY, MODEL_NAME
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
@@ -96,3 +97,27 @@ def test_echo_with_logprobs(oai, expected, stream):
         lengths = [len(t) for t in logprobs["tokens"]]
         assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
         assert texts[index] == PROMPTS[index] + want.outputs[0].text
+
+
+def test_a_decode_leg_answers_with_the_prefill_workers_values(oai, expected):
+    """A prefill-only answer carries each prompt's logprobs; a request given them in its
+    ``kv_transfer_params`` (D's leg) answers with those, not its own, and malformed ones
+    are a 400."""
+    prefill = oai.completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"prompt_logprobs": K, "kv_transfer_params": {"do_remote_decode": True}})
+    [wire] = prefill.http_response.json()[ANSWER_KEY]
+    assert wire["token_ids"] == expected[0].prompt_token_ids[1:]
+    shifted = {**wire, "logprobs": [v - 1.0 for v in wire["logprobs"]]}
+    got = oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"prompt_logprobs": K, "kv_transfer_params": {TRANSFER_KEY: [shifted]}})
+    prompt_ids = expected[0].prompt_token_ids
+    for position, token, value in zip(got.choices[0].prompt_logprobs[1:], prompt_ids[1:],
+                                      shifted["logprobs"], strict=True):
+        assert position[str(token)]["logprob"] == pytest.approx(value, abs=1e-6)
+    bad = {**wire, "token_ids": wire["token_ids"][::-1]}
+    with pytest.raises(openai.BadRequestError, match="token_ids"):
+        oai.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=1,
+            extra_body={"prompt_logprobs": K, "kv_transfer_params": {TRANSFER_KEY: [bad]}})

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine_core import LLM, SamplingParams
+from engine_core.errors import InvalidRequestError
+from engine_core.messages import AddRequest
 from tests.engine_core.test_engine_vs_hf import mixed_prompts
 
 TOP_K = 5
@@ -90,6 +92,11 @@ def test_prompt_logprobs_with_a_cached_prefix(tiny_checkpoint, hf_prompt_logprob
     # The cache held the prefix all along: a plain request takes it.
     [plain] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
     assert plain.num_cached_tokens >= 48
+    # A request whose KV a peer sends cannot score its prompt here.
+    remote = AddRequest("remote", prompt, SamplingParams(prompt_logprobs=1).to_dict(), 0.0,
+                        {"do_remote_prefill": True})
+    with pytest.raises(InvalidRequestError, match="prompt logprobs"):
+        llm.engine.validate(remote)
 
 
 def test_prompt_logprobs_bounds() -> None:

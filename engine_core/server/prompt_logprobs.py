@@ -19,7 +19,6 @@ from engine_core.messages import TokenLogprob
 from engine_core.prompt_logprobs import prompt_logprobs_json
 from engine_core.sampling_params import SamplingParams
 
-MAX_PROMPT_LOGPROBS = 20
 ANSWER_KEY = "pdserve_prompt_logprobs"  # P's prefill-only answer
 TRANSFER_KEY = "prompt_logprobs"  # in D's kv_transfer_params
 # vLLM clamps legacy completions logprobs so that JSON never carries -inf.
@@ -31,15 +30,11 @@ TokenText = Callable[[int], str]
 def requested_prompt_logprobs(body: dict[str, Any], stream: bool, echo: bool,
                               logprobs: int | None) -> int | None:
     """The engine's ``prompt_logprobs`` for a request body: its own field (not with a
-    stream, as vLLM), else ``logprobs`` when it echoes the prompt with logprobs."""
+    stream, as vLLM; ``SamplingParams`` checks its type and range), else ``logprobs`` when
+    it echoes the prompt with logprobs."""
     value = body.get("prompt_logprobs")
     if value is None:
         return logprobs if echo else None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError("prompt_logprobs must be an integer", "prompt_logprobs")
-    if not 0 <= value <= MAX_PROMPT_LOGPROBS:
-        raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}]",
-                                  "prompt_logprobs")
     if stream:
         raise InvalidRequestError("prompt_logprobs are not available when stream=true",
                                   "prompt_logprobs")

@@ -17,3 +17,9 @@ def granted(params: dict[str, Any], own_address: str, ttl_s: float = 3600.0) -> 
                           else (own_address, peer))
     grant = GrantAuthority(ClusterSecret()).issue(params["transfer_id"], producer, consumer, ttl_s)
     return {**params, "grant": grant}
+
+
+def transfer_grant(transfer_id: str, producer: str, consumer: str, ttl_s: float = 3600.0) -> str:
+    """The grant of ``transfer_id`` from ``producer`` to ``consumer`` (KV addresses), for a
+    test that builds a ``LoadSpec`` or a pull itself."""
+    return GrantAuthority(ClusterSecret()).issue(transfer_id, producer, consumer, ttl_s)

@@ -15,6 +15,7 @@ class LoadSpec:
     block_ids: list[int]
     first_block: int
     num_tokens: int
+    grant: str  # the proxy's grant for this transfer, checked by the scheduler side
 
 
 @dataclass
@@ -36,6 +37,7 @@ class PeerNotice:
 
     transfer_id: str
     peer_address: str
+    grant: str = ""  # a release carries the transfer's grant (P refuses one without)
 
 
 @dataclass

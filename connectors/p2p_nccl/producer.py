@@ -28,6 +28,8 @@ from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.addresses import is_host_port
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import TrustRefusal
 from engine_core.worker.block_copy import block_ids_tensor, gather_layers, wire_shape
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ class KVProducer:
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
         # one is answered with an abort at once. Bounded; holds no bytes.
         self._tombstones: dict[str, float] = {}
+        # Checks the grant every pull carries (used by the control thread only).
+        self._grants = GrantAuthority(state.config.cluster_secret)
 
     def stop_senders(self) -> None:
         """Stop every peer sender thread (shutdown)."""
@@ -357,6 +361,8 @@ class KVProducer:
             if pull.num_blocks > 0 and is_host_port(pull.consumer_address):
                 self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
             return
+        if not self._pull_granted(pull):
+            return
         if self._note_consumer_epoch(pull.consumer_address, pull.consumer_epoch):
             # Our pair's other rank is gone and the new process has none: drop it now (this also
             # ends a send stalled on it), so the next send re-handshakes with an NcclHello.
@@ -393,6 +399,20 @@ class KVProducer:
                 self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
             return
         self._start_deferred(pending, pull, self._state.clock())
+
+    def _pull_granted(self, pull: KVPullRequest) -> bool:
+        """Whether the pull's grant names this producer and the pull's consumer as D for its
+        transfer. A refused pull is counted and logged once per peer, and answered with
+        nothing: no byte, not even an abort, goes to an address no grant names."""
+        try:
+            self._grants.verify(pull.grant, transfer_id=pull.transfer_id,
+                                producer=self._state.own_address,
+                                consumer=pull.consumer_address, peer=pull.consumer_address)
+        except TrustRefusal:
+            with self._state.lock:
+                self._state.counters["pulls_refused"] += 1
+            return False
+        return True
 
     def _cancel_waiting_pull(self, release: KVPullRequest) -> bool:
         """A release (``num_blocks=0``) for a pull still waiting for its prefill cancels it;

@@ -39,7 +39,7 @@ from engine_core.worker.block_copy import (
 )
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.kv_harness import free_port
-from tests.kv_grants import granted
+from tests.kv_grants import granted, transfer_grant
 
 BS = 4
 
@@ -562,7 +562,8 @@ def test_orphan_pull_is_dropped_after_its_ttl() -> None:
     try:
         worker.register_kv_caches(_stacked_cache(2, 16, torch.bfloat16,
                                                  torch.Generator().manual_seed(5)))
-        worker.producer_side.on_pull(_pull(transfer_id="orphan"))
+        worker.producer_side.on_pull(_pull(
+            transfer_id="orphan", grant=transfer_grant("orphan", worker.address, "127.0.0.1:1")))
         assert not worker.is_idle()
         now[0] += 3.9
         worker.get_finished()

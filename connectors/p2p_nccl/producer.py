@@ -354,14 +354,14 @@ class KVProducer:
         if self._state.geometry is None or not self._state.config.is_producer:
             self._state.reject("pull request", "this engine does not produce KV")
             return
+        if not self._pull_granted(pull):
+            return
         num_layers, dtype, block_shape, _ = self._state.geometry
         reason = check_pull(pull, num_layers, dtype, block_shape)
         if reason is not None:
             self._state.reject("pull request", reason)
             if pull.num_blocks > 0 and is_host_port(pull.consumer_address):
                 self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
-            return
-        if not self._pull_granted(pull):
             return
         if self._note_consumer_epoch(pull.consumer_address, pull.consumer_epoch):
             # Our pair's other rank is gone and the new process has none: drop it now (this also

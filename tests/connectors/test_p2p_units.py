@@ -386,8 +386,9 @@ def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> 
     try:
         count = MAX_ABORT_PEERS + 40
         for i in range(count):  # 3 layers against the producer's 2: rejected, abort owed
-            client.send(KVPullRequest(f"t{i}", f"127.0.0.1:{40000 + i}", 0, 1, 3, "bfloat16",
-                                      [4, 2, 4], 1.0))
+            consumer = f"127.0.0.1:{40000 + i}"
+            client.send(KVPullRequest(f"t{i}", consumer, 0, 1, 3, "bfloat16", [4, 2, 4], 1.0,
+                                      grant=transfer_grant(f"t{i}", worker.address, consumer)))
         deadline = time.monotonic() + 5.0
         while worker.stats()["messages_rejected"] < 2 * count - MAX_ABORT_PEERS \
                 and time.monotonic() < deadline:

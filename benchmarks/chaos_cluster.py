@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -56,16 +55,6 @@ def _rss_mb(pid: int) -> float | None:
 def http_get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read()
-
-
-def scrape(address: str) -> dict[str, float]:
-    """``/metrics`` of ``address``: {name: value summed over its label sets}."""
-    out: dict[str, float] = {}
-    for line in http_get(f"http://{address}/metrics", 10.0).decode().splitlines():
-        match = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)", line)
-        if match and not line.startswith("#"):
-            out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(3))
-    return out
 
 
 def held_kv(scraped: dict[str, float]) -> list[str]:

@@ -33,9 +33,10 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.chaos_cluster import ClusterSettings, SoakCluster, held_kv, http_get, scrape
+from benchmarks.chaos_cluster import ClusterSettings, SoakCluster, held_kv, http_get
 from benchmarks.chaos_requests import Answer, Probe, judge, probes, send
 from benchmarks.output import default_out, write_json
+from benchmarks.serve.prometheus import counter, scrape
 from deploy.launch import Child
 
 KILL_KINDS = ("decode", "prefill", "engine", "proxy")
@@ -58,7 +59,7 @@ class SoakSettings:
 
 def migrations(url: str) -> float:
     """Requests the proxy at ``url`` moved to another worker so far."""
-    return scrape(url.removeprefix("http://")).get("pdserve:proxy_migrations_total", 0.0)
+    return counter(scrape(url), "pdserve:proxy_migrations")
 
 
 class ChaosLoop:
@@ -208,7 +209,7 @@ def wait_idle(cluster: SoakCluster, deadline_s: float) -> dict[str, list[str]]:
         held = {}
         for worker in cluster.workers:
             try:
-                held[worker.name] = held_kv(scrape(worker.http_address))
+                held[worker.name] = held_kv(scrape(f"http://{worker.http_address}"))
             except OSError as exc:
                 held[worker.name] = [f"/metrics unreadable: {exc}"]
         held = {name: gauges for name, gauges in held.items() if gauges}

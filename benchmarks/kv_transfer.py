@@ -154,6 +154,7 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
 
     from connectors import create_connector
     from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+    from engine_core.cluster.grants import GrantAuthority
     from engine_core.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
     from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 
@@ -178,6 +179,7 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
         cache.normal_()
     worker.register_kv_caches(caches)
     peer = f"127.0.0.1:{peer_port}"
+    grants = GrantAuthority(config.kv_transfer.cluster_secret)  # as the proxy would issue
     cycles = 0
     if role == "kv_producer" and layer_us > 0 and cuda:
         cycles = int(layer_us * sleep_cycles_per_us())
@@ -189,7 +191,9 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
                 tid = f"bench-{blocks}-{trial}"
                 if role == "kv_consumer":
                     before = worker.stats()
-                    meta = P2pConnectorMetadata(loads=[LoadSpec("r", tid, peer, block_ids, 0, tokens)])
+                    grant = grants.issue(tid, peer, f"127.0.0.1:{port}", 3600.0)
+                    meta = P2pConnectorMetadata(
+                        loads=[LoadSpec("r", tid, peer, block_ids, 0, tokens, grant)])
                     worker.start_load_kv(meta)
                     inbox.put(("pulled", tid))
                     while True:

@@ -33,7 +33,7 @@ from engine_core.parallel.rank_processes import start_other_ranks
 from engine_core.parallel.rank_sampler import RankSampler, rank_sampler
 from engine_core.parallel.sharding import rank_local_spec
 from engine_core.request import Request, RequestStatus
-from engine_core.request_limits import check_context, check_generated_ids
+from engine_core.request_limits import check_context, check_token_ids
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.block_hash import BlockHasher
 from engine_core.sched.block_pool import BlockPool
@@ -304,27 +304,17 @@ class EngineCore:
         if msg.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {msg.request_id!r} is already in use")
         prompt = msg.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         generated = msg.generated_token_ids
-        check_generated_ids(generated, self.vocab_size)
         params = SamplingParams.from_dict(msg.sampling_params)
         if params.n != 1:
             raise InvalidRequestError("an engine request is one sample (n=1); the API server "
                                       "fans n out into requests", "n")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
-        if params.allowed_token_ids and max(params.allowed_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"allowed_token_ids must be in [0, {self.vocab_size})", "allowed_token_ids")
-        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
-            # min_tokens masks them by index in the sampler
-            raise InvalidRequestError(
-                f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        check_token_ids(prompt, generated, params, self.vocab_size)
+        if (params.prompt_logprobs is not None
+                and msg.kv_transfer_params is not None
+                and msg.kv_transfer_params.do_remote_prefill):
+            raise InvalidRequestError("prompt logprobs come from the worker that computes the "
+                                      "prompt, not from one that loads its KV", "prompt_logprobs")
         capacity = self.kv_manager.num_total_blocks * self.config.cache.block_size
         check_context(len(prompt), params.max_tokens, self.max_model_len, capacity)
         if params.max_tokens is None:

@@ -2,7 +2,8 @@
 
 Two shapes cross the API, under vLLM's field name: ``KVTransferParams`` is what the proxy
 sends a worker with a request (where the prompt's KV comes from or goes to, under which
-grant, and how the stream is split between workers); ``KVTransferResult`` is what a prefill
+grant, how the stream is split between workers, and the prompt logprobs a prefill worker
+computed for a decode worker to answer with); ``KVTransferResult`` is what a prefill
 worker answers about the KV it keeps for its peer. A body's value is checked once, by
 ``KVTransferParams.from_wire`` (a bad value is an ``InvalidRequestError`` naming
 ``kv_transfer_params``: one 400); every reader after that uses attributes. Keys the params do
@@ -12,6 +13,7 @@ not name are ignored, as vLLM's connectors ignore keys they do not read.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,8 @@ PARAM = "kv_transfer_params"
 MAX_PARAMS_DEPTH = 8  # nesting of a body's value (the proxy's are two deep)
 _FLAGS = ("do_remote_prefill", "do_remote_decode", "first_token_events", "stream_token_ids")
 _TEXTS = ("transfer_id", "remote_kv_address", "grant")
+PROMPT_LOGPROBS = "prompt_logprobs"  # a decode leg's: the prefill worker's, one per prompt
+MAX_PROMPT_LOGPROBS = 20  # top alternatives per position, as SamplingParams.prompt_logprobs
 
 
 def is_transfer_id(value: object) -> bool:
@@ -52,6 +56,8 @@ class KVTransferParams:
     output tokens the client already has; the request continues after them (None: it
     continues nothing). ``stream_token_ids``: each stream event names its output tokens
     (an SSE comment), so the proxy can move the stream to another worker.
+    ``prompt_logprobs``: a decode leg's, one per prompt, computed by the prefill worker; the
+    server answers with them (checked against its prompts) and its engine computes none.
     """
 
     transfer_id: str | None = None
@@ -62,6 +68,7 @@ class KVTransferParams:
     first_token_events: bool = False
     generated_token_ids: tuple[tuple[int, ...], ...] | None = None
     stream_token_ids: bool = False
+    prompt_logprobs: tuple[PromptLogprobColumns, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -81,6 +88,11 @@ class KVTransferParams:
             if self.first_token_events:
                 raise InvalidRequestError(f"{PARAM}: first_token_events and "
                                           "generated_token_ids exclude each other", PARAM)
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, tuple) or not self.prompt_logprobs
+                or not all(isinstance(c, PromptLogprobColumns) for c in self.prompt_logprobs)):
+            raise InvalidRequestError(f"{PARAM}.{PROMPT_LOGPROBS} must be a non-empty list, "
+                                      "one entry per prompt", PARAM)
 
     @classmethod
     def from_wire(cls, value: object) -> KVTransferParams:
@@ -100,6 +112,13 @@ class KVTransferParams:
                                                           for ids in generated):
                 raise InvalidRequestError(_GENERATED_SHAPE, PARAM)
             fields["generated_token_ids"] = tuple(tuple(ids) for ids in generated)
+        given = value.get(PROMPT_LOGPROBS)
+        if given is not None:
+            if not isinstance(given, list):
+                raise InvalidRequestError(f"{PARAM}.{PROMPT_LOGPROBS} must be a list, one "
+                                          "entry per prompt", PARAM)
+            fields[PROMPT_LOGPROBS] = tuple(PromptLogprobColumns.from_wire(entry)
+                                            for entry in given)
         return cls(**fields)
 
     def to_wire(self) -> dict[str, Any]:
@@ -111,6 +130,8 @@ class KVTransferParams:
                 wire[name] = value
         if self.generated_token_ids is not None:
             wire["generated_token_ids"] = [list(ids) for ids in self.generated_token_ids]
+        if self.prompt_logprobs is not None:
+            wire[PROMPT_LOGPROBS] = [columns.to_wire() for columns in self.prompt_logprobs]
         return wire
 
     @property
@@ -122,6 +143,88 @@ class KVTransferParams:
         """These params with no KV to move (a recompute, or a sample after a prompt's
         first, which finds the prompt in the prefix cache)."""
         return dataclasses.replace(self, do_remote_prefill=False, do_remote_decode=False)
+
+
+@dataclass(frozen=True)
+class PromptLogprobColumns:
+    """One prompt's logprobs as its prefill worker computed them, a column per value over
+    the prompt's positions after the first (compact JSON): the prompt token, its logprob and
+    rank, and the same number (k) of top alternatives' ids and logprobs at every position.
+    Whether they belong to a request's prompt and k is the server's check."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top_token_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        columns = (self.token_ids, self.logprobs, self.ranks, self.top_token_ids,
+                   self.top_logprobs)
+        if not all(isinstance(column, tuple) for column in columns) or len(
+                {len(column) for column in columns}) != 1:
+            raise _bad_columns("needs token_ids, logprobs, ranks, top_token_ids and "
+                               "top_logprobs of one length (the prompt's positions after "
+                               "the first)")
+        k = len(self.top_token_ids[0]) if self.top_token_ids else 0
+        if (not all(_is_token_id(t) for t in self.token_ids)
+                or not all(_is_logprob(v) for v in self.logprobs)
+                or not all(type(r) is int and r >= 1 for r in self.ranks)
+                or not 0 <= k <= MAX_PROMPT_LOGPROBS
+                or not all(isinstance(ids, tuple) and isinstance(values, tuple)
+                           and len(ids) == len(values) == k
+                           and all(_is_token_id(t) for t in ids)
+                           and all(_is_logprob(v) for v in values)
+                           for ids, values in zip(self.top_token_ids, self.top_logprobs))):
+            raise _bad_columns(f"malformed entry (each needs a token id, a logprob <= 0, a "
+                               f"rank >= 1 and the same number, at most "
+                               f"{MAX_PROMPT_LOGPROBS}, of top ids and logprobs)")
+
+    @property
+    def num_top(self) -> int:
+        """k: the top alternatives at each position (0 for a one-token prompt)."""
+        return len(self.top_token_ids[0]) if self.top_token_ids else 0
+
+    @classmethod
+    def from_wire(cls, value: object) -> PromptLogprobColumns:
+        """One prompt's entry of a body's ``kv_transfer_params.prompt_logprobs``."""
+        if not isinstance(value, dict):
+            raise _bad_columns("each prompt's entry must be an object")
+        columns = [value.get(name) for name in _COLUMNS]
+        if not all(isinstance(column, list) for column in columns):
+            raise _bad_columns(f"each prompt's entry needs the lists {', '.join(_COLUMNS)}")
+        token_ids, logprobs, ranks, top_ids, top_values = columns
+        if not all(isinstance(row, list) for row in (*top_ids, *top_values)):
+            raise _bad_columns("top_token_ids and top_logprobs must be lists of lists")
+        return cls(tuple(token_ids), tuple(_as_float(v) for v in logprobs), tuple(ranks),
+                   tuple(tuple(row) for row in top_ids),
+                   tuple(tuple(_as_float(v) for v in row) for row in top_values))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object: one list per column."""
+        return {name: [list(v) if isinstance(v, tuple) else v for v in getattr(self, name)]
+                for name in _COLUMNS}
+
+
+_COLUMNS = tuple(f.name for f in dataclasses.fields(PromptLogprobColumns))
+
+
+def _bad_columns(why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{PARAM}.{PROMPT_LOGPROBS}: {why}", PARAM)
+
+
+def _is_token_id(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_logprob(value: object) -> bool:
+    return type(value) is float and math.isfinite(value) and value <= 0.0
+
+
+def _as_float(value: object) -> object:
+    """A JSON number as a float (an integral logprob arrives as an int); others unchanged,
+    for the check to refuse."""
+    return float(value) if type(value) is int and abs(value) < 1 << 64 else value
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,16 @@ from engine_core.engine_core import EngineCore
 from engine_core.errors import InvalidRequestError
 from engine_core.messages import AddRequest
 from engine_core.models.generation_config import load_generation_defaults
-from engine_core.output_processor import OutputProcessor
+from engine_core.output_processor import OutputProcessor, TokenTextCache
 from engine_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine_core.prompt_logprobs import Logprob, to_prompt_logprobs
 from engine_core.sampling_params import SamplingParams, sample_seed
 
 # vLLM's prompt forms: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 Prompt = str | list[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
-__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 
 
 class LLM:
@@ -108,6 +109,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
         processor = OutputProcessor(self.tokenizer)
+        token_texts = TokenTextCache(self.tokenizer)
         results: list[RequestOutput] = []
         samples: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for (text, token_ids), given in zip(prompts, sampling_params):
@@ -137,6 +139,9 @@ class LLM:
                 completion.token_ids.extend(delta.token_ids)
                 completion.text += delta.text
                 result.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = to_prompt_logprobs(delta.prompt_logprobs,
+                                                                token_texts.text)
                 if delta.logprobs is not None and completion.logprobs is not None:
                     completion.logprobs.extend(delta.logprobs)
                 if result.metrics.first_token_time is None and delta.token_ids:

@@ -87,6 +87,9 @@ class EngineOutput:
     finish_reason: str | None = None     # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id, when one ended it
     new_logprobs: list[TokenLogprob] | None = None
+    # With the first token of a request that asked for them: prompt positions 1.. (the
+    # first position has none), each the prompt token's logprob and its alternatives.
+    prompt_logprobs: list[TokenLogprob] | None = None
     kv_transfer_params: KVTransferResult | None = None  # a prefill worker's, when finished
     error: str | None = None
     error_param: str | None = None  # the request parameter an invalid request's error names

@@ -59,6 +59,8 @@ class RequestDelta:
     # On the final delta only: the engine's, or where a stop string ended the request here,
     # the engine's last stamps (from its first token's output) ending now.
     timings: RequestTimings | None = None
+    # With the first token of a request that asked for them (the engine's, positions 1..).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenTextCache:
@@ -180,7 +182,7 @@ class RequestState:
             finished=self.finished, finish_reason=finish_reason, stop_reason=stop_reason,
             kv_transfer_params=output.kv_transfer_params, error=output.error,
             needs_engine_abort=stopped_here and not engine_finished,
-            timings=timings)
+            timings=timings, prompt_logprobs=output.prompt_logprobs)
 
 
     def _handed_stop_delta(self, output: EngineOutput) -> RequestDelta:

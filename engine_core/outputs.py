@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_core.output_processor import LogprobEntry
+from engine_core.prompt_logprobs import PromptLogprobs
 
 
 @dataclass
@@ -47,3 +48,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # vLLM's: None at the first prompt position, then token id -> Logprob (prompt_logprobs).
+    prompt_logprobs: PromptLogprobs | None = None

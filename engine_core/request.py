@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_core.kv_transfer_params import KVTransferParams, KVTransferResult
+from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ class Request:
     first_token_time: float | None = None
     # The grammar its output must match (structured outputs); None when unconstrained.
     grammar: SequenceGrammar | None = None
+    # Prompt logprobs computed so far (prompt_logprobs requests), sent with the first token.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

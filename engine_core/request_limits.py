@@ -6,8 +6,12 @@ over ids before its engine sees them), so both say the same thing in the same wo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine_core.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine_core.sampling_params import SamplingParams
 
 # Choices (prompts x n) of one request: each is an engine request and a task in the server.
 MAX_CHOICES = 1024
@@ -18,6 +22,23 @@ def check_generated_ids(ids: Sequence[int], vocab_size: int) -> None:
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         raise InvalidRequestError(f"generated token ids must be in [0, {vocab_size})",
                                   "kv_transfer_params")
+
+
+def check_token_ids(prompt: Sequence[int], generated: Sequence[int], params: SamplingParams,
+                    vocab_size: int) -> None:
+    """Every token id an engine request names (its prompt, the tokens handed over, and its
+    sampling params' logit_bias, allowed_token_ids and stop_token_ids) must be of the
+    vocabulary: the sampler indexes its rows by them."""
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    check_generated_ids(generated, vocab_size)
+    for name, label, ids in (("logit_bias", "logit_bias token ids", params.logit_bias),
+                             ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids),
+                             ("stop_token_ids", "stop_token_ids", params.stop_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            raise InvalidRequestError(f"{label} must be in [0, {vocab_size})", name)
 
 
 def check_context(num_tokens: int, max_tokens: int | None, max_model_len: int,

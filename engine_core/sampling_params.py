@@ -81,6 +81,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: per prompt position after the first, the prompt token's
+    # logprob and the top ``prompt_logprobs`` alternatives.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Token id -> value added to its logit before sampling (OpenAI's logit_bias, -100..100).
@@ -113,7 +116,7 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be an integer", name)
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise InvalidRequestError(f"{name} must be a 64-bit integer", name)
@@ -141,6 +144,8 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must be in [0, max_tokens]", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be in [0, 20]", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError("prompt_logprobs must be in [0, 20]", "prompt_logprobs")
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS
                or not _is_utf8(s) for s in self.stop):
             raise InvalidRequestError(

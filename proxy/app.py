@@ -19,6 +19,7 @@ from aiohttp import web
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.server.api_key import api_key_middleware
 from engine_core.server.http_errors import error_middleware
+from engine_core.server.json_parser import JsonParser
 from engine_core.server.loop_watch import LoopWatch
 from proxy import keys
 from proxy.config import ProxyConfig
@@ -62,6 +63,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
     app[keys.PLACER] = placer = Placer(config.placement, clock=clock)
+    app[keys.JSON_PARSER] = JsonParser()
     registry.add_removal_listener(placer.forget)
     server = None
     if config.registration_port is not None:
@@ -74,6 +76,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app.cleanup_ctx.append(_upstream_ctx)
     app.cleanup_ctx.append(_expiry_ctx)
     app.cleanup_ctx.append(_loop_watch_ctx)
+    app.cleanup_ctx.append(_json_parser_ctx)
     add_routes(app)
     return app
 
@@ -84,6 +87,12 @@ async def _loop_watch_ctx(app: web.Application) -> AsyncIterator[None]:
     await watch.start()
     yield
     await watch.stop()
+
+
+async def _json_parser_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Large request bodies are parsed off the loop, in the parser's child process."""
+    yield
+    await app[keys.JSON_PARSER].close()
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -4,7 +4,8 @@ The route comes from ``routing.plan_route``: the placement policy's (``proxy/pla
 when workers with capabilities serve the model (``local``: one leg, the whole request on
 one worker; ``pd``: prefill on one, decode on another), else the static P/D/colocated rules.
 
-Disaggregated attempt: both legs leave at once; P's answer (one token, no stream) is awaited
+Disaggregated attempt: both legs leave at once (a request asking for prompt logprobs: D's
+after P answered, carrying them, ``proxy/prompt_logprobs.py``); P's answer (one token, no stream) is awaited
 first while D's early refusal is watched; then D's answer is relayed. Failure rules:
 
 - P fails (connect, disconnect, timeout, 5xx) before any byte reached the client: D's leg
@@ -77,6 +78,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.migration import RESUME, LegWatch, Migrate, Resume, StreamMigration, continuable, within
 from proxy.placer import Placer
 from proxy.prefix_index import PromptShape, prompt_shape
+from proxy.prompt_logprobs import from_prefill_answer, wants_prompt_logprobs, with_prompt_logprobs
 from proxy.registry import Clock, InstanceRegistry, WorkerState
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
 
@@ -239,16 +241,22 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         p_task = asyncio.create_task(self._prefill(
             prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address, grant),
             headers))
-        d_task = asyncio.create_task(fw.open_leg(
-            self.session, decode.url + path,
-            fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
-            headers, self.timeouts.decode()))
+        d_body = fw.decode_body(body, attempt_id, prefill.zmq_address, grant)
+
+        def open_decode(answer: bytes | None = None) -> asyncio.Task[aiohttp.ClientResponse]:
+            leg_body = d_body if answer is None else with_prompt_logprobs(
+                d_body, from_prefill_answer(answer))
+            return asyncio.create_task(fw.open_leg(self.session, decode.url + path, leg_body,
+                                                   headers, self.timeouts.decode()))
+
+        # D's leg leaves with P's unless it must carry P's prompt logprobs (after P).
+        d_task = None if wants_prompt_logprobs(path, body) else open_decode()
         p_settling = False  # P's leg handed to ``_settle_prefill``
         try:
-            pending: set[asyncio.Task[Any]] = {p_task, d_task}
+            pending: set[asyncio.Task[Any]] = {p_task} if d_task is None else {p_task, d_task}
             while not p_task.done():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if d_task in done and not p_task.done():
+                if d_task is not None and d_task in done and not p_task.done():
                     d_response = await self._decode_response(d_task, d_leg)
                     if not 200 <= d_response.status < 300:  # D refused: its answer stands
                         if took_nothing(d_response.status):
@@ -257,6 +265,8 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
             if isinstance(verdict, web.Response):
                 return verdict
+            if d_task is None:
+                d_task = open_decode(verdict)
             d_response = await self._decode_response(d_task, d_leg, body.get("stream") is True)
             if not 200 <= d_response.status < 300:
                 if took_nothing(d_response.status):  # P holds KV D will never pull
@@ -265,11 +275,12 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
             return await self._relay(request, d_response, d_leg, attempt_id, timer)
         finally:
             d_leg.finish(aborted=True)
+            opened = [] if d_task is None else [d_task]
             if p_settling:
-                await abort_tasks(d_task)
+                await abort_tasks(*opened)
             else:
                 p_leg.finish(aborted=True)
-                await abort_tasks(p_task, d_task)
+                await abort_tasks(p_task, *opened)
 
     async def _settle_prefill(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: Leg,
                               held: HeldKV) -> None:

@@ -52,7 +52,7 @@ async def read_json_object(request: web.Request, max_bytes: int, timeout_s: floa
     """The request body as a JSON object, at most ``max_bytes``, all of it within
     ``timeout_s``: it is read under an admission slot, which a client that sends slowly or
     stops mid-body would otherwise hold for good. The worker validates the rest."""
-    body = await read_json_body(request, max_bytes, timeout_s)
+    body = await read_json_body(request, max_bytes, timeout_s, request.app[keys.JSON_PARSER])
     check_finite_numbers(body)
     return body
 

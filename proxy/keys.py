@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from engine_core.server.json_parser import JsonParser
 from proxy.config import ProxyConfig
 from proxy.dispatcher import Dispatcher
 from proxy.legs import InflightLimiter
@@ -27,3 +28,4 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 REGISTRATION_SERVER = web.AppKey("registration_server", RegistrationServer)
 MODEL_CARDS = web.AppKey("model_cards", ModelCards)
 PLACER = web.AppKey("placer", Placer)
+JSON_PARSER = web.AppKey("json_parser", JsonParser)

@@ -22,6 +22,10 @@ from typing import Any
 TOKENS_PER_BLOCK = 16
 CHARS_PER_TOKEN = 4
 CHAT_PATH = "/v1/chat/completions"
+# Leading blocks hashed at most (131,072 tokens' worth, past any served context): a longer
+# prompt's later blocks can match no cache, and hashing megabytes on the proxy's event loop
+# would stall every other client.
+MAX_SHAPE_BLOCKS = 8192
 
 
 @dataclass(frozen=True)
@@ -65,14 +69,16 @@ def prompt_shape(path: str, body: dict[str, Any]) -> PromptShape:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            end = min(len(prompt), MAX_SHAPE_BLOCKS * TOKENS_PER_BLOCK)
             blocks = [tuple(prompt[i:i + TOKENS_PER_BLOCK])
-                      for i in range(0, len(prompt) - TOKENS_PER_BLOCK + 1, TOKENS_PER_BLOCK)]
+                      for i in range(0, end - TOKENS_PER_BLOCK + 1, TOKENS_PER_BLOCK)]
             return PromptShape(len(prompt), _chain(blocks))
         text = prompt if isinstance(prompt, str) else None
     if text is None:
         return PromptShape(0)
     size = TOKENS_PER_BLOCK * CHARS_PER_TOKEN
-    blocks = [text[i:i + size] for i in range(0, len(text) - size + 1, size)]
+    end = min(len(text), MAX_SHAPE_BLOCKS * size)
+    blocks = [text[i:i + size] for i in range(0, end - size + 1, size)]
     return PromptShape(-(-len(text) // CHARS_PER_TOKEN), _chain(blocks))
 
 

@@ -24,3 +24,9 @@ def granted_params(params: dict[str, Any], own_address: str,
                    ttl_s: float = 3600.0) -> KVTransferParams:
     """``granted``, as the typed params an engine request carries."""
     return KVTransferParams.from_wire(granted(params, own_address, ttl_s))
+
+
+def transfer_grant(transfer_id: str, producer: str, consumer: str, ttl_s: float = 3600.0) -> str:
+    """The grant of ``transfer_id`` from ``producer`` to ``consumer`` (KV addresses), for a
+    test that builds a ``LoadSpec`` or a pull itself."""
+    return GrantAuthority(ClusterSecret()).issue(transfer_id, producer, consumer, ttl_s)

@@ -108,7 +108,8 @@ class P2pConnectorWorker:
             for spec in metadata.loads:
                 consumer.add_load(spec, now)
             for notice in metadata.releases:
-                consumer.send_pull(notice.peer_address, consumer.make_pull(notice.transfer_id, 0, 0))
+                consumer.send_pull(notice.peer_address,
+                                   consumer.make_pull(notice.transfer_id, notice.grant, 0, 0))
             for notice in metadata.abandons:
                 self.producer_side.abandon(notice.transfer_id, notice.peer_address)
         consumer.land_and_expire(now)  # first: a cancelled or landed load's bytes go to the next

@@ -145,14 +145,16 @@ class KVConsumer:
             recving, failed = self.take_landed_locked()
         return FinishedTransfers(recving=recving, failed_recving=failed)
 
-    def make_pull(self, transfer_id: str, first_block: int, num_blocks: int,
+    def make_pull(self, transfer_id: str, grant: str, first_block: int, num_blocks: int,
                   max_layers_per_call: int = 0, heads: HeadSlice | None = None) -> KVPullRequest:
+        """A pull (``num_blocks == 0``: a release) under the transfer's ``grant``."""
         num_layers, dtype, block_shape, _ = self._state.require_geometry()
         return KVPullRequest(transfer_id=transfer_id, consumer_address=self._state.own_address,
                              first_block=first_block, num_blocks=num_blocks, num_layers=num_layers,
                              dtype=dtype, block_shape=self._state.slice_shape(heads),
                              timeout_s=self._state.config.transfer_timeout_s,
-                             consumer_epoch=self._state.epoch, max_layers_per_call=max_layers_per_call)
+                             consumer_epoch=self._state.epoch, max_layers_per_call=max_layers_per_call,
+                             grant=grant)
 
     def add_load(self, spec: LoadSpec, now: float) -> None:
         num_layers, _, _, element_size = self._state.require_geometry()
@@ -165,7 +167,7 @@ class KVConsumer:
         capacity = self.recv_buffer.capacity_bytes
         staging = (nbytes if nbytes <= capacity
                    else max(layer_bytes, capacity // 2 // max(layer_bytes, 1) * layer_bytes))
-        pull = self.make_pull(spec.transfer_id, spec.first_block, len(spec.block_ids),
+        pull = self.make_pull(spec.transfer_id, spec.grant, spec.first_block, len(spec.block_ids),
                                max_layers_per_call=(0 if staging >= nbytes
                                                     else staging // max(layer_bytes, 1)),
                                heads=spec.heads)
@@ -268,7 +270,8 @@ class KVConsumer:
                     if self._state.transport.uses_data_messages:
                         load.state, load.reason = FAILED, "cancelled"
         for load in requested:
-            self.send_pull(load.spec.peer_address, self.make_pull(load.spec.transfer_id, 0, 0))
+            self.send_pull(load.spec.peer_address,
+                           self.make_pull(load.spec.transfer_id, load.spec.grant, 0, 0))
 
     def land_and_expire(self, now: float) -> None:
         """Report landed, failed and late loads and free the buffer they held."""
@@ -317,7 +320,8 @@ class KVConsumer:
                     self._end_load_locked(load.spec.request_id, landed=False)
                     self._state.counters["transfers_timed_out" if load.timed_out else "transfers_failed"] += 1
         for load in unasked:  # cancelled, pushed back past its deadline, or too large
-            self.send_pull(load.spec.peer_address, self.make_pull(load.spec.transfer_id, 0, 0))
+            self.send_pull(load.spec.peer_address,
+                           self.make_pull(load.spec.transfer_id, load.spec.grant, 0, 0))
 
     def _end_load_locked(self, request_id: str, landed: bool) -> None:
         """One load of ``request_id`` ended; report the request once its last one has (call

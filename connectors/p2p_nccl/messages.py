@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core.addresses import is_host_port
+from engine_core.cluster.grants import MAX_GRANT_CHARS
 from engine_core.cluster.sealed_codec import SealedCodec
 from engine_core.cluster.trust import CHANNEL_KV_CONTROL, ClusterSecret
 from engine_core.codec import MessageCodec
@@ -65,6 +66,10 @@ class KVPullRequest:
     # buffer streams through slots of whole layers; P sizes its calls to fit one, instead of
     # having a larger call's header refused and its pair aborted.
     max_layers_per_call: int = 0
+    # The proxy's transfer grant (``engine_core.cluster.grants``) that D's scheduler side
+    # checked: P serves the pull, a release included, only when it names this P and
+    # ``consumer_address`` as D and covers ``transfer_id``. Empty: none (refused).
+    grant: str = ""
 
 
 @dataclass
@@ -117,13 +122,13 @@ CONTROL_MESSAGES = (KVPullRequest, KVSendHeader, KVLayerData, KVSendAbort, NcclH
 
 # Version of the connector's control messages AND of the data layout they announce
 # (2: kv-major ``[layers, 2, blocks, ...]`` call buffers; 3: the pull's
-# ``max_layers_per_call``); a peer of another version is rejected at its first message
+# ``max_layers_per_call``; 4: the pull's ``grant``); a peer of another version is rejected at its first message
 # instead of receiving bytes it would misread or calls it cannot hold.
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 
-# A control message is a few hundred bytes (a transfer id of at most 1,024 characters is the
-# largest field); the bound is what a receiver reads before refusing one.
+# A control message is a few hundred bytes (a transfer id of at most 1,024 characters and a
+# grant of at most 4,096 are the largest fields); the bound is what a receiver reads before refusing one.
 MAX_CONTROL_BYTES = 64 << 10
 CONTROL_CODEC = MessageCodec(CONTROL_MESSAGES, version=WIRE_VERSION, max_bytes=MAX_CONTROL_BYTES)
 
@@ -204,6 +209,8 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
         return f"timeout_s {pull.timeout_s} out of range"
     if not 0 <= pull.max_layers_per_call <= MAX_LAYERS:
         return f"max_layers_per_call {pull.max_layers_per_call} out of range"
+    if len(pull.grant) > MAX_GRANT_CHARS:
+        return f"grant of {len(pull.grant)} characters"
     return None
 
 

@@ -17,6 +17,7 @@ class LoadSpec:
     block_ids: list[int]
     first_block: int
     num_tokens: int
+    grant: str  # the proxy's grant for this transfer, checked by the scheduler side
     # The KV heads of this rank's blocks the load fills (one route between tensor-parallel
     # layouts, ``kv_layout.plan_head_routes``); None: all of them.
     heads: HeadSlice | None = None
@@ -43,6 +44,7 @@ class PeerNotice:
 
     transfer_id: str
     peer_address: str
+    grant: str = ""  # a release carries the transfer's grant (P refuses one without)
 
 
 @dataclass

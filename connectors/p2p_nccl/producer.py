@@ -28,6 +28,8 @@ from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
 from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.addresses import is_host_port
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import TrustRefusal
 from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, gather_layers, wire_shape
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class KVProducer:
         # Transfers this producer will never send (abandoned, lease expired): a late pull for
         # one is answered with an abort at once. Bounded; holds no bytes.
         self._tombstones: dict[str, float] = {}
+        # Checks the grant every pull carries (used by the control thread only).
+        self._grants = GrantAuthority(state.config.cluster_secret)
 
     def stop_senders(self) -> None:
         """Stop every peer sender thread (shutdown)."""
@@ -369,6 +373,8 @@ class KVProducer:
         if self._state.geometry is None or not self._state.config.is_producer:
             self._state.reject("pull request", "this engine does not produce KV")
             return
+        if not self._pull_granted(pull):
+            return
         num_layers, dtype, block_shape, _ = self._state.geometry
         reason = check_pull(pull, num_layers, dtype, block_shape)
         if reason is not None:
@@ -412,6 +418,20 @@ class KVProducer:
                 self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
             return
         self._start_deferred(pending, pull, self._state.clock())
+
+    def _pull_granted(self, pull: KVPullRequest) -> bool:
+        """Whether the pull's grant names this producer and the pull's consumer as D for its
+        transfer. A refused pull is counted and logged once per peer, and answered with
+        nothing: no byte, not even an abort, goes to an address no grant names."""
+        try:
+            self._grants.verify(pull.grant, transfer_id=pull.transfer_id,
+                                producer=self._state.own_address,
+                                consumer=pull.consumer_address, peer=pull.consumer_address)
+        except TrustRefusal:
+            with self._state.lock:
+                self._state.counters["pulls_refused"] += 1
+            return False
+        return True
 
     def _cancel_waiting_pull(self, release: KVPullRequest) -> bool:
         """A release (``num_blocks=0``) for a pull still waiting for its prefill cancels it;

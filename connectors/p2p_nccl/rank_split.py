@@ -12,6 +12,7 @@ records which ranks take part in each request so rank 0 can combine their report
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from connectors.p2p_nccl.kv_layout import (
@@ -24,6 +25,17 @@ from connectors.p2p_nccl.kv_layout import (
 )
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata, PeerNotice
 from engine_core.addresses import is_host_port
+
+
+@dataclass(frozen=True)
+class RouteGrants:
+    """How a consumer's rank 0 grants its ranks' pulls between layouts: each of its ranks'
+    connector addresses, rank 0 first, and ``issue`` (``GrantAuthority.for_route``: the
+    request's checked grant, a route's transfer id, producer and consumer address -> the
+    route's grant), as every producer rank checks a pull against its own address."""
+
+    own_addresses: tuple[str, ...]
+    issue: Callable[[str, str, str, str], str]
 
 
 @dataclass(frozen=True)
@@ -84,16 +96,26 @@ def _named_routes(transfer_id: str, producer: KVLayout, consumer: KVLayout
     return list(zip(route_transfer_ids(transfer_id, routes), routes, strict=True))
 
 
-def split_step(meta: P2pConnectorMetadata, own: KVLayout, peers: dict[str, PeerRanks]
-               ) -> RankShares:
+def split_step(meta: P2pConnectorMetadata, own: KVLayout, peers: dict[str, PeerRanks],
+               route_grants: RouteGrants | None = None) -> RankShares:
     """Each rank's share of ``meta`` (rank 0's plan against peers' rank-0 addresses).
 
     ``peers`` maps a peer's rank-0 address to its ranks; a spec naming an unknown peer is
     taken as a peer of one rank (TP=1) at that address. Raises ``KVLayoutError`` for a peer
     whose layout cannot be mapped onto ``own``. Every route carries its head slice, also
-    where it moves all of a rank's heads, so both ends name the same slice.
+    where it moves all of a rank's heads, so both ends name the same slice. A pull (a load
+    or a release) carries its route's grant from ``route_grants`` where the request moves in
+    several routes (one route keeps the request's transfer id, addresses and grant); without
+    ``route_grants`` it carries the request's.
     """
     shares = RankShares([P2pConnectorMetadata() for _ in range(own.tp_size)])
+
+    def pull_grant(grant: str, transfer_id: str, producer: str, consumer_rank: int,
+                   routes: int) -> str:
+        if route_grants is None or routes == 1 or not grant:
+            return grant
+        return route_grants.issue(grant, transfer_id, producer,
+                                  route_grants.own_addresses[consumer_rank])
 
     def peer_of(address: str) -> PeerRanks:
         peer = peers.get(address)
@@ -105,9 +127,11 @@ def split_step(meta: P2pConnectorMetadata, own: KVLayout, peers: dict[str, PeerR
         peer = peer_of(load.peer_address)
         named = _named_routes(load.transfer_id, peer.layout, own)
         for transfer_id, route in named:
+            producer = peer.addresses[route.src_rank]
             shares.per_rank[route.dst_rank].loads.append(replace(
-                load, transfer_id=transfer_id, peer_address=peer.addresses[route.src_rank],
-                heads=route.dst_slice))
+                load, transfer_id=transfer_id, peer_address=producer, heads=route.dst_slice,
+                grant=pull_grant(load.grant, transfer_id, producer,
+                                 route.dst_rank, len(named))))
         shares.load_ranks[load.request_id] = frozenset(route.dst_rank for _, route in named)
     for save in meta.saves:
         peer = peer_of(save.peer_address)
@@ -119,9 +143,12 @@ def split_step(meta: P2pConnectorMetadata, own: KVLayout, peers: dict[str, PeerR
         shares.save_ranks[save.request_id] = frozenset(route.src_rank for _, route in named)
     for notice in meta.releases:  # consumer -> producer: each route from its consumer rank
         peer = peer_of(notice.peer_address)
-        for transfer_id, route in _named_routes(notice.transfer_id, peer.layout, own):
-            shares.per_rank[route.dst_rank].releases.append(
-                PeerNotice(transfer_id, peer.addresses[route.src_rank]))
+        named = _named_routes(notice.transfer_id, peer.layout, own)
+        for transfer_id, route in named:
+            producer = peer.addresses[route.src_rank]
+            shares.per_rank[route.dst_rank].releases.append(PeerNotice(
+                transfer_id, producer, pull_grant(notice.grant, transfer_id, producer,
+                                                  route.dst_rank, len(named))))
     for notice in meta.abandons:  # producer -> consumer: each route from its producer rank
         peer = peer_of(notice.peer_address)
         for transfer_id, route in _named_routes(notice.transfer_id, own, peer.layout):

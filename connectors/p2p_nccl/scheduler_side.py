@@ -87,9 +87,9 @@ class P2pConnectorScheduler:
         self._abandons: list[PeerNotice] = []
         self._invalid_params = 0
         self._grants = GrantAuthority(config.cluster_secret)
-        # (request id, pull) -> its checked (transfer id, peer) or None (refused): a grant is
-        # checked once, when the request is first seen, however long it then waits.
-        self._checked: dict[tuple[str, bool], tuple[str, str] | None] = {}
+        # (request id, pull) -> its checked (transfer id, peer, grant) or None (refused): a
+        # grant is checked once, when the request is first seen, however long it then waits.
+        self._checked: dict[tuple[str, bool], tuple[str, str, str] | None] = {}
 
     # ---- ConnectorScheduler -------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class P2pConnectorScheduler:
                 if num_external == 0:
                     # The local cache holds everything: tell P to drop what it keeps for us.
                     self._loaded.add(request.request_id)
-                    self._releases.append(PeerNotice(remote[0], remote[1]))
+                    self._releases.append(PeerNotice(*remote))
                     return ExternalMatch(0, False)
                 return ExternalMatch(num_external, True)
             if _asks(request, _PULL):
@@ -143,7 +143,7 @@ class P2pConnectorScheduler:
         self._new_loads[request.request_id] = LoadSpec(
             request_id=request.request_id, transfer_id=remote[0], peer_address=remote[1],
             block_ids=list(block_ids[first_block:end_block]), first_block=first_block,
-            num_tokens=num_external_tokens)
+            num_tokens=num_external_tokens, grant=remote[2])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
         """Loads to start, saves due this step, notices for peers, cancelled loads."""
@@ -180,14 +180,15 @@ class P2pConnectorScheduler:
         unsent = self._new_loads.pop(request_id, None)
         loading = False
         if unsent is not None:  # the worker never saw this load: P only needs the release
-            self._releases.append(PeerNotice(unsent.transfer_id, unsent.peer_address))
+            self._releases.append(PeerNotice(unsent.transfer_id, unsent.peer_address,
+                                             unsent.grant))
         elif self._loading.pop(request_id, None) is not None:
             self._cancels.append(request_id)  # the worker releases P if its pull is unsent
             loading = True
         elif not asked and self._config.is_consumer:
             remote = self._granted(request, _PULL)
             if remote is not None:
-                self._releases.append(PeerNotice(remote[0], remote[1]))
+                self._releases.append(PeerNotice(*remote))
         for pull in (_PULL, _PUSH):
             self._checked.pop((request_id, pull), None)
         state = self._producing.pop(request_id, None)
@@ -245,10 +246,10 @@ class P2pConnectorScheduler:
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _granted(self, request: Request, pull: bool) -> tuple[str, str] | None:
-        """(transfer_id, peer kv address) when the request moves KV in this direction and
-        its grant names this engine and that peer; None otherwise (checked once per
-        request)."""
+    def _granted(self, request: Request, pull: bool) -> tuple[str, str, str] | None:
+        """(transfer_id, peer kv address, grant) when the request moves KV in this direction
+        and its grant names this engine and that peer; None otherwise (checked once per
+        request). D's pulls carry the grant on, so P checks them against it too."""
         key = (request.request_id, pull)
         if key in self._checked:
             return self._checked[key]
@@ -261,7 +262,7 @@ class P2pConnectorScheduler:
         try:
             self._grants.verify(token, transfer_id=transfer_id, producer=producer,
                                 consumer=consumer, peer=peer)
-            granted: tuple[str, str] | None = (transfer_id, peer)
+            granted: tuple[str, str, str] | None = (transfer_id, peer, str(token))
         except TrustRefusal:  # counted and logged once per peer by the authority
             granted = None
         self._checked[key] = granted

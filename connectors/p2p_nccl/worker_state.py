@@ -29,7 +29,7 @@ EVENT_COUNTERS = (
     "control_messages_sent", "bytes_sent", "bytes_received", "transfers_sent",
     "transfers_received", "sends_failed", "transfers_failed", "transfers_timed_out",
     "messages_rejected", "leases_expired", "registrations_expired", "loads_pushed_back",
-    "consumer_restarts", "loads_streamed")
+    "consumer_restarts", "loads_streamed", "pulls_refused")
 
 
 def make_transport(config: KVTransferConfig, device: str) -> Any:

@@ -104,6 +104,14 @@ class GrantAuthority:
         signed = _PREFIX + body
         return f"{signed}.{_b64(self._key.digest(signed.encode()))}"
 
+    def for_route(self, token: str, transfer_id: str, producer: str, consumer: str) -> str:
+        """The grant of one route of a transfer whose grant ``token`` was checked: between
+        tensor-parallel layouts each route moves between two ranks under its own transfer
+        id, and the producer rank checks every pull against its own address. The route's
+        grant expires with the transfer's."""
+        grant = self._authentic(token, producer)
+        return self.sign(TransferGrant(transfer_id, producer, consumer, grant.expires_at))
+
     def verify(self, token: object, *, transfer_id: str, producer: str | None = None,
                consumer: str | None = None, peer: str = "?") -> TransferGrant:
         """The grant in ``token`` if it is authentic, unexpired, covers ``transfer_id`` and

@@ -91,12 +91,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached run of full blocks from the start, leaving >= 1 token to compute.
 
-        The last token is always computed because its logits are needed to sample. The
+        The last token is always computed because its logits are needed to sample; a
+        request asking for prompt logprobs computes every position (no hit). The
         blocks are not touched here; ``allocate_slots`` takes them. A block registered in
         this pass ends the run: its KV is computed by the step being scheduled.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (as vLLM)
         self.hasher.update_request_hashes(request)
         max_blocks = max(request.num_tokens - 1, 0) // self.block_size
         hits: list[KVCacheBlock] = []

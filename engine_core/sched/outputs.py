@@ -62,6 +62,15 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """The prompt logprobs one step computed for a request: positions ``first_position``
+    onwards (a prompt's position 0 has none)."""
+
+    first_position: int
+    entries: list[TokenLogprob]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What the runner hands back: one sampled token per request that completed its prompt."""
 
@@ -69,6 +78,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request: the sampled token's logprob and top alternatives, when asked for.
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # Per request asking for them: the logprobs of the prompt positions this step computed.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)

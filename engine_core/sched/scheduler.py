@@ -35,6 +35,7 @@ from engine_core.sched.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobsChunk,
     SchedulerOutput,
 )
 
@@ -370,6 +371,10 @@ class Scheduler:
         # vLLM's iteration tokens: the tokens generated, plus the whole prompt of each request
         # whose prefill ended with this step (its first token).
         iteration_tokens = 0
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            request = scheduled.get(request_id)
+            if request is not None and self.requests.get(request_id) is request:
+                self._add_prompt_logprobs(request, chunk)
         for request_id, sampled, lp in zip(runner_output.req_ids,
                                            runner_output.sampled_token_ids, logprobs):
             request = scheduled.get(request_id)
@@ -397,8 +402,11 @@ class Scheduler:
                 self.counters.prompt_tokens += request.num_prompt_tokens
                 iteration_tokens += request.num_prompt_tokens
             iteration_tokens += len(new_tokens)
-            outputs.append(self._make_output(request, new_tokens, None if lp is None else [lp],
-                                             with_timings=first))
+            output = self._make_output(request, new_tokens, None if lp is None else [lp],
+                                       with_timings=first)
+            if first and request.sampling_params.prompt_logprobs is not None:
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+            outputs.append(output)
         if iteration_tokens:
             self.counters.count_iteration(iteration_tokens)
         outputs.extend(self.apply_finished_transfers(FinishedTransfers(
@@ -421,6 +429,17 @@ class Scheduler:
                          request.request_id, token)
             return RequestStatus.FINISHED_STOPPED
         return RequestStatus.FINISHED_STOPPED if grammar.is_terminated else None
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, chunk: PromptLogprobsChunk) -> None:
+        """Append the positions after those held, until the first token sent them: a step
+        scheduled before a preemption and one recomputing after it give the same positions
+        again (the same values), which are skipped by position."""
+        if request.first_token_time is not None:
+            return
+        wanted = len(request.prompt_logprobs) + 1
+        if chunk.first_position <= wanted < chunk.first_position + len(chunk.entries):
+            request.prompt_logprobs.extend(chunk.entries[wanted - chunk.first_position:])
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -35,6 +35,7 @@ from engine_core.server.api_key import api_key_middleware
 from engine_core.server.drain import drain
 from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S, EdgeAppRunner
+from engine_core.server.json_parser import JsonParser
 from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
@@ -110,6 +111,7 @@ class ServerOptions:
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)
 READINESS_KEY = web.AppKey("readiness", Readiness)
+JSON_PARSER_KEY = web.AppKey("json_parser", JsonParser)
 
 
 # The admin routes (``--enable-admin-endpoints``): they need the API key always (api_key.py).
@@ -129,7 +131,8 @@ def app_runner(app: web.Application, options: ServerOptions) -> web.AppRunner:
 async def _read_json(request: web.Request, options: ServerOptions) -> dict[str, Any]:
     """The body as JSON, within the server's size and time bounds (``request_body``)."""
     request[REQUEST_ID_KEY] = request_id_of(request)
-    return await read_json_body(request, options.client_max_size, options.body_timeout_s)
+    return await read_json_body(request, options.client_max_size, options.body_timeout_s,
+                                request.app[JSON_PARSER_KEY])
 
 
 class _Routes:
@@ -295,6 +298,7 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     app[SERVING_KEY] = serving
     app[OPTIONS_KEY] = options
     app[READINESS_KEY] = readiness = readiness or Readiness()
+    app[JSON_PARSER_KEY] = json_parser = JsonParser()
     routes = _Routes(serving, options, config.model.model, readiness)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
@@ -340,6 +344,7 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     async def tokenizer_thread(app: web.Application) -> Any:
         yield
         tokenizer.close()
+        await json_parser.close()
 
     app.cleanup_ctx.append(tokenizer_thread)
     return app

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine_core.kv_transfer_params import KVTransferParams
+from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
 from engine_core.server import protocol
 
@@ -31,6 +32,8 @@ class Job:
     after: int | None = None
     # Output tokens this sample continues after (the handoff: the client has their text).
     generated_token_ids: list[int] = field(default_factory=list)
+    # The prompt's logprobs computed by the prefill worker (a decode leg answers with them).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def engine_request_id(request_id: str) -> str:

@@ -90,6 +90,8 @@ CONNECTOR_COUNTERS = {
     "loads_pushed_back": "Times a KV load waited for receive-buffer space (D).",
     "consumer_restarts": "Decode worker processes seen restarted at a known address (P).",
     "loads_streamed": "KV loads larger than kv_buffer_size, received through it in turns (D).",
+    "pulls_refused": "Pulls refused for a missing or invalid transfer grant; nothing was sent "
+                     "(P).",
     "data_calls": "Data calls (NCCL send/recv or CPU frames) issued.",
     "send_gpu_seconds": "GPU time from a transfer's first send to its end (P, NCCL).",
     "recv_gpu_seconds": "GPU time from posting a transfer's receives (and scatters) to their "

@@ -19,6 +19,7 @@ from engine_core.models.generation_config import GenerationDefaults
 from engine_core.request_limits import MAX_CHOICES
 from engine_core.sampling_params import SamplingParams
 from engine_core.server.chat_messages import parse_messages
+from engine_core.server.prompt_logprobs import requested_prompt_logprobs
 from engine_core.server.structured_fields import STRUCTURED_FIELDS, structured_outputs_from
 from engine_core.server.tools import ToolRequest, parse_tools
 
@@ -35,8 +36,8 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
 # Fields honoured (checked where they are parsed).
 _COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens",
                   "allowed_token_ids", "truncate_prompt_tokens", "kv_transfer_params",
-                  "logit_bias", "add_special_tokens", "user", *_SAMPLING_FIELDS,
-                  *STRUCTURED_FIELDS}
+                  "logit_bias", "add_special_tokens", "user", "prompt_logprobs",
+                  *_SAMPLING_FIELDS, *STRUCTURED_FIELDS}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                  "add_generation_prompt", "continue_final_message",
@@ -48,7 +49,7 @@ _NO_EFFECT_FIELDS: dict[str, tuple[type, ...]] = {"user": (str,), "include_reaso
 # vLLM's fields this server cannot honour -> the values that ask for nothing (null always
 # does): any other value is a 400 naming the field.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "prompt_logprobs": (), "use_beam_search": (False,),
+    "best_of": (1,), "use_beam_search": (False,),
     "length_penalty": (1.0,), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "logits_processors": (),
     "bad_words": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
@@ -378,9 +379,8 @@ def parse_completion_request(body: dict[str, Any], defaults: GenerationDefaults 
         raise InvalidRequestError("a first-token handoff needs exactly one prompt", "prompt")
     _check_handoff_n(handoff, params)
     echo = _typed(body, "echo", (bool,), False)
-    if echo and params.logprobs is not None:
-        raise InvalidRequestError("echo with logprobs needs the prompt's logprobs, which are "
-                                  "not supported", "echo")
+    params = dataclasses.replace(params, prompt_logprobs=requested_prompt_logprobs(
+        body, stream, echo and params.logprobs is not None, params.logprobs))
     if echo and handoff.hands_over:
         raise InvalidRequestError("echo cannot be combined with a first-token handoff", "echo")
     return CompletionRequest(model, prompts, params, stream, include_usage, kv_params, handoff,
@@ -404,6 +404,8 @@ def parse_chat_request(body: dict[str, Any], defaults: GenerationDefaults = NO_D
     params = _sampling_params(body, max_tokens, logprobs, defaults)
     tools = parse_tools(body)
     params = _with_tool_constraint(params, tools)
+    params = dataclasses.replace(params, prompt_logprobs=requested_prompt_logprobs(
+        body, stream, False, None))
     add_generation_prompt = _typed(body, "add_generation_prompt", (bool,), True)
     kv_params = _kv_transfer_params(body)
     handoff = _handoff(kv_params)

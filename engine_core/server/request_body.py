@@ -2,8 +2,9 @@
 
 A body is refused by its declared length before any of it is read, read in chunks up to
 the cap (a chunked or decompressed body has no trustworthy length), within a deadline,
-and joined once: a worker's memory stays flat whatever a client sends. A body that cannot
-be decoded (a broken ``Content-Encoding``, invalid UTF-8, malformed JSON) is a 400.
+and joined once: a worker's memory stays flat whatever a client sends. A large body is
+parsed off the event loop (``json_parser``). A body that cannot be decoded (a broken
+``Content-Encoding``, invalid UTF-8, malformed JSON) is a 400.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from engine_core.errors import InvalidRequestError, RequestTimeoutError, RequestTooLargeError
-from engine_core.server.protocol import parse_json
+from engine_core.server.json_parser import JsonParser
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -44,7 +45,8 @@ async def _read_capped(request: web.Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_json_body(request: web.Request, max_bytes: int, timeout_s: float
-                         ) -> dict[str, Any]:
-    """The body as a JSON object (``read_body``'s bounds; 400 when it is not one)."""
-    return parse_json(await read_body(request, max_bytes, timeout_s))
+async def read_json_body(request: web.Request, max_bytes: int, timeout_s: float,
+                         parser: JsonParser) -> dict[str, Any]:
+    """The body as a JSON object (``read_body``'s bounds; 400 when it is not one), parsed
+    by ``parser`` (off the loop when large)."""
+    return await parser.parse(await read_body(request, max_bytes, timeout_s))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_core.kv_transfer_params import KVTransferResult
-from engine_core.messages import RequestTimings
+from engine_core.messages import RequestTimings, TokenLogprob
 from engine_core.output_processor import LogprobEntry, RequestDelta
 from engine_core.server import streaming
 from engine_core.server.http_errors import exception_body
@@ -39,6 +39,7 @@ class ChoiceResult:
     # Characters of the tokens in ``logprobs``: the next entry's ``text_offset`` (the text
     # itself lags it while stop-string or UTF-8 hold-back keeps characters back).
     logprob_chars: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
     @property
     def text(self) -> str:
@@ -52,6 +53,8 @@ class ChoiceResult:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_output_tokens = delta.num_output_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.kv_transfer_params is not None:
             self.kv_transfer_params = delta.kv_transfer_params
         if delta.timings is not None:

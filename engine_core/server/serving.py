@@ -43,6 +43,15 @@ from engine_core.server.jobs import (
 )
 from engine_core.server.kv_release import RELEASE_TOKEN, KVRelease
 from engine_core.server.metrics import ServerMetrics
+from engine_core.server.prompt_logprobs import (
+    echo_chunk,
+    echo_logprobs,
+    for_decode_leg,
+    given_prompt_logprobs,
+    prompt_chars,
+    prompt_logprobs_field,
+    without_given,
+)
 from engine_core.server.responses import (
     ChoiceResult,
     add_kv_transfer_params,
@@ -143,6 +152,7 @@ class OpenAIServing:
         state.assume_delivered(generated)
         engine_params = (params if state.handed_stop is None
                          else dataclasses.replace(params, max_tokens=len(generated)))
+        given = job.prompt_logprobs
         first_token_time: float | None = None
         last_token_time: float | None = None
         finish_reason, num_output = None, 0
@@ -154,6 +164,8 @@ class OpenAIServing:
                     delta = state.process(output)
                     if delta is None:
                         continue
+                    if given is not None:  # the prefill worker's, with the first delta
+                        delta.prompt_logprobs, given = given, None
                     now = time.monotonic()
                     if delta.token_ids:
                         if last_token_time is not None:
@@ -255,7 +267,11 @@ class OpenAIServing:
         # tokenizer fails, a 500, on ids past 32 bits): the engine's rule, checked first here.
         for ids in handoff.generated_token_ids:
             check_generated_ids(ids, self.tokenizer.vocab_size)
+        given = given_prompt_logprobs(kv_transfer_params, prompts, params)
+        kv_transfer_params = without_given(kv_transfer_params)
         engine_params = one_sample_params(params, prefill_only(kv_transfer_params, handoff))
+        if given is not None:  # the prefill worker computed them: none here
+            engine_params = dataclasses.replace(engine_params, prompt_logprobs=None)
         num_samples = samples_run(params, kv_transfer_params, handoff)
         single = len(prompts) == 1 and num_samples == 1
         jobs: list[Job] = []
@@ -272,7 +288,8 @@ class OpenAIServing:
                                  sample_params, remote, prompt_index, sample,
                                  first if waits else None,
                                  list(handoff.generated_token_ids[sample])
-                                 if handoff.generated_token_ids else []))
+                                 if handoff.generated_token_ids else [],
+                                 None if given is None else given[prompt_index]))
         return jobs
 
     # ---- /v1/completions ----------------------------------------------------------------
@@ -306,9 +323,13 @@ class OpenAIServing:
                     choices[index].add(delta)
                 response = {**head, "choices": [
                     {"index": i, "text": echoes[jobs[i].prompt_index] + c.text,
-                     "logprobs": completion_logprobs(c.logprobs, 0) if want_logprobs else None,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                     "logprobs": (self._completion_logprobs(c, jobs[i], parsed.echo)
+                                  if want_logprobs else None),
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                     **prompt_logprobs_field(c.prompt_logprobs, self._token_texts.text)}
                     for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
+                if prefill_only(parsed.kv_transfer_params, parsed.handoff):
+                    response.update(for_decode_leg(choices, jobs))
 
                 def first_chunks(deltas: list[RequestDelta]) -> list[dict[str, Any]]:
                     return [completion_chunk(head, i, delta, 0, want_logprobs)
@@ -325,16 +346,23 @@ class OpenAIServing:
                 for choice, job in zip(choices, jobs, strict=True):
                     choice.logprob_chars = sum(len(self._token_texts.text(t))
                                                for t in job.generated_token_ids)
+            # echo: a choice's prompt (with its logprobs, which come with its first delta)
+            # goes out just before that delta.
+            echoed = [not parsed.echo] * len(jobs)
             async with stream_ending(sse, request_id):
-                if parsed.echo:
-                    for index, job in enumerate(jobs):
-                        await send({**head, "choices": [{
-                            "index": index, "text": echoes[job.prompt_index], "logprobs": None,
-                            "finish_reason": None, "stop_reason": None}]})
                 pending = [first] if first is not None else []
                 while True:
                     for index, delta in pending:
                         choice = choices[index]
+                        if not echoed[index]:
+                            echoed[index] = True
+                            await send(echo_chunk(head, index, jobs[index].prompt_token_ids,
+                                                  echoes[jobs[index].prompt_index],
+                                                  delta.prompt_logprobs if want_logprobs
+                                                  else None, self._token_texts.text))
+                            if want_logprobs:
+                                choice.logprob_chars = prompt_chars(
+                                    jobs[index].prompt_token_ids, self._token_texts.text)
                         offset = choice.logprob_chars
                         choice.add(delta)
                         if not worth_a_chunk(delta):
@@ -352,6 +380,15 @@ class OpenAIServing:
                     await streaming.send_event(sse, {**head, "choices": [],
                                                      "usage": usage(choices, jobs)})
             return sse.response
+
+    def _completion_logprobs(self, choice: ChoiceResult, job: Job, echo: bool
+                             ) -> dict[str, Any]:
+        """A choice's legacy logprobs: the echoed prompt's first when it echoes."""
+        if not echo or choice.prompt_logprobs is None:
+            return completion_logprobs(choice.logprobs, 0)
+        text, prompt = self._token_texts.text, job.prompt_token_ids
+        return echo_logprobs(prompt, choice.prompt_logprobs, text,
+                             completion_logprobs(choice.logprobs, prompt_chars(prompt, text)))
 
     # ---- /v1/chat/completions -----------------------------------------------------------
 
@@ -390,7 +427,11 @@ class OpenAIServing:
                     "finish_reason": (tools.finish_reason(i, c.finish_reason) if tools
                                       else c.finish_reason),
                     "stop_reason": c.stop_reason}
-                    for i, c in enumerate(choices)], "usage": usage(choices, jobs)}
+                    for i, c in enumerate(choices)], "usage": usage(choices, jobs),
+                    **prompt_logprobs_field(choices[0].prompt_logprobs,
+                                            self._token_texts.text)}
+                if prefill_only(parsed.kv_transfer_params, parsed.handoff):
+                    response.update(for_decode_leg(choices, jobs))
 
                 def first_chunks(deltas: list[RequestDelta]) -> list[dict[str, Any]]:
                     roles = [chat_role_chunk(chunk_head, i) for i in range(len(deltas))]

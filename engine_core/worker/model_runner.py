@@ -37,6 +37,11 @@ from engine_core.worker.cuda_graphs import (
 )
 from engine_core.worker.forward_timer import ForwardTimer
 from engine_core.worker.host_kv import HostKVStore
+from engine_core.worker.prompt_logprobs import (
+    DevicePromptLogprobs,
+    compute_prompt_logprobs,
+    prompt_rows,
+)
 from engine_core.worker.sampler import DeviceSamples, PromptTokens, Sampler, SamplingRow
 from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
@@ -73,6 +78,7 @@ class LaunchedStep:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    prompt_logprobs: DevicePromptLogprobs | None = None
 
     @property
     def sampled(self) -> bool:
@@ -211,6 +217,8 @@ class ModelRunner:
             output = ModelRunnerOutput(req_ids=step.req_ids,
                                        sampled_token_ids=[[t] for t in tokens],
                                        logprobs=logprobs)
+        if step.prompt_logprobs is not None:
+            output.prompt_logprobs = step.prompt_logprobs.read()
         output.finished_sending = step.finished_sending
         output.finished_recving = step.finished_recving
         output.failed_recving = step.failed_recving
@@ -298,8 +306,11 @@ class ModelRunner:
                                 self.kv_caches)
         if timer is not None:
             timer.stop(graph_size is not None, batch.input_ids.shape[0])
+        prompt = prompt_rows(request_ids, states, starts.tolist(), num_new_l)
+        prompt_logprobs = (None if prompt is None
+                           else compute_prompt_logprobs(hidden, self.model.compute_logits, prompt))
         if not sample_rows:
-            return LaunchedStep()
+            return LaunchedStep(prompt_logprobs=prompt_logprobs)
 
         selected = (hidden[:num_reqs] if batch.logits_indices is None
                     else hidden[batch.logits_indices])
@@ -327,4 +338,5 @@ class ModelRunner:
         for index, state in enumerate(sampled):
             state.num_pending += 1
             state.pending_index = index
-        return LaunchedStep([request_ids[i] for i in sample_rows], sampled, samples)
+        return LaunchedStep([request_ids[i] for i in sample_rows], sampled, samples,
+                            prompt_logprobs=prompt_logprobs)

@@ -31,6 +31,7 @@ from tests.connectors.worker_pair import (
     start_worker,
     wait_until,
 )
+from tests.kv_grants import transfer_grant
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 4, 4
 
@@ -90,14 +91,16 @@ class LayoutCluster:
 
     def ask(self, transfer_id: str, dst_heads: dict[str, HeadSlice] | None = None,
             request_id: str | None = None, ranks: list[int] | None = None) -> None:
-        """Each consumer rank (or those of ``ranks``) pulls its routes (``dst_heads``
-        overrides a route's slice); the loads belong to ``request_id``, else each route is a
-        request of its own."""
+        """Each consumer rank (or those of ``ranks``) pulls its routes, each under its
+        route's grant (``dst_heads`` overrides a route's slice); the loads belong to
+        ``request_id``, else each route is a request of its own."""
         named = self.named_routes(transfer_id)
         for rank, worker in enumerate(self.d_workers):
             if ranks is not None and rank not in ranks:
                 continue
             loads = [LoadSpec(request_id or tid, tid, self.p_addrs[route.src_rank], DST, 0, 12,
+                              transfer_grant(tid, self.p_addrs[route.src_rank],
+                                             self.d_addrs[route.dst_rank]),
                               (dst_heads or {}).get(tid, route.dst_slice))
                      for tid, route in named if route.dst_rank == rank]
             with on_device(self.d_devices[rank]):

@@ -27,6 +27,7 @@ from connectors.p2p_nccl.messages import KVPullRequest, make_codec
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata
 from tests.connectors.kv_harness import free_port
 from tests.connectors.worker_pair import DST, WorkerPair, wait_until
+from tests.kv_grants import transfer_grant
 
 # Two layers of 16-token blocks, 4 KV heads of 32 dims, float32: one request's 3 blocks are
 # 96 KiB; the buffer holds one such load, not two.
@@ -161,8 +162,10 @@ def test_a_release_from_another_consumer_does_not_cancel_the_pull(pair: WorkerPa
     try:
         pair.ask("A")
         pull = consumer.consumer_side._loads["A"].pull
-        stranger.send(KVPullRequest("A", f"127.0.0.1:{free_port()}", 0, 0, pull.num_layers,
-                                    pull.dtype, list(pull.block_shape), 1.0, "other"))
+        other = f"127.0.0.1:{free_port()}"  # granted too (a replacement D), but not the puller
+        stranger.send(KVPullRequest("A", other, 0, 0, pull.num_layers, pull.dtype,
+                                    list(pull.block_shape), 1.0, "other",
+                                    grant=transfer_grant("A", pair.p_addr, other)))
         assert wait_until(lambda: pair.producer.stats()["messages_rejected"] == 1, 5.0)
         pair.compute("A")
         assert pair.outcome("A") == "ok"

@@ -36,6 +36,7 @@ from tests.connectors.worker_pair import (
     make_caches,
     wait_until,
 )
+from tests.kv_grants import transfer_grant
 
 
 @pytest.fixture
@@ -156,7 +157,8 @@ def test_a_header_whose_receives_cannot_be_posted_fails_the_load_at_once() -> No
     client = ControlClient(consumer.address, make_codec(), send_timeout_s=1.0)
     try:
         consumer.start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
-            "T", "T", p_addr, DST, first_block=0, num_tokens=12)]))
+            "T", "T", p_addr, DST, first_block=0, num_tokens=12,
+            grant=transfer_grant("T", p_addr, consumer.address))]))
         assert wait_until(lambda: len(pulls) == 1, 5.0)
         pull = pulls[0]
         client.send(KVSendHeader("T", p_addr, "e", 1, pull.first_block, pull.num_blocks,
@@ -234,8 +236,10 @@ def test_pulls_waiting_for_their_prefill_are_capped(monkeypatch: pytest.MonkeyPa
     try:
         with caplog.at_level(logging.WARNING):
             for i in range(5):
-                client.send(KVPullRequest(f"t{i}", f"127.0.0.1:{free_port()}", 0, 1, LAYERS,
-                                          "float32", list(BLOCK_SHAPE), 1.0))
+                consumer = f"127.0.0.1:{free_port()}"
+                client.send(KVPullRequest(
+                    f"t{i}", consumer, 0, 1, LAYERS, "float32", list(BLOCK_SHAPE), 1.0,
+                    grant=transfer_grant(f"t{i}", producer.address, consumer)))
             assert wait_until(lambda: producer.stats()["messages_rejected"] == 2, 5.0)
         assert producer.stats()["pull_requests_waiting"] == 3
         assert caplog.text.count("pulls already wait for their prefill") == 2

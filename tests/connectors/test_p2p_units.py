@@ -39,7 +39,7 @@ from engine_core.worker.block_copy import (
 )
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.kv_harness import free_port
-from tests.kv_grants import granted_params
+from tests.kv_grants import granted_params, transfer_grant
 
 BS = 4
 
@@ -390,8 +390,9 @@ def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> 
     try:
         count = MAX_ABORT_PEERS + 40
         for i in range(count):  # 3 layers against the producer's 2: rejected, abort owed
-            client.send(KVPullRequest(f"t{i}", f"127.0.0.1:{40000 + i}", 0, 1, 3, "bfloat16",
-                                      [4, 2, 4], 1.0))
+            consumer = f"127.0.0.1:{40000 + i}"
+            client.send(KVPullRequest(f"t{i}", consumer, 0, 1, 3, "bfloat16", [4, 2, 4], 1.0,
+                                      grant=transfer_grant(f"t{i}", worker.address, consumer)))
         deadline = time.monotonic() + 5.0
         while worker.stats()["messages_rejected"] < 2 * count - MAX_ABORT_PEERS \
                 and time.monotonic() < deadline:
@@ -566,7 +567,8 @@ def test_orphan_pull_is_dropped_after_its_ttl() -> None:
     try:
         worker.register_kv_caches(_stacked_cache(2, 16, torch.bfloat16,
                                                  torch.Generator().manual_seed(5)))
-        worker.producer_side.on_pull(_pull(transfer_id="orphan"))
+        worker.producer_side.on_pull(_pull(
+            transfer_id="orphan", grant=transfer_grant("orphan", worker.address, "127.0.0.1:1")))
         assert not worker.is_idle()
         now[0] += 3.9
         worker.get_finished()

@@ -42,12 +42,16 @@ from tests.connectors.worker_pair import (
     start_worker,
     wait_until,
 )
+from tests.kv_grants import transfer_grant
 
 
-def _pull(transfer_id: str, address: str, epoch: str, num_blocks: int = 3) -> KVPullRequest:
+def _pull(transfer_id: str, address: str, epoch: str, num_blocks: int = 3,
+          producer: str = "") -> KVPullRequest:
+    """A pull from the consumer at ``address``, granted from ``producer``."""
     return KVPullRequest(transfer_id=transfer_id, consumer_address=address, first_block=0,
                          num_blocks=num_blocks, num_layers=LAYERS, dtype="float32",
-                         block_shape=list(BLOCK_SHAPE), timeout_s=5.0, consumer_epoch=epoch)
+                         block_shape=list(BLOCK_SHAPE), timeout_s=5.0, consumer_epoch=epoch,
+                         grant=transfer_grant(transfer_id, producer or "h:1", address))
 
 
 def _envelope(fields: dict[str, Any]) -> bytes:
@@ -133,12 +137,14 @@ def test_new_consumer_epoch_drops_the_pair_and_the_old_process_jobs() -> None:
     try:
         caches = make_caches(3)
         start_worker(producer, caches)
-        producer.producer_side.on_pull(_pull("old", consumer, "epoch-1"))
+        own = producer.address
+        producer.producer_side.on_pull(_pull("old", consumer, "epoch-1", producer=own))
         assert transport.aborted == []  # first contact: nothing to drop
-        producer.producer_side.on_pull(_pull("new", consumer, "epoch-2"))
+        producer.producer_side.on_pull(_pull("new", consumer, "epoch-2", producer=own))
         assert transport.aborted == [consumer]
-        producer.producer_side.on_pull(_pull("new-release", consumer, "epoch-2", num_blocks=0))
-        producer.producer_side.on_pull(_pull("tool", consumer, ""))  # no epoch said: not a restart
+        producer.producer_side.on_pull(_pull("new-release", consumer, "epoch-2", num_blocks=0,
+                                             producer=own))
+        producer.producer_side.on_pull(_pull("tool", consumer, "", producer=own))  # no epoch: not a restart
         assert transport.aborted == [consumer]
         assert producer.stats()["consumer_restarts"] == 1
         saves = [SaveSpec(tid, tid, consumer, [4, 6, 8], num_tokens=12) for tid in ("old", "new")]
@@ -183,8 +189,8 @@ def test_consumer_epoch_is_validated() -> None:
     client = ControlClient(f"127.0.0.1:{port}", codec)
     try:
         start_worker(producer, make_caches(4))
-        client.send(_pull("bad", "127.0.0.1:1", "x" * 100, num_blocks=0))
-        client.send(_pull("good", "127.0.0.1:1", "e1"))
+        client.send(_pull("bad", "127.0.0.1:1", "x" * 100, num_blocks=0, producer=producer.address))
+        client.send(_pull("good", "127.0.0.1:1", "e1", producer=producer.address))
         assert wait_until(lambda: producer.stats()["pull_requests_waiting"] == 1, 5.0)
         assert producer.stats()["messages_rejected"] == 1
     finally:

@@ -6,7 +6,7 @@ import pytest
 
 from connectors.p2p_nccl.kv_layout import KVLayout, KVLayoutError, plan_head_routes
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
-from connectors.p2p_nccl.rank_split import PeerRanks, split_step
+from connectors.p2p_nccl.rank_split import PeerRanks, RouteGrants, split_step
 from engine_core.worker.block_copy import HeadSlice
 
 P0 = "p:9000"
@@ -23,8 +23,14 @@ def peer(tp_size: int, kv_heads: int = 4, **shape: object) -> PeerRanks:
 
 
 def load_step() -> P2pConnectorMetadata:
-    return P2pConnectorMetadata(loads=[LoadSpec("r1", "t1", P0, [3, 4], 0, 20)],
-                                releases=[PeerNotice("t0", P0)], cancels=["r9"])
+    return P2pConnectorMetadata(loads=[LoadSpec("r1", "t1", P0, [3, 4], 0, 20, "g-t1")],
+                                releases=[PeerNotice("t0", P0, "g-t0")], cancels=["r9"])
+
+
+def route_grants(d_size: int) -> RouteGrants:
+    """Route grants spelled out, so a test sees which grant each pull carries."""
+    return RouteGrants(tuple(f"d:{7000 + rank}" for rank in range(d_size)),
+                       lambda grant, tid, producer, consumer: f"{grant}|{tid}|{producer}|{consumer}")
 
 
 @pytest.mark.parametrize(("p_size", "d_size", "kv_heads"),
@@ -78,10 +84,26 @@ def test_producer_ranks_send_only_what_they_hold() -> None:
 
 
 def test_single_route_keeps_the_request_transfer_id() -> None:
-    shares = split_step(load_step(), layout(1), {})  # unknown peer: TP=1 at that address
+    # unknown peer: TP=1 at that address
+    shares = split_step(load_step(), layout(1), {}, route_grants(1))
     [share] = shares.per_rank
     [load] = share.loads
     assert (load.transfer_id, load.peer_address, load.heads) == ("t1", P0, HeadSlice(0, 4))
+    assert load.grant == "g-t1" and [n.grant for n in share.releases] == ["g-t0"]
+
+
+def test_each_route_pulls_under_its_own_grant() -> None:
+    """A producer rank checks a pull's grant against its own address and the route's
+    transfer id, so each route's load and release carry the route's grant."""
+    shares = split_step(load_step(), layout(2), {P0: peer(2)}, route_grants(2))
+    for rank, share in enumerate(shares.per_rank):
+        for spec, grant in [(load, "g-t1") for load in share.loads] + [
+                (notice, "g-t0") for notice in share.releases]:
+            assert spec.grant == (f"{grant}|{spec.transfer_id}|{spec.peer_address}|"
+                                  f"d:{7000 + rank}")
+    # Without route grants every route carries the request's (one route between TP=1s).
+    plain = split_step(load_step(), layout(2), {P0: peer(2)})
+    assert {load.grant for share in plain.per_rank for load in share.loads} == {"g-t1"}
 
 
 def test_unmappable_peer_is_refused() -> None:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connectors.p2p_nccl.rank_split import PeerRanks, split_step
+from connectors.p2p_nccl.rank_split import PeerRanks, RouteGrants, split_step
+from engine_core.cluster.grants import GrantAuthority
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.kv_connector import FinishedTransfers
 from engine_core.parallel.rank_reports import RankReportCombiner
 from tests.connectors.layout_cluster import LAYERS, LayoutCluster
 from tests.connectors.worker_pair import DST, SRC, wait_until
+from tests.kv_grants import transfer_grant
 
 
 @pytest.fixture
@@ -40,10 +43,14 @@ def _combine_until(workers, combiner: RankReportCombiner, report, wanted: str
 
 @pytest.mark.parametrize("cluster", [(2, 1), (1, 2), (2, 2), (1, 4)], indirect=True)
 def test_split_plans_land_once_every_rank_did(cluster: LayoutCluster) -> None:
-    d_plan = P2pConnectorMetadata(loads=[LoadSpec("req", "t", cluster.p_addrs[0], DST, 0, 12)])
+    grant = transfer_grant("t", cluster.p_addrs[0], cluster.d_addrs[0])
+    d_plan = P2pConnectorMetadata(loads=[LoadSpec("req", "t", cluster.p_addrs[0], DST, 0, 12,
+                                                  grant)])
     d_shares = split_step(d_plan, cluster.consumer,
                           {cluster.p_addrs[0]: PeerRanks(cluster.producer,
-                                                         tuple(cluster.p_addrs))})
+                                                         tuple(cluster.p_addrs))},
+                          RouteGrants(tuple(cluster.d_addrs),
+                                      GrantAuthority(ClusterSecret()).for_route))
     p_plan = P2pConnectorMetadata(saves=[SaveSpec("req", "t", cluster.d_addrs[0], SRC, 12)])
     p_shares = split_step(p_plan, cluster.producer,
                           {cluster.d_addrs[0]: PeerRanks(cluster.consumer,

@@ -19,6 +19,7 @@ import torch
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata
 from connectors.p2p_nccl.transport import PostedRecv, RecvPostError
 from tests.connectors.worker_pair import DST, WorkerPair, wait_until
+from tests.kv_grants import transfer_grant
 
 # Four layers of 16-token blocks, 4 KV heads of 32 dims, float32: a layer of the
 # request's 3 blocks is 48 KiB, the whole request 192 KiB.
@@ -101,7 +102,8 @@ def test_a_layer_larger_than_the_buffer_fails_before_its_pull() -> None:
     try:
         assert pair.consumer is not None
         pair.consumer.start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
-            "r", "r", pair.p_addr, DST, first_block=0, num_tokens=40)]))
+            "r", "r", pair.p_addr, DST, first_block=0, num_tokens=40,
+            grant=transfer_grant("r", pair.p_addr, pair.d_addr))]))
         finished = pair.consumer.land_loads()
         assert finished.failed_recving == {"r"}
         assert pair.consumer.stats()["recv_buffer_bytes_in_use"] == 0

@@ -31,6 +31,7 @@ from connectors.p2p_nccl.metadata import P2pConnectorMetadata
 from connectors.p2p_nccl.sender import PeerSender, SendJob
 from tests.connectors.kv_harness import free_port
 from tests.connectors.worker_pair import DST, SRC, WorkerPair, wait_until
+from tests.kv_grants import transfer_grant
 
 TIMEOUT_S = 10.0  # the transfers' deadline: every wait below is far shorter
 
@@ -109,7 +110,8 @@ def _release_from(pair: WorkerPair, transfer_id: str, consumer_address: str) -> 
     """A release of ``transfer_id`` naming ``consumer_address``, sent on a socket of its own;
     returns once P's control thread took it."""
     producer = pair.producer
-    pull = _consumer(pair).consumer_side.make_pull(transfer_id, 0, 0)
+    pull = _consumer(pair).consumer_side.make_pull(
+        transfer_id, transfer_grant(transfer_id, pair.p_addr, consumer_address), 0, 0)
     pull.consumer_address = consumer_address
     received = producer.stats()["control_messages_received"]
     client = ControlClient(pair.p_addr, make_codec(), send_timeout_s=1.0)

@@ -21,6 +21,7 @@ from engine_core.config import KVTransferConfig
 from engine_core.errors import KVTransferError
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.fake_nccl import Fabric, FakeNcclTransport
+from tests.kv_grants import transfer_grant
 
 LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 2, 16, (4, 2, 4)  # block size, KV heads, head dim
 SRC, DST = [1, 5, 7], [2, 3, 9]  # a request's blocks on the producer, on the consumer
@@ -119,10 +120,16 @@ class WorkerPair:
         """The consumer's load of P blocks SRC into D blocks DST: it reserves the bytes and
         sends its pull; returns once the producer holds the pull."""
         waiting = self.producer.stats()["pull_requests_waiting"]
-        self._consumer().start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
-            transfer_id, transfer_id, self.p_addr, DST, first_block=0, num_tokens=12)]))
+        self.ask_served(transfer_id)
         assert wait_until(lambda: self.producer.stats()["pull_requests_waiting"] == waiting + 1,
                           5.0)
+
+    def ask_served(self, transfer_id: str) -> None:
+        """The consumer's load, as ``ask``, of a transfer the producer already computed (its
+        pull is served at once, never waits)."""
+        self._consumer().start_load_kv(P2pConnectorMetadata(loads=[LoadSpec(
+            transfer_id, transfer_id, self.p_addr, DST, first_block=0, num_tokens=12,
+            grant=transfer_grant(transfer_id, self.p_addr, self.d_addr))]))
 
     def compute(self, *transfer_ids: str) -> None:
         """The producer step that computes these requests (their saves, in this order)."""

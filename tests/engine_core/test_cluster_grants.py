@@ -129,3 +129,17 @@ def test_grant_covers_the_prompts_of_its_batch(proxy, worker):
     assert worker.verify(token, transfer_id="cmpl-1-p3", producer=P_KV, consumer=D_KV)
     for other in ("cmpl-1-p", "cmpl-1-px", "cmpl-1-retry1", "cmpl-10", "cmpl-1-p1-p2"):
         assert refusal(worker, token, transfer_id=other) == UNAUTHORISED
+
+
+def test_a_route_grant_names_the_route_and_keeps_the_expiry(proxy, worker, clock):
+    """Between tensor-parallel layouts a route moves between two ranks under its own id: its
+    grant names them and expires with the transfer's; a forged grant gets none."""
+    token = proxy.issue("cmpl-1", P_KV, D_KV, ttl_s=60.0)
+    p_rank1, d_rank1 = "10.0.0.1:14581", "10.0.0.2:14582"
+    route = worker.for_route(token, "cmpl-1/kv1-1", p_rank1, d_rank1)
+    grant = worker.verify(route, transfer_id="cmpl-1/kv1-1", producer=p_rank1,
+                          consumer=d_rank1)
+    assert grant.expires_at == pytest.approx(clock.now + 60.0)
+    assert refusal(worker, route, transfer_id="cmpl-1/kv1-1", producer=P_KV) == UNAUTHORISED
+    with pytest.raises(TrustRefusal):
+        worker.for_route(token[:-4] + "AAAA", "cmpl-1/kv1-1", p_rank1, d_rank1)

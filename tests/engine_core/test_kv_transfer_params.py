@@ -25,10 +25,16 @@ PREFILL_LEG = {"transfer_id": "t1", "do_remote_decode": True, "remote_kv_address
                "grant": "g1.x.y", "first_token_events": True}
 DECODE_LEG = {"transfer_id": "t1", "do_remote_prefill": True, "remote_kv_address": "p:1",
               "grant": "g1.x.y", "generated_token_ids": [[42], []], "stream_token_ids": True}
+# One prompt's logprobs from P (positions 1 and 2, k = 1), and a one-token prompt's (none).
+SCORED = {"token_ids": [5, 6], "logprobs": [-1.5, -0.25], "ranks": [2, 1],
+          "top_token_ids": [[7], [6]], "top_logprobs": [[-0.5], [-0.25]]}
+UNSCORED = {"token_ids": [], "logprobs": [], "ranks": [], "top_token_ids": [],
+            "top_logprobs": []}
 
 
 @pytest.mark.parametrize("wire", [PREFILL_LEG, DECODE_LEG, {"stream_token_ids": True},
-                                  {"generated_token_ids": [[100, 101]]}, {}])
+                                  {"generated_token_ids": [[100, 101]]}, {},
+                                  {**DECODE_LEG, "prompt_logprobs": [SCORED, UNSCORED]}])
 def test_wire_form_round_trips(wire: dict[str, Any]) -> None:
     params = KVTransferParams.from_wire(wire)
     assert params.to_wire() == wire
@@ -42,6 +48,10 @@ def test_fields_read_as_attributes() -> None:
     assert (decode.transfer_id, decode.remote_kv_address) == ("t1", "p:1")
     assert not decode.without_kv_transfer().moves_kv
     assert decode.without_kv_transfer().generated_token_ids == ((42,), ())
+    scored = KVTransferParams.from_wire({"prompt_logprobs": [{**SCORED, "logprobs": [-1, 0]}]})
+    (columns,) = scored.prompt_logprobs
+    assert columns.logprobs == (-1.0, 0.0) and columns.top_token_ids == ((7,), (6,))
+    assert columns.num_top == 1
 
 
 def test_nulls_count_as_absent_and_unknown_keys_are_ignored() -> None:
@@ -73,6 +83,24 @@ REFUSED = {
     "generated too many choices": {"generated_token_ids": [[1]] * (MAX_CHOICES + 1)},
     "first events and continuation": {"first_token_events": True,
                                       "generated_token_ids": [[1]]},
+    "prompt logprobs not a list": {"prompt_logprobs": SCORED},
+    "prompt logprobs name no prompt": {"prompt_logprobs": []},
+    "prompt logprobs entry not an object": {"prompt_logprobs": [[1]]},
+    "prompt logprobs column missing": {"prompt_logprobs": [{**SCORED, "ranks": None}]},
+    "prompt logprobs columns of two lengths": {"prompt_logprobs": [{**SCORED, "ranks": [1]}]},
+    "prompt logprob positive": {"prompt_logprobs": [{**SCORED, "logprobs": [-1.0, 0.5]}]},
+    "prompt logprob not a number": {"prompt_logprobs": [{**SCORED, "logprobs": ["-1", -1]}]},
+    "prompt logprob rank 0": {"prompt_logprobs": [{**SCORED, "ranks": [0, 1]}]},
+    "prompt logprob token negative": {"prompt_logprobs": [{**SCORED, "token_ids": [-5, 6]}]},
+    "prompt logprob top rows of two sizes": {"prompt_logprobs": [
+        {**SCORED, "top_token_ids": [[7], [6, 8]], "top_logprobs": [[-0.5], [-0.25, -3.0]]}]},
+    "prompt logprob top ids and values differ": {"prompt_logprobs": [
+        {**SCORED, "top_logprobs": [[-0.5, -1.0], [-0.25]]}]},
+    "prompt logprob top row not a list": {"prompt_logprobs": [
+        {**SCORED, "top_token_ids": [7, 6]}]},
+    "prompt logprob too many top": {"prompt_logprobs": [
+        {**SCORED, "top_token_ids": [[7] * 21, [6] * 21],
+         "top_logprobs": [[-0.5] * 21, [-0.25] * 21]}]},
     "lone surrogate in an ignored key": {"x": "\ud800"},
     "integer past 64 bits": {"x": 1 << 64},
     "nested too deep": {"x": [[[[[[[[[[1]]]]]]]]]]},

@@ -117,6 +117,9 @@ class FakeWorker:
                 extra["pdserve_first_token"] = {"token_ids": [[42] for _ in choices], "events": [
                     {"id": f"cmpl-{request_id}", "choices": [{"index": i, "text": f"P{i}"}]}
                     for i in choices]}
+            if self.role == "P" and (body.get("prompt_logprobs") is not None
+                                     or body.get("echo")):  # stands for the real columns
+                extra["pdserve_prompt_logprobs"] = [{"computed_by": "P", "for": request_id}]
             return web.json_response({
                 "id": f"cmpl-{request_id}", "object": "text_completion", "model": MODEL,
                 "choices": [{"index": 0, "text": "x" * n, "finish_reason": "length"}],

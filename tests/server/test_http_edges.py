@@ -19,6 +19,7 @@ from aiohttp import web
 from engine_core.server.api_key import api_key_middleware
 from engine_core.server.http_errors import error_middleware
 from engine_core.server.http_runner import EdgeAppRunner
+from engine_core.server.json_parser import JsonParser
 from engine_core.server.request_body import read_json_body
 
 KEY = "edge-key"
@@ -34,7 +35,7 @@ async def _remote_from_header(request: web.Request, handler) -> web.StreamRespon
 
 
 async def _echo(request: web.Request) -> web.Response:
-    body = await read_json_body(request, BODY_LIMIT, timeout_s=30.0)
+    body = await read_json_body(request, BODY_LIMIT, timeout_s=30.0, parser=JsonParser())
     return web.json_response({"keys": sorted(body)})
 
 

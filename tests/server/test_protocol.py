@@ -42,7 +42,8 @@ def test_chat_request_fields():
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),  # unknown fields: ignored
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completion_rejections_name_the_param(body, param):
@@ -55,3 +56,18 @@ def test_parse_json_rejects_non_objects():
     for raw in (b"[1]", b"\xff", b"", b"null"):
         with pytest.raises(InvalidRequestError):
             protocol.parse_json(raw)
+
+
+def test_prompt_logprobs_and_echo_set_the_engine_parameter():
+    """prompt_logprobs is the engine's; echo with logprobs scores the prompt with the same k;
+    chat takes prompt_logprobs too."""
+    parse = protocol.parse_completion_request
+    assert parse({"prompt": "x", "prompt_logprobs": 3}).sampling_params.prompt_logprobs == 3
+    assert parse({"prompt": "x", "echo": True, "logprobs": 2}).sampling_params.prompt_logprobs == 2
+    assert parse({"prompt": "x", "echo": True, "logprobs": 2, "stream": True}
+                 ).sampling_params.prompt_logprobs == 2
+    assert parse({"prompt": "x", "echo": True}).sampling_params.prompt_logprobs is None
+    assert parse({"prompt": "x", "logprobs": 2}).sampling_params.prompt_logprobs is None
+    chat = protocol.parse_chat_request({"messages": [{"role": "user", "content": "x"}],
+                                        "prompt_logprobs": 0})
+    assert chat.sampling_params.prompt_logprobs == 0

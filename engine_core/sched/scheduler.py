@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine_core.config import CacheConfig, SchedulerConfig
-from engine_core.grammar.bitmask import GrammarBitmask, fill_bitmask
+from engine_core.grammar.bitmask import BitmaskFiller, GrammarBitmask
 from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
 from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import (
@@ -83,6 +83,7 @@ class Scheduler:
         # a grammar, so a batch without one spends nothing on masks.
         self.compiling: dict[str, Request] = {}
         self.num_constrained = 0
+        self._bitmask_filler: BitmaskFiller | None = None  # made with the first grammar
         # Parked requests whose KV landed, in landing order: admitted before ``waiting``.
         self.landed: deque[Request] = deque()
         # Finished requests whose blocks stay allocated until the connector sent them.
@@ -272,8 +273,7 @@ class Scheduler:
             output.grammar_bitmask = self._grammar_bitmask(scheduled)
         return output
 
-    @staticmethod
-    def _grammar_bitmask(scheduled: dict[str, Request]) -> GrammarBitmask | None:
+    def _grammar_bitmask(self, scheduled: dict[str, Request]) -> GrammarBitmask | None:
         """The masks of the constrained requests that sample in this step (those with a
         pending sample now: a constrained request is scheduled only without one)."""
         sampling = [r for r in scheduled.values()
@@ -281,8 +281,10 @@ class Scheduler:
         if not sampling:
             return None
         grammars = [g for r in sampling if (g := r.grammar) is not None]
-        return fill_bitmask([r.request_id for r in sampling], [g.matcher for g in grammars],
-                            grammars[0].vocab_size)
+        if self._bitmask_filler is None:
+            self._bitmask_filler = BitmaskFiller()
+        return self._bitmask_filler.fill([r.request_id for r in sampling],
+                                         [g.matcher for g in grammars], grammars[0].vocab_size)
 
     def _stops_with_pending(self, request: Request) -> bool:
         """A request whose in-flight tokens certainly end it (length) gets no more steps."""

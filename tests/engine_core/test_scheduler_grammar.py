@@ -41,11 +41,13 @@ def fake_fill(monkeypatch):
     """Masks without xgrammar: record which requests got one."""
     filled: list[list[str]] = []
 
-    def fill(request_ids, matchers, vocab_size):
-        filled.append(list(request_ids))
-        return GrammarBitmask(list(request_ids), np.full((len(request_ids), 2), -1, np.int32))
+    class FakeFiller:
+        def fill(self, request_ids, matchers, vocab_size):
+            filled.append(list(request_ids))
+            return GrammarBitmask(list(request_ids),
+                                  np.full((len(request_ids), 2), -1, np.int32))
 
-    monkeypatch.setattr(scheduler_module, "fill_bitmask", fill)
+    monkeypatch.setattr(scheduler_module, "BitmaskFiller", FakeFiller)
     return filled
 
 

@@ -44,8 +44,7 @@ class GrammarBitmask:
         return rows
 
 
-# Matchers filled in parallel: a batch of 64 JSON-schema masks over a 150k vocabulary is
-# milliseconds on one thread, inside the step.
+# Threads of the batched fill (the step waits for its masks).
 FILL_THREADS = 8
 
 

@@ -148,12 +148,15 @@ class TokenizerService:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: they are "
                                       "the request's own fields or not settable",
                                       "chat_template_kwargs")
+        # Tools and a template override go only when given: None is the tokenizer's default.
+        given = {name: value for name, value in (("tools", options.tools),
+                                                 ("chat_template", self.chat_template))
+                 if value is not None}
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=options.continue_final_message,
-                documents=options.documents, tools=options.tools,
-                chat_template=self.chat_template, **options.chat_template_kwargs)
+                documents=options.documents, **given, **options.chat_template_kwargs)
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from None
 

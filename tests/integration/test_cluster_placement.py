@@ -87,19 +87,23 @@ def test_workers_place_requests_and_match_colocated(tmp_path: Path) -> None:
         want = run_all(serve, wave)
 
         async def load_with_role_changes() -> list:
-            done = asyncio.Event()
-            task = asyncio.create_task(send_all(cluster.url, wave, concurrency=3))
-            task.add_done_callback(lambda _: done.set())
+            # Thirds: the first runs across the change to split roles, the second is placed
+            # under split roles (each of its requests is disaggregated), the third runs across
+            # the change back. Each change waits on an event, not on a timing.
+            first_part, split_part, last_part = wave[:6], wave[6:12], wave[12:]
+            early = asyncio.create_task(send_all(cluster.url, first_part, concurrency=3))
             await asyncio.sleep(0.2)
             await asyncio.to_thread(_set_capabilities, cluster.url, first, ["prefill"])
             await asyncio.to_thread(_set_capabilities, cluster.url, second, ["decode"])
             before = _placements(cluster.url).get("disaggregated", 0.0)
-            while _placements(cluster.url).get("disaggregated", 0.0) < before + 3:
-                assert not done.is_set(), "the load ended before the role change applied"
+            split = asyncio.create_task(send_all(cluster.url, split_part, concurrency=3))
+            while (_placements(cluster.url).get("disaggregated", 0.0) < before + 3
+                   and not split.done()):
                 await asyncio.sleep(0.05)
             for worker in (first, second):
                 await asyncio.to_thread(_set_capabilities, cluster.url, worker, None)
-            return await task
+            late = await send_all(cluster.url, last_part, concurrency=3)
+            return [*await early, *await split, *late]
 
         check_matches(wave, asyncio.run(load_with_role_changes()), want)
         counts = _placements(cluster.url)

@@ -101,6 +101,7 @@ class WorkerState:
                 "num_prefill_tokens_queued": self.load.num_prefill_tokens_queued,
                 "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
                 "decode_step_s": self.load.decode_step_s,
+                "decode_step_target_s": self.load.decode_step_target_s,
             },
             "capabilities": sorted(self.capabilities),
             "role_mix": {"in_flight": dict(self.parts_in_flight), "total": dict(self.parts_total)},

@@ -3,7 +3,10 @@
 Order of business each step: running requests first (decodes and unfinished prefill chunks,
 in arrival order), preempting the newest running request by recompute when blocks run
 out; then landed remote loads (they own all their blocks) and waiting requests FCFS, within
-the token budget and ``max_num_seqs``. Requests whose prompt KV comes from a remote worker
+the token budget and ``max_num_seqs``. With a decode-step target, a step that carries decodes
+takes prompt tokens (rows of more than one token) only up to what keeps the step within the
+target, at least a block (``engine_core/step_rates.py``); a step without decodes is not
+bounded by it. Requests whose prompt KV comes from a remote worker
 are parked in WAITING_FOR_REMOTE_KV, with blocks for their whole prompt, without blocking
 anyone; finished requests whose KV is still being sent keep their blocks until
 the connector reports the send done.
@@ -38,6 +41,7 @@ from engine_core.sched.outputs import (
     PromptLogprobsChunk,
     SchedulerOutput,
 )
+from engine_core.step_rates import StepRates, mixed_prefill_tokens
 
 logger = logging.getLogger("pdserve.scheduler")
 
@@ -94,6 +98,8 @@ class Scheduler:
         # Outputs produced outside a model step (aborts, failed loads) wait here.
         self._pending_outputs: list[EngineOutput] = []
         self.counters = SchedulerCounters()
+        # Measured by the engine from each step's wall time; bounds mixed steps.
+        self.step_rates = StepRates()
         # Finished transfers applied so far: each may free blocks or queue a request, so a
         # pass that follows one may schedule what the pass before could not.
         self.transfer_updates = 0
@@ -174,6 +180,7 @@ class Scheduler:
         if self.compiling:
             self._admit_compiled()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self.mixed_prefill_budget()  # None: prompt tokens unbounded
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -191,6 +198,11 @@ class Scheduler:
                 # A constrained request's next mask needs its pending token.
                 index += 1
                 continue
+            if num_new > 1 and prefill_budget is not None:
+                if prefill_budget <= 0:  # this step's prompt share is spent
+                    index += 1
+                    continue
+                num_new = min(num_new, prefill_budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._preemption_victim(index)
@@ -209,6 +221,8 @@ class Scheduler:
                                                  request.num_computed_tokens))
             scheduled[request.request_id] = request
             budget -= num_new
+            if num_new > 1 and prefill_budget is not None:
+                prefill_budget -= num_new
             index += 1
 
         # Newly admitted requests must not take the blocks a preemption just freed from an
@@ -233,6 +247,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if num_new > 1 and prefill_budget is not None:
+                if prefill_budget <= 0:
+                    break
+                num_new = min(num_new, prefill_budget)
+                prefill_budget -= num_new
             if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             queue.popleft()
@@ -272,6 +291,20 @@ class Scheduler:
         if self.num_constrained:
             output.grammar_bitmask = self._grammar_bitmask(scheduled)
         return output
+
+    def mixed_prefill_budget(self) -> int | None:
+        """This step's prompt tokens under the decode-step target: what the measured decode
+        part leaves of the target at the measured prefill rate, in whole blocks and at least
+        one, so prefills always progress. None (unbounded) without a target, without running
+        decodes, or until the prefill rate is measured (an unbounded step measures it)."""
+        target = self.config.decode_step_target_s
+        rates = self.step_rates
+        if target is None or not rates.prefill_tokens_per_s or not any(
+                r.num_tokens_with_pending - r.num_computed_tokens <= 1 for r in self.running):
+            return None
+        tokens = int(mixed_prefill_tokens(target, rates.decode_step_s,
+                                          rates.prefill_tokens_per_s))
+        return max(self.block_size, tokens - tokens % self.block_size)
 
     def _grammar_bitmask(self, scheduled: dict[str, Request]) -> GrammarBitmask | None:
         """The masks of the constrained requests that sample in this step (those with a

@@ -445,6 +445,7 @@ class EngineCore:
         counters = scheduler.counters
         return EngineStats(
             num_running=len(scheduler.running),
+            num_decoding=scheduler.num_decoding,
             num_waiting=scheduler.num_waiting,
             num_waiting_for_remote_kv=len(scheduler.parked),
             kv_cache_usage=self.kv_manager.usage,

@@ -134,6 +134,7 @@ class EngineStats:
     # prefill rate and decode step time (0 until measured), the decode-step target that
     # bounds its mixed steps (0: none).
     num_prefill_tokens_queued: int = 0
+    num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_step_target_s: float = 0.0

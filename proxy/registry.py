@@ -94,6 +94,7 @@ class WorkerState:
             "version": self.version,
             "load": {
                 "num_running": self.load.num_running,
+                "num_decoding": self.load.num_decoding,
                 "num_waiting": self.load.num_waiting,
                 "kv_cache_usage": self.load.kv_cache_usage,
                 "num_waiting_for_remote_kv": self.load.num_waiting_for_remote_kv,

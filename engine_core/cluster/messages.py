@@ -48,6 +48,7 @@ class WorkerLoad:
     # decode-step target (s) that bounds its steps with decodes (0: none): while it decodes
     # it prefills at ``step_rates.prefill_rate_beside_decodes``.
     num_prefill_tokens_queued: int = 0
+    num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_step_target_s: float = 0.0
@@ -112,7 +113,7 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         raise MessageDecodeError(f"capabilities must be among {CAPABILITIES}")
     load = message.load
     if min(load.num_running, load.num_waiting, load.num_waiting_for_remote_kv,
-           load.num_prefill_tokens_queued) < 0:
+           load.num_prefill_tokens_queued, load.num_decoding) < 0:
         raise MessageDecodeError("load counts must be >= 0")
     if not all(0.0 <= value < math.inf for value in (
             load.prefill_tokens_per_s, load.decode_step_s, load.decode_step_target_s)):

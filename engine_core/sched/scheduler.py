@@ -66,6 +66,12 @@ class SchedulerCounters:
         self.iteration_tokens_sum += num_tokens
 
 
+def is_decoding(request: Request) -> bool:
+    """A running request decodes once every known token but the last is computed (its
+    rows are one token a step)."""
+    return request.num_tokens_with_pending - request.num_computed_tokens <= 1
+
+
 class Scheduler:
     """Owns request queues and decides what runs; no devices, sockets or threads."""
 
@@ -168,6 +174,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while any request holds engine state, including remote waits and held sends."""
         return self.has_runnable() or bool(self.parked or self.held)
+
+    @property
+    def num_decoding(self) -> int:
+        """Running requests past their prefill."""
+        return sum(map(is_decoding, self.running))
 
     @property
     def num_waiting(self) -> int:
@@ -300,7 +311,7 @@ class Scheduler:
         target = self.config.decode_step_target_s
         rates = self.step_rates
         if target is None or not rates.prefill_tokens_per_s or not any(
-                r.num_tokens_with_pending - r.num_computed_tokens <= 1 for r in self.running):
+                map(is_decoding, self.running)):
             return None
         tokens = int(mixed_prefill_tokens(target, rates.decode_step_s,
                                           rates.prefill_tokens_per_s))

@@ -9,7 +9,7 @@ worker whose steps always mix keeps both current, and a step that runs longer th
 predicted raises the decode part, which shrinks the next step's prefill share).
 
 Two users: the scheduler bounds a mixed step's prompt tokens by the worker's decode-step
-target (``mixed_prefill_tokens``), and the proxy predicts when a worker finishes a prefill
+target (``mixed_step_prefill_budget``), and the proxy predicts when a worker finishes a prefill
 from the rates in its heartbeat (``prefill_rate_beside_decodes``).
 """
 
@@ -63,6 +63,17 @@ def mixed_prefill_tokens(target_s: float, decode_step_s: float,
     """Prompt tokens a step with decodes can carry and still end within ``target_s``: the
     time its decode part leaves, at the prefill rate (0 when the decodes alone fill it)."""
     return max(0.0, target_s - decode_step_s) * prefill_tokens_per_s
+
+
+def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
+                              block_size: int) -> int | None:
+    """The prompt tokens of a step with decodes under ``target_s``: ``mixed_prefill_tokens``
+    in whole blocks, at least one so prefills always progress. None (unbounded) without a
+    target or until the prefill rate is measured (an unbounded step measures it)."""
+    if target_s is None or not rates.prefill_tokens_per_s:
+        return None
+    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rates.prefill_tokens_per_s))
+    return max(block_size, tokens - tokens % block_size)
 
 
 def prefill_rate_beside_decodes(prefill_tokens_per_s: float, decode_step_s: float,

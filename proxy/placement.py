@@ -13,12 +13,12 @@ in the time its decodes leave. A worker that decodes therefore prefills at a cap
 (``engine_core.step_rates.prefill_rate_beside_decodes``), and one without decodes at its
 full rate. The policy only has to put each prefill where it finishes first at those rates:
 
-1. D is the decode-capable worker that takes the stream: not over the planned TPOT (its
-   measured decode step within ``decode_step_target_s``), then a significant cached prefix
+1. D is the decode-capable worker that takes the stream: not over the TPOT target (its
+   measured decode step within ``decode_step_limit`` of it), then a significant cached prefix
    of this prompt, then the largest decode batch: decodes **pack** onto the workers already
    decoding, which leaves the others free of decodes to prefill at full rate (the cluster
    splits itself into prefill and decode workers as far as the load needs; a worker starts
-   decoding when the ones decoding are at the target). Then the least KV in use (a worker
+   decoding when the ones decoding are at that limit). Then the least KV in use (a worker
    at ``kv_full`` takes new decodes only when every one is). Over the target everywhere,
    the least slow takes it.
 2. Serving whole on D is always a candidate, so the cluster never does worse than replicas.
@@ -77,9 +77,14 @@ class PlacementConfig:
     # P must beat D by more than this.
     transfer_overhead_s: float = 0.005
     kv_full: float = 0.95             # KV usage at which a worker takes no new decodes
-    # The share of the TPOT target that steps are planned to: the rest absorbs a step that
-    # runs longer than predicted and decode batches growing between heartbeats.
+    # The share of the TPOT target that steps with decodes are planned to (the workers'
+    # decode-step target): the rest absorbs a step that runs longer than predicted.
     tpot_headroom: float = 0.8
+    # The share of the TPOT target a worker's decode step alone may reach while it takes
+    # new streams: past it they start on another worker. Above the headroom, as such a
+    # worker's steps carry only a block of prompt; below 1 for batches that grow between
+    # heartbeats.
+    decode_step_limit: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s", "default_prefill_tokens_per_s"):
@@ -89,8 +94,8 @@ class PlacementConfig:
             raise ValueError("short_prompt_tokens must be >= 0")
         if not 0 <= self.transfer_overhead_s < math.inf or not 0 < self.kv_full <= 1:
             raise ValueError("transfer_overhead_s must be >= 0 and kv_full in (0, 1]")
-        if not 0 < self.tpot_headroom <= 1:
-            raise ValueError("tpot_headroom must be in (0, 1]")
+        if not (0 < self.tpot_headroom <= 1 and 0 < self.decode_step_limit <= 1):
+            raise ValueError("tpot_headroom and decode_step_limit must be in (0, 1]")
 
     @property
     def decode_step_target_s(self) -> float:
@@ -171,9 +176,9 @@ def harm(worker: WorkerSnapshot) -> int:
 
 
 def over_target(worker: WorkerSnapshot, config: PlacementConfig) -> bool:
-    """Its decode step alone is past the planned step time: no more streams go there
-    while another worker has room."""
-    return worker.step_s > config.decode_step_target_s
+    """Its decode step alone is past ``decode_step_limit`` of the TPOT target: no more
+    streams go there while another worker has room."""
+    return worker.step_s > config.decode_step_limit * config.slo_tpot_s
 
 
 def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,

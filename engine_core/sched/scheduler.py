@@ -41,7 +41,7 @@ from engine_core.sched.outputs import (
     PromptLogprobsChunk,
     SchedulerOutput,
 )
-from engine_core.step_rates import StepRates, mixed_prefill_tokens
+from engine_core.step_rates import StepRates, mixed_step_prefill_budget
 
 logger = logging.getLogger("pdserve.scheduler")
 
@@ -304,18 +304,12 @@ class Scheduler:
         return output
 
     def mixed_prefill_budget(self) -> int | None:
-        """This step's prompt tokens under the decode-step target: what the measured decode
-        part leaves of the target at the measured prefill rate, in whole blocks and at least
-        one, so prefills always progress. None (unbounded) without a target, without running
-        decodes, or until the prefill rate is measured (an unbounded step measures it)."""
-        target = self.config.decode_step_target_s
-        rates = self.step_rates
-        if target is None or not rates.prefill_tokens_per_s or not any(
-                map(is_decoding, self.running)):
+        """This step's prompt tokens under the decode-step target while requests decode
+        (``step_rates.mixed_step_prefill_budget``); None: unbounded."""
+        if self.config.decode_step_target_s is None or not any(map(is_decoding, self.running)):
             return None
-        tokens = int(mixed_prefill_tokens(target, rates.decode_step_s,
-                                          rates.prefill_tokens_per_s))
-        return max(self.block_size, tokens - tokens % self.block_size)
+        return mixed_step_prefill_budget(self.config.decode_step_target_s, self.step_rates,
+                                         self.block_size)
 
     def _grammar_bitmask(self, scheduled: dict[str, Request]) -> GrammarBitmask | None:
         """The masks of the constrained requests that sample in this step (those with a

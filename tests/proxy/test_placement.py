@@ -92,9 +92,13 @@ def test_decodes_pack_onto_the_workers_that_decode() -> None:
     assert place(workers, 100, CONFIG).decode == "b"
 
 
-def test_a_worker_past_the_planned_step_takes_no_more_streams() -> None:
-    # decoding's step is past 32 ms: the next worker starts decoding.
-    workers = [worker("free", step_s=0.008), worker("decoding", decode_batch=90, step_s=0.034)]
+def test_a_worker_past_the_decode_step_limit_takes_no_more_streams() -> None:
+    # decoding's step alone is past 0.9 of the 40 ms target: the next worker starts
+    # decoding. Below it, the stream still packs there (its steps then carry a block of
+    # prompt at most: the planned 32 ms is behind it).
+    workers = [worker("free", step_s=0.008), worker("decoding", decode_batch=90, step_s=0.035)]
+    assert place(workers, 100, CONFIG).decode == "decoding"
+    workers[1] = worker("decoding", decode_batch=90, step_s=0.037)
     assert place(workers, 100, CONFIG).decode == "free"
     # A worker that never decoded steps as fast as the fastest that has.
     workers[0] = worker("free")
@@ -248,5 +252,7 @@ def test_config_is_checked() -> None:
         PlacementConfig(kv_full=1.5)
     with pytest.raises(ValueError):
         PlacementConfig(tpot_headroom=0)
+    with pytest.raises(ValueError):
+        PlacementConfig(decode_step_limit=1.5)
     with pytest.raises(ValueError):
         PlacementConfig(slo_ttft_s=math.nan)

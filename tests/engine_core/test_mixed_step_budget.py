@@ -139,3 +139,17 @@ def test_output_is_token_identical_with_the_target(tiny_checkpoint) -> None:
     prompt_rows = [sum(n for n in s.values() if n > 1) for s in bounded if 1 in s.values()]
     assert prompt_rows and max(prompt_rows) <= 16 and any(rows == 16 for rows in prompt_rows)
     assert max(sum(n for n in s.values() if n > 1) for s in unbounded) > 16
+
+
+def test_the_engine_reports_its_target_and_its_decoding_requests(tiny_checkpoint) -> None:
+    engine = EngineCore(EngineConfig.from_kwargs(
+        str(tiny_checkpoint("qwen3")), num_gpu_blocks_override=64, max_num_batched_tokens=32,
+        async_scheduling=False, decode_step_target_s=0.25))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True).to_dict()
+    engine.add_request(AddRequest("short", list(range(3, 13)), params, 0.0))
+    engine.step()  # its whole prompt: it decodes from now on
+    engine.add_request(AddRequest("long", list(range(3, 203)), params, 0.0))
+    engine.step()  # a chunk of the long prompt: running, not decoding
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_decoding) == (2, 1)
+    assert stats.decode_step_target_s == 0.25

@@ -110,6 +110,19 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return changed_argv(args, [a for a in actions if a.dest not in assigned])
 
 
+def placed_worker_argv(args: argparse.Namespace) -> list[str]:
+    """Flags for the workers the proxy places requests on (``--workers``): their
+    ``--decode-step-target-ms``, the step time the placement plans to (the proxy's
+    ``--slo-tpot-ms`` less its headroom, ``PlacementConfig.decode_step_target_s``), unless
+    the user gave one (it reaches every worker with the other engine flags)."""
+    from proxy.placement import PlacementConfig
+
+    if args.decode_step_target_ms is not None:
+        return []
+    target_s = PlacementConfig(slo_tpot_s=args.slo_tpot_ms / 1e3).decode_step_target_s
+    return ["--decode-step-target-ms", f"{target_s * 1e3:g}"]
+
+
 def _parse_as_child(argv: list[str],
                     add_arguments: Callable[[argparse.ArgumentParser], object]
                     ) -> argparse.Namespace:

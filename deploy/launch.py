@@ -31,6 +31,7 @@ from deploy.child_flags import (
     add_proxy_arguments,
     add_worker_server_arguments,
     engine_argv,
+    placed_worker_argv,
     proxy_argv,
     worker_server_argv,
 )
@@ -285,6 +286,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     if transport == "auto" and len(set(pd_gpus)) < len(pd_gpus):
         # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
         transport = "cpu"
+    placed_args = placed_worker_argv(args)
     workers = []
     for i, (module, index) in enumerate(kinds):
         http_port, kv_port = next(ports), next(ports)
@@ -307,6 +309,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                 str(http_port), "--kv-transfer-config", json.dumps(kv),
                 "--heartbeat-interval", str(args.heartbeat_interval), *trust_args,
                 *server_args, *device_args, *engine_args,
+                *(placed_args if module == "worker" else []),
                 "--tensor-parallel-size", str(tp_sizes[i])]
         workers.append(Child(f"{module}{index}", argv, env, log_dir / f"{module}{index}.log",
                              http_address=f"{HOST}:{http_port}"))

@@ -34,6 +34,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an int >= 0 (refused here, not by a proxy child dying at startup)."""
     value = int(text)
@@ -115,6 +123,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="accepted for vLLM compatibility: pdserve's own host tier")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=sched.enable_chunked_prefill, help="split long prefills")
+    group.add_argument("--decode-step-target-ms", type=positive_float, default=None,
+                       help="a step that carries decodes takes at most the prompt tokens that "
+                            "keep it within this many ms (from the measured decode step and "
+                            "prefill rate; at least one block), so prefills progress in chunks "
+                            "without breaking the streams' TPOT (default: off, such a step "
+                            "fills --max-num-batched-tokens; pdserve launch sets it for "
+                            "placed workers from the proxy's --slo-tpot-ms)")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        default=sched.async_scheduling,
                        help="overlap the host's scheduling with the GPU's step (sampled "
@@ -227,7 +242,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
-                                  async_scheduling=args.async_scheduling),
+                                  async_scheduling=args.async_scheduling,
+                                  decode_step_target_s=(
+                                      None if args.decode_step_target_ms is None
+                                      else args.decode_step_target_ms / 1e3)),
         device=DeviceConfig(device=args.device, enforce_eager=args.enforce_eager,
                             attention_backend=args.attention_backend,
                             cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),

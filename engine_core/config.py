@@ -6,6 +6,7 @@ Nothing below the entry points reads environment variables; every knob lives her
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -123,12 +124,23 @@ class SchedulerConfig:
     # Schedule and launch step N+1 before reading step N's sampled tokens (fed to N+1 on
     # the device), so the host's work overlaps the GPU's. False: one step at a time.
     async_scheduling: bool = True
+    # A step that carries decodes takes at most the prompt tokens that keep it within this
+    # many seconds (engine_core/step_rates.py), at least a block: its streams' TPOT holds
+    # while prefills progress in chunks. None: such a step fills the token budget.
+    decode_step_target_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be >= 1")
+        target = self.decode_step_target_s
+        if target is not None:
+            if not 0 < target < math.inf:
+                raise ConfigError("--decode-step-target-ms must be a finite number > 0")
+            if not self.enable_chunked_prefill:
+                raise ConfigError("--decode-step-target-ms needs chunked prefill: it splits "
+                                  "prompts into chunks that fit beside the decodes")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import NewRequestData, SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
-from engine_core.step_rates import StepRates
 from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
@@ -188,7 +187,6 @@ class EngineCore:
         self._warm_up()
         self.step_watch = StepWatch()
         self.step_watch.start()
-        self.step_rates = StepRates()
         self.rejected_messages = 0
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
@@ -410,8 +408,8 @@ class EngineCore:
         if completed.is_empty:
             return
         num_decodes = sum(1 for n in completed.num_scheduled_tokens.values() if n == 1)
-        self.step_rates.observe(seconds, completed.total_num_scheduled_tokens - num_decodes,
-                                num_decodes)
+        self.scheduler.step_rates.observe(
+            seconds, completed.total_num_scheduled_tokens - num_decodes, num_decodes)
 
     def _queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute here: waiting requests (landed ones only their
@@ -447,6 +445,7 @@ class EngineCore:
         counters = scheduler.counters
         return EngineStats(
             num_running=len(scheduler.running),
+            num_decoding=scheduler.num_decoding,
             num_waiting=scheduler.num_waiting,
             num_waiting_for_remote_kv=len(scheduler.parked),
             kv_cache_usage=self.kv_manager.usage,
@@ -466,8 +465,9 @@ class EngineCore:
             **self._offload_stats(),
             sleep_level=self.sleep_level,
             num_prefill_tokens_queued=self._queued_prefill_tokens(),
-            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
-            decode_step_s=self.step_rates.decode_step_s,
+            prefill_tokens_per_s=self.scheduler.step_rates.prefill_tokens_per_s,
+            decode_step_s=self.scheduler.step_rates.decode_step_s,
+            decode_step_target_s=self.config.scheduler.decode_step_target_s or 0.0,
         )
 
     def _offload_stats(self) -> dict[str, int | float]:

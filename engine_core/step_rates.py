@@ -1,10 +1,16 @@
-"""StepRates: the engine's measured prefill rate and decode step time, for placement.
+"""StepRates: the engine's measured prefill rate and decode step time.
 
-The proxy predicts when a worker would finish a prefill (its queued prompt tokens over its
-prefill rate) and what TPOT its decodes see (its decode step time); both come from here in
-the worker's heartbeat. Moving averages of step wall times: a step that carries at least
-``min_prefill_tokens`` prompt tokens updates the rate (its decodes ride along, so the rate
-is what a loaded worker gives), a step of decodes alone updates the step time.
+A step is modelled as ``decode part + prefill tokens / prefill rate``: the decode part is
+what the step's decode rows cost (weights read once, every stream's context), the prefill
+rate is the marginal cost of prompt tokens. Both come from step wall times as moving
+averages: a step of decodes alone measures the decode part, a step of prefill alone the
+rate, and a mixed step measures its larger part with the smaller one predicted (so a
+worker whose steps always mix keeps both current, and a step that runs longer than
+predicted raises the decode part, which shrinks the next step's prefill share).
+
+Two users: the scheduler bounds a mixed step's prompt tokens by the worker's decode-step
+target (``mixed_step_prefill_budget``), and the proxy predicts when a worker finishes a prefill
+from the rates in its heartbeat (``prefill_rate_beside_decodes``).
 """
 
 from __future__ import annotations
@@ -17,19 +23,64 @@ class StepRates:
     """Exponential moving averages over engine steps; 0 until a step of the kind ran."""
 
     weight: float = 0.2               # the newest step's share of each average
-    min_prefill_tokens: int = 64      # smaller prefill steps are dominated by fixed costs
+    min_prefill_tokens: int = 64      # a smaller prefill alone is dominated by fixed costs
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
 
     def observe(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
         """One completed step: its wall time, its prompt tokens, its decode rows."""
-        if seconds <= 0:
+        if seconds <= 0 or (num_prefill_tokens == 0 and num_decodes == 0):
             return
-        if num_prefill_tokens >= self.min_prefill_tokens:
-            self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
-                                                  num_prefill_tokens / seconds)
-        elif num_prefill_tokens == 0 and num_decodes > 0:
+        if num_prefill_tokens == 0:
             self.decode_step_s = self._mix(self.decode_step_s, seconds)
+            return
+        if num_decodes == 0 or not (self.prefill_tokens_per_s or self.decode_step_s):
+            # Prefill alone, or nothing measured yet (decodes ride along): tokens / seconds.
+            if num_prefill_tokens >= self.min_prefill_tokens:
+                self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
+                                                      num_prefill_tokens / seconds)
+            return
+        predicted_prefill_s = (num_prefill_tokens / self.prefill_tokens_per_s
+                               if self.prefill_tokens_per_s else None)
+        if predicted_prefill_s is None or (self.decode_step_s
+                                           and predicted_prefill_s > self.decode_step_s):
+            # The prefill is the larger part: measured, the decode part predicted.
+            prefill_s = seconds - self.decode_step_s
+            if num_prefill_tokens >= self.min_prefill_tokens and prefill_s > 0:
+                self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
+                                                      num_prefill_tokens / prefill_s)
+            return
+        decode_s = seconds - predicted_prefill_s
+        if decode_s > 0:
+            self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 
     def _mix(self, average: float, sample: float) -> float:
         return sample if average == 0.0 else average + self.weight * (sample - average)
+
+
+def mixed_prefill_tokens(target_s: float, decode_step_s: float,
+                         prefill_tokens_per_s: float) -> float:
+    """Prompt tokens a step with decodes can carry and still end within ``target_s``: the
+    time its decode part leaves, at the prefill rate (0 when the decodes alone fill it)."""
+    return max(0.0, target_s - decode_step_s) * prefill_tokens_per_s
+
+
+def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
+                              block_size: int) -> int | None:
+    """The prompt tokens of a step with decodes under ``target_s``: ``mixed_prefill_tokens``
+    in whole blocks, at least one so prefills always progress. None (unbounded) without a
+    target or until the prefill rate is measured (an unbounded step measures it)."""
+    if target_s is None or not rates.prefill_tokens_per_s:
+        return None
+    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rates.prefill_tokens_per_s))
+    return max(block_size, tokens - tokens % block_size)
+
+
+def prefill_rate_beside_decodes(prefill_tokens_per_s: float, decode_step_s: float,
+                                target_s: float) -> float:
+    """Prompt tokens per second a worker computes while it decodes: with a decode-step
+    target, the share of each step its decodes leave (``mixed_prefill_tokens`` per step of
+    ``target_s``); without one, its full rate (its prefill chunks then stall its streams)."""
+    if not target_s or not decode_step_s:
+        return prefill_tokens_per_s
+    return mixed_prefill_tokens(target_s, decode_step_s, prefill_tokens_per_s) / target_s

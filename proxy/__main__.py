@@ -114,11 +114,12 @@ def add_proxy_policy_args(parser: argparse._ActionsContainer) -> None:
                         "target; a prefill that would miss it where the request decodes moves "
                         "to a worker that finishes it sooner")
     parser.add_argument("--slo-tpot-ms", type=float, default=d.slo_tpot_ms,
-                        help="placement: the target for a request's mean TPOT; a worker "
-                        "prefills beside its decodes while the share of its time spent "
-                        "prefilling keeps their mean within it (else the prefill moves), and "
-                        "when replicas would break it, decodes pack onto fewer workers so "
-                        "others stay free to prefill. State the target you serve to")
+                        help="placement: the target for a request's mean TPOT. Decodes pack "
+                        "onto workers whose decode step is within it, so others stay free to "
+                        "prefill at full rate; pdserve launch bounds each placed worker's "
+                        "steps with decodes to 0.8 of it (--decode-step-target-ms), and a "
+                        "prefill goes where it finishes first at those rates. State the "
+                        "target you serve to")
     parser.add_argument("--placement-short-prompt-tokens", type=int,
                         default=d.placement_short_prompt_tokens,
                         help="placement: a prompt with at most this many uncached tokens "

@@ -62,7 +62,7 @@ def create_app(config: ProxyConfig, *, clock: Clock = time.monotonic,
     app[keys.POLICY] = make_policy(config.routing, config.affinity_max_imbalance)
     app[keys.LIMITER] = InflightLimiter(config.max_inflight)
     app[keys.MODEL_CARDS] = ModelCards()
-    app[keys.PLACER] = placer = Placer(config.placement, clock=clock)
+    app[keys.PLACER] = placer = Placer(config.placement)
     app[keys.JSON_PARSER] = JsonParser()
     registry.add_removal_listener(placer.forget)
     server = None

@@ -8,9 +8,6 @@ turns the decision into a ``Route``. It applies only while a worker with capabil
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_WORKER
 from engine_core.errors import NoWorkerError
 from proxy.placement import (
@@ -19,10 +16,8 @@ from proxy.placement import (
     PlacementConfig,
     WorkerSnapshot,
     place,
-    prefill_seconds,
     uncached_tokens,
 )
-from proxy.prefill_duty import PrefillDuty
 from proxy.prefix_index import PrefixIndex, PromptShape
 from proxy.registry import InstanceRegistry, WorkerState
 from proxy.routing import MODE_LOCAL, MODE_PD, Route
@@ -31,23 +26,18 @@ from proxy.routing import MODE_LOCAL, MODE_PD, Route
 class Placer:
     """Places requests over every worker of a model that has capabilities left."""
 
-    def __init__(self, config: PlacementConfig, index: PrefixIndex | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: PlacementConfig, index: PrefixIndex | None = None) -> None:
         self.config = config
         self.index = index or PrefixIndex()
-        self.duty = PrefillDuty(config.duty_window_s)
-        self._clock = clock
         self._turn = 0  # rotates the snapshot so ties go round the workers
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what the placer remembers of it."""
         self.index.forget(worker_id)
-        self.duty.forget(worker_id)
 
-    def snapshot(self, worker: WorkerState, shape: PromptShape,
-                 now: float | None = None) -> WorkerSnapshot:
+    def snapshot(self, worker: WorkerState, shape: PromptShape) -> WorkerSnapshot:
         """One worker as the policy sees it: the heartbeat's numbers, or the proxy's own
-        where they are fresher (prefills it placed and legs in flight)."""
+        where they are fresher (prompt tokens it placed and legs in flight)."""
         load = worker.load
         decoding = (worker.parts_in_flight.get(CAP_DECODE, 0)
                     + worker.parts_in_flight.get(CAP_WHOLE, 0))
@@ -56,11 +46,9 @@ class Placer:
             queued_prefill_tokens=max(load.num_prefill_tokens_queued,
                                       worker.pending_prefill_tokens),
             prefill_tokens_per_s=load.prefill_tokens_per_s,
-            decode_batch=max(load.num_running, decoding), kv_usage=load.kv_cache_usage,
-            step_s=load.decode_step_s,
-            cached_tokens=self.index.cached_tokens(worker.worker_id, shape),
-            prefill_duty=self.duty.share(worker.worker_id,
-                                         self._clock() if now is None else now))
+            decode_batch=max(load.num_decoding, decoding), kv_usage=load.kv_cache_usage,
+            step_s=load.decode_step_s, decode_step_target_s=load.decode_step_target_s,
+            cached_tokens=self.index.cached_tokens(worker.worker_id, shape))
 
     def route(self, registry: InstanceRegistry, model: str | None,
               exclude: frozenset[str] | set[str], shape: PromptShape) -> Route | None:
@@ -71,8 +59,7 @@ class Placer:
         turn = self._turn % max(1, len(workers))
         self._turn += 1
         workers = workers[turn:] + workers[:turn]
-        now = self._clock()
-        snapshots = {w.worker_id: self.snapshot(w, shape, now) for w in workers}
+        snapshots = {w.worker_id: self.snapshot(w, shape) for w in workers}
         try:
             decision = place(list(snapshots.values()), shape.num_tokens, self.config)
         except NoPlacementError:
@@ -83,9 +70,6 @@ class Placer:
         tokens = uncached_tokens(snapshots[prefilling], shape.num_tokens) if shape.num_tokens else 0
         for worker_id in {decision.decode, prefilling}:
             self.index.record(worker_id, shape)
-        if tokens:
-            self.duty.add(prefilling, prefill_seconds(snapshots[prefilling], tokens, self.config),
-                          now)
         if decision.placement == PLACEMENT_DISAGGREGATED:
             assert decision.prefill is not None
             return Route(MODE_PD, decode=by_id[decision.decode], prefill=by_id[decision.prefill],

@@ -94,6 +94,7 @@ class WorkerState:
             "version": self.version,
             "load": {
                 "num_running": self.load.num_running,
+                "num_decoding": self.load.num_decoding,
                 "num_waiting": self.load.num_waiting,
                 "kv_cache_usage": self.load.kv_cache_usage,
                 "num_waiting_for_remote_kv": self.load.num_waiting_for_remote_kv,
@@ -101,6 +102,7 @@ class WorkerState:
                 "num_prefill_tokens_queued": self.load.num_prefill_tokens_queued,
                 "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
                 "decode_step_s": self.load.decode_step_s,
+                "decode_step_target_s": self.load.decode_step_target_s,
             },
             "capabilities": sorted(self.capabilities),
             "role_mix": {"in_flight": dict(self.parts_in_flight), "total": dict(self.parts_total)},

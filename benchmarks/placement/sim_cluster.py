@@ -3,12 +3,15 @@
 Each worker is an engine as ``engine_core/sched/scheduler.py`` runs it: a step carries every
 running decode plus prefill chunks (FCFS) up to ``max_num_batched_tokens``; a step takes
 ``base + per_seq * batch + per_ctx_token * context`` while it decodes, plus its prefill
-tokens over the prefill rate. A prefill for another worker hands its first token to the
-client when it ends (the first-token handoff) and its KV lands on the decoding worker
-``transfer_s`` later. Layouts: ``replicas`` (round robin, whole requests), ``xPyD`` (round
-robin per role) and ``adaptive``, which asks the real ``proxy.placement.place`` with the
-snapshot fields the proxy fills (``proxy/placer.py``): heartbeat numbers a heartbeat old,
-the proxy's own pending prefill tokens, legs in flight and ``PrefillDuty``.
+tokens over the prefill rate. With a decode-step target (the adaptive layout's workers, as
+``pdserve launch`` starts them) a step with decodes takes only the prompt tokens the
+engine's ``mixed_step_prefill_budget`` gives from the worker's measured ``StepRates``. A
+prefill for another worker hands its first token to the client when it ends (the
+first-token handoff) and its KV lands on the decoding worker ``transfer_s`` later. Layouts:
+``replicas`` (round robin, whole requests), ``xPyD`` (round robin per role) and
+``adaptive``, which asks the real ``proxy.placement.place`` with the snapshot fields the
+proxy fills (``proxy/placer.py``): heartbeat numbers a heartbeat old, the proxy's own
+pending prefill tokens and legs in flight.
 
 It is a model: its figures are predictions, never measurements.
 """
@@ -21,9 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
-from engine_core.step_rates import StepRates
-from proxy.placement import PlacementConfig, WorkerSnapshot, place, prefill_seconds
-from proxy.prefill_duty import PrefillDuty
+from engine_core.step_rates import StepRates, mixed_step_prefill_budget
+from proxy.placement import PlacementConfig, WorkerSnapshot, place
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class GpuModel:
     max_num_batched_tokens: int = 8192
     transfer_s: float = 0.003          # P's last chunk to D's blocks holding the KV
     heartbeat_s: float = 1.0
+    block_size: int = 16
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """A step's time without its prefill tokens (the fixed part is in every step)."""
@@ -77,7 +80,7 @@ class _Prefill:
 
 @dataclass
 class _Heartbeat:
-    num_running: int = 0
+    num_decoding: int = 0
     queued_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     step_s: float = 0.0
@@ -91,6 +94,7 @@ class SimWorker:
     name: str
     capabilities: frozenset[str]
     gpu: GpuModel
+    step_target_s: float | None = None  # --decode-step-target-ms
     prefills: deque[_Prefill] = field(default_factory=deque)
     landed: deque[SimRequest] = field(default_factory=deque)
     finishing: list[tuple[int, int, SimRequest]] = field(default_factory=list)  # heap
@@ -114,9 +118,8 @@ class SimWorker:
 
     def beat(self) -> None:
         self.heartbeat = _Heartbeat(
-            self.batch + sum(1 for p in self.prefills if p.remaining < p.request.prompt),
-            self.queued_tokens(), self.rates.prefill_tokens_per_s, self.rates.decode_step_s,
-            min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens))
+            self.batch, self.queued_tokens(), self.rates.prefill_tokens_per_s,
+            self.rates.decode_step_s, min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens))
 
     def join(self, request: SimRequest, tokens_left: int, now: float) -> None:
         """A request that holds its first token decodes the rest from the next step."""
@@ -140,6 +143,10 @@ class SimWorker:
             self.join(request, request.output - 1, 0.0)
         batch = self.batch
         budget = self.gpu.max_num_batched_tokens - batch
+        capped = mixed_step_prefill_budget(self.step_target_s, self.rates,
+                                           self.gpu.block_size) if batch else None
+        if capped is not None:
+            budget = min(budget, capped)
         chunks = []
         for job in self.prefills:
             fresh = job.remaining == job.request.prompt
@@ -173,8 +180,8 @@ class SimCluster:
             caps = [frozenset(CAPABILITIES)] * num_workers
         else:
             raise ValueError(f"unknown layout {layout!r}")
-        self.workers = [SimWorker(f"w{i}", c, gpu) for i, c in enumerate(caps)]
-        self.duty = PrefillDuty(self.config.duty_window_s)
+        target = self.config.decode_step_target_s if layout == "adaptive" else None
+        self.workers = [SimWorker(f"w{i}", c, gpu, target) for i, c in enumerate(caps)]
         self.events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._turn = itertools.count()
@@ -272,10 +279,6 @@ class SimCluster:
         key = f"{decision.placement}/{decision.reason}"
         self.placements[key] = self.placements.get(key, 0) + 1
         by_name = {w.name: w for w in workers}
-        prefilling = by_name[decision.prefill or decision.decode]
-        snap = next(s for s in snapshots if s.worker_id == prefilling.name)
-        self.duty.add(prefilling.name, prefill_seconds(snap, request.prompt, self.config),
-                      self.now)
         return by_name[decision.decode], (by_name[decision.prefill] if decision.prefill
                                           else None)
 
@@ -287,6 +290,6 @@ class SimCluster:
             queued_prefill_tokens=max(beat.queued_prefill_tokens,
                                       worker.pending_prefill_tokens),
             prefill_tokens_per_s=beat.prefill_tokens_per_s,
-            decode_batch=max(beat.num_running, worker.legs_decoding),
+            decode_batch=max(beat.num_decoding, worker.legs_decoding),
             kv_usage=beat.kv_usage, step_s=beat.step_s,
-            prefill_duty=self.duty.share(worker.name, self.now))
+            decode_step_target_s=worker.step_target_s or 0.0)

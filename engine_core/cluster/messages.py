@@ -44,10 +44,14 @@ class WorkerLoad:
     num_waiting_for_remote_kv: int = 0
     sleeping: bool = False  # sleep mode: asleep workers get no requests until awake
     # Placement inputs (engine_core/step_rates.py): prompt tokens still to compute, the
-    # measured prefill rate (tokens/s) and decode step time (s); 0: not measured yet.
+    # measured prefill rate (tokens/s) and decode step time (s); 0: not measured yet. The
+    # decode-step target (s) that bounds its steps with decodes (0: none): while it decodes
+    # it prefills at ``step_rates.prefill_rate_beside_decodes``.
     num_prefill_tokens_queued: int = 0
+    num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
+    decode_step_target_s: float = 0.0
 
 
 @dataclass
@@ -109,10 +113,12 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         raise MessageDecodeError(f"capabilities must be among {CAPABILITIES}")
     load = message.load
     if min(load.num_running, load.num_waiting, load.num_waiting_for_remote_kv,
-           load.num_prefill_tokens_queued) < 0:
+           load.num_prefill_tokens_queued, load.num_decoding) < 0:
         raise MessageDecodeError("load counts must be >= 0")
-    if not (0.0 <= load.prefill_tokens_per_s < math.inf and 0.0 <= load.decode_step_s < math.inf):
-        raise MessageDecodeError("prefill_tokens_per_s and decode_step_s must be finite, >= 0")
+    if not all(0.0 <= value < math.inf for value in (
+            load.prefill_tokens_per_s, load.decode_step_s, load.decode_step_target_s)):
+        raise MessageDecodeError("prefill_tokens_per_s, decode_step_s and decode_step_target_s "
+                                 "must be finite, >= 0")
     if not 0.0 <= load.kv_cache_usage <= 1.0:
         raise MessageDecodeError("kv_cache_usage must be within [0, 1]")
     return message

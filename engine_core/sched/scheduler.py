@@ -3,7 +3,10 @@
 Order of business each step: running requests first (decodes and unfinished prefill chunks,
 in arrival order), preempting the newest running request by recompute when blocks run
 out; then landed remote loads (they own all their blocks) and waiting requests FCFS, within
-the token budget and ``max_num_seqs``. Requests whose prompt KV comes from a remote worker
+the token budget and ``max_num_seqs``. With a decode-step target, a step that carries decodes
+takes prompt tokens (rows of more than one token) only up to what keeps the step within the
+target, at least a block (``engine_core/step_rates.py``); a step without decodes is not
+bounded by it. Requests whose prompt KV comes from a remote worker
 are parked in WAITING_FOR_REMOTE_KV, with blocks for their whole prompt, without blocking
 anyone; finished requests whose KV is still being sent keep their blocks until
 the connector reports the send done.
@@ -38,6 +41,7 @@ from engine_core.sched.outputs import (
     PromptLogprobsChunk,
     SchedulerOutput,
 )
+from engine_core.step_rates import StepRates, mixed_step_prefill_budget
 
 logger = logging.getLogger("pdserve.scheduler")
 
@@ -60,6 +64,12 @@ class SchedulerCounters:
         """One step that ran ``num_tokens`` tokens."""
         self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
         self.iteration_tokens_sum += num_tokens
+
+
+def is_decoding(request: Request) -> bool:
+    """A running request decodes once every known token but the last is computed (its
+    rows are one token a step)."""
+    return request.num_tokens_with_pending - request.num_computed_tokens <= 1
 
 
 class Scheduler:
@@ -94,6 +104,8 @@ class Scheduler:
         # Outputs produced outside a model step (aborts, failed loads) wait here.
         self._pending_outputs: list[EngineOutput] = []
         self.counters = SchedulerCounters()
+        # Measured by the engine from each step's wall time; bounds mixed steps.
+        self.step_rates = StepRates()
         # Finished transfers applied so far: each may free blocks or queue a request, so a
         # pass that follows one may schedule what the pass before could not.
         self.transfer_updates = 0
@@ -164,6 +176,11 @@ class Scheduler:
         return self.has_runnable() or bool(self.parked or self.held)
 
     @property
+    def num_decoding(self) -> int:
+        """Running requests past their prefill."""
+        return sum(map(is_decoding, self.running))
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.landed) + len(self.compiling)
 
@@ -174,6 +191,7 @@ class Scheduler:
         if self.compiling:
             self._admit_compiled()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self.mixed_prefill_budget()  # None: prompt tokens unbounded
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -191,6 +209,11 @@ class Scheduler:
                 # A constrained request's next mask needs its pending token.
                 index += 1
                 continue
+            if num_new > 1 and prefill_budget is not None:
+                if prefill_budget <= 0:  # this step's prompt share is spent
+                    index += 1
+                    continue
+                num_new = min(num_new, prefill_budget)
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self._preemption_victim(index)
@@ -209,6 +232,8 @@ class Scheduler:
                                                  request.num_computed_tokens))
             scheduled[request.request_id] = request
             budget -= num_new
+            if num_new > 1 and prefill_budget is not None:
+                prefill_budget -= num_new
             index += 1
 
         # Newly admitted requests must not take the blocks a preemption just freed from an
@@ -233,6 +258,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if num_new > 1 and prefill_budget is not None:
+                if prefill_budget <= 0:
+                    break
+                num_new = min(num_new, prefill_budget)
+                prefill_budget -= num_new
             if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             queue.popleft()
@@ -272,6 +302,14 @@ class Scheduler:
         if self.num_constrained:
             output.grammar_bitmask = self._grammar_bitmask(scheduled)
         return output
+
+    def mixed_prefill_budget(self) -> int | None:
+        """This step's prompt tokens under the decode-step target while requests decode
+        (``step_rates.mixed_step_prefill_budget``); None: unbounded."""
+        if self.config.decode_step_target_s is None or not any(map(is_decoding, self.running)):
+            return None
+        return mixed_step_prefill_budget(self.config.decode_step_target_s, self.step_rates,
+                                         self.block_size)
 
     def _grammar_bitmask(self, scheduled: dict[str, Request]) -> GrammarBitmask | None:
         """The masks of the constrained requests that sample in this step (those with a

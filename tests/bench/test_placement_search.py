@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.placement.search import PointResult, RateSearch, SloCell
 from benchmarks.placement.workloads import SweepTopology, topologies_for
 from benchmarks.placement_sweep import summarize
@@ -105,6 +107,30 @@ def test_sweep_runs_launch_adaptive_once_per_cell_and_ttft_target() -> None:
         "colo2", "1p1d", "adaptive2-ttft1000-tpot15", "adaptive2-ttft2000-tpot15"]
     assert [r.label for r in sweep_runs(topologies, workloads, (15.0,), "default")] == [
         "colo2", "1p1d", "adaptive2"]
+
+
+def test_an_adaptive_cell_run_bounds_its_workers_steps_to_the_cell(tmp_path) -> None:
+    """The sweep's ``@cell`` launch command, as launch builds its children: every placed
+    worker gets the cell's TPOT target less the placement headroom as its step target."""
+    import argparse
+
+    import deploy.launch as launch
+    from benchmarks.disagg.cluster import ClusterSpec
+    from benchmarks.placement.workloads import GPU_WORKLOADS, sweep_runs
+    from benchmarks.placement_sweep import SweepCluster
+    from deploy.cli import build_parser
+    from proxy.placement import PlacementConfig
+
+    run = sweep_runs(topologies_for(2), [GPU_WORKLOADS["2k"]], (15.0,), "cell")[-1]
+    argv = SweepCluster(ClusterSpec("/m", "m", log_dir=tmp_path), run.topology).argv()
+    assert argv[1:3] == ["-m", "deploy.launch"]
+    parser = argparse.ArgumentParser()
+    launch.add_launch_arguments(parser)
+    args = parser.parse_args(argv[3:])
+    _, workers, _ = launch.build_children(args, launch.engine_argv(args), tmp_path)
+    planned_ms = PlacementConfig(slo_tpot_s=0.015).decode_step_target_s * 1e3
+    assert [build_parser().parse_args(w.argv[3:]).decode_step_target_ms for w in workers] == [
+        pytest.approx(planned_ms)] * 2
 
 
 def test_merge_summaries_of_a_sweep_run_in_parts(tmp_path) -> None:

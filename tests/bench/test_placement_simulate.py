@@ -76,3 +76,21 @@ def test_draw_requests_follows_the_workload() -> None:
     assert all(16 <= r.prompt <= 8192 and r.output >= 8 for r in mixed)
     fixed = draw_requests(dataclasses.replace(WORKLOAD), 4.0, 5.0, seed=0)
     assert {(r.prompt, r.output) for r in fixed} == {(2048, 256)}
+
+
+def test_a_worker_with_a_step_target_bounds_its_mixed_steps_as_the_engine() -> None:
+    from benchmarks.placement.sim_cluster import SimWorker, _Prefill
+    from engine_core.cluster.messages import CAPABILITIES
+    from engine_core.step_rates import StepRates
+
+    def chunk(target_s: float | None) -> int:
+        worker = SimWorker("w", frozenset(CAPABILITIES), GPU, target_s)
+        worker.rates = StepRates(prefill_tokens_per_s=41_000.0, decode_step_s=0.009)
+        worker.join(SimRequest(0.0, 2048, 100), 99, 0.0)  # one stream decoding
+        worker.prefills.append(_Prefill(SimRequest(0.0, 8192, 4), 8192, None))
+        (_, take), = worker.plan_step()[1]
+        return take
+
+    # 3 ms of a 12 ms step at 41k tokens/s: 123 tokens, 112 in whole blocks.
+    assert chunk(0.012) == 112
+    assert chunk(None) == GPU.max_num_batched_tokens - 1

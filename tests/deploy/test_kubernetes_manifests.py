@@ -139,6 +139,18 @@ def test_every_container_command_parses_as_pdserve_flags(rendered: dict, overlay
                                   "worker": "kv_both"}[pod.component]
 
 
+def test_placed_workers_bound_their_steps_to_the_proxys_target(rendered: dict,
+                                                               tmp_path: Path) -> None:
+    """The workers overlay's step target is what launch derives from the proxy's TPOT
+    target (``PlacementConfig.decode_step_target_s``)."""
+    from proxy.placement import PlacementConfig
+
+    pods = {pod.component: build_parser().parse_args(pod.argv[3:])
+            for pod in local_pods(rendered["workers"], tmp_path)}
+    planned_s = PlacementConfig(slo_tpot_s=pods["proxy"].slo_tpot_ms / 1e3).decode_step_target_s
+    assert pods["worker"].decode_step_target_ms == pytest.approx(planned_s * 1e3)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_process_loads_the_mounted_cluster_secret(rendered: dict, overlay: str,
                                                         tmp_path: Path,

@@ -282,3 +282,22 @@ def test_the_api_key_reaches_every_child_in_its_environment(tmp_path: Path) -> N
         assert not any("cluster-key" in arg for arg in child.argv)
     assert config_from_args(add_proxy_args(argparse.ArgumentParser()).parse_args(
         ["--api-key", "cluster-key"])).api_key == "cluster-key"
+
+
+def test_placed_workers_bound_their_steps_to_the_proxys_tpot_target(tmp_path: Path) -> None:
+    """Every placed worker gets --decode-step-target-ms: the proxy's --slo-tpot-ms less the
+    placement's headroom (the placement sweep's ``@cell`` runs pass each cell's target
+    this way); static and colocated workers do not; a value the user gives stands."""
+    from proxy.placement import PlacementConfig
+
+    proxy, workers = _children(tmp_path, "--slo-tpot-ms", "15")
+    planned_ms = PlacementConfig(slo_tpot_s=0.015).decode_step_target_s * 1e3
+    assert _proxy_config(proxy).slo_tpot_ms == 15
+    targets = {w.name: _worker_args(w).decode_step_target_ms for w in workers}
+    assert targets == {"prefill0": None, "decode0": None, "colocated0": None,
+                       "worker0": pytest.approx(planned_ms)}
+    assert _worker_args(_children(tmp_path)[1][-1]).decode_step_target_ms == pytest.approx(
+        PlacementConfig().decode_step_target_s * 1e3)  # the proxy's default target
+    _, workers = _children(tmp_path, "--slo-tpot-ms", "15", "--decode-step-target-ms", "9")
+    assert float(_flag(workers[-1], "--decode-step-target-ms")) == 9
+    assert workers[-1].argv.count("--decode-step-target-ms") == 1

@@ -8,23 +8,55 @@ from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.messages import AddRequest
 from engine_core.sampling_params import SamplingParams
-from engine_core.step_rates import StepRates
+from engine_core.step_rates import (
+    StepRates,
+    mixed_prefill_tokens,
+    prefill_rate_beside_decodes,
+)
 
 
 def test_averages_by_step_kind() -> None:
     rates = StepRates(weight=0.5, min_prefill_tokens=64)
     assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (0.0, 0.0)  # unmeasured
-    rates.observe(0.1, 1000, 4)       # a prefill step (decodes ride along)
+    rates.observe(0.1, 1000, 4)       # nothing measured yet: decodes ride along
     assert rates.prefill_tokens_per_s == pytest.approx(10_000)
-    rates.observe(0.1, 3000, 0)
+    rates.observe(0.1, 3000, 0)       # prefill alone
     assert rates.prefill_tokens_per_s == pytest.approx(20_000)  # halfway to 30k
     rates.observe(0.01, 0, 8)         # decodes alone
     rates.observe(0.03, 0, 8)
     assert rates.decode_step_s == pytest.approx(0.02)
-    rates.observe(0.5, 10, 8)         # a small prefill: neither average moves
     rates.observe(0.0, 5000, 0)       # no time measured
+    rates.observe(0.01, 32, 0)        # a small prefill alone: fixed costs dominate it
     assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (pytest.approx(20_000),
                                                                  pytest.approx(0.02))
+
+
+def test_a_mixed_step_measures_its_larger_part() -> None:
+    rates = StepRates(weight=0.5, prefill_tokens_per_s=20_000, decode_step_s=0.02)
+    # 200 prompt tokens are predicted at 10 ms, less than the decode part: the step's
+    # other 30 ms are its decodes (the decode part rises, which bounds the next step).
+    rates.observe(0.040, 200, 8)
+    assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (pytest.approx(20_000),
+                                                                 pytest.approx(0.025))
+    # 2000 tokens (100 ms predicted) dominate: the decode part is predicted, the rest
+    # measures the rate (2000 tokens in 75 ms).
+    rates.observe(0.100, 2000, 8)
+    assert rates.decode_step_s == pytest.approx(0.025)
+    assert rates.prefill_tokens_per_s == pytest.approx((20_000 + 2000 / 0.075) / 2)
+    # A worker that measured only its decode part learns the rate from a mixed step.
+    fresh = StepRates(decode_step_s=0.02)
+    fresh.observe(0.070, 1000, 8)
+    assert fresh.prefill_tokens_per_s == pytest.approx(20_000)
+
+
+def test_mixed_prefill_tokens_and_the_rate_beside_decodes() -> None:
+    assert mixed_prefill_tokens(0.012, 0.009, 40_000) == pytest.approx(120)
+    assert mixed_prefill_tokens(0.012, 0.015, 40_000) == 0.0
+    # With a target, a decoding worker prefills in the share its decodes leave.
+    assert prefill_rate_beside_decodes(40_000, 0.009, 0.012) == pytest.approx(10_000)
+    # Without one (or before its decode part is measured), at its full rate.
+    assert prefill_rate_beside_decodes(40_000, 0.009, 0.0) == 40_000
+    assert prefill_rate_beside_decodes(40_000, 0.0, 0.012) == 40_000
 
 
 def test_engine_reports_queued_prompt_tokens_and_rates(tiny_checkpoint) -> None:

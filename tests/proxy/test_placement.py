@@ -9,6 +9,7 @@ import pytest
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
 from proxy.placement import (
+    MIN_RATE_SHARE,
     PLACEMENT_DISAGGREGATED,
     PLACEMENT_LOCAL,
     REASON_CACHED,
@@ -22,23 +23,22 @@ from proxy.placement import (
     NoPlacementError,
     PlacementConfig,
     WorkerSnapshot,
-    breaks_tpot,
-    committed_duty,
-    duty_budget,
-    duty_with,
-    is_tight,
-    mean_tpot_s,
+    effective_rate,
     place,
 )
 
 ALL = frozenset(CAPABILITIES)
+# Plans steps to 0.8 of the 40 ms target: 32 ms.
 CONFIG = PlacementConfig(slo_ttft_s=1.0, slo_tpot_s=0.040, short_prompt_tokens=256,
                          default_prefill_tokens_per_s=40_000, transfer_overhead_s=0.005,
-                         duty_window_s=2.0, tpot_headroom=0.8)
+                         tpot_headroom=0.8)
+TARGET = CONFIG.decode_step_target_s
 
 
 def worker(name: str, caps: frozenset[str] = ALL, **fields: object) -> WorkerSnapshot:
+    """A worker at 40k prompt tokens/s whose engine bounds its mixed steps to TARGET."""
     fields.setdefault("prefill_tokens_per_s", 40_000.0)
+    fields.setdefault("decode_step_target_s", TARGET)
     return WorkerSnapshot(worker_id=name, capabilities=caps, **fields)  # type: ignore[arg-type]
 
 
@@ -52,78 +52,111 @@ def test_short_prompt_stays_where_it_decodes() -> None:
 
 
 def test_cached_prompt_stays_where_its_prefix_is() -> None:
-    # A long prompt whose prefix b holds: b decodes it and computes only the rest.
-    workers = [worker("a"), worker("b", decode_batch=2, step_s=0.010, cached_tokens=4000)]
+    # A long prompt whose prefix b holds: b decodes it and computes only the rest, at the
+    # rate its decodes leave (32 - 8 ms of each 32 ms step: 30k tokens/s).
+    workers = [worker("a"), worker("b", decode_batch=2, step_s=0.008, cached_tokens=4000)]
     decision = place(workers, 4100, CONFIG)
     assert (decision.placement, decision.decode, decision.reason) == (
         PLACEMENT_LOCAL, "b", REASON_CACHED)
-    assert decision.predicted_prefill_s == pytest.approx(100 / 40_000)
+    assert decision.predicted_prefill_s == pytest.approx(100 / 30_000)
 
 
-def test_duty_budget_admits_a_prefill_beside_decodes_under_the_target() -> None:
-    # The policy plans to 0.8 of the 40 ms target: 32 ms. a decodes 10 streams at 20 ms a
-    # step: its budget is 1 - 20/32 = 0.375 of its time. A 4096-token prefill is 0.1 s,
-    # 0.05 of a 2 s window: with 0.2 already, 0.25 fits (mean TPOT about 20 / 0.75 =
-    # 27 ms), so it stays where it finishes first.
-    workers = [worker("a", decode_batch=10, step_s=0.020, prefill_duty=0.2),
-               worker("b", frozenset({CAP_PREFILL}))]
-    decision = place(workers, 4096, CONFIG)
+def test_effective_rate_is_capped_while_decoding() -> None:
+    # Without decodes a worker prefills at its full rate; while decoding, in the share of
+    # each 32 ms step its 24 ms decode part leaves; without a target (its prefills stall
+    # its streams instead), at its full rate; at least a small share when the decodes fill
+    # the target (the engine still takes a block a step).
+    assert effective_rate(worker("idle", step_s=0.024), CONFIG) == 40_000
+    assert effective_rate(worker("d", decode_batch=50, step_s=0.024), CONFIG) == pytest.approx(
+        10_000)
+    assert effective_rate(worker("u", decode_batch=50, step_s=0.024, decode_step_target_s=0.0),
+                          CONFIG) == 40_000
+    assert effective_rate(worker("f", decode_batch=50, step_s=0.040), CONFIG) == pytest.approx(
+        MIN_RATE_SHARE * 40_000)
+    # The step time the cluster plans to, and passes to its workers, is the target less
+    # the headroom.
+    assert CONFIG.decode_step_target_s == pytest.approx(0.032)
+
+
+def test_decodes_pack_onto_the_workers_that_decode() -> None:
+    # The worker already decoding takes the stream, whatever the batch, while its decode
+    # step is within the plan: the other stays free of decodes and prefills at full rate.
+    workers = [worker("free"), worker("decoding", decode_batch=40, step_s=0.020)]
+    decision = place(workers, 4000, CONFIG)
+    assert (decision.decode, decision.prefill, decision.reason) == (
+        "decoding", "free", REASON_SOONER)
+    assert place(workers, 100, CONFIG).decode == "decoding"
+    # Of two decoding, the larger batch.
+    workers = [worker("a", decode_batch=10, step_s=0.010),
+               worker("b", decode_batch=30, step_s=0.015)]
+    assert place(workers, 100, CONFIG).decode == "b"
+
+
+def test_a_worker_past_the_decode_step_limit_takes_no_more_streams() -> None:
+    # decoding's step alone is past 0.9 of the 40 ms target: the next worker starts
+    # decoding. Below it, the stream still packs there (its steps then carry a block of
+    # prompt at most: the planned 32 ms is behind it).
+    workers = [worker("free", step_s=0.008), worker("decoding", decode_batch=90, step_s=0.035)]
+    assert place(workers, 100, CONFIG).decode == "decoding"
+    workers[1] = worker("decoding", decode_batch=90, step_s=0.037)
+    assert place(workers, 100, CONFIG).decode == "free"
+    # A worker that never decoded steps as fast as the fastest that has.
+    workers[0] = worker("free")
+    assert place(workers, 100, CONFIG).decode == "free"
+    # Past it everywhere: the least slow takes it, whatever the batches.
+    slow = [worker("a", decode_batch=90, step_s=0.150), worker("b", decode_batch=2,
+                                                              step_s=0.120)]
+    assert place(slow, 100, CONFIG).decode == "b"
+
+
+def test_full_kv_takes_new_decodes_last() -> None:
+    workers = [worker("full", decode_batch=60, step_s=0.010, kv_usage=0.97),
+               worker("light", decode_batch=2, step_s=0.010)]
+    assert place(workers, 100, CONFIG).decode == "light"
+    # Every worker's KV is full: still placed (the engine queues it), on the least full.
+    full = [worker("a", kv_usage=0.99), worker("b", kv_usage=0.96)]
+    assert place(full, 100, CONFIG).decode == "b"
+
+
+def test_spillover_goes_to_the_decoding_worker_when_it_finishes_first() -> None:
+    # D decodes at 24 ms of its 32 ms steps: it prefills at 10k tokens/s, a 4000-token
+    # prompt in 0.4 s. P (no decodes, 40k/s) finishes first while its queue is short...
+    workers = [worker("p", queued_prefill_tokens=8000),
+               worker("d", decode_batch=50, step_s=0.024)]
+    decision = place(workers, 4000, CONFIG)
+    assert (decision.decode, decision.prefill, decision.reason) == ("d", "p", REASON_SOONER)
+    assert decision.predicted_prefill_s == pytest.approx(12_000 / 40_000 + 0.005)
+    # ...and once P's queue is deeper than D's capped rate makes up for, D prefills it
+    # itself, in chunks beside its decodes.
+    workers[0] = worker("p", queued_prefill_tokens=16_000)
+    decision = place(workers, 4000, CONFIG)
     assert (decision.placement, decision.decode, decision.reason) == (
-        PLACEMENT_LOCAL, "a", REASON_LOCAL)
-    # At 0.36 it would go to 0.41, over its budget: the prefill moves to b.
-    workers[0] = worker("a", decode_batch=10, step_s=0.020, prefill_duty=0.36)
+        PLACEMENT_LOCAL, "d", REASON_LOCAL)
+    assert decision.predicted_prefill_s == pytest.approx(4000 / 10_000)
+
+
+def test_prefill_moves_off_decodes_no_target_protects() -> None:
+    # a runs no decode-step target: a prefill there stalls its 8 streams. b finishes no
+    # sooner (the transfer's cost) but harms none, and meets the TTFT target.
+    unprotected = dict(decode_step_target_s=0.0)
+    workers = [worker("a", decode_batch=8, step_s=0.015, **unprotected),
+               worker("b", frozenset({CAP_PREFILL}))]
     decision = place(workers, 4096, CONFIG)
     assert (decision.placement, decision.decode, decision.prefill, decision.reason) == (
         PLACEMENT_DISAGGREGATED, "a", "b", REASON_TPOT)
-    # With a looser target the budget is 1 - 20/80 = 0.75: it stays.
-    loose = dataclasses.replace(CONFIG, slo_tpot_s=0.100)
-    assert place(workers, 4096, loose).placement == PLACEMENT_LOCAL
-    # A worker with no decodes running has nothing to protect, whatever its duty.
-    idle = [worker("a", prefill_duty=0.9), worker("b", frozenset({CAP_PREFILL}))]
-    assert place(idle, 4096, CONFIG).placement == PLACEMENT_LOCAL
-
-
-def test_one_long_prefill_counts_by_its_share_of_the_window() -> None:
-    # A single 8192-token chunk stalls a's 20 ms steps by 205 ms once; spread over the
-    # window it is 0.1 of a's time, within its 0.375 budget: the mean TPOT holds; it stays.
-    workers = [worker("a", decode_batch=30, step_s=0.020), worker("b", frozenset({CAP_PREFILL}))]
-    assert place(workers, 8192, CONFIG).placement == PLACEMENT_LOCAL
-    # A worker whose steps alone miss the target has no budget at all.
-    workers[0] = worker("a", decode_batch=30, step_s=0.038)
-    assert duty_budget(workers[0], CONFIG) == pytest.approx(1 - 38 / 32)
-    assert place(workers, 8192, CONFIG).reason == REASON_TPOT
-
-
-def test_duty_model() -> None:
-    a = worker("a", decode_batch=5, step_s=0.010, prefill_duty=0.25)
-    assert mean_tpot_s(a, 0.25) == pytest.approx(0.010 / 0.75)
-    assert mean_tpot_s(a, 1.0) == math.inf
-    assert duty_with(a, 8000, CONFIG) == pytest.approx(0.25 + 0.2 / 2.0)
-    assert duty_budget(a, CONFIG) == pytest.approx(1 - 10 / 32)
-    assert not breaks_tpot(a, 8000, CONFIG)
-    assert breaks_tpot(a, 60_000, CONFIG)  # 1.5 s of prefill: 0.25 + 0.75 > 0.69
-    # Queued prefill is what a new stream surely sees: the duty's part still queued.
-    assert committed_duty(a, CONFIG) == 0.0
-    queued = worker("q", decode_batch=5, step_s=0.010, prefill_duty=0.25,
-                    queued_prefill_tokens=8000)
-    assert committed_duty(queued, CONFIG) == pytest.approx(0.1)
-
-
-def test_tpot_move_goes_where_decodes_are_not_hurt() -> None:
-    # a is at its duty budget; c would finish first but its own decodes would break; b has
-    # none.
-    workers = [worker("a", decode_batch=8, step_s=0.015, prefill_duty=0.5),
+    # Of the prefillers, the one whose decodes are not stalled, though another is sooner.
+    workers = [worker("a", decode_batch=8, step_s=0.015, **unprotected),
                worker("b", frozenset({CAP_PREFILL}), queued_prefill_tokens=2000),
                worker("c", frozenset({CAP_PREFILL, CAP_DECODE}), decode_batch=40,
-                      step_s=0.045)]  # over the target already: no decode goes there
+                      step_s=0.045, **unprotected)]
     decision = place(workers, 4096, CONFIG)
     assert (decision.decode, decision.prefill, decision.reason) == ("a", "b", REASON_TPOT)
 
 
 def test_tpot_move_does_not_blow_the_ttft_target() -> None:
     # b's queue is 2 s deep: moving there would miss TTFT while a meets it, so a keeps it
-    # although it is over its duty budget.
-    workers = [worker("a", decode_batch=8, step_s=0.015, prefill_duty=0.5),
+    # although its decodes stall.
+    workers = [worker("a", decode_batch=8, step_s=0.015, decode_step_target_s=0.0),
                worker("b", frozenset({CAP_PREFILL}), queued_prefill_tokens=80_000)]
     decision = place(workers, 4096, CONFIG)
     assert (decision.placement, decision.reason) == (PLACEMENT_LOCAL, REASON_LOCAL)
@@ -188,59 +221,6 @@ def test_decode_only_worker_gets_its_prefill_elsewhere() -> None:
     assert (decision.placement, decision.reason) == (PLACEMENT_LOCAL, REASON_NO_PREFILL)
 
 
-def test_decodes_spread_when_prefills_fit_beside_them() -> None:
-    # The cluster's prefill duty shared evenly (0.15) is within every decoding worker's
-    # budget (the least: 1 - 50/80): decodes spread as on replicas; workers over the target
-    # (their steps stretched by the prefill queued there) and full ones come last.
-    loose = dataclasses.replace(CONFIG, slo_tpot_s=0.100)
-    workers = [worker("busy", decode_batch=30, step_s=0.030),
-               worker("prefilling", decode_batch=1, prefill_duty=0.6, step_s=0.050,
-                      queued_prefill_tokens=48_000),  # 50 / (1 - 0.6) = 125 ms: over
-               worker("full", decode_batch=0, kv_usage=0.97),
-               worker("light", decode_batch=2, step_s=0.010)]
-    assert not is_tight(workers, loose)
-    assert place(workers, 100, loose).decode == "light"
-    slow = [worker("a", decode_batch=4, step_s=0.050), worker("b", decode_batch=2, step_s=0.150)]
-    assert place(slow, 100, loose).decode == "a"  # b is over the target
-    # Over the target everywhere: the least slow takes it, whatever the batches.
-    slow = [worker("a", decode_batch=90, step_s=0.150), worker("b", decode_batch=2,
-                                                              step_s=0.120)]
-    assert place(slow, 100, CONFIG).decode == "b"
-    # Every worker's KV is full: still placed (the engine queues it), on the least full.
-    full = [worker("a", kv_usage=0.99), worker("b", kv_usage=0.96)]
-    assert place(full, 100, loose).decode == "b"
-
-
-def test_decodes_pack_when_the_tpot_target_is_tight() -> None:
-    # The cluster prefills 0.9 s a second; shared over two workers, 0.45 each is over the
-    # decoding worker's budget (1 - 20/32 = 0.375): replicas would break the target.
-    # Decodes pack onto the worker already decoding, which leaves the other to prefill.
-    workers = [worker("prefiller", prefill_duty=0.8),
-               worker("decoding", decode_batch=40, step_s=0.020, prefill_duty=0.1)]
-    assert is_tight(workers, CONFIG)
-    assert place(workers, 100, CONFIG).decode == "decoding"
-    decision = place(workers, 4000, CONFIG)  # 0.05 more duty fits its budget: local
-    assert (decision.decode, decision.reason) == ("decoding", REASON_LOCAL)
-    workers[1] = worker("decoding", decode_batch=40, step_s=0.020, prefill_duty=0.35)
-    decision = place(workers, 4000, CONFIG)  # 0.40 does not: prefilled on the other
-    assert (decision.decode, decision.prefill, decision.reason) == (
-        "decoding", "prefiller", REASON_TPOT)
-    # Past the target the decoding worker takes no more: the next one starts decoding.
-    workers = [worker("idle", prefill_duty=0.3, step_s=0.008),
-               worker("decoding", decode_batch=60, step_s=0.045)]
-    assert place(workers, 100, CONFIG).decode == "idle"
-    # A worker that never decoded steps as fast as the fastest that has: with 1.5 s of
-    # prefill queued (0.75 of the window) it would give 4 x 20 ms: not for this stream.
-    workers = [worker("prefiller", queued_prefill_tokens=60_000, prefill_duty=0.9),
-               worker("decoding", decode_batch=40, step_s=0.020)]
-    assert place(workers, 100, CONFIG).decode == "decoding"
-    workers[1] = worker("decoding", decode_batch=40, step_s=0.060)  # over: least slow
-    assert place(workers, 100, CONFIG).decode == "decoding"
-    # The same duties with nobody decoding yet: not tight, decodes spread.
-    workers = [worker("a", prefill_duty=0.8), worker("b", prefill_duty=0.1)]
-    assert not is_tight(workers, CONFIG)
-
-
 def test_prefill_only_worker_never_decodes() -> None:
     workers = [worker("p", frozenset({CAP_PREFILL})), worker("w", frozenset({CAP_WHOLE}),
                                                              decode_batch=50, step_s=0.03)]
@@ -273,4 +253,6 @@ def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         PlacementConfig(tpot_headroom=0)
     with pytest.raises(ValueError):
-        PlacementConfig(duty_window_s=math.nan)
+        PlacementConfig(decode_step_limit=1.5)
+    with pytest.raises(ValueError):
+        PlacementConfig(slo_ttft_s=math.nan)

@@ -28,7 +28,8 @@ def test_a_worker_announces_capabilities_and_placement_load() -> None:
     message = Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
                         capabilities=["prefill", "decode", "whole"],
                         load=WorkerLoad(num_prefill_tokens_queued=4096,
-                                        prefill_tokens_per_s=40_000.0, decode_step_s=0.012))
+                                        prefill_tokens_per_s=40_000.0, decode_step_s=0.012,
+                                        decode_step_target_s=0.012))
     assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
 
 
@@ -56,6 +57,8 @@ def test_colocated_needs_no_kv_address() -> None:
                load=WorkerLoad(prefill_tokens_per_s=float("nan"))), "prefill_tokens_per_s"),
     (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
                load=WorkerLoad(decode_step_s=float("inf"))), "decode_step_s"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(decode_step_target_s=-0.01)), "decode_step_target_s"),
 ])
 def test_invalid_values(message: Heartbeat, match: str) -> None:
     with pytest.raises(MessageDecodeError, match=match):

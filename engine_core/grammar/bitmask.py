@@ -26,11 +26,15 @@ def num_words(vocab_size: int) -> int:
 
 # Threads of the batched fill: it runs while the device computes the step's forward.
 FILL_THREADS = 8
+# Up to this many masks are filled one by one on the calling thread: waking the pool costs
+# more than a few fills (a mask over a 151,936-token vocabulary takes 0.1-0.3 ms).
+SERIAL_FILL_MAX = 4
 
 
 class BitmaskFiller:
-    """Fills the next-token masks of a step's matchers (xgrammar ``GrammarMatcher``s) in one
-    batched, multi-threaded call; one per scheduler, made with its first grammar."""
+    """Fills the next-token masks of a step's matchers (xgrammar ``GrammarMatcher``s): one
+    batched, multi-threaded call, or a few single fills; one per scheduler, made with its
+    first grammar."""
 
     def __init__(self, max_threads: int = FILL_THREADS) -> None:
         import xgrammar as xgr
@@ -40,6 +44,10 @@ class BitmaskFiller:
     def fill(self, matchers: list[Any], rows: list[int], out: torch.Tensor) -> None:
         """Write the mask of ``matchers[i]`` into row ``rows[i]`` of ``out`` (host int32
         ``[N, num_words]``); the other rows are left as they are."""
+        if len(matchers) <= SERIAL_FILL_MAX:
+            for matcher, row in zip(matchers, rows):
+                matcher.fill_next_token_bitmask(out, row)
+            return
         self._batch.batch_fill_next_token_bitmask(matchers, out, indices=rows)
 
 

@@ -46,7 +46,7 @@ def test_mask_stage_hands_out_its_first_rows() -> None:
 
 
 def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
-    from engine_core.grammar.bitmask import BitmaskFiller
+    from engine_core.grammar.bitmask import SERIAL_FILL_MAX, BitmaskFiller
     from engine_core.grammar.compiler import GrammarCompiler
     from engine_core.grammar.spec import GrammarSpec
 
@@ -61,10 +61,15 @@ def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
         assert advanced.accept_string("a")
         advanced.fill_next_token_bitmask(single, 1)
         assert not torch.equal(single[0], single[1])
-        out = torch.full((3, num_words(1024)), 9, dtype=torch.int32)
-        BitmaskFiller(max_threads=2).fill([advanced, fresh], [2, 0], out)
-        assert torch.equal(out[0], single[0]) and torch.equal(out[2], single[1])
-        assert (out[1] == 9).all()  # a row it was not given is left alone
+        filler = BitmaskFiller(max_threads=2)
+        for count in (1, SERIAL_FILL_MAX + 1):  # one by one, and the batched call
+            matchers = [advanced, fresh] * count
+            rows = [r for r in reversed(range(len(matchers) + 1)) if r != 1]
+            out = torch.full((len(matchers) + 1, num_words(1024)), 9, dtype=torch.int32)
+            filler.fill(matchers, rows, out)
+            for matcher, row in zip(matchers, rows):
+                assert torch.equal(out[row], single[0 if matcher is fresh else 1])
+            assert (out[1] == 9).all()  # a row it was not given is left alone
     finally:
         compiler.shutdown()
 

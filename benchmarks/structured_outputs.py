@@ -8,11 +8,12 @@ on the host while the step's forward runs, copied once, applied in the sampler).
 JSON where ``--out`` says.
 
 ``--breakdown`` runs each case once more with timers on the runner and reports, per case,
-medians of: the forward (GPU), the scheduler's update of a step (host; the grammars advance
-there), the host's mask fill, how long the device sat between the
+medians of: the step (wall), the forward (GPU), the scheduler's update of a step (host; the
+grammars advance there), the host's mask fill, how long the device sat between the
 step's logits and its sampling work (the host still filling masks, when positive), the
-mask copy, the sampling (GPU, the mask apply included), the apply alone on ``[batch,
-vocab]`` logits, and how many masked steps kept async scheduling's overlap.
+mask copy, the sampling (GPU, the mask apply included), the step less forward, copy and
+sampling (the device idle, waiting for the host anywhere in the step), the apply alone on
+``[batch, vocab]`` logits, and how many masked steps kept async scheduling's overlap.
 ``--no-async-scheduling`` measures one-step-at-a-time stepping for comparison.
 
     python3 -m benchmarks.structured_outputs --out /tmp/so.json              # GPU
@@ -91,7 +92,7 @@ def breakdown(llm: LLM, batch: int, constrained: bool, num_steps: int) -> dict[s
 
     engine.scheduler.update_from_output = timed_update  # type: ignore[method-assign]
     try:
-        step_times(llm, batch, constrained, num_steps)
+        steps = step_times(llm, batch, constrained, num_steps)
         forwards = runner.forward_timer.collect()
         samples = [t for t in runner.sample_timer.collect() if t.masked == constrained]
     finally:
@@ -101,12 +102,18 @@ def breakdown(llm: LLM, batch: int, constrained: bool, num_steps: int) -> dict[s
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
-    return {"forward_ms": median([f.ms for f in forwards]),
-            "update_ms": median(update_ms),
-            "fill_ms": median([t.fill_ms for t in samples]),
-            "device_wait_ms": median([t.device_wait_ms for t in samples]),
-            "copy_ms": median([t.copy_ms for t in samples]),
-            "sample_ms": median([t.sample_ms for t in samples]),
+    parts = {"step_ms": median([t * 1e3 for t in steps]),
+             "forward_ms": median([f.ms for f in forwards]),
+             "update_ms": median(update_ms),
+             "fill_ms": median([t.fill_ms for t in samples]),
+             "device_wait_ms": median([t.device_wait_ms for t in samples]),
+             "copy_ms": median([t.copy_ms for t in samples]),
+             "sample_ms": median([t.sample_ms for t in samples])}
+    busy = [parts[k] for k in ("forward_ms", "copy_ms", "sample_ms")]
+    # What the device did not spend on the step's own work: waits for the host, anywhere.
+    idle = (None if parts["step_ms"] is None or None in busy
+            else parts["step_ms"] - sum(busy))  # type: ignore[arg-type]
+    return {**parts, "device_idle_ms": idle,
             "masked_steps": engine.masked_steps.total - before[0],
             "masked_steps_overlapped": engine.masked_steps.overlapped - before[1]}
 

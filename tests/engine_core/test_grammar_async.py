@@ -1,7 +1,8 @@
 """Structured outputs under async scheduling: a constrained step is launched while the step
 before is in flight, its masks are filled once that step's tokens advanced the grammars,
 and every token is the one one-step-at-a-time scheduling samples (seeded and greedy rows,
-constrained and not, in one batch)."""
+constrained and not, in one batch). On a GPU machine these run on CUDA with graphs, the
+pinned staging and the Triton apply."""
 
 from __future__ import annotations
 
@@ -43,8 +44,7 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(path, prompts, params, async_scheduling: bool):
-    llm = LLM(str(path), async_scheduling=async_scheduling, max_model_len=256,
-              enforce_eager=True, **CACHE)
+    llm = LLM(str(path), async_scheduling=async_scheduling, max_model_len=256, **CACHE)
     try:
         outputs = llm.generate(prompts, params)
         manager = llm.engine.kv_manager
@@ -86,7 +86,7 @@ def test_one_constrained_request_overlaps_every_step_but_its_first(tiny_checkpoi
     masked step is launched before the step before it is collected. A step scheduled for
     it while the token that completes its grammar is in flight samples without a mask (the
     token is dropped) and is not counted."""
-    llm = LLM(str(tiny_checkpoint("llama")), max_model_len=256, enforce_eager=True, **CACHE)
+    llm = LLM(str(tiny_checkpoint("llama")), max_model_len=256, **CACHE)
     try:
         engine = llm.engine
         params = SamplingParams(temperature=1.0, seed=7, max_tokens=64,
@@ -110,7 +110,7 @@ def test_a_grammar_ending_with_a_step_in_flight_leaks_nothing(tiny_checkpoint,
     """Choice grammars end after a few tokens, while the next step (holding the request) is
     already launched: the request ends with a choice, and no block stays held."""
     llm = LLM(str(tiny_checkpoint("llama")), async_scheduling=async_scheduling,
-              max_model_len=256, enforce_eager=True, **CACHE)
+              max_model_len=256, **CACHE)
     try:
         params = SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=16,
                                 structured_outputs=StructuredOutputsParams(choice=CHOICES))

@@ -356,7 +356,7 @@ class ModelRunner:
         timer = self.sample_timer
         grammar_mask = None
         if fill_masks is not None:
-            stage = self._mask_stage(logits.shape[-1])
+            stage = self._mask_stage(len(step.req_ids), logits.shape[-1])
             started = time.perf_counter()
             host_rows = stage.host_rows(len(step.req_ids))
             constrained = fill_masks(step.req_ids, host_rows)
@@ -388,7 +388,11 @@ class ModelRunner:
         step.samples = samples
         return grammar_mask is not None
 
-    def _mask_stage(self, vocab_size: int) -> GrammarMaskStage:
-        if self._grammar_masks is None:
-            self._grammar_masks = GrammarMaskStage(self._max_rows, vocab_size, self.device)
-        return self._grammar_masks
+    def _mask_stage(self, num_rows: int, vocab_size: int) -> GrammarMaskStage:
+        """The staging buffers, made with the first mask for ``max_num_seqs`` rows (remade
+        larger for a runner without batch limits, whose steps grow)."""
+        stage = self._grammar_masks
+        if stage is None or stage.max_rows < num_rows:
+            stage = GrammarMaskStage(max(num_rows, self._max_rows), vocab_size, self.device)
+            self._grammar_masks = stage
+        return stage

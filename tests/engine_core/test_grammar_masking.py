@@ -32,7 +32,7 @@ PROMPTS = [f"request {i}: answer" for i in range(20)]
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    # Async scheduling (the default): constrained rows wait for their previous token.
+    # Async scheduling (the default): masks are filled once the step before is collected.
     engine = LLM(str(tiny_checkpoint("llama")), max_num_seqs=512, max_model_len=128,
                  max_num_batched_tokens=4096, enforce_eager=True)
     yield engine

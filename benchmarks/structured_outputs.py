@@ -3,11 +3,22 @@
 Qwen3-8B shapes with dummy weights (``benchmarks/model_shapes.py``, demo tokenizer: ids past
 its 1000 entries decode to nothing, so the grammar allows only demo tokens). For each batch
 size, B requests run to decode; the median of the steps in which all B decode is taken, with
-every request unconstrained, then with every request under one JSON schema (the mask filled
-on the host, copied once, applied in the sampler). Writes JSON where ``--out`` says.
+every request unconstrained, then with every request under one JSON schema (the masks filled
+on the host while the step's forward runs, copied once, applied in the sampler). Writes
+JSON where ``--out`` says.
+
+``--breakdown`` runs each case once more with timers on the runner and reports, per case,
+medians of: the step (wall), the forward (GPU), the scheduler's update of a step (host; the
+grammars advance there), the host's mask fill, how long the device sat between the
+step's logits and its sampling work (the host still filling masks, when positive), the
+mask copy, the sampling (GPU, the mask apply included), the step less forward, copy and
+sampling (the device idle, waiting for the host anywhere in the step), the apply alone on
+``[batch, vocab]`` logits, and how many masked steps kept async scheduling's overlap.
+``--no-async-scheduling`` measures one-step-at-a-time stepping for comparison.
 
     python3 -m benchmarks.structured_outputs --out /tmp/so.json              # GPU
-    python3 -m benchmarks.structured_outputs --smoke --out /tmp/so-smoke.json  # CPU, tiny model
+    python3 -m benchmarks.structured_outputs --breakdown --out /tmp/so.json  # GPU, attributed
+    python3 -m benchmarks.structured_outputs --smoke --breakdown --out /tmp/so-smoke.json  # CPU
 """
 
 from __future__ import annotations
@@ -20,11 +31,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks.model_shapes import write_model_dir
+from engine_core.grammar.bitmask import apply_bitmask, num_words
 from engine_core.llm import LLM
 from engine_core.messages import AddRequest
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_outputs import StructuredOutputsParams
+from engine_core.worker.forward_timer import ForwardTimer
+from engine_core.worker.grammar_mask import SampleTimer
 
 # A grammar that stays open for many tokens (an object holding a long list of strings).
 SCHEMA = {"type": "object", "properties": {"notes": {"type": "array",
@@ -57,6 +73,79 @@ def step_times(llm: LLM, batch: int, constrained: bool, num_steps: int) -> list[
     return times
 
 
+def breakdown(llm: LLM, batch: int, constrained: bool, num_steps: int) -> dict[str, Any]:
+    """One more run of a case with timers on the runner: medians in ms (see the module
+    docstring) and the masked steps that overlapped the step before."""
+    engine = llm.engine
+    runner = engine.runner
+    runner.forward_timer = ForwardTimer(runner.device)
+    runner.sample_timer = SampleTimer(runner.device)
+    before = (engine.masked_steps.total, engine.masked_steps.overlapped)
+    update_ms: list[float] = []  # host: the scheduler's update, the grammars' advance in it
+    update = engine.scheduler.update_from_output
+
+    def timed_update(*args: Any) -> Any:
+        started = time.perf_counter()
+        result = update(*args)
+        update_ms.append((time.perf_counter() - started) * 1e3)
+        return result
+
+    engine.scheduler.update_from_output = timed_update  # type: ignore[method-assign]
+    try:
+        steps = step_times(llm, batch, constrained, num_steps)
+        forwards = runner.forward_timer.collect()
+        samples = [t for t in runner.sample_timer.collect() if t.masked == constrained]
+    finally:
+        runner.forward_timer = runner.sample_timer = None
+        del engine.scheduler.update_from_output  # the class's method again
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    parts = {"step_ms": median([t * 1e3 for t in steps]),
+             "forward_ms": median([f.ms for f in forwards]),
+             "update_ms": median(update_ms),
+             "fill_ms": median([t.fill_ms for t in samples]),
+             "device_wait_ms": median([t.device_wait_ms for t in samples]),
+             "copy_ms": median([t.copy_ms for t in samples]),
+             "sample_ms": median([t.sample_ms for t in samples])}
+    busy = [parts[k] for k in ("forward_ms", "copy_ms", "sample_ms")]
+    # What the device did not spend on the step's own work: waits for the host, anywhere.
+    idle = (None if parts["step_ms"] is None or None in busy
+            else parts["step_ms"] - sum(busy))  # type: ignore[arg-type]
+    return {**parts, "device_idle_ms": idle,
+            "masked_steps": engine.masked_steps.total - before[0],
+            "masked_steps_overlapped": engine.masked_steps.overlapped - before[1]}
+
+
+def apply_ms(batch: int, vocab: int, device: str, repeats: int = 50) -> float:
+    """Median time of the mask apply alone on ``[batch, vocab]`` float32 logits."""
+    logits = torch.randn(batch, vocab, device=device)
+    mask = torch.randint(-2**31, 2**31, (batch, num_words(vocab)), dtype=torch.int64,
+                         device=device).to(torch.int32)
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            apply_bitmask(logits, mask)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            apply_bitmask(logits, mask)
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def _print_breakdown(batch: int, name: str, parts: dict[str, Any]) -> None:
+    shown = "  ".join(f"{key[:-3] if key.endswith('_ms') else key} "
+                      + (f"{value:.3f}" if isinstance(value, float) else str(value))
+                      for key, value in parts.items() if value is not None)
+    print(f"  batch {batch:3d} {name:11s} {shown}", flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = Path(tempfile.mkdtemp(prefix="so-bench-"))
     overrides: dict[str, Any] = {}
@@ -68,20 +157,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(str(model_dir), load_format="dummy", max_model_len=1024,
               max_num_seqs=max(args.batch_sizes), device=args.device,
               dtype="float32" if args.smoke else "bfloat16",
-              enforce_eager=args.smoke)
+              enforce_eager=args.smoke, async_scheduling=args.async_scheduling)
     results = []
     for batch in args.batch_sizes:
         step_times(llm, batch, True, 4)  # compile the grammar, warm the path
         plain = statistics.median(step_times(llm, batch, False, args.steps))
         masked = statistics.median(step_times(llm, batch, True, args.steps))
-        results.append({"batch": batch, "plain_step_ms": plain * 1e3,
-                        "json_schema_step_ms": masked * 1e3,
-                        "slowdown": masked / plain - 1.0})
+        result: dict[str, Any] = {"batch": batch, "plain_step_ms": plain * 1e3,
+                                  "json_schema_step_ms": masked * 1e3,
+                                  "slowdown": masked / plain - 1.0}
         print(f"batch {batch:3d}: plain {plain * 1e3:8.3f} ms  json schema "
               f"{masked * 1e3:8.3f} ms  ({(masked / plain - 1) * 100:+.1f}%)", flush=True)
+        if args.breakdown:
+            result["breakdown"] = {
+                "plain": breakdown(llm, batch, False, args.steps),
+                "json_schema": breakdown(llm, batch, True, args.steps),
+                "apply_alone_ms": apply_ms(batch, llm.engine.vocab_size, llm.engine.device)}
+            for name in ("plain", "json_schema"):
+                _print_breakdown(batch, name, result["breakdown"][name])
+            print(f"  batch {batch:3d} apply alone {result['breakdown']['apply_alone_ms']:.3f} ms",
+                  flush=True)
+        results.append(result)
     llm.shutdown()
     return {"model": args.model if not args.smoke else "tiny", "device": args.device or "auto",
-            "steps": args.steps, "schema": SCHEMA, "results": results}
+            "steps": args.steps, "async_scheduling": args.async_scheduling, "schema": SCHEMA,
+            "results": results}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,10 +194,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per case")
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--smoke", action="store_true", help="a tiny model (runs on CPU)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the forward, mask fill, copy and sampling per case")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="the engine's async scheduling (default: on)")
     args = parser.parse_args(argv)
     if args.device is None:
-        import torch
-
         args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     return args
 

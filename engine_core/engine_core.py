@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
 from engine_core.worker.cuda_graphs import CaptureStats
+from engine_core.worker.grammar_mask import MaskedStepCounts
 from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.loader import (
     load_model,
@@ -188,6 +190,7 @@ class EngineCore:
         self.step_watch = StepWatch()
         self.step_watch.start()
         self.rejected_messages = 0
+        self.masked_steps = MaskedStepCounts()
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -369,25 +372,30 @@ class EngineCore:
         that call has launched its own: the host schedules and stages step N+1 while the
         device still runs step N. Outputs therefore trail by one step; a step that
         sampled nothing is collected at once. Penalties read the in-flight step's tokens on
-        the device (``Sampler``), so they do not stop the overlap.
+        the device (``Sampler``), so they do not stop the overlap. A step in which a
+        constrained request samples is launched without its sampling: the step in flight
+        is collected (its tokens advance the grammars), then this step's masks are filled
+        while its forward runs on the device, and its sampling is queued behind it.
         """
         started = time.perf_counter()
         if self.host_kv is not None:
             self.host_kv.poll()  # downloads that landed may serve this pass's lookups
         outputs = self._land_loads()
-        if self._in_flight is not None and self._in_flight[0].grammar_bitmask is not None:
-            outputs += self._complete(*self._in_flight)  # the next masks need its tokens
-            self._in_flight = None
         scheduler_output = self.scheduler.schedule()
         transfer_updates = self.scheduler.transfer_updates
         if self.rank_processes is not None:
             self.rank_processes.send_step(scheduler_output)
         launched = self.runner.launch(scheduler_output)
         completed = scheduler_output  # the step whose end this call waits for
+        overlapped = self._in_flight is not None
         if self._in_flight is not None:
             completed = self._in_flight[0]
             outputs += self._complete(*self._in_flight)
             self._in_flight = None
+        if launched.awaits_masks:  # its masks need the tokens collected just above
+            fill = partial(self.scheduler.fill_grammar_bitmask, scheduler_output)
+            if self.runner.sample(launched, fill):
+                self.masked_steps.count(overlapped)
         if self.async_scheduling and launched.sampled:
             self._in_flight = (scheduler_output, launched)
         else:

@@ -9,7 +9,6 @@ from engine_core.messages import TokenLogprob
 from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine_core.grammar.bitmask import GrammarBitmask
     from engine_core.request import Request
     from engine_core.sched.kv_cache_manager import HostCopies
 
@@ -50,8 +49,9 @@ class SchedulerOutput:
     kv_connector_metadata: Any = None
     # KV offload copies the runner queues before this step.
     host_copies: HostCopies | None = None
-    # Token masks of the constrained requests that sample in this step (None: none does).
-    grammar_bitmask: GrammarBitmask | None = None
+    # The constrained requests that sample in this step: their masks are filled once the
+    # step before is collected (``Scheduler.fill_grammar_bitmask``), after the launch.
+    grammar_request_ids: set[str] = field(default_factory=set)
     # The scheduler's own request objects (the runner never reads them): the update of this
     # step lands only on these, never on a newer request that reuses a finished one's id.
     scheduled_requests: dict[str, Request] = field(default_factory=dict, repr=False)

@@ -21,9 +21,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_core.config import CacheConfig, SchedulerConfig
-from engine_core.grammar.bitmask import BitmaskFiller, GrammarBitmask
+from engine_core.grammar.bitmask import BitmaskFiller
 from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
 from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import (
@@ -42,6 +43,9 @@ from engine_core.sched.outputs import (
     SchedulerOutput,
 )
 from engine_core.step_rates import StepRates, mixed_step_prefill_budget
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("pdserve.scheduler")
 
@@ -204,9 +208,7 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget,
                           self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0 or self._stops_with_pending(request) or (
-                    request.grammar is not None and request.num_pending_tokens):
-                # A constrained request's next mask needs its pending token.
+            if num_new <= 0 or self._stops_with_pending(request):
                 index += 1
                 continue
             if num_new > 1 and prefill_budget is not None:
@@ -299,8 +301,6 @@ class Scheduler:
         output.host_copies = self.kv.end_pass()
         output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._advance_scheduled(output)
-        if self.num_constrained:
-            output.grammar_bitmask = self._grammar_bitmask(scheduled)
         return output
 
     def mixed_prefill_budget(self) -> int | None:
@@ -311,18 +311,30 @@ class Scheduler:
         return mixed_step_prefill_budget(self.config.decode_step_target_s, self.step_rates,
                                          self.block_size)
 
-    def _grammar_bitmask(self, scheduled: dict[str, Request]) -> GrammarBitmask | None:
-        """The masks of the constrained requests that sample in this step (those with a
-        pending sample now: a constrained request is scheduled only without one)."""
-        sampling = [r for r in scheduled.values()
-                    if r.grammar is not None and r.num_pending_tokens]
-        if not sampling:
-            return None
-        grammars = [g for r in sampling if (g := r.grammar) is not None]
+    def fill_grammar_bitmask(self, output: SchedulerOutput, request_ids: list[str],
+                             rows: torch.Tensor) -> bool:
+        """Fill ``rows[i]`` with ``request_ids[i]``'s next-token mask (its grammar's while it
+        runs constrained, else all ones), once the step before is collected and while this
+        step's forward runs. False when no row is constrained (``rows`` left as it was)."""
+        if not output.grammar_request_ids:
+            return False
+        matchers, constrained = [], []
+        for row, request_id in enumerate(request_ids):
+            request = output.scheduled_requests.get(request_id)
+            # A request the step before ended (its grammar complete, a stop token) samples
+            # a token that is dropped: it needs no mask.
+            if (request_id in output.grammar_request_ids and request is not None
+                    and request.grammar is not None and not request.is_finished):
+                matchers.append(request.grammar.matcher)
+                constrained.append(row)
+        if not constrained:
+            return False
+        if len(constrained) < len(request_ids):
+            rows.fill_(-1)
         if self._bitmask_filler is None:
             self._bitmask_filler = BitmaskFiller()
-        return self._bitmask_filler.fill([r.request_id for r in sampling],
-                                         [g.matcher for g in grammars], grammars[0].vocab_size)
+        self._bitmask_filler.fill(matchers, constrained, rows)
+        return True
 
     def _stops_with_pending(self, request: Request) -> bool:
         """A request whose in-flight tokens certainly end it (length) gets no more steps."""
@@ -345,6 +357,8 @@ class Scheduler:
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - before)
             if request.num_computed_tokens >= request.num_tokens_with_pending:
                 request.num_pending_tokens += 1
+                if request.grammar is not None:
+                    output.grammar_request_ids.add(request_id)
 
     def _park(self, request: Request, hit_blocks: list, num_local: int,
               num_external: int) -> bool:

@@ -9,12 +9,16 @@ fits (``cuda_graphs.py``). The one host sync of a step is reading the sampled to
 A step is ``launch`` (queue the forward and the sampling; return at once) then ``collect``
 (read the tokens). Between the two the engine may launch the next step: a request whose
 previous token is still on the device (pending) takes it as input straight from the
-previous step's sampled-token tensor, so the host never waits to build a step.
+previous step's sampled-token tensor, so the host never waits to build a step. A step in
+which a constrained request samples is launched without its sampling: the engine collects
+the step before (its tokens advance the grammars), then ``sample`` fills the masks on the
+host while the device runs the forward, and queues the sampling behind it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,7 +26,6 @@ import numpy as np
 import torch
 
 from engine_core.attention.backend import AttentionPlan
-from engine_core.grammar.bitmask import bitmask_to_device
 from engine_core.kv_connector import ConnectorWorker
 from engine_core.parallel.rank_sampler import RankSampler
 from engine_core.sampling_params import SamplingParams
@@ -36,6 +39,7 @@ from engine_core.worker.cuda_graphs import (
     estimate_pool_bytes,
 )
 from engine_core.worker.forward_timer import ForwardTimer
+from engine_core.worker.grammar_mask import GrammarMaskStage, MaskFill, SampleTimer
 from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.prompt_logprobs import (
     DevicePromptLogprobs,
@@ -79,10 +83,17 @@ class LaunchedStep:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     prompt_logprobs: DevicePromptLogprobs | None = None
+    # Logits whose sampling waits for grammar masks (``ModelRunner.sample``), else None.
+    logits: torch.Tensor | None = None
 
     @property
     def sampled(self) -> bool:
         return self.samples is not None
+
+    @property
+    def awaits_masks(self) -> bool:
+        """The forward is queued; the sampling waits for ``ModelRunner.sample``."""
+        return self.logits is not None
 
 
 class ModelRunner:
@@ -114,8 +125,11 @@ class ModelRunner:
         self.block_table = HostBlockTable(limits.max_num_seqs, limits.max_blocks_per_seq)
         self.graphs: StepGraphs | None = None
         self._graphs_paused = False
-        # Set by benchmarks: GPU time of each forward (eager or replay).
+        # Set by benchmarks: GPU time of each forward (eager or replay), and of sampling.
         self.forward_timer: ForwardTimer | None = None
+        self.sample_timer: SampleTimer | None = None
+        self._max_rows = limits.max_num_seqs
+        self._grammar_masks: GrammarMaskStage | None = None  # made with the first mask
         # KV offload's host slots (set by the engine when --kv-offloading-size is given).
         self.host_kv: HostKVStore | None = None
         # The last launched step's sampled tokens on the device (pending inputs read them)
@@ -182,9 +196,14 @@ class ModelRunner:
             self.block_table.append(state.row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for it: ``launch`` then ``collect``."""
-        return self.collect(self.launch(scheduler_output))
+    def execute(self, scheduler_output: SchedulerOutput,
+                fill_masks: MaskFill | None = None) -> ModelRunnerOutput:
+        """Run one step and wait for it: ``launch``, ``sample`` when it awaits grammar masks
+        (``fill_masks`` fills them), then ``collect``."""
+        step = self.launch(scheduler_output)
+        if step.awaits_masks:
+            self.sample(step, fill_masks)
+        return self.collect(step)
 
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
@@ -198,7 +217,10 @@ class ModelRunner:
         self.connector.start_load_kv(meta)
         step = LaunchedStep()
         if not scheduler_output.is_empty:
-            step = self._forward_and_sample(scheduler_output, meta)
+            step = self._forward(scheduler_output, meta)
+            if step.awaits_masks and not scheduler_output.grammar_request_ids.intersection(
+                    step.req_ids):
+                self.sample(step)
         self.connector.wait_for_save()
         finished = self.connector.get_finished()
         step.finished_sending = finished.sending
@@ -257,7 +279,8 @@ class ModelRunner:
             return None
         return size
 
-    def _forward_and_sample(self, scheduler_output: SchedulerOutput, meta: object) -> LaunchedStep:
+    def _forward(self, scheduler_output: SchedulerOutput, meta: object) -> LaunchedStep:
+        """Queue the step's forward and its logits; ``sample`` samples them."""
         scheduled = scheduler_output.num_scheduled_tokens
         request_ids = list(scheduled)
         states = [self.requests[r] for r in request_ids]
@@ -315,28 +338,61 @@ class ModelRunner:
         selected = (hidden[:num_reqs] if batch.logits_indices is None
                     else hidden[batch.logits_indices])
         logits = self.model.compute_logits(selected)
-        sampled = [states[i] for i in sample_rows]
-        rows_to_sample = [SamplingRow(params=s.sampling_params, token_ids=s.token_ids,
-                                      num_prompt_tokens=s.num_prompt_tokens,
-                                      eos_token_ids=self.eos_token_ids,
-                                      num_pending=s.num_pending,
-                                      pending_index=s.pending_index if s.num_pending else -1,
-                                      prompt_tokens=s.prompt_tokens)
-                          for s in sampled]
+        if self.sample_timer is not None:
+            self.sample_timer.mark("logits")
+        return LaunchedStep([request_ids[i] for i in sample_rows],
+                            [states[i] for i in sample_rows],
+                            prompt_logprobs=prompt_logprobs, logits=logits)
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, fill_masks: MaskFill | None = None) -> bool:
+        """Queue the sampling of a launched step's logits; ``fill_masks`` fills its rows'
+        grammar masks in the pinned staging buffer first (a step whose rows all sample
+        unconstrained passes None). True when masks were applied. The rows are read now,
+        not at the forward: a step collected in between moved its tokens from pending to
+        known."""
+        logits, step.logits = step.logits, None
+        assert logits is not None, "the step was sampled already"
+        timer = self.sample_timer
         grammar_mask = None
-        if scheduler_output.grammar_bitmask is not None:
-            mask_rows = scheduler_output.grammar_bitmask.for_rows(
-                [request_ids[i] for i in sample_rows])
-            if mask_rows is not None:
-                grammar_mask = bitmask_to_device(mask_rows, logits.device)
+        if fill_masks is not None:
+            stage = self._mask_stage(len(step.req_ids), logits.shape[-1])
+            started = time.perf_counter()
+            host_rows = stage.host_rows(len(step.req_ids))
+            constrained = fill_masks(step.req_ids, host_rows)
+            if timer is not None:
+                timer.fill_seconds(time.perf_counter() - started)
+                timer.mark("copy_start")
+            if constrained:
+                grammar_mask = stage.to_device(len(step.req_ids))
+        if timer is not None:
+            timer.mark("sample_start")
+        rows = [SamplingRow(params=s.sampling_params, token_ids=s.token_ids,
+                            num_prompt_tokens=s.num_prompt_tokens,
+                            eos_token_ids=self.eos_token_ids, num_pending=s.num_pending,
+                            pending_index=s.pending_index if s.num_pending else -1,
+                            prompt_tokens=s.prompt_tokens)
+                for s in step.states]
         # _last_samples is still the step in flight's: pending tokens are read from it.
-        samples = self.sampler.sample(logits, rows_to_sample, self._last_samples, grammar_mask)
+        samples = self.sampler.sample(logits, rows, self._last_samples, grammar_mask)
+        if timer is not None:
+            timer.mark("sample_end")
+            timer.end_step(grammar_mask is not None)
         host = self._host_tokens[self._num_launched % 2] if self._host_tokens else None
         self._num_launched += 1
         samples.start_copy(host)
         self._last_samples = samples.token_ids
-        for index, state in enumerate(sampled):
+        for index, state in enumerate(step.states):
             state.num_pending += 1
             state.pending_index = index
-        return LaunchedStep([request_ids[i] for i in sample_rows], sampled, samples,
-                            prompt_logprobs=prompt_logprobs)
+        step.samples = samples
+        return grammar_mask is not None
+
+    def _mask_stage(self, num_rows: int, vocab_size: int) -> GrammarMaskStage:
+        """The staging buffers, made with the first mask for ``max_num_seqs`` rows (remade
+        larger for a runner without batch limits, whose steps grow)."""
+        stage = self._grammar_masks
+        if stage is None or stage.max_rows < num_rows:
+            stage = GrammarMaskStage(max(num_rows, self._max_rows), vocab_size, self.device)
+            self._grammar_masks = stage
+        return stage

@@ -106,8 +106,9 @@ class Sampler:
         """Sample on the device; nothing is read back until ``DeviceSamples.read``.
         ``pending_tokens``: the last launched step's sampled ids, which rows with a pending
         token index (``SamplingRow.pending_index``). ``grammar_bitmask``: one packed row per
-        row of ``logits`` (``grammar/bitmask.py``), applied before every other logit change
-        so that no sampled token leaves a grammar."""
+        row of ``logits`` (``grammar/bitmask.py``), applied in place on float32 ``logits``
+        (the step's own) before every other logit change, so that no sampled token leaves
+        a grammar."""
         logits = logits.float()
         num_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)

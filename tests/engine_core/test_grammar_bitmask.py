@@ -1,13 +1,16 @@
-"""Packed bitmasks: row layout for a step, unpacking on the logits, the sampler applying
-them before everything else, and the compile cache."""
+"""Packed bitmasks: the torch apply on the logits (in place), the staging buffer, the
+batched xgrammar fill into chosen rows, the sampler applying masks before everything else,
+and the compile cache. The Triton apply is checked against the torch one in
+test_triton_kernels.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from engine_core.grammar.bitmask import GrammarBitmask, apply_bitmask, num_words
+from engine_core.grammar.bitmask import apply_bitmask, num_words
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker.grammar_mask import GrammarMaskStage
 from engine_core.worker.sampler import Sampler, SamplingRow
 
 
@@ -21,22 +24,54 @@ def _pack(allowed: list[set[int]], vocab: int) -> np.ndarray:
 
 def test_apply_bitmask_keeps_exactly_the_allowed_tokens() -> None:
     vocab = 70  # not a multiple of 32: the last word is cut
-    allowed = [{0, 31, 32, 63, 69}, set(range(vocab))]
-    logits = torch.randn(2, vocab)
+    allowed = [{0, 31, 32, 63, 69}, set(range(vocab)), set()]
+    logits = torch.randn(3, vocab)
+    original = logits.clone()
     masked = apply_bitmask(logits, torch.from_numpy(_pack(allowed, vocab)))
+    assert masked is logits  # in place
     for row, tokens in enumerate(allowed):
         finite = set(torch.isfinite(masked[row]).nonzero().flatten().tolist())
         assert finite == tokens
-        assert torch.equal(masked[row, sorted(tokens)], logits[row, sorted(tokens)])
+        assert torch.equal(masked[row, sorted(tokens)], original[row, sorted(tokens)])
 
 
-def test_rows_follow_the_step_order_and_others_allow_everything() -> None:
-    words = _pack([{1}, {2}], 64)
-    mask = GrammarBitmask(["b", "d"], words)
-    rows = mask.for_rows(["a", "d", "b"])
-    assert rows is not None
-    assert (rows[0] == -1).all() and (rows[1] == words[1]).all() and (rows[2] == words[0]).all()
-    assert mask.for_rows(["a", "c"]) is None
+def test_mask_stage_hands_out_its_first_rows() -> None:
+    stage = GrammarMaskStage(max_rows=4, vocab_size=70, device=torch.device("cpu"))
+    rows = stage.host_rows(2)
+    assert rows.shape == (2, num_words(70)) and rows.dtype == torch.int32
+    rows.fill_(5)
+    on_device = stage.to_device(2)
+    assert on_device.shape == (2, 3) and (on_device == 5).all()
+    assert stage.host_rows(4).data_ptr() == rows.data_ptr()  # one buffer, reused
+
+
+def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
+    from engine_core.grammar.bitmask import SERIAL_FILL_MAX, BitmaskFiller
+    from engine_core.grammar.compiler import GrammarCompiler
+    from engine_core.grammar.spec import GrammarSpec
+
+    compiler = GrammarCompiler(str(tiny_checkpoint("llama")), 1024, (0,))
+    try:
+        import xgrammar as xgr
+
+        compiled = compiler.submit(GrammarSpec("regex", "ab+")).result(timeout=120)
+        fresh, advanced = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)
+        single = torch.zeros(2, num_words(1024), dtype=torch.int32)
+        fresh.fill_next_token_bitmask(single, 0)
+        assert advanced.accept_string("a")
+        advanced.fill_next_token_bitmask(single, 1)
+        assert not torch.equal(single[0], single[1])
+        filler = BitmaskFiller(max_threads=2)
+        for count in (1, SERIAL_FILL_MAX + 1):  # one by one, and the batched call
+            matchers = [advanced, fresh] * count
+            rows = [r for r in reversed(range(len(matchers) + 1)) if r != 1]
+            out = torch.full((len(matchers) + 1, num_words(1024)), 9, dtype=torch.int32)
+            filler.fill(matchers, rows, out)
+            for matcher, row in zip(matchers, rows):
+                assert torch.equal(out[row], single[0 if matcher is fresh else 1])
+            assert (out[1] == 9).all()  # a row it was not given is left alone
+    finally:
+        compiler.shutdown()
 
 
 def test_sampler_never_draws_a_masked_token_whatever_the_bias() -> None:
@@ -47,7 +82,7 @@ def test_sampler_never_draws_a_masked_token_whatever_the_bias() -> None:
     params = SamplingParams(temperature=1.0, top_k=3, logit_bias={7: 100.0})
     sample_rows = [SamplingRow(params, [1, 2], 2, (0,)) for _ in range(rows)]
     mask = torch.from_numpy(_pack([allowed] * rows, vocab))
-    tokens, _ = Sampler().sample(logits, sample_rows, None, mask).read()
+    tokens, _ = Sampler().sample(logits.clone(), sample_rows, None, mask).read()
     assert set(tokens) <= allowed
     unmasked, _ = Sampler().sample(logits, sample_rows).read()
     assert not set(unmasked) <= allowed  # the bias wins without the mask

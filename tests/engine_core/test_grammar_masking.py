@@ -41,7 +41,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def samples(tiny_checkpoint) -> dict[str, list[str]]:
     """Each kind's completions, from one generate call over all 1,000 requests."""
-    # Async scheduling (the default): constrained rows wait for their previous token.
+    # Async scheduling (the default): masks are filled once the step before is collected.
     llm = LLM(str(tiny_checkpoint("llama")), max_num_seqs=512, max_model_len=128,
               max_num_batched_tokens=4096, enforce_eager=True)
     try:

@@ -1,14 +1,14 @@
 """Scheduler rules for requests with a grammar: they wait while it compiles, a failed
 compile ends them with an error (no blocks held), an abort finds them, a grammar that
-completes ends them as a stop, and a pending token keeps them out of the next step."""
+completes ends them as a stop, and a pending token does not keep them out of the next step
+(async scheduling): their masks are filled once that token is collected."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+import torch
 
 import engine_core.sched.scheduler as scheduler_module
-from engine_core.grammar.bitmask import GrammarBitmask
 from engine_core.request import RequestStatus
 from tests.engine_core.test_scheduler import FakeRunner, make_request, make_scheduler
 
@@ -19,7 +19,7 @@ class FakeGrammar:
     def __init__(self, length: int = 3, error: str | None = None) -> None:
         self.is_ready = False
         self.error = error
-        self.matcher = object()
+        self.matcher = FakeMatcher(self)
         self.vocab_size = 64
         self.accepted: list[int] = []
         self.length = length
@@ -38,17 +38,34 @@ class FakeGrammar:
 
 @pytest.fixture(autouse=True)
 def fake_fill(monkeypatch):
-    """Masks without xgrammar: record which requests got one."""
-    filled: list[list[str]] = []
+    """Masks without xgrammar: record which rows got one and the tokens their grammars had
+    accepted when they did."""
+    filled: list[list[tuple[int, int]]] = []
 
     class FakeFiller:
-        def fill(self, request_ids, matchers, vocab_size):
-            filled.append(list(request_ids))
-            return GrammarBitmask(list(request_ids),
-                                  np.full((len(request_ids), 2), -1, np.int32))
+        def fill(self, matchers, rows, out):
+            filled.append([(row, len(m.accepted)) for m, row in zip(matchers, rows)])
+            out[rows] = 7
 
     monkeypatch.setattr(scheduler_module, "BitmaskFiller", FakeFiller)
     return filled
+
+
+def _step(scheduler, runner, out):
+    """Fill the step's masks as the engine does (after the step before is collected), then
+    run it."""
+    rows = torch.zeros(len(out.num_scheduled_tokens), 2, dtype=torch.int32)
+    scheduler.fill_grammar_bitmask(out, list(out.num_scheduled_tokens), rows)
+    return scheduler.update_from_output(out, runner.execute(out))
+
+
+class FakeMatcher:
+    def __init__(self, grammar: FakeGrammar) -> None:
+        self.grammar = grammar
+
+    @property
+    def accepted(self) -> list[int]:
+        return self.grammar.accepted
 
 
 def test_waits_for_its_compile_then_runs_and_stops_when_the_grammar_completes(fake_fill):
@@ -59,18 +76,19 @@ def test_waits_for_its_compile_then_runs_and_stops_when_the_grammar_completes(fa
     plain = make_request("p", 5, max_tokens=2, start=40)
     scheduler.add_request(plain)
     out = scheduler.schedule()
-    assert list(out.num_scheduled_tokens) == ["p"] and out.grammar_bitmask is None
+    assert list(out.num_scheduled_tokens) == ["p"] and not out.grammar_request_ids
     assert scheduler.num_waiting == 1 and scheduler.has_runnable()
-    scheduler.update_from_output(out, runner.execute(out))
+    _step(scheduler, runner, out)
+    assert fake_fill == []  # no constrained row sampled: nothing filled
     grammar.is_ready = True
     outputs = []
     while scheduler.has_unfinished():
-        out = scheduler.schedule()
-        outputs += scheduler.update_from_output(out, runner.execute(out))
+        outputs += _step(scheduler, runner, scheduler.schedule())
     final = [o for o in outputs if o.request_id == "g" and o.finish_reason][0]
     assert final.finish_reason == "stop" and len(grammar.accepted) == 3
     assert request.num_output_tokens == 3  # ended by the grammar, not max_tokens
-    assert all(ids == ["g"] for ids in fake_fill) and len(fake_fill) == 3
+    # One mask per sampled token, each after the tokens before it were accepted.
+    assert [[n for _, n in rows] for rows in fake_fill] == [[0], [1], [2]]
     assert scheduler.num_constrained == 0 and scheduler.kv.num_free_blocks == 64
 
 
@@ -91,18 +109,44 @@ def test_failed_compile_is_an_error_output_and_abort_finds_compiling_requests():
     assert scheduler.num_constrained == 0 and scheduler.kv.num_free_blocks == 64
 
 
-def test_a_pending_token_keeps_a_constrained_request_out_of_the_next_step():
+def test_a_pending_token_does_not_hold_back_a_constrained_request(fake_fill):
+    """Async scheduling: the next step is scheduled while the first is in flight; its mask
+    is filled only once the first step's token advanced the grammar, in the step's
+    sampling order, with unconstrained rows all ones."""
     scheduler, runner = make_scheduler(), FakeRunner()
     grammar = FakeGrammar(length=99)
     grammar.is_ready = True
-    scheduler.add_request(make_request("g", 4, max_tokens=8, grammar=grammar))
     scheduler.add_request(make_request("p", 4, max_tokens=8, start=40))
+    scheduler.add_request(make_request("g", 4, max_tokens=8, grammar=grammar))
     first = scheduler.schedule()  # both prefill and sample: one pending token each
-    assert set(first.num_scheduled_tokens) == {"g", "p"}
-    second = scheduler.schedule()  # async scheduling: the first is still in flight
-    assert list(second.num_scheduled_tokens) == ["p"] and second.grammar_bitmask is None
-    scheduler.update_from_output(first, runner.execute(first))
+    assert set(first.num_scheduled_tokens) == {"g", "p"} and first.grammar_request_ids == {"g"}
+    second = scheduler.schedule()  # the first is still in flight
+    assert set(second.num_scheduled_tokens) == {"g", "p"}
+    assert second.grammar_request_ids == {"g"}
+    _step(scheduler, runner, first)
+    assert fake_fill == [[(1, 0)]]
+    rows = torch.zeros(2, 2, dtype=torch.int32)
+    assert scheduler.fill_grammar_bitmask(second, ["p", "g"], rows)
+    assert fake_fill[-1] == [(1, 1)]  # after the first step's token
+    assert rows.tolist() == [[-1, -1], [7, 7]]
     scheduler.update_from_output(second, runner.execute(second))
-    third = scheduler.schedule()
-    assert "g" in third.num_scheduled_tokens and third.grammar_bitmask is not None
+    assert grammar.accepted and len(grammar.accepted) == 2
     assert RequestStatus.RUNNING == scheduler.requests["g"].status
+
+
+def test_a_request_the_step_before_ended_gets_no_mask(fake_fill):
+    """A constrained request whose grammar completes with the step in flight was scheduled
+    again; its (dropped) sample needs no mask, so no xgrammar fill runs for it."""
+    scheduler, runner = make_scheduler(), FakeRunner()
+    grammar = FakeGrammar(length=1)
+    grammar.is_ready = True
+    scheduler.add_request(make_request("g", 4, max_tokens=8, grammar=grammar))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    _step(scheduler, runner, first)
+    assert scheduler.requests.get("g") is None  # stopped by its grammar
+    rows = torch.zeros(1, 2, dtype=torch.int32)
+    assert not scheduler.fill_grammar_bitmask(second, ["g"], rows)
+    assert len(fake_fill) == 1
+    outputs = scheduler.update_from_output(second, runner.execute(second))
+    assert outputs == [] and len(grammar.accepted) == 1  # its second token is dropped

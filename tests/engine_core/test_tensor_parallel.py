@@ -73,6 +73,30 @@ def test_tp2_greedy_equals_tp1(checkpoint, name: str, async_scheduling: bool) ->
     assert all(p.poll() is not None for p in processes), "a rank outlived its engine"
 
 
+def test_tp2_structured_outputs_equal_tp1(checkpoint) -> None:
+    """Rank 0 samples a constrained step once the step before is collected and broadcasts
+    the tokens; the other ranks queue the broadcast right after their forward. TP=2 gives
+    TP=1's tokens, seeded and greedy, with masked steps overlapping (async scheduling)."""
+    from engine_core.structured_outputs import StructuredOutputsParams
+
+    regex = StructuredOutputsParams(regex=r"[a-z]{2,6}-\d{1,3}")
+    params = [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=24,
+                             structured_outputs=regex) for i in range(4)]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=regex), GREEDY,
+               GREEDY]
+    path = checkpoint("llama")
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE_ARGS)
+        try:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
+            masked = llm.engine.masked_steps
+            assert masked.overlapped > 0 and masked.total > masked.overlapped
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+
+
 def test_a_dead_rank_fails_the_engine(checkpoint) -> None:
     llm = LLM(str(checkpoint("llama")), tensor_parallel_size=2, **ENGINE_ARGS)
     try:

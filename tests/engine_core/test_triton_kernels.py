@@ -1226,3 +1226,36 @@ def test_row_argmax_matches_torch(device: str, shape: tuple[int, int]) -> None:
     assert torch.equal(row_argmax(half), half.argmax(dim=-1))
     assert torch.equal(row_argmax(x[:, : max(1, vocab // 2)]), x[:, : max(1, vocab // 2)].argmax(-1))
     assert torch.equal(row_argmax(x.t().contiguous().t()), x.argmax(dim=-1))  # column-major
+
+
+@pytest.mark.parametrize(("device", "shape"),
+                         params([(1, 151936), (16, 151936), (64, 151936), (7, 32003), (3, 31),
+                                 (5, 1000), (2, 32), (64, 128256)],
+                                [(3, 1100), (2, 32), (4, 70)]))
+def test_bitmask_apply_matches_torch(device: str, shape: tuple[int, int]) -> None:
+    """The Triton apply sets exactly the tokens the packed mask forbids to -inf, in place,
+    as the torch path does: random masks (all-allowed and none-allowed rows among them),
+    vocabularies that are not multiples of 32, a mask wider than the vocabulary, bf16."""
+    from engine_core.grammar.bitmask import num_words
+    from engine_core.kernels.bitmask import apply_bitmask_inplace
+
+    rows, vocab = shape
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31, (rows, num_words(vocab) + 1), dtype=torch.int64,
+                            generator=gen).to(torch.int32)
+    bitmask[0] = -1  # every token allowed
+    if rows > 1:
+        bitmask[1] = 0  # none allowed
+    shifts = torch.arange(32, dtype=torch.int32)
+    forbidden = (((bitmask[:, :, None] >> shifts) & 1) == 0).reshape(rows, -1)[:, :vocab]
+    expected = logits.masked_fill(forbidden, float("-inf"))
+    for dtype in (FP32, BF16):
+        out = logits.to(dtype).to(device)
+        apply_bitmask_inplace(out, bitmask.to(device))
+        assert torch.equal(out.cpu(), expected.to(dtype))
+    # A batch's rows as a strided view of a wider buffer (the sampler's logits rows).
+    wide = torch.zeros(rows, vocab + 64).to(device)
+    apply_bitmask_inplace(wide[:, :vocab], bitmask.to(device))
+    assert torch.equal(torch.isinf(wide[:, :vocab]).cpu(), forbidden)
+    assert not torch.isinf(wide[:, vocab:]).any()

@@ -15,24 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, check_layout
+from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, layout_mismatch
 from engine_core.worker.block_copy import HeadSlice
-
-
-def layout_mismatch(producer: KVLayout, consumer: KVLayout) -> str | None:
-    """Why a producer of layout ``producer`` cannot fill a consumer of layout ``consumer``
-    (each checked, then the model shape they must share), or None."""
-    for side, layout in (("producer", producer), ("consumer", consumer)):
-        reason = check_layout(layout)
-        if reason is not None:
-            return f"{side} layout: {reason}"
-    names = ("KV heads", "head dim", "block size", "cache dtype", "layers")
-    for name, ours, theirs in zip(names, producer.model_shape, consumer.model_shape,
-                                  strict=True):
-        if ours != theirs:
-            return (f"{name} differ: producer has {ours}, consumer has {theirs} (the same "
-                    "model, cache dtype and block size on both sides is required)")
-    return None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from connectors.p2p_nccl.kv_layout import layout_mismatch
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
 from connectors.p2p_nccl.rank_split import RankShares, RouteGrants, split_step
 from engine_core.cluster.grants import GrantAuthority
@@ -34,7 +33,7 @@ from engine_core.cluster.trust import TrustRefusal
 from engine_core.config import KVTransferConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers
 from engine_core.kv_transfer_params import KVTransferResult
-from engine_core.parallel.kv_layout import PeerRanks
+from engine_core.parallel.kv_layout import PeerRanks, layout_mismatch
 from engine_core.request import Request
 from engine_core.sched.outputs import SchedulerOutput
 

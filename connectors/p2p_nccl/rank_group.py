@@ -79,6 +79,9 @@ class RankZeroConnectorWorker:
         self._lock = threading.Lock()  # guards _inbox (the report thread adds to it)
         self._inbox: list[tuple[int, FinishedTransfers | None]] = []  # None: rank lost
         self._lost: set[int] = set()
+        # Sends that ended on every rank, combined in ``land_loads``: reported by the next
+        # ``get_finished`` (the engine applies only loads before its scheduling pass).
+        self._sends_ended: set[str] = set()
 
     # ---- RankZeroConnector --------------------------------------------------------------
 
@@ -116,8 +119,12 @@ class RankZeroConnectorWorker:
         self.own.release_kv_caches()
 
     def land_loads(self) -> FinishedTransfers:
-        """Rank 0's landed loads and every rank's reports since, combined."""
-        return self._combine(self.own.land_loads())
+        """Rank 0's landed loads and every rank's reports since, combined: the loads now,
+        the sends with the next ``get_finished``."""
+        done = self._combine(self.own.land_loads())
+        self._sends_ended |= done.sending
+        done.sending = set()
+        return done
 
     def start_load_kv(self, metadata: RankShares | None) -> None:
         self.own.start_load_kv(_own_share(metadata))
@@ -140,7 +147,10 @@ class RankZeroConnectorWorker:
 
     def get_finished(self) -> FinishedTransfers:
         """Rank 0's finished transfers and every rank's reports since, combined."""
-        return self._combine(self.own.get_finished())
+        done = self._combine(self.own.get_finished())
+        done.sending |= self._sends_ended
+        self._sends_ended = set()
+        return done
 
     def stats(self) -> dict[str, float]:
         """Rank 0's gauges and counters, plus the requests some rank has not reported."""
@@ -150,7 +160,8 @@ class RankZeroConnectorWorker:
         """Rank 0 idle and no request waiting on another rank's report."""
         with self._lock:
             inbox = bool(self._inbox)
-        return not inbox and self._combiner.pending == 0 and self.own.is_idle()
+        return (not inbox and not self._sends_ended and self._combiner.pending == 0
+                and self.own.is_idle())
 
     def doorbell(self) -> Doorbell:
         return self.own.doorbell()

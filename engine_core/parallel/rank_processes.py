@@ -6,8 +6,9 @@ socket connected to a PUSH socket bound here; it receives ``RankInit`` first, th
 ``RankStep`` per engine step, then ``RankStop``. With a connector every rank also pushes
 ``RankReport`` s (its finished transfers) to one PULL socket bound here; a thread hands them
 to rank 0's connector (``RankZeroConnector.add_rank_report``) and tells it of a rank that
-exited. Both channels are bound on loopback, like the engine's own sockets. The ranks exit
-with this process (their parent): they also die with it when it is killed.
+exited. Both channels are bound on loopback, like the engine's own sockets; the cluster
+secret never crosses them: each rank reads it from its stdin, a pipe only rank 0 holds. The
+ranks exit with this process (their parent): they also die with it when it is killed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 import zmq
 
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig
 from engine_core.errors import ConfigError, EngineDeadError, MessageDecodeError
 from engine_core.kv_connector import ConnectorWorker, RankZeroConnector
@@ -75,6 +77,8 @@ class RankProcesses:
                                            self._report_sockets)
         reports: _ReportReceiver | None = None
         report_address = factory = None
+        secret = (config.kv_transfer.cluster_secret if config.kv_transfer is not None
+                  else ClusterSecret())
         if connector is not None:
             report_socket = self._context.socket(zmq.PULL)
             report_socket.setsockopt(zmq.LINGER, 0)
@@ -90,9 +94,14 @@ class RankProcesses:
             socket.setsockopt(zmq.SNDHWM, 0)
             port = socket.bind_to_random_port(f"tcp://{_HOST}")
             self._sockets.append(socket)
-            self._processes.append(subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "engine_core.parallel.rank_worker",
-                 "--address", f"tcp://{_HOST}:{port}", "--parent-pid", str(os.getpid())]))
+                 "--address", f"tcp://{_HOST}:{port}", "--parent-pid", str(os.getpid())],
+                stdin=subprocess.PIPE)
+            self._processes.append(process)
+            assert process.stdin is not None
+            with process.stdin:
+                process.stdin.write(secret.value)
             rank_config = replace(config, parallel=replace(config.parallel, rank=rank))
             socket.send(RANK_CODEC.encode(RankInit(rank_config, factory, report_address)))
         if reports is not None:

@@ -19,10 +19,12 @@ import importlib
 import logging
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 import zmq
 
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.engine_process import die_with_parent
 from engine_core.errors import ConfigError, MessageDecodeError
 from engine_core.kv_connector import (
@@ -83,8 +85,9 @@ class _Reports:
             self._socket.send(RANK_CODEC.encode(RankReport.of(self._rank, report)))
 
 
-def serve_rank(address: str, parent_pid: int) -> int:
-    """Build this rank's engine from the first message, then follow rank 0's steps."""
+def serve_rank(address: str, parent_pid: int, secret: ClusterSecret = ClusterSecret()) -> int:
+    """Build this rank's engine from the first message (its connector under ``secret``, the
+    cluster secret, which the step channel never carries), then follow rank 0's steps."""
     from engine_core.engine_core import EngineCore
 
     context = zmq.Context()
@@ -101,18 +104,21 @@ def serve_rank(address: str, parent_pid: int) -> int:
         connector: RankConnectorWorker | None = None
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
+        config = init.config
+        if config.kv_transfer is not None:
+            config = replace(config, kv_transfer=replace(config.kv_transfer,
+                                                         cluster_secret=secret))
         if init.connector_factory is not None and init.report_address is not None:
             factory = resolve_connector_factory(init.connector_factory)
-            config = init.config
             connector = factory(config, rank_device(config.device.resolve(), config.parallel))
             report_socket = context.socket(zmq.PUSH)
             report_socket.setsockopt(zmq.LINGER, 0)
             report_socket.connect(init.report_address)
-        engine = EngineCore(init.config, connector=None if connector is None
+        engine = EngineCore(config, connector=None if connector is None
                             else (NullConnectorScheduler(), connector))
         reports = doorbell = None
         if connector is not None and report_socket is not None:
-            reports = _Reports(init.config.parallel.rank, report_socket, connector)
+            reports = _Reports(config.parallel.rank, report_socket, connector)
             doorbell = connector.doorbell()
             if doorbell is not None:
                 poller.register(doorbell.fileno(), zmq.POLLIN)
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s [rank] %(name)s: %(message)s")
     die_with_parent(args.parent_pid)
-    code = serve_rank(args.address, args.parent_pid)
+    secret = ClusterSecret(sys.stdin.buffer.read())  # rank 0 writes it and closes the pipe
+    code = serve_rank(args.address, args.parent_pid, secret)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -74,7 +74,7 @@ def default_engine_factory(config: EngineConfig) -> EngineCore:
 def engine_info(engine: EngineCore) -> dict[str, Any]:
     """What the API process needs to know about the engine it talks to."""
     stats = engine.get_stats()
-    kv_ranks = engine.connector_worker.peer_ranks()
+    kv_ranks = engine.peer_ranks()
     return {
         "tokenizer_path": str(engine.tokenizer_path),
         "max_model_len": int(engine.max_model_len),

@@ -174,7 +174,8 @@ class P2pConnectorWorker:
         """This worker's layout and rank addresses, which it registers with the proxy."""
         return self._ranks
 
-    def decode_share(self, payload: bytes) -> P2pConnectorMetadata:
+    @staticmethod
+    def decode_share(payload: bytes) -> P2pConnectorMetadata:
         """A tensor-parallel rank's share of a step, as rank 0 encoded it
         (``rank_group.RankZeroConnectorWorker.rank_shares``)."""
         share = SHARE_CODEC.decode(payload)

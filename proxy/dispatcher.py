@@ -322,7 +322,8 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         effort: a failure leaves the KV to the lease."""
         url = held.decode.url + fw.RELEASE_PATH
         assert held.prefill.zmq_address is not None
-        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant)
+        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant,
+                               held.prefill.kv_ranks)
         try:
             response = await fw.open_leg(self.session, url, body, held.headers,
                                          self.timeouts.release())

@@ -158,12 +158,16 @@ def prompt_transfer_ids(path: str, body: dict[str, Any], transfer_id: str) -> li
     return [f"{transfer_id}-p{i}" for i in range(len(prompt))]
 
 
-def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str
-                 ) -> dict[str, Any]:
+def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str,
+                 prefill_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """The body of a decode worker's ``RELEASE_PATH`` (with the transfers' grant, without
-    which the decode worker tells the prefill worker nothing)."""
-    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address,
-            "grant": grant}
+    which the decode worker tells the prefill worker nothing, and P's ranks, each of which
+    holds its heads of the KV)."""
+    body: dict[str, Any] = {"transfer_ids": list(transfer_ids),
+                            "remote_kv_address": prefill_kv_address, "grant": grant}
+    if prefill_ranks is not None:
+        body["remote_ranks"] = prefill_ranks.to_wire()
+    return body
 
 
 def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:

@@ -26,7 +26,6 @@ from engine_core.kv_connector import (
     ConnectorWorker,
     NullConnectorScheduler,
     NullConnectorWorker,
-    RankZeroConnector,
 )
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
 from engine_core.parallel.group import TensorParallelGroup, rank_device
@@ -155,10 +154,6 @@ class EngineCore:
         connector_scheduler, connector_worker = connector or (
             NullConnectorScheduler(), NullConnectorWorker())
         self.connector_worker = connector_worker
-        # Rank 0 of a tensor-parallel engine with a connector hands the other ranks their
-        # shares of each step (start_other_ranks checked the type).
-        self._rank_connector = (connector_worker if self.rank_processes is not None
-                                and isinstance(connector_worker, RankZeroConnector) else None)
         connector_worker.register_kv_caches(self.kv_caches)
         enable_caching = config.cache.enable_prefix_caching
         self.hasher = BlockHasher(config.cache.block_size, config.cache.prefix_caching_hash_algo,
@@ -395,7 +390,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         transfer_updates = self.scheduler.transfer_updates
         if self.rank_processes is not None:
-            self.rank_processes.send_step(scheduler_output, self._rank_shares(scheduler_output))
+            self.rank_processes.send_step(scheduler_output)
         launched = self.runner.launch(scheduler_output)
         completed = scheduler_output  # the step whose end this call waits for
         if self._in_flight is not None:
@@ -416,12 +411,6 @@ class EngineCore:
                             or self._in_flight is not None
                             or self.scheduler.transfer_updates != transfer_updates)
         return outputs
-
-    def _rank_shares(self, scheduler_output: SchedulerOutput) -> list[bytes | None] | None:
-        """Ranks 1..N-1's shares of the step's connector metadata (None: no connector)."""
-        if self._rank_connector is None:
-            return None
-        return self._rank_connector.rank_shares(scheduler_output.kv_connector_metadata)
 
     def _observe_rates(self, seconds: float, completed: SchedulerOutput) -> None:
         """Feed the prefill-rate and step-time averages (a one-token row is a decode)."""

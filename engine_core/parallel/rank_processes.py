@@ -75,6 +75,7 @@ class RankProcesses:
         self._finalizer = weakref.finalize(self, _stop, self._processes, self._sockets,
                                            self._context, self._stopping, self._threads,
                                            self._report_sockets)
+        self._connector = connector
         reports: _ReportReceiver | None = None
         report_address = factory = None
         secret = (config.kv_transfer.cluster_secret if config.kv_transfer is not None
@@ -117,10 +118,12 @@ class RankProcesses:
             if code is not None:
                 raise EngineDeadError(f"tensor-parallel rank {rank} exited with code {code}")
 
-    def send_step(self, output: SchedulerOutput,
-                  connector_shares: list[bytes | None] | None = None) -> None:
-        """Hand every rank the step rank 0 is about to launch, with its connector share."""
+    def send_step(self, output: SchedulerOutput) -> None:
+        """Hand every rank the step rank 0 is about to launch, with its share of the
+        connector metadata."""
         self.check_alive()
+        connector_shares = (None if self._connector is None
+                            else self._connector.rank_shares(output.kv_connector_metadata))
         if not connector_shares or not any(connector_shares):
             payload = RANK_CODEC.encode(RankStep.of(output))
             for socket in self._sockets:

@@ -47,7 +47,7 @@ def test_gpu_prefill_tp2_feeds_decode_tp1(tmp_path: Path) -> None:
              "--kv-transport", "cpu", "--model", str(checkpoint), "--port", str(port),
              "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1",
              "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
-             "--gpu-memory-utilization", "0.3"],
+             "--gpu-memory-utilization", "0.4"],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     proxy = f"http://127.0.0.1:{port}"
     try:

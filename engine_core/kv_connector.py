@@ -175,8 +175,11 @@ class RankZeroConnector(Protocol):
         nothing for that rank); rank 0 keeps its own, which ``start_load_kv`` takes."""
         ...
 
-    def add_rank_report(self, rank: int, report: FinishedTransfers) -> None:
-        """Another rank's finished transfers (any thread); rings the doorbell."""
+    def add_rank_report(self, rank: int, report: FinishedTransfers,
+                        stats: dict[str, float], idle: bool) -> None:
+        """Another rank's finished transfers, its connector's stats now and whether it is
+        idle (any thread); rings the doorbell. ``stats()`` sums every rank's, ``is_idle``
+        holds only while every rank is."""
         ...
 
     def rank_lost(self, rank: int) -> None:

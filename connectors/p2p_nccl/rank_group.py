@@ -78,6 +78,8 @@ class RankZeroConnectorWorker:
         self._combiner = RankReportCombiner()
         self._lock = threading.Lock()  # guards _inbox (the report thread adds to it)
         self._inbox: list[tuple[int, FinishedTransfers | None]] = []  # None: rank lost
+        self._rank_stats: dict[int, dict[str, float]] = {}  # each other rank's latest
+        self._busy_ranks: set[int] = set()  # other ranks whose last report was not idle
         self._lost: set[int] = set()
         # Sends that ended on every rank, combined in ``land_loads``: reported by the next
         # ``get_finished`` (the engine applies only loads before its scheduling pass).
@@ -100,14 +102,22 @@ class RankZeroConnectorWorker:
         return [None if share.is_empty else SHARE_CODEC.encode(share)
                 for share in metadata.per_rank[1:]]
 
-    def add_rank_report(self, rank: int, report: FinishedTransfers) -> None:
+    def add_rank_report(self, rank: int, report: FinishedTransfers,
+                        stats: dict[str, float], idle: bool) -> None:
         with self._lock:
             self._inbox.append((rank, report))
+            self._rank_stats[rank] = stats
+            if idle:
+                self._busy_ranks.discard(rank)
+            else:
+                self._busy_ranks.add(rank)
         self.own.doorbell().ring()
 
     def rank_lost(self, rank: int) -> None:
         with self._lock:
             self._inbox.append((rank, None))
+            self._rank_stats.pop(rank, None)  # its buffers and transfers are gone with it
+            self._busy_ranks.discard(rank)
         self.own.doorbell().ring()
 
     # ---- ConnectorWorker ----------------------------------------------------------------
@@ -153,14 +163,23 @@ class RankZeroConnectorWorker:
         return done
 
     def stats(self) -> dict[str, float]:
-        """Rank 0's gauges and counters, plus the requests some rank has not reported."""
-        return {**self.own.stats(), "rank_reports_pending": float(self._combiner.pending)}
+        """The worker's gauges and counters: every rank's summed (the others' as they last
+        reported them), plus the requests some rank has not reported ended."""
+        total = dict(self.own.stats())
+        with self._lock:
+            others = list(self._rank_stats.values())
+        for stats in others:
+            for name, value in stats.items():
+                total[name] = total.get(name, 0.0) + value
+        total["rank_reports_pending"] = float(self._combiner.pending)
+        return total
 
     def is_idle(self) -> bool:
-        """Rank 0 idle and no request waiting on another rank's report."""
+        """Every rank idle (the others as they last reported) and no request waiting on
+        another rank's report."""
         with self._lock:
-            inbox = bool(self._inbox)
-        return (not inbox and not self._sends_ended and self._combiner.pending == 0
+            waiting = bool(self._inbox or self._busy_ranks)
+        return (not waiting and not self._sends_ended and self._combiner.pending == 0
                 and self.own.is_idle())
 
     def doorbell(self) -> Doorbell:

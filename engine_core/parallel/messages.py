@@ -55,17 +55,22 @@ class RankStep:
 @dataclass
 class RankReport:
     """Rank 1..N-1 -> rank 0: the transfers the rank's connector worker ended since its
-    last report (its part of each request; rank 0 combines the ranks')."""
+    last report (its part of each request; rank 0 combines the ranks'), its connector's
+    gauges and counters now (the worker's /metrics sum the ranks') and whether it holds no
+    transfer state (rank 0 keeps stepping, so deadlines expire, while any rank does)."""
 
     rank: int
     sending: list[str] = field(default_factory=list)
     recving: list[str] = field(default_factory=list)
     failed_recving: list[str] = field(default_factory=list)
+    connector_stats: dict[str, float] = field(default_factory=dict)
+    idle: bool = True
 
     @classmethod
-    def of(cls, rank: int, finished: FinishedTransfers) -> RankReport:
+    def of(cls, rank: int, finished: FinishedTransfers, connector_stats: dict[str, float],
+           idle: bool) -> RankReport:
         return cls(rank, sorted(finished.sending), sorted(finished.recving),
-                   sorted(finished.failed_recving))
+                   sorted(finished.failed_recving), connector_stats, idle)
 
     def finished(self) -> FinishedTransfers:
         return FinishedTransfers(set(self.sending), set(self.recving),

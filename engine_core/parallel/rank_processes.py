@@ -166,7 +166,8 @@ class _ReportReceiver(threading.Thread):
                 or report.rank in self._lost):
             logger.error("dropped an unexpected rank message %s", type(report).__name__)
             return
-        self._connector.add_rank_report(report.rank, report.finished())
+        self._connector.add_rank_report(report.rank, report.finished(), report.connector_stats,
+                                        report.idle)
 
     def _check_exits(self) -> None:
         for rank, process in enumerate(self._processes, start=1):

@@ -72,17 +72,21 @@ class _Reports:
         self._rank = rank
         self._socket = socket
         self._connector = connector
+        self._last: tuple[dict[str, float], bool] = ({}, True)
 
     def send(self, *parts: FinishedTransfers) -> None:
         """Land this rank's loads, collect its finished transfers, and report what ended
-        (``parts``: what this turn's step already collected)."""
+        (``parts``: what this turn's step already collected) or a change of its connector's
+        stats or idleness."""
         report = FinishedTransfers()
         for part in (*parts, self._connector.land_loads(), self._connector.get_finished()):
             report.sending |= part.sending
             report.recving |= part.recving
             report.failed_recving |= part.failed_recving
-        if report.sending or report.recving or report.failed_recving:
-            self._socket.send(RANK_CODEC.encode(RankReport.of(self._rank, report)))
+        state = (self._connector.stats(), self._connector.is_idle())
+        if report.sending or report.recving or report.failed_recving or state != self._last:
+            self._socket.send(RANK_CODEC.encode(RankReport.of(self._rank, report, *state)))
+            self._last = state
 
 
 def serve_rank(address: str, parent_pid: int, secret: ClusterSecret = ClusterSecret()) -> int:

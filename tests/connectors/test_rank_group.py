@@ -93,6 +93,9 @@ class FakeWorker:
     def is_idle(self) -> bool:
         return True
 
+    def stats(self) -> dict[str, float]:
+        return {"bytes_received": 10.0, "loads_in_flight": 0.0}
+
 
 def shares_of(load_ranks: dict[str, frozenset[int]], save_ranks: dict[str, frozenset[int]],
               per_rank: list[P2pConnectorMetadata]) -> RankShares:
@@ -116,9 +119,15 @@ def test_rank_zero_hands_out_shares_and_reports_once_every_rank_ended() -> None:
     own.landed = FinishedTransfers(recving={"r"})
     assert group.land_loads() == FinishedTransfers()  # rank 1 may still write its heads
     assert not group.is_idle()
-    group.add_rank_report(1, FinishedTransfers(sending={"s"}, recving={"r"}))
+    group.add_rank_report(1, FinishedTransfers(sending={"s"}, recving={"r"}),
+                          {"bytes_received": 5.0, "loads_in_flight": 1.0}, False)
+    stats = group.stats()  # the worker's: every rank's summed
+    assert (stats["bytes_received"], stats["loads_in_flight"]) == (15.0, 1.0)
     assert group.land_loads() == FinishedTransfers(recving={"r"})  # the send waits for ...
     assert group.get_finished() == FinishedTransfers(sending={"s"})  # ... get_finished
+    assert not group.is_idle()  # rank 1 still holds transfer state
+    group.add_rank_report(1, FinishedTransfers(), {"bytes_received": 5.0}, True)
+    assert group.get_finished() == FinishedTransfers()
     assert group.is_idle()
 
 
@@ -130,5 +139,5 @@ def test_a_lost_rank_fails_the_loads_waiting_on_it() -> None:
     assert group.land_loads() == FinishedTransfers()
     group.rank_lost(1)
     assert group.land_loads() == FinishedTransfers(failed_recving={"r"})
-    group.add_rank_report(1, FinishedTransfers(recving={"late"}))  # a lost rank is not heard
+    group.add_rank_report(1, FinishedTransfers(recving={"late"}), {}, True)  # lost: unheard
     assert group.get_finished() == FinishedTransfers()

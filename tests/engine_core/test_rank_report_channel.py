@@ -25,14 +25,15 @@ class Recorder:
     rank_factory = "x:y"
 
     def __init__(self) -> None:
-        self.reports: list[tuple[int, FinishedTransfers]] = []
+        self.reports: list[tuple[int, FinishedTransfers, dict[str, float]]] = []
         self.lost: list[int] = []
 
     def rank_shares(self, metadata: object) -> list[bytes | None]:
         return []
 
-    def add_rank_report(self, rank: int, report: FinishedTransfers) -> None:
-        self.reports.append((rank, report))
+    def add_rank_report(self, rank: int, report: FinishedTransfers,
+                        stats: dict[str, float], idle: bool) -> None:
+        self.reports.append((rank, report, stats))
 
     def rank_lost(self, rank: int) -> None:
         self.lost.append(rank)
@@ -62,9 +63,11 @@ def test_reports_reach_the_connector_and_a_lost_rank_is_told_once() -> None:
         push.send(b"not msgpack")
         push.send(RANK_CODEC.encode(RankStop()))  # not a report
         push.send(RANK_CODEC.encode(RankReport(7, recving=["a"])))  # no such rank
-        push.send(RANK_CODEC.encode(RankReport(2, sending=["s"], recving=["a"])))
+        push.send(RANK_CODEC.encode(RankReport(2, sending=["s"], recving=["a"],
+                                               connector_stats={"bytes_sent": 3.0})))
         assert _until(lambda: connector.reports)
-        assert connector.reports == [(2, FinishedTransfers({"s"}, {"a"}, set()))]
+        assert connector.reports == [(2, FinishedTransfers({"s"}, {"a"}, set()),
+                                      {"bytes_sent": 3.0})]
         processes[0].code = -9
         assert _until(lambda: connector.lost)
         push.send(RANK_CODEC.encode(RankReport(1, recving=["late"])))  # from the lost rank

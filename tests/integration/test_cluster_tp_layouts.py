@@ -79,9 +79,12 @@ def test_transfer_between_layouts_matches_colocated(reference: tuple[Path, list[
         assert not idle_violations(scraped), (idle_violations(scraped), cluster.logs())
         for address in addresses:
             assert scraped[address].get("pdserve:kv_transfer_rank_reports_pending", 0.0) == 0
-        d_metrics = scrape(decode.http_address)
-        # Every request with a full block moved it: one load per route into rank 0.
-        assert d_metrics["pdserve:kv_transfer_transfers_received_total"] >= len(REQUESTS) // 2
+        d_metrics, p_metrics = scrape(decode.http_address), scrape(prefill.http_address)
+        # Every request with a full block moved it, one transfer per route; the worker's
+        # counters sum its ranks', so every route P sent landed on D.
+        received = d_metrics["pdserve:kv_transfer_transfers_received_total"]
+        assert received >= len(REQUESTS) // 2
+        assert received == p_metrics["pdserve:kv_transfer_transfers_sent_total"]
         assert d_metrics["pdserve:kv_transfer_transfers_failed_total"] == 0
         assert d_metrics["pdserve:kv_transfer_transfers_timed_out_total"] == 0
         decode_log = decode.log_path.read_text()

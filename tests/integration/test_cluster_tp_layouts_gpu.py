@@ -71,7 +71,10 @@ def test_gpu_prefill_tp2_feeds_decode_tp1(tmp_path: Path) -> None:
         scraped = wait_idle(addresses, 60.0)
         assert not idle_violations(scraped), idle_violations(scraped)
         decode = scrape(workers["D"]["http_address"])
-        assert decode["pdserve:kv_transfer_transfers_received_total"] > 0
+        prefill = scrape(workers["P"]["http_address"])
+        received = decode["pdserve:kv_transfer_transfers_received_total"]
+        assert received > 0
+        assert received == prefill["pdserve:kv_transfer_transfers_sent_total"]  # every route
         assert decode["pdserve:kv_transfer_transfers_failed_total"] == 0
         assert decode["pdserve:kv_transfer_transfers_timed_out_total"] == 0
         decode_log = (tmp_path / "logs" / "decode0.log").read_text()

@@ -91,3 +91,12 @@ def test_gpus_count_the_visible_ones(monkeypatch) -> None:
         detect_gpus("0,2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert detect_gpus("4,5") == ["4", "5"]
+
+
+def test_pd_workers_sharing_a_gpu_default_to_the_cpu_transport(tmp_path: Path) -> None:
+    args = _parse("--prefill", "1", "--decode", "1", "--prefill-tp", "2", "--gpus", "0,1,0")
+    _, workers, _ = build_children(args, engine_argv(args), tmp_path)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "0"]
+    transports = {json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
+                  ["kv_connector_extra_config"]["transport"] for w in workers}
+    assert transports == {"cpu"}  # NCCL cannot pair GPU 0 with itself

@@ -5,28 +5,20 @@ server's, every load lands, and nothing is held at the end."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from deploy.launch import free_port
 from tests.integration.cluster_harness import (
-    ENGINE_ARGS,
-    ROOT,
-    STARTUP_S,
     Cluster,
     Outcome,
     build_tiny_checkpoint,
     check_matches,
-    child_env,
+    colocated_answers,
     idle_violations,
     mixed_requests,
     run_all,
     scrape,
-    wait_http,
     wait_idle,
 )
 
@@ -39,18 +31,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outc
     answers on it."""
     root = tmp_path_factory.mktemp("tp_layouts")
     checkpoint = build_tiny_checkpoint(root / "ckpt")
-    port, log = free_port(), root / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", str(checkpoint), "--port", str(port),
-             *ENGINE_ARGS], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", time.monotonic() + STARTUP_S, [proc], [log])
-        answers = run_all(f"http://127.0.0.1:{port}", REQUESTS)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    return checkpoint, answers
+    return checkpoint, colocated_answers(checkpoint, REQUESTS, root / "serve.log")
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 from deploy.topology import topology
-from engine_core.errors import ConfigError
 
 # The worker kinds with a --<kind>-tp flag (``Topology.worker_kinds``' names).
 TP_KINDS = ("prefill", "decode", "worker", "colocated")
@@ -30,17 +29,6 @@ def worker_tp_sizes(args: argparse.Namespace) -> list[int]:
     """The tensor-parallel size of every worker, in start order."""
     default = args.tensor_parallel_size
     return [getattr(args, f"{kind}_tp") or default for kind in topology(args).worker_kinds()]
-
-
-def check_tp_topology(args: argparse.Namespace) -> None:
-    """Workers with a KV connector (prefill, decode, placed) move KV between single-rank
-    layouts only: a size above 1 for any of them is refused."""
-    shape = topology(args)
-    sizes = worker_tp_sizes(args)[:len(shape.connector_kinds())]
-    if any(size > 1 for size in sizes):
-        raise ConfigError("prefill, decode or placed (--workers) workers with a tensor-parallel "
-                          "size > 1: KV transfer between tensor-parallel layouts is not "
-                          "supported yet; use --colocated workers (--colocated-tp) for TP > 1")
 
 
 def gpu_groups(gpus: list[str], sizes: list[int]) -> list[str]:

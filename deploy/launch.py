@@ -35,7 +35,7 @@ from deploy.child_flags import (
     proxy_argv,
     worker_server_argv,
 )
-from deploy.gpu_groups import add_tp_arguments, check_tp_topology, gpu_groups, worker_tp_sizes
+from deploy.gpu_groups import add_tp_arguments, gpu_groups, worker_tp_sizes
 from deploy.supervisor import (
     MIN_STARTUP_TIMEOUT_S,
     Child,
@@ -137,24 +137,47 @@ def free_port() -> int:
 
 
 def free_ports(count: int, avoid: tuple[int, ...] = ()) -> list[int]:
-    """``count`` distinct ephemeral ports that were free a moment ago, none in ``avoid``.
-    All are held open until the last is picked: picked one at a time and released at once,
-    the OS handed the same port out twice in ~3.5% of 16-worker launches, and the second
-    worker died at startup."""
-    sockets: list[socket.socket] = []
+    """``count`` distinct ephemeral ports that were free a moment ago, none in ``avoid``."""
+    return free_port_runs([1] * count, avoid)
+
+
+def free_port_runs(lengths: list[int], avoid: tuple[int, ...] = ()) -> list[int]:
+    """The first port of each of ``len(lengths)`` runs of consecutive ports free a moment
+    ago (a tensor-parallel worker's rank r listens at ``kv_port + r``), none in ``avoid``,
+    no two overlapping. All are held open until the last is picked: picked one at a time and
+    released at once, the OS handed the same port out twice in ~3.5% of 16-worker launches,
+    and the second worker died at startup."""
+    held: list[socket.socket] = []
     try:
-        ports: list[int] = []
-        while len(ports) < count:
-            sock = socket.socket()
-            sockets.append(sock)
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-            if port not in avoid:
-                ports.append(port)
-        return ports
+        firsts: list[int] = []
+        while len(firsts) < len(lengths):
+            run = _hold_run(lengths[len(firsts)], avoid)
+            if run is None:
+                continue
+            held.extend(run)
+            firsts.append(run[0].getsockname()[1])
+        return firsts
     finally:
-        for sock in sockets:
+        for sock in held:
             sock.close()
+
+
+def _hold_run(length: int, avoid: tuple[int, ...]) -> list[socket.socket] | None:
+    """Sockets bound to ``length`` consecutive ports from an ephemeral one, or None (the
+    caller tries another start) when one of them is taken or avoided."""
+    run: list[socket.socket] = []
+    try:
+        for offset in range(length):
+            sock = socket.socket()
+            run.append(sock)
+            sock.bind((HOST, run[0].getsockname()[1] + offset if offset else 0))
+            if sock.getsockname()[1] in avoid:
+                raise OSError("avoided port")
+        return run
+    except OSError:
+        for sock in run:
+            sock.close()
+        return None
 
 
 def detect_gpus(spec: str | None) -> list[str]:
@@ -268,7 +291,12 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
     kinds = shape.connector_kinds()
     # Every port at once, so no two sockets get the same one (registration, HTTP and KV).
     fixed = tuple(p for p in (args.port, args.registration_port) if p)
-    ports = iter(free_ports(1 + 2 * len(kinds) + shape.colocated, fixed))
+    tp_sizes = worker_tp_sizes(args)
+    # KV ports: one run per connector worker, rank r of it at kv_port + r.
+    firsts = free_port_runs([1] * (1 + len(kinds) + shape.colocated) + tp_sizes[:len(kinds)],
+                            fixed)
+    ports = iter(firsts[:1 + len(kinds) + shape.colocated])
+    kv_ports = iter(firsts[1 + len(kinds) + shape.colocated:])
     reg_port = args.registration_port or next(ports)
     proxy_flags = proxy_argv(args)
     proxy = Child("proxy", [sys.executable, "-m", "proxy", "--host", HOST, "--port",
@@ -277,19 +305,18 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
     gpus = detect_gpus(args.gpus)
-    tp_sizes = worker_tp_sizes(args)
     groups = gpu_groups(gpus, tp_sizes) if gpus else []
     cpu_env = {} if gpus else cpu_thread_env(base_env, sum(tp_sizes))
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)
     transport = args.kv_transport
-    pd_gpus = groups[:len(kinds)]
+    pd_gpus = [gpu for group in groups[:len(kinds)] for gpu in group.split(",")]
     if transport == "auto" and len(set(pd_gpus)) < len(pd_gpus):
         # NCCL takes no two ranks on one GPU: workers sharing one send their KV over ZMQ.
         transport = "cpu"
     placed_args = placed_worker_argv(args)
     workers = []
     for i, (module, index) in enumerate(kinds):
-        http_port, kv_port = next(ports), next(ports)
+        http_port, kv_port = next(ports), next(kv_ports)
         role = CONNECTOR_KINDS[module]
         kv = {"kv_connector": "P2pNcclConnector", "kv_buffer_size": "1e9", **user_kv,
               "kv_role": role, "kv_rank": i, "kv_ip": HOST, "kv_port": kv_port,
@@ -353,7 +380,6 @@ def check_topology(args: argparse.Namespace) -> None:
     if shape.decode == 0 and shape.workers == 0 and shape.colocated == 0:
         raise ConfigError("no decode, colocated or --workers worker: nothing would serve "
                           "requests")
-    check_tp_topology(args)
     check_port_free(HOST, args.port)
     if args.registration_port is not None:
         check_port_free(HOST, args.registration_port)

@@ -4,6 +4,10 @@ Every socket in pdserve speaks through a ``MessageCodec`` built with the message
 accepts. Decoding checks the tag, the version, that every required field is present and
 that each value has its annotated type; anything else raises ``MessageDecodeError`` so the
 receiver can log it, count it and carry on. Never pickle.
+
+A ``ClusterSecret`` never crosses a socket: a config holding one is encoded with nil in its
+place and decoded with no secret; a receiver that needs it gets it out of band (a
+tensor-parallel rank reads it from a pipe its parent holds).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Union
 
 import msgpack
 
+from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import MessageDecodeError
 
 PROTOCOL_VERSION = 1
@@ -66,6 +71,10 @@ def _check(value: Any, hint: Any, path: str) -> Any:
     """Validate ``value`` against a type hint; rebuild nested dataclasses; return the value."""
     if hint is Any:
         return value
+    if hint is ClusterSecret:
+        if value is not None:
+            raise MessageDecodeError(f"{path}: a cluster secret never crosses a socket")
+        return ClusterSecret()
     if hint is int and type(value) is int:  # the commonest case first (bool is not int here)
         return value
     origin, args = _shape(hint)
@@ -135,6 +144,8 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
 def _to_plain(obj: Any) -> Any:
     if type(obj) in (int, float, str, bool, bytes) or obj is None:
         return obj
+    if isinstance(obj, ClusterSecret):
+        return None
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {name: _to_plain(getattr(obj, name)) for name in _fields(type(obj)).names}
     if isinstance(obj, (list, tuple, set, frozenset)):

@@ -49,6 +49,7 @@ from engine_core.messages import (
     UtilityCall,
     UtilityResult,
 )
+from engine_core.parallel.kv_layout import PeerRanks
 from engine_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class EngineInfo:
     vocab_size: int
     num_total_blocks: int
     num_free_blocks: int
+    kv_ranks: PeerRanks | None = None  # the connector's layout and rank addresses
 
 
 def request_error(message: str | None, param: str | None = None) -> PdserveError:
@@ -289,7 +291,9 @@ class AsyncEngineClient:
                           eos_token_ids=tuple(data["eos_token_ids"]),
                           vocab_size=data["vocab_size"],
                           num_total_blocks=data["num_total_blocks"],
-                          num_free_blocks=data["num_free_blocks"])
+                          num_free_blocks=data["num_free_blocks"],
+                          kv_ranks=(None if data.get("kv_ranks") is None
+                                    else PeerRanks.from_wire(data["kv_ranks"])))
         return cls(process, info, input_socket, output_socket,
                    (sync_context, async_context), socket_dir)
 

@@ -30,6 +30,7 @@ from engine_core.kv_connector import (
 )
 from engine_core.messages import AddRequest, EngineOutput, EngineStats
 from engine_core.parallel.group import TensorParallelGroup, rank_device
+from engine_core.parallel.kv_layout import PeerRanks
 from engine_core.parallel.rank_processes import start_other_ranks
 from engine_core.parallel.rank_sampler import RankSampler, rank_sampler
 from engine_core.parallel.sharding import rank_local_spec
@@ -88,7 +89,8 @@ class EngineCore:
                     "which LLM and the pdserve commands call)"
                     if model_dir.suffix.lower() == ".gguf" else "")
             raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist{hint}")
-        config, self.rank_processes = start_other_ranks(config, connector is not None)
+        config, self.rank_processes = start_other_ranks(
+            config, connector[1] if connector is not None else None)
         self.config = config
         self.device = rank_device(config.device.resolve(), config.parallel)
         self.tp = TensorParallelGroup.start(config.parallel, torch.device(self.device))
@@ -360,6 +362,11 @@ class EngineCore:
         """What the engine loop polls besides its input: the connector's doorbell (None for
         a colocated engine), rung when a transfer lands so a waiting loop steps at once."""
         return self.connector_worker.doorbell()
+
+    def peer_ranks(self) -> PeerRanks | None:
+        """This worker's KV layout and rank addresses, as its connector registers them with
+        the proxy (None: colocated)."""
+        return self.connector_worker.peer_ranks()
 
     def has_runnable(self) -> bool:
         """True when the next step would compute (or collect) something (else poll)."""

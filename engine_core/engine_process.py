@@ -74,6 +74,7 @@ def default_engine_factory(config: EngineConfig) -> EngineCore:
 def engine_info(engine: EngineCore) -> dict[str, Any]:
     """What the API process needs to know about the engine it talks to."""
     stats = engine.get_stats()
+    kv_ranks = engine.peer_ranks()
     return {
         "tokenizer_path": str(engine.tokenizer_path),
         "max_model_len": int(engine.max_model_len),
@@ -81,6 +82,7 @@ def engine_info(engine: EngineCore) -> dict[str, Any]:
         "vocab_size": int(engine.vocab_size),
         "num_total_blocks": int(stats.num_total_blocks),
         "num_free_blocks": int(stats.num_free_blocks),
+        "kv_ranks": None if kv_ranks is None else kv_ranks.to_wire(),
     }
 
 

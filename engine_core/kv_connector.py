@@ -16,7 +16,7 @@ The engine core never branches on whether a connector exists: a colocated engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from engine_core.attention.metadata import AttentionMetadata
     from engine_core.doorbell import Doorbell
     from engine_core.kv_transfer_params import KVTransferResult
+    from engine_core.parallel.kv_layout import PeerRanks
     from engine_core.request import Request
     from engine_core.sched.outputs import SchedulerOutput
 
@@ -148,7 +149,50 @@ class ConnectorWorker(Protocol):
         loop waiting only on transfers steps at once; None when nothing arrives from outside."""
         ...
 
+    def peer_ranks(self) -> PeerRanks | None:
+        """This worker's KV layout and rank addresses as its peers address them (it
+        registers them with the proxy); None without a connector."""
+        ...
+
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class RankZeroConnector(Protocol):
+    """What rank 0's connector worker of a tensor-parallel engine adds: every rank runs its
+    own connector worker (built in the rank's process by ``rank_factory``), rank 0 hands each
+    its share of a step's metadata and combines their reports with its own, so its
+    ``land_loads`` / ``get_finished`` report a request once every rank it involves ended."""
+
+    @property
+    def rank_factory(self) -> str:
+        """``module:function`` building a rank's ``RankConnectorWorker`` from (its
+        ``EngineConfig``, device): resolved by import in the rank's process."""
+        ...
+
+    def rank_shares(self, metadata: Any) -> list[bytes | None]:
+        """Ranks 1..N-1's shares of this step's metadata, in the connector's codec (None:
+        nothing for that rank); rank 0 keeps its own, which ``start_load_kv`` takes."""
+        ...
+
+    def add_rank_report(self, rank: int, report: FinishedTransfers,
+                        stats: dict[str, float], idle: bool) -> None:
+        """Another rank's finished transfers, its connector's stats now and whether it is
+        idle (any thread); rings the doorbell. ``stats()`` sums every rank's, ``is_idle``
+        holds only while every rank is."""
+        ...
+
+    def rank_lost(self, rank: int) -> None:
+        """A rank exited: whatever waits on it ends now (its loads failed)."""
+        ...
+
+
+class RankConnectorWorker(ConnectorWorker, Protocol):
+    """A connector worker of rank 1..N-1: an ordinary worker side that reads its share."""
+
+    def decode_share(self, payload: bytes) -> Any:
+        """The metadata of one ``rank_shares`` entry."""
+        ...
 
 
 class NullConnectorScheduler:
@@ -221,6 +265,9 @@ class NullConnectorWorker:
         return True
 
     def doorbell(self) -> Doorbell | None:
+        return None
+
+    def peer_ranks(self) -> PeerRanks | None:
         return None
 
     def shutdown(self) -> None:

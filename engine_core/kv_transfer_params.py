@@ -20,12 +20,14 @@ from typing import Any
 from engine_core.addresses import is_host_port
 from engine_core.cluster.grants import MAX_GRANT_CHARS, MAX_TRANSFER_ID_CHARS
 from engine_core.errors import InvalidRequestError
+from engine_core.parallel.kv_layout import KVLayoutError, PeerRanks
 from engine_core.request_limits import MAX_CHOICES
 
 PARAM = "kv_transfer_params"
 MAX_PARAMS_DEPTH = 8  # nesting of a body's value (the proxy's are two deep)
 _FLAGS = ("do_remote_prefill", "do_remote_decode", "first_token_events", "stream_token_ids")
 _TEXTS = ("transfer_id", "remote_kv_address", "grant")
+REMOTE_RANKS = "remote_ranks"  # the peer worker's KV layout and rank addresses
 PROMPT_LOGPROBS = "prompt_logprobs"  # a decode leg's: the prefill worker's, one per prompt
 MAX_PROMPT_LOGPROBS = 20  # top alternatives per position, as SamplingParams.prompt_logprobs
 
@@ -58,6 +60,9 @@ class KVTransferParams:
     (an SSE comment), so the proxy can move the stream to another worker.
     ``prompt_logprobs``: a decode leg's, one per prompt, computed by the prefill worker; the
     server answers with them (checked against its prompts) and its engine computes none.
+    ``remote_ranks``: the peer worker's KV layout and each of its ranks' connector
+    addresses (as it registered them), so KV moves between tensor-parallel layouts rank to
+    rank; None: the peer is one rank at ``remote_kv_address``.
     """
 
     transfer_id: str | None = None
@@ -69,6 +74,7 @@ class KVTransferParams:
     generated_token_ids: tuple[tuple[int, ...], ...] | None = None
     stream_token_ids: bool = False
     prompt_logprobs: tuple[PromptLogprobColumns, ...] | None = None
+    remote_ranks: PeerRanks | None = None
 
     def __post_init__(self) -> None:
         for name in _FLAGS:
@@ -93,6 +99,8 @@ class KVTransferParams:
                 or not all(isinstance(c, PromptLogprobColumns) for c in self.prompt_logprobs)):
             raise InvalidRequestError(f"{PARAM}.{PROMPT_LOGPROBS} must be a non-empty list, "
                                       "one entry per prompt", PARAM)
+        if self.remote_ranks is not None and not isinstance(self.remote_ranks, PeerRanks):
+            raise InvalidRequestError(f"{PARAM}.{REMOTE_RANKS} must be peer ranks", PARAM)
 
     @classmethod
     def from_wire(cls, value: object) -> KVTransferParams:
@@ -119,6 +127,12 @@ class KVTransferParams:
                                           "entry per prompt", PARAM)
             fields[PROMPT_LOGPROBS] = tuple(PromptLogprobColumns.from_wire(entry)
                                             for entry in given)
+        ranks = value.get(REMOTE_RANKS)
+        if ranks is not None:
+            try:
+                fields[REMOTE_RANKS] = PeerRanks.from_wire(ranks)
+            except KVLayoutError as exc:
+                raise InvalidRequestError(f"{PARAM}.{REMOTE_RANKS}: {exc}", PARAM) from None
         return cls(**fields)
 
     def to_wire(self) -> dict[str, Any]:
@@ -132,6 +146,8 @@ class KVTransferParams:
             wire["generated_token_ids"] = [list(ids) for ids in self.generated_token_ids]
         if self.prompt_logprobs is not None:
             wire[PROMPT_LOGPROBS] = [columns.to_wire() for columns in self.prompt_logprobs]
+        if self.remote_ranks is not None:
+            wire[REMOTE_RANKS] = self.remote_ranks.to_wire()
         return wire
 
     @property

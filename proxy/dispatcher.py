@@ -53,6 +53,7 @@ from aiohttp import web
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import (
+    ConfigError,
     NoWorkerError,
     UpstreamError,
     UpstreamTimeoutError,
@@ -122,7 +123,14 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
 
     def _grant(self, transfer_id: str, prefill: WorkerState, decode: WorkerState) -> str:
         """The grant moving ``transfer_id``'s KV from ``prefill`` to ``decode``, valid while
-        either leg may still run."""
+        either leg may still run (its workers derive each rank pair's from it). Raises
+        ``ConfigError`` (400) for a pair whose KV layouts cannot be mapped, before any leg
+        leaves."""
+        reason = fw.layout_refusal(prefill.kv_ranks, decode.kv_ranks)
+        if reason is not None:
+            self.metrics.layout_refusals.inc()
+            raise ConfigError(f"prefill worker {prefill.worker_id} cannot send KV to decode "
+                              f"worker {decode.worker_id}: {reason}")
         return self.grants.issue(transfer_id, prefill.zmq_address or prefill.worker_id,
                                  decode.zmq_address or decode.worker_id,
                                  self.timeouts.prefill_s + self.timeouts.decode_s)
@@ -239,9 +247,11 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         d_leg = Leg(self, decode, "decode")
         timer.prefill_sent = self.clock()
         p_task = asyncio.create_task(self._prefill(
-            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address, grant),
+            prefill.url + path, fw.prefill_body(body, attempt_id, decode.zmq_address, grant,
+                                                decode.kv_ranks),
             headers))
-        d_body = fw.decode_body(body, attempt_id, prefill.zmq_address, grant)
+        d_body = fw.decode_body(body, attempt_id, prefill.zmq_address, grant,
+                                prefill_ranks=prefill.kv_ranks)
 
         def open_decode(answer: bytes | None = None) -> asyncio.Task[aiohttp.ClientResponse]:
             leg_body = d_body if answer is None else with_prompt_logprobs(
@@ -312,7 +322,8 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         effort: a failure leaves the KV to the lease."""
         url = held.decode.url + fw.RELEASE_PATH
         assert held.prefill.zmq_address is not None
-        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant)
+        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant,
+                               held.prefill.kv_ranks)
         try:
             response = await fw.open_leg(self.session, url, body, held.headers,
                                          self.timeouts.release())

@@ -17,6 +17,7 @@ import aiohttp
 
 from engine_core.errors import InvalidRequestError, UpstreamError, UpstreamTimeoutError
 from engine_core.kv_transfer_params import KVTransferParams
+from engine_core.parallel.kv_layout import PeerRanks, layout_mismatch
 from engine_core.server.protocol import stream_options
 from proxy.prefix_index import chat_text
 
@@ -77,7 +78,8 @@ def _without_transfer_fields(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str, grant: str,
-                  first_token_events: bool = False) -> dict[str, Any]:
+                  first_token_events: bool = False,
+                  decode_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """P's request, plain or handoff: the client's own fields (``max_tokens``, ``n``,
     ``min_tokens``, ``stream``, ``stream_options``, ...) plus transfer params marking a
     prefill whose KV D pulls.
@@ -87,26 +89,40 @@ def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str
     runs (one sample, one token, its answer one JSON body: the server's ``prefill_only``).
     ``first_token_events``: P's answer also carries the stream events of that token.
     ``grant``: the signed transfer grant naming P and D (both legs carry the same one).
+    ``decode_ranks``: D's layout and rank addresses, as D registered them.
     """
     out = _without_transfer_fields(body)
     out["kv_transfer_params"] = KVTransferParams(
         transfer_id=transfer_id, do_remote_decode=True, remote_kv_address=decode_kv_address,
-        grant=grant, first_token_events=first_token_events).to_wire()
+        grant=grant, first_token_events=first_token_events,
+        remote_ranks=decode_ranks).to_wire()
     return out
 
 
+def layout_refusal(prefill: PeerRanks | None, decode: PeerRanks | None) -> str | None:
+    """Why a prefill worker of ranks ``prefill`` cannot fill a decode worker of ranks
+    ``decode`` (their registered layouts do not map), or None. A worker that registered no
+    layout is one rank of unknown shape: its peer's engine checks the transfer."""
+    if prefill is None or decode is None:
+        return None
+    return layout_mismatch(prefill.layout, decode.layout)
+
+
 def prefill_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str,
-                 grant: str) -> dict[str, Any]:
+                 grant: str, decode_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """P's request while D's leg runs alongside: P's answer only says the KV is ready."""
-    return producer_body(body, transfer_id, decode_kv_address, grant)
+    return producer_body(body, transfer_id, decode_kv_address, grant,
+                         decode_ranks=decode_ranks)
 
 
 def decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str | None,
                 grant: str | None = None,
-                generated_token_ids: list[list[int]] | None = None) -> dict[str, Any]:
+                generated_token_ids: list[list[int]] | None = None,
+                prefill_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """D's request: the original body, plus transfer params naming P (and the grant) unless
     decode-only; a stream's events name their tokens, for migration (``proxy/migration.py``).
-    ``generated_token_ids``: each choice's tokens P sampled, which D continues after."""
+    ``generated_token_ids``: each choice's tokens P sampled, which D continues after.
+    ``prefill_ranks``: P's layout and rank addresses, as P registered them."""
     out = _without_transfer_fields(body)
     remote = prefill_kv_address is not None
     params = KVTransferParams(
@@ -114,7 +130,8 @@ def decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str 
         remote_kv_address=prefill_kv_address, grant=grant if remote else None,
         generated_token_ids=None if generated_token_ids is None
         else tuple(tuple(ids) for ids in generated_token_ids),
-        stream_token_ids=body.get("stream") is True).to_wire()
+        stream_token_ids=body.get("stream") is True,
+        remote_ranks=prefill_ranks if remote else None).to_wire()
     if params:
         out["kv_transfer_params"] = params
     return out
@@ -141,12 +158,16 @@ def prompt_transfer_ids(path: str, body: dict[str, Any], transfer_id: str) -> li
     return [f"{transfer_id}-p{i}" for i in range(len(prompt))]
 
 
-def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str
-                 ) -> dict[str, Any]:
+def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str,
+                 prefill_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """The body of a decode worker's ``RELEASE_PATH`` (with the transfers' grant, without
-    which the decode worker tells the prefill worker nothing)."""
-    return {"transfer_ids": list(transfer_ids), "remote_kv_address": prefill_kv_address,
-            "grant": grant}
+    which the decode worker tells the prefill worker nothing, and P's ranks, each of which
+    holds its heads of the KV)."""
+    body: dict[str, Any] = {"transfer_ids": list(transfer_ids),
+                            "remote_kv_address": prefill_kv_address, "grant": grant}
+    if prefill_ranks is not None:
+        body["remote_ranks"] = prefill_ranks.to_wire()
+    return body
 
 
 def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:
@@ -199,16 +220,20 @@ def handoff_refusal(path: str, body: dict[str, Any]) -> str | None:
 
 
 def handoff_prefill_body(body: dict[str, Any], transfer_id: str,
-                         decode_kv_address: str, grant: str) -> dict[str, Any]:
+                         decode_kv_address: str, grant: str,
+                         decode_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """P's request when its token is streamed: the first events in its answer too."""
-    return producer_body(body, transfer_id, decode_kv_address, grant, first_token_events=True)
+    return producer_body(body, transfer_id, decode_kv_address, grant, first_token_events=True,
+                         decode_ranks=decode_ranks)
 
 
 def handoff_decode_body(body: dict[str, Any], transfer_id: str, prefill_kv_address: str,
-                        generated_token_ids: list[list[int]], grant: str) -> dict[str, Any]:
+                        generated_token_ids: list[list[int]], grant: str,
+                        prefill_ranks: PeerRanks | None = None) -> dict[str, Any]:
     """D's request continuing each choice after P's token for it, the prompt's KV pulled
     from P."""
-    return decode_body(body, transfer_id, prefill_kv_address, grant, generated_token_ids)
+    return decode_body(body, transfer_id, prefill_kv_address, grant, generated_token_ids,
+                       prefill_ranks)
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class FirstTokenHandoff:
         grant = self._grant(attempt_id, prefill, decode)
         p_task = asyncio.create_task(self._prefill(
             prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address,
-                                                        grant),
+                                                        grant, decode.kv_ranks),
             headers))
         try:
             await asyncio.wait({p_task})
@@ -104,7 +104,8 @@ class FirstTokenHandoff:
             retried = False
             try:
                 response = await self._run_one_leg(
-                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address, grant),
+                    request, path, fw.decode_body(body, attempt_id, prefill.zmq_address, grant,
+                                                  prefill_ranks=prefill.kv_ranks),
                     decode, "decode", attempt_id, timer)
                 if took_nothing(response.status):  # P holds KV D will never pull
                     self._spawn(self._release(held))
@@ -138,7 +139,7 @@ class FirstTokenHandoff:
             if decode is not granted:  # a replacement decode worker: its own grant
                 grant, granted = self._grant(attempt_id, prefill, decode), decode
             d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
-                                            first.token_ids, grant)
+                                            first.token_ids, grant, prefill.kv_ranks)
             d_leg = Leg(self, decode, "decode")
             held = dataclasses.replace(held, decode=decode, grant=grant)
             d_task = asyncio.create_task(fw.open_leg(

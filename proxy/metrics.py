@@ -118,6 +118,10 @@ class ProxyMetrics:
             "through the decode worker, by result ('released'; 'failed' or 'skipped' (every "
             "--max-inflight slot taken, the leg cut): the KV then waits for its lease)",
             ["result"], registry=r)
+        self.layout_refusals = Counter(
+            P + "kv_layout_refusals",
+            "Requests refused (400) because the chosen prefill and decode workers' KV layouts "
+            "cannot be mapped (different model shape, cache dtype or block size)", registry=r)
         self.client_write_timeouts = Counter(
             P + "client_write_timeouts",
             "Streams cut because the client took no bytes for --write-timeout (it stopped "

@@ -27,6 +27,7 @@ from engine_core.cluster.messages import (
     WorkerLoad,
 )
 from engine_core.cluster.trust import CAPACITY, WRONG_IDENTITY, TrustRefusal
+from engine_core.parallel.kv_layout import PeerRanks
 
 Clock = Callable[[], float]
 
@@ -63,6 +64,8 @@ class WorkerState:
     # Legs by the part the worker plays in them (prefill / decode / whole): its role mix.
     parts_in_flight: dict[str, int] = field(default_factory=dict)
     parts_total: dict[str, int] = field(default_factory=dict)
+    # Its KV layout and every rank's connector address (None: one rank at zmq_address).
+    kv_ranks: PeerRanks | None = None
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -90,6 +93,7 @@ class WorkerState:
             "role": self.role,
             "http_address": self.http_address,
             "zmq_address": self.zmq_address,
+            "kv_ranks": None if self.kv_ranks is None else self.kv_ranks.to_wire(),
             "model": self.model,
             "version": self.version,
             "load": {
@@ -180,7 +184,8 @@ class InstanceRegistry:
         announced = frozenset(message.capabilities or ROLE_CAPABILITIES[message.role])
         if existing is not None and existing.sender_id == sender_id \
                 and existing.role == message.role \
-                and existing.model == message.model and existing.zmq_address == message.zmq_address:
+                and existing.model == message.model and existing.zmq_address == message.zmq_address \
+                and existing.kv_ranks == message.kv_ranks:
             existing.load = message.load
             existing.version = message.version
             existing.announced = announced
@@ -194,7 +199,7 @@ class InstanceRegistry:
             role=message.role, http_address=message.http_address, model=message.model,
             zmq_address=message.zmq_address, version=message.version, load=message.load,
             registered_at=now, last_heartbeat=now, announced=announced, sender_id=sender_id,
-            heartbeat_interval_s=message.heartbeat_interval_s)
+            heartbeat_interval_s=message.heartbeat_interval_s, kv_ranks=message.kv_ranks)
         if existing is not None:
             new = self._workers[message.http_address]
             new.in_flight, new.restricted = existing.in_flight, existing.restricted

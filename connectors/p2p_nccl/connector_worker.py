@@ -25,7 +25,7 @@ from connectors.p2p_nccl.messages import (
     NcclHello,
     check_hello,
 )
-from connectors.p2p_nccl.metadata import P2pConnectorMetadata
+from connectors.p2p_nccl.metadata import SHARE_CODEC, P2pConnectorMetadata
 from connectors.p2p_nccl.producer import KVProducer
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.attention.metadata import AttentionMetadata
@@ -33,6 +33,7 @@ from engine_core.config import KVTransferConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import KVTransferError
 from engine_core.kv_connector import FinishedTransfers
+from engine_core.parallel.kv_layout import PeerRanks
 from engine_core.worker.block_copy import stack_layers
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class P2pConnectorWorker:
     """Producer and/or consumer worker half; explicit ``start``/``shutdown``."""
 
     def __init__(self, config: KVTransferConfig, device: str, transport: Any | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ranks: PeerRanks | None = None) -> None:
         self.state = WorkerState(config, device, transport, clock)
+        self._ranks = ranks  # this worker's layout and rank addresses (registered)
         self.producer_side = KVProducer(self.state)
         self.consumer_side = KVConsumer(self.state)
         # Data calls over the control socket land in the receive buffer: none is larger.
@@ -166,6 +169,19 @@ class P2pConnectorWorker:
         """Rung when a load lands or fails and when a send finishes (from the control,
         sender and landing threads), so a loop waiting only on transfers steps at once."""
         return self.state.doorbell
+
+    def peer_ranks(self) -> PeerRanks | None:
+        """This worker's layout and rank addresses, which it registers with the proxy."""
+        return self._ranks
+
+    @staticmethod
+    def decode_share(payload: bytes) -> P2pConnectorMetadata:
+        """A tensor-parallel rank's share of a step, as rank 0 encoded it
+        (``rank_group.RankZeroConnectorWorker.rank_shares``)."""
+        share = SHARE_CODEC.decode(payload)
+        if not isinstance(share, P2pConnectorMetadata):
+            raise KVTransferError(f"a rank's share must be metadata, got {type(share).__name__}")
+        return share
 
     def is_idle(self) -> bool:
         """True when no transfer state or buffer byte is held."""

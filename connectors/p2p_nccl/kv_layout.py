@@ -2,8 +2,9 @@
 different tensor-parallel sizes: pure arithmetic, no device, socket or thread.
 
 A worker of tensor-parallel size N keeps on rank r the KV heads ``kv_head_range`` gives it
-(``engine_core/parallel/sharding.py``, the rule its cache and attention kernels follow).
-``KVLayout`` is one rank's descriptor (what two workers compare); ``plan_head_routes`` turns a
+(``engine_core/parallel/kv_layout.py``, the rule its cache and attention kernels follow).
+``KVLayout`` (``engine_core/parallel/kv_layout.py``) is one rank's descriptor (what two
+workers compare); ``plan_head_routes`` turns a
 (producer layout, consumer layout) pair into ``HeadRoute`` s: for every head a consumer rank
 holds, exactly one producer rank that sends it, even where either side replicates KV heads
 over several ranks. Each producer rank therefore moves only heads it owns, straight to the
@@ -14,84 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.errors import ConfigError, KVTransferError
-from engine_core.parallel.sharding import kv_head_range
+from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, layout_mismatch
 from engine_core.worker.block_copy import HeadSlice
-
-MAX_TP_SIZE = 1024
-
-
-class KVLayoutError(KVTransferError):
-    """A producer and a consumer whose KV caches cannot be mapped onto each other."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """One rank's paged KV cache as KV transfer sees it: the worker's tensor-parallel size,
-    this rank and the KV heads it holds, and the model shape both sides must share."""
-
-    tp_size: int
-    rank: int
-    kv_head_start: int
-    num_kv_heads: int  # held by this rank
-    total_kv_heads: int  # of the model
-    head_dim: int
-    block_size: int
-    dtype: str
-    num_layers: int
-
-    @classmethod
-    def of_rank(cls, tp_size: int, rank: int, total_kv_heads: int, head_dim: int,
-                block_size: int, dtype: str, num_layers: int) -> KVLayout:
-        """The layout of rank ``rank`` of a worker of ``tp_size`` ranks."""
-        start, count = kv_head_range(total_kv_heads, rank, tp_size)
-        return cls(tp_size, rank, start, count, total_kv_heads, head_dim, block_size, dtype,
-                   num_layers)
-
-    @property
-    def model_shape(self) -> tuple[int, int, int, str, int]:
-        """What producer and consumer must agree on, whatever their sizes."""
-        return (self.total_kv_heads, self.head_dim, self.block_size, self.dtype,
-                self.num_layers)
-
-    def rank_layout(self, rank: int) -> KVLayout:
-        """The layout of another rank of the same worker."""
-        return KVLayout.of_rank(self.tp_size, rank, *self.model_shape)
-
-
-def check_layout(layout: KVLayout) -> str | None:
-    """Why ``layout`` cannot describe a rank of a worker (a peer's descriptor is checked
-    before it is used), or None."""
-    if not 1 <= layout.tp_size <= MAX_TP_SIZE or not 0 <= layout.rank < layout.tp_size:
-        return f"rank {layout.rank} of tensor-parallel size {layout.tp_size} out of range"
-    if min(layout.total_kv_heads, layout.head_dim, layout.block_size, layout.num_layers) < 1:
-        return (f"KV heads {layout.total_kv_heads}, head dim {layout.head_dim}, block size "
-                f"{layout.block_size}, layers {layout.num_layers}: all must be positive")
-    try:
-        expected = kv_head_range(layout.total_kv_heads, layout.rank, layout.tp_size)
-    except ConfigError as exc:
-        return str(exc)
-    if (layout.kv_head_start, layout.num_kv_heads) != expected:
-        return (f"rank {layout.rank} of {layout.tp_size} claims KV heads "
-                f"[{layout.kv_head_start}, +{layout.num_kv_heads}); it holds "
-                f"[{expected[0]}, +{expected[1]})")
-    return None
-
-
-def layout_mismatch(producer: KVLayout, consumer: KVLayout) -> str | None:
-    """Why a producer of layout ``producer`` cannot fill a consumer of layout ``consumer``
-    (each checked, then the model shape they must share), or None."""
-    for side, layout in (("producer", producer), ("consumer", consumer)):
-        reason = check_layout(layout)
-        if reason is not None:
-            return f"{side} layout: {reason}"
-    names = ("KV heads", "head dim", "block size", "cache dtype", "layers")
-    for name, ours, theirs in zip(names, producer.model_shape, consumer.model_shape,
-                                  strict=True):
-        if ours != theirs:
-            return (f"{name} differ: producer has {ours}, consumer has {theirs} (the same "
-                    "model, cache dtype and block size on both sides is required)")
-    return None
 
 
 @dataclass(frozen=True)

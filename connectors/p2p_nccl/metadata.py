@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_core.codec import MessageCodec
 from engine_core.worker.block_copy import HeadSlice
 
 
@@ -60,3 +61,8 @@ class P2pConnectorMetadata:
     @property
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.releases or self.abandons or self.cancels)
+
+
+# One rank's share of a step, from rank 0 to the rank in its ``RankStep`` (opaque bytes to
+# engine_core, whose codec cannot name connector types).
+SHARE_CODEC = MessageCodec([P2pConnectorMetadata], max_bytes=64 << 20)

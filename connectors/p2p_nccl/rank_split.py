@@ -13,18 +13,11 @@ records which ranks take part in each request so rank 0 can combine their report
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
-from connectors.p2p_nccl.kv_layout import (
-    HeadRoute,
-    KVLayout,
-    KVLayoutError,
-    check_layout,
-    plan_head_routes,
-    route_transfer_ids,
-)
+from connectors.p2p_nccl.kv_layout import HeadRoute, plan_head_routes, route_transfer_ids
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata, PeerNotice
-from engine_core.addresses import is_host_port
+from engine_core.parallel.kv_layout import KVLayout, PeerRanks
 
 
 @dataclass(frozen=True)
@@ -36,48 +29,6 @@ class RouteGrants:
 
     own_addresses: tuple[str, ...]
     issue: Callable[[str, str, str, str], str]
-
-
-@dataclass(frozen=True)
-class PeerRanks:
-    """A peer worker as transfers between layouts address it: its layout (any rank's; the
-    model shape and size are what count) and each rank's connector address, rank 0 first."""
-
-    layout: KVLayout
-    addresses: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.addresses) != self.layout.tp_size:
-            raise KVLayoutError(f"peer of tensor-parallel size {self.layout.tp_size} gave "
-                                f"{len(self.addresses)} rank addresses")
-
-    def to_wire(self) -> dict[str, object]:
-        """The form peers exchange (registration metadata, ``kv_transfer_params``)."""
-        return {"layout": asdict(self.layout), "addresses": list(self.addresses)}
-
-    @classmethod
-    def from_wire(cls, value: object) -> PeerRanks:
-        """A peer's ranks from the network, validated once here: raises ``KVLayoutError``
-        naming what is wrong (missing or mistyped field, a layout no rank holds, an address
-        that is not ``host:port``)."""
-        if not isinstance(value, dict) or set(value) != {"layout", "addresses"}:
-            raise KVLayoutError("peer ranks must be {layout, addresses}")
-        raw, addresses = value["layout"], value["addresses"]
-        names = [f.name for f in fields(KVLayout)]
-        if not isinstance(raw, dict) or sorted(raw) != sorted(names):
-            raise KVLayoutError(f"peer layout must have exactly the fields {names}")
-        for name in names:
-            kind = str if name == "dtype" else int
-            if type(raw[name]) is not kind:
-                raise KVLayoutError(f"peer layout field {name} must be {kind.__name__}")
-        layout = KVLayout(**raw)
-        reason = check_layout(layout)
-        if reason is not None:
-            raise KVLayoutError(f"peer layout: {reason}")
-        if (not isinstance(addresses, list)
-                or not all(is_host_port(address) for address in addresses)):
-            raise KVLayoutError("peer rank addresses must be a list of host:port")
-        return cls(layout, tuple(addresses))
 
 
 @dataclass

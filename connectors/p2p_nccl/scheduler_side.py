@@ -11,6 +11,14 @@ Either side moves KV only under the proxy's transfer grant (``kv_transfer_params
 grant names, D pulls only from the P its grant names. A request whose grant is missing,
 forged, expired or names other peers moves no KV: P computes and answers it, D computes the
 prompt itself.
+
+Between tensor-parallel layouts (``ranks`` given: this worker's layout and rank addresses)
+each step's request-level plan is split into routes (``rank_split.split_step``) against the
+peer's ranks from its ``kv_transfer_params.remote_ranks`` (a peer without them is one rank at
+its address). A peer whose layout cannot be mapped onto this worker's, or whose ranks name
+another rank-0 address than ``remote_kv_address``, is refused like a bad grant. With one
+rank, ``build_connector_meta`` returns that rank's ``P2pConnectorMetadata``; with several,
+the ``RankShares`` of all of them (rank 0's connector worker hands the others theirs).
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ import logging
 from dataclasses import dataclass, field
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
+from connectors.p2p_nccl.rank_split import RankShares, RouteGrants, split_step
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import TrustRefusal
 from engine_core.config import KVTransferConfig
 from engine_core.kv_connector import ExternalMatch, FinishedTransfers
 from engine_core.kv_transfer_params import KVTransferResult
+from engine_core.parallel.kv_layout import PeerRanks, layout_mismatch
 from engine_core.request import Request
 from engine_core.sched.outputs import SchedulerOutput
 
@@ -69,10 +79,14 @@ def _remote_params(request: Request, pull: bool) -> tuple[str, str, str | None] 
 class P2pConnectorScheduler:
     """Decides which requests load remote KV (consumer) and which send it (producer)."""
 
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int,
+                 ranks: PeerRanks | None = None) -> None:
         self._config = config
         self._block_size = block_size
         self._own_address = f"{config.kv_ip}:{config.kv_port}"
+        self._ranks = ranks
+        # Peer rank-0 address -> its ranks, from the params of the requests that name it.
+        self._peers: dict[str, PeerRanks] = {}
         # consumer
         self._new_loads: dict[str, LoadSpec] = {}
         self._loading: dict[str, LoadSpec] = {}
@@ -145,8 +159,19 @@ class P2pConnectorScheduler:
             block_ids=list(block_ids[first_block:end_block]), first_block=first_block,
             num_tokens=num_external_tokens, grant=remote[2])
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
-        """Loads to start, saves due this step, notices for peers, cancelled loads."""
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> P2pConnectorMetadata | RankShares:
+        """Loads to start, saves due this step, notices for peers, cancelled loads: one
+        rank's metadata, or every rank's share of it (``RankShares``) for several ranks."""
+        meta = self._plan(scheduler_output)
+        if self._ranks is None:
+            return meta
+        shares = split_step(meta, self._ranks.layout, self._peers,
+                            RouteGrants(self._ranks.addresses, self._grants.for_route))
+        return shares.per_rank[0] if self._ranks.layout.tp_size == 1 else shares
+
+    def _plan(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
+        """The request-level plan, against each peer's rank 0."""
         meta = P2pConnectorMetadata(loads=list(self._new_loads.values()), releases=self._releases,
                                     abandons=self._abandons, cancels=self._cancels)
         self._loading.update(self._new_loads)
@@ -265,8 +290,31 @@ class P2pConnectorScheduler:
             granted: tuple[str, str, str] | None = (transfer_id, peer, str(token))
         except TrustRefusal:  # counted and logged once per peer by the authority
             granted = None
+        if granted is not None and not self._learn_peer(request, peer, pull):
+            granted = None
         self._checked[key] = granted
         return granted
+
+    def _learn_peer(self, request: Request, peer: str, pull: bool) -> bool:
+        """Record the peer's ranks from the request's params; False (logged, counted as
+        invalid params by the caller's refusal) when they cannot serve this transfer."""
+        params = request.kv_transfer_params
+        ranks = params.remote_ranks if params is not None else None
+        if ranks is None or self._ranks is None:
+            return True
+        reason = None
+        if ranks.address != peer:
+            reason = f"remote_ranks name {ranks.address}, not {peer}"
+        else:
+            producer, consumer = ((ranks.layout, self._ranks.layout) if pull
+                                  else (self._ranks.layout, ranks.layout))
+            reason = layout_mismatch(producer, consumer)
+        if reason is not None:
+            logger.warning("request %s moves no KV: peer %s: %s", request.request_id, peer,
+                           reason)
+            return False
+        self._peers[peer] = ranks
+        return True
 
     def _maybe_save(self, request_id: str, state: _ProducerRequest, num_computed: int,
                     num_scheduled: int, meta: P2pConnectorMetadata) -> None:

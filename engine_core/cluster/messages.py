@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from engine_core.addresses import is_host_port
 from engine_core.codec import MessageCodec
 from engine_core.errors import MessageDecodeError
+from engine_core.parallel.kv_layout import KVLayoutError, PeerRanks
 
 ROLE_PREFILL = "P"
 ROLE_DECODE = "D"
@@ -59,7 +60,9 @@ class Heartbeat:
     """A worker's periodic announcement; the first one registers it.
 
     ``http_address`` ("host:port") identifies the worker; ``zmq_address`` ("host:kv_port") is
-    where its KV connector listens and is what the peer leg's ``remote_kv_address`` names.
+    where its KV connector listens and is what the peer leg's ``remote_kv_address`` names;
+    ``kv_ranks`` its KV layout and every rank's connector address (rank 0's is
+    ``zmq_address``), which the proxy hands its peers.
     """
 
     role: str
@@ -71,6 +74,7 @@ class Heartbeat:
     heartbeat_interval_s: float | None = None
     # A ``worker``'s capabilities (CAPABILITIES); empty: those of its role.
     capabilities: list[str] = field(default_factory=list)
+    kv_ranks: PeerRanks | None = None
 
 
 @dataclass
@@ -109,6 +113,14 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         if message.zmq_address is None:
             raise MessageDecodeError(f"a {message.role} worker needs a zmq_address")
         _check_address(message.zmq_address, "zmq_address")
+    if message.kv_ranks is not None:
+        try:
+            ranks = PeerRanks.from_wire(message.kv_ranks.to_wire())
+        except KVLayoutError as exc:
+            raise MessageDecodeError(f"kv_ranks: {exc}") from None
+        if ranks.address != message.zmq_address:
+            raise MessageDecodeError(f"kv_ranks name rank 0 at {ranks.address:.80}, not the "
+                                     "zmq_address")
     if not set(message.capabilities) <= set(CAPABILITIES) or len(message.capabilities) > 3:
         raise MessageDecodeError(f"capabilities must be among {CAPABILITIES}")
     load = message.load

@@ -21,6 +21,7 @@ import zmq
 
 from engine_core.cluster.messages import REGISTRATION_CODEC, Deregister, Heartbeat, WorkerLoad
 from engine_core.cluster.trust import CHANNEL_REGISTRATION, ClusterSecret, Sealer
+from engine_core.parallel.kv_layout import PeerRanks
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,13 @@ class RegistrationClient:
                  zmq_address: str | None = None, version: str = "",
                  load_provider: LoadProvider | None = None, interval_s: float = 3.0,
                  send_timeout_s: float = 1.0, context: zmq.Context | None = None,
-                 secret: ClusterSecret = ClusterSecret()) -> None:
+                 secret: ClusterSecret = ClusterSecret(),
+                 kv_ranks: PeerRanks | None = None) -> None:
         self._proxy_address = proxy_address
         self._sealer = Sealer(secret, CHANNEL_REGISTRATION, f"{role}-{secrets.token_hex(8)}")
         self._template = Heartbeat(role=role, http_address=http_address, model=model,
                                    zmq_address=zmq_address, version=version,
-                                   heartbeat_interval_s=interval_s)
+                                   heartbeat_interval_s=interval_s, kv_ranks=kv_ranks)
         self._load_provider = load_provider
         self._interval_s = interval_s
         self._send_timeout_ms = int(send_timeout_s * 1000)

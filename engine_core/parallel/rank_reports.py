@@ -53,6 +53,14 @@ class RankReportCombiner:
                 done.recving.add(request_id)
         return done
 
+    def drop_rank(self, rank: int) -> FinishedTransfers:
+        """``rank`` is gone: it ends every request still waiting on it (its loads failed,
+        its sends given up); returns the requests that ended on every rank by now."""
+        report = FinishedTransfers(
+            sending={r for r, p in self._sends.items() if rank in p.waiting},
+            failed_recving={r for r, p in self._loads.items() if rank in p.waiting})
+        return self.add(rank, report)
+
     def forget(self, request_id: str) -> None:
         """Drop a request no rank will report any more (its load was cancelled everywhere)."""
         self._loads.pop(request_id, None)

@@ -13,6 +13,7 @@ import torch
 
 from engine_core.errors import ConfigError
 from engine_core.models.spec import ModelSpec
+from engine_core.parallel.kv_layout import kv_head_range
 
 
 @dataclass(frozen=True)
@@ -74,22 +75,6 @@ class HeadPartition:
         kv_start, kv_per_rank = kv_head_range(num_kv_heads, rank, size)
         q_per_rank = num_heads // size
         return cls(rank * q_per_rank, q_per_rank, kv_start, kv_per_rank)
-
-
-def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """(first, count) of the KV heads rank ``rank`` of ``size`` holds: ``num_kv_heads / size``
-    each, or, with fewer KV heads than ranks, one head replicated on ``size / num_kv_heads``
-    consecutive ranks. The one rule the cache, the attention kernels and KV transfer share."""
-    if num_kv_heads >= size:
-        if num_kv_heads % size:
-            raise ConfigError(f"{num_kv_heads} KV heads do not split over "
-                              f"--tensor-parallel-size {size}")
-        kv_per_rank = num_kv_heads // size
-        return rank * kv_per_rank, kv_per_rank
-    if size % num_kv_heads:
-        raise ConfigError(f"--tensor-parallel-size {size} is not a multiple of the "
-                          f"{num_kv_heads} KV heads (needed to replicate them)")
-    return rank * num_kv_heads // size, 1
 
 
 def padded_vocab_per_rank(vocab_size: int, size: int) -> int:

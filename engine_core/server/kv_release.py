@@ -13,11 +13,12 @@ from engine_core.addresses import is_host_port
 from engine_core.cluster.grants import MAX_GRANT_CHARS, MAX_TRANSFER_ID_CHARS
 from engine_core.errors import InvalidRequestError
 from engine_core.kv_transfer_params import is_transfer_id
+from engine_core.parallel.kv_layout import KVLayoutError, PeerRanks
 from engine_core.request_limits import MAX_CHOICES
 
 # /internal/kv/release: transfers one call may name (a request's prompts move one each).
 MAX_RELEASES = MAX_CHOICES
-_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address", "grant"})
+_RELEASE_FIELDS = frozenset({"transfer_ids", "remote_kv_address", "grant", "remote_ranks"})
 RELEASE_TOKEN = 0  # the one-token prompt of a release (any id of the vocabulary does)
 
 
@@ -31,6 +32,7 @@ class KVRelease:
     transfer_ids: list[str]
     producer_address: str
     grant: str = ""
+    producer_ranks: PeerRanks | None = None  # its KV layout and rank addresses
 
 
 def parse_kv_release(body: dict[str, Any]) -> KVRelease:
@@ -52,4 +54,10 @@ def parse_kv_release(body: dict[str, Any]) -> KVRelease:
     if not isinstance(grant, str) or len(grant) > MAX_GRANT_CHARS:
         raise InvalidRequestError(f"grant must be a string of at most {MAX_GRANT_CHARS} "
                                   "characters", "grant")
-    return KVRelease(list(ids), address, grant)
+    ranks = body.get("remote_ranks")
+    if ranks is not None:
+        try:
+            ranks = PeerRanks.from_wire(ranks)
+        except KVLayoutError as exc:
+            raise InvalidRequestError(f"remote_ranks: {exc}", "remote_ranks") from None
+    return KVRelease(list(ids), address, grant, ranks)

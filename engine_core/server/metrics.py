@@ -73,6 +73,8 @@ CONNECTOR_GAUGES = {
     "pull_requests_waiting": "Pull requests that arrived before their request (P).",
     "producer_requests": "Prefill requests whose KV is still to be saved (P).",
     "held_requests": "Finished prefill requests whose blocks are held until sent (P).",
+    "rank_reports_pending": "Requests whose transfer another tensor-parallel rank has not "
+                            "reported ended yet (TP workers).",
 }
 
 # KV connector counters, exported as ``pdserve:kv_transfer_<key>_total``.

@@ -502,7 +502,7 @@ class OpenAIServing:
                            params: SamplingParams) -> None:
         transfer = KVTransferParams(transfer_id=transfer_id, do_remote_prefill=True,
                                     remote_kv_address=release.producer_address,
-                                    grant=release.grant)
+                                    grant=release.grant, remote_ranks=release.producer_ranks)
         outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [RELEASE_TOKEN],
                                        params, transfer)
         async with contextlib.aclosing(outputs):

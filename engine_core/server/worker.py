@@ -123,7 +123,9 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
         registrations = [RegistrationClient(
             address, role=role, http_address=f"{host}:{options.port}", model=model,
             zmq_address=zmq_address, version=package_version(), load_provider=load,
-            interval_s=interval_s, secret=secret) for address in proxy_addresses]
+            interval_s=interval_s, secret=secret,
+            kv_ranks=client.info.kv_ranks if zmq_address is not None else None)
+            for address in proxy_addresses]
         for registration in registrations:
             registration.start()
         if readiness is not None:

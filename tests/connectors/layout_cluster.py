@@ -11,15 +11,11 @@ from typing import Any
 import torch
 
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
-from connectors.p2p_nccl.kv_layout import (
-    HeadRoute,
-    KVLayout,
-    plan_head_routes,
-    route_transfer_ids,
-)
+from connectors.p2p_nccl.kv_layout import HeadRoute, plan_head_routes, route_transfer_ids
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from deploy.launch import free_ports
 from engine_core.config import KVTransferConfig
+from engine_core.parallel.kv_layout import KVLayout
 from engine_core.worker.block_copy import HeadSlice
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.worker_pair import (

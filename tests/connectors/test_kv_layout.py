@@ -8,15 +8,12 @@ import pytest
 
 from connectors.p2p_nccl.kv_layout import (
     HeadRoute,
-    KVLayout,
-    KVLayoutError,
-    check_layout,
-    layout_mismatch,
     plan_head_routes,
     route_transfer_ids,
     routes_from,
     routes_into,
 )
+from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, check_layout, layout_mismatch
 
 
 def layout(tp_size: int, kv_heads: int = 4, rank: int = 0, **shape: object) -> KVLayout:

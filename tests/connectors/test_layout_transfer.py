@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.p2p_nccl.kv_layout import KVLayout, plan_head_routes
+from connectors.p2p_nccl.kv_layout import plan_head_routes
+from engine_core.parallel.kv_layout import KVLayout
 from engine_core.worker.block_copy import (
     HeadSlice,
     block_ids_tensor,

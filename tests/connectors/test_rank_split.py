@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.p2p_nccl.kv_layout import KVLayout, KVLayoutError, plan_head_routes
+from connectors.p2p_nccl.kv_layout import plan_head_routes
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
-from connectors.p2p_nccl.rank_split import PeerRanks, RouteGrants, split_step
+from connectors.p2p_nccl.rank_split import RouteGrants, split_step
+from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, PeerRanks
 from engine_core.worker.block_copy import HeadSlice
 
 P0 = "p:9000"

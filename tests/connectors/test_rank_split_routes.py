@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connectors.p2p_nccl.rank_split import PeerRanks, RouteGrants, split_step
+from connectors.p2p_nccl.rank_split import RouteGrants, split_step
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.kv_connector import FinishedTransfers
+from engine_core.parallel.kv_layout import PeerRanks
 from engine_core.parallel.rank_reports import RankReportCombiner
 from tests.connectors.layout_cluster import LAYERS, LayoutCluster
 from tests.connectors.worker_pair import DST, SRC, wait_until

@@ -1,16 +1,16 @@
-"""`pdserve launch` tensor-parallel GPU groups, per-kind sizes, and the refusal of TP > 1 for
-workers with a KV connector (prefill, decode, placed)."""
+"""`pdserve launch` tensor-parallel GPU groups, per-kind sizes, and the KV port runs of
+tensor-parallel workers with a KV connector (rank r at kv_port + r)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from deploy.cli import build_parser
-from deploy.gpu_groups import check_tp_topology, gpu_groups
-from deploy.launch import build_children, engine_argv, run_launch
-from engine_core.errors import ConfigError
+from deploy.gpu_groups import gpu_groups
+from deploy.launch import build_children, engine_argv, free_port_runs
 
 
 def _parse(*argv: str):
@@ -50,30 +50,31 @@ def test_too_few_gpus_for_the_groups_is_a_clear_error() -> None:
         gpu_groups(["0", "1", "2"], [2, 2])
 
 
-def test_pd_workers_with_tp_are_refused_before_anything_starts(capsys) -> None:
-    with pytest.raises(ConfigError, match="between tensor-parallel layouts"):
-        check_tp_topology(_parse("--prefill", "1", "--decode", "1", "-tp", "2"))
-    with pytest.raises(ConfigError, match="between tensor-parallel layouts"):
-        check_tp_topology(_parse("--prefill", "1", "--decode", "1", "--decode-tp", "2"))
-    check_tp_topology(_parse("--prefill", "1", "--decode", "1", "--colocated", "1",
-                             "--colocated-tp", "2"))
-    assert run_launch(_parse("--prefill", "1", "--decode", "1", "-tp", "2")) == 2
-    assert "tensor-parallel" in capsys.readouterr().err
+def test_pd_workers_of_different_sizes_get_their_groups_and_kv_port_runs(
+        tmp_path: Path) -> None:
+    args = _parse("--prefill", "1", "--decode", "2", "--prefill-tp", "2", "--gpus", "0,1,2,3")
+    _, workers, _ = build_children(args, engine_argv(args), tmp_path)
+    assert [w.name for w in workers] == ["prefill0", "decode0", "decode1"]
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "2", "3"]
+    assert [_tp_of(w.argv) for w in workers] == ["2", "1", "1"]
+    kv_ports = [json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])["kv_port"]
+                for w in workers]
+    http_ports = [int(w.http_address.rpartition(":")[2]) for w in workers]
+    # The prefill worker's rank 1 listens at kv_port + 1: no other socket may take it.
+    taken = [kv_ports[0], kv_ports[0] + 1, *kv_ports[1:], *http_ports, args.port]
+    assert len(set(taken)) == len(taken)
 
 
-def test_placed_workers_with_tp_are_refused(capsys) -> None:
-    for argv in (["-tp", "2"], ["--workers", "1", "--worker-tp", "2"],
-                 ["--workers", "1", "--colocated", "1", "-tp", "2"]):
-        with pytest.raises(ConfigError, match="placed"):
-            check_tp_topology(_parse(*argv))
-    assert run_launch(_parse("-tp", "2")) == 2  # the default launch: placed workers
-    assert "between tensor-parallel layouts" in capsys.readouterr().err
+def test_port_runs_are_consecutive_and_disjoint() -> None:
+    firsts = free_port_runs([3, 1, 2])
+    ports = [first + offset for first, length in zip(firsts, [3, 1, 2]) for offset
+             in range(length)]
+    assert len(set(ports)) == len(ports) == 6
 
 
 def test_placed_workers_take_one_gpu_and_colocated_their_group(tmp_path: Path) -> None:
     args = _parse("--workers", "2", "--colocated", "1", "--colocated-tp", "2",
                   "--gpus", "0,1,2,3")
-    check_tp_topology(args)
     _, workers, _ = build_children(args, engine_argv(args), tmp_path)
     assert [w.name for w in workers] == ["worker0", "worker1", "colocated0"]
     assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0", "1", "2,3"]
@@ -90,3 +91,12 @@ def test_gpus_count_the_visible_ones(monkeypatch) -> None:
         detect_gpus("0,2")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert detect_gpus("4,5") == ["4", "5"]
+
+
+def test_pd_workers_sharing_a_gpu_default_to_the_cpu_transport(tmp_path: Path) -> None:
+    args = _parse("--prefill", "1", "--decode", "1", "--prefill-tp", "2", "--gpus", "0,1,0")
+    _, workers, _ = build_children(args, engine_argv(args), tmp_path)
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["0,1", "0"]
+    transports = {json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
+                  ["kv_connector_extra_config"]["transport"] for w in workers}
+    assert transports == {"cpu"}  # NCCL cannot pair GPU 0 with itself

@@ -58,6 +58,9 @@ class FakeEngine:
     def doorbell(self) -> None:
         return None
 
+    def peer_ranks(self) -> None:
+        return None
+
     def step(self) -> list[EngineOutput]:
         if self.crash_on_step:
             os._exit(3)

@@ -9,7 +9,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from engine_core.codec import PROTOCOL_VERSION
+from engine_core.cluster.trust import ClusterSecret
+from engine_core.codec import PROTOCOL_VERSION, MessageCodec
+from engine_core.config import EngineConfig, KVTransferConfig
 from engine_core.errors import InvalidRequestError, MessageDecodeError
 from engine_core.kv_transfer_params import KVTransferParams, KVTransferResult
 from engine_core.messages import (
@@ -19,6 +21,7 @@ from engine_core.messages import (
     EngineOutput,
     EngineOutputs,
 )
+from engine_core.parallel.kv_layout import KVLayout, PeerRanks
 from engine_core.request_limits import MAX_CHOICES
 
 PREFILL_LEG = {"transfer_id": "t1", "do_remote_decode": True, "remote_kv_address": "d:1",
@@ -154,3 +157,26 @@ def test_engine_messages_carry_the_typed_values() -> None:
 def test_the_engine_socket_refuses_unknown_param_fields() -> None:
     with pytest.raises(MessageDecodeError, match="kv_transfer_params"):
         ENGINE_INPUT_CODEC.decode(_add_request({"do_remote_prefill": True, "x": 1}))
+
+
+def test_remote_ranks_are_typed_and_checked_once() -> None:
+    ranks = PeerRanks(KVLayout.of_rank(2, 0, 2, 8, 16, "float32", 2), ("p:1", "p:2"))
+    wire = {**DECODE_LEG, "remote_ranks": ranks.to_wire()}
+    params = KVTransferParams.from_wire(wire)
+    assert params.remote_ranks == ranks
+    assert params.to_wire()["remote_ranks"] == ranks.to_wire()
+    message = AddRequest("r1", [1, 2], {}, 0.0, params, [])
+    assert ENGINE_INPUT_CODEC.decode(ENGINE_INPUT_CODEC.encode(message)) == message
+    bad = ranks.to_wire()
+    bad["addresses"] = ["p:1"]  # one address for two ranks
+    with pytest.raises(InvalidRequestError, match="remote_ranks"):
+        KVTransferParams.from_wire({**DECODE_LEG, "remote_ranks": bad})
+
+
+def test_a_cluster_secret_never_crosses_a_socket() -> None:
+    config = EngineConfig.from_kwargs("m").with_changes(kv_transfer=KVTransferConfig(
+        cluster_secret=ClusterSecret(b"s" * 32)))
+    codec = MessageCodec([EngineConfig])
+    payload = codec.encode(config)
+    assert b"s" * 32 not in payload
+    assert codec.decode(payload).kv_transfer.cluster_secret == ClusterSecret()

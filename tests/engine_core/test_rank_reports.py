@@ -40,3 +40,13 @@ def test_unexpected_report_passes_through_and_forget_drops() -> None:
     combiner.expect_load("gone", frozenset({0, 1}))
     combiner.forget("gone")
     assert combiner.pending == 0
+
+
+def test_a_lost_rank_fails_its_loads_and_ends_its_sends() -> None:
+    combiner = RankReportCombiner()
+    combiner.expect_load("a", frozenset({0, 1}))
+    combiner.expect_load("b", frozenset({0}))
+    combiner.expect_send("s", frozenset({1}))
+    assert combiner.add(0, recv("a")) == FinishedTransfers()
+    assert combiner.drop_rank(1) == FinishedTransfers(sending={"s"}, failed_recving={"a"})
+    assert combiner.pending == 1  # "b" never waited on rank 1

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -321,6 +322,26 @@ def idle_violations(scraped: dict[str, dict[str, float]]) -> list[str]:
             if value != 0.0:
                 bad.append(f"{address} {name}={value}")
     return bad
+
+
+def colocated_answers(checkpoint: Path, reqs: Sequence[Req], log: Path) -> list[Outcome]:
+    """``reqs`` answered by one colocated ``pdserve serve`` of ``checkpoint`` (TP=1, the
+    reference every disaggregated shape must equal), stopped afterwards."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", str(checkpoint), "--port", str(port),
+             *ENGINE_ARGS], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", time.monotonic() + STARTUP_S, [proc], [log])
+        return run_all(f"http://127.0.0.1:{port}", reqs)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # ---- requests --------------------------------------------------------------------------------

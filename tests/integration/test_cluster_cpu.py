@@ -27,6 +27,7 @@ from tests.integration.cluster_harness import (
     check_matches,
     child_env,
     children_of,
+    colocated_answers,
     mixed_requests,
     run_all,
     wait_http,
@@ -49,23 +50,7 @@ class Colocated:
 def colocated(tmp_path_factory: pytest.TempPathFactory) -> Colocated:
     root = tmp_path_factory.mktemp("colocated")
     ckpt = build_tiny_checkpoint(root / "ckpt")
-    serve_port, serve_log = free_port(), root / "serve.log"
-    with open(serve_log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", str(ckpt), "--port", str(serve_port),
-             *ENGINE_ARGS], cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{serve_port}/health", time.monotonic() + STARTUP_S,
-                  [proc], [serve_log])
-        answers = run_all(f"http://127.0.0.1:{serve_port}", REQUESTS)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return Colocated(ckpt, answers)
+    return Colocated(ckpt, colocated_answers(ckpt, REQUESTS, root / "serve.log"))
 
 
 @pytest.mark.slow

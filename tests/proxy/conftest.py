@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.messages import Heartbeat
 from engine_core.cluster.trust import ClusterSecret
+from engine_core.parallel.kv_layout import KVLayout, PeerRanks
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 from proxy.registry import InstanceRegistry
@@ -62,6 +63,8 @@ class FakeWorker:
     delay_s: float = 0.0  # every answer waits this long first
     card: dict[str, Any] | None = None  # its /v1/models card's extra fields (404 when None)
     release_status: int = 200  # what its /internal/kv/release answers
+    kv_tp: int | None = None  # registers KV ranks of this tensor-parallel size (None: none)
+    kv_dtype: str = "float32"  # its registered cache dtype
 
     @property
     def http_address(self) -> str:
@@ -73,8 +76,12 @@ class FakeWorker:
         return f"127.0.0.1:{self.kv_port}"
 
     def heartbeat(self) -> Heartbeat:
+        ranks = None if self.kv_tp is None else PeerRanks(
+            KVLayout.of_rank(self.kv_tp, 0, 2, 8, 16, self.kv_dtype, 2),
+            tuple(f"127.0.0.1:{self.kv_port + r}" for r in range(self.kv_tp)))
         return Heartbeat(role=self.role, http_address=self.http_address, model=MODEL,
-                         zmq_address=None if self.role == "colocated" else self.zmq_address)
+                         zmq_address=None if self.role == "colocated" else self.zmq_address,
+                         kv_ranks=ranks)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -196,7 +203,7 @@ async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
     servers: list[TestServer] = []
 
     async def factory(role: str, mode: str = "ok", **fields: Any) -> FakeWorker:
-        worker = FakeWorker(role=role, kv_port=20000 + len(servers), mode=mode, **fields)
+        worker = FakeWorker(role=role, kv_port=20000 + 8 * len(servers), mode=mode, **fields)
         app = web.Application()
         app.router.add_post("/v1/completions", worker.handle)
         app.router.add_post("/v1/chat/completions", worker.handle)

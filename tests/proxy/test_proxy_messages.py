@@ -13,6 +13,7 @@ from engine_core.cluster.messages import (
     decode_registration,
 )
 from engine_core.errors import MessageDecodeError
+from engine_core.parallel.kv_layout import KVLayout, PeerRanks
 
 
 def test_round_trip() -> None:
@@ -77,3 +78,27 @@ def test_invalid_values(message: Heartbeat, match: str) -> None:
 def test_malformed_payloads(payload: bytes) -> None:
     with pytest.raises(MessageDecodeError):
         decode_registration(payload)
+
+
+def _ranks(tp_size: int, first: str = "h:2") -> PeerRanks:
+    host, _, port = first.rpartition(":")
+    return PeerRanks(KVLayout.of_rank(tp_size, 0, 2, 8, 16, "float32", 2),
+                     tuple(f"{host}:{int(port) + r}" for r in range(tp_size)))
+
+
+def test_a_worker_registers_its_kv_ranks() -> None:
+    message = Heartbeat(role="P", http_address="h:1", model="m", zmq_address="h:2",
+                        kv_ranks=_ranks(2))
+    assert decode_registration(REGISTRATION_CODEC.encode(message)).kv_ranks == _ranks(2)
+
+
+def test_kv_ranks_must_start_at_the_kv_address_and_name_a_held_layout() -> None:
+    other = Heartbeat(role="P", http_address="h:1", model="m", zmq_address="h:2",
+                      kv_ranks=_ranks(2, "h:7"))
+    with pytest.raises(MessageDecodeError, match="zmq_address"):
+        decode_registration(REGISTRATION_CODEC.encode(other))
+    forged = Heartbeat(role="P", http_address="h:1", model="m", zmq_address="h:2",
+                       kv_ranks=PeerRanks(KVLayout(2, 0, 0, 2, 2, 8, 16, "float32", 2),
+                                          ("h:2", "h:3")))
+    with pytest.raises(MessageDecodeError, match="kv_ranks"):
+        decode_registration(REGISTRATION_CODEC.encode(forged))

@@ -86,10 +86,12 @@ def test_serve_tp2_completion_equals_tp1(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["prefill", "decode", "worker"])
-def test_pd_worker_with_tp_refuses_to_start(command: str,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_pd_worker_with_tp_and_sleep_mode_refuses_to_start(
+        command: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A P/D worker may be tensor-parallel (its ranks move KV rank to rank), but sleep mode
+    with TP is refused before anything starts."""
     from deploy.cli import main
 
-    assert main([command, "--demo-random", "-tp", "2", "--device", "cpu", "--port",
-                 str(free_port())]) == 1
-    assert "KV transfer between tensor-parallel layouts is not supported" in caplog.text
+    assert main([command, "--demo-random", "-tp", "2", "--enable-sleep-mode", "--device",
+                 "cpu", "--port", str(free_port())]) == 1
+    assert "--enable-sleep-mode with --tensor-parallel-size 2 is not supported" in caplog.text

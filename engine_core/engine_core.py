@@ -89,8 +89,7 @@ class EngineCore:
                     "which LLM and the pdserve commands call)"
                     if model_dir.suffix.lower() == ".gguf" else "")
             raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist{hint}")
-        config, self.rank_processes = start_other_ranks(
-            config, connector[1] if connector is not None else None)
+        config, self.rank_processes = start_other_ranks(config, connector and connector[1])
         self.config = config
         self.device = rank_device(config.device.resolve(), config.parallel)
         self.tp = TensorParallelGroup.start(config.parallel, torch.device(self.device))
@@ -359,13 +358,11 @@ class EngineCore:
         return not (self.scheduler.connector.is_idle() and self.connector_worker.is_idle())
 
     def doorbell(self) -> Doorbell | None:
-        """What the engine loop polls besides its input: the connector's doorbell (None for
-        a colocated engine), rung when a transfer lands so a waiting loop steps at once."""
+        """The connector's doorbell, rung when a transfer lands (None: colocated)."""
         return self.connector_worker.doorbell()
 
     def peer_ranks(self) -> PeerRanks | None:
-        """This worker's KV layout and rank addresses, as its connector registers them with
-        the proxy (None: colocated)."""
+        """This worker's KV layout and rank addresses for the proxy (None: colocated)."""
         return self.connector_worker.peer_ranks()
 
     def has_runnable(self) -> bool:

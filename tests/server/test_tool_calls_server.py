@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -87,6 +89,14 @@ def _whole(oai: openai.OpenAI, **request) -> dict:
             "finish": answer.choices[0].finish_reason, "raw_markup": False}
 
 
+def _answers(answer: Callable[..., dict], oai: openai.OpenAI, requests: list[dict]
+             ) -> list[dict]:
+    """``answer(oai, **request)`` for every request, all sent at once so that the engine
+    batches them (each seeded: its tokens do not depend on its batch)."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda request: answer(oai, **request), requests))
+
+
 def _same_answer(streamed: dict, whole: dict) -> None:
     """Streamed == whole (call ids name the request, so only names and arguments)."""
     assert not streamed["raw_markup"]
@@ -96,12 +106,12 @@ def _same_answer(streamed: dict, whole: dict) -> None:
 
 
 def test_auto_answers_stream_as_they_answer_whole(oai) -> None:
-    for seed in range(3):
-        request = {"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 24,
-                   "temperature": 1.0, "seed": seed}
-        whole = _whole(oai, **request)
-        _same_answer(_streamed(oai, **request), whole)
-        assert whole["finish"] in ("stop", "length", "tool_calls")
+    requests = [{"messages": USER, "tools": [WEATHER, TIME], "max_tokens": 24,
+                 "temperature": 1.0, "seed": seed} for seed in range(3)]
+    for request, whole, streamed in zip(requests, _answers(_whole, oai, requests),
+                                        _answers(_streamed, oai, requests), strict=True):
+        _same_answer(streamed, whole)
+        assert whole["finish"] in ("stop", "length", "tool_calls"), request
 
 
 def test_a_conversation_with_tool_turns_is_served(oai) -> None:
@@ -145,11 +155,12 @@ def test_required_always_calls_with_valid_arguments(oai, stream, parallel) -> No
     """One call (``maxItems`` 1) ends the answer; random weights may add parallel calls
     until ``max_tokens`` cuts the last one, so only the calls before it must be whole."""
     tools = {t["function"]["name"]: t for t in (WEATHER, TIME)}
-    for seed in range(NUM_FORCED):
-        request = {"messages": USER, "tools": list(tools.values()), "tool_choice": "required",
-                   "parallel_tool_calls": parallel, "max_tokens": 120, "temperature": 1.0,
-                   "seed": seed}
-        answer = (_streamed if stream else _whole)(oai, **request)
+    requests = [{"messages": USER, "tools": list(tools.values()), "tool_choice": "required",
+                 "parallel_tool_calls": parallel, "max_tokens": 120, "temperature": 1.0,
+                 "seed": seed} for seed in range(NUM_FORCED)]
+    answers = _answers(_streamed if stream else _whole, oai, requests)
+    wholes = _answers(_whole, oai, requests) if stream else answers
+    for answer, whole in zip(answers, wholes, strict=True):
         assert answer["calls"], answer
         if not parallel:
             assert len(answer["calls"]) == 1 and answer["finish"] == "tool_calls", answer
@@ -158,22 +169,23 @@ def test_required_always_calls_with_valid_arguments(oai, stream, parallel) -> No
         for call in whole_calls:
             _check_arguments(call, tools)
         if stream:
-            _same_answer(answer, _whole(oai, **request))
+            _same_answer(answer, whole)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_named_function_is_always_called_with_valid_arguments(oai, stream) -> None:
     tools = {t["function"]["name"]: t for t in (WEATHER, TIME)}
-    for seed in range(NUM_FORCED):
-        request = {"messages": USER, "tools": list(tools.values()), "max_tokens": 120,
-                   "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                   "temperature": 1.0, "seed": seed}
-        answer = (_streamed if stream else _whole)(oai, **request)
+    requests = [{"messages": USER, "tools": list(tools.values()), "max_tokens": 120,
+                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                 "temperature": 1.0, "seed": seed} for seed in range(NUM_FORCED)]
+    answers = _answers(_streamed if stream else _whole, oai, requests)
+    wholes = _answers(_whole, oai, requests) if stream else answers
+    for answer, whole in zip(answers, wholes, strict=True):
         assert [c[1] for c in answer["calls"]] == ["get_weather"], answer
         _check_arguments(answer["calls"][0], tools)
         assert answer["finish"] == "stop"
         if stream:
-            _same_answer(answer, _whole(oai, **request))
+            _same_answer(answer, whole)
 
 
 def _assembled(events: list[dict]) -> dict:

@@ -95,6 +95,9 @@ class TokenPumpEngine:
     def doorbell(self) -> None:
         return None
 
+    def peer_ranks(self) -> None:
+        return None  # no KV connector
+
     def reset_prefix_cache(self) -> bool:
         return True
 

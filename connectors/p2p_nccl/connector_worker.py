@@ -163,6 +163,7 @@ class P2pConnectorWorker:
             })
             out.update(self.consumer_side.gauges_locked())
             out.update(self.producer_side.gauges_locked())
+        out["rank_reports_pending"] = 0.0  # one rank: no report to wait for (rank_group's sum)
         return out
 
     def doorbell(self) -> Doorbell:

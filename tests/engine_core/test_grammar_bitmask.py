@@ -63,12 +63,18 @@ def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
         assert not torch.equal(single[0], single[1])
         filler = BitmaskFiller(max_threads=2)
         for count in (1, SERIAL_FILL_MAX + 1):  # one by one, and the batched call
-            matchers = [advanced, fresh] * count
+            # One matcher per row, as each request has its own (threads fill them at once).
+            matchers = []
+            for _ in range(count):
+                step = xgr.GrammarMatcher(compiled)
+                assert step.accept_string("a")
+                matchers += [step, xgr.GrammarMatcher(compiled)]
+            expected = [single[1], single[0]] * count
             rows = [r for r in reversed(range(len(matchers) + 1)) if r != 1]
             out = torch.full((len(matchers) + 1, num_words(1024)), 9, dtype=torch.int32)
             filler.fill(matchers, rows, out)
-            for matcher, row in zip(matchers, rows):
-                assert torch.equal(out[row], single[0 if matcher is fresh else 1])
+            for want, row in zip(expected, rows, strict=True):
+                assert torch.equal(out[row], want)
             assert (out[1] == 9).all()  # a row it was not given is left alone
     finally:
         compiler.shutdown()

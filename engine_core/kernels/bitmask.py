@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_core.grammar.bitmask import num_words as words_for
+
 WORDS = 32  # words per program: 1,024 tokens; 149 programs a row for a 151,936 vocabulary
 
 
@@ -36,7 +38,7 @@ def apply_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     ``[R, V]`` on the GPU, rows contiguous; ``bitmask`` ``[R, >= ceil(V / 32)]`` int32 on
     the same device). Tokens at or past ``V`` are ignored."""
     rows, vocab = logits.shape
-    num_words = (vocab + 31) // 32
+    num_words = words_for(vocab)
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == rows, bitmask.shape
     assert bitmask.shape[1] >= num_words and bitmask.stride(1) == 1, bitmask.shape
     assert logits.stride(1) == 1, "the kernel writes rows as contiguous runs"

@@ -1,7 +1,14 @@
-"""KV transfer between tensor-parallel layouts on real devices (two GPUs): a prefill worker of
-TP=2 on GPUs 0 and 1 feeds a decode worker of TP=1 on GPU 0 over the CPU transport (NCCL
-cannot pair a GPU with itself), each prefill rank sending only its KV heads from its own
-GPU; 200 mixed requests complete and every KV load lands.
+"""KV transfer between tensor-parallel layouts on real devices.
+
+1. Two GPUs: a prefill worker of TP=2 on GPUs 0 and 1 feeds a decode worker of TP=1 on GPU 0
+   over the CPU transport (NCCL cannot pair a GPU with itself), each prefill rank sending
+   only its KV heads from its own GPU.
+2. Four GPUs: P and D on separate GPU groups, KV over NCCL rank pair by rank pair, for
+   P TP=2 -> D TP=2, P TP=2 -> D TP=1 and P TP=1 -> D TP=2; greedy float32 answers equal a
+   colocated TP=1 server's.
+
+Each serves 200 mixed requests; every KV load lands (none recomputed on D) and nothing is
+held at the end.
 
     source .device/env.sh && python3 -m pytest -m gpu -q tests/integration/test_cluster_tp_layouts_gpu.py
 """
@@ -20,33 +27,67 @@ from deploy.launch import free_port
 from tests.integration.cluster_harness import (
     MODEL,
     ROOT,
+    Outcome,
+    Req,
     build_tiny_checkpoint,
+    check_matches,
     child_env,
     get_json,
     idle_violations,
     mixed_requests,
     run_all,
     scrape,
+    wait_http,
     wait_idle,
 )
 
 pytestmark = pytest.mark.gpu
 STARTUP_S = 600.0
+ENGINE = ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512"]
+REQUESTS = mixed_requests(200, max_words=120, max_tokens=32)
 
 
-@pytest.mark.timeout(1500)
-def test_gpu_prefill_tp2_feeds_decode_tp1(tmp_path: Path) -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt")  # 2 KV heads: one a prefill rank
+def _need_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} present")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _colocated(tmp_path: Path, checkpoint: Path, reqs: list[Req]) -> list[Outcome]:
+    """The reference: one colocated TP=1 ``pdserve serve`` on GPU 0."""
+    port = free_port()
+    with open(tmp_path / "serve.log", "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", str(checkpoint), "--port", str(port),
+             *ENGINE, "--gpu-memory-utilization", "0.3"], cwd=ROOT,
+            env=dict(child_env(), CUDA_VISIBLE_DEVICES="0"), stdout=out,
+            stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", time.monotonic() + STARTUP_S, [proc],
+                  [tmp_path / "serve.log"])
+        return run_all(f"http://127.0.0.1:{port}", reqs, concurrency=32, timeout_s=600.0)
+    finally:
+        _stop(proc)
+
+
+def _serve_layout(tmp_path: Path, checkpoint: Path, prefill_tp: int, decode_tp: int,
+                  gpus: str, transport: list[str]) -> list[Outcome]:
+    """Launch 1P1D of the given layout, answer REQUESTS, check every route landed and the
+    workers are idle afterwards; the answers."""
     port, log = free_port(), tmp_path / "launch.log"
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "deploy.launch", "--prefill", "1", "--decode", "1",
-             "--prefill-tp", "2", "--decode-tp", "1", "--gpus", "0,1,0",
-             "--kv-transport", "cpu", "--model", str(checkpoint), "--port", str(port),
-             "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1",
-             "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
+             "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--gpus", gpus,
+             *transport, "--model", str(checkpoint), "--port", str(port),
+             "--log-dir", str(tmp_path / "logs"), "--heartbeat-interval", "1", *ENGINE,
              "--gpu-memory-utilization", "0.4"],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     proxy = f"http://127.0.0.1:{port}"
@@ -57,13 +98,13 @@ def test_gpu_prefill_tp2_feeds_decode_tp1(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
         workers = {w["role"]: w for w in get_json(f"{proxy}/instances")["workers"]}
-        assert len(workers["P"]["kv_ranks"]["addresses"]) == 2
+        assert len(workers["P"]["kv_ranks"]["addresses"]) == prefill_tp
+        assert len(workers["D"]["kv_ranks"]["addresses"]) == decode_tp
 
-        reqs = mixed_requests(200, max_words=120, max_tokens=32)
-        got = run_all(proxy, reqs, concurrency=32, timeout_s=600.0)
-        failed = [(r.body, o) for r, o in zip(reqs, got) if not o.ok]
+        got = run_all(proxy, REQUESTS, concurrency=32, timeout_s=600.0)
+        failed = [(r.body, o) for r, o in zip(REQUESTS, got) if not o.ok]
         assert not failed, failed[:3]
-        for req, answer in zip(reqs, got):
+        for req, answer in zip(REQUESTS, got):
             assert answer.usage is not None
             assert answer.usage["completion_tokens"] == req.limit, (req, answer)
 
@@ -80,9 +121,26 @@ def test_gpu_prefill_tp2_feeds_decode_tp1(tmp_path: Path) -> None:
         decode_log = (tmp_path / "logs" / "decode0.log").read_text()
         assert "recomputing the prompt locally" not in decode_log, decode_log[-4000:]
         assert "kv load" not in decode_log, decode_log[-4000:]
+        return got
     finally:
-        launcher.terminate()
-        try:
-            launcher.wait(60)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
+        _stop(launcher)
+
+
+@pytest.mark.timeout(1500)
+def test_gpu_prefill_tp2_feeds_decode_tp1(tmp_path: Path) -> None:
+    _need_gpus(2)
+    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt")  # 2 KV heads: one a prefill rank
+    _serve_layout(tmp_path, checkpoint, 2, 1, "0,1,0", ["--kv-transport", "cpu"])
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "gpus"), [
+    (2, 2, "0,1,2,3"), (2, 1, "0,1,2"), (1, 2, "0,1,2")], ids=["P2-D2", "P2-D1", "P1-D2"])
+def test_gpu_layouts_over_nccl_match_colocated(tmp_path: Path, prefill_tp: int,
+                                               decode_tp: int, gpus: str) -> None:
+    _need_gpus(4 if prefill_tp + decode_tp == 4 else 3)
+    pytest.importorskip("cupy")
+    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt")
+    want = _colocated(tmp_path, checkpoint, REQUESTS)
+    got = _serve_layout(tmp_path, checkpoint, prefill_tp, decode_tp, gpus, [])
+    check_matches(REQUESTS, got, want)

@@ -33,6 +33,7 @@ from typing import Any
 
 from benchmarks.disagg.cluster import Cluster, ClusterSpec
 from benchmarks.model_shapes import SHAPES, write_model_dir
+from benchmarks.placement.observe import PointObserver
 from benchmarks.placement.search import PointResult, RateSearch, SloCell
 from benchmarks.placement.workloads import (
     ADAPTIVE_TARGETS,
@@ -78,14 +79,17 @@ def measure(cluster: Cluster, workload: Workload, cells: tuple[SloCell, ...], ra
                          disable_tqdm=True, ready_check_timeout_s=0, num_warmups=2,
                          request_id_prefix=f"sweep-{cluster.topology.name}-{seed}-",
                          label=f"{cluster.topology.name}/{workload.name}", plot=False)
-    result = run_benchmark(config, tokenizer)[0]
+    with PointObserver(cluster.url) as seen:
+        result = run_benchmark(config, tokenizer)[0]
+    result.update(seen.record())
     failed = [None] * result["failed"]
     point = PointResult(rate, tuple(result["ttfts"]) + tuple(failed),
                         tuple(result["tpots"]) + tuple(failed), result["duration"])
     result["cells"] = {cell.name: point.attainment(cell) for cell in cells}
     out.write_text(json.dumps(result))
-    logger.info("%s %s @ %.3g req/s: %s", cluster.topology.name, workload.name, rate,
-                ", ".join(f"{k} {v:.0%}" for k, v in result["cells"].items()))
+    logger.info("%s %s @ %.3g req/s: %s; placements %s", cluster.topology.name, workload.name,
+                rate, ", ".join(f"{k} {v:.0%}" for k, v in result["cells"].items()),
+                dict(sorted(result["placements"].items())) or "-")
     return point
 
 

@@ -165,6 +165,18 @@ def test_tp_flag_parses_for_every_engine_command() -> None:
         assert engine_config_from_args(args).parallel.tensor_parallel_size == 4
 
 
+def _greedy_on_gpus(path: str, tp: int) -> list[list[int]]:
+    """Greedy token ids of PROMPTS from an engine of ``tp`` ranks on cuda:0.. (run in a
+    process of its own: a CUDA engine of TP > 1 is one per process)."""
+    llm = LLM(path, tensor_parallel_size=tp, device="cuda", gpu_memory_utilization=0.3,
+              **ENGINE_ARGS)
+    try:
+        assert llm.engine.tp.size == tp and llm.engine.device == "cuda:0"
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_tp2_greedy_equals_tp1_over_nccl(checkpoint, name: str) -> None:
@@ -172,19 +184,13 @@ def test_tp2_greedy_equals_tp1_over_nccl(checkpoint, name: str) -> None:
     graphs of each rank's decode and mixed steps."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    path = checkpoint(name)
-    gpu_args = dict(device="cuda", gpu_memory_utilization=0.3)
-    single = LLM(str(path), tensor_parallel_size=1, **{**ENGINE_ARGS, **gpu_args})
-    expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
-    single.shutdown()
-    del single
-    torch.cuda.empty_cache()
-    llm = LLM(str(path), tensor_parallel_size=2, **{**ENGINE_ARGS, **gpu_args})
-    try:
-        assert llm.engine.tp.size == 2 and llm.engine.device == "cuda:0"
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
-    finally:
-        llm.shutdown()
+    import multiprocessing
+
+    path = str(checkpoint(name))
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        expected = pool.apply(_greedy_on_gpus, (path, 1))
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        assert pool.apply(_greedy_on_gpus, (path, 2)) == expected
 
 
 def test_each_rank_loads_its_shards(model_checkpoint) -> None:

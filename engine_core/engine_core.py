@@ -68,6 +68,7 @@ from engine_core.worker.sleep import (
     release_weights,
     restore_weights,
 )
+from engine_core.worker.step_clock import StepClock
 from engine_core.worker.step_inputs import BatchLimits
 from engine_core.worker.warm_up import WarmUpLimits, warm_up_steps
 
@@ -188,6 +189,7 @@ class EngineCore:
                                self.graph_capture.pool_bytes / 2**20,
                                self.graph_pool_reserve / 2**20)
         self._warm_up()
+        self.runner.step_clock = StepClock(torch.device(self.device))  # feeds the step rates
         self.step_watch = StepWatch()
         self.step_watch.start()
         self.rejected_messages = 0
@@ -390,10 +392,8 @@ class EngineCore:
         if self.rank_processes is not None:
             self.rank_processes.send_step(scheduler_output)
         launched = self.runner.launch(scheduler_output)
-        completed = scheduler_output  # the step whose end this call waits for
         overlapped = self._in_flight is not None
         if self._in_flight is not None:
-            completed = self._in_flight[0]
             outputs += self._complete(*self._in_flight)
             self._in_flight = None
         if launched.awaits_masks:  # its masks need the tokens collected just above
@@ -404,7 +404,7 @@ class EngineCore:
             self._in_flight = (scheduler_output, launched)
         else:
             outputs += self._complete(scheduler_output, launched)
-        self._observe_rates(time.perf_counter() - started, completed)
+        self._observe_rates()
         self.step_watch.observe(time.perf_counter() - started,
                                 scheduler_output.total_num_scheduled_tokens,
                                 len(scheduler_output.num_scheduled_tokens))
@@ -415,13 +415,12 @@ class EngineCore:
                             or self.scheduler.transfer_updates != transfer_updates)
         return outputs
 
-    def _observe_rates(self, seconds: float, completed: SchedulerOutput) -> None:
-        """Feed the prefill-rate and step-time averages (a one-token row is a decode)."""
-        if completed.is_empty:
-            return
-        num_decodes = sum(1 for n in completed.num_scheduled_tokens.values() if n == 1)
-        self.scheduler.step_rates.observe(
-            seconds, completed.total_num_scheduled_tokens - num_decodes, num_decodes)
+    def _observe_rates(self) -> None:
+        """Feed the prefill-rate and step-time averages with the device time of every step
+        finished since the last call (``worker/step_clock.py``)."""
+        for cost in self.runner.step_clock.finished():  # type: ignore[union-attr]
+            self.scheduler.step_rates.observe(cost.seconds, cost.num_prefill_tokens,
+                                              cost.num_decodes)
 
     def _queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute here: waiting requests (landed ones only their

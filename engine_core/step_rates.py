@@ -2,8 +2,9 @@
 
 A step is modelled as ``decode part + prefill tokens / prefill rate``: the decode part is
 what the step's decode rows cost (weights read once, every stream's context), the prefill
-rate is the marginal cost of prompt tokens. Both come from step wall times as moving
-averages: a step of decodes alone measures the decode part, a step of prefill alone the
+rate is the marginal cost of prompt tokens. Both come from each step's device time
+(``worker/step_clock.py``; a step's host wall time is not its cost under async scheduling)
+as moving averages: a step of decodes alone measures the decode part, a step of prefill alone the
 rate, and a mixed step measures its larger part with the smaller one predicted (so a
 worker whose steps always mix keeps both current, and a step that runs longer than
 predicted raises the decode part, which shrinks the next step's prefill share).

@@ -47,6 +47,7 @@ from engine_core.worker.prompt_logprobs import (
     prompt_rows,
 )
 from engine_core.worker.sampler import DeviceSamples, PromptTokens, Sampler, SamplingRow
+from engine_core.worker.step_clock import StepClock
 from engine_core.worker.step_inputs import BatchLimits, HostBlockTable, StepInputs
 
 
@@ -128,6 +129,8 @@ class ModelRunner:
         # Set by benchmarks: GPU time of each forward (eager or replay), and of sampling.
         self.forward_timer: ForwardTimer | None = None
         self.sample_timer: SampleTimer | None = None
+        # Set by the engine once warmed up: each step's device time, for its step rates.
+        self.step_clock: StepClock | None = None
         self._max_rows = limits.max_num_seqs
         self._grammar_masks: GrammarMaskStage | None = None  # made with the first mask
         # KV offload's host slots (set by the engine when --kv-offloading-size is given).
@@ -311,9 +314,10 @@ class ModelRunner:
             self.inputs.fill_pending_ids(batch.input_ids, pending_at, pending_from,
                                          self._last_samples)
         self.connector.bind_step(meta, batch.attn_metadata)
-        timer = self.forward_timer
+        timer, clock = self.forward_timer, self.step_clock
         if timer is not None:
             timer.start()
+        mark = clock.start() if clock is not None else None
         if graph_size is not None:
             assert self.graphs is not None
             if hooked:  # every layer's wait before the replay: strictly more than needed
@@ -329,6 +333,9 @@ class ModelRunner:
                                 self.kv_caches)
         if timer is not None:
             timer.stop(graph_size is not None, batch.input_ids.shape[0])
+        if clock is not None:  # a one-token row is a decode
+            num_decodes = int((num_new == 1).sum())
+            clock.stop(mark, int(num_new.sum()) - num_decodes, num_decodes)
         prompt = prompt_rows(request_ids, states, starts.tolist(), num_new_l)
         prompt_logprobs = (None if prompt is None
                            else compute_prompt_logprobs(hidden, self.model.compute_logits, prompt))

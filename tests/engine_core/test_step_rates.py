@@ -75,3 +75,47 @@ def test_engine_reports_queued_prompt_tokens_and_rates(tiny_checkpoint) -> None:
     stats = engine.get_stats()
     assert stats.num_prefill_tokens_queued == 0
     assert stats.prefill_tokens_per_s > 0 and stats.decode_step_s > 0
+
+
+def test_step_clock_hands_back_finished_steps_in_order() -> None:
+    import torch
+
+    from engine_core.worker.step_clock import StepClock
+
+    clock = StepClock(torch.device("cpu"))
+    assert clock.finished() == []
+    for tokens, decodes in ((512, 0), (16, 8)):
+        mark = clock.start()
+        clock.stop(mark, tokens, decodes)
+    costs = clock.finished()
+    assert [(c.num_prefill_tokens, c.num_decodes) for c in costs] == [(512, 0), (16, 8)]
+    assert all(c.seconds >= 0 for c in costs)
+    assert clock.finished() == []  # each step once
+
+
+def test_engine_rates_come_from_the_device_time_of_each_step(tiny_checkpoint,
+                                                              monkeypatch) -> None:
+    """The rates are fed by the runner's clock (a step's device time), not by the wall
+    time of the call that collects it: here every forward is said to take 100 ms."""
+    from engine_core.worker.step_clock import StepClock
+
+    engine = EngineCore(EngineConfig.from_kwargs(
+        str(tiny_checkpoint("qwen3")), num_gpu_blocks_override=64, max_num_batched_tokens=64))
+    assert isinstance(engine.runner.step_clock, StepClock)
+    real_stop = StepClock.stop
+
+    def slow_stop(self, mark, num_prefill_tokens, num_decodes):  # a forward of 100 ms
+        real_stop(self, mark, num_prefill_tokens, num_decodes)
+        start, _, p, d = self._pending.pop()
+        self._pending.append((start, start + 0.1, p, d))
+
+    monkeypatch.setattr(StepClock, "stop", slow_stop)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True).to_dict()
+    engine.add_request(AddRequest("a", list(range(1, 129)), params, 0.0))
+    for _ in range(20):
+        engine.step()
+        if not engine.has_runnable():
+            break
+    stats = engine.get_stats()
+    assert stats.prefill_tokens_per_s == pytest.approx(640.0)   # 64-token chunks in 100 ms
+    assert stats.decode_step_s == pytest.approx(0.1)

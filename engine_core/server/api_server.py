@@ -350,6 +350,12 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     return app
 
 
+def _log_grammar_import(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        logger.warning("importing the grammar engine failed (constrained requests will try "
+                       "again): %r", done.exception())
+
+
 async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                                engine_factory: EngineFactory | None = None,
                                readiness: Readiness | None = None,
@@ -364,7 +370,6 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                 info.max_model_len)
     try:
         stage = time.monotonic()
-        asyncio.get_running_loop().run_in_executor(None, import_grammar_engine)  # not awaited
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, lambda: TokenizerService.load(
                 info.tokenizer_path, info.max_model_len, info.vocab_size,
@@ -373,6 +378,10 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                 chat_template=options.chat_template))
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
+        # After the tokenizer: xgrammar imports names from transformers, whose lazy module
+        # cannot be imported from two threads at once.
+        prefetch = asyncio.get_running_loop().run_in_executor(None, import_grammar_engine)
+        prefetch.add_done_callback(_log_grammar_import)
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
         return client, build_app(client, tokenizer, config, options, generation, readiness)
     except BaseException:

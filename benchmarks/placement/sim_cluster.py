@@ -30,13 +30,15 @@ from proxy.placement import PlacementConfig, WorkerSnapshot, place
 
 @dataclass(frozen=True)
 class GpuModel:
-    """One worker's speed. Defaults: dummy Qwen3-8B bf16 on an H100 (docs/PERFORMANCE.md:
-    ~41k prompt tokens/s; 9.4 ms steps at 50 streams of ~2.3k tokens, 20-27 ms at 150-250)."""
+    """One worker's speed. Defaults: dummy Qwen3-8B bf16 on an H100 (~41k prompt tokens/s),
+    the decode step fitted to the TPOT that 1P1D serves 2k/256 at (the placement sweep on
+    H100s: p50 9.8 / 11.2 / 13.9 ms at 11.2 / 14 / 17.5 req/s), serving overheads included.
+    Its mixed steps are additive, so it overstates what colocated replicas pay for them."""
 
     prefill_tokens_per_s: float = 41_000.0
-    step_base_s: float = 0.0050
+    step_base_s: float = 0.0060
     step_per_seq_s: float = 1.0e-5
-    step_per_ctx_token_s: float = 3.4e-8
+    step_per_ctx_token_s: float = 6.5e-8
     kv_capacity_tokens: int = 350_000
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

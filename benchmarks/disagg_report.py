@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                                         else Path(model).name)
     spec = ClusterSpec(model=model, served_model_name=served,
                        engine_args=_engine_args(args, shape_dir), gpus=gpu_ids,
-                       log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout)
+                       log_dir=results_dir / "logs", startup_timeout_s=args.startup_timeout,
+                       kv_cache_bytes=scale.kv_cache_bytes)
     outcome = PlanOutcome([], [])
     env = environment(spec, args.smoke)
     env_path = results_dir / "env.json"

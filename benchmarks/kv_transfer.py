@@ -254,6 +254,16 @@ def _connector(role: str, port: int, peer_port: int, inbox: Any, out: Any, sizes
         worker.shutdown()
 
 
+def _process_context(smoke: bool) -> Any:
+    """Spawned processes on GPUs (CUDA cannot be forked); on CPU (``--smoke``) each pair is
+    forked from a server that imported this module once, not spawned to import torch again."""
+    if not smoke:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["benchmarks.kv_transfer"])
+    return ctx
+
+
 def run_raw(ctx: Any, sizes_bytes: list[int], iters: int) -> dict[int, tuple[float, float, float]]:
     out, uid_queue = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_raw, args=(r, uid_queue, out, sizes_bytes, iters)) for r in (0, 1)]
@@ -372,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
                              "benchmark itself (the numbers mean nothing)")
     parser.add_argument("--out", default=None, help="results JSON (default results/kv_transfer/<time>.json)")
     args = parser.parse_args(argv)
-    ctx = mp.get_context("spawn")
+    ctx = _process_context(args.smoke)
     blocks = [blocks_for(s) for s in args.sizes_mb]
     sizes_bytes = [b * BYTES_PER_BLOCK for b in blocks]
     raw = ({n: (None, None, None) for n in sizes_bytes} if args.smoke

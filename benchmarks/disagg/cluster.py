@@ -48,6 +48,9 @@ class ClusterSpec:
     log_dir: Path = Path(".")
     startup_timeout_s: float = 900.0
     stop_timeout_s: float = 60.0
+    # every worker's --kv-cache-memory-bytes, unless --engine-args or its topology set one
+    # (None: sized from memory)
+    kv_cache_bytes: int | None = None
 
 
 @dataclass
@@ -75,8 +78,11 @@ class Cluster:
                 "--log-dir", str(spec.log_dir / t.name), "--heartbeat-interval", "1",
                 "--stop-timeout", str(spec.stop_timeout_s / 2),
                 "--startup-timeout", str(spec.startup_timeout_s),
-                "--enable-prefix-caching" if t.prefix_caching else "--no-enable-prefix-caching",
-                *spec.engine_args]
+                "--enable-prefix-caching" if t.prefix_caching else "--no-enable-prefix-caching"]
+        # The last flag wins: the spec's default, then --engine-args, then the topology's own.
+        if spec.kv_cache_bytes is not None:
+            argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+        argv += spec.engine_args
         if t.kv_cache_bytes is not None:
             argv += ["--kv-cache-memory-bytes", str(t.kv_cache_bytes)]
         if t.kv_offload_gib > 0:
@@ -115,7 +121,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"{self.topology.name} not ready after "
                                    f"{self.spec.startup_timeout_s:.0f}s; see {log_dir}")
-            time.sleep(1.0)
+            time.sleep(0.2)
 
     def _ready(self) -> bool:
         try:

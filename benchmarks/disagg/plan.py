@@ -135,6 +135,8 @@ class Scale:
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 40.0
     prefill_overflow: int = 8  # overflow_2k: P's prefills in flight from which D prefills
+    # Every worker's device KV cache where its topology sets none (None: sized from memory).
+    kv_cache_bytes: int | None = None
 
     def point_prompts(self, rate: float) -> int:
         """Prompts at one sweep point: ``point_seconds`` of traffic, within the bounds."""
@@ -153,7 +155,10 @@ SMOKE_SCALE = Scale(
     # The demo model's KV is 4 KiB a token on CPU: 12 blocks of 16 tokens, a bit over two
     # of the four 5-block prompts.
     offload_kv_cache_bytes=12 * 16 * 4096, offload_host_gib=0.01, slo_ttft_ms=5000.0,
-    slo_tpot_ms=1000.0)
+    slo_tpot_ms=1000.0,
+    # 2,048 tokens: every smoke run fits; the CPU default (1 GiB) would only make each of the
+    # smoke's workers start slower.
+    kv_cache_bytes=8 << 20)
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,23 @@ def flag_of(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def last_flag_of(argv: list[str], name: str) -> str:
+    """The value the launcher's parser keeps: the last of a repeated flag."""
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
+
+def test_the_specs_kv_cache_size_yields_to_engine_args_and_the_topology() -> None:
+    """The smoke's small KV cache is every worker's default: --engine-args override it, and a
+    topology's own size (kv_offload's small cache) overrides both."""
+    spec = ClusterSpec("/m", "m", kv_cache_bytes=SMOKE_SCALE.kv_cache_bytes)
+    assert SMOKE_SCALE.kv_cache_bytes == 8 << 20 and GPU_SCALE.kv_cache_bytes is None
+    assert last_flag_of(Cluster(spec, PD).argv(), "--kv-cache-memory-bytes") == str(8 << 20)
+    user = replace(spec, engine_args=("--kv-cache-memory-bytes", "4096"))
+    assert last_flag_of(Cluster(user, PD).argv(), "--kv-cache-memory-bytes") == "4096"
+    small = replace(COLO1, kv_cache_bytes=12345)
+    assert last_flag_of(Cluster(user, small).argv(), "--kv-cache-memory-bytes") == "12345"
+
+
 def test_time_budget_leaves_runs_for_the_next_invocation(tmp_path: Path) -> None:
     plan = build_plan(SMOKE_SCALE, ("ttft_overhead",))
     options = ExecuteOptions(results_dir=tmp_path, spec=ClusterSpec("/m", "m"),

@@ -1,8 +1,10 @@
 """The report end to end on CPU (``--smoke``): a real cluster, real benchmark runs, summary.
 
-A few experiments, each topology launched once per test (every launch starts real worker
-processes, the slow part on two cores): the rest share their launch, run and summary code,
-and their plans are checked without processes in test_disagg_report.py.
+A few experiments, each topology launched once (every launch starts real worker processes,
+the slow part on two cores): the low-load, proxy-overhead, KV-offload and prefix-affinity
+experiments run as one report shared by the tests that read its sections; goodput_2k_2p1d
+runs alone (it rebuilds its summary from doctored runs). The rest share their launch, run
+and summary code, and their plans are checked without processes in test_disagg_report.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,16 +25,43 @@ from engine_core.demo_model import random_demo_model_path
 from tests.integration.cluster_harness import children_of
 
 
-def test_report_smoke_ttft_and_proxy_overhead(tmp_path: Path) -> None:
-    """The low-load and proxy-overhead experiments on CPU in one report (they share the
-    colocated topology): 1P1D passes the health gate (no worker lost, no KV load or send
-    failed), so its runs are saved and the overhead is computed; the proxy overhead's
-    interleaved A/B sends half its requests through the proxy."""
-    rc = disagg_report.main(["--smoke", "--only", "ttft_overhead,proxy_overhead",
-                             "--results-dir", str(tmp_path), "--disable-tqdm"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert rc == 0 and summary["problems"] == [], summary["problems"]
-    assert summary["left"] == [] and summary["need_gpus"] == []
+@dataclass(frozen=True)
+class Report:
+    """One smoke report's exit code, directory and summary."""
+
+    rc: int
+    path: Path
+    summary: dict
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    """ttft_overhead, proxy_overhead, kv_offload and prefix_affinity in one report."""
+    path = tmp_path_factory.mktemp("report")
+    rc = disagg_report.main(["--smoke", "--only",
+                             "ttft_overhead,proxy_overhead,kv_offload,prefix_affinity",
+                             "--results-dir", str(path), "--disable-tqdm"])
+    return Report(rc, path, json.loads((path / "summary.json").read_text()))
+
+
+def test_report_smoke_runs_every_experiment_healthy(report: Report) -> None:
+    """Every run of the report saved, no topology broke (no worker lost, no KV load or send
+    failed), nothing left; each worker got the smoke's small KV cache (2,048 tokens), the
+    topologies with their own (kv_offload's) theirs."""
+    assert report.rc == 0 and report.summary["problems"] == [], report.summary["problems"]
+    assert report.summary["left"] == [] and report.summary["need_gpus"] == []
+    logs = report.path / "logs"
+    for worker_log in ("colo1/colocated0.log", "pd/prefill0.log", "pd/decode0.log"):
+        assert "(128 blocks, " in (logs / worker_log).read_text(), worker_log
+    assert "(12 blocks, " in (logs / "colo1_offload" / "colocated0.log").read_text()
+
+
+def test_report_smoke_ttft_and_proxy_overhead(report: Report) -> None:
+    """The low-load and proxy-overhead experiments on CPU (they share the colocated
+    topology): 1P1D passes the health gate, so its runs are saved and the overhead is
+    computed; the proxy overhead's interleaved A/B sends half its requests through the
+    proxy."""
+    tmp_path, summary = report.path, report.summary
     for name in ("pd", "pd_handoff"):
         pd = json.loads((tmp_path / "raw" / f"ttft_overhead__{name}.json").read_text())
         assert pd["completed"] == pd["num_prompts"] and pd["failed"] == 0
@@ -59,7 +89,8 @@ def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> N
     """The 1P1D whose prefill worker stops (as one whose engine died does) is reported
     broken, so the report cannot publish D's local prefills as 1P1D figures."""
     spec = ClusterSpec(model=str(random_demo_model_path()), served_model_name="pdserve-demo-random",
-                       engine_args=("--max-model-len", "256"), log_dir=tmp_path)
+                       engine_args=("--max-model-len", "256"), log_dir=tmp_path,
+                       kv_cache_bytes=SMOKE_SCALE.kv_cache_bytes)
     with Cluster(spec, PD) as cluster:
         assert cluster.problems() == []
         assert cluster.proc is not None
@@ -76,14 +107,11 @@ def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> N
         assert problem.startswith("workers no longer registered: P ")
 
 
-def test_report_smoke_kv_offload(tmp_path: Path) -> None:
+def test_report_smoke_kv_offload(report: Report) -> None:
     """The extra KV-offload experiment on CPU: a device cache too small for the prefixes,
     offload off then on; with it on, host memory served prefix blocks and every request
     completed."""
-    rc = disagg_report.main(["--smoke", "--only", "kv_offload", "--results-dir",
-                             str(tmp_path), "--disable-tqdm"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    tmp_path, summary = report.path, report.summary
     section = summary["figures"]["kv_offload"]
     assert section["off"]["loaded_blocks"] == 0
     assert section["on"]["loaded_blocks"] > 0 and section["on"]["stored_blocks"] > 0
@@ -93,14 +121,11 @@ def test_report_smoke_kv_offload(tmp_path: Path) -> None:
     assert "## KV offload to host memory" in (tmp_path / "summary.md").read_text()
 
 
-def test_report_smoke_prefix_affinity(tmp_path: Path) -> None:
+def test_report_smoke_prefix_affinity(report: Report) -> None:
     """The extra routing experiment on CPU: two colocated workers with small caches behind
     the proxy, round robin then prefix affinity; every request completes on each, round
     robin uses both workers, and the affinity proxy was started with that policy."""
-    rc = disagg_report.main(["--smoke", "--only", "prefix_affinity", "--results-dir",
-                             str(tmp_path), "--disable-tqdm"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert rc == 0 and summary["problems"] == [], summary["problems"]
+    tmp_path, summary = report.path, report.summary
     section = summary["figures"]["prefix_affinity"]
     assert set(section) == {"round_robin", "prefix_affinity"}
     for routing in section:
@@ -120,12 +145,9 @@ def test_report_smoke_prefix_affinity(tmp_path: Path) -> None:
 def test_report_smoke_goodput_2k_2p1d(tmp_path: Path) -> None:
     """The extra 2P1D experiment on CPU: 2P1D (the proxy's prefills round robin over both P
     workers) and three colocated replicas at goodput_2k's smoke points, every request served
-    and no worker lost; then goodput_2k's runs set beside it by a rebuilt summary. The KV
-    caches are small: allocating the CPU default (1 GiB) three times at once dominates
-    startup on two cores."""
+    and no worker lost; then goodput_2k's runs set beside it by a rebuilt summary."""
     rc = disagg_report.main(["--smoke", "--only", "goodput_2k_2p1d", "--results-dir",
-                             str(tmp_path), "--disable-tqdm",
-                             "--engine-args=--kv-cache-memory-bytes 8388608"])
+                             str(tmp_path), "--disable-tqdm"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0 and summary["problems"] == [], summary["problems"]
     raw = tmp_path / "raw"

@@ -25,6 +25,15 @@ from tests.connectors.kv_harness import (
 MAX_PROMPT = 64  # the harness's "max_model_len"
 
 
+def _context() -> mp.context.BaseContext:
+    """Processes forked from a server that imported the harness (torch, the connector) once:
+    a spawned process would import them again, seconds of CPU each. That server is itself a
+    fresh interpreter, so nothing of this pytest process (threads, sockets) is inherited."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.connectors.kv_harness"])
+    return ctx
+
+
 def make_specs(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     edge = [1, 2, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 1,
@@ -59,7 +68,7 @@ def run_pair(send_type: str, specs: list[dict[str, Any]], dtype: str = "float32"
     ``after_restart`` a new producer then starts at the same address (new epoch) and those
     specs run too, so the consumer must rebuild its pair with the new process.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     p_port, d_port = free_port(), free_port()
     p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
     p_config = make_config("kv_producer", p_port, send_type, transfer_timeout_s=timeout_s,
@@ -159,7 +168,7 @@ def run_consumer_restart(send_type: str, first: list[dict[str, Any]],
 
     Returns every result and the idle reports of the new consumer and of the producer.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     p_port, d_port = free_port(), free_port()
     p_addr, d_addr = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
     p_config = make_config("kv_producer", p_port, send_type, transfer_timeout_s=timeout_s,

@@ -1,8 +1,8 @@
 """``pdserve launch --restart`` is bounded: a child that needs more than ``--max-restarts``
 restarts within ``--restart-window`` makes the launcher stop everything and exit 1.
 
-Before, a worker that could never come up was restarted every 30 s for ever and the
-launcher never reported a failure to whatever supervises it.
+Unbounded, a worker that can never come up would be restarted for ever, and whatever
+supervises the launcher would never see a failure.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ import pytest
 import deploy.launch as launch  # its new names looked up at call time: old code fails
 from deploy.cli import build_parser
 from deploy.launch import Child, free_port, stop_all
-from tests.integration.cluster_harness import ROOT, alive, child_env, children_of
+from tests.integration.cluster_harness import (
+    ENGINE_ARGS,
+    ROOT,
+    alive,
+    build_tiny_checkpoint,
+    child_env,
+    children_of,
+)
 
 
 def _parse(*argv: str):
@@ -141,15 +148,17 @@ def test_failed_starts_in_a_row_give_up_however_far_apart(
 @pytest.mark.timeout(240)
 def test_pdserve_launch_gives_up_and_exits_1(tmp_path: Path) -> None:
     """The real ``pdserve launch --restart --max-restarts 1``: a worker SIGKILLed once is
-    restarted; SIGKILLed again, the launcher stops every process and exits 1."""
+    restarted; SIGKILLed again, the launcher stops every process and exits 1. (The tiny
+    checkpoint: what is served does not matter here, only the processes.)"""
     log = tmp_path / "launch.log"
+    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt")
     with open(log, "wb") as out:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "launch", "--prefill", "0", "--decode", "0",
              "--colocated", "1", "--port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
              "--restart", "--max-restarts", "1", "--restart-window", "600",
-             "--heartbeat-interval", "1", "--stop-timeout", "10",
-             "--num-gpu-blocks-override", "64", "--max-model-len", "256"],
+             "--heartbeat-interval", "1", "--stop-timeout", "10", "--model", str(checkpoint),
+             *ENGINE_ARGS],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     pids: list[int] = []
     try:

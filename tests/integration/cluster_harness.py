@@ -344,6 +344,21 @@ def colocated_answers(checkpoint: Path, reqs: Sequence[Req], log: Path) -> list[
             proc.wait()
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The tiny checkpoint and a colocated TP=1 ``pdserve serve``'s answers to
+    ``mixed_requests(len(answers))`` on it: what every disaggregated shape must equal (the
+    session's ``reference`` fixture, tests/integration/conftest.py)."""
+
+    checkpoint: Path
+    answers: list[Outcome]
+
+    def first(self, n: int) -> tuple[list[Req], list[Outcome]]:
+        """``mixed_requests(n)`` (a prefix of the reference's requests) and their answers."""
+        assert n <= len(self.answers), (n, len(self.answers))
+        return mixed_requests(n), self.answers[:n]
+
+
 # ---- requests --------------------------------------------------------------------------------
 
 

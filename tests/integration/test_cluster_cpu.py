@@ -1,5 +1,5 @@
 """Real 1P1D and 2P2D clusters on CPU (`python -m deploy.launch`) give colocated greedy output
-(one colocated server's answers are the reference for both)."""
+(the session's colocated server's answers, ``reference``, are the reference for both)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,50 +20,30 @@ from tests.integration.cluster_harness import (
     ENGINE_ARGS,
     ROOT,
     STARTUP_S,
-    Outcome,
+    Reference,
     alive,
-    build_tiny_checkpoint,
     check_matches,
     child_env,
     children_of,
-    colocated_answers,
-    mixed_requests,
     run_all,
     wait_http,
 )
 
 NUM_REQUESTS = 64  # mixed: completions and chat, streaming and not, all concurrent
-REQUESTS = mixed_requests(NUM_REQUESTS)
-
-
-@dataclass(frozen=True)
-class Colocated:
-    """The tiny checkpoint and a colocated `pdserve serve`'s answers to ``REQUESTS`` on it:
-    the reference every cluster shape of this module must equal."""
-
-    checkpoint: Path
-    answers: list[Outcome]
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory: pytest.TempPathFactory) -> Colocated:
-    root = tmp_path_factory.mktemp("colocated")
-    ckpt = build_tiny_checkpoint(root / "ckpt")
-    return Colocated(ckpt, colocated_answers(ckpt, REQUESTS, root / "serve.log"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
-def test_cluster_matches_colocated(colocated: Colocated, tmp_path: Path, num_prefill: int,
+def test_cluster_matches_colocated(reference: Reference, tmp_path: Path, num_prefill: int,
                                    num_decode: int) -> None:
-    reqs, want = REQUESTS, colocated.answers
+    reqs, want = reference.first(NUM_REQUESTS)
     proxy_port = free_port()
     launch_log = tmp_path / "launch.log"
     with open(launch_log, "wb") as out:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "deploy.launch", "--prefill", str(num_prefill),
-             "--decode", str(num_decode), "--model", str(colocated.checkpoint),
+             "--decode", str(num_decode), "--model", str(reference.checkpoint),
              "--port", str(proxy_port), "--log-dir", str(tmp_path / "logs"),
              "--heartbeat-interval", "1", "--stop-timeout", "10", "--restart", *ENGINE_ARGS],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)

@@ -1,7 +1,7 @@
 """KV transfer between tensor-parallel layouts in a real CPU cluster: a prefill worker of TP=a
 hands its KV to a decode worker of TP=b over the CPU transport, each rank moving only its
 heads straight to the peer rank(s) that keep them; the answers equal a colocated TP=1
-server's, every load lands, and nothing is held at the end."""
+server's (the session's ``reference``), every load lands, and nothing is held at the end."""
 
 from __future__ import annotations
 
@@ -11,36 +11,25 @@ import pytest
 
 from tests.integration.cluster_harness import (
     Cluster,
-    Outcome,
-    build_tiny_checkpoint,
+    Reference,
     check_matches,
-    colocated_answers,
     idle_violations,
-    mixed_requests,
     run_all,
     scrape,
     wait_idle,
 )
 
-REQUESTS = mixed_requests(8)  # prompts of 1 to 4 blocks; completions and chat; streams
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outcome]]:
-    """The tiny checkpoint (2 KV heads: one a rank at TP=2) and a colocated TP=1 server's
-    answers on it."""
-    root = tmp_path_factory.mktemp("tp_layouts")
-    checkpoint = build_tiny_checkpoint(root / "ckpt")
-    return checkpoint, colocated_answers(checkpoint, REQUESTS, root / "serve.log")
+NUM_REQUESTS = 8  # prompts of 1 to 4 blocks; completions and chat; streams
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
-def test_transfer_between_layouts_matches_colocated(reference: tuple[Path, list[Outcome]],
-                                                    tmp_path: Path, prefill_tp: int,
-                                                    decode_tp: int) -> None:
-    checkpoint, want = reference
+def test_transfer_between_layouts_matches_colocated(reference: Reference, tmp_path: Path,
+                                                    prefill_tp: int, decode_tp: int) -> None:
+    """The tiny checkpoint has 2 KV heads: one a rank at TP=2."""
+    requests, want = reference.first(NUM_REQUESTS)
+    checkpoint = reference.checkpoint
     cluster = Cluster.build(tmp_path, checkpoint, num_prefill=1, num_decode=1,
                             launch_flags=["--prefill-tp", str(prefill_tp),
                                           "--decode-tp", str(decode_tp),
@@ -53,7 +42,7 @@ def test_transfer_between_layouts_matches_colocated(reference: tuple[Path, list[
         assert len(ranks["P"]["addresses"]) == prefill_tp
         assert len(ranks["D"]["addresses"]) == decode_tp
 
-        check_matches(REQUESTS, run_all(cluster.url, REQUESTS), want)
+        check_matches(requests, run_all(cluster.url, requests), want)
 
         addresses = [prefill.http_address, decode.http_address]
         scraped = wait_idle(addresses, 30.0)
@@ -64,7 +53,7 @@ def test_transfer_between_layouts_matches_colocated(reference: tuple[Path, list[
         # Every request with a full block moved it, one transfer per route; the worker's
         # counters sum its ranks', so every route P sent landed on D.
         received = d_metrics["pdserve:kv_transfer_transfers_received_total"]
-        assert received >= len(REQUESTS) // 2
+        assert received >= NUM_REQUESTS // 2
         assert received == p_metrics["pdserve:kv_transfer_transfers_sent_total"]
         assert d_metrics["pdserve:kv_transfer_transfers_failed_total"] == 0
         assert d_metrics["pdserve:kv_transfer_transfers_timed_out_total"] == 0

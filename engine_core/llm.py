@@ -14,6 +14,7 @@ from engine_core.arg_utils import engine_environment
 from engine_core.config import EngineConfig
 from engine_core.engine_core import EngineCore
 from engine_core.errors import InvalidRequestError
+from engine_core.hf_tokenizer import load_hf_tokenizer
 from engine_core.messages import AddRequest
 from engine_core.models.generation_config import load_generation_defaults
 from engine_core.output_processor import OutputProcessor, TokenTextCache
@@ -36,14 +37,12 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        from transformers import AutoTokenizer
-
         from engine_core.gguf import resolve_gguf_model
 
         self.config = resolve_gguf_model(EngineConfig.from_kwargs(
             str(model), **{**engine_environment(os.environ), **engine_args}))
         self.engine = EngineCore(self.config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
+        self.tokenizer = load_hf_tokenizer(self.engine.tokenizer_path)
         self.generation = load_generation_defaults(self.config.model,
                                                    self.tokenizer.eos_token_id)
         self._ids = itertools.count()

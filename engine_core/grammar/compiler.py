@@ -85,9 +85,10 @@ class GrammarCompiler:
         with self._lock:
             if self._xgr_compiler is None:
                 import xgrammar as xgr
-                from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                from engine_core.hf_tokenizer import load_hf_tokenizer
+
+                tokenizer = load_hf_tokenizer(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=list(self.stop_token_ids))

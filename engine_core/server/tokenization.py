@@ -86,9 +86,9 @@ class TokenizerService:
     def load(cls, path: str, max_model_len: int, vocab_size: int,
              trust_remote_code: bool = False, kv_capacity: int | None = None,
              chat_template: str | None = None) -> TokenizerService:
-        from transformers import AutoTokenizer
+        from engine_core.hf_tokenizer import load_hf_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = load_hf_tokenizer(path, trust_remote_code)
         return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True,
                    chat_template=chat_template)
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.server.drain import drain
 from engine_core.server.readiness import Readiness
 from tests.engine_core.test_engine_client import _config, fake_factory
-from tests.integration.cluster_harness import child_env
+from tests.integration.cluster_harness import child_env, wait_http
 from tests.server.conftest import kill_with_engines
 from tests.server.test_shutdown import _engine_pids
 
@@ -111,18 +112,6 @@ run_server(EngineConfig(model=ModelConfig(model=sys.argv[2], max_model_len=256,
 """
 
 
-def _wait_up(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the server did not come up"
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5).read()
-            return
-        except OSError:
-            time.sleep(0.2)
-
-
 def _read_all(conn: socket.socket) -> bytes:
     data = b""
     while chunk := conn.recv(65536):
@@ -131,20 +120,21 @@ def _read_all(conn: socket.socket) -> bytes:
 
 
 def test_a_request_whose_body_arrives_after_sigterm_is_served_before_the_server_exits(
-        demo_checkpoint) -> None:
+        demo_checkpoint, tmp_path: Path) -> None:
     """Its headers came before the SIGTERM, so the server took it; its body comes after the
     drain began. It is served whole (30 steps of 0.2 s: longer than the grace aiohttp gives
     handlers after the drain), and only then the server exits 0."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT, str(port),
-                             str(demo_checkpoint)], env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT, str(port),
+                                 str(demo_checkpoint)], env=child_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     engines: list[int] = []
     body = json.dumps({"prompt": "drain me", "max_tokens": 30, "ignore_eos": True,
                        "stream": True}).encode()
     try:
-        _wait_up(proc, url)
+        wait_http(url + "/health", time.monotonic() + 120, [proc], [log])
         engines = _engine_pids(proc.pid)
         conn = socket.create_connection(("127.0.0.1", port), timeout=60)
         with conn:
@@ -158,7 +148,8 @@ def test_a_request_whose_body_arrives_after_sigterm_is_served_before_the_server_
             time.sleep(1.0)  # the drain is running
             conn.sendall(body[1:])
             answer = _read_all(conn)
-        output, _ = proc.communicate(timeout=90)
+        proc.wait(90)
+        output = log.read_text()
         assert proc.returncode == 0, output
         head, _, events = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), (answer[:500], output)

@@ -204,6 +204,7 @@ class AsyncEngineClient:
         self._call_ids = itertools.count(READY_CALL_ID + 1)
         self._long_calls: dict[int, str] = {}  # call id -> method, for LONG_OPERATIONS
         self._dead: EngineDeadError | None = None
+        self._refusal: EngineDeadError | None = None  # set by fail_in_flight: no new generate
         self._closed = False
         self.latest_stats: EngineStats | None = None
         self.num_rejected_messages = 0
@@ -392,6 +393,8 @@ class AsyncEngineClient:
         after (see ``AddRequest``)."""
         if self._dead is not None:
             raise self._dead
+        if self._refusal is not None:
+            raise self._refusal
         if request_id in self._in_flight:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         engine_id = f"{request_id}#{next(self._generations)}"
@@ -453,8 +456,10 @@ class AsyncEngineClient:
         return len(self._in_flight)
 
     def fail_in_flight(self, error: EngineDeadError) -> None:
-        """End every generate call in flight with ``error`` (a shutdown past its drain: each
-        stream then ends with an error event, not a cut connection)."""
+        """End every generate call in flight with ``error`` and refuse later ones with it (a
+        shutdown past its drain: each stream then ends with an error event, not a cut
+        connection, and a request still being read or tokenized starts nothing)."""
+        self._refusal = error
         for queue in self._queues.values():
             queue.put_nowait(error)
 

@@ -26,7 +26,6 @@ from engine_core.errors import (
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
-    ShuttingDownError,
 )
 from engine_core.grammar.spec import import_grammar_engine
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
@@ -145,19 +144,15 @@ class _Routes:
         self.model_path = model_path
         self.readiness = readiness or Readiness()
 
-    def _refuse_while_draining(self) -> None:
-        if self.readiness.draining:
-            raise ShuttingDownError("the server is shutting down and takes no new requests")
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self._refuse_while_draining()
-        body = await _read_json(request, self.options)
-        return await self.serving.completions(request, body)
+        with self.readiness.admit():
+            body = await _read_json(request, self.options)
+            return await self.serving.completions(request, body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        self._refuse_while_draining()
-        body = await _read_json(request, self.options)
-        return await self.serving.chat(request, body)
+        with self.readiness.admit():
+            body = await _read_json(request, self.options)
+            return await self.serving.chat(request, body)
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
@@ -464,7 +459,7 @@ async def serve(config: EngineConfig, options: ServerOptions,
                 await cleanup()
             except Exception:
                 logger.exception("shutdown hook failed")
-        await drain(client, options.shutdown_drain_s if client.is_alive else 0.0)
+        await drain(client, readiness, options.shutdown_drain_s if client.is_alive else 0.0)
         if site is not None:
             await site.stop()
         await runner.cleanup()

@@ -280,7 +280,10 @@ class KVTransferConfig:
     # connectors/p2p_nccl/messages.py plan_layers_per_call. 0 = one call per layer.
     min_call_bytes: int = 32 << 20
     kv_load_failure_policy: str = "recompute"
-    transfer_timeout_s: float = 30.0
+    # Below the proxy's first-byte deadline (30 s by default): a decode worker whose prefill
+    # worker died gives up the load and computes the prompt itself while the proxy still
+    # waits for the stream's first byte.
+    transfer_timeout_s: float = 15.0
     get_lease_s: float = 60.0
     orphan_ttl_s: float = 60.0
     transport: str = "auto"  # auto | nccl | cpu

@@ -70,6 +70,15 @@ def child_env() -> dict[str, str]:
 # ---- processes -------------------------------------------------------------------------------
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM ``proc`` (a launcher or server), SIGKILL it if it outlives ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc)."""
     found = []

@@ -48,6 +48,7 @@ from tests.integration.cluster_harness import (
     mixed_requests,
     run_all,
     scrape,
+    stop_process,
     wait_http,
     with_limit,
 )
@@ -81,14 +82,6 @@ def _start_cluster(tmp_path: Path, model: Path, engine: list[str], gpus: str = "
         assert time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.5)
     return proc, f"http://127.0.0.1:{port}", log
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def _worker(proxy: str, role: str) -> str:
@@ -126,7 +119,7 @@ def _colocated_answers(tmp_path: Path, ckpt: Path, engine: list[str], reqs: list
                   [colocated], [tmp_path / "serve.log"])
         return run_all(f"http://127.0.0.1:{serve_port}", reqs)
     finally:
-        _stop(colocated)
+        stop_process(colocated)
 
 
 PLANES = ["nccl-two-gpus", "cpu-transport-one-gpu"]
@@ -152,7 +145,7 @@ def test_gpu_1p1d_matches_colocated(tmp_path: Path, launch_flags: tuple[str, ...
         if not launch_flags:  # the default: every stream of the mix took the handoff
             assert handoffs.get("prefill") == sum(r.stream for r in reqs), handoffs
     finally:
-        _stop(cluster)
+        stop_process(cluster)
 
 
 def _set_capabilities(proxy: str, worker: str, capabilities: list[str] | None) -> None:
@@ -185,7 +178,7 @@ def test_gpu_placed_workers_match_colocated(tmp_path: Path) -> None:
         received = scrape(second).get("pdserve:kv_transfer_bytes_received_total", 0.0)
         assert received > 0, "no KV went over NCCL while worker1 only decoded"
     finally:
-        _stop(cluster)
+        stop_process(cluster)
 
 
 @pytest.mark.timeout(1500)
@@ -209,7 +202,7 @@ def test_gpu_dummy_shapes_serve_200(tmp_path: Path, shape: str) -> None:
         assert _decode_bytes_received(proxy) > 0
         print(f"{shape}: 200 requests in {elapsed:.1f} s")
     finally:
-        _stop(cluster)
+        stop_process(cluster)
 
 
 def _long_prompt_requests(n: int, vocab: int, seed: int = 7) -> list[Req]:
@@ -253,7 +246,7 @@ def test_gpu_1p1d_long_prompts(tmp_path: Path, plane: str) -> None:
         assert not any(lost.values()), lost
         assert d.get("pdserve:kv_transfer_transfers_received_total", 0.0) == len(reqs), d
     finally:
-        _stop(cluster)
+        stop_process(cluster)
 
 
 def _server_pid(http_address: str) -> int:
@@ -324,4 +317,4 @@ def test_gpu_dead_decode_streams_move_over_nccl(tmp_path: Path) -> None:
         survivor = scrape(decoders[1])
         assert survivor.get("pdserve:kv_transfer_bytes_received_total", 0.0) > 0
     finally:
-        _stop(cluster)
+        stop_process(cluster)

@@ -37,6 +37,7 @@ from tests.integration.cluster_harness import (
     mixed_requests,
     run_all,
     scrape,
+    stop_process,
     wait_http,
     wait_idle,
 )
@@ -50,14 +51,6 @@ REQUESTS = mixed_requests(200, max_words=120, max_tokens=32)
 def _need_gpus(n: int) -> None:
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} present")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def _colocated(tmp_path: Path, checkpoint: Path, reqs: list[Req]) -> list[Outcome]:
@@ -74,7 +67,7 @@ def _colocated(tmp_path: Path, checkpoint: Path, reqs: list[Req]) -> list[Outcom
                   [tmp_path / "serve.log"])
         return run_all(f"http://127.0.0.1:{port}", reqs, concurrency=32, timeout_s=600.0)
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def _serve_layout(tmp_path: Path, checkpoint: Path, prefill_tp: int, decode_tp: int,
@@ -123,7 +116,7 @@ def _serve_layout(tmp_path: Path, checkpoint: Path, prefill_tp: int, decode_tp: 
         assert "kv load" not in decode_log, decode_log[-4000:]
         return got
     finally:
-        _stop(launcher)
+        stop_process(launcher)
 
 
 @pytest.mark.timeout(1500)

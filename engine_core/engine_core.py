@@ -478,6 +478,7 @@ class EngineCore:
             num_prefill_tokens_queued=self._queued_prefill_tokens(),
             prefill_tokens_per_s=self.scheduler.step_rates.prefill_tokens_per_s,
             decode_step_s=self.scheduler.step_rates.decode_step_s,
+            decode_base_s=self.scheduler.step_rates.decode_base_s,
             decode_step_target_s=self.config.scheduler.decode_step_target_s or 0.0,
         )
 

@@ -131,13 +131,14 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     # Placement inputs (engine_core/step_rates.py): prompt tokens still to compute (waiting
     # and partly prefilled requests; not those whose KV comes from a peer), the measured
-    # prefill rate and decode step time (0 until measured), the decode-step target that
-    # bounds its mixed steps (0: none).
+    # prefill rate, decode step time and the step's fixed part (0 until measured), the
+    # decode-step target that bounds its mixed steps (0: none).
     num_prefill_tokens_queued: int = 0
     num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_step_target_s: float = 0.0
+    decode_base_s: float = 0.0
 
 
 @dataclass

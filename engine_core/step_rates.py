@@ -27,6 +27,10 @@ class StepRates:
     min_prefill_tokens: int = 64      # a smaller prefill alone is dominated by fixed costs
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
+    # The decode step's fixed part (the weights read once): steps of at most this many
+    # decodes alone measure it (the proxy's lane plan needs how a step grows with its batch).
+    base_max_decodes: int = 2
+    decode_base_s: float = 0.0
 
     def observe(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
         """One completed step: its wall time, its prompt tokens, its decode rows."""
@@ -34,6 +38,8 @@ class StepRates:
             return
         if num_prefill_tokens == 0:
             self.decode_step_s = self._mix(self.decode_step_s, seconds)
+            if num_decodes <= self.base_max_decodes:
+                self.decode_base_s = self._mix(self.decode_base_s, seconds)
             return
         if num_decodes == 0 or not (self.prefill_tokens_per_s or self.decode_step_s):
             # Prefill alone, or nothing measured yet (decodes ride along): tokens / seconds.

@@ -220,6 +220,7 @@ async def instances(request: web.Request) -> web.Response:
         "routing": app[keys.POLICY].name,
         "in_flight": app[keys.LIMITER].count,
         "workers": app[keys.REGISTRY].snapshot(),
+        "lanes": app[keys.PLACER].planner.describe(),
     })
 
 

@@ -264,6 +264,8 @@ class StreamMigration:
                 err = await self._copy_events(stream, response, leg, resume, first, timer)
                 if err is None:
                     leg.finish()
+                    if resume is not None and self.placer is not None:
+                        self.placer.stream_finished(len(resume.token_ids))
                     break
                 leg.finish(err)
                 logger.warning("request %s: stream from %s failed after bytes went out: %s",

@@ -79,7 +79,7 @@ class PlacementConfig:
     kv_full: float = 0.95             # KV usage at which a worker takes no new decodes
     # The share of the TPOT target that steps with decodes are planned to (the workers'
     # decode-step target): the rest absorbs a step that runs longer than predicted.
-    tpot_headroom: float = 0.8
+    tpot_headroom: float = 0.9
     # The share of the TPOT target a worker's decode step alone may reach while it takes
     # new streams: past it they start on another worker. Above the headroom, as such a
     # worker's steps carry only a block of prompt; below 1 for batches that grow between
@@ -117,6 +117,8 @@ class WorkerSnapshot:
     step_s: float = 0.0                # its decode step without prefill; 0: unknown
     cached_tokens: int = 0             # this prompt's prefix already in its cache (estimate)
     decode_step_target_s: float = 0.0  # the engine's bound on steps with decodes; 0: none
+    decode_base_s: float = 0.0         # its decode step's fixed part; 0: not measured
+    num_decoding: int = 0              # the decodes its heartbeat counted (step_s's batch)
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities
@@ -182,16 +184,24 @@ def over_target(worker: WorkerSnapshot, config: PlacementConfig) -> bool:
 
 
 def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
-                  config: PlacementConfig) -> WorkerSnapshot:
-    """Rule 1: the decode-capable worker that takes the stream."""
+                  config: PlacementConfig,
+                  prefill_lane: frozenset[str] | None = None) -> WorkerSnapshot:
+    """Rule 1: the decode-capable worker that takes the stream (outside ``prefill_lane``
+    while another can take it; spread over the others when a lane plan holds)."""
     decoders = [w for w in workers if w.can(CAP_DECODE) or w.can(CAP_WHOLE)]
     if not decoders:
         raise NoPlacementError("no worker can decode this request")
+    if prefill_lane:
+        decoders = [w for w in decoders if w.worker_id not in prefill_lane] or decoders
     roomy = [w for w in decoders if w.kv_usage < config.kv_full] or decoders
+    spread = prefill_lane is not None
 
     def key(item: tuple[int, WorkerSnapshot]) -> tuple[bool, int, float, float, int]:
         index, worker = item
         cached = worker.cached_tokens if worker.cached_tokens > config.short_prompt_tokens else 0
+        if spread:  # the lane plan sized the decode lane: balance it
+            return (False, -min(cached, prompt_tokens), worker.decode_batch,
+                    worker.kv_usage, index)
         over = over_target(worker, config)
         # Over the target everywhere: the least slow takes it (packing would pile on).
         shape = worker.step_s if over else -worker.decode_batch
@@ -201,10 +211,13 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
 
 
 def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
-                   prompt_tokens: int, config: PlacementConfig) -> WorkerSnapshot | None:
-    """The prefill-capable worker other than ``decode`` whose prefill stalls the fewest
-    decodes, then finishes first; None when there is none."""
-    others = [w for w in workers if w.can(CAP_PREFILL) and w.worker_id != decode.worker_id]
+                   prompt_tokens: int, config: PlacementConfig,
+                   prefill_lane: frozenset[str] | None = None) -> WorkerSnapshot | None:
+    """The prefill-capable worker other than ``decode`` (in ``prefill_lane`` when a lane
+    plan holds) whose prefill stalls the fewest decodes, then finishes first; None when
+    there is none."""
+    others = [w for w in workers if w.can(CAP_PREFILL) and w.worker_id != decode.worker_id
+              and (prefill_lane is None or w.worker_id in prefill_lane)]
     if not others:
         return None
 
@@ -229,13 +242,15 @@ def with_measured_speeds(workers: Sequence[WorkerSnapshot]) -> list[WorkerSnapsh
             for w in workers]
 
 
-def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
-          config: PlacementConfig) -> Placement:
+def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int, config: PlacementConfig,
+          prefill_lane: frozenset[str] | None = None) -> Placement:
     """Where a request of ``prompt_tokens`` (an estimate) runs; the module docstring gives
-    the rules. Raises ``NoPlacementError`` when no worker can decode it."""
+    the rules. ``prefill_lane``: the lane plan's workers kept free of streams
+    (``proxy/lanes.py``; None: no plan). Raises ``NoPlacementError`` when no worker can
+    decode it."""
     workers = with_measured_speeds(workers)
-    decode = choose_decode(workers, prompt_tokens, config)
-    prefill = choose_prefill(workers, decode, prompt_tokens, config)
+    decode = choose_decode(workers, prompt_tokens, config, prefill_lane)
+    prefill = choose_prefill(workers, decode, prompt_tokens, config, prefill_lane)
     local_s = prefill_finish_s(decode, prompt_tokens, config)
 
     def local(reason: str) -> Placement:

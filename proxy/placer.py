@@ -1,15 +1,20 @@
 """Placer: the placement policy wired to the registry (rule 0 of ``proxy/routing.py``).
 
 It builds ``proxy.placement``'s snapshot from what the proxy knows of each worker (its
-heartbeat, the proxy's own in-flight accounting, the prefix index), asks the policy, and
-turns the decision into a ``Route``. It applies only while a worker with capabilities
+heartbeat, the proxy's own in-flight accounting, the prefix index), asks the lane planner
+which workers to keep free of streams (``proxy/lanes.py``: fed with each placed prompt and
+each finished stream's length), asks the policy, and turns the decision into a ``Route``. It applies only while a worker with capabilities
 (``ROLE_WORKER``) serves the model; static P/D and colocated clusters keep their rules.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_WORKER
 from engine_core.errors import NoWorkerError
+from proxy.lanes import LaneConfig, LanePlanner
 from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
     NoPlacementError,
@@ -26,10 +31,18 @@ from proxy.routing import MODE_LOCAL, MODE_PD, Route
 class Placer:
     """Places requests over every worker of a model that has capabilities left."""
 
-    def __init__(self, config: PlacementConfig, index: PrefixIndex | None = None) -> None:
+    def __init__(self, config: PlacementConfig, index: PrefixIndex | None = None,
+                 lanes: LaneConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.index = index or PrefixIndex()
+        self.planner = LanePlanner(lanes)
+        self.clock = clock
         self._turn = 0  # rotates the snapshot so ties go round the workers
+
+    def stream_finished(self, output_tokens: int) -> None:
+        """A placed request's stream ended after ``output_tokens`` tokens."""
+        self.planner.observe_output(output_tokens)
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what the placer remembers of it."""
@@ -48,6 +61,7 @@ class Placer:
             prefill_tokens_per_s=load.prefill_tokens_per_s,
             decode_batch=max(load.num_decoding, decoding), kv_usage=load.kv_cache_usage,
             step_s=load.decode_step_s, decode_step_target_s=load.decode_step_target_s,
+            decode_base_s=load.decode_base_s, num_decoding=load.num_decoding,
             cached_tokens=self.index.cached_tokens(worker.worker_id, shape))
 
     def route(self, registry: InstanceRegistry, model: str | None,
@@ -60,8 +74,9 @@ class Placer:
         self._turn += 1
         workers = workers[turn:] + workers[:turn]
         snapshots = {w.worker_id: self.snapshot(w, shape) for w in workers}
+        lane = self.planner.lane(self.clock(), list(snapshots.values()), self.config)
         try:
-            decision = place(list(snapshots.values()), shape.num_tokens, self.config)
+            decision = place(list(snapshots.values()), shape.num_tokens, self.config, lane)
         except NoPlacementError:
             raise NoWorkerError("No worker that can decode is available for this request"
                                 + (f" (model {model!r})" if model else "") + ".") from None
@@ -70,6 +85,7 @@ class Placer:
         tokens = uncached_tokens(snapshots[prefilling], shape.num_tokens) if shape.num_tokens else 0
         for worker_id in {decision.decode, prefilling}:
             self.index.record(worker_id, shape)
+        self.planner.observe_prompt(tokens)
         if decision.placement == PLACEMENT_DISAGGREGATED:
             assert decision.prefill is not None
             return Route(MODE_PD, decode=by_id[decision.decode], prefill=by_id[decision.prefill],

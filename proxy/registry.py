@@ -107,6 +107,7 @@ class WorkerState:
                 "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
                 "decode_step_s": self.load.decode_step_s,
                 "decode_step_target_s": self.load.decode_step_target_s,
+                "decode_base_s": self.load.decode_base_s,
             },
             "capabilities": sorted(self.capabilities),
             "role_mix": {"in_flight": dict(self.parts_in_flight), "total": dict(self.parts_total)},

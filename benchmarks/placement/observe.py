@@ -1,6 +1,6 @@
 """What a cluster did during one sweep point: the proxy's placement decisions (counter
-deltas by placement and reason) and each worker's load, sampled from ``/instances`` while
-the point runs. Written into the point's raw JSON so a losing cell can be explained."""
+deltas by placement and reason), each worker's load and the proxy's lane plan, sampled from
+``/instances`` while the point runs. Written into the point's raw JSON so a losing cell can be explained."""
 
 from __future__ import annotations
 
@@ -73,10 +73,12 @@ class PointObserver:
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                workers = json.loads(_get(f"{self.base_url}/instances"))["workers"]
+                instances = json.loads(_get(f"{self.base_url}/instances"))
+                workers = instances["workers"]
             except (OSError, ValueError, KeyError):
                 continue
             t = round(time.monotonic() - self._started, 2)
+            self.samples.append({"t": t, "lanes": instances.get("lanes")})
             for worker in workers:
                 load = worker.get("load", {})
                 row = {"t": t, "worker": worker.get("http_address"),

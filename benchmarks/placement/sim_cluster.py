@@ -21,10 +21,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
 from engine_core.step_rates import StepRates, mixed_step_prefill_budget
+from proxy.lanes import LaneConfig, LanePlanner
 from proxy.placement import PlacementConfig, WorkerSnapshot, place
 
 
@@ -87,6 +89,7 @@ class _Heartbeat:
     prefill_tokens_per_s: float = 0.0
     step_s: float = 0.0
     kv_usage: float = 0.0
+    base_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -110,6 +113,7 @@ class SimWorker:
     # The proxy's own accounting of this worker.
     pending_prefill_tokens: int = 0
     legs_decoding: int = 0
+    on_finish: Callable[[int], None] | None = None  # the lane planner's observe_output
 
     @property
     def batch(self) -> int:
@@ -121,7 +125,8 @@ class SimWorker:
     def beat(self) -> None:
         self.heartbeat = _Heartbeat(
             self.batch, self.queued_tokens(), self.rates.prefill_tokens_per_s,
-            self.rates.decode_step_s, min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens))
+            self.rates.decode_step_s, min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens),
+            self.rates.decode_base_s)
 
     def join(self, request: SimRequest, tokens_left: int, now: float) -> None:
         """A request that holds its first token decodes the rest from the next step."""
@@ -134,6 +139,8 @@ class SimWorker:
 
     def _finish(self, request: SimRequest, now: float) -> None:
         request.finish = now
+        if self.on_finish is not None:
+            self.on_finish(request.output)
         self.kv_tokens -= request.prompt + request.output
         self.legs_decoding -= 1
 
@@ -170,7 +177,8 @@ class SimCluster:
     """Workers, an event queue and a placement rule (``layout``): replicas, xPyD, adaptive."""
 
     def __init__(self, layout: str, num_workers: int, gpu: GpuModel,
-                 config: PlacementConfig | None = None, num_prefill: int = 0) -> None:
+                 config: PlacementConfig | None = None, num_prefill: int = 0,
+                 lanes: LaneConfig | None = None) -> None:
         self.layout, self.gpu = layout, gpu
         self.config = config or PlacementConfig()
         if layout == "replicas":
@@ -189,6 +197,10 @@ class SimCluster:
         self._turn = itertools.count()
         self.now = 0.0
         self.placements: dict[str, int] = {}
+        self.planner = LanePlanner(lanes) if lanes is not None else None
+        for worker in self.workers if self.planner is not None else ():
+            worker.on_finish = self.planner.observe_output
+        self.lane_sizes: dict[int, int] = {}
 
     def _push(self, at: float, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (at, next(self._seq), kind, payload))
@@ -277,7 +289,13 @@ class SimCluster:
         workers = self.workers[turn % len(self.workers):] + self.workers[
             :turn % len(self.workers)]
         snapshots = [self.snapshot(w) for w in workers]
-        decision = place(snapshots, request.prompt, self.config)
+        lane = None
+        if self.planner is not None:
+            self.planner.observe_prompt(request.prompt)
+            lane = self.planner.lane(self.now, snapshots, self.config)
+            size = -1 if lane is None else len(lane)
+            self.lane_sizes[size] = self.lane_sizes.get(size, 0) + 1
+        decision = place(snapshots, request.prompt, self.config, lane)
         key = f"{decision.placement}/{decision.reason}"
         self.placements[key] = self.placements.get(key, 0) + 1
         by_name = {w.name: w for w in workers}
@@ -294,4 +312,5 @@ class SimCluster:
             prefill_tokens_per_s=beat.prefill_tokens_per_s,
             decode_batch=max(beat.num_decoding, worker.legs_decoding),
             kv_usage=beat.kv_usage, step_s=beat.step_s,
-            decode_step_target_s=worker.step_target_s or 0.0)
+            decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s,
+            num_decoding=beat.num_decoding)

@@ -46,11 +46,18 @@ def draw_requests(workload: Workload, rate: float, seconds: float,
             for a, i, o in zip(arrivals, inputs, outputs, strict=True)]
 
 
+# Seconds of each point's traffic served before its scored part: the sweep measures a
+# cluster that has been serving (its points follow each other on one running cluster).
+WARMUP_S = 15.0
+
+
 def run_point(make: ClusterFactory, cell: SloCell | None, workload: Workload, rate: float,
-              seconds: float, seed: int) -> tuple[PointResult, SimCluster]:
-    """One rate: the requests served, as the sweep scores them."""
+              seconds: float, seed: int, warmup_s: float = WARMUP_S,
+              ) -> tuple[PointResult, SimCluster]:
+    """One rate: the requests served after ``warmup_s``, as the sweep scores them."""
     cluster = make(cell or workload.cells()[0])
-    served = cluster.run(draw_requests(workload, rate, seconds, seed))
+    drawn = cluster.run(draw_requests(workload, rate, seconds + warmup_s, seed))
+    served = [r for r in drawn if r.arrival >= warmup_s] or drawn
     duration = max(r.finish or 0.0 for r in served) - served[0].arrival
     return PointResult(rate, tuple(r.ttft for r in served), tuple(r.tpot for r in served),
                        duration), cluster

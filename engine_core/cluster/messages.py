@@ -53,6 +53,7 @@ class WorkerLoad:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_step_target_s: float = 0.0
+    decode_base_s: float = 0.0  # the decode step's fixed part: a step of one or two decodes
 
 
 @dataclass
@@ -128,9 +129,10 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
            load.num_prefill_tokens_queued, load.num_decoding) < 0:
         raise MessageDecodeError("load counts must be >= 0")
     if not all(0.0 <= value < math.inf for value in (
-            load.prefill_tokens_per_s, load.decode_step_s, load.decode_step_target_s)):
-        raise MessageDecodeError("prefill_tokens_per_s, decode_step_s and decode_step_target_s "
-                                 "must be finite, >= 0")
+            load.prefill_tokens_per_s, load.decode_step_s, load.decode_step_target_s,
+            load.decode_base_s)):
+        raise MessageDecodeError("prefill_tokens_per_s, decode_step_s, decode_step_target_s "
+                                 "and decode_base_s must be finite, >= 0")
     if not 0.0 <= load.kv_cache_usage <= 1.0:
         raise MessageDecodeError("kv_cache_usage must be within [0, 1]")
     return message

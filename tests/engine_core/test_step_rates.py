@@ -31,6 +31,18 @@ def test_averages_by_step_kind() -> None:
                                                                  pytest.approx(0.02))
 
 
+def test_the_step_base_comes_from_steps_of_one_or_two_decodes_alone() -> None:
+    rates = StepRates(weight=0.5)
+    rates.observe(0.020, 0, 64)       # a full batch says nothing of the fixed part
+    rates.observe(0.030, 2048, 1)     # nor a step with a prefill
+    assert rates.decode_base_s == 0.0
+    rates.observe(0.006, 0, 1)
+    rates.observe(0.008, 0, 2)
+    assert rates.decode_base_s == pytest.approx(0.007)
+    rates.observe(0.050, 0, 3)
+    assert rates.decode_base_s == pytest.approx(0.007)
+
+
 def test_a_mixed_step_measures_its_larger_part() -> None:
     rates = StepRates(weight=0.5, prefill_tokens_per_s=20_000, decode_step_s=0.02)
     # 200 prompt tokens are predicted at 10 ms, less than the decode part: the step's

@@ -113,6 +113,11 @@ def test_workers_place_requests_and_match_colocated(tmp_path: Path) -> None:
         assert roles[second]["role_mix"]["total"].get("decode", 0) >= 3
         assert all(sorted(w["capabilities"]) == ["decode", "prefill", "whole"]
                    for w in roles.values())
+        # The lane planner saw every placed prompt and the streams that ended.
+        with urllib.request.urlopen(f"{cluster.url}/instances", timeout=10) as response:
+            observed = json.load(response)["lanes"]["observed"]
+        assert observed["prompts"] == len(reqs) + len(wave)
+        assert observed["outputs"] >= sum(1 for r in [*reqs, *wave] if r.stream)
 
         # Nothing held: every transfer ended, every block is free.
         scraped = wait_idle([first, second], 30.0)

@@ -60,6 +60,8 @@ def test_colocated_needs_no_kv_address() -> None:
                load=WorkerLoad(decode_step_s=float("inf"))), "decode_step_s"),
     (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
                load=WorkerLoad(decode_step_target_s=-0.01)), "decode_step_target_s"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(decode_base_s=float("nan"))), "decode_base_s"),
 ])
 def test_invalid_values(message: Heartbeat, match: str) -> None:
     with pytest.raises(MessageDecodeError, match=match):

@@ -156,3 +156,19 @@ async def test_a_worker_with_no_capability_left_gets_nothing(make_worker, make_p
                                                        "capabilities": []})
     assert (await client.post("/v1/completions", json=SHORT)).status == 503
     assert not a.received
+
+
+async def test_placed_prompts_and_finished_streams_feed_the_lane_plan(make_worker,
+                                                                       make_proxy) -> None:
+    a, b = await make_worker("worker"), await make_worker("worker")
+    client = await make_proxy(a, b)
+    for _ in range(3):
+        response = await client.post("/v1/completions", json={**SHORT, "stream": True})
+        assert response.status == 200
+        await response.text()
+    lanes = (await (await client.get("/instances")).json())["lanes"]
+    # Three prompts placed, three streams of three tokens ended; too few for a plan.
+    assert lanes["observed"] == {"prompts": 3, "outputs": 3}
+    assert lanes["prefill_lane"] is None
+    planner = client.app[keys.PLACER].planner
+    assert list(planner._outputs) == [3, 3, 3]

@@ -1,0 +1,264 @@
+"""Lanes: how many workers the cluster keeps free of decodes, from the measured traffic.
+
+Placement (``proxy/placement.py``) puts each request where it costs least. What it cannot
+see from one request is the cluster's shape: a worker that carries even one decode stream
+pays its step's fixed part (the weights read once, ``base``) out of every step, so it
+prefills at ``1 - decode_step / target`` of its rate. Packing streams onto few workers keeps
+the others prefilling at full rate, until the packed ones fill their step target; where the
+next stream goes then decides whether the cluster keeps its prefill capacity (it waits on a
+decoding worker) or its decode speed (it opens another decoding worker, whose prefill rate
+halves). That choice is a property of the traffic, not of one request.
+
+The planner chooses it like an operator would choose a static split, from measurements,
+and keeps re-choosing as the traffic changes: for each ``k`` (workers in the *prefill
+lane*, which take no streams while the plan holds), the highest request rate the cluster
+sustains with
+
+- the decode lane (``n - k`` workers) carrying the streams evenly: a worker with ``b``
+  streams steps in ``base + per_stream * b``, which must stay within the decode-step limit;
+- prefills: the prefill lane at full rate, the decode lane at the rate its step target
+  leaves beside its decodes (``engine_core.step_rates.prefill_rate_beside_decodes``), at most
+  ``max_prefill_utilisation`` busy (queues, and so TTFT, grow without bound near 1).
+
+Streams per unit of request rate (``streams_per_rps``: each request's decode time, by
+Little's law the streams in flight over the arrival rate) and prompt tokens per request come
+from what the proxy placed in the last ``window_s``; ``base`` and ``per_stream`` from the
+workers' heartbeats. The plan with the highest sustainable rate wins; the current plan is
+kept unless another beats it by ``switch_margin`` (a plan change moves no stream: the
+streams already running finish where they are).
+
+Pure functions plus one small stateful ``LanePlanner`` the placer owns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from engine_core.cluster.messages import CAP_PREFILL
+from engine_core.step_rates import prefill_rate_beside_decodes
+from proxy.placement import PlacementConfig, WorkerSnapshot, with_measured_speeds
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """The planner's constants (``pdserve proxy`` flags where an operator would tune them)."""
+
+    # Busy share of the prefill capacity a plan is sized to: TTFT grows without bound as
+    # the prefill queues approach full use.
+    max_prefill_utilisation: float = 0.95
+    # A prefill queue's tail wait over its mean (``prefill_utilisation_limit``).
+    ttft_tail_factor: float = 3.0
+    # Traffic averages cover the last this many requests.
+    window_requests: int = 64
+    # A new plan must sustain this much more than the current one to replace it.
+    switch_margin: float = 0.1
+    # Requests placed and streams finished before the planner acts (before: no plan,
+    # placement alone decides).
+    min_requests: int = 8
+    # The plan is re-chosen at most this often (a heartbeat: its inputs change no faster).
+    replan_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_prefill_utilisation <= 1:
+            raise ValueError("max_prefill_utilisation must be in (0, 1]")
+        if not (1 <= self.min_requests <= self.window_requests and self.switch_margin >= 0
+                and self.replan_s >= 0):
+            raise ValueError("need 1 <= min_requests <= window_requests, switch_margin >= 0 "
+                             "and replan_s >= 0")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Per request averages of what the proxy placed: prompt tokens to compute, and decode
+    steps (output tokens) per request."""
+
+    prompt_tokens: float
+    output_tokens: float
+
+
+@dataclass(frozen=True)
+class ClusterSpeed:
+    """One worker's speed (the cluster's workers are alike): full prefill rate, decode
+    step ``base_s + per_stream_s * streams``, the engines' decode-step target and the
+    decode-step limit the placement holds streams to."""
+
+    prefill_tokens_per_s: float
+    base_s: float
+    per_stream_s: float
+    step_target_s: float
+    step_limit_s: float
+
+
+def decode_step(speed: ClusterSpeed, traffic: Traffic, rate: float, decoders: int) -> float:
+    """The decode lane's step at ``rate`` requests/s spread over ``decoders`` workers. Each
+    request decodes ``output_tokens`` steps, so a worker holds ``b = rate * output_tokens *
+    step / decoders`` streams (Little's law) and steps in ``base + per_stream * b``: the
+    fixed point, or ``inf`` when streams arrive faster than the steps can end them."""
+    inflow = rate * traffic.output_tokens / max(decoders, 1)  # streams per second of step
+    room = 1.0 - inflow * speed.per_stream_s
+    if decoders <= 0 or room <= 0:
+        return math.inf
+    return speed.base_s / room
+
+
+def prefill_utilisation_limit(service_s: float, ttft_s: float, config: LaneConfig) -> float:
+    """The busy share a prefill queue may reach and still meet ``ttft_s``: an M/D/1 queue
+    waits ``rho / (2 (1 - rho))`` service times on average, and its tail about
+    ``ttft_tail_factor`` times the mean; 0 when one prompt alone misses the target."""
+    room = ttft_s / (config.ttft_tail_factor * service_s) - 1.0
+    if room <= 0:
+        return 0.0
+    return min(config.max_prefill_utilisation, 2 * room / (1 + 2 * room))
+
+
+def sustainable(speed: ClusterSpeed, traffic: Traffic, config: LaneConfig, ttft_s: float,
+                workers: int, prefill_lane: int, rate: float) -> bool:
+    """Whether ``workers`` with ``prefill_lane`` of them free of streams serve ``rate``.
+
+    Without a prefill lane every worker prefills beside its decodes: its steps run to the
+    step target, so each of its streams waits a whole target per token and the decode part
+    grows with them. With one, the decode lane steps at its decode part alone and the
+    prefill lane prefills at full rate (what the decode lane computes itself is slack)."""
+    if prefill_lane == 0:
+        inflow = rate * traffic.output_tokens / workers
+        step = speed.base_s + speed.per_stream_s * inflow * speed.step_target_s
+        if step > speed.step_limit_s:
+            return False
+        rate_each = prefill_rate_beside_decodes(speed.prefill_tokens_per_s, step,
+                                                speed.step_target_s)
+        servers = workers
+    else:
+        if decode_step(speed, traffic, rate, workers - prefill_lane) > speed.step_limit_s:
+            return False
+        rate_each, servers = speed.prefill_tokens_per_s, prefill_lane
+    if rate_each <= 0:
+        return False
+    limit = prefill_utilisation_limit(traffic.prompt_tokens / rate_each, ttft_s, config)
+    return rate * traffic.prompt_tokens <= limit * servers * rate_each
+
+
+def max_rate(speed: ClusterSpeed, traffic: Traffic, config: LaneConfig, ttft_s: float,
+             workers: int, prefill_lane: int) -> float:
+    """The highest request rate (requests/s) the plan sustains (bisection; 0: none)."""
+    low, high = 0.0, 1.0
+    while sustainable(speed, traffic, config, ttft_s, workers, prefill_lane, high) and high < 1e6:
+        low, high = high, high * 2
+    for _ in range(40):
+        middle = (low + high) / 2
+        if sustainable(speed, traffic, config, ttft_s, workers, prefill_lane, middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def best_lane_size(rates: Sequence[float], current: int, switch_margin: float) -> int:
+    """The prefill lane's size from each size's sustainable rate (``max_rate``): the
+    highest, ``current`` unless another beats it by ``switch_margin``."""
+    best = max(range(len(rates)), key=lambda k: (rates[k], -abs(k - current)))
+    if 0 <= current < len(rates) and rates[best] <= rates[current] * (1 + switch_margin):
+        return current
+    return best
+
+
+# Workers with fewer decodes say little about how a step grows with its batch (their
+# step is mostly its fixed part and the readings' noise).
+MIN_GROWTH_STREAMS = 4
+# The newest reading's share of the planner's average step growth per stream.
+GROWTH_WEIGHT = 0.2
+
+
+def measured_speed(workers: Sequence[WorkerSnapshot],
+                   step_limit_s: float) -> ClusterSpeed | None:
+    """The cluster's speed from its workers' heartbeats: the mean prefill rate and step
+    base, the decode step's growth per stream from the decoding workers (their step over
+    their base, per decode); None until each is measured and a worker has a step target."""
+    rates = [w.prefill_tokens_per_s for w in workers if w.prefill_tokens_per_s > 0]
+    bases = [w.decode_base_s for w in workers if w.decode_base_s > 0]
+    targets = [w.decode_step_target_s for w in workers if w.decode_step_target_s > 0]
+    if not rates or not bases or not targets:
+        return None
+    base = sum(bases) / len(bases)
+    decoding = [w for w in workers if w.num_decoding >= MIN_GROWTH_STREAMS and w.step_s > 0]
+    streams = sum(w.num_decoding for w in decoding)
+    if not streams:
+        return None
+    growth = sum(max(0.0, w.step_s - (w.decode_base_s or base)) for w in decoding)
+    return ClusterSpeed(sum(rates) / len(rates), base, growth / streams, min(targets),
+                        step_limit_s)
+
+
+class LanePlanner:
+    """The proxy's current plan: which workers form the prefill lane. ``observe_prompt``
+    each placed request, ``observe_output`` each finished stream, ``lane`` before each
+    placement. The plan is re-chosen at most every ``replan_s``, and holds while there is
+    nothing new to choose from."""
+
+    def __init__(self, config: LaneConfig | None = None) -> None:
+        self.config = config or LaneConfig()
+        self._prompts: deque[int] = deque(maxlen=self.config.window_requests)
+        self._outputs: deque[int] = deque(maxlen=self.config.window_requests)
+        self._lane: tuple[str, ...] = ()
+        self._planned_at = -math.inf
+        self._per_stream_s = 0.0
+        self._traffic: Traffic | None = None
+        self._rates: list[float] = []  # the last plan's sustainable rate per lane size
+
+    def describe(self) -> dict[str, object]:
+        """The plan for /instances: the prefill lane (null: no plan yet), the traffic it was
+        chosen for and the request rate each lane size sustains."""
+        return {"prefill_lane": list(self._lane) if self._planned_at > -math.inf else None,
+                "traffic": None if self._traffic is None else {
+                    "prompt_tokens": round(self._traffic.prompt_tokens, 1),
+                    "output_tokens": round(self._traffic.output_tokens, 1)},
+                "sustainable_rps": [round(rate, 2) for rate in self._rates],
+                "observed": {"prompts": len(self._prompts), "outputs": len(self._outputs)}}
+
+    def observe_prompt(self, prompt_tokens: int) -> None:
+        """A request was placed with ``prompt_tokens`` to compute."""
+        self._prompts.append(prompt_tokens)
+
+    def observe_output(self, output_tokens: int) -> None:
+        """A stream ended after ``output_tokens`` tokens."""
+        self._outputs.append(output_tokens)
+
+    def traffic(self) -> Traffic | None:
+        """The last ``window_requests`` requests' averages (None below ``min_requests``)."""
+        if min(len(self._prompts), len(self._outputs)) < self.config.min_requests:
+            return None
+        return Traffic(sum(self._prompts) / len(self._prompts),
+                       sum(self._outputs) / len(self._outputs))
+
+    def lane(self, now: float, workers: Sequence[WorkerSnapshot],
+             config: PlacementConfig) -> frozenset[str] | None:
+        """The workers that take no new streams now; None while there is no plan yet (too
+        few requests or measurements: placement alone decides)."""
+        workers = with_measured_speeds(workers)
+        present = {w.worker_id for w in workers}
+        kept = [w for w in self._lane if w in present]
+        current = frozenset(kept) if self._planned_at > -math.inf else None
+        if now - self._planned_at < self.config.replan_s and len(kept) == len(self._lane):
+            return current
+        speed = measured_speed(workers, config.decode_step_limit * config.slo_tpot_s)
+        if speed is not None:  # one heartbeat's growth reading is noisy: average them
+            self._per_stream_s += GROWTH_WEIGHT * (speed.per_stream_s - self._per_stream_s) \
+                if self._per_stream_s else speed.per_stream_s
+            speed = replace(speed, per_stream_s=self._per_stream_s)
+        traffic = self.traffic()
+        if speed is None or traffic is None or len(workers) < 2:
+            return current
+        self._planned_at = now
+        self._traffic = traffic
+        self._rates = [max_rate(speed, traffic, self.config, config.slo_ttft_s, len(workers), k)
+                       for k in range(len(workers))]
+        size = best_lane_size(self._rates, len(kept), self.config.switch_margin)
+        kept = kept[:size]
+        candidates = sorted((w for w in workers
+                             if w.can(CAP_PREFILL) and w.worker_id not in kept),
+                            key=lambda w: w.decode_batch)
+        kept += [w.worker_id for w in candidates[:size - len(kept)]]
+        self._lane = tuple(kept)
+        return frozenset(kept)

@@ -1,0 +1,170 @@
+"""The lane planner: how many workers the cluster keeps free of streams, from the measured
+traffic and speeds, and how placement honours the plan (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAPABILITIES
+from proxy.lanes import (
+    ClusterSpeed,
+    LaneConfig,
+    LanePlanner,
+    Traffic,
+    best_lane_size,
+    decode_step,
+    max_rate,
+    measured_speed,
+    prefill_utilisation_limit,
+    sustainable,
+)
+from proxy.placement import (
+    PLACEMENT_DISAGGREGATED,
+    PLACEMENT_LOCAL,
+    PlacementConfig,
+    WorkerSnapshot,
+    place,
+)
+
+# An H100 with Qwen3-8B: 41k prompt tokens/s, a 6 ms decode step growing 0.15 ms a 2k
+# stream; TPOT 10 ms (step target and limit 9 ms) or 40 ms (36 ms).
+TIGHT = ClusterSpeed(41_000.0, 0.006, 0.15e-3, 0.009, 0.009)
+LOOSE = ClusterSpeed(41_000.0, 0.006, 0.15e-3, 0.036, 0.036)
+PROMPT_HEAVY = Traffic(prompt_tokens=2048, output_tokens=256)
+DECODE_HEAVY = Traffic(prompt_tokens=512, output_tokens=1024)
+CONFIG = LaneConfig()
+
+
+def test_decode_step_is_the_fixed_point_of_streams_and_step() -> None:
+    # 8 req/s of 256 tokens on one worker: 2048 streams a second of step; a step of s
+    # holds 2048 s streams and lasts 6 ms + 0.15 ms each.
+    step = decode_step(TIGHT, PROMPT_HEAVY, 8.0, 1)
+    assert step == pytest.approx(0.006 + 0.15e-3 * 2048 * step)
+    assert decode_step(TIGHT, PROMPT_HEAVY, 8.0, 2) < step
+    # Streams arriving faster than steps end them: no step holds.
+    assert decode_step(TIGHT, PROMPT_HEAVY, 30.0, 1) == math.inf
+    assert decode_step(TIGHT, PROMPT_HEAVY, 1.0, 0) == math.inf
+
+
+def test_a_long_queue_of_short_prompts_may_run_busier_than_one_of_long_prompts() -> None:
+    one_tenth = prefill_utilisation_limit(0.05, 1.0, CONFIG)
+    one_half = prefill_utilisation_limit(0.2, 1.0, CONFIG)
+    assert 0 < one_half < one_tenth <= CONFIG.max_prefill_utilisation
+    assert prefill_utilisation_limit(0.5, 1.0, CONFIG) == 0.0  # alone it misses TTFT
+
+
+def test_a_tight_tpot_target_wants_a_worker_free_of_streams() -> None:
+    # At 10 ms the decode part leaves a decoding worker a sixth of its steps: two mixed
+    # workers prefill less than one that only prefills.
+    rates = [max_rate(TIGHT, PROMPT_HEAVY, CONFIG, 1.0, 2, k) for k in range(2)]
+    assert rates[1] > 1.5 * rates[0] > 0
+    assert best_lane_size(rates, 0, 0.1) == 1
+    assert sustainable(TIGHT, PROMPT_HEAVY, CONFIG, 1.0, 2, 1, 8.0)
+    assert not sustainable(TIGHT, PROMPT_HEAVY, CONFIG, 1.0, 2, 0, 8.0)
+
+
+def test_decode_heavy_traffic_wants_every_worker_decoding() -> None:
+    # 1024-token answers fill the decode steps first: halving the decoders halves the rate.
+    rates = [max_rate(LOOSE, DECODE_HEAVY, CONFIG, 1.0, 2, k) for k in range(2)]
+    assert rates[0] > 1.5 * rates[1] > 0
+    assert best_lane_size(rates, 1, 0.1) == 0
+
+
+def test_the_plan_changes_only_for_a_clear_gain() -> None:
+    assert best_lane_size([10.0, 10.5, 9.0], 0, 0.1) == 0
+    assert best_lane_size([10.0, 11.5, 9.0], 0, 0.1) == 1
+    assert best_lane_size([10.0, 11.5, 9.0], 5, 0.1) == 1  # a lane of workers that left
+
+
+def snapshot(worker_id: str, *, decoding: int = 0, step_s: float = 0.0,
+             capabilities: frozenset[str] = frozenset(CAPABILITIES),
+             base_s: float = 0.006, queued: int = 0) -> WorkerSnapshot:
+    return WorkerSnapshot(worker_id, capabilities, queued_prefill_tokens=queued,
+                          prefill_tokens_per_s=41_000.0, decode_batch=decoding,
+                          num_decoding=decoding, step_s=step_s, decode_step_target_s=0.009,
+                          decode_base_s=base_s)
+
+
+def test_speed_comes_from_heartbeats_and_needs_each_part() -> None:
+    workers = [snapshot("a", decoding=20, step_s=0.009), snapshot("b", decoding=2,
+                                                                  step_s=0.0063)]
+    speed = measured_speed(workers, 0.009)
+    assert speed is not None
+    # Growth from the worker with enough decodes to show it: 3 ms over 20 streams.
+    assert speed.per_stream_s == pytest.approx(0.15e-3)
+    assert (speed.base_s, speed.step_target_s) == (0.006, 0.009)
+    assert measured_speed([snapshot("a", decoding=20, step_s=0.009, base_s=0.0)], 0.009) is None
+    assert measured_speed([snapshot("a", decoding=2, step_s=0.0063)], 0.009) is None
+
+
+def feed(planner: LanePlanner, requests: int, prompt: int = 2048, output: int = 256) -> None:
+    for _ in range(requests):
+        planner.observe_prompt(prompt)
+        planner.observe_output(output)
+
+
+TPOT_10 = PlacementConfig(slo_ttft_s=1.0, slo_tpot_s=0.010)
+BUSY = [snapshot("a", decoding=20, step_s=0.009), snapshot("b"), snapshot("c")]
+
+
+def test_no_plan_until_requests_and_measurements_then_one_that_holds() -> None:
+    planner = LanePlanner(LaneConfig(min_requests=8, replan_s=1.0))
+    feed(planner, 7)
+    assert planner.lane(0.0, BUSY, TPOT_10) is None
+    feed(planner, 1)
+    idle = [snapshot("a"), snapshot("b"), snapshot("c")]
+    assert planner.lane(0.0, idle, TPOT_10) is None  # no decodes: growth unknown
+    lane = planner.lane(0.1, BUSY, TPOT_10)
+    assert lane is not None and 1 <= len(lane) <= 2 and "a" not in lane
+    described = planner.describe()
+    assert described["prefill_lane"] == sorted(lane, key=["a", "b", "c"].index)
+    assert len(described["sustainable_rps"]) == 3  # type: ignore[arg-type]
+    # Within replan_s the plan holds; later, idle heartbeats keep it (nothing to re-choose
+    # from).
+    assert planner.lane(0.5, idle, TPOT_10) == lane
+    assert planner.lane(5.0, idle, TPOT_10) == lane
+
+
+def test_a_lane_worker_that_leaves_is_replaced_at_once() -> None:
+    planner = LanePlanner(LaneConfig(min_requests=1))
+    feed(planner, 4)
+    lane = planner.lane(0.0, BUSY, TPOT_10)
+    assert lane
+    gone = next(iter(lane))
+    rest = [w for w in BUSY if w.worker_id != gone] + [snapshot("d")]
+    after = planner.lane(0.01, rest, TPOT_10)
+    assert after is not None and gone not in after and len(after) == len(lane)
+
+
+def test_only_prefill_capable_workers_join_the_lane() -> None:
+    planner = LanePlanner(LaneConfig(min_requests=1))
+    feed(planner, 4)
+    workers = [snapshot("a", decoding=20, step_s=0.009),
+               snapshot("b", capabilities=frozenset({CAP_DECODE})), snapshot("c")]
+    lane = planner.lane(0.0, workers, TPOT_10)
+    assert lane is not None and "b" not in lane
+
+
+def test_placement_keeps_streams_off_the_lane_and_prefills_in_it() -> None:
+    workers = [snapshot("a", decoding=6, step_s=0.007), snapshot("b", decoding=3,
+                                                                 step_s=0.0065),
+               snapshot("p")]
+    for _ in range(3):
+        decision = place(workers, 4096, TPOT_10, frozenset({"p"}))
+        # Streams spread over the decode lane (the fewest decodes), never onto the lane.
+        assert decision.decode == "b"
+        assert decision.placement == PLACEMENT_DISAGGREGATED and decision.prefill == "p"
+    # A decode-lane worker never prefills for another, even one that would finish first.
+    busy_lane = [snapshot("x", decoding=2, step_s=0.0085), snapshot("y", decoding=3,
+                                                                    step_s=0.006),
+                 snapshot("p", queued=400_000)]
+    decision = place(busy_lane, 4096, TPOT_10, frozenset({"p"}))
+    assert decision.placement == PLACEMENT_LOCAL and decision.decode == "x"
+    # Without a lane (the plan is replicas) every request is served whole, spread out.
+    decision = place(workers, 4096, TPOT_10, frozenset())
+    assert decision.placement == PLACEMENT_LOCAL and decision.decode == "p"
+    # A lane of every decoder still serves: the request decodes somewhere.
+    only = [snapshot("p", capabilities=frozenset({CAP_PREFILL, CAP_DECODE}))]
+    assert place(only, 4096, TPOT_10, frozenset({"p"})).decode == "p"

@@ -1,8 +1,11 @@
 """StepRates: the engine's measured prefill rate and decode step time.
 
-A step is modelled as ``decode part + prefill tokens / prefill rate``: the decode part is
-what the step's decode rows cost (weights read once, every stream's context), the prefill
-rate is the marginal cost of prompt tokens. Both come from each step's device time
+A step is modelled as ``decode part + max(0, prefill tokens / prefill rate - base)``: the
+decode part is what the step's decode rows cost (its fixed part ``base``, the weights read
+once, plus every stream's context), the prefill rate is the marginal cost of prompt tokens,
+and a prompt chunk's compute hides the weights' read it shares with the decodes (a chunk of
+a few hundred tokens on an 8B model takes longer than that read). With ``base`` unmeasured
+(0) the parts add. Both come from each step's device time
 (``worker/step_clock.py``; a step's host wall time is not its cost under async scheduling)
 as moving averages: a step of decodes alone measures the decode part, a step of prefill alone the
 rate, and a mixed step measures its larger part with the smaller one predicted (so a
@@ -49,15 +52,17 @@ class StepRates:
             return
         predicted_prefill_s = (num_prefill_tokens / self.prefill_tokens_per_s
                                if self.prefill_tokens_per_s else None)
+        base = min(self.decode_base_s, self.decode_step_s)
         if predicted_prefill_s is None or (self.decode_step_s
                                            and predicted_prefill_s > self.decode_step_s):
-            # The prefill is the larger part: measured, the decode part predicted.
-            prefill_s = seconds - self.decode_step_s
+            # The prefill is the larger part: measured, the decode part predicted (its
+            # fixed part hidden under the prefill's compute).
+            prefill_s = seconds - (self.decode_step_s - base)
             if num_prefill_tokens >= self.min_prefill_tokens and prefill_s > 0:
                 self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
                                                       num_prefill_tokens / prefill_s)
             return
-        decode_s = seconds - predicted_prefill_s
+        decode_s = seconds - max(0.0, predicted_prefill_s - base)
         if decode_s > 0:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 
@@ -65,11 +70,14 @@ class StepRates:
         return sample if average == 0.0 else average + self.weight * (sample - average)
 
 
-def mixed_prefill_tokens(target_s: float, decode_step_s: float,
-                         prefill_tokens_per_s: float) -> float:
+def mixed_prefill_tokens(target_s: float, decode_step_s: float, prefill_tokens_per_s: float,
+                         base_s: float = 0.0) -> float:
     """Prompt tokens a step with decodes can carry and still end within ``target_s``: the
-    time its decode part leaves, at the prefill rate (0 when the decodes alone fill it)."""
-    return max(0.0, target_s - decode_step_s) * prefill_tokens_per_s
+    time its decode part leaves plus the fixed part a chunk's compute hides, at the prefill
+    rate (0 when the decodes alone fill it)."""
+    if target_s < decode_step_s:
+        return 0.0
+    return (target_s - decode_step_s + min(base_s, decode_step_s)) * prefill_tokens_per_s
 
 
 def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
@@ -79,15 +87,17 @@ def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
     target or until the prefill rate is measured (an unbounded step measures it)."""
     if target_s is None or not rates.prefill_tokens_per_s:
         return None
-    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rates.prefill_tokens_per_s))
+    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rates.prefill_tokens_per_s,
+                                      rates.decode_base_s))
     return max(block_size, tokens - tokens % block_size)
 
 
 def prefill_rate_beside_decodes(prefill_tokens_per_s: float, decode_step_s: float,
-                                target_s: float) -> float:
+                                target_s: float, base_s: float = 0.0) -> float:
     """Prompt tokens per second a worker computes while it decodes: with a decode-step
     target, the share of each step its decodes leave (``mixed_prefill_tokens`` per step of
     ``target_s``); without one, its full rate (its prefill chunks then stall its streams)."""
     if not target_s or not decode_step_s:
         return prefill_tokens_per_s
-    return mixed_prefill_tokens(target_s, decode_step_s, prefill_tokens_per_s) / target_s
+    return mixed_prefill_tokens(target_s, decode_step_s, prefill_tokens_per_s,
+                                base_s) / target_s

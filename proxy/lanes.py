@@ -128,7 +128,7 @@ def sustainable(speed: ClusterSpeed, traffic: Traffic, config: LaneConfig, ttft_
         if step > speed.step_limit_s:
             return False
         rate_each = prefill_rate_beside_decodes(speed.prefill_tokens_per_s, step,
-                                                speed.step_target_s)
+                                                speed.step_target_s, speed.base_s)
         servers = workers
     else:
         if decode_step(speed, traffic, rate, workers - prefill_lane) > speed.step_limit_s:

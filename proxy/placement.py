@@ -155,7 +155,7 @@ def effective_rate(worker: WorkerSnapshot, config: PlacementConfig) -> float:
     if worker.decode_batch == 0:
         return rate
     return max(MIN_RATE_SHARE * rate, prefill_rate_beside_decodes(
-        rate, worker.step_s, worker.decode_step_target_s))
+        rate, worker.step_s, worker.decode_step_target_s, worker.decode_base_s))
 
 
 def uncached_tokens(worker: WorkerSnapshot, prompt_tokens: int) -> int:

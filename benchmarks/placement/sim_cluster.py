@@ -2,8 +2,9 @@
 
 Each worker is an engine as ``engine_core/sched/scheduler.py`` runs it: a step carries every
 running decode plus prefill chunks (FCFS) up to ``max_num_batched_tokens``; a step takes
-``base + per_seq * batch + per_ctx_token * context`` while it decodes, plus its prefill
-tokens over the prefill rate. With a decode-step target (the adaptive layout's workers, as
+``base + per_seq * batch + per_ctx_token * context`` while it decodes, plus the time its
+prefill tokens take at the prefill rate beyond ``base`` (a chunk's compute hides the
+weights' read it shares with the decodes, as ``engine_core/step_rates.py`` models it). With a decode-step target (the adaptive layout's workers, as
 ``pdserve launch`` starts them) a step with decodes takes only the prompt tokens the
 engine's ``mixed_step_prefill_budget`` gives from the worker's measured ``StepRates``. A
 prefill for another worker hands its first token to the client when it ends (the
@@ -35,7 +36,7 @@ class GpuModel:
     """One worker's speed. Defaults: dummy Qwen3-8B bf16 on an H100 (~41k prompt tokens/s),
     the decode step fitted to the TPOT that 1P1D serves 2k/256 at (the placement sweep on
     H100s: p50 9.8 / 11.2 / 13.9 ms at 11.2 / 14 / 17.5 req/s), serving overheads included.
-    Its mixed steps are additive, so it overstates what colocated replicas pay for them."""
+    A mixed step pays the weights' read once (``engine_core/step_rates.py``)."""
 
     prefill_tokens_per_s: float = 41_000.0
     step_base_s: float = 0.0060
@@ -167,8 +168,8 @@ class SimWorker:
             budget -= take
         prefill_tokens = sum(take for _, take in chunks)
         context = self.prompt_sum + self.steps * batch - self.joined_sum
-        seconds = (self.gpu.decode_step_s(batch, context)
-                   + prefill_tokens / self.gpu.prefill_tokens_per_s)
+        seconds = self.gpu.decode_step_s(batch, context) + max(
+            0.0, prefill_tokens / self.gpu.prefill_tokens_per_s - self.gpu.step_base_s)
         self.rates.observe(seconds, prefill_tokens, batch)
         return seconds, chunks
 

@@ -452,7 +452,7 @@ class EngineCore:
     # ---- state ------------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        scheduler = self.scheduler
+        scheduler, rates = self.scheduler, self.scheduler.step_rates
         counters = scheduler.counters
         return EngineStats(
             num_running=len(scheduler.running),
@@ -476,9 +476,8 @@ class EngineCore:
             **self._offload_stats(),
             sleep_level=self.sleep_level,
             num_prefill_tokens_queued=self._queued_prefill_tokens(),
-            prefill_tokens_per_s=self.scheduler.step_rates.prefill_tokens_per_s,
-            decode_step_s=self.scheduler.step_rates.decode_step_s,
-            decode_base_s=self.scheduler.step_rates.decode_base_s,
+            prefill_tokens_per_s=rates.prefill_tokens_per_s, decode_step_s=rates.decode_step_s,
+            decode_base_s=rates.decode_base_s, decode_hidden_s=rates.hidden_s,
             decode_step_target_s=self.config.scheduler.decode_step_target_s or 0.0,
         )
 

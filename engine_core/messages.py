@@ -139,6 +139,7 @@ class EngineStats:
     decode_step_s: float = 0.0
     decode_step_target_s: float = 0.0
     decode_base_s: float = 0.0
+    decode_hidden_s: float = 0.0  # the part of it a prompt chunk beside it hides
 
 
 @dataclass

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A prefill measures the rate only past this many times the step's fixed part.
+RATE_SPAN = 2.0
+
 
 @dataclass
 class StepRates:
@@ -34,6 +37,9 @@ class StepRates:
     # decodes alone measure it (the proxy's lane plan needs how a step grows with its batch).
     base_max_decodes: int = 2
     decode_base_s: float = 0.0
+    # What mixed steps take beyond the model's prediction (the chunk hides less of the
+    # weights' read than modelled, attention over the prompt): budgets plan around it.
+    mixed_excess_s: float = 0.0
 
     def observe(self, seconds: float, num_prefill_tokens: int, num_decodes: int) -> None:
         """One completed step: its wall time, its prompt tokens, its decode rows."""
@@ -46,19 +52,23 @@ class StepRates:
             return
         if num_decodes == 0 or not (self.prefill_tokens_per_s or self.decode_step_s):
             # Prefill alone, or nothing measured yet (decodes ride along): tokens / seconds.
-            if num_prefill_tokens >= self.min_prefill_tokens:
+            if self._shows_rate(num_prefill_tokens, seconds):
                 self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
                                                       num_prefill_tokens / seconds)
             return
         predicted_prefill_s = (num_prefill_tokens / self.prefill_tokens_per_s
                                if self.prefill_tokens_per_s else None)
         base = min(self.decode_base_s, self.decode_step_s)
+        if predicted_prefill_s is not None and self.decode_step_s:
+            predicted = self.decode_step_s + max(0.0, predicted_prefill_s - base)
+            self.mixed_excess_s = self._mix(self.mixed_excess_s, seconds - predicted) \
+                if self.mixed_excess_s else seconds - predicted
         if predicted_prefill_s is None or (self.decode_step_s
                                            and predicted_prefill_s > self.decode_step_s):
             # The prefill is the larger part: measured, the decode part predicted (its
             # fixed part hidden under the prefill's compute).
             prefill_s = seconds - (self.decode_step_s - base)
-            if num_prefill_tokens >= self.min_prefill_tokens and prefill_s > 0:
+            if self._shows_rate(num_prefill_tokens, prefill_s):
                 self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
                                                       num_prefill_tokens / prefill_s)
             return
@@ -66,18 +76,32 @@ class StepRates:
         if decode_s > 0:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 
+    @property
+    def hidden_s(self) -> float:
+        """The part of the decode step a prompt chunk beside it hides: the fixed part, less
+        what mixed steps have taken beyond the model."""
+        base = min(self.decode_base_s, self.decode_step_s)
+        return max(0.0, base - max(0.0, self.mixed_excess_s))
+
+    def _shows_rate(self, num_prefill_tokens: int, prefill_s: float) -> bool:
+        """Whether a prefill of this size and time measures the prefill rate: enough tokens,
+        and a time well past the step's fixed part (a chunk that hides under the weights'
+        read says nothing of its rate; counted, it would shrink the next chunks)."""
+        return (num_prefill_tokens >= self.min_prefill_tokens and prefill_s > 0
+                and prefill_s > RATE_SPAN * self.decode_base_s)
+
     def _mix(self, average: float, sample: float) -> float:
         return sample if average == 0.0 else average + self.weight * (sample - average)
 
 
 def mixed_prefill_tokens(target_s: float, decode_step_s: float, prefill_tokens_per_s: float,
-                         base_s: float = 0.0) -> float:
+                         hidden_s: float = 0.0) -> float:
     """Prompt tokens a step with decodes can carry and still end within ``target_s``: the
-    time its decode part leaves plus the fixed part a chunk's compute hides, at the prefill
-    rate (0 when the decodes alone fill it)."""
+    time its decode part leaves plus the part of it a chunk's compute hides
+    (``StepRates.hidden_s``), at the prefill rate (0 when the decodes alone fill it)."""
     if target_s < decode_step_s:
         return 0.0
-    return (target_s - decode_step_s + min(base_s, decode_step_s)) * prefill_tokens_per_s
+    return (target_s - decode_step_s + min(hidden_s, decode_step_s)) * prefill_tokens_per_s
 
 
 def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
@@ -88,16 +112,16 @@ def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
     if target_s is None or not rates.prefill_tokens_per_s:
         return None
     tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rates.prefill_tokens_per_s,
-                                      rates.decode_base_s))
+                                      rates.hidden_s))
     return max(block_size, tokens - tokens % block_size)
 
 
 def prefill_rate_beside_decodes(prefill_tokens_per_s: float, decode_step_s: float,
-                                target_s: float, base_s: float = 0.0) -> float:
+                                target_s: float, hidden_s: float = 0.0) -> float:
     """Prompt tokens per second a worker computes while it decodes: with a decode-step
     target, the share of each step its decodes leave (``mixed_prefill_tokens`` per step of
     ``target_s``); without one, its full rate (its prefill chunks then stall its streams)."""
     if not target_s or not decode_step_s:
         return prefill_tokens_per_s
     return mixed_prefill_tokens(target_s, decode_step_s, prefill_tokens_per_s,
-                                base_s) / target_s
+                                hidden_s) / target_s

@@ -83,13 +83,15 @@ class Traffic:
 class ClusterSpeed:
     """One worker's speed (the cluster's workers are alike): full prefill rate, decode
     step ``base_s + per_stream_s * streams``, the engines' decode-step target and the
-    decode-step limit the placement holds streams to."""
+    decode-step limit the placement holds streams to, and the part of a decode step a
+    prompt chunk beside it hides (``engine_core.step_rates.StepRates.hidden_s``)."""
 
     prefill_tokens_per_s: float
     base_s: float
     per_stream_s: float
     step_target_s: float
     step_limit_s: float
+    hidden_s: float = 0.0
 
 
 def decode_step(speed: ClusterSpeed, traffic: Traffic, rate: float, decoders: int) -> float:
@@ -128,7 +130,7 @@ def sustainable(speed: ClusterSpeed, traffic: Traffic, config: LaneConfig, ttft_
         if step > speed.step_limit_s:
             return False
         rate_each = prefill_rate_beside_decodes(speed.prefill_tokens_per_s, step,
-                                                speed.step_target_s, speed.base_s)
+                                                speed.step_target_s, speed.hidden_s)
         servers = workers
     else:
         if decode_step(speed, traffic, rate, workers - prefill_lane) > speed.step_limit_s:
@@ -187,8 +189,9 @@ def measured_speed(workers: Sequence[WorkerSnapshot],
     if not streams:
         return None
     growth = sum(max(0.0, w.step_s - (w.decode_base_s or base)) for w in decoding)
+    hidden = [w.decode_hidden_s for w in workers if w.decode_base_s > 0]
     return ClusterSpeed(sum(rates) / len(rates), base, growth / streams, min(targets),
-                        step_limit_s)
+                        step_limit_s, sum(hidden) / len(hidden))
 
 
 class LanePlanner:

@@ -118,6 +118,7 @@ class WorkerSnapshot:
     cached_tokens: int = 0             # this prompt's prefix already in its cache (estimate)
     decode_step_target_s: float = 0.0  # the engine's bound on steps with decodes; 0: none
     decode_base_s: float = 0.0         # its decode step's fixed part; 0: not measured
+    decode_hidden_s: float = 0.0       # the part of its decode step a prompt chunk hides
     num_decoding: int = 0              # the decodes its heartbeat counted (step_s's batch)
 
     def can(self, capability: str) -> bool:
@@ -155,7 +156,7 @@ def effective_rate(worker: WorkerSnapshot, config: PlacementConfig) -> float:
     if worker.decode_batch == 0:
         return rate
     return max(MIN_RATE_SHARE * rate, prefill_rate_beside_decodes(
-        rate, worker.step_s, worker.decode_step_target_s, worker.decode_base_s))
+        rate, worker.step_s, worker.decode_step_target_s, worker.decode_hidden_s))
 
 
 def uncached_tokens(worker: WorkerSnapshot, prompt_tokens: int) -> int:

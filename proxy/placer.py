@@ -61,7 +61,8 @@ class Placer:
             prefill_tokens_per_s=load.prefill_tokens_per_s,
             decode_batch=max(load.num_decoding, decoding), kv_usage=load.kv_cache_usage,
             step_s=load.decode_step_s, decode_step_target_s=load.decode_step_target_s,
-            decode_base_s=load.decode_base_s, num_decoding=load.num_decoding,
+            decode_base_s=load.decode_base_s, decode_hidden_s=load.decode_hidden_s,
+            num_decoding=load.num_decoding,
             cached_tokens=self.index.cached_tokens(worker.worker_id, shape))
 
     def route(self, registry: InstanceRegistry, model: str | None,

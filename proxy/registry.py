@@ -108,6 +108,7 @@ class WorkerState:
                 "decode_step_s": self.load.decode_step_s,
                 "decode_step_target_s": self.load.decode_step_target_s,
                 "decode_base_s": self.load.decode_base_s,
+                "decode_hidden_s": self.load.decode_hidden_s,
             },
             "capabilities": sorted(self.capabilities),
             "role_mix": {"in_flight": dict(self.parts_in_flight), "total": dict(self.parts_total)},

@@ -91,6 +91,7 @@ class _Heartbeat:
     step_s: float = 0.0
     kv_usage: float = 0.0
     base_s: float = 0.0
+    hidden_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -127,7 +128,7 @@ class SimWorker:
         self.heartbeat = _Heartbeat(
             self.batch, self.queued_tokens(), self.rates.prefill_tokens_per_s,
             self.rates.decode_step_s, min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens),
-            self.rates.decode_base_s)
+            self.rates.decode_base_s, self.rates.hidden_s)
 
     def join(self, request: SimRequest, tokens_left: int, now: float) -> None:
         """A request that holds its first token decodes the rest from the next step."""
@@ -313,5 +314,5 @@ class SimCluster:
             prefill_tokens_per_s=beat.prefill_tokens_per_s,
             decode_batch=max(beat.num_decoding, worker.legs_decoding),
             kv_usage=beat.kv_usage, step_s=beat.step_s,
-            decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s,
+            decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s, decode_hidden_s=beat.hidden_s,
             num_decoding=beat.num_decoding)

@@ -7,10 +7,12 @@ and a prompt chunk's compute hides the weights' read it shares with the decodes 
 a few hundred tokens on an 8B model takes longer than that read). With ``base`` unmeasured
 (0) the parts add. Both come from each step's device time
 (``worker/step_clock.py``; a step's host wall time is not its cost under async scheduling)
-as moving averages: a step of decodes alone measures the decode part, a step of prefill alone the
-rate, and a mixed step measures its larger part with the smaller one predicted (so a
-worker whose steps always mix keeps both current, and a step that runs longer than
-predicted raises the decode part, which shrinks the next step's prefill share).
+as moving averages: a step of decodes alone measures the decode part, a step of prefill
+alone the rate, and a mixed step whose prefill is the larger part measures the rate (when
+it runs well past the fixed part) and, with the fixed part measured, what mixed steps take
+beyond the model (``mixed_excess_s``), which shrinks the part a chunk hides and so the
+next mixed steps' prompt tokens. Without the fixed part measured the parts add and a mixed
+step whose decode part is the larger one measures that part.
 
 Two users: the scheduler bounds a mixed step's prompt tokens by the worker's decode-step
 target (``mixed_step_prefill_budget``), and the proxy predicts when a worker finishes a prefill
@@ -72,7 +74,9 @@ class StepRates:
                 self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
                                                       num_prefill_tokens / prefill_s)
             return
-        decode_s = seconds - max(0.0, predicted_prefill_s - base)
+        if base:  # the decode part comes from steps of decodes alone; the excess covers it
+            return
+        decode_s = seconds - predicted_prefill_s
         if decode_s > 0:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 

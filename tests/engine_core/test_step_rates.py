@@ -11,6 +11,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.step_rates import (
     StepRates,
     mixed_prefill_tokens,
+    mixed_step_prefill_budget,
     prefill_rate_beside_decodes,
 )
 
@@ -41,6 +42,35 @@ def test_the_step_base_comes_from_steps_of_one_or_two_decodes_alone() -> None:
     assert rates.decode_base_s == pytest.approx(0.007)
     rates.observe(0.050, 0, 3)
     assert rates.decode_base_s == pytest.approx(0.007)
+
+
+def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_that() -> None:
+    # Decode part 9 ms of which 6 ms is the weights' read; 40k prompt tokens/s.
+    rates = StepRates(weight=0.5, prefill_tokens_per_s=40_000, decode_step_s=0.009,
+                      decode_base_s=0.006)
+    assert rates.hidden_s == pytest.approx(0.006)
+    # A 12 ms target leaves 3 ms beside the decodes, plus the 6 ms a chunk hides: 360.
+    assert mixed_prefill_tokens(0.012, 0.009, 40_000, rates.hidden_s) == pytest.approx(360)
+    assert mixed_step_prefill_budget(0.012, rates, 16) == 352
+    # A 360-token mixed step predicted at 12 ms takes 14: the excess shrinks what is hidden,
+    # and neither the rate (its chunk is short of twice the fixed part) nor the decode part
+    # moves.
+    rates.observe(0.014, 360, 8)
+    assert rates.mixed_excess_s == pytest.approx(0.002)
+    assert rates.hidden_s == pytest.approx(0.004)
+    assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (40_000, 0.009)
+    assert mixed_step_prefill_budget(0.012, rates, 16) == 272
+    # A long chunk measures the rate with the decode part's growth (3 ms) taken out.
+    rates.observe(0.053, 2000, 8)
+    assert rates.prefill_tokens_per_s == pytest.approx((40_000 + 40_000) / 2)
+
+
+def test_a_prefill_under_the_weights_read_measures_no_rate() -> None:
+    rates = StepRates(weight=0.5, decode_base_s=0.006, prefill_tokens_per_s=40_000)
+    rates.observe(0.007, 128, 0)   # 128 tokens in 7 ms: the read, not the compute
+    assert rates.prefill_tokens_per_s == 40_000
+    rates.observe(0.050, 2000, 0)
+    assert rates.prefill_tokens_per_s == pytest.approx(40_000)
 
 
 def test_a_mixed_step_measures_its_larger_part() -> None:

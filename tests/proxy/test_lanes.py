@@ -3,6 +3,7 @@ traffic and speeds, and how placement honours the plan (pure)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -70,6 +71,16 @@ def test_decode_heavy_traffic_wants_every_worker_decoding() -> None:
     rates = [max_rate(LOOSE, DECODE_HEAVY, CONFIG, 1.0, 2, k) for k in range(2)]
     assert rates[0] > 1.5 * rates[1] > 0
     assert best_lane_size(rates, 1, 0.1) == 0
+
+
+def test_mixed_steps_that_hide_the_weights_read_favour_every_worker_mixing() -> None:
+    # A chunk's compute hiding the 6 ms read makes each mixed step carry 6 ms more prompt.
+    hiding = dataclasses.replace(TIGHT, hidden_s=0.006)
+    plain = max_rate(TIGHT, PROMPT_HEAVY, CONFIG, 1.0, 2, 0)
+    assert max_rate(hiding, PROMPT_HEAVY, CONFIG, 1.0, 2, 0) > 1.5 * plain
+    # The prefill lane prefills alone: what mixed steps hide does not change it.
+    assert (max_rate(hiding, PROMPT_HEAVY, CONFIG, 1.0, 2, 1)
+            == max_rate(TIGHT, PROMPT_HEAVY, CONFIG, 1.0, 2, 1))
 
 
 def test_the_plan_changes_only_for_a_clear_gain() -> None:

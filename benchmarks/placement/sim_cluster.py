@@ -199,7 +199,8 @@ class SimCluster:
         self._turn = itertools.count()
         self.now = 0.0
         self.placements: dict[str, int] = {}
-        self.planner = LanePlanner(lanes) if lanes is not None else None
+        # The adaptive layout plans lanes as the proxy does (``proxy/placer.py``).
+        self.planner = LanePlanner(lanes) if layout == "adaptive" else None
         for worker in self.workers if self.planner is not None else ():
             worker.on_finish = self.planner.observe_output
         self.lane_sizes: dict[int, int] = {}

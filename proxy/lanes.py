@@ -44,7 +44,7 @@ from proxy.placement import PlacementConfig, WorkerSnapshot, with_measured_speed
 
 @dataclass(frozen=True)
 class LaneConfig:
-    """The planner's constants (``pdserve proxy`` flags where an operator would tune them)."""
+    """The planner's constants (docs/design/placement.md says why each has its value)."""
 
     # Busy share of the prefill capacity a plan is sized to: TTFT grows without bound as
     # the prefill queues approach full use.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
@@ -122,5 +123,59 @@ def test_a_grammar_ending_with_a_step_in_flight_leaks_nothing(tiny_checkpoint,
         manager.check_integrity()
         assert manager.num_free_blocks == manager.num_total_blocks
         assert not llm.engine.has_work()
+    finally:
+        llm.shutdown()
+
+
+def test_the_masks_fill_while_the_next_step_is_scheduled(tiny_checkpoint, monkeypatch):
+    """A step's masks fill on the filler's thread after ``step`` returns: each fill runs
+    only once the next call has scheduled (a gate the schedule opens), and that call queues
+    the sampling before its launch. Filling inside ``step`` would wait on the gate forever."""
+    import engine_core.worker.masked_sampling as masked_sampling
+    from engine_core.grammar.bitmask import BitmaskFiller
+
+    gate, events = threading.Event(), []
+
+    class GatedFiller(BitmaskFiller):
+        def __init__(self) -> None:
+            super().__init__(max_threads=2)
+            batch = self._batch
+
+            class Gated:
+                def batch_fill_next_token_bitmask(self, *args, **kwargs) -> None:
+                    assert gate.wait(timeout=30), "the fill ran before the next schedule"
+                    gate.clear()
+                    batch.batch_fill_next_token_bitmask(*args, **kwargs)
+                    events.append("filled")
+
+            self._batch = Gated()
+
+    monkeypatch.setattr(masked_sampling, "BitmaskFiller", GatedFiller)
+    llm = LLM(str(tiny_checkpoint("llama")), max_model_len=256, **CACHE)
+    try:
+        engine = llm.engine
+        schedule = engine.scheduler.schedule
+
+        def gated_schedule():
+            output = schedule()
+            events.append("scheduled")
+            gate.set()
+            return output
+
+        engine.scheduler.schedule = gated_schedule
+        params = SamplingParams(temperature=1.0, seed=11, max_tokens=32,
+                                structured_outputs=StructuredOutputsParams(regex=REGEX))
+        engine.add_request(AddRequest("r", [5, 6, 7, 8], params.to_dict(), 0.0))
+        tokens, awaited = [], 0
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            awaited += engine.masked_sampling.awaiting
+        text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert re.fullmatch(REGEX, text), text
+        assert awaited == engine.masked_steps.total == len(tokens) > 3
+        fills = [i for i, event in enumerate(events) if event == "filled"]
+        assert len(fills) == len(tokens)
+        assert all(events[i - 1] == "scheduled" for i in fills)
     finally:
         llm.shutdown()

@@ -155,10 +155,12 @@ def host_steps(compiled: Any, token_scripts: list[list[int]], constrained: bool,
         started = time.perf_counter()
         out = scheduler.schedule()
         scheduled = time.perf_counter()
-        wait_started = time.perf_counter()
-        fill_seconds = job.wait() if job is not None else None  # before the launch
-        job = None
-        fill_wait = time.perf_counter() - wait_started
+        fill_seconds, fill_wait = None, 0.0
+        if job is not None:  # the engine waits here, before the launch
+            wait_started = time.perf_counter()
+            fill_seconds = job.wait()
+            fill_wait = time.perf_counter() - wait_started
+            job = None
         result = runner.launch(out)
         update_started = time.perf_counter()
         if in_flight is not None:

@@ -25,12 +25,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.synthetic_vocab import save_synthetic_tokenizer
+from benchmarks.synthetic_vocab import save_synthetic_tokenizer, special_ids
 from engine_core.demo_model import CHATML_TEMPLATE, save_tokenizer
 
 TOKENIZERS = ("demo", "words", "bytes")
-# Qwen's special-token ids; in a smaller vocabulary they take its last three ids.
-QWEN_SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 
 # Published shapes: config.json of Qwen/Qwen3-0.6B, -8B and -32B, and of
 # meta-llama/Llama-3.1-70B (its keys replace the Qwen3 defaults in ``_COMMON``). The two
@@ -68,9 +66,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    top = max(QWEN_SPECIAL_TOKENS)
-    special = (QWEN_SPECIAL_TOKENS if vocab_size > top else
-               {vocab_size - 3 + i: n for i, n in enumerate(QWEN_SPECIAL_TOKENS.values())})
+    special = special_ids(vocab_size)
     vocab = {f"t{i}": i for i in range(vocab_size) if i not in special}
     vocab.update({name: i for i, name in special.items()})
     words = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))

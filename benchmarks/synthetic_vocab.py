@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+# Qwen's special-token ids (every tokenizer ``model_shapes.py`` writes keeps them).
 QWEN_SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _PUNCTUATION = "\"':,{}[]().;-_/\\!?#*=+<>@&%$|~`^"

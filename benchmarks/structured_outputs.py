@@ -19,7 +19,7 @@ engine's thread: ``schedule``, ``launch`` (inputs and the forward's queueing),
 there), ``fill_wait`` (waiting for the masks before queueing the sampling) and
 ``sample_queue`` (queueing the copy and the sampling), and ``host`` (the step less
 ``collect`` and ``fill_wait``: the engine thread's own work, which must stay under the
-device's step); the mask ``fill`` on its thread; the apply alone on ``[batch, vocab]``
+device's step); the mask ``fill`` on its thread (until the thread has the GIL back); the apply alone on ``[batch, vocab]``
 logits, and how many masked steps kept async scheduling's overlap.
 ``--no-async-scheduling`` measures one-step-at-a-time stepping for comparison.
 

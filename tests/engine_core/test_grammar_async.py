@@ -128,27 +128,34 @@ def test_a_grammar_ending_with_a_step_in_flight_leaks_nothing(tiny_checkpoint,
 
 
 def test_the_masks_fill_while_the_next_step_is_scheduled(tiny_checkpoint, monkeypatch):
-    """A step's masks fill on the filler's thread after ``step`` returns: each fill runs
-    only once the next call has scheduled (a gate the schedule opens), and that call queues
-    the sampling before its launch. Filling inside ``step`` would wait on the gate forever."""
+    """A step's masks fill on the filler's thread after ``step`` returns: each fill can
+    finish only once a schedule has run after it started (the next call's), and that call
+    queues the sampling before its launch. Filling inside ``step`` would wait forever."""
     import engine_core.worker.masked_sampling as masked_sampling
     from engine_core.grammar.bitmask import BitmaskFiller
 
-    gate, events = threading.Event(), []
+    schedules = threading.Condition()
+    counts = {"schedules": 0, "fills": 0}
 
     class GatedFiller(BitmaskFiller):
         def __init__(self) -> None:
             super().__init__(max_threads=2)
-            batch = self._batch
+            batch, self.started_after = self._batch, 0
 
             class Gated:
-                def batch_fill_next_token_bitmask(self, *args, **kwargs) -> None:
-                    assert gate.wait(timeout=30), "the fill ran before the next schedule"
-                    gate.clear()
+                def batch_fill_next_token_bitmask(gated, *args, **kwargs) -> None:
+                    with schedules:
+                        assert schedules.wait_for(
+                            lambda: counts["schedules"] > self.started_after, timeout=30), \
+                            "the fill needed the next schedule to finish"
                     batch.batch_fill_next_token_bitmask(*args, **kwargs)
-                    events.append("filled")
+                    counts["fills"] += 1
 
             self._batch = Gated()
+
+        def start(self, masks, out):
+            self.started_after = counts["schedules"]
+            return super().start(masks, out)
 
     monkeypatch.setattr(masked_sampling, "BitmaskFiller", GatedFiller)
     llm = LLM(str(tiny_checkpoint("llama")), max_model_len=256, **CACHE)
@@ -156,13 +163,14 @@ def test_the_masks_fill_while_the_next_step_is_scheduled(tiny_checkpoint, monkey
         engine = llm.engine
         schedule = engine.scheduler.schedule
 
-        def gated_schedule():
+        def counted_schedule():
             output = schedule()
-            events.append("scheduled")
-            gate.set()
+            with schedules:
+                counts["schedules"] += 1
+                schedules.notify_all()
             return output
 
-        engine.scheduler.schedule = gated_schedule
+        engine.scheduler.schedule = counted_schedule
         params = SamplingParams(temperature=1.0, seed=11, max_tokens=32,
                                 structured_outputs=StructuredOutputsParams(regex=REGEX))
         engine.add_request(AddRequest("r", [5, 6, 7, 8], params.to_dict(), 0.0))
@@ -173,9 +181,6 @@ def test_the_masks_fill_while_the_next_step_is_scheduled(tiny_checkpoint, monkey
             awaited += engine.masked_sampling.awaiting
         text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
         assert re.fullmatch(REGEX, text), text
-        assert awaited == engine.masked_steps.total == len(tokens) > 3
-        fills = [i for i, event in enumerate(events) if event == "filled"]
-        assert len(fills) == len(tokens)
-        assert all(events[i - 1] == "scheduled" for i in fills)
+        assert awaited == engine.masked_steps.total == counts["fills"] == len(tokens) > 3
     finally:
         llm.shutdown()

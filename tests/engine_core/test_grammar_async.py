@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from engine_core.grammar.spec import grammar_spec
 from engine_core.llm import LLM
 from engine_core.messages import AddRequest
 from engine_core.sampling_params import SamplingParams
@@ -47,6 +48,11 @@ def _params() -> list[SamplingParams]:
 def _run(path, prompts, params, async_scheduling: bool):
     llm = LLM(str(path), async_scheduling=async_scheduling, max_model_len=256, **CACHE)
     try:
+        # Compiled before the requests arrive: a request waits for its compile, so compiles
+        # finishing at different steps would batch the two runs differently.
+        for p in params:
+            if p.structured_outputs is not None:
+                llm.engine.grammars.submit(grammar_spec(p.structured_outputs)).result()
         outputs = llm.generate(prompts, params)
         manager = llm.engine.kv_manager
         assert manager.num_free_blocks == manager.num_total_blocks

@@ -6,12 +6,16 @@ the weights with random values. The model's vocabulary is the real one; the toke
 knows the demo's 1000 entries, so prompts are given as token ids or as demo-tokenizer text,
 and generated ids past the tokenizer decode to nothing (benchmarks use ``ignore_eos``).
 
+``--tokenizer bytes`` writes a byte-level BPE vocabulary of the model's size made of synthetic
+pieces in a Qwen-like mix (``benchmarks/synthetic_vocab.py``): grammar benchmarks use it, since
+masks and grammar advances cost what they cost with a real vocabulary only on one.
+
 ``--tokenizer words`` writes instead a word-level tokenizer covering the whole vocabulary
 (token ``i`` is the word ``t{i}``; Qwen's special tokens keep their ids): every id a dummy
 model samples then decodes to visible text, so streamed responses carry content and a
 serving benchmark can time the first token, and decode-then-encode gives back the same ids.
 
-    python3 -m benchmarks.model_shapes qwen3-8b /tmp/qwen3-8b [--tokenizer words]
+    python3 -m benchmarks.model_shapes qwen3-8b /tmp/qwen3-8b [--tokenizer words|bytes]
 """
 
 from __future__ import annotations
@@ -21,11 +25,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.synthetic_vocab import save_synthetic_tokenizer, special_ids
 from engine_core.demo_model import CHATML_TEMPLATE, save_tokenizer
 
-TOKENIZERS = ("demo", "words")
-# Qwen's special-token ids; in a smaller vocabulary they take its last three ids.
-QWEN_SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+TOKENIZERS = ("demo", "words", "bytes")
 
 # Published shapes: config.json of Qwen/Qwen3-0.6B, -8B and -32B, and of
 # meta-llama/Llama-3.1-70B (its keys replace the Qwen3 defaults in ``_COMMON``). The two
@@ -63,9 +66,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    top = max(QWEN_SPECIAL_TOKENS)
-    special = (QWEN_SPECIAL_TOKENS if vocab_size > top else
-               {vocab_size - 3 + i: n for i, n in enumerate(QWEN_SPECIAL_TOKENS.values())})
+    special = special_ids(vocab_size)
     vocab = {f"t{i}": i for i in range(vocab_size) if i not in special}
     vocab.update({name: i for i, name in special.items()})
     words = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
@@ -80,7 +81,8 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> Any:
 
 def write_model_dir(shape: str, path: Path | str, tokenizer: str = "demo",
                     **overrides: Any) -> Path:
-    """Write ``config.json`` and a tokenizer (``demo`` or ``words``) for ``shape`` into ``path``.
+    """Write ``config.json`` and a tokenizer (``demo``, ``words`` or ``bytes``) for ``shape``
+    into ``path``.
 
     ``overrides`` replace config keys (a smaller ``vocab_size`` for CPU tests, say).
     """
@@ -91,8 +93,12 @@ def write_model_dir(shape: str, path: Path | str, tokenizer: str = "demo",
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = {**_COMMON, **SHAPES[shape], **overrides}
-    saved = (save_word_tokenizer(path, config["vocab_size"]) if tokenizer == "words"
-             else save_tokenizer(path))
+    if tokenizer == "words":
+        saved = save_word_tokenizer(path, config["vocab_size"])
+    elif tokenizer == "bytes":
+        saved = save_synthetic_tokenizer(path, config["vocab_size"])
+    else:
+        saved = save_tokenizer(path)
     eos_id = saved.convert_tokens_to_ids("<|endoftext|>")
     config.update(eos_token_id=eos_id, pad_token_id=eos_id)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -104,7 +110,8 @@ def main() -> None:
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("path")
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="demo",
-                        help="demo: the demo BPE (1000 ids); words: one word per vocabulary id")
+                        help="demo: the demo BPE (1000 ids); words: one word per vocabulary id; "
+                        "bytes: synthetic byte-level pieces, one per vocabulary id")
     args = parser.parse_args()
     print(write_model_dir(args.shape, args.path, args.tokenizer))
 

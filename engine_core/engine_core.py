@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,7 +46,6 @@ from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
 from engine_core.worker.cuda_graphs import CaptureStats
-from engine_core.worker.grammar_mask import MaskedStepCounts
 from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.loader import (
     load_model,
@@ -56,6 +54,7 @@ from engine_core.worker.loader import (
     resolve_dtype,
     weights_arena,
 )
+from engine_core.worker.masked_sampling import MaskedSampling
 from engine_core.worker.memory_arena import MemoryArena
 from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.pinned_memory import HostBuffer
@@ -193,7 +192,8 @@ class EngineCore:
         self.step_watch = StepWatch()
         self.step_watch.start()
         self.rejected_messages = 0
-        self.masked_steps = MaskedStepCounts()
+        self.masked_sampling = MaskedSampling(self.runner)
+        self.masked_steps = self.masked_sampling.counts
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last and not yet collected (async scheduling only).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -380,8 +380,9 @@ class EngineCore:
         sampled nothing is collected at once. Penalties read the in-flight step's tokens on
         the device (``Sampler``), so they do not stop the overlap. A step in which a
         constrained request samples is launched without its sampling: the step in flight
-        is collected (its tokens advance the grammars), then this step's masks are filled
-        while its forward runs on the device, and its sampling is queued behind it.
+        is collected (its tokens advance the grammars), then this step's masks fill on a
+        thread while its forward runs and the next call schedules; that call queues the
+        sampling just before its own launch (``worker/masked_sampling.py``).
         """
         started = time.perf_counter()
         if self.host_kv is not None:
@@ -391,16 +392,18 @@ class EngineCore:
         transfer_updates = self.scheduler.transfer_updates
         if self.rank_processes is not None:
             self.rank_processes.send_step(scheduler_output)
+        self.masked_sampling.finish()  # the launch below reads the in-flight step's tokens
         launched = self.runner.launch(scheduler_output)
         overlapped = self._in_flight is not None
         if self._in_flight is not None:
             outputs += self._complete(*self._in_flight)
             self._in_flight = None
         if launched.awaits_masks:  # its masks need the tokens collected just above
-            fill = partial(self.scheduler.fill_grammar_bitmask, scheduler_output)
-            if self.runner.sample(launched, fill):
-                self.masked_steps.count(overlapped)
-        if self.async_scheduling and launched.sampled:
+            masks = self.scheduler.grammar_masks(scheduler_output, launched.req_ids)
+            self.masked_sampling.start(launched, masks, overlapped)
+            if not self.async_scheduling:
+                self.masked_sampling.finish()
+        if self.async_scheduling and (launched.sampled or launched.awaits_masks):
             self._in_flight = (scheduler_output, launched)
         else:
             outputs += self._complete(scheduler_output, launched)
@@ -421,19 +424,6 @@ class EngineCore:
         for cost in self.runner.step_clock.finished():  # type: ignore[union-attr]
             self.scheduler.step_rates.observe(cost.seconds, cost.num_prefill_tokens,
                                               cost.num_decodes)
-
-    def _queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute here: waiting requests (landed ones only their
-        last) and running ones mid-prefill. Requests whose KV a peer sends compute one."""
-        def remaining(request: Request) -> int:
-            if (request.kv_transfer_params is not None
-                    and request.kv_transfer_params.do_remote_prefill):
-                return 1  # its prompt's KV comes from the peer that prefills it
-            return max(0, request.num_prompt_tokens - request.num_computed_tokens)
-
-        scheduler = self.scheduler
-        return (sum(remaining(r) for r in scheduler.waiting)
-                + sum(remaining(r) for r in scheduler.running) + len(scheduler.landed))
 
     def _land_loads(self) -> list[EngineOutput]:
         """KV loads that arrived since the last pass join this one (their calls were
@@ -475,7 +465,7 @@ class EngineCore:
             connector={**scheduler.connector.stats(), **self.connector_worker.stats()},
             **self._offload_stats(),
             sleep_level=self.sleep_level,
-            num_prefill_tokens_queued=self._queued_prefill_tokens(),
+            num_prefill_tokens_queued=scheduler.queued_prefill_tokens(),
             prefill_tokens_per_s=rates.prefill_tokens_per_s, decode_step_s=rates.decode_step_s,
             decode_base_s=rates.decode_base_s, decode_hidden_s=rates.hidden_s,
             decode_step_target_s=self.config.scheduler.decode_step_target_s or 0.0,
@@ -592,6 +582,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
+        self.masked_sampling.shutdown()
         self.connector_worker.shutdown()
         if self.rank_processes is not None:
             self.rank_processes.shutdown()

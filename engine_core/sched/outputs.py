@@ -50,7 +50,7 @@ class SchedulerOutput:
     # KV offload copies the runner queues before this step.
     host_copies: HostCopies | None = None
     # The constrained requests that sample in this step: their masks are filled once the
-    # step before is collected (``Scheduler.fill_grammar_bitmask``), after the launch.
+    # step before is collected (``Scheduler.grammar_masks``), after the launch.
     grammar_request_ids: set[str] = field(default_factory=set)
     # The scheduler's own request objects (the runner never reads them): the update of this
     # step lands only on these, never on a newer request that reuses a finished one's id.

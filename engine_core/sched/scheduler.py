@@ -21,10 +21,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine_core.config import CacheConfig, SchedulerConfig
-from engine_core.grammar.bitmask import BitmaskFiller
+from engine_core.grammar.bitmask import StepMasks
 from engine_core.kv_connector import ConnectorScheduler, FinishedTransfers
 from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import (
@@ -43,9 +42,6 @@ from engine_core.sched.outputs import (
     SchedulerOutput,
 )
 from engine_core.step_rates import StepRates, mixed_step_prefill_budget
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger("pdserve.scheduler")
 
@@ -97,7 +93,6 @@ class Scheduler:
         # a grammar, so a batch without one spends nothing on masks.
         self.compiling: dict[str, Request] = {}
         self.num_constrained = 0
-        self._bitmask_filler: BitmaskFiller | None = None  # made with the first grammar
         # Parked requests whose KV landed, in landing order: admitted before ``waiting``.
         self.landed: deque[Request] = deque()
         # Finished requests whose blocks stay allocated until the connector sent them.
@@ -187,6 +182,18 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.landed) + len(self.compiling)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute here: waiting requests (landed ones only their
+        last) and running ones mid-prefill. Requests whose KV a peer sends compute one."""
+        def remaining(request: Request) -> int:
+            if (request.kv_transfer_params is not None
+                    and request.kv_transfer_params.do_remote_prefill):
+                return 1  # its prompt's KV comes from the peer that prefills it
+            return max(0, request.num_prompt_tokens - request.num_computed_tokens)
+
+        return (sum(map(remaining, self.waiting)) + sum(map(remaining, self.running))
+                + len(self.landed))
 
     # ---- scheduling -------------------------------------------------------------------
 
@@ -311,30 +318,21 @@ class Scheduler:
         return mixed_step_prefill_budget(self.config.decode_step_target_s, self.step_rates,
                                          self.block_size)
 
-    def fill_grammar_bitmask(self, output: SchedulerOutput, request_ids: list[str],
-                             rows: torch.Tensor) -> bool:
-        """Fill ``rows[i]`` with ``request_ids[i]``'s next-token mask (its grammar's while it
-        runs constrained, else all ones), once the step before is collected and while this
-        step's forward runs. False when no row is constrained (``rows`` left as it was)."""
+    def grammar_masks(self, output: SchedulerOutput, request_ids: list[str]) -> StepMasks | None:
+        """The matchers whose masks rows ``0..len(request_ids)`` of ``output``'s sampling take
+        (the rest all ones), once the step before is collected; None when no row is
+        constrained. A request the step before ended (its grammar complete, a stop token)
+        samples a token that is dropped: it needs no mask."""
         if not output.grammar_request_ids:
-            return False
+            return None
         matchers, constrained = [], []
         for row, request_id in enumerate(request_ids):
             request = output.scheduled_requests.get(request_id)
-            # A request the step before ended (its grammar complete, a stop token) samples
-            # a token that is dropped: it needs no mask.
             if (request_id in output.grammar_request_ids and request is not None
                     and request.grammar is not None and not request.is_finished):
                 matchers.append(request.grammar.matcher)
                 constrained.append(row)
-        if not constrained:
-            return False
-        if len(constrained) < len(request_ids):
-            rows.fill_(-1)
-        if self._bitmask_filler is None:
-            self._bitmask_filler = BitmaskFiller()
-        self._bitmask_filler.fill(matchers, constrained, rows)
-        return True
+        return StepMasks(matchers, constrained, len(request_ids)) if constrained else None
 
     def _stops_with_pending(self, request: Request) -> bool:
         """A request whose in-flight tokens certainly end it (length) gets no more steps."""

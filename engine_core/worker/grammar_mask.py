@@ -3,7 +3,8 @@ fills, one device buffer the sampler reads, one non-blocking copy between them.
 
 Both buffers hold ``max_num_seqs`` rows and keep their addresses; a step uses its first
 rows. The host buffer is written again only after the copy out of it has run (an event
-marks it), so a fill never races the copy of the step before. On CPU the host buffer is
+marks it), so a fill never races the copy of the step before; while the filler's thread
+fills it (``worker/masked_sampling.py``) nothing else touches it. On CPU the host buffer is
 the device buffer and nothing is copied.
 
 ``SampleTimer`` (benchmarks only) times the parts a masked step adds, with CUDA events read
@@ -73,13 +74,14 @@ class MaskedStepCounts:
 
 @dataclass
 class SampleTiming:
-    """One sampled step, in milliseconds: the host's mask fill (0 without masks), how long
-    the device sat idle between the step's logits and the sampling work (the mask copy when
-    masked: waiting for the host's fill when positive), the mask copy, and the sampling
-    (the mask apply included)."""
+    """One sampled step, in milliseconds: the mask fill on the filler's thread (0 without
+    masks), how long the engine's thread then waited for it, how long the device sat idle
+    between the step's logits and the sampling work (the mask copy when masked: waiting for
+    the host when positive), the mask copy, and the sampling (the mask apply included)."""
 
     masked: bool
     fill_ms: float
+    fill_wait_ms: float
     device_wait_ms: float
     copy_ms: float
     sample_ms: float
@@ -92,8 +94,8 @@ class SampleTimer:
     def __init__(self, device: torch.device) -> None:
         self.is_cuda = device.type == "cuda"
         self._marks: dict[str, object] = {}
-        self._fill_ms = 0.0
-        self._done: list[tuple[bool, float, dict[str, object]]] = []
+        self._fill_ms = self._wait_ms = 0.0
+        self._done: list[tuple[bool, float, float, dict[str, object]]] = []
 
     def mark(self, name: str) -> None:
         """Mark a point of the step: ``logits``, ``copy_start``, ``sample_start``,
@@ -108,19 +110,22 @@ class SampleTimer:
     def fill_seconds(self, seconds: float) -> None:
         self._fill_ms = seconds * 1e3
 
+    def wait_seconds(self, seconds: float) -> None:
+        self._wait_ms = seconds * 1e3
+
     def end_step(self, masked: bool) -> None:
-        self._done.append((masked, self._fill_ms, self._marks))
-        self._marks, self._fill_ms = {}, 0.0
+        self._done.append((masked, self._fill_ms, self._wait_ms, self._marks))
+        self._marks, self._fill_ms, self._wait_ms = {}, 0.0, 0.0
 
     def collect(self) -> list[SampleTiming]:
         """Every step timed since the last call (waits for the last one)."""
         samples = []
-        for masked, fill_ms, marks in self._done:
+        for masked, fill_ms, wait_ms, marks in self._done:
             first_after_logits = "copy_start" if "copy_start" in marks else "sample_start"
             copy_ms = (self._between(marks, "copy_start", "sample_start")
                        if "copy_start" in marks else 0.0)
             samples.append(SampleTiming(
-                masked=masked, fill_ms=fill_ms,
+                masked=masked, fill_ms=fill_ms, fill_wait_ms=wait_ms,
                 device_wait_ms=self._between(marks, "logits", first_after_logits),
                 copy_ms=copy_ms,
                 sample_ms=self._between(marks, "sample_start", "sample_end")))

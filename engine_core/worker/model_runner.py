@@ -368,7 +368,7 @@ class ModelRunner:
             host_rows = stage.host_rows(len(step.req_ids))
             constrained = fill_masks(step.req_ids, host_rows)
             if timer is not None:
-                timer.fill_seconds(time.perf_counter() - started)
+                timer.wait_seconds(time.perf_counter() - started)
                 timer.mark("copy_start")
             if constrained:
                 grammar_mask = stage.to_device(len(step.req_ids))
@@ -394,6 +394,13 @@ class ModelRunner:
             state.pending_index = index
         step.samples = samples
         return grammar_mask is not None
+
+    def mask_rows(self, step: LaunchedStep) -> torch.Tensor:
+        """The pinned host rows a launched step's grammar masks are filled into, free to
+        fill (the copy out of them for the step before has run)."""
+        assert step.logits is not None, "the step was sampled already"
+        num_rows = len(step.req_ids)
+        return self._mask_stage(num_rows, step.logits.shape[-1]).host_rows(num_rows)
 
     def _mask_stage(self, num_rows: int, vocab_size: int) -> GrammarMaskStage:
         """The staging buffers, made with the first mask for ``max_num_seqs`` rows (remade

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
+from engine_core.grammar.spec import grammar_spec
 from engine_core.llm import LLM
 from engine_core.messages import AddRequest
 from engine_core.sampling_params import SamplingParams
@@ -46,6 +48,11 @@ def _params() -> list[SamplingParams]:
 def _run(path, prompts, params, async_scheduling: bool):
     llm = LLM(str(path), async_scheduling=async_scheduling, max_model_len=256, **CACHE)
     try:
+        # Compiled before the requests arrive: a request waits for its compile, so compiles
+        # finishing at different steps would batch the two runs differently.
+        for p in params:
+            if p.structured_outputs is not None:
+                llm.engine.grammars.submit(grammar_spec(p.structured_outputs)).result()
         outputs = llm.generate(prompts, params)
         manager = llm.engine.kv_manager
         assert manager.num_free_blocks == manager.num_total_blocks
@@ -122,5 +129,64 @@ def test_a_grammar_ending_with_a_step_in_flight_leaks_nothing(tiny_checkpoint,
         manager.check_integrity()
         assert manager.num_free_blocks == manager.num_total_blocks
         assert not llm.engine.has_work()
+    finally:
+        llm.shutdown()
+
+
+def test_the_masks_fill_while_the_next_step_is_scheduled(tiny_checkpoint, monkeypatch):
+    """A step's masks fill on the filler's thread after ``step`` returns: each fill can
+    finish only once a schedule has run after it started (the next call's), and that call
+    queues the sampling before its launch. Filling inside ``step`` would wait forever."""
+    import engine_core.worker.masked_sampling as masked_sampling
+    from engine_core.grammar.bitmask import BitmaskFiller
+
+    schedules = threading.Condition()
+    counts = {"schedules": 0, "fills": 0}
+
+    class GatedFiller(BitmaskFiller):
+        def __init__(self) -> None:
+            super().__init__(max_threads=2)
+            batch, self.started_after = self._batch, 0
+
+            class Gated:
+                def batch_fill_next_token_bitmask(gated, *args, **kwargs) -> None:
+                    with schedules:
+                        assert schedules.wait_for(
+                            lambda: counts["schedules"] > self.started_after, timeout=30), \
+                            "the fill needed the next schedule to finish"
+                    batch.batch_fill_next_token_bitmask(*args, **kwargs)
+                    counts["fills"] += 1
+
+            self._batch = Gated()
+
+        def start(self, masks, out):
+            self.started_after = counts["schedules"]
+            return super().start(masks, out)
+
+    monkeypatch.setattr(masked_sampling, "BitmaskFiller", GatedFiller)
+    llm = LLM(str(tiny_checkpoint("llama")), max_model_len=256, **CACHE)
+    try:
+        engine = llm.engine
+        schedule = engine.scheduler.schedule
+
+        def counted_schedule():
+            output = schedule()
+            with schedules:
+                counts["schedules"] += 1
+                schedules.notify_all()
+            return output
+
+        engine.scheduler.schedule = counted_schedule
+        params = SamplingParams(temperature=1.0, seed=11, max_tokens=32,
+                                structured_outputs=StructuredOutputsParams(regex=REGEX))
+        engine.add_request(AddRequest("r", [5, 6, 7, 8], params.to_dict(), 0.0))
+        tokens, awaited = [], 0
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            awaited += engine.masked_sampling.awaiting
+        text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert re.fullmatch(REGEX, text), text
+        assert awaited == engine.masked_steps.total == counts["fills"] == len(tokens) > 3
     finally:
         llm.shutdown()

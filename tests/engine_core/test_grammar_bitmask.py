@@ -46,7 +46,7 @@ def test_mask_stage_hands_out_its_first_rows() -> None:
 
 
 def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
-    from engine_core.grammar.bitmask import SERIAL_FILL_MAX, BitmaskFiller
+    from engine_core.grammar.bitmask import BitmaskFiller, StepMasks
     from engine_core.grammar.compiler import GrammarCompiler
     from engine_core.grammar.spec import GrammarSpec
 
@@ -62,7 +62,7 @@ def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
         advanced.fill_next_token_bitmask(single, 1)
         assert not torch.equal(single[0], single[1])
         filler = BitmaskFiller(max_threads=2)
-        for count in (1, SERIAL_FILL_MAX + 1):  # one by one, and the batched call
+        for count in (1, 5):
             # One matcher per row, as each request has its own (threads fill them at once).
             matchers = []
             for _ in range(count):
@@ -71,11 +71,14 @@ def test_batched_fill_writes_the_rows_it_is_given(tiny_checkpoint) -> None:
                 matchers += [step, xgr.GrammarMatcher(compiled)]
             expected = [single[1], single[0]] * count
             rows = [r for r in reversed(range(len(matchers) + 1)) if r != 1]
-            out = torch.full((len(matchers) + 1, num_words(1024)), 9, dtype=torch.int32)
-            filler.fill(matchers, rows, out)
+            out = torch.full((len(matchers) + 2, num_words(1024)), 9, dtype=torch.int32)
+            job = filler.start(StepMasks(matchers, rows, len(matchers) + 1), out)
+            assert job.wait() >= 0.0
             for want, row in zip(expected, rows, strict=True):
                 assert torch.equal(out[row], want)
-            assert (out[1] == 9).all()  # a row it was not given is left alone
+            assert (out[1] == -1).all()  # a row of the step without a matcher: all ones
+            assert (out[-1] == 9).all()  # a row past the step is left alone
+        filler.shutdown()
     finally:
         compiler.shutdown()
 

@@ -6,9 +6,7 @@ completes ends them as a stop, and a pending token does not keep them out of the
 from __future__ import annotations
 
 import pytest
-import torch
 
-import engine_core.sched.scheduler as scheduler_module
 from engine_core.request import RequestStatus
 from tests.engine_core.test_scheduler import FakeRunner, make_request, make_scheduler
 
@@ -36,26 +34,24 @@ class FakeGrammar:
         return len(self.accepted) >= self.length
 
 
-@pytest.fixture(autouse=True)
-def fake_fill(monkeypatch):
-    """Masks without xgrammar: record which rows got one and the tokens their grammars had
-    accepted when they did."""
-    filled: list[list[tuple[int, int]]] = []
-
-    class FakeFiller:
-        def fill(self, matchers, rows, out):
-            filled.append([(row, len(m.accepted)) for m, row in zip(matchers, rows)])
-            out[rows] = 7
-
-    monkeypatch.setattr(scheduler_module, "BitmaskFiller", FakeFiller)
-    return filled
+@pytest.fixture
+def fake_fill():
+    """Which rows got a mask at each step, and the tokens their grammars had accepted when
+    the masks were picked."""
+    return []
 
 
-def _step(scheduler, runner, out):
-    """Fill the step's masks as the engine does (after the step before is collected), then
+def _masks(scheduler, out, request_ids, filled):
+    masks = scheduler.grammar_masks(out, request_ids)
+    if masks is not None:
+        filled.append([(row, len(m.accepted)) for m, row in zip(masks.matchers, masks.rows)])
+    return masks
+
+
+def _step(scheduler, runner, out, filled):
+    """Pick the step's masks as the engine does (after the step before is collected), then
     run it."""
-    rows = torch.zeros(len(out.num_scheduled_tokens), 2, dtype=torch.int32)
-    scheduler.fill_grammar_bitmask(out, list(out.num_scheduled_tokens), rows)
+    _masks(scheduler, out, list(out.num_scheduled_tokens), filled)
     return scheduler.update_from_output(out, runner.execute(out))
 
 
@@ -78,12 +74,12 @@ def test_waits_for_its_compile_then_runs_and_stops_when_the_grammar_completes(fa
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens) == ["p"] and not out.grammar_request_ids
     assert scheduler.num_waiting == 1 and scheduler.has_runnable()
-    _step(scheduler, runner, out)
+    _step(scheduler, runner, out, fake_fill)
     assert fake_fill == []  # no constrained row sampled: nothing filled
     grammar.is_ready = True
     outputs = []
     while scheduler.has_unfinished():
-        outputs += _step(scheduler, runner, scheduler.schedule())
+        outputs += _step(scheduler, runner, scheduler.schedule(), fake_fill)
     final = [o for o in outputs if o.request_id == "g" and o.finish_reason][0]
     assert final.finish_reason == "stop" and len(grammar.accepted) == 3
     assert request.num_output_tokens == 3  # ended by the grammar, not max_tokens
@@ -123,12 +119,11 @@ def test_a_pending_token_does_not_hold_back_a_constrained_request(fake_fill):
     second = scheduler.schedule()  # the first is still in flight
     assert set(second.num_scheduled_tokens) == {"g", "p"}
     assert second.grammar_request_ids == {"g"}
-    _step(scheduler, runner, first)
+    _step(scheduler, runner, first, fake_fill)
     assert fake_fill == [[(1, 0)]]
-    rows = torch.zeros(2, 2, dtype=torch.int32)
-    assert scheduler.fill_grammar_bitmask(second, ["p", "g"], rows)
+    masks = _masks(scheduler, second, ["p", "g"], fake_fill)
     assert fake_fill[-1] == [(1, 1)]  # after the first step's token
-    assert rows.tolist() == [[-1, -1], [7, 7]]
+    assert masks.rows == [1] and masks.num_rows == 2  # row 0 (unconstrained) all ones
     scheduler.update_from_output(second, runner.execute(second))
     assert grammar.accepted and len(grammar.accepted) == 2
     assert RequestStatus.RUNNING == scheduler.requests["g"].status
@@ -143,10 +138,9 @@ def test_a_request_the_step_before_ended_gets_no_mask(fake_fill):
     scheduler.add_request(make_request("g", 4, max_tokens=8, grammar=grammar))
     first = scheduler.schedule()
     second = scheduler.schedule()
-    _step(scheduler, runner, first)
+    _step(scheduler, runner, first, fake_fill)
     assert scheduler.requests.get("g") is None  # stopped by its grammar
-    rows = torch.zeros(1, 2, dtype=torch.int32)
-    assert not scheduler.fill_grammar_bitmask(second, ["g"], rows)
+    assert _masks(scheduler, second, ["g"], fake_fill) is None
     assert len(fake_fill) == 1
     outputs = scheduler.update_from_output(second, runner.execute(second))
     assert outputs == [] and len(grammar.accepted) == 1  # its second token is dropped

@@ -1,31 +1,29 @@
-"""Lanes: how many workers the cluster keeps free of decodes, from the measured traffic.
+"""Lanes: how many workers the cluster keeps free of streams, from the measured traffic.
 
 Placement (``proxy/placement.py``) puts each request where it costs least. What it cannot
-see from one request is the cluster's shape: a worker that carries even one decode stream
-pays its step's fixed part (the weights read once, ``base``) out of every step, so it
-prefills at ``1 - decode_step / target`` of its rate. Packing streams onto few workers keeps
-the others prefilling at full rate, until the packed ones fill their step target; where the
-next stream goes then decides whether the cluster keeps its prefill capacity (it waits on a
-decoding worker) or its decode speed (it opens another decoding worker, whose prefill rate
-halves). That choice is a property of the traffic, not of one request.
+see from one request is the cluster's shape: a worker that carries decode streams prefills
+only in the time its step target leaves beside them, so where the next stream goes when the
+decoding workers are full decides whether the cluster keeps its prefill capacity or its
+decode room. That choice is a property of the traffic, not of one request.
 
-The planner chooses it like an operator would choose a static split, from measurements,
-and keeps re-choosing as the traffic changes: for each ``k`` (workers in the *prefill
-lane*, which take no streams while the plan holds), the highest request rate the cluster
-sustains with
+The planner makes it like an operator sizing a static split, from measurements, and keeps
+re-making it as the traffic changes: for each ``k`` (workers in the *prefill lane*, which
+take no new streams while the plan holds) it finds the highest request rate the cluster
+sustains (``sustainable``, ``max_rate``):
 
-- the decode lane (``n - k`` workers) carrying the streams evenly: a worker with ``b``
-  streams steps in ``base + per_stream * b``, which must stay within the decode-step limit;
-- prefills: the prefill lane at full rate, the decode lane at the rate its step target
-  leaves beside its decodes (``engine_core.step_rates.prefill_rate_beside_decodes``), at most
-  ``max_prefill_utilisation`` busy (queues, and so TTFT, grow without bound near 1).
+- the decode lane (``n - k`` workers) carries the streams evenly: a request decodes
+  ``output_tokens`` steps, so a worker holds ``rate * output_tokens * step / (n - k)``
+  streams and steps in ``base + per_stream * streams``, within the decode-step limit;
+- ``k = 0``: every worker prefills beside its decodes, its steps running to the target, at
+  ``engine_core.step_rates.prefill_rate_beside_decodes``; ``k > 0``: the prefill lane
+  prefills at full rate;
+- a prefill queue may be as busy as keeps its tail within the TTFT target
+  (``prefill_utilisation_limit``).
 
-Streams per unit of request rate (``streams_per_rps``: each request's decode time, by
-Little's law the streams in flight over the arrival rate) and prompt tokens per request come
-from what the proxy placed in the last ``window_s``; ``base`` and ``per_stream`` from the
-workers' heartbeats. The plan with the highest sustainable rate wins; the current plan is
-kept unless another beats it by ``switch_margin`` (a plan change moves no stream: the
-streams already running finish where they are).
+Prompt and output tokens per request come from the last ``window_requests`` placed prompts
+and finished streams; the speeds from the workers' heartbeats. The plan with the highest
+sustainable rate wins; the current plan is kept unless another beats it by
+``switch_margin`` (a plan change moves no stream: those running finish where they are).
 
 Pure functions plus one small stateful ``LanePlanner`` the placer owns.
 """

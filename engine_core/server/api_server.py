@@ -28,6 +28,7 @@ from engine_core.errors import (
     InvalidRequestError,
 )
 from engine_core.grammar.spec import import_grammar_engine
+from engine_core.hf_tokenizer import load_hf_tokenizer
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.api_key import api_key_middleware
@@ -345,6 +346,12 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     return app
 
 
+def _retrieve(done: asyncio.Future) -> None:
+    """Mark a background future's exception as seen (its caller may never await it)."""
+    if not done.cancelled():
+        done.exception()
+
+
 def _log_grammar_import(done: asyncio.Future) -> None:
     if not done.cancelled() and done.exception() is not None:
         logger.warning("importing the grammar engine failed (constrained requests will try "
@@ -357,6 +364,12 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                                ) -> tuple[AsyncEngineClient, web.Application]:
     """Start the engine process, load the tokenizer, build the app; logs each stage."""
     started = time.monotonic()
+    loop = asyncio.get_running_loop()
+    # The HF tokenizer loads on a thread while the engine process starts: the API process
+    # would otherwise sit idle, then spend about a second on it before it can listen.
+    preload = loop.run_in_executor(None, load_hf_tokenizer, config.model.tokenizer_path,
+                                   config.model.trust_remote_code)
+    preload.add_done_callback(_retrieve)
     client = await AsyncEngineClient.start(
         config, engine_factory, startup_timeout_s=options.engine_startup_timeout_s)
     info = client.info
@@ -365,12 +378,17 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                 info.max_model_len)
     try:
         stage = time.monotonic()
-        tokenizer = await asyncio.get_running_loop().run_in_executor(
+        hf_tokenizer = None
+        if info.tokenizer_path == config.model.tokenizer_path:
+            # A failed preload is loaded again below, which reports the error.
+            with contextlib.suppress(Exception):
+                hf_tokenizer = await preload
+        tokenizer = await loop.run_in_executor(
             None, lambda: TokenizerService.load(
                 info.tokenizer_path, info.max_model_len, info.vocab_size,
                 config.model.trust_remote_code,
                 kv_capacity=info.num_total_blocks * config.cache.block_size,
-                chat_template=options.chat_template))
+                chat_template=options.chat_template, hf_tokenizer=hf_tokenizer))
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
         # After the tokenizer: xgrammar imports names from transformers, whose lazy module

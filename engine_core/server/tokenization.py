@@ -85,10 +85,12 @@ class TokenizerService:
     @classmethod
     def load(cls, path: str, max_model_len: int, vocab_size: int,
              trust_remote_code: bool = False, kv_capacity: int | None = None,
-             chat_template: str | None = None) -> TokenizerService:
+             chat_template: str | None = None, hf_tokenizer: Any = None) -> TokenizerService:
+        """The service around ``hf_tokenizer``, or around the one loaded from ``path``."""
         from engine_core.hf_tokenizer import load_hf_tokenizer
 
-        tokenizer = load_hf_tokenizer(path, trust_remote_code)
+        tokenizer = (load_hf_tokenizer(path, trust_remote_code) if hf_tokenizer is None
+                     else hf_tokenizer)
         return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True,
                    chat_template=chat_template)
 

@@ -12,6 +12,7 @@ import logging
 import math
 import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -352,10 +353,12 @@ def _retrieve(done: asyncio.Future) -> None:
         done.exception()
 
 
-def _log_grammar_import(done: asyncio.Future) -> None:
-    if not done.cancelled() and done.exception() is not None:
+def _import_grammar_engine() -> None:
+    try:
+        import_grammar_engine()
+    except Exception as exc:
         logger.warning("importing the grammar engine failed (constrained requests will try "
-                       "again): %r", done.exception())
+                       "again): %r", exc)
 
 
 async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
@@ -393,8 +396,10 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                     info.tokenizer_path)
         # After the tokenizer: xgrammar imports names from transformers, whose lazy module
         # cannot be imported from two threads at once.
-        prefetch = asyncio.get_running_loop().run_in_executor(None, import_grammar_engine)
-        prefetch.add_done_callback(_log_grammar_import)
+        # A daemon thread, not the loop's executor: a server stopped while the import still
+        # runs exits at once instead of waiting seconds for a warm-up nobody needs now.
+        threading.Thread(target=_import_grammar_engine, name="grammar-import",
+                         daemon=True).start()
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
         return client, build_app(client, tokenizer, config, options, generation, readiness)
     except BaseException:

@@ -225,7 +225,8 @@ def test_a_client_that_pauses_within_the_bound_gets_the_whole_stream(bounded_ser
     """The bound is on one write, not on the stream: a reader that pauses for less than it,
     its window full meanwhile, then reads on, gets every event and the end."""
     stalls = _metric(bounded_server, STALL_METRIC)
-    body = {**STREAM, "max_tokens": MAX_TOKENS // 2}
+    # 960 tokens: past PAUSE_TOKENS, so the pause ends with the buffers full.
+    body = {**STREAM, "max_tokens": MAX_TOKENS // 4}
     before = bounded_server.stats().generation_tokens_total
     with _small_window_client(bounded_server.port) as sock:
         first = _start_stream(sock, body)

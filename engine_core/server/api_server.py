@@ -29,7 +29,6 @@ from engine_core.errors import (
     InvalidRequestError,
 )
 from engine_core.grammar.spec import import_grammar_engine
-from engine_core.hf_tokenizer import load_hf_tokenizer
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.api_key import api_key_middleware
@@ -43,7 +42,7 @@ from engine_core.server.metrics import ServerMetrics
 from engine_core.server.readiness import Readiness
 from engine_core.server.request_body import read_json_body
 from engine_core.server.serving import OpenAIServing, request_id_of
-from engine_core.server.tokenization import TokenizerService
+from engine_core.server.tokenization import TokenizerService, preload_hf_tokenizer
 from engine_core.server.tools import ToolCallOptions
 from engine_core.version import package_version
 
@@ -347,12 +346,6 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     return app
 
 
-def _retrieve(done: asyncio.Future) -> None:
-    """Mark a background future's exception as seen (its caller may never await it)."""
-    if not done.cancelled():
-        done.exception()
-
-
 def _import_grammar_engine() -> None:
     try:
         import_grammar_engine()
@@ -370,9 +363,7 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
     loop = asyncio.get_running_loop()
     # The HF tokenizer loads on a thread while the engine process starts: the API process
     # would otherwise sit idle, then spend about a second on it before it can listen.
-    preload = loop.run_in_executor(None, load_hf_tokenizer, config.model.tokenizer_path,
-                                   config.model.trust_remote_code)
-    preload.add_done_callback(_retrieve)
+    preload = preload_hf_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
     client = await AsyncEngineClient.start(
         config, engine_factory, startup_timeout_s=options.engine_startup_timeout_s)
     info = client.info
@@ -382,10 +373,13 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
     try:
         stage = time.monotonic()
         hf_tokenizer = None
-        if info.tokenizer_path == config.model.tokenizer_path:
-            # A failed preload is loaded again below, which reports the error.
+        if preload is not None:
+            # Awaited even when unused: transformers' lazy module must not be imported from
+            # two threads at once. A failed preload is loaded again below, which reports it.
             with contextlib.suppress(Exception):
-                hf_tokenizer = await preload
+                hf_tokenizer = await asyncio.wrap_future(preload)
+            if info.tokenizer_path != config.model.tokenizer_path:
+                hf_tokenizer = None
         tokenizer = await loop.run_in_executor(
             None, lambda: TokenizerService.load(
                 info.tokenizer_path, info.max_model_len, info.vocab_size,

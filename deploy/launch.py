@@ -38,6 +38,7 @@ from deploy.child_flags import (
 from deploy.gpu_groups import add_tp_arguments, gpu_groups, worker_tp_sizes
 from deploy.supervisor import (
     MIN_STARTUP_TIMEOUT_S,
+    POLL_S,
     Child,
     RestartPolicy,
     restart_policy,
@@ -451,7 +452,7 @@ def _run_cluster(args: argparse.Namespace, engine_args: list[str], log_dir: Path
                 print(f"pdserve launch: not ready after {wait_s:.0f}s; "
                       f"see {log_dir}", flush=True)
                 return 1
-            time.sleep(0.5)
+            time.sleep(POLL_S)
         if stopping:
             return 0
         from deploy.banner import launch_banner

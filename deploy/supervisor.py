@@ -169,6 +169,9 @@ def stop_all(children: list[Child], timeout_s: float) -> None:
             child.log.close()
 
 
+# How often the launcher looks at its children and at its stop flag: a SIGTERM (the flag)
+# is acted on within this, and a poll costs microseconds.
+POLL_S = 0.1
 GIVE_UP_STOPS = "stopping everything, exit 1"
 GIVE_UP_PROXY = "the workers keep serving (any other proxy they register with)"
 
@@ -202,7 +205,7 @@ def _on_death(child: Child, policy: RestartPolicy, now: float,
 
 
 def supervise(proxy: Child, workers: list[Child], policy: RestartPolicy | None,
-              stopping: Callable[[], bool], poll_s: float = 0.5) -> int:
+              stopping: Callable[[], bool], poll_s: float = POLL_S) -> int:
     """Watch the running children until ``stopping()``: report each death, restart the
     child under ``policy`` (None: only the proxy, under the default bound). A proxy that
     outruns its bound is reported and left down; the workers keep serving. Returns the

@@ -81,6 +81,11 @@ class ModelConfig:
         """The model name clients use (``--served-model-name`` or the path)."""
         return self.served_model_name or self.model
 
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the HF tokenizer is loaded from (``--tokenizer`` or the model's folder)."""
+        return self.tokenizer or self.model
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -115,7 +115,7 @@ class EngineCore:
                 "lower --max-model-len, or enable chunked prefill")
         self.eos_token_ids = self.spec.eos_token_ids
         self.vocab_size = self.spec.vocab_size
-        self.tokenizer_path = config.model.tokenizer or str(model_dir)
+        self.tokenizer_path = config.model.tokenizer_path
         self.grammars = GrammarCompiler(self.tokenizer_path, self.vocab_size, self.eos_token_ids)
 
         from engine_core.attention.backend import get_attention_backend

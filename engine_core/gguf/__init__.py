@@ -6,6 +6,29 @@ transformers' GGUF support, and the weights read and dequantized to the serving 
 ``reader.py``. Everything past the entry points then loads that directory as any other.
 """
 
-from engine_core.gguf.checkpoint import is_gguf_path, resolve_gguf_model
+
+from __future__ import annotations
+
+import os
+
+from engine_core.config import EngineConfig
+
+
+def is_gguf_path(model: str | os.PathLike[str]) -> bool:
+    """Whether ``model`` names a GGUF file (by its suffix, as vLLM decides)."""
+    return str(model).lower().endswith(".gguf")
+
+
+def resolve_gguf_model(config: EngineConfig) -> EngineConfig:
+    """``config`` with a GGUF model replaced by its converted directory (converted now if
+    not cached); the served name stays the file's as given. Other configs come back as is.
+    The converter (torch) is imported only for a GGUF file: a server's API process serving
+    a checkpoint directory never loads torch."""
+    if not is_gguf_path(config.model.model):
+        return config
+    from engine_core.gguf.checkpoint import converted_config
+
+    return converted_config(config)
+
 
 __all__ = ["is_gguf_path", "resolve_gguf_model"]

@@ -41,22 +41,15 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16",
 _DONE_MARKER = "pdserve_gguf.json"
 
 
-def is_gguf_path(model: str | os.PathLike[str]) -> bool:
-    """Whether ``model`` names a GGUF file (by its suffix, as vLLM decides)."""
-    return str(model).lower().endswith(".gguf")
-
-
 def default_cache_root() -> Path:
     """Where converted checkpoints live unless ``--gguf-cache-dir`` says otherwise."""
     return Path.home() / ".cache" / "pdserve" / "gguf"
 
 
-def resolve_gguf_model(config: EngineConfig) -> EngineConfig:
-    """``config`` with a GGUF model replaced by its converted directory (converted now if
-    not cached); the served name stays the file's as given. Other configs come back as is."""
+def converted_config(config: EngineConfig) -> EngineConfig:
+    """``config``, whose model is a GGUF file, with it replaced by its converted directory
+    (converted now if not cached); the served name stays the file's as given."""
     model = config.model
-    if not is_gguf_path(model.model):
-        return config
     device = config.device.resolve()
     dtype = resolve_dtype(model.dtype, GGUF_AUTO_DTYPE, device)
     root = Path(model.gguf_cache_dir) if model.gguf_cache_dir else default_cache_root()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from engine_core.server.metrics import ServerMetrics
 from engine_core.server.readiness import Readiness
 from engine_core.server.request_body import read_json_body
 from engine_core.server.serving import OpenAIServing, request_id_of
-from engine_core.server.tokenization import TokenizerService
+from engine_core.server.tokenization import TokenizerService, preload_hf_tokenizer
 from engine_core.server.tools import ToolCallOptions
 from engine_core.version import package_version
 
@@ -345,18 +347,29 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     return app
 
 
-def _log_grammar_import(done: asyncio.Future) -> None:
-    if not done.cancelled() and done.exception() is not None:
+def _import_grammar_engine(freeze_heap: bool) -> None:
+    try:
+        import_grammar_engine()
+    except Exception as exc:
         logger.warning("importing the grammar engine failed (constrained requests will try "
-                       "again): %r", done.exception())
+                       "again): %r", exc)
+    if freeze_heap:
+        gc.freeze()  # what it imported (torch) joins startup's objects (``serve``)
 
 
 async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                                engine_factory: EngineFactory | None = None,
                                readiness: Readiness | None = None,
+                               freeze_heap: bool = False,
                                ) -> tuple[AsyncEngineClient, web.Application]:
-    """Start the engine process, load the tokenizer, build the app; logs each stage."""
+    """Start the engine process, load the tokenizer, build the app; logs each stage. With
+    ``freeze_heap`` (a server process: ``serve``), the grammar engine's warm-up import ends
+    with ``gc.freeze()`` as startup does."""
     started = time.monotonic()
+    loop = asyncio.get_running_loop()
+    # The HF tokenizer loads on a thread while the engine process starts: the API process
+    # would otherwise sit idle, then spend about a second on it before it can listen.
+    preload = preload_hf_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
     client = await AsyncEngineClient.start(
         config, engine_factory, startup_timeout_s=options.engine_startup_timeout_s)
     info = client.info
@@ -365,18 +378,28 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                 info.max_model_len)
     try:
         stage = time.monotonic()
-        tokenizer = await asyncio.get_running_loop().run_in_executor(
+        hf_tokenizer = None
+        if preload is not None:
+            # Awaited even when unused: transformers' lazy module must not be imported from
+            # two threads at once. A failed preload is loaded again below, which reports it.
+            with contextlib.suppress(Exception):
+                hf_tokenizer = await asyncio.wrap_future(preload)
+            if info.tokenizer_path != config.model.tokenizer_path:
+                hf_tokenizer = None
+        tokenizer = await loop.run_in_executor(
             None, lambda: TokenizerService.load(
                 info.tokenizer_path, info.max_model_len, info.vocab_size,
                 config.model.trust_remote_code,
                 kv_capacity=info.num_total_blocks * config.cache.block_size,
-                chat_template=options.chat_template))
+                chat_template=options.chat_template, hf_tokenizer=hf_tokenizer))
         logger.info("Tokenizer loaded in %.2fs from %s", time.monotonic() - stage,
                     info.tokenizer_path)
         # After the tokenizer: xgrammar imports names from transformers, whose lazy module
         # cannot be imported from two threads at once.
-        prefetch = asyncio.get_running_loop().run_in_executor(None, import_grammar_engine)
-        prefetch.add_done_callback(_log_grammar_import)
+        # A daemon thread, not the loop's executor: a server stopped while the import still
+        # runs exits at once instead of waiting seconds for a warm-up nobody needs now.
+        threading.Thread(target=_import_grammar_engine, args=(freeze_heap,),
+                         name="grammar-import", daemon=True).start()
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
         return client, build_app(client, tokenizer, config, options, generation, readiness)
     except BaseException:
@@ -424,10 +447,15 @@ async def serve(config: EngineConfig, options: ServerOptions,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     ready = await _unless_stopped(
-        start_engine_and_app(config, options, engine_factory, readiness), stop)
+        start_engine_and_app(config, options, engine_factory, readiness, freeze_heap=True),
+        stop)
     if ready is None:
         logger.info("Stopped during startup")
         return
+    # What startup made (modules, the tokenizer, later the grammar engine's torch) lives as
+    # long as the process: in the permanent generation the collector no longer walks it in
+    # each full collection while serving, nor in the one at exit (about a second a stop).
+    gc.freeze()
     client, app = ready
     runner = app_runner(app, options)
     site: web.TCPSite | None = None

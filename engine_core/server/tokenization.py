@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from engine_core.errors import InvalidRequestError
@@ -85,10 +88,12 @@ class TokenizerService:
     @classmethod
     def load(cls, path: str, max_model_len: int, vocab_size: int,
              trust_remote_code: bool = False, kv_capacity: int | None = None,
-             chat_template: str | None = None) -> TokenizerService:
+             chat_template: str | None = None, hf_tokenizer: Any = None) -> TokenizerService:
+        """The service around ``hf_tokenizer``, or around the one loaded from ``path``."""
         from engine_core.hf_tokenizer import load_hf_tokenizer
 
-        tokenizer = load_hf_tokenizer(path, trust_remote_code)
+        tokenizer = (load_hf_tokenizer(path, trust_remote_code) if hf_tokenizer is None
+                     else hf_tokenizer)
         return cls(tokenizer, max_model_len, vocab_size, kv_capacity, own_thread=True,
                    chat_template=chat_template)
 
@@ -182,3 +187,24 @@ class TokenizerService:
         if token_ids and max(token_ids) >= self.vocab_size:
             raise InvalidRequestError(f"token ids must be below {self.vocab_size}", "tokens")
         return self.tokenizer.decode(token_ids)
+
+
+def preload_hf_tokenizer(path: str, trust_remote_code: bool
+                         ) -> concurrent.futures.Future | None:
+    """The HF tokenizer of the local checkpoint folder ``path``, loading on a daemon thread
+    (None for anything else: a hub name may mean network retries, which must neither
+    delay the start nor hold the process at exit)."""
+    if not Path(path).is_dir():
+        return None
+    from engine_core.hf_tokenizer import load_hf_tokenizer
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def load() -> None:
+        try:
+            future.set_result(load_hf_tokenizer(path, trust_remote_code))
+        except BaseException as exc:  # reported by the load after the engine is up
+            future.set_exception(exc)
+
+    threading.Thread(target=load, name="tokenizer-preload", daemon=True).start()
+    return future

@@ -13,16 +13,18 @@ import functools
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_core.addresses import route_source_host
 from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, ROLE_WORKER
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, KVTransferConfig, address_list
-from engine_core.engine_core import EngineCore
 from engine_core.errors import ConfigError
 from engine_core.kv_connector import ConnectorScheduler, ConnectorWorker
 from engine_core.server.readiness import Readiness
+
+if TYPE_CHECKING:
+    from engine_core.engine_core import EngineCore
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -35,7 +37,10 @@ ConnectorFactory = Callable[[EngineConfig, str], tuple[ConnectorScheduler, Conne
 
 
 def build_engine(config: EngineConfig, connector_factory: ConnectorFactory) -> EngineCore:
-    """Runs in the engine process: the engine with this config's connector pair."""
+    """Runs in the engine process: the engine with this config's connector pair. The import
+    is here so the API process, which only pickles this function, never loads torch."""
+    from engine_core.engine_core import EngineCore
+
     return EngineCore(config, connector=connector_factory(config, config.device.resolve()))
 
 

@@ -86,10 +86,12 @@ def _child(tmp_path: Path, name: str, code: str) -> Child:
 
 
 def _supervise(tmp_path: Path, worker_lives_s: float, policy: launch.RestartPolicy,
-               stop_after_s: float) -> tuple[int, Child, float]:
+               stop_after_s: float, stop_at_restarts: int | None = None
+               ) -> tuple[int, Child, float]:
     """Real processes: a proxy that lives on and a worker that dies (exit 3) after
-    ``worker_lives_s``, supervised under ``policy`` until done or ``stop_after_s``; (exit
-    code, the proxy, seconds supervised). Everything is stopped after."""
+    ``worker_lives_s``, supervised under ``policy`` until done, ``stop_after_s``, or (when
+    given) once the worker was restarted ``stop_at_restarts`` times; (exit code, the proxy,
+    seconds supervised). Everything is stopped after."""
     proxy = _child(tmp_path, "proxy", "import time; time.sleep(60)")
     worker = _child(tmp_path, "worker0",
                     f"import time; time.sleep({worker_lives_s}); raise SystemExit(3)")
@@ -97,8 +99,11 @@ def _supervise(tmp_path: Path, worker_lives_s: float, policy: launch.RestartPoli
         child.start()
     started = time.monotonic()
     try:
-        code = launch.supervise(proxy, [worker], policy, poll_s=0.05,
-                                stopping=lambda: time.monotonic() - started > stop_after_s)
+        code = launch.supervise(
+            proxy, [worker], policy, poll_s=0.05,
+            stopping=lambda: (time.monotonic() - started > stop_after_s
+                              or (stop_at_restarts is not None
+                                  and worker.restarts >= stop_at_restarts)))
     finally:
         stop_all([proxy, worker], 5.0)
     return code, proxy, time.monotonic() - started
@@ -122,9 +127,11 @@ def test_a_crash_looping_child_is_restarted_up_to_the_limit_then_the_launcher_gi
 def test_deaths_further_apart_than_the_window_are_always_restarted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A window, not a lifetime count: with at most 1 restart per 0.3 s, a child living
-    0.6 s (longer than a failed start, 0.5 s here) is restarted every time it dies."""
+    0.6 s (longer than a failed start, 0.5 s here) is restarted every time it dies: its
+    second restart is one a lifetime count of 1 would refuse."""
     code, _, _ = _supervise(tmp_path, 0.6,
-                            launch.RestartPolicy(1, window_s=0.3, short_run_s=0.5), 4.5)
+                            launch.RestartPolicy(1, window_s=0.3, short_run_s=0.5), 30,
+                            stop_at_restarts=2)
     out = capsys.readouterr().out
     assert code == 0, out
     assert len(re.findall(r"restarting worker0", out)) >= 2, out
@@ -224,7 +231,8 @@ def test_a_dead_proxy_is_restarted_without_restart_and_never_stops_the_workers(
     started = time.monotonic()
     try:
         code = launch.supervise(proxy, [worker], None, poll_s=0.05,
-                                stopping=lambda: time.monotonic() - started > 6.0)
+                                stopping=lambda: (proxy.restarts >= 3
+                                                  or time.monotonic() - started > 30.0))
         worker_alive = worker.proc.poll() is None
     finally:
         stop_all([proxy, worker], 5.0)

@@ -405,8 +405,14 @@ ROPE_DECODE_CASES_CUDA = (
 )
 
 
+# Interpreted: the decode cases but the 40-split one; the merge's walk over chunks of splits
+# does not depend on where q and the new K came from (test_decode_matches_reference runs
+# it), and the interpreter takes ~7 s a run of it here.
+ROPE_DECODE_CASES_INTERPRET = DECODE_CASES_INTERPRET[:-1]
+
+
 @pytest.mark.parametrize(("device", "case"),
-                         params(ROPE_DECODE_CASES_CUDA, DECODE_CASES_INTERPRET))
+                         params(ROPE_DECODE_CASES_CUDA, ROPE_DECODE_CASES_INTERPRET))
 @pytest.mark.parametrize("norm", [False, True], ids=["rope", "qknorm-rope"])
 def test_decode_with_rope_equals_rope_then_write_then_decode(device: str, case: AttnCase,
                                                              norm: bool) -> None:

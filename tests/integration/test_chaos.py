@@ -25,6 +25,9 @@ from tests.integration.cluster_harness import ENGINE_ARGS, build_tiny_checkpoint
 # longer than the four kills take (one of each kind is what this test judges; the soak
 # itself, ``benchmarks.chaos_soak --minutes``, is for long runs).
 CHAOS_S = 0.0
+# Load between two kills: 1 s of six clients per proxy puts requests in flight on every
+# victim (the soak's default, 2 s, is for long runs).
+PAUSE_S = 1.0
 
 
 @pytest.mark.slow
@@ -35,7 +38,7 @@ def test_chaos_kills_in_a_loop_lose_no_request(tmp_path: Path,
     monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])  # the children run this tree
     topology = ["--prefill", "2", "--decode", "2", "--model", str(ckpt), *ENGINE_ARGS]
     summary = run_soak(SoakSettings(ClusterSettings(topology, tmp_path / "logs"),
-                                    duration_s=CHAOS_S))
+                                    duration_s=CHAOS_S, pause_s=PAUSE_S))
     assert summary["hangs"] == 0 and summary["truncated"] == 0, summary
     assert summary["failures"] == {}, summary
     assert summary["leaked_kv"] == {}, summary

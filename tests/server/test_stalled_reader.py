@@ -195,17 +195,19 @@ def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
 
 def test_a_non_streamed_answer_to_a_client_that_does_not_read_is_bounded_too(
         bounded_server) -> None:
-    """n samples with logprobs make an answer of MBs, written once the engine is done: a
-    client that never reads it used to hold the connection and the body for good (aiohttp's
-    final write waits without limit); now it is dropped after the bound, counted."""
+    """n samples with logprobs make an answer of ~0.55 MB (a quarter of the stream's
+    tokens; the buffers take 0.1-0.2 MB of it), written once the engine is done: a client that
+    never reads it would hold the connection and the body for good (aiohttp's final write
+    waits without limit); it is dropped after the bound, counted."""
     stalls = _metric(bounded_server, STALL_METRIC)
     body = {k: v for k, v in STREAM.items() if k not in ("stream", "stream_options")}
+    body["max_tokens"] = MAX_TOKENS // 4
     data = json.dumps(body).encode()
     with _small_window_client(bounded_server.port) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: worker\r\n"
                      b"Content-Type: application/json\r\nContent-Length: "
                      + str(len(data)).encode() + b"\r\n\r\n" + data)
-        # The engine's generation (~5 s, paced), then the bound on the unread answer.
+        # The engine's generation (~1.5 s, paced), then the bound on the unread answer.
         _wait_for_metric(bounded_server, STALL_METRIC, stalls + 1,
                          timeout_s=WRITE_TIMEOUT_S + 40)
         sock.settimeout(10)
@@ -223,7 +225,8 @@ def test_a_client_that_pauses_within_the_bound_gets_the_whole_stream(bounded_ser
     """The bound is on one write, not on the stream: a reader that pauses for less than it,
     its window full meanwhile, then reads on, gets every event and the end."""
     stalls = _metric(bounded_server, STALL_METRIC)
-    body = {**STREAM, "max_tokens": MAX_TOKENS // 2}
+    # 960 tokens: past PAUSE_TOKENS, so the pause ends with the buffers full.
+    body = {**STREAM, "max_tokens": MAX_TOKENS // 4}
     before = bounded_server.stats().generation_tokens_total
     with _small_window_client(bounded_server.port) as sock:
         first = _start_stream(sock, body)

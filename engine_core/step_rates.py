@@ -60,11 +60,10 @@ class StepRates:
             return
         predicted_prefill_s = (num_prefill_tokens / self.prefill_tokens_per_s
                                if self.prefill_tokens_per_s else None)
-        base = min(self.decode_base_s, self.decode_step_s)
+        base = self._fixed_s
         if predicted_prefill_s is not None and self.decode_step_s:
             predicted = self.decode_step_s + max(0.0, predicted_prefill_s - base)
-            self.mixed_excess_s = self._mix(self.mixed_excess_s, seconds - predicted) \
-                if self.mixed_excess_s else seconds - predicted
+            self.mixed_excess_s = self._mix(self.mixed_excess_s, seconds - predicted)
         if predicted_prefill_s is None or (self.decode_step_s
                                            and predicted_prefill_s > self.decode_step_s):
             # The prefill is the larger part: measured, the decode part predicted (its
@@ -81,17 +80,21 @@ class StepRates:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 
     @property
+    def _fixed_s(self) -> float:
+        """The decode step's fixed part, never more than the step itself (0: unmeasured)."""
+        return min(self.decode_base_s, self.decode_step_s)
+
+    @property
     def hidden_s(self) -> float:
         """The part of the decode step a prompt chunk beside it hides: the fixed part, less
         what mixed steps have taken beyond the model."""
-        base = min(self.decode_base_s, self.decode_step_s)
-        return max(0.0, base - max(0.0, self.mixed_excess_s))
+        return max(0.0, self._fixed_s - max(0.0, self.mixed_excess_s))
 
     def _shows_rate(self, num_prefill_tokens: int, prefill_s: float) -> bool:
         """Whether a prefill of this size and time measures the prefill rate: enough tokens,
         and a time well past the step's fixed part (a chunk that hides under the weights'
         read says nothing of its rate; counted, it would shrink the next chunks)."""
-        return (num_prefill_tokens >= self.min_prefill_tokens and prefill_s > 0
+        return (num_prefill_tokens >= self.min_prefill_tokens
                 and prefill_s > RATE_SPAN * self.decode_base_s)
 
     def _mix(self, average: float, sample: float) -> float:

@@ -237,16 +237,18 @@ class LanePlanner:
              config: PlacementConfig) -> frozenset[str] | None:
         """The workers that take no new streams now; None while there is no plan yet (too
         few requests or measurements: placement alone decides)."""
-        workers = with_measured_speeds(workers)
         present = {w.worker_id for w in workers}
         kept = [w for w in self._lane if w in present]
         current = frozenset(kept) if self._planned_at > -math.inf else None
         if now - self._planned_at < self.config.replan_s and len(kept) == len(self._lane):
             return current
+        workers = with_measured_speeds(workers)
         speed = measured_speed(workers, config.decode_step_limit * config.slo_tpot_s)
         if speed is not None:  # one heartbeat's growth reading is noisy: average them
-            self._per_stream_s += GROWTH_WEIGHT * (speed.per_stream_s - self._per_stream_s) \
-                if self._per_stream_s else speed.per_stream_s
+            if self._per_stream_s:
+                self._per_stream_s += GROWTH_WEIGHT * (speed.per_stream_s - self._per_stream_s)
+            else:
+                self._per_stream_s = speed.per_stream_s
             speed = replace(speed, per_stream_s=self._per_stream_s)
         traffic = self.traffic()
         if speed is None or traffic is None or len(workers) < 2:

@@ -3,8 +3,9 @@
 It builds ``proxy.placement``'s snapshot from what the proxy knows of each worker (its
 heartbeat, the proxy's own in-flight accounting, the prefix index), asks the lane planner
 which workers to keep free of streams (``proxy/lanes.py``: fed with each placed prompt and
-each finished stream's length), asks the policy, and turns the decision into a ``Route``. It applies only while a worker with capabilities
-(``ROLE_WORKER``) serves the model; static P/D and colocated clusters keep their rules.
+each finished stream's length), asks the policy, and turns the decision into a ``Route``.
+It applies only while a worker with capabilities (``ROLE_WORKER``) serves the model; static
+P/D and colocated clusters keep their rules.
 """
 
 from __future__ import annotations

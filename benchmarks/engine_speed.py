@@ -109,7 +109,8 @@ class Bench:
                            async_scheduling=a.async_scheduling,
                            cuda_graph_mode=a.cuda_graph_mode,
                            triton_pdl=a.triton_pdl,
-                           tensor_parallel_size=a.tensor_parallel_size)
+                           tensor_parallel_size=a.tensor_parallel_size,
+                           disable_custom_all_reduce=a.disable_custom_all_reduce)
 
     def guarded(self, name: str, fn: Callable[[], Any]) -> None:
         t0 = time.perf_counter()
@@ -136,7 +137,8 @@ class Bench:
         a = self.args
         hidden = read_model_spec(self.big_dir).hidden_size
         rows = sorted({batch for batch, _ in a.decode_cases})
-        return measure_allreduce(a.tensor_parallel_size, rows, hidden)
+        return measure_allreduce(a.tensor_parallel_size, rows, hidden,
+                                 nccl_only=a.disable_custom_all_reduce)
 
     def allreduce_ms(self, layers: int, rows: int) -> float | None:
         """Two all-reduces per layer of a decode step of ``rows`` (graphed), or None."""
@@ -346,6 +348,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks of the large engine (decode's roofline is per GPU, plus "
                              "the measured all-reduces; prefill's rate is the group's)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="the engine's and the measured all-reduces all through NCCL")
     parser.add_argument("--max-model-len", type=int, default=10240)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

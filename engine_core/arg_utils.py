@@ -165,6 +165,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                        help="ranks (one process and device each) sharing the model's weights "
                             "and heads; the engine process is rank 0")
+    group.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="tensor parallelism on CUDA: every all-reduce through NCCL (by "
+                            "default those up to 1 MiB go one-shot over peer memory)")
     group.add_argument("--kv-transfer-config", default=None,
                        help="vLLM-style JSON for the KV connector (disaggregated serving)")
     group.add_argument("--trust-remote-code", action="store_true",
@@ -254,5 +257,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             split_k_mlp=args.split_k_mlp, triton_pdl=args.triton_pdl),
         kv_transfer=(KVTransferConfig.from_json(args.kv_transfer_config)
                      if args.kv_transfer_config else None),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                disable_custom_all_reduce=args.disable_custom_all_reduce),
     ))

@@ -224,6 +224,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     rank: int = 0
     distributed_init_method: str | None = None
+    # vLLM's flag: every all-reduce through NCCL, none through peer memory.
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

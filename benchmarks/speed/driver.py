@@ -47,6 +47,7 @@ class BenchConfig:
     cuda_graph_mode: str = "full"
     triton_pdl: bool = True
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
 
 
 class HookedStandIn(NullConnectorWorker):
@@ -71,7 +72,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
                             split_k_mlp=bench.split_k_mlp,
                             cuda_graph_mode=bench.cuda_graph_mode,
                             triton_pdl=bench.triton_pdl),
-        parallel=ParallelConfig(tensor_parallel_size=bench.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=bench.tensor_parallel_size,
+                                disable_custom_all_reduce=bench.disable_custom_all_reduce),
     )
     t0 = time.perf_counter()
     engine = EngineCore(config)

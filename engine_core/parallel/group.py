@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from engine_core.config import ParallelConfig
 from engine_core.errors import ConfigError
+from engine_core.parallel.peer_all_reduce import PeerAllReduce
 
 # A peer that never arrives (or died) fails the collective after this long, not never.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -37,11 +38,14 @@ def rank_device(device: str, config: ParallelConfig) -> str:
 
 
 class TensorParallelGroup:
-    """``size`` ranks sharing one model; collectives over the default process group."""
+    """``size`` ranks sharing one model; collectives over the default process group, the
+    small all-reduces of a CUDA group through peer memory (``peer_all_reduce.py``)."""
 
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
+    def __init__(self, rank: int = 0, size: int = 1,
+                 peer_all_reduce: PeerAllReduce | None = None) -> None:
         self.rank = rank
         self.size = size
+        self._peer_all_reduce = peer_all_reduce
 
     @classmethod
     def start(cls, config: ParallelConfig, device: torch.device) -> TensorParallelGroup:
@@ -63,16 +67,26 @@ class TensorParallelGroup:
         dist.init_process_group(backend, init_method=config.distributed_init_method,
                                 rank=config.rank, world_size=config.tensor_parallel_size,
                                 timeout=COLLECTIVE_TIMEOUT, **kwargs)
-        return cls(config.rank, config.tensor_parallel_size)
+        peer = (PeerAllReduce.create(device)
+                if device.type == "cuda" and not config.disable_custom_all_reduce else None)
+        return cls(config.rank, config.tensor_parallel_size, peer)
 
     @property
     def is_parallel(self) -> bool:
         return self.size > 1
 
+    @property
+    def uses_peer_memory(self) -> bool:
+        """Whether small all-reduces go one-shot over peer memory (else all via NCCL)."""
+        return self._peer_all_reduce is not None
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""
-        if self.size > 1:
-            dist.all_reduce(tensor)
+        if self.size == 1:
+            return tensor
+        if self._peer_all_reduce is not None and self._peer_all_reduce.accepts(tensor):
+            return self._peer_all_reduce(tensor)
+        dist.all_reduce(tensor)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:

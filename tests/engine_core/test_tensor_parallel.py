@@ -163,6 +163,10 @@ def test_tp_flag_parses_for_every_engine_command() -> None:
         assert engine_config_from_args(args).parallel.tensor_parallel_size == 2
         args = build_parser().parse_args([command, "/models/x", "--tensor-parallel-size", "4"])
         assert engine_config_from_args(args).parallel.tensor_parallel_size == 4
+        assert not engine_config_from_args(args).parallel.disable_custom_all_reduce
+        args = build_parser().parse_args([command, "/models/x", "-tp", "2",
+                                          "--disable-custom-all-reduce"])
+        assert engine_config_from_args(args).parallel.disable_custom_all_reduce
 
 
 def _greedy_on_gpus(path: str, tp: int) -> list[list[int]]:
@@ -172,6 +176,7 @@ def _greedy_on_gpus(path: str, tp: int) -> list[list[int]]:
               **ENGINE_ARGS)
     try:
         assert llm.engine.tp.size == tp and llm.engine.device.startswith("cuda")
+        assert llm.engine.tp.uses_peer_memory == (tp > 1)  # two GPUs of one host map peers
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     finally:
         llm.shutdown()
@@ -180,8 +185,9 @@ def _greedy_on_gpus(path: str, tp: int) -> list[list[int]]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_tp2_greedy_equals_tp1_over_nccl(checkpoint, name: str) -> None:
-    """Two GPUs: rank 0 on cuda:0, rank 1 on cuda:1, NCCL collectives captured in the CUDA
-    graphs of each rank's decode and mixed steps."""
+    """Two GPUs: rank 0 on cuda:0, rank 1 on cuda:1, the collectives (small all-reduces over
+    peer memory, the rest NCCL) captured in the CUDA graphs of each rank's decode and mixed
+    steps."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     import multiprocessing

@@ -246,7 +246,7 @@ async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient]]]:
         await client.close()
 
 
-async def _wait_until(predicate: Callable[[], bool], timeout_s: float = 2.0) -> None:
+async def _wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
         if asyncio.get_running_loop().time() > deadline:

@@ -47,7 +47,7 @@ def _time_rank(rank: int, size: int, init: str, rows: list[int], hidden: int, it
             stream = torch.cuda.Stream()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream):
-                group.all_reduce(tensor)  # warm the stream's communicator path
+                group.all_reduce(tensor)  # warm the path on this stream
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, stream=stream):
                     for _ in range(OPS_PER_GRAPH):
@@ -95,4 +95,5 @@ def measure_allreduce(size: int, rows: list[int], hidden: int, iters: int = 200,
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    return {"size": size, "hidden": hidden, "nccl_only": nccl_only, "rows": {str(k): v for k, v in result.items()}}
+    return {"size": size, "hidden": hidden, "nccl_only": nccl_only,
+            "rows": {str(k): v for k, v in result.items()}}

@@ -13,7 +13,6 @@ import logging
 import math
 import signal
 import socket
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from engine_core.errors import (
     EngineDeadError,
     InvalidRequestError,
 )
-from engine_core.grammar.spec import import_grammar_engine
+from engine_core.grammar.prefetch import GrammarEngineImport
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.api_key import api_key_middleware
@@ -103,6 +102,9 @@ class ServerOptions:
     tool_calls: ToolCallOptions = field(default_factory=ToolCallOptions)
     # --chat-template's text, in place of the tokenizer's template (None: the tokenizer's).
     chat_template: str | None = None
+    # Seconds after startup the grammar engine is imported, unless a constrained request
+    # needs it sooner (``engine_core/grammar/prefetch.py``).
+    grammar_import_delay_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("write_timeout_s", "header_timeout_s"):
@@ -275,9 +277,11 @@ async def _log_stats_periodically(client: AsyncEngineClient, interval_s: float) 
 def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: EngineConfig,
               options: ServerOptions,
               generation: GenerationDefaults = protocol.NO_DEFAULTS,
-              readiness: Readiness | None = None) -> web.Application:
+              readiness: Readiness | None = None,
+              grammar: GrammarEngineImport | None = None) -> web.Application:
     """The aiohttp application over a started engine client; ``generation``: the
-    generation config's request defaults; ``readiness``: what ``/ready`` reports."""
+    generation config's request defaults; ``readiness``: what ``/ready`` reports;
+    ``grammar``: the grammar engine's import (one made on first need when None)."""
     names = [config.model.name]
     cache = config.cache
     metrics = ServerMetrics(names[0], cache_info={
@@ -288,7 +292,7 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
         "kv_offloading_size": str(cache.kv_offloading_size)})
     serving = OpenAIServing(client, tokenizer, names, metrics,
                             write_timeout_s=options.write_timeout_s, generation=generation,
-                            tool_calls=options.tool_calls)
+                            tool_calls=options.tool_calls, grammar=grammar)
     app = web.Application(client_max_size=options.client_max_size,
                           middlewares=[error_middleware,
                                        api_key_middleware(options.api_key, ADMIN_ROUTES)])
@@ -347,24 +351,14 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     return app
 
 
-def _import_grammar_engine(freeze_heap: bool) -> None:
-    try:
-        import_grammar_engine()
-    except Exception as exc:
-        logger.warning("importing the grammar engine failed (constrained requests will try "
-                       "again): %r", exc)
-    if freeze_heap:
-        gc.freeze()  # what it imported (torch) joins startup's objects (``serve``)
-
-
 async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                                engine_factory: EngineFactory | None = None,
                                readiness: Readiness | None = None,
                                freeze_heap: bool = False,
                                ) -> tuple[AsyncEngineClient, web.Application]:
     """Start the engine process, load the tokenizer, build the app; logs each stage. With
-    ``freeze_heap`` (a server process: ``serve``), the grammar engine's warm-up import ends
-    with ``gc.freeze()`` as startup does."""
+    ``freeze_heap`` (a server process: ``serve``), the grammar engine's import ends with
+    ``gc.freeze()`` as startup does."""
     started = time.monotonic()
     loop = asyncio.get_running_loop()
     # The HF tokenizer loads on a thread while the engine process starts: the API process
@@ -396,12 +390,11 @@ async def start_engine_and_app(config: EngineConfig, options: ServerOptions,
                     info.tokenizer_path)
         # After the tokenizer: xgrammar imports names from transformers, whose lazy module
         # cannot be imported from two threads at once.
-        # A daemon thread, not the loop's executor: a server stopped while the import still
-        # runs exits at once instead of waiting seconds for a warm-up nobody needs now.
-        threading.Thread(target=_import_grammar_engine, args=(freeze_heap,),
-                         name="grammar-import", daemon=True).start()
+        grammar = GrammarEngineImport(freeze_heap)
+        grammar.start_after(options.grammar_import_delay_s)
         generation = load_generation_defaults(config.model, tokenizer.eos_token_id)
-        return client, build_app(client, tokenizer, config, options, generation, readiness)
+        return client, build_app(client, tokenizer, config, options, generation, readiness,
+                                 grammar)
     except BaseException:
         await client.shutdown()
         raise

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from engine_core.engine_client import AsyncEngineClient
 from engine_core.errors import InvalidRequestError, ModelNotFoundError
+from engine_core.grammar.prefetch import GrammarEngineImport
 from engine_core.kv_transfer_params import KVTransferParams
 from engine_core.messages import EngineOutput
 from engine_core.models.generation_config import GenerationDefaults
@@ -66,6 +67,7 @@ from engine_core.server.responses import (
     usage,
     worth_a_chunk,
 )
+from engine_core.server.structured_fields import needs_grammar_engine
 from engine_core.server.timings import breakdown
 from engine_core.server.tokenization import TokenizerService
 from engine_core.server.tool_stream import ChatTools
@@ -108,8 +110,10 @@ class OpenAIServing:
                  model_names: list[str], metrics: ServerMetrics,
                  write_timeout_s: float = 60.0,
                  generation: GenerationDefaults = protocol.NO_DEFAULTS,
-                 tool_calls: ToolCallOptions | None = None) -> None:
+                 tool_calls: ToolCallOptions | None = None,
+                 grammar: GrammarEngineImport | None = None) -> None:
         self.client = client
+        self.grammar = grammar or GrammarEngineImport()  # awaited by constrained requests
         self.tool_calls = tool_calls or ToolCallOptions()  # --tool-call-parser and its switch
         self.generation = generation  # the generation config's request defaults
         self.tokenizer = tokenizer
@@ -295,6 +299,8 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------------
 
     async def completions(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if needs_grammar_engine(body):
+            await self.grammar.ready()
         parsed = protocol.parse_completion_request(body, self.generation)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]
@@ -393,6 +399,8 @@ class OpenAIServing:
     # ---- /v1/chat/completions -----------------------------------------------------------
 
     async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if needs_grammar_engine(body):
+            await self.grammar.ready()
         parsed = protocol.parse_chat_request(body, self.generation)
         model = self.check_model(parsed.model)
         request_id = request[REQUEST_ID_KEY]

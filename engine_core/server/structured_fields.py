@@ -22,6 +22,13 @@ STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED_
 _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def needs_grammar_engine(body: dict[str, Any]) -> bool:
+    """Whether parsing ``body`` builds a grammar: it names an output constraint or a tool
+    choice that forces one (``required`` or a named function)."""
+    return (any(body.get(name) is not None for name in STRUCTURED_FIELDS)
+            or body.get("tool_choice") not in (None, "auto", "none"))
+
+
 def structured_outputs_from(body: dict[str, Any]) -> StructuredOutputsParams | None:
     """The request's output constraint (None: unconstrained); InvalidRequestError names the
     field when it is malformed, when two are given, or when its grammar does not build."""

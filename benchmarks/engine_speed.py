@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.model_shapes import write_model_dir
+from benchmarks.model_shapes import config_override, write_model_dir
 from benchmarks.output import default_out, write_json
 from benchmarks.speed.allreduce import measure_allreduce
 from benchmarks.speed.cases import decode_case, mixed_case, prefill_case, throughput_run
@@ -93,7 +93,8 @@ class Bench:
         self.results: dict[str, Any] = {"errors": {}}
         self.workdir = Path(tempfile.mkdtemp(prefix="pdserve-engine-speed-"))
         overrides = SMOKE_OVERRIDES if args.smoke else {}
-        self.big_dir = write_model_dir(args.model, self.workdir / args.model, **overrides)
+        self.big_dir = write_model_dir(args.model, self.workdir / args.model,
+                                       **{**overrides, **dict(args.override)})
         self.small_dir = write_model_dir(args.small_model, self.workdir / args.small_model,
                                          **overrides)
         self.vocab_size = read_model_spec(self.big_dir).vocab_size
@@ -343,6 +344,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --smoke)")
     parser.add_argument("--model", default="qwen3-8b", help="shape of decode/prefill/e2e/hf")
+    parser.add_argument("--override", action="append", default=[], type=config_override,
+                        metavar="KEY=JSON",
+                        help="replace a config key of --model (repeatable), e.g. one TP "
+                             "rank's shard: num_attention_heads=32 num_key_value_heads=4 "
+                             "intermediate_size=12800 for Qwen3-32B at TP=2")
     parser.add_argument("--small-model", default="qwen3-0.6b", help="shape of the small part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -79,6 +79,17 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> Any:
     return tokenizer
 
 
+def config_override(text: str) -> tuple[str, Any]:
+    """``KEY=JSON`` (a command-line override of one config key) as ``(key, value)``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{key}: {value!r} is not JSON ({exc})") from None
+
+
 def write_model_dir(shape: str, path: Path | str, tokenizer: str = "demo",
                     **overrides: Any) -> Path:
     """Write ``config.json`` and a tokenizer (``demo``, ``words`` or ``bytes``) for ``shape``

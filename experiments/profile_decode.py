@@ -21,15 +21,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.model_shapes import write_model_dir
+from benchmarks.model_shapes import config_override, write_model_dir
 from benchmarks.speed.driver import BenchConfig, Driver, build_engine
 from benchmarks.speed.limits import sync
 
 
 def profile_case(model: str, batch: int, context: int, steps: int,
-                 device: str, graphs: bool = False) -> dict[str, Any]:
+                 device: str, graphs: bool = False,
+                 overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
-    model_dir = write_model_dir(model, workdir / model)
+    model_dir = write_model_dir(model, workdir / model, **(overrides or {}))
     bench = BenchConfig(device=device, dtype="bfloat16", max_model_len=context + 512,
                         max_num_seqs=max(batch, 8), max_num_batched_tokens=8192,
                         gpu_memory_utilization=0.9)
@@ -111,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA graphs as the engine runs them (default: eager steps)")
+    parser.add_argument("--override", action="append", default=[], type=config_override,
+                        metavar="KEY=JSON", help="replace a config key of every --model")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    results = [profile_case(m, args.batch, args.context, args.steps, args.device, args.graphs)
+    results = [profile_case(m, args.batch, args.context, args.steps, args.device, args.graphs,
+                            dict(args.override))
                for m in (args.model or ["qwen3-8b"])]
     for case in results:
         print(f"== {case['model']} b{case['batch']} ctx{case['context']}: "

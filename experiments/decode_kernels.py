@@ -41,6 +41,11 @@ GEMV_SHAPES = [
     ("qwen3-8b", "gate_up", 24576, 4096), ("qwen3-8b", "down", 4096, 12288),
     ("qwen3-0.6b", "qkv", 4096, 1024), ("qwen3-0.6b", "o", 1024, 2048),
     ("qwen3-0.6b", "gate_up", 6144, 1024), ("qwen3-0.6b", "down", 1024, 3072),
+    # one rank's shard at TP=2
+    ("qwen3-32b/2", "qkv", 5120, 5120), ("qwen3-32b/2", "o", 5120, 4096),
+    ("qwen3-32b/2", "gate_up", 25600, 5120), ("qwen3-32b/2", "down", 5120, 12800),
+    ("llama-70b/2", "qkv", 5120, 8192), ("llama-70b/2", "o", 8192, 4096),
+    ("llama-70b/2", "gate_up", 28672, 8192), ("llama-70b/2", "down", 8192, 14336),
 ]
 # (BLOCK_N, BLOCK_K, warps, stages)
 GEMV_SWEEP = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(

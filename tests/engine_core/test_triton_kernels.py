@@ -892,16 +892,19 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
         DEEP_TILING,
         MEDIUM_TILING,
         NARROW_TILING,
+        TUNED_TILINGS,
         WIDE_TILING,
         choose_tiling,
         gemv,
     )
 
     x, w, b, expected = gemv_inputs(case, device, seed=6)
-    for tiling in (NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING):
+    for tiling in (NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING,
+                   *TUNED_TILINGS.values()):
         assert_close(gemv(x, w, b, tiling=tiling), expected, case.dtype)
     assert choose_tiling(24576, 4096) == WIDE_TILING and choose_tiling(6144, 1024) == WIDE_TILING
     assert choose_tiling(6144, 4096) == MEDIUM_TILING and choose_tiling(4096, 4096) == MEDIUM_TILING
+    assert choose_tiling(5120, 12800) == TUNED_TILINGS[(5120, 12800)]
     assert choose_tiling(4096, 12288) == DEEP_TILING and choose_tiling(5120, 25600) == DEEP_TILING
     assert choose_tiling(1024, 3072) == NARROW_TILING
 

@@ -56,11 +56,12 @@ ROPE_CONFIGS = [(bn, st, w) for bn in (32, 64) for st in (1, 2, 3) for w in (4, 
 STAGED_CONFIGS = [(12, 32, 4), (12, 32, 8), (11, 32, 4), (6, 32, 4), (10, 16, 4), (10, 16, 8),
                   (5, 16, 4), (5, 16, 2), (4, 8, 2), (2, 8, 1)]
 # (model, q heads, kv heads)
-ATTN_SHAPES = [("qwen3-8b", 32, 8), ("qwen3-0.6b", 16, 8)]
+ATTN_SHAPES = [("qwen3-8b", 32, 8), ("qwen3-0.6b", 16, 8),
+               ("qwen3-32b/2", 32, 4), ("llama-70b/2", 32, 4)]  # one TP=2 rank's heads
 # (splits, BLOCK_N, stages, warps); None: the kernel's own choice.
 ATTN_CONFIGS = [(None, None, None, 4)] + [
     (splits, bn, stages, w) for splits, bn, stages, w in itertools.product(
-        (None, 8), (16, 32, 64), (1, 2, 3), (2, 4))]
+        (None, 1, 2, 8), (16, 32, 64), (1, 2, 3), (2, 4))]
 
 
 def graph_us(fn: Callable[[], object], reps: int, trials: int = 5) -> float:

@@ -23,7 +23,8 @@ sustains (``sustainable``, ``max_rate``):
 Prompt and output tokens per request come from the last ``window_requests`` placed prompts
 and finished streams; the speeds from the workers' heartbeats. The plan with the highest
 sustainable rate wins; the current plan is kept unless another beats it by
-``switch_margin`` (a plan change moves no stream: those running finish where they are).
+``switch_margin`` in ``confirm_replans`` replans in a row, and for at least ``hold_s`` after
+a change (a plan change moves no stream: those running finish where they are).
 
 Pure functions plus one small stateful ``LanePlanner`` the placer owns.
 """
@@ -58,14 +59,19 @@ class LaneConfig:
     min_requests: int = 8
     # The plan is re-chosen at most this often (a heartbeat: its inputs change no faster).
     replan_s: float = 1.0
+    # Another lane size replaces the plan only after winning this many replans in a row
+    # and once the plan has held ``hold_s``: one heartbeat's noise is not a change in the
+    # traffic, and each change costs (a worker joining the lane mixes until its streams end).
+    confirm_replans: int = 3
+    hold_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.max_prefill_utilisation <= 1:
             raise ValueError("max_prefill_utilisation must be in (0, 1]")
         if not (1 <= self.min_requests <= self.window_requests and self.switch_margin >= 0
-                and self.replan_s >= 0):
-            raise ValueError("need 1 <= min_requests <= window_requests, switch_margin >= 0 "
-                             "and replan_s >= 0")
+                and self.replan_s >= 0 and self.confirm_replans >= 1 and self.hold_s >= 0):
+            raise ValueError("need 1 <= min_requests <= window_requests, switch_margin >= 0, "
+                             "replan_s >= 0, confirm_replans >= 1 and hold_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,9 @@ class LanePlanner:
         self._per_stream_s = 0.0
         self._traffic: Traffic | None = None
         self._rates: list[float] = []  # the last plan's sustainable rate per lane size
+        self._changed_at = -math.inf  # when the lane size last changed
+        self._candidate: int | None = None  # another size, and the replans it won in a row
+        self._wins = 0
 
     def describe(self) -> dict[str, object]:
         """The plan for /instances: the prefill lane (null: no plan yet), the traffic it was
@@ -257,7 +266,9 @@ class LanePlanner:
         self._traffic = traffic
         self._rates = [max_rate(speed, traffic, self.config, config.slo_ttft_s, len(workers), k)
                        for k in range(len(workers))]
-        size = best_lane_size(self._rates, len(kept), self.config.switch_margin)
+        planned = len(self._lane) if current is not None else -1
+        size = self._settled(best_lane_size(self._rates, planned, self.config.switch_margin),
+                             planned, now)
         kept = kept[:size]
         candidates = sorted((w for w in workers
                              if w.can(CAP_PREFILL) and w.worker_id not in kept),
@@ -265,3 +276,19 @@ class LanePlanner:
         kept += [w.worker_id for w in candidates[:size - len(kept)]]
         self._lane = tuple(kept)
         return frozenset(kept)
+
+    def _settled(self, wanted: int, planned: int, now: float) -> int:
+        """The lane size to plan: ``wanted`` when there is no plan yet (``planned`` -1) or
+        the plan no longer fits the workers; otherwise ``planned`` until ``wanted`` has won
+        ``confirm_replans`` replans in a row and the plan has held ``hold_s``."""
+        if wanted == planned:
+            self._candidate, self._wins = None, 0
+            return planned
+        if 0 <= planned < len(self._rates):
+            self._wins = self._wins + 1 if wanted == self._candidate else 1
+            self._candidate = wanted
+            if (self._wins < self.config.confirm_replans
+                    or now - self._changed_at < self.config.hold_s):
+                return planned
+        self._candidate, self._wins, self._changed_at = None, 0, now
+        return wanted

@@ -138,6 +138,30 @@ def test_no_plan_until_requests_and_measurements_then_one_that_holds() -> None:
     assert planner.lane(5.0, idle, TPOT_10) == lane
 
 
+def test_another_size_needs_replans_in_a_row_and_the_hold() -> None:
+    planner = LanePlanner(LaneConfig(min_requests=1, replan_s=1.0, confirm_replans=3,
+                                     hold_s=5.0))
+    feed(planner, 8)  # 2k prompts, 256 out, TPOT 10 ms: one worker free of streams
+    assert planner.lane(0.0, BUSY, TPOT_10) == {"b"}
+    feed(planner, 64, prompt=512, output=1024)  # decode-heavy now: every worker decoding
+    assert [planner.lane(t, BUSY, TPOT_10) for t in (1.0, 2.0)] == [{"b"}, {"b"}]
+    assert planner.lane(3.0, BUSY, TPOT_10) == {"b"}  # three wins, within the hold
+    assert planner.lane(5.0, BUSY, TPOT_10) == frozenset()
+
+
+def test_traffic_that_flips_between_replans_keeps_the_plan() -> None:
+    planner = LanePlanner(LaneConfig(min_requests=1, replan_s=1.0, confirm_replans=2,
+                                     hold_s=0.0))
+    feed(planner, 8)
+    assert planner.lane(0.0, BUSY, TPOT_10) == {"b"}
+    for second in range(1, 11):
+        if second % 2:
+            feed(planner, 64, prompt=512, output=1024)
+        else:
+            feed(planner, 64)
+        assert planner.lane(float(second), BUSY, TPOT_10) == {"b"}, second
+
+
 def test_a_lane_worker_that_leaves_is_replaced_at_once() -> None:
     planner = LanePlanner(LaneConfig(min_requests=1))
     feed(planner, 4)

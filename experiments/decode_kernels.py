@@ -104,7 +104,8 @@ def rotating(make: Callable[[], torch.Tensor], nbytes: int, reps: int) -> Callab
 
 
 def gemv_cases(rows_list: list[int], reps: int) -> list[dict[str, Any]]:
-    from engine_core.kernels.gemv import GemvTiling, choose_tiling, gemv
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.gemv_tilings import GemvTiling, choose_tiling
 
     out = []
     for (model, name, n, k), rows in itertools.product(GEMV_SHAPES, rows_list):
@@ -389,7 +390,8 @@ def layer_cases(num_layers: int, names: list[str]) -> list[dict[str, Any]]:
     (norm, qkv, [q/k norm, RoPE, KV write], decode attention, o, norm, gate/up, SiLU,
     down). us per layer; the block table is the benchmark engine's width (10k tokens), so
     the default split count is the engine's."""
-    from engine_core.kernels.gemv import NARROW_TILING, GemvTiling, choose_tiling, gemv
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.gemv_tilings import NARROW_TILING, GemvTiling, choose_tiling
     from engine_core.kernels.kv_write import write_kv
     from engine_core.kernels.paged_decode import NewTokenRope, paged_decode_attention
     from engine_core.kernels.rms_norm import rms_norm

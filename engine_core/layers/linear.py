@@ -10,19 +10,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_core.kernels.gemv_tilings import TUNED_TILINGS
+
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # Weights up to this many elements (256 MiB in 16 bits) take the Triton GEMV. On an H200, at
 # one row and with each shape's tiling (kernels/gemv.py), it beat or tied cuBLAS on every
 # Qwen3-0.6B and Qwen3-8B projection from 4 to 201 MB (the 8B's fused gate/up: 48.4 vs
 # 49.5 us; the 0.6B's 4 MB o_proj: 4.5 vs 12.8); larger layer weights (a 70B's MLP) stay
-# with cuBLAS, untested here. The LM head has its own rule
+# with cuBLAS unless their shape has a measured tiling (``gemv_tilings.TUNED_TILINGS``: Llama-3.1-70B's
+# TP=2 gate/up, 470 MB, 108.5 us against cuBLAS's 119.8). The LM head has its own rule
 # (layers/embedding.py).
 GEMV_MAX_WEIGHT_ELEMENTS = 128 << 20
 
 
 def gemv_sized(in_features: int, out_features: int) -> bool:
-    """Whether a projection's weight is small enough for the Triton GEMV (and split-K)."""
-    return in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
+    """Whether a projection's weight is small enough for the Triton GEMV (and split-K), or
+    of a shape whose GEMV tiling was measured."""
+    return (in_features * out_features <= GEMV_MAX_WEIGHT_ELEMENTS
+            or (out_features, in_features) in TUNED_TILINGS)
 
 
 def takes_gemv(x: torch.Tensor, max_rows: int) -> bool:

@@ -888,14 +888,14 @@ def test_lm_head_takes_the_gemv_up_to_its_rows(rows: int, vocab: int, hidden: in
 def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
     """Each tiling ``choose_tiling`` can pick computes the same projection, whichever the
     shape; and the choice follows the shape (wide, >= 4096 columns, deep, narrow)."""
-    from engine_core.kernels.gemv import (
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.gemv_tilings import (
         DEEP_TILING,
         MEDIUM_TILING,
         NARROW_TILING,
         TUNED_TILINGS,
         WIDE_TILING,
         choose_tiling,
-        gemv,
     )
 
     x, w, b, expected = gemv_inputs(case, device, seed=6)
@@ -917,12 +917,12 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
 def test_gemv_silu_mul_equals_projection_then_silu_mul(device: str, case: GemvCase) -> None:
     """SiLU * up in the GEMV's epilogue gives, bit for bit, what the plain GEMV followed by
     ``silu_and_mul`` gives (same tiles, same roundings), under every tiling."""
-    from engine_core.kernels.gemv import (
+    from engine_core.kernels.gemv import gemv
+    from engine_core.kernels.gemv_tilings import (
         DEEP_TILING,
         MEDIUM_TILING,
         NARROW_TILING,
         WIDE_TILING,
-        gemv,
     )
     from engine_core.kernels.silu_mul import silu_and_mul
 

@@ -899,8 +899,10 @@ def test_gemv_every_tiling_agrees(device: str, case: GemvCase) -> None:
     )
 
     x, w, b, expected = gemv_inputs(case, device, seed=6)
-    for tiling in (NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING,
-                   *TUNED_TILINGS.values()):
+    tilings = {NARROW_TILING, MEDIUM_TILING, DEEP_TILING, WIDE_TILING, *TUNED_TILINGS.values()}
+    if device == "cpu":  # the interpreter ignores warps and stages: one run a tile shape
+        tilings = {(t.block_n, t.block_k): t for t in sorted(tilings)}.values()
+    for tiling in tilings:
         assert_close(gemv(x, w, b, tiling=tiling), expected, case.dtype)
     assert choose_tiling(24576, 4096) == WIDE_TILING and choose_tiling(6144, 1024) == WIDE_TILING
     assert choose_tiling(6144, 4096) == MEDIUM_TILING and choose_tiling(4096, 4096) == MEDIUM_TILING

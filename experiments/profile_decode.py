@@ -28,7 +28,8 @@ from benchmarks.speed.limits import sync
 
 def profile_case(model: str, batch: int, context: int, steps: int,
                  device: str, graphs: bool = False,
-                 overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                 overrides: dict[str, Any] | None = None,
+                 trace: str | None = None) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
     model_dir = write_model_dir(model, workdir / model, **(overrides or {}))
     bench = BenchConfig(device=device, dtype="bfloat16", max_model_len=context + 512,
@@ -51,6 +52,8 @@ def profile_case(model: str, batch: int, context: int, steps: int,
         driver.drain(ids)
     finally:
         engine.shutdown()
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
@@ -115,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], type=config_override,
                         metavar="KEY=JSON", help="replace a config key of every --model")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", default=None,
+                        help="write the first model's Chrome trace (host and GPU) here")
     args = parser.parse_args(argv)
     results = [profile_case(m, args.batch, args.context, args.steps, args.device, args.graphs,
-                            dict(args.override))
-               for m in (args.model or ["qwen3-8b"])]
+                            dict(args.override), args.trace if i == 0 else None)
+               for i, m in enumerate(args.model or ["qwen3-8b"])]
     for case in results:
         print(f"== {case['model']} b{case['batch']} ctx{case['context']}: "
               f"{case['kernels_per_step']:.0f} kernels, {case['gpu_us_per_step']:.0f} us GPU/step")

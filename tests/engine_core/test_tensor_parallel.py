@@ -90,8 +90,9 @@ def test_tp2_structured_outputs_equal_tp1(checkpoint) -> None:
         llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE_ARGS)
         try:
             outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
-            masked = llm.engine.masked_steps
-            assert masked.overlapped > 0 and masked.total > masked.overlapped
+            # Masked steps ran with the step before in flight (whether any ran without one
+            # depends on the machine's load: a busy machine overlaps them all).
+            assert llm.engine.masked_steps.overlapped > 0
         finally:
             llm.shutdown()
     assert outputs[0] == outputs[1]

@@ -17,9 +17,9 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # one row and with each shape's tiling (kernels/gemv.py), it beat or tied cuBLAS on every
 # Qwen3-0.6B and Qwen3-8B projection from 4 to 201 MB (the 8B's fused gate/up: 48.4 vs
 # 49.5 us; the 0.6B's 4 MB o_proj: 4.5 vs 12.8); larger layer weights (a 70B's MLP) stay
-# with cuBLAS unless their shape has a measured tiling (``gemv_tilings.TUNED_TILINGS``: Llama-3.1-70B's
-# TP=2 gate/up, 470 MB, 108.5 us against cuBLAS's 119.8). The LM head has its own rule
-# (layers/embedding.py).
+# with cuBLAS unless their shape has a measured tiling (``gemv_tilings.TUNED_TILINGS``:
+# Llama-3.1-70B's TP=2 gate/up, 470 MB, 108.5 us against cuBLAS's 119.8). The LM head has
+# its own rule (layers/embedding.py).
 GEMV_MAX_WEIGHT_ELEMENTS = 128 << 20
 
 

@@ -150,7 +150,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul, EARLY_DEPENDENTS=early,
-        **prefetch_args(t.block_k, weight.element_size(), chunks), BLOCK_M=BLOCK_M, BLOCK_N=t.block_n,
+        **prefetch_args(t.block_k, weight.element_size(), chunks), BLOCK_M=BLOCK_M,
+        BLOCK_N=t.block_n,
         BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=not silu_mul, **pdl_args(x.device, pdl))
     return out

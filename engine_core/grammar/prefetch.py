@@ -32,8 +32,7 @@ class GrammarEngineImport:
         self._freeze_heap = freeze_heap
         self._importer = importer
         self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._started = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # started on the event loop's thread
 
     @property
     def started(self) -> bool:
@@ -42,11 +41,9 @@ class GrammarEngineImport:
     def start(self) -> None:
         """Begin the import unless it has begun. A daemon thread, not the loop's executor:
         a server stopped while the import runs exits at once."""
-        with self._started:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(target=self._run, name="grammar-import",
-                                            daemon=True)
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="grammar-import", daemon=True)
         self._thread.start()
 
     def start_after(self, delay_s: float) -> asyncio.TimerHandle:

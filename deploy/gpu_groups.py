@@ -8,6 +8,7 @@ worker's ``CUDA_VISIBLE_DEVICES`` and its rank r uses the run's r-th GPU.
 from __future__ import annotations
 
 import argparse
+import ctypes
 
 from deploy.topology import topology
 
@@ -42,3 +43,54 @@ def gpu_groups(gpus: list[str], sizes: list[int]) -> list[str]:
         groups.append(",".join(gpus[start:start + size]))
         start += size
     return groups
+
+
+def detect_gpus(spec: str | None, cuda_visible: str | None) -> list[str]:
+    """The GPUs the workers get, as CUDA_VISIBLE_DEVICES values. ``--gpus`` counts the GPUs
+    this process sees: under CUDA_VISIBLE_DEVICES=2,3 (``cuda_visible``), ``--gpus 0,1`` is
+    physical 2 and 3."""
+    visible = None if cuda_visible is None else [
+        g.strip() for g in cuda_visible.split(",") if g.strip() and g.strip() != "-1"]
+    if spec:
+        wanted = [g.strip() for g in spec.split(",") if g.strip()]
+        if visible is None:
+            return wanted
+        try:
+            return [visible[int(g)] for g in wanted]
+        except (ValueError, IndexError):
+            raise SystemExit(f"pdserve launch: --gpus {spec} names GPUs beyond the "
+                             f"{len(visible)} of CUDA_VISIBLE_DEVICES={cuda_visible}") from None
+    if visible is not None:
+        return visible
+    return [str(i) for i in range(device_count())]
+
+
+def device_count() -> int:
+    """The GPUs the driver shows this process (a container sees its own), from NVML.
+
+    The launcher only counts devices, so it asks the driver's management library rather than
+    importing torch (1.5 s of CPU at every launch, before any worker starts). No library:
+    no NVIDIA driver, no GPU. A library that fails to initialise falls back to torch.
+    """
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_uint(0)
+    if nvml.nvmlInit_v2() != 0:
+        return _torch_device_count()
+    try:
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return _torch_device_count()
+        return count.value
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _torch_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0

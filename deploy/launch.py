@@ -35,7 +35,7 @@ from deploy.child_flags import (
     proxy_argv,
     worker_server_argv,
 )
-from deploy.gpu_groups import add_tp_arguments, gpu_groups, worker_tp_sizes
+from deploy.gpu_groups import add_tp_arguments, detect_gpus, gpu_groups, worker_tp_sizes
 from deploy.supervisor import (
     MIN_STARTUP_TIMEOUT_S,
     POLL_S,
@@ -181,31 +181,6 @@ def _hold_run(length: int, avoid: tuple[int, ...]) -> list[socket.socket] | None
         return None
 
 
-def detect_gpus(spec: str | None) -> list[str]:
-    """The GPUs the workers get, as CUDA_VISIBLE_DEVICES values. ``--gpus`` counts the GPUs
-    this process sees: under CUDA_VISIBLE_DEVICES=2,3, ``--gpus 0,1`` is physical 2 and 3."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = None if env is None else [
-        g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    if spec:
-        wanted = [g.strip() for g in spec.split(",") if g.strip()]
-        if visible is None:
-            return wanted
-        try:
-            return [visible[int(g)] for g in wanted]
-        except (ValueError, IndexError):
-            raise SystemExit(f"pdserve launch: --gpus {spec} names GPUs beyond the "
-                             f"{len(visible)} of CUDA_VISIBLE_DEVICES={env}") from None
-    if visible is not None:
-        return visible
-    try:
-        import torch
-
-        return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:
-        return []
-
-
 def cpu_thread_env(base_env: dict[str, str], num_workers: int) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for CPU workers sharing this host: its cores split between them.
 
@@ -305,7 +280,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                             *trust_args, *proxy_flags],
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
-    gpus = detect_gpus(args.gpus)
+    gpus = detect_gpus(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     groups = gpu_groups(gpus, tp_sizes) if gpus else []
     cpu_env = {} if gpus else cpu_thread_env(base_env, sum(tp_sizes))
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)

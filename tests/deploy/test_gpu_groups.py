@@ -38,7 +38,7 @@ def test_per_role_sizes_and_cpu_threads(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(8)))
     args = _parse("--prefill", "1", "--decode", "1", "--colocated", "1", "--colocated-tp", "2",
                   "--gpus", "")
-    monkeypatch.setattr("deploy.launch.detect_gpus", lambda _: [])
+    monkeypatch.setattr("deploy.launch.detect_gpus", lambda _spec, _visible: [])
     _, workers, _ = build_children(args, engine_argv(args), tmp_path)
     assert [_tp_of(w.argv) for w in workers] == ["1", "1", "2"]
     assert {w.env["OMP_NUM_THREADS"] for w in workers} == {"2"}  # 8 cores over 4 ranks
@@ -81,16 +81,64 @@ def test_placed_workers_take_one_gpu_and_colocated_their_group(tmp_path: Path) -
     assert [_tp_of(w.argv) for w in workers] == ["1", "1", "2"]
 
 
-def test_gpus_count_the_visible_ones(monkeypatch) -> None:
-    from deploy.launch import detect_gpus
+def test_gpus_count_the_visible_ones() -> None:
+    from deploy.gpu_groups import detect_gpus
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert detect_gpus("0,1,1") == ["2", "3", "3"]
-    assert detect_gpus(None) == ["2", "3"]
+    assert detect_gpus("0,1,1", "2,3") == ["2", "3", "3"]
+    assert detect_gpus(None, "2,3") == ["2", "3"]
     with pytest.raises(SystemExit, match="beyond"):
-        detect_gpus("0,2")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert detect_gpus("4,5") == ["4", "5"]
+        detect_gpus("0,2", "2,3")
+    assert detect_gpus("4,5", None) == ["4", "5"]
+
+
+class _FakeNvml:
+    """libnvidia-ml's three calls the launcher makes, with chosen return codes."""
+
+    def __init__(self, count: int, init_rc: int = 0, count_rc: int = 0) -> None:
+        self.count, self.init_rc, self.count_rc = count, init_rc, count_rc
+        self.shut_down = False
+
+    def nvmlInit_v2(self) -> int:
+        return self.init_rc
+
+    def nvmlDeviceGetCount_v2(self, ref) -> int:
+        ref._obj.value = self.count
+        return self.count_rc
+
+    def nvmlShutdown(self) -> int:
+        self.shut_down = True
+        return 0
+
+
+def test_the_device_count_comes_from_nvml_without_torch(monkeypatch) -> None:
+    """Three GPUs from the driver's library (torch never asked); no library, no GPU; a
+    library that fails falls back to torch's count."""
+    import deploy.gpu_groups as gpu_groups
+
+    monkeypatch.setattr(gpu_groups, "_torch_device_count", lambda: 7)
+    nvml = _FakeNvml(3)
+    monkeypatch.setattr(gpu_groups.ctypes, "CDLL", lambda name: nvml)
+    assert gpu_groups.detect_gpus(None, None) == ["0", "1", "2"] and nvml.shut_down
+    monkeypatch.setattr(gpu_groups.ctypes, "CDLL", lambda name: _FakeNvml(3, init_rc=9))
+    assert gpu_groups.device_count() == 7
+    failing = _FakeNvml(3, count_rc=9)
+    monkeypatch.setattr(gpu_groups.ctypes, "CDLL", lambda name: failing)
+    assert gpu_groups.device_count() == 7 and failing.shut_down
+
+    def no_library(name: str):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(gpu_groups.ctypes, "CDLL", no_library)
+    assert gpu_groups.device_count() == 0 and gpu_groups.detect_gpus(None, None) == []
+
+
+def test_the_device_count_equals_torchs_on_this_machine() -> None:
+    """On a GPU machine NVML and CUDA see the same devices; on a CPU one, none."""
+    import torch
+
+    from deploy.gpu_groups import device_count
+
+    assert device_count() == torch.cuda.device_count()
 
 
 def test_pd_workers_sharing_a_gpu_default_to_the_cpu_transport(tmp_path: Path) -> None:

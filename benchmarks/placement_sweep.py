@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.disagg.cluster import Cluster, ClusterSpec
+from benchmarks.disagg.cluster import BENCH_LAUNCH_FLAGS, Cluster, ClusterSpec
 from benchmarks.model_shapes import SHAPES, write_model_dir
 from benchmarks.placement.observe import PointObserver
 from benchmarks.placement.search import PointResult, RateSearch, SloCell
@@ -63,7 +63,8 @@ class SweepCluster(Cluster):
                 "--served-model-name", spec.served_model_name,
                 "--log-dir", str(spec.log_dir / t.name), "--heartbeat-interval", "1",
                 "--stop-timeout", str(spec.stop_timeout_s / 2),
-                "--startup-timeout", str(spec.startup_timeout_s), *spec.engine_args]
+                "--startup-timeout", str(spec.startup_timeout_s), *BENCH_LAUNCH_FLAGS,
+                *spec.engine_args]
         if spec.gpus:
             argv += ["--gpus", ",".join(spec.gpus[:t.num_workers])]
         return argv

@@ -49,7 +49,7 @@ def add_worker_server_arguments(parser: argparse.ArgumentParser) -> None:
 WORKER_SERVER_FLAGS = ("--max-request-body-bytes", "--log-stats-interval", "--body-timeout",
                        "--header-timeout", "--write-timeout", "--engine-startup-timeout",
                        "--shutdown-timeout", "--chat-template", "--enable-auto-tool-choice",
-                       "--tool-call-parser")
+                       "--tool-call-parser", "--grammar-import-delay")
 # The proxy drops a worker after max(10 s, 3 heartbeat intervals) without a heartbeat unless
 # --heartbeat-timeout says otherwise: a worker heartbeating every interval is not dropped in
 # between.

@@ -103,13 +103,17 @@ class ServerOptions:
     # --chat-template's text, in place of the tokenizer's template (None: the tokenizer's).
     chat_template: str | None = None
     # Seconds after startup the grammar engine is imported, unless a constrained request
-    # needs it sooner (``engine_core/grammar/prefetch.py``).
+    # needs it sooner (``engine_core/grammar/prefetch.py``); inf: only then
+    # (--grammar-import-delay).
     grammar_import_delay_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("write_timeout_s", "header_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.grammar_import_delay_s >= 0:
+            raise ConfigError("grammar_import_delay_s must be >= 0 seconds or inf, got "
+                              f"{self.grammar_import_delay_s}")
 
 
 OPTIONS_KEY = web.AppKey("options", ServerOptions)

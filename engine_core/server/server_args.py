@@ -68,6 +68,14 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
+def delay_seconds(text: str) -> float:
+    """argparse type: a number of seconds >= 0, or ``inf`` (never)."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds or inf, got {text}")
+    return value
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -106,6 +114,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "and their KV be released for this long, then the rest end with "
                              "an error (0: at once). Keep it below the supervisor's grace "
                              "period (a pod's terminationGracePeriodSeconds)")
+    parser.add_argument("--grammar-import-delay", type=delay_seconds,
+                        default=ServerOptions.grammar_import_delay_s, metavar="SECONDS",
+                        help="seconds after startup the server imports the grammar engine "
+                             "(xgrammar: about 1 s of CPU and 240 MB of memory), so the first "
+                             "request with a response_format, guided_* field or forced tool "
+                             "choice does not wait for it; inf: only when such a request "
+                             "comes (for workers that never serve one)")
 
 
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,4 +172,5 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
                                                    or DEFAULT_STARTUP_TIMEOUT_S),
                          tool_calls=ToolCallOptions(args.enable_auto_tool_choice,
                                                     args.tool_call_parser),
-                         chat_template=chat_template_text(args.chat_template))
+                         chat_template=chat_template_text(args.chat_template),
+                         grammar_import_delay_s=args.grammar_import_delay)

@@ -164,6 +164,7 @@ def test_every_forwarded_server_flag_reaches_the_workers(tmp_path: Path) -> None
         options = server_options(_worker_args(worker))
         assert options.chat_template == template
         assert options.tool_calls == ToolCallOptions(True, "hermes")
+        assert options.grammar_import_delay_s == 7
     for flag in forwarded:
         assert (flag in proxy.argv) == (flag in proxy_flags)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 
 import pytest
@@ -47,6 +48,17 @@ async def test_the_delayed_start_begins_the_import_once() -> None:
     assert not grammar.started
     await asyncio.sleep(0.3)
     assert grammar.started
+    await asyncio.wait_for(grammar.ready(), 5)
+    assert importer.calls == 1
+
+
+async def test_an_infinite_delay_imports_only_for_a_request() -> None:
+    importer = SlowImporter()
+    importer.release.set()
+    grammar = GrammarEngineImport(importer=importer)
+    assert grammar.start_after(math.inf) is None
+    await asyncio.sleep(0.1)
+    assert not grammar.started and importer.calls == 0
     await asyncio.wait_for(grammar.ready(), 5)
     assert importer.calls == 1
 

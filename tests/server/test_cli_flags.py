@@ -99,3 +99,19 @@ def test_several_proxies_from_the_flag_or_the_json() -> None:
     assert listed.registration_addresses == ("10.0.0.1:5", "10.0.0.2:6")
     with pytest.raises(ConfigError, match="proxy_addresses"):
         KVTransferConfig.from_json({"kv_connector_extra_config": {"proxy_addresses": ["x"]}})
+
+
+@pytest.mark.parametrize("command", ["serve", "prefill", "decode"])
+def test_the_grammar_import_delay_reaches_the_server(served: dict[str, Any],
+                                                     command: str) -> None:
+    """Seconds or inf (import only for a constrained request); 10 s when not given."""
+    import math
+
+    base = [command, "/models/x", "--insecure"]
+    assert run_serve(build_parser().parse_args(base)) == 0
+    assert served["options"].grammar_import_delay_s == 10
+    assert run_serve(build_parser().parse_args([*base, "--grammar-import-delay", "inf"])) == 0
+    assert served["options"].grammar_import_delay_s == math.inf
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, "--grammar-import-delay", bad])

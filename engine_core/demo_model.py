@@ -16,8 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 DEMO_VERSION = "1"
 RANDOM_DEMO_MODEL_NAME = "pdserve-demo-random"
 TOKENIZER_VOCAB_SIZE = 1000
@@ -126,6 +124,7 @@ def build_checkpoint(path: Path | str, arch: str = "llama", num_layers: int = 2,
     Weights come from HF's own initialisation under ``torch.manual_seed(seed)``, so the
     checkpoint is exactly what ``transformers`` would build, and the same every time.
     """
+    import torch  # only to build: a server resolving --demo-random must not import it
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -22,8 +22,8 @@ def is_gguf_path(model: str | os.PathLike[str]) -> bool:
 def resolve_gguf_model(config: EngineConfig) -> EngineConfig:
     """``config`` with a GGUF model replaced by its converted directory (converted now if
     not cached); the served name stays the file's as given. Other configs come back as is.
-    The converter (torch) is imported only for a GGUF file: a server's API process serving
-    a checkpoint directory never loads torch."""
+    Torch is imported only to convert (a cache miss): a server's API process serving a
+    checkpoint directory, or a GGUF file converted before, never loads it."""
     if not is_gguf_path(config.model.model):
         return config
     from engine_core.gguf.checkpoint import converted_config

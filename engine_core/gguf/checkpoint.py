@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine_core.config import EngineConfig
+from engine_core.dtypes import resolve_dtype_name
 from engine_core.errors import ModelLoadError
 from engine_core.gguf import reader as gguf_reader
-from engine_core.worker.loader import resolve_dtype
 
 logger = logging.getLogger("pdserve.gguf")
 
@@ -36,8 +34,6 @@ CONVERTER_VERSION = "2"
 GGUF_AUTO_DTYPE = "bfloat16"
 # A shard is written once it holds this many bytes, bounding the conversion's memory.
 _SHARD_BYTES = 2 << 30
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16",
-                torch.bfloat16: "bfloat16"}
 _DONE_MARKER = "pdserve_gguf.json"
 
 
@@ -51,22 +47,23 @@ def converted_config(config: EngineConfig) -> EngineConfig:
     (converted now if not cached); the served name stays the file's as given."""
     model = config.model
     device = config.device.resolve()
-    dtype = resolve_dtype(model.dtype, GGUF_AUTO_DTYPE, device)
+    dtype = resolve_dtype_name(model.dtype, GGUF_AUTO_DTYPE, device)
     root = Path(model.gguf_cache_dir) if model.gguf_cache_dir else default_cache_root()
     directory = converted_checkpoint(Path(model.model), dtype, root)
     return dataclasses.replace(config, model=dataclasses.replace(
         model, model=str(directory), served_model_name=model.served_model_name or model.model))
 
 
-def converted_checkpoint(path: Path, dtype: torch.dtype, cache_root: Path) -> Path:
-    """The cache directory holding ``path`` converted to ``dtype``, converting on a miss."""
+def converted_checkpoint(path: Path, dtype: str, cache_root: Path) -> Path:
+    """The cache directory holding ``path`` converted to ``dtype`` (a canonical name,
+    ``dtypes.DTYPE_ALIASES``' values), converting on a miss; a hit imports no torch."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     stat = path.stat()
     key = hashlib.sha256(json.dumps(
-        [str(path.resolve()), stat.st_size, stat.st_mtime_ns, _DTYPE_NAMES[dtype],
+        [str(path.resolve()), stat.st_size, stat.st_mtime_ns, dtype,
          CONVERTER_VERSION]).encode()).hexdigest()[:16]
-    target = cache_root / f"{path.stem}-{_DTYPE_NAMES[dtype]}-{key}"
+    target = cache_root / f"{path.stem}-{dtype}-{key}"
     if (target / _DONE_MARKER).is_file():
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -85,14 +82,16 @@ def converted_checkpoint(path: Path, dtype: torch.dtype, cache_root: Path) -> Pa
     return target
 
 
-def write_checkpoint(path: Path, dtype: torch.dtype, directory: Path) -> None:
+def write_checkpoint(path: Path, dtype: str, directory: Path) -> None:
     """Write ``path`` as an HF checkpoint into ``directory``: config, generation config,
     tokenizer, and the weights dequantized to ``dtype`` as safetensors shards."""
+    import torch
+
     started = time.monotonic()
     logger.info("Converting GGUF %s to %s in %s (once; later starts reuse it)",
-                path, _DTYPE_NAMES[dtype], directory.parent)
+                path, dtype, directory.parent)
     reader = gguf_reader.open_gguf(path)
-    config = gguf_reader.hf_config(reader, _DTYPE_NAMES[dtype])
+    config = gguf_reader.hf_config(reader, dtype)
     _write_json(directory / "config.json", config)
     _write_json(directory / "generation_config.json", {
         "eos_token_id": gguf_reader.stop_token_ids(reader),
@@ -100,12 +99,13 @@ def write_checkpoint(path: Path, dtype: torch.dtype, directory: Path) -> None:
     _save_tokenizer(path, directory)
     tensors = _progress(gguf_reader.iter_hf_tensors(reader, config), total=len(reader.tensors))
     total_bytes, num_shards = _write_shards(
-        ((name, torch.from_numpy(values.copy()).to(dtype)) for name, values in tensors),
+        ((name, torch.from_numpy(values.copy()).to(getattr(torch, dtype)))
+         for name, values in tensors),
         directory)
     stat = path.stat()
     _write_json(directory / _DONE_MARKER, {
         "source": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-        "dtype": _DTYPE_NAMES[dtype], "converter_version": CONVERTER_VERSION})
+        "dtype": dtype, "converter_version": CONVERTER_VERSION})
     logger.info("Converted %s in %.1f s: %d shard(s), %.1f MiB", path.name,
                 time.monotonic() - started, num_shards, total_bytes / 2**20)
 
@@ -116,7 +116,7 @@ def _write_shards(tensors: Any, directory: Path) -> tuple[int, int]:
     from safetensors.torch import save_file
 
     shard_maps: list[list[str]] = []
-    shard: dict[str, torch.Tensor] = {}
+    shard: dict[str, Any] = {}
     shard_bytes = total_bytes = 0
 
     def flush() -> None:

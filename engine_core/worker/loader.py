@@ -17,6 +17,7 @@ from torch import nn
 
 from engine_core.attention.backend import AttentionBackend
 from engine_core.config import ModelConfig
+from engine_core.dtypes import resolve_dtype_name
 from engine_core.errors import ModelLoadError
 from engine_core.layers.linear import MergedLinear
 from engine_core.models.registry import get_model_class
@@ -27,11 +28,6 @@ from engine_core.worker.memory_arena import MemoryArena
 
 logger = logging.getLogger("pdserve.loader")
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
 # Checkpoint tensors that are derived state, never parameters (old Llama exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _MAX_NAMES_IN_ERROR = 5
@@ -54,20 +50,8 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> torch.dtype:
-    """The parameter dtype: an explicit ``--dtype`` wins; ``auto`` follows the checkpoint.
-
-    Like vLLM, ``auto`` uses the checkpoint's dtype (float32 when it names none), except on
-    CPU, where half-precision checkpoints run in float32: CPU half matmuls are slow and
-    have no fused kernels, and float32 makes outputs match the HF reference.
-    """
-    if dtype != "auto":
-        if dtype not in _DTYPE_NAMES:
-            raise ModelLoadError(f"unknown dtype {dtype!r}")
-        return _DTYPE_NAMES[dtype]
-    resolved = _DTYPE_NAMES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
-    if device.startswith("cpu") and resolved in (torch.float16, torch.bfloat16):
-        return torch.float32
-    return resolved
+    """The parameter dtype (``dtypes.resolve_dtype_name``'s rules) as a ``torch.dtype``."""
+    return getattr(torch, resolve_dtype_name(dtype, checkpoint_dtype, device))
 
 
 def load_model(model_config: ModelConfig, spec: ModelSpec, device: str, dtype: torch.dtype,

@@ -151,7 +151,7 @@ def _loaded_params(model_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_weights_equal_the_safetensors_checkpoint(gguf_pair, arch, tmp_path):
     path, reference = gguf_pair(arch)
-    converted = gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path)
+    converted = gguf_checkpoint.converted_checkpoint(path, "float32", tmp_path)
     got, want = _loaded_params(converted), _loaded_params(reference)
     assert got.keys() == want.keys()
     for name in want:
@@ -168,7 +168,7 @@ def test_gguf_weights_equal_the_safetensors_checkpoint(gguf_pair, arch, tmp_path
 def test_a_large_model_is_written_in_indexed_shards(gguf_pair, tmp_path, monkeypatch):
     path, reference = gguf_pair("llama")
     monkeypatch.setattr(gguf_checkpoint, "_SHARD_BYTES", 1 << 17)
-    converted = gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path)
+    converted = gguf_checkpoint.converted_checkpoint(path, "float32", tmp_path)
     index = json.loads((converted / "model.safetensors.index.json").read_text())
     shards = sorted(converted.glob("*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
@@ -231,31 +231,31 @@ def test_llama3_rope_freqs_become_its_rope_scaling():
 
 def test_conversion_is_cached_by_file_and_dtype(gguf_pair, tmp_path, monkeypatch):
     path, _ = gguf_pair("qwen3")
-    first = gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path)
+    first = gguf_checkpoint.converted_checkpoint(path, "float32", tmp_path)
 
     def refuse(*_args):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(gguf_checkpoint, "write_checkpoint", refuse)
-    assert gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path) == first
+    assert gguf_checkpoint.converted_checkpoint(path, "float32", tmp_path) == first
     monkeypatch.undo()
-    half = gguf_checkpoint.converted_checkpoint(path, torch.bfloat16, tmp_path)
+    half = gguf_checkpoint.converted_checkpoint(path, "bfloat16", tmp_path)
     assert half != first
     assert all(t.dtype == torch.bfloat16 for t in load_file(
         str(next(half.glob("*.safetensors")))).values())
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # file changed
-    assert gguf_checkpoint.converted_checkpoint(path, torch.float32, tmp_path) != first
+    assert gguf_checkpoint.converted_checkpoint(path, "float32", tmp_path) != first
     assert not list(tmp_path.glob(".*-*-*/"))  # no staging directory left behind
 
 
 def test_bad_gguf_inputs_are_clear_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
-        gguf_checkpoint.converted_checkpoint(tmp_path / "none.gguf", torch.float32, tmp_path)
+        gguf_checkpoint.converted_checkpoint(tmp_path / "none.gguf", "float32", tmp_path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
-        gguf_checkpoint.converted_checkpoint(junk, torch.float32, tmp_path / "cache")
+        gguf_checkpoint.converted_checkpoint(junk, "float32", tmp_path / "cache")
     other = tmp_path / "other.gguf"
     writer = gguf.GGUFWriter(str(other), "gpt2")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
@@ -264,7 +264,7 @@ def test_bad_gguf_inputs_are_clear_errors(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelLoadError, match="architecture 'gpt2' is not supported"):
-        gguf_checkpoint.converted_checkpoint(other, torch.float32, tmp_path / "cache")
+        gguf_checkpoint.converted_checkpoint(other, "float32", tmp_path / "cache")
     with pytest.raises(ModelLoadError, match="no HF counterpart"):
         hf_tensor_name("blk.0.attn_qkv.weight")
 

@@ -250,7 +250,7 @@ async def test_a_request_too_large_for_the_engine_socket_is_refused_not_lost():
 def _slow_teardown_factory(config: EngineConfig) -> FakeEngine:
     import atexit
 
-    atexit.register(time.sleep, 4.0)  # stands for torch / CUDA / NCCL teardown at exit
+    atexit.register(time.sleep, 2.0)  # stands for torch / CUDA / NCCL teardown at exit
     return FakeEngine(config)
 
 

@@ -22,6 +22,10 @@ from proxy.registry import InstanceRegistry
 
 MODEL = "tiny"
 
+# The slow worker's pause between events: its streams outlast what a test does mid-way
+# (remove a worker, read the metrics) by far, and a test still waits only two seconds.
+SLOW_EVENT_S = 0.02
+
 
 class FakeClock:
     """A clock tests move by hand."""
@@ -42,8 +46,8 @@ class FakeWorker:
 
     ``mode``: ok | error500 | error400 | asleep (a sleeping worker's 503) | hang | empty |
     no_first_token (a P that ignores ``first_token_events``) |
-    fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: an event every
-    50 ms for a long time) | flood (D: ``flood_bytes`` of events as fast as they are taken) |
+    fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: 100 events, one
+    every ``SLOW_EVENT_S``: two seconds a stream) | flood (D: ``flood_bytes`` of events as fast as they are taken) |
     stall_mid (D: two events, then silence) | error_mid (D: two events, then an error event).
     A prefill leg (``do_remote_decode``) is answered with one JSON body, as a real P does.
     A stream's event ``i`` carries text ``t<i>`` and token id ``100 + i``, named in an SSE
@@ -147,7 +151,7 @@ class FakeWorker:
             comment = f": pdserve_token_ids={100 + i}\n" if params.get("stream_token_ids") else ""
             await response.write(f"{comment}data: {json.dumps(event)}\n\n".encode())
             if self.mode == "slow":
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(SLOW_EVENT_S)
             if i == 1 and self.mode in ("fail_mid", "stall_mid", "error_mid"):
                 await asyncio.sleep(0.05)  # let the events reach the proxy first
                 if self.mode == "stall_mid":

@@ -109,6 +109,10 @@ def test_late_worker_used_within_one_heartbeat_and_dead_decode_dropped(tmp_path:
                             heartbeat_s=HEARTBEAT_S, heartbeat_timeout_s=EXPIRY_S,
                             launch_flags=["--no-first-token-from-prefill"])
     prefill0, decode0, decode1 = cluster.workers
+    # P holds the KV it computed for decode0's last requests until their lease (only a
+    # decode worker can release it, and decode0 is killed): its stop would wait its whole
+    # drain for them.
+    prefill0.argv += ["--shutdown-timeout", "1"]
     reqs = mixed_requests(16)
     try:
         cluster.start([cluster.proxy])

@@ -57,7 +57,11 @@ def test_asleep_decode_worker_leaves_and_rejoins_routing(tmp_path: Path) -> None
     ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
     cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=2,
                             heartbeat_s=HEARTBEAT_S)
-    _, decode0, decode1 = cluster.workers
+    prefill0, decode0, decode1 = cluster.workers
+    # P holds the KV it computed for the requests the asleep decode0 refused until their
+    # lease (a release goes through the refusing decode worker, which is asleep): its stop
+    # would wait its whole drain for them.
+    prefill0.argv += ["--shutdown-timeout", "1"]
     for worker in cluster.workers:
         worker.argv += ["--enable-sleep-mode"]
         # vLLM's switch for the admin endpoints, as a launched worker inherits it.

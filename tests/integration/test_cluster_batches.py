@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -21,8 +20,8 @@ from tests.integration.cluster_harness import (
     MODEL,
     WORDS,
     Cluster,
-    build_tiny_checkpoint,
     idle_violations,
+    scrape,
     wait_idle,
 )
 
@@ -54,37 +53,37 @@ def _answer(client: openai.OpenAI, case: dict, stream: bool) -> tuple[list[str],
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_prompt_batches_and_n_samples_through_1p1d(tmp_path: Path) -> None:
-    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
-    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=1)
+def test_prompt_batches_and_n_samples_through_1p1d(plain_1p1d: Cluster) -> None:
+    cluster = plain_1p1d
     prefill, decode = cluster.workers
-    try:
-        cluster.start([cluster.proxy, *cluster.workers])
-        cluster.wait_ready(cluster.workers)
-        proxy = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
-        direct = openai.OpenAI(base_url=f"http://{decode.http_address}/v1", api_key="x",
-                               max_retries=0)
-        for case in CASES:
-            want = _answer(direct, case, stream=False)
-            num_choices = len(case["prompt"]) if isinstance(case["prompt"], list) else 1
-            assert len(want[0]) == num_choices * case.get("n", 1)
-            for stream in (False, True):
-                assert _answer(proxy, case, stream) == want, (case, stream)
-        # /tokenize through the proxy: answered by a worker, as that worker answers it.
-        body = json.dumps({"model": MODEL, "prompt": LONG[0]}).encode()
-        answers = [json.loads(urllib.request.urlopen(urllib.request.Request(
-            f"{base}/tokenize", data=body, headers={"Content-Type": "application/json"}),
-            timeout=30).read()) for base in (cluster.url, f"http://{decode.http_address}")]
-        assert answers[0] == answers[1] and answers[0]["tokens"], answers
-        scraped = wait_idle([prefill.http_address, decode.http_address], 30.0)
-        assert not idle_violations(scraped), idle_violations(scraped)
-        log = decode.log_path.read_text()
-        assert "recomputing the prompt locally" not in log, log[-3000:]
-        # Every prompt's KV came from P once per request, whatever its n; but one: the
-        # streamed n = 3 request takes the first-token handoff, so D's request holds P's
-        # token after the prompt, and LONG[0] (64 tokens, four whole blocks) is found whole
-        # in D's prefix cache from the answers before it (P is told to drop its copy).
-        received = scraped[decode.http_address]["pdserve:kv_transfer_transfers_received_total"]
-        assert received == 2 * (3 + 1 + 2) - 1, received
-    finally:
-        cluster.stop()
+    received_before = scrape(decode.http_address)[
+        "pdserve:kv_transfer_transfers_received_total"]
+    log_start = decode.log_path.stat().st_size
+    proxy = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0)
+    direct = openai.OpenAI(base_url=f"http://{decode.http_address}/v1", api_key="x",
+                           max_retries=0)
+    for case in CASES:
+        want = _answer(direct, case, stream=False)
+        num_choices = len(case["prompt"]) if isinstance(case["prompt"], list) else 1
+        assert len(want[0]) == num_choices * case.get("n", 1)
+        for stream in (False, True):
+            assert _answer(proxy, case, stream) == want, (case, stream)
+    # /tokenize through the proxy: answered by a worker, as that worker answers it.
+    body = json.dumps({"model": MODEL, "prompt": LONG[0]}).encode()
+    answers = [json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"{base}/tokenize", data=body, headers={"Content-Type": "application/json"}),
+        timeout=30).read()) for base in (cluster.url, f"http://{decode.http_address}")]
+    assert answers[0] == answers[1] and answers[0]["tokens"], answers
+    scraped = wait_idle([prefill.http_address, decode.http_address], 30.0)
+    assert not idle_violations(scraped), idle_violations(scraped)
+    with open(decode.log_path, "rb") as log:
+        log.seek(log_start)
+        ours = log.read().decode(errors="replace")
+    assert "recomputing the prompt locally" not in ours, ours[-3000:]
+    # Every prompt's KV came from P once per request, whatever its n; but one: the
+    # streamed n = 3 request takes the first-token handoff, so D's request holds P's
+    # token after the prompt, and LONG[0] (64 tokens, four whole blocks) is found whole
+    # in D's prefix cache from the answers before it (P is told to drop its copy).
+    received = (scraped[decode.http_address]["pdserve:kv_transfer_transfers_received_total"]
+                - received_before)
+    assert received == 2 * (3 + 1 + 2) - 1, received

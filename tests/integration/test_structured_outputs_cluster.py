@@ -9,7 +9,6 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -18,7 +17,6 @@ import pytest
 from tests.integration.cluster_harness import (
     MODEL,
     Cluster,
-    build_tiny_checkpoint,
     idle_violations,
     labelled_counter,
     wait_idle,
@@ -40,10 +38,8 @@ def _answer(client: openai.OpenAI, fields: dict, stream: bool) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_structured_outputs_through_1p1d(tmp_path: Path) -> None:
-    ckpt = build_tiny_checkpoint(tmp_path / "ckpt")
-    cluster = Cluster.build(tmp_path / "logs", ckpt, num_prefill=1, num_decode=1)
-    prefill, decode = cluster.workers
+def test_structured_outputs_through_1p1d(plain_1p1d: Cluster) -> None:
+    cluster = plain_1p1d
     schemas = generated_schemas(20, seed=3)
     cases = [({"response_format": {"type": "json_schema",
                                    "json_schema": {"name": "s", "schema": schema}}, "seed": i},
@@ -54,25 +50,23 @@ def test_structured_outputs_through_1p1d(tmp_path: Path) -> None:
     cases += [({"extra_body": {"structured_outputs": {"choice": ["left", "right"]}},
                 "seed": 200 + i}, lambda text: text in ("left", "right") or pytest.fail(text))
               for i in range(4)]
-    try:
-        cluster.start([cluster.proxy, *cluster.workers])
-        cluster.wait_ready(cluster.workers)
-        via_proxy = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0,
-                                  timeout=120)
-        direct = openai.OpenAI(base_url=f"http://{decode.http_address}/v1", api_key="x",
-                               max_retries=0, timeout=120)
-        fields = [c[0] for c in cases]
-        with ThreadPoolExecutor(8) as pool:
-            for stream in (True, False):
-                got = list(pool.map(partial(_answer, via_proxy, stream=stream), fields))
-                want = list(pool.map(partial(_answer, direct, stream=stream), fields))
-                for (given, check), text, single in zip(cases, got, want, strict=True):
-                    check(text)
-                    assert text == single, (given, text, single)
-        handoffs = labelled_counter(cluster.url.removeprefix("http://"),
-                                    "pdserve:proxy_first_token_handoffs")
-        assert handoffs.get("prefill", 0) >= len(cases), handoffs  # P's token went first
-        scraped = wait_idle([w.http_address for w in cluster.workers], 30.0)
-        assert not idle_violations(scraped), idle_violations(scraped)
-    finally:
-        cluster.stop()
+    proxy_address = cluster.url.removeprefix("http://")
+    before = labelled_counter(proxy_address, "pdserve:proxy_first_token_handoffs")
+    decode = cluster.worker("decode0")
+    via_proxy = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0,
+                              timeout=120)
+    direct = openai.OpenAI(base_url=f"http://{decode.http_address}/v1", api_key="x",
+                           max_retries=0, timeout=120)
+    fields = [c[0] for c in cases]
+    with ThreadPoolExecutor(8) as pool:
+        for stream in (True, False):
+            got = list(pool.map(partial(_answer, via_proxy, stream=stream), fields))
+            want = list(pool.map(partial(_answer, direct, stream=stream), fields))
+            for (given, check), text, single in zip(cases, got, want, strict=True):
+                check(text)
+                assert text == single, (given, text, single)
+    handoffs = labelled_counter(proxy_address, "pdserve:proxy_first_token_handoffs")
+    # P's token went first
+    assert handoffs.get("prefill", 0) - before.get("prefill", 0) >= len(cases), handoffs
+    scraped = wait_idle([w.http_address for w in cluster.workers], 30.0)
+    assert not idle_violations(scraped), idle_violations(scraped)

@@ -88,11 +88,12 @@ class FakeWorker:
                          kv_ranks=ranks)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
         request_id = request.headers.get("X-Request-Id", "")
-        self.authorizations.append(request.headers.get("Authorization"))
-        self.received.append({"path": request.path, "body": body, "request_id": request_id})
-        try:
+        try:  # a leg cut while its body still arrives counts as cancelled too
+            body = await request.json()
+            self.authorizations.append(request.headers.get("Authorization"))
+            self.received.append({"path": request.path, "body": body,
+                                  "request_id": request_id})
             return await self._answer(request, body, request_id)
         except asyncio.CancelledError:
             self.cancelled.append(request_id)

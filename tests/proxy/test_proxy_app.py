@@ -113,7 +113,7 @@ async def test_prefill_unreachable_with_single_prefill_goes_decode_only(make_wor
 async def test_prefill_timeout_goes_decode_only_and_aborts_d(make_worker, make_proxy,
                                                               wait_until) -> None:
     p, d = await make_worker("P", "hang"), await make_worker("D")
-    client = await make_proxy(p, d, prefill_timeout_s=0.2)
+    client = await make_proxy(p, d, prefill_timeout_s=0.5)  # P's leg reaches P in time
     resp = await client.post("/v1/completions", json=PROMPT)
     assert resp.status == 200
     assert "kv_transfer_params" not in d.received[-1]["body"]

@@ -280,7 +280,7 @@ def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Pa
                             *trust_args, *proxy_flags],
                   base_env, log_dir / "proxy.log")
     server_args = worker_server_argv(args)
-    gpus = detect_gpus(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpus = detect_gpus(args.gpus, base_env.get("CUDA_VISIBLE_DEVICES"))
     groups = gpu_groups(gpus, tp_sizes) if gpus else []
     cpu_env = {} if gpus else cpu_thread_env(base_env, sum(tp_sizes))
     user_kv, user_extra = user_kv_settings(args.kv_transfer_config)

@@ -12,11 +12,12 @@ from typing import Any
 
 from engine_core.addresses import is_host_port, route_source_host
 from engine_core.cluster.trust import ClusterSecret
+from engine_core.dtypes import DTYPE_ALIASES
 from engine_core.errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 HASH_ALGOS = ("sha256", "xxhash")
-DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+DTYPES = ("auto", *DTYPE_ALIASES)  # --dtype choices
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -11,6 +11,7 @@ call it).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from engine_core.arg_utils import engine_environment, positive_seconds
@@ -69,11 +70,8 @@ def non_negative_seconds(text: str) -> float:
 
 
 def delay_seconds(text: str) -> float:
-    """argparse type: a number of seconds >= 0, or ``inf`` (never)."""
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds or inf, got {text}")
-    return value
+    """argparse type: ``non_negative_seconds``, or ``inf`` (never)."""
+    return math.inf if text.strip().lower() == "inf" else non_negative_seconds(text)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -97,7 +97,10 @@ STARTUP_TIMEOUT_HINT = "--engine-startup-timeout SECONDS (or VLLM_ENGINE_READY_T
 # inside, only these sockets.
 SOCKET_DIR_PREFIX = "pdserve-engine-"
 _SOCKET_NAMES = frozenset({"input", "output"})
+_MAX_HOST_CHARS = 32  # of the host's name in the prefix: the socket paths stay short
 _PROBE_TIMEOUT_S = 1.0
+# The socket directory's parent when the temp dir's path is too long for unix sockets.
+SHORT_SOCKET_PARENT = "/tmp"
 # A directory changed this recently is never swept: a starting server's socket refuses
 # between its bind and its listen, which must not read as a dead server's.
 _SWEEP_MIN_AGE_S = 60.0
@@ -105,7 +108,8 @@ _SWEEP_MIN_AGE_S = 60.0
 
 def _host_prefix() -> str:
     """This host's socket directories' name prefix."""
-    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())
+    host = "".join(c if c.isalnum() or c in "-." else "_"
+                   for c in socket.gethostname()[:_MAX_HOST_CHARS])
     return f"{SOCKET_DIR_PREFIX}{host}-"
 
 
@@ -173,13 +177,34 @@ def remove_stale_socket_dirs(parent: str | None = None) -> int:
     return removed
 
 
+def _socket_path_fits(parent: str) -> bool:
+    """Whether the sockets of a directory made in ``parent`` fit a unix socket address
+    (``zmq.IPC_PATH_MAX_LEN`` bytes): mkdtemp adds 8 random characters to the prefix."""
+    directory = os.path.join(parent, f"{_host_prefix()}{os.getpid()}-{'x' * 8}")
+    longest = max(len(os.path.join(directory, name).encode()) for name in _SOCKET_NAMES)
+    return longest <= zmq.IPC_PATH_MAX_LEN
+
+
+def socket_parent() -> str:
+    """Where the engine's socket directory goes: the temp dir, or /tmp when the temp dir's
+    path is too long for a unix socket's address (a deep TMPDIR, as a test runner or a
+    job scheduler sets); a clear error when neither fits."""
+    for parent in dict.fromkeys((tempfile.gettempdir(), SHORT_SOCKET_PARENT)):
+        if _socket_path_fits(parent) and os.path.isdir(parent) and os.access(parent, os.W_OK):
+            return parent
+    raise ConfigError(f"the temp dir {tempfile.gettempdir()!r} is too long a path for the "
+                      f"engine's unix sockets ({zmq.IPC_PATH_MAX_LEN} bytes at most) and "
+                      f"{SHORT_SOCKET_PARENT} cannot take them: set TMPDIR to a shorter path")
+
+
 def _make_socket_dir() -> str:
     """A fresh private directory for the engine's ipc sockets, after sweeping stale ones."""
-    removed = remove_stale_socket_dirs()
+    parent = socket_parent()
+    removed = remove_stale_socket_dirs(parent)
     if removed:
         logger.info("removed %d stale engine socket directories (left by killed servers) "
-                    "from %s", removed, tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"{_host_prefix()}{os.getpid()}-")
+                    "from %s", removed, parent)
+    return tempfile.mkdtemp(prefix=f"{_host_prefix()}{os.getpid()}-", dir=parent)
 
 
 class AsyncEngineClient:

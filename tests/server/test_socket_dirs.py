@@ -193,3 +193,49 @@ def test_a_live_servers_socket_directory_is_kept(tmpdir_short: Path) -> None:
         assert _socket_dirs(tmpdir_short) == set()
     finally:
         _stop([p for p in (first, second) if p is not None], engines)
+
+
+def test_a_temp_dir_too_long_for_unix_sockets_falls_back_to_tmp(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A deep TMPDIR (a test runner's, a job scheduler's) would make the sockets' paths
+    longer than a unix socket address holds: the directory goes to /tmp instead, and
+    its sockets fit."""
+    import zmq
+
+    from engine_core import engine_client
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert not engine_client._socket_path_fits(str(deep))
+    assert engine_client.socket_parent() == engine_client.SHORT_SOCKET_PARENT
+    made = Path(engine_client._make_socket_dir())
+    try:
+        assert made.parent == Path(engine_client.SHORT_SOCKET_PARENT)
+        assert made.name.startswith(f"{_host_prefix()}{os.getpid()}-")
+        for name in ("input", "output"):
+            path = str(made / name)
+            assert len(path.encode()) <= zmq.IPC_PATH_MAX_LEN
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.bind(path)  # the address fits
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+    short = tmp_path / "s"
+    short.mkdir()
+    if engine_client._socket_path_fits(str(short)):  # pytest's own tmp_path is short enough
+        monkeypatch.setattr(tempfile, "tempdir", str(short))
+        assert engine_client.socket_parent() == str(short)
+
+
+def test_no_parent_short_enough_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    from engine_core import engine_client
+    from engine_core.errors import ConfigError
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    monkeypatch.setattr(engine_client, "SHORT_SOCKET_PARENT", str(deep))
+    with pytest.raises(ConfigError, match="set TMPDIR to a shorter path"):
+        engine_client.socket_parent()

@@ -10,19 +10,13 @@ and summary code, and their plans are checked without processes in test_disagg_r
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from benchmarks import disagg_report
-from benchmarks.disagg.cluster import Cluster, ClusterSpec
-from benchmarks.disagg.plan import PD, SMOKE_SCALE
-from engine_core.demo_model import random_demo_model_path
-from tests.integration.cluster_harness import children_of
+from benchmarks.disagg.plan import SMOKE_SCALE
 
 
 @dataclass(frozen=True)
@@ -83,28 +77,6 @@ def test_report_smoke_ttft_and_proxy_overhead(report: Report) -> None:
     markdown = (tmp_path / "summary.md").read_text()
     assert "## 4. Proxy overhead" in markdown and "raw/proxy_overhead__proxy.json`: 20" in markdown
     assert (tmp_path / "proxy_overhead_cdf.png").stat().st_size > 0
-
-
-def test_a_topology_that_lost_its_prefill_worker_reports_it(tmp_path: Path) -> None:
-    """The 1P1D whose prefill worker stops (as one whose engine died does) is reported
-    broken, so the report cannot publish D's local prefills as 1P1D figures."""
-    spec = ClusterSpec(model=str(random_demo_model_path()), served_model_name="pdserve-demo-random",
-                       engine_args=("--max-model-len", "256"), log_dir=tmp_path,
-                       kv_cache_bytes=SMOKE_SCALE.kv_cache_bytes)
-    with Cluster(spec, PD) as cluster:
-        assert cluster.problems() == []
-        assert cluster.proc is not None
-        # The worker's subcommand is its own argument (the proxy's flags also say "prefill").
-        prefill = [pid for pid in children_of(cluster.proc.pid)
-                   if b"\0prefill\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(prefill) == 1
-        os.kill(prefill[0], signal.SIGTERM)
-        deadline = time.monotonic() + 30.0
-        while not cluster.problems():
-            assert time.monotonic() < deadline, "the stopped prefill worker is still listed"
-            time.sleep(0.2)
-        (problem,) = cluster.problems()
-        assert problem.startswith("workers no longer registered: P ")
 
 
 def test_report_smoke_kv_offload(report: Report) -> None:

@@ -11,10 +11,12 @@ import torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist each worker's own torch ops take one thread: two workers with two
-    threads each on a 2-core machine spin against each other and the clusters they start."""
+    """Under pytest-xdist each worker's torch ops, and those of the processes it starts, take
+    one thread: two workers' tests with two threads each on a 2-core machine spin against
+    each other (a test that sets ``OMP_NUM_THREADS`` itself still does)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

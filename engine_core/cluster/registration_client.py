@@ -93,7 +93,9 @@ class RegistrationClient:
             self._context.term()
 
     async def heartbeat_once(self) -> bool:
-        """Send one heartbeat now; return whether it left (False: dropped)."""
+        """Send one heartbeat now; return whether it left (False: dropped, or stopped)."""
+        if self._socket is None:
+            return False
         load = WorkerLoad()
         if self._load_provider is not None:
             try:
@@ -101,6 +103,8 @@ class RegistrationClient:
                 load = await result if inspect.isawaitable(result) else result
             except Exception:  # stats are best effort; the heartbeat itself matters
                 logger.exception("load provider failed; heartbeat sent without stats")
+        if self._socket is None:  # stopped while the stats were read
+            return False
         message = dataclasses.replace(self._template, load=load)
         self.registered = self._send(message)
         return self.registered

@@ -236,6 +236,7 @@ class _Routes:
         except ValueError:
             raise InvalidRequestError(f"level must be 1 or 2, got {raw!r}", "level") from None
         await self.serving.client.call("sleep", timeout_s=600.0, level=level)
+        await self._announce_sleep_state()
         return web.Response(status=200)
 
     async def wake_up(self, request: web.Request) -> web.Response:
@@ -244,7 +245,14 @@ class _Routes:
         tags = request.query.getall("tags", None)
         await self.serving.client.call("wake_up", timeout_s=600.0,
                                        **({} if tags is None else {"tags": list(tags)}))
+        await self._announce_sleep_state()
         return web.Response(status=200)
+
+    async def _announce_sleep_state(self) -> None:
+        """After a sleep or wake-up: the heartbeats go now (``Readiness.announce``). They
+        read the new state from the engine's stats, which the engine sends ahead of the
+        call's result (``engine_process``)."""
+        await self.readiness.announce()
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": bool(await self.serving.client.call("is_sleeping"))})

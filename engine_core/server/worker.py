@@ -8,6 +8,7 @@ A worker is the colocated API server with a connector in its engine and a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import json
@@ -137,6 +138,8 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
         if readiness is not None:
             readiness.add_check("proxy_registration",
                                 lambda: any(r.registered for r in registrations))
+            readiness.add_listener(lambda: asyncio.gather(
+                *(r.heartbeat_once() for r in registrations)))
         logger.info("registering as %s with proxy %s", role, ", ".join(proxy_addresses))
 
         async def stop() -> None:

@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import aiohttp
 import pytest
@@ -193,7 +194,10 @@ class Cluster:
             *shape, "--model",
             str(checkpoint), "--port", str(free_port()), "--registration-port", str(reg_port),
             "--heartbeat-interval", str(heartbeat_s), *launch_flags, *ENGINE_ARGS])
-        proxy, workers, url = build_children(args, engine_argv(args), log_dir)
+        # A CPU cluster on any machine: on a GPU machine the launcher's plan would give each
+        # worker a GPU (and refuse more workers than GPUs).
+        with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""}):
+            proxy, workers, url = build_children(args, engine_argv(args), log_dir)
         path = {"PYTHONPATH": child_env()["PYTHONPATH"]}  # the launcher's env, this checkout
         proxy.env = {**proxy.env, **path}
         if heartbeat_timeout_s is not None:

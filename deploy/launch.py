@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from deploy.child_flags import (
@@ -255,11 +256,13 @@ def user_kv_settings(text: str | None) -> tuple[dict, dict]:
 CONNECTOR_KINDS = {"prefill": "kv_producer", "decode": "kv_consumer", "worker": "kv_both"}
 
 
-def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path
-                   ) -> tuple[Child, list[Child], str]:
+def build_children(args: argparse.Namespace, engine_args: list[str], log_dir: Path,
+                   environ: Mapping[str, str] | None = None) -> tuple[Child, list[Child], str]:
     """The proxy and the workers; every one reads the new cluster secret this writes into
-    ``log_dir``."""
-    base_env = dict(os.environ)  # NCCL_*, HF_* and the rest pass through unchanged
+    ``log_dir``. ``environ``: what the children inherit (default: this process's
+    environment), its ``CUDA_VISIBLE_DEVICES`` the GPUs they may get."""
+    # NCCL_*, HF_* and the rest pass through unchanged
+    base_env = dict(os.environ if environ is None else environ)
     trust_args = ["--cluster-secret-file", str(new_cluster_secret(log_dir))]
     if args.api_key:  # the children read it at their entry points (not visible in `ps`)
         base_env["VLLM_API_KEY"] = args.api_key

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import multiprocessing
@@ -19,7 +20,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,13 +92,16 @@ _REAP_TIMEOUT_S = 1.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 STARTUP_TIMEOUT_HINT = "--engine-startup-timeout SECONDS (or VLLM_ENGINE_READY_TIMEOUT_S)"
 
-# The ipc socket directories start() creates under the temp dir: this prefix, the host's
-# name (a temp dir may be shared between hosts, where another host's live sockets refuse
-# this one), the API process's pid (for an operator reading /tmp) and a random part;
-# inside, only these sockets.
+# The ipc socket directories start() creates under the temp dir (or SHORT_SOCKET_PARENT):
+# this prefix, the host's name (a temp dir may be shared between hosts, where another
+# host's live sockets refuse this one), the API process's pid (for an operator reading
+# /tmp) and a random part; inside, only these sockets.
 SOCKET_DIR_PREFIX = "pdserve-engine-"
 _SOCKET_NAMES = frozenset({"input", "output"})
-_MAX_HOST_CHARS = 32  # of the host's name in the prefix: the socket paths stay short
+# A longer host name is cut to its first _HOST_HEAD_CHARS plus a hash of the whole name,
+# so the socket paths stay short and hosts that differ at the end keep distinct prefixes.
+_MAX_HOST_CHARS = 32
+_HOST_HEAD_CHARS = 23
 _PROBE_TIMEOUT_S = 1.0
 # The socket directory's parent when the temp dir's path is too long for unix sockets.
 SHORT_SOCKET_PARENT = "/tmp"
@@ -108,8 +112,11 @@ _SWEEP_MIN_AGE_S = 60.0
 
 def _host_prefix() -> str:
     """This host's socket directories' name prefix."""
-    host = "".join(c if c.isalnum() or c in "-." else "_"
-                   for c in socket.gethostname()[:_MAX_HOST_CHARS])
+    name = socket.gethostname()
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+    if len(host) > _MAX_HOST_CHARS:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+        host = f"{host[:_HOST_HEAD_CHARS]}.{digest}"
     return f"{SOCKET_DIR_PREFIX}{host}-"
 
 
@@ -189,21 +196,31 @@ def socket_parent() -> str:
     """Where the engine's socket directory goes: the temp dir, or /tmp when the temp dir's
     path is too long for a unix socket's address (a deep TMPDIR, as a test runner or a
     job scheduler sets); a clear error when neither fits."""
-    for parent in dict.fromkeys((tempfile.gettempdir(), SHORT_SOCKET_PARENT)):
+    for parent in _socket_parents():
         if _socket_path_fits(parent) and os.path.isdir(parent) and os.access(parent, os.W_OK):
             return parent
-    raise ConfigError(f"the temp dir {tempfile.gettempdir()!r} is too long a path for the "
-                      f"engine's unix sockets ({zmq.IPC_PATH_MAX_LEN} bytes at most) and "
-                      f"{SHORT_SOCKET_PARENT} cannot take them: set TMPDIR to a shorter path")
+    raise ConfigError(f"no directory for the engine's unix sockets: the temp dir "
+                      f"{tempfile.gettempdir()!r} and {SHORT_SOCKET_PARENT} are each too long "
+                      f"a path ({zmq.IPC_PATH_MAX_LEN} bytes at most for a socket) or not "
+                      f"writable: set TMPDIR to a short writable directory")
+
+
+def _socket_parents() -> list[str]:
+    """Where socket directories may be: the temp dir, then SHORT_SOCKET_PARENT."""
+    return list(dict.fromkeys((tempfile.gettempdir(), SHORT_SOCKET_PARENT)))
 
 
 def _make_socket_dir() -> str:
-    """A fresh private directory for the engine's ipc sockets, after sweeping stale ones."""
+    """A fresh private directory for the engine's ipc sockets, after sweeping stale ones
+    (from both places a server may have put them)."""
     parent = socket_parent()
-    removed = remove_stale_socket_dirs(parent)
-    if removed:
-        logger.info("removed %d stale engine socket directories (left by killed servers) "
-                    "from %s", removed, parent)
+    for candidate in _socket_parents():
+        if not os.path.isdir(candidate):
+            continue
+        removed = remove_stale_socket_dirs(candidate)
+        if removed:
+            logger.info("removed %d stale engine socket directories (left by killed "
+                        "servers) from %s", removed, candidate)
     return tempfile.mkdtemp(prefix=f"{_host_prefix()}{os.getpid()}-", dir=parent)
 
 
@@ -232,6 +249,7 @@ class AsyncEngineClient:
         self._refusal: EngineDeadError | None = None  # set by fail_in_flight: no new generate
         self._closed = False
         self.latest_stats: EngineStats | None = None
+        self._sleep_listeners: list[Callable[[], object]] = []
         self.num_rejected_messages = 0
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_outputs())
@@ -377,6 +395,17 @@ class AsyncEngineClient:
         self._fail_all(EngineDeadError(
             f"engine core process exited (code {self._process.exitcode})"))
 
+    def add_sleep_listener(self, listener: Callable[[], object]) -> None:
+        """Call ``listener()`` whenever the engine falls asleep or wakes up, once its stats
+        say so (``latest_stats``: the engine sends them ahead of the call's result)."""
+        self._sleep_listeners.append(listener)
+
+    def _take_stats(self, stats: EngineStats) -> None:
+        previous, self.latest_stats = self.latest_stats, stats
+        if previous is not None and (previous.sleep_level > 0) != (stats.sleep_level > 0):
+            for listener in self._sleep_listeners:
+                listener()
+
     async def _read_outputs(self) -> None:
         while True:
             payload = await self._output.recv()
@@ -388,7 +417,7 @@ class AsyncEngineClient:
                 continue
             if isinstance(message, EngineOutputs):
                 if message.stats is not None:
-                    self.latest_stats = message.stats
+                    self._take_stats(message.stats)
                 for output in message.outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
@@ -491,6 +520,12 @@ class AsyncEngineClient:
     async def get_stats(self, timeout_s: float = 30.0) -> EngineStats:
         """A fresh stats snapshot from the engine."""
         return EngineStats(**await self.call("get_stats", timeout_s=timeout_s))
+
+    async def refresh_stats(self, timeout_s: float = 30.0) -> EngineStats:
+        """``get_stats``, kept as ``latest_stats`` (the sleep listeners told of a change)."""
+        stats = await self.get_stats(timeout_s=timeout_s)
+        self._take_stats(stats)
+        return stats
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process (gracefully, then by force) and release the sockets."""

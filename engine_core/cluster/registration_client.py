@@ -11,6 +11,7 @@ heartbeats (sends never block: IMMEDIATE, a small HWM, NOBLOCK, and linger 0 on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -60,6 +61,7 @@ class RegistrationClient:
         self._context = context or zmq.Context()
         self._socket: zmq.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._send_now = asyncio.Event()  # set: the next heartbeat leaves without waiting
         self.num_sent = 0
         self.num_dropped = 0
         # Whether the latest heartbeat left for a connected proxy (a worker's readiness).
@@ -77,6 +79,11 @@ class RegistrationClient:
         self._socket = socket
         self._task = asyncio.create_task(self._run(), name="registration-heartbeat")
 
+    def send_now(self) -> None:
+        """Send the next heartbeat now rather than at the next tick (the worker's state
+        changed: asleep or awake); dropped sends are retried as every heartbeat is."""
+        self._send_now.set()
+
     async def stop(self, deregister: bool = True) -> None:
         """Stop heartbeating; by default tell the proxy to drop this worker now."""
         if self._task is not None:
@@ -93,9 +100,7 @@ class RegistrationClient:
             self._context.term()
 
     async def heartbeat_once(self) -> bool:
-        """Send one heartbeat now; return whether it left (False: dropped, or stopped)."""
-        if self._socket is None:
-            return False
+        """Send one heartbeat now; return whether it left (False: dropped)."""
         load = WorkerLoad()
         if self._load_provider is not None:
             try:
@@ -103,8 +108,6 @@ class RegistrationClient:
                 load = await result if inspect.isawaitable(result) else result
             except Exception:  # stats are best effort; the heartbeat itself matters
                 logger.exception("load provider failed; heartbeat sent without stats")
-        if self._socket is None:  # stopped while the stats were read
-            return False
         message = dataclasses.replace(self._template, load=load)
         self.registered = self._send(message)
         return self.registered
@@ -123,6 +126,7 @@ class RegistrationClient:
     async def _run(self) -> None:
         retry_s = _FIRST_RETRY_S
         while True:
+            self._send_now.clear()  # this heartbeat reads the state that asked for it
             if not await self.heartbeat_once():
                 # Not connected yet (a fresh socket takes a few ms): retry soon, backing off,
                 # so a new worker is routable within milliseconds of listening.
@@ -130,4 +134,5 @@ class RegistrationClient:
                 retry_s *= 2
                 continue
             retry_s = _FIRST_RETRY_S
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._send_now.wait(), self._interval_s)

@@ -223,7 +223,7 @@ class _Routes:
     async def metrics(self, request: web.Request) -> web.Response:
         client = self.serving.client
         with contextlib.suppress(Exception):
-            client.latest_stats = await client.get_stats(timeout_s=METRICS_STATS_TIMEOUT_S)
+            await client.refresh_stats(timeout_s=METRICS_STATS_TIMEOUT_S)
         self.serving.metrics.engine_stats = client.latest_stats
         return web.Response(body=self.serving.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -236,7 +236,6 @@ class _Routes:
         except ValueError:
             raise InvalidRequestError(f"level must be 1 or 2, got {raw!r}", "level") from None
         await self.serving.client.call("sleep", timeout_s=600.0, level=level)
-        await self._announce_sleep_state()
         return web.Response(status=200)
 
     async def wake_up(self, request: web.Request) -> web.Response:
@@ -245,14 +244,7 @@ class _Routes:
         tags = request.query.getall("tags", None)
         await self.serving.client.call("wake_up", timeout_s=600.0,
                                        **({} if tags is None else {"tags": list(tags)}))
-        await self._announce_sleep_state()
         return web.Response(status=200)
-
-    async def _announce_sleep_state(self) -> None:
-        """After a sleep or wake-up: the heartbeats go now (``Readiness.announce``). They
-        read the new state from the engine's stats, which the engine sends ahead of the
-        call's result (``engine_process``)."""
-        await self.readiness.announce()
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": bool(await self.serving.client.call("is_sleeping"))})

@@ -9,16 +9,11 @@ A generation request counts as in flight from the moment its handler is admitted
 when the engine sees it: reading its body and tokenizing come first, and a drain that did
 not wait for them would stop the engine under a request it had accepted (a prefill worker
 would answer it and then exit holding the KV its decode worker is about to pull).
-
-A change of what the server can take that is not a drain (a sleep, a wake-up) is announced
-to the listeners (a worker's heartbeats): the proxy learns it at once, not at the next
-heartbeat, so it routes no request to an asleep worker in between.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -30,7 +25,6 @@ class Readiness:
     """One server's readiness: named checks and the draining flag (one per app)."""
 
     checks: dict[str, Callable[[], bool]] = field(default_factory=dict)
-    listeners: list[Callable[[], Awaitable[object]]] = field(default_factory=list)
     draining: bool = False
     admitted: int = 0  # generation requests taken whose handlers have not returned
 
@@ -54,11 +48,3 @@ class Readiness:
         """What keeps the server from being ready (empty: ready)."""
         waiting = ["draining"] if self.draining else []
         return waiting + [name for name, check in self.checks.items() if not check()]
-
-    def add_listener(self, listener: Callable[[], Awaitable[object]]) -> None:
-        """Call ``listener()`` (awaited) whenever ``announce`` is."""
-        self.listeners.append(listener)
-
-    async def announce(self) -> None:
-        """Tell every listener that what the server can take changed (asleep or awake)."""
-        await asyncio.gather(*(listener() for listener in self.listeners))

@@ -8,7 +8,6 @@ A worker is the colocated API server with a connector in its engine and a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import functools
 import json
@@ -135,11 +134,12 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
             for address in proxy_addresses]
         for registration in registrations:
             registration.start()
+        # A sleep or wake-up is heartbeated at once, not at the next tick: the proxy must stop
+        # (or start) routing to this worker as soon as its engine changed.
+        client.add_sleep_listener(lambda: [r.send_now() for r in registrations])
         if readiness is not None:
             readiness.add_check("proxy_registration",
                                 lambda: any(r.registered for r in registrations))
-            readiness.add_listener(lambda: asyncio.gather(
-                *(r.heartbeat_once() for r in registrations)))
         logger.info("registering as %s with proxy %s", role, ", ".join(proxy_addresses))
 
         async def stop() -> None:

@@ -282,3 +282,21 @@ def test_shutdown_while_the_engine_is_exiting_does_not_hang():
         assert finished, "shutdown() blocked on its send to an exiting engine"
     finally:
         loop.close()
+
+
+def test_sleep_listeners_hear_each_change_of_sleep_state_once() -> None:
+    """Stats pushed or refreshed tell the listeners only when asleep/awake flips (a worker's
+    heartbeat then goes at once); the first stats and unchanged ones tell nothing."""
+    client = AsyncEngineClient.__new__(AsyncEngineClient)
+    client.latest_stats = None
+    client._sleep_listeners = []
+    heard: list[int] = []
+    client.add_sleep_listener(lambda: heard.append(client.latest_stats.sleep_level))
+
+    def stats(level: int) -> EngineStats:
+        return EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, sleep_level=level)
+
+    for level in (0, 0, 1, 2, 1, 0, 0, 2):
+        client._take_stats(stats(level))
+    assert heard == [1, 0, 2]  # asleep, awake, asleep (the levels 1 -> 2 -> 1 stay asleep)
+    assert client.latest_stats.sleep_level == 2

@@ -23,7 +23,6 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 import aiohttp
 import pytest
@@ -196,8 +195,8 @@ class Cluster:
             "--heartbeat-interval", str(heartbeat_s), *launch_flags, *ENGINE_ARGS])
         # A CPU cluster on any machine: on a GPU machine the launcher's plan would give each
         # worker a GPU (and refuse more workers than GPUs).
-        with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""}):
-            proxy, workers, url = build_children(args, engine_argv(args), log_dir)
+        proxy, workers, url = build_children(args, engine_argv(args), log_dir,
+                                             {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         path = {"PYTHONPATH": child_env()["PYTHONPATH"]}  # the launcher's env, this checkout
         proxy.env = {**proxy.env, **path}
         if heartbeat_timeout_s is not None:

@@ -26,7 +26,7 @@ async def test_colocated_hook_registers_and_deregisters(wait_until) -> None:
     server = RegistrationServer(registry, "127.0.0.1", port=0, secret=secret)
     await server.start()
     config = EngineConfig(model=ModelConfig(model="/models/x", served_model_name="m"))
-    engine = SimpleNamespace(latest_stats=None)
+    engine = SimpleNamespace(latest_stats=None, add_sleep_listener=lambda listener: None)
     options = SimpleNamespace(host="0.0.0.0", port=8123)
     stop = None
     try:

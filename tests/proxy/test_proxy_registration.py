@@ -196,3 +196,37 @@ async def test_a_backlog_of_registration_messages_does_not_hold_the_event_loop()
         await server.stop()
         sock.close(0)
         context.term()
+
+
+async def test_send_now_heartbeats_without_waiting_for_the_interval(wait_until) -> None:
+    """A sleep or wake-up (``send_now``) reaches the proxy at once, with the load read
+    then, although the next tick is a minute away."""
+    registry = InstanceRegistry(heartbeat_timeout_s=600)
+    server = RegistrationServer(registry, "127.0.0.1", port=0)
+    await server.start()
+    sleeping = False
+    client = RegistrationClient(f"127.0.0.1:{server.port}", role="D",
+                                http_address="127.0.0.1:8200", model="m",
+                                zmq_address="127.0.0.1:14580",
+                                load_provider=lambda: WorkerLoad(sleeping=sleeping),
+                                interval_s=60.0)
+    try:
+        client.start()
+        await wait_until(lambda: len(registry) == 1)
+
+        def asleep() -> bool:
+            (worker,) = registry.workers("D")
+            return worker.load.sleeping
+
+        await asyncio.sleep(0.1)
+        assert client.num_sent == 1 and not asleep()
+        sleeping = True
+        client.send_now()
+        await wait_until(asleep, timeout_s=10.0)
+        sleeping = False
+        client.send_now()
+        await wait_until(lambda: not asleep(), timeout_s=10.0)
+        assert client.num_sent == 3
+    finally:
+        await client.stop()
+        await server.stop()

@@ -78,28 +78,3 @@ async def test_registration_client_is_registered_only_while_its_heartbeats_leave
         await server.stop()
     assert not client.registered
 
-
-async def test_announce_awaits_every_listener() -> None:
-    readiness = Readiness()
-    heard: list[str] = []
-
-    async def listener(name: str) -> None:
-        await asyncio.sleep(0)
-        heard.append(name)
-
-    await readiness.announce()  # none: nothing to do
-    readiness.add_listener(lambda: listener("a"))
-    readiness.add_listener(lambda: listener("b"))
-    await readiness.announce()
-    assert sorted(heard) == ["a", "b"]
-
-
-async def test_a_stopped_registration_sends_no_heartbeat() -> None:
-    """An announce racing the server's stop: the stopped client says False, never raises."""
-    client = RegistrationClient("127.0.0.1:1", role="D", http_address="127.0.0.1:8200",
-                                model="m", interval_s=60.0)
-    assert await client.heartbeat_once() is False  # never started
-    client.start()
-    await client.stop(deregister=False)
-    assert await client.heartbeat_once() is False
-    assert client.num_sent == 0

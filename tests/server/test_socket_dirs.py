@@ -237,5 +237,20 @@ def test_no_parent_short_enough_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     monkeypatch.setattr(engine_client, "SHORT_SOCKET_PARENT", str(deep))
-    with pytest.raises(ConfigError, match="set TMPDIR to a shorter path"):
+    with pytest.raises(ConfigError, match="set TMPDIR to a short writable directory"):
         engine_client.socket_parent()
+
+
+def test_long_host_names_keep_distinct_short_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts sharing a temp dir must never sweep each other's sockets: a long name is cut,
+    and the hash of the whole name keeps names that differ only at the end apart."""
+    from engine_core import engine_client
+
+    prefixes = []
+    for name in ("a-very-long-statefulset-name.cluster.local-decode-0",
+                 "a-very-long-statefulset-name.cluster.local-decode-1", "short-host"):
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        prefixes.append(engine_client._host_prefix())
+    assert len(set(prefixes)) == 3
+    assert prefixes[2] == "pdserve-engine-short-host-"
+    assert all(len(p) <= len("pdserve-engine-") + 32 + 1 for p in prefixes)

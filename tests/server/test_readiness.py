@@ -77,4 +77,3 @@ async def test_registration_client_is_registered_only_while_its_heartbeats_leave
         await client.stop()
         await server.stop()
     assert not client.registered
-

@@ -19,6 +19,26 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _cpu_tests_start_cpu_processes(request: pytest.FixtureRequest,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the ``gpu`` marker starts its processes with no GPU visible, so the CPU
+    suite tests the same CPU clusters on a GPU machine (the launcher would give each worker
+    a GPU). This process's own CUDA state was fixed at collection (``is_available``)."""
+    if "gpu" not in request.keywords and torch.cuda.is_available():
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture
+def no_cuda_visible_devices(request: pytest.FixtureRequest,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch plan's test (``--gpus 0,1`` on any machine) plans for GPUs that no
+    ``CUDA_VISIBLE_DEVICES`` narrows, whatever the machine running it sets (a ``gpu``
+    test keeps the machine's)."""
+    if "gpu" not in request.keywords:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu` tests where CUDA is absent (CI deselects them with -m "not gpu")."""
     if torch.cuda.is_available():

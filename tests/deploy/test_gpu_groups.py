@@ -12,6 +12,9 @@ from deploy.cli import build_parser
 from deploy.gpu_groups import gpu_groups
 from deploy.launch import build_children, engine_argv, free_port_runs
 
+# Launch plans for GPUs that no CUDA_VISIBLE_DEVICES of the machine running them narrows.
+pytestmark = pytest.mark.usefixtures("no_cuda_visible_devices")
+
 
 def _parse(*argv: str):
     return build_parser().parse_args(["launch", "--model", "/m", *argv])

@@ -34,6 +34,9 @@ from tests.integration.cluster_harness import (
     child_env,
 )
 
+# Launch plans for GPUs that no CUDA_VISIBLE_DEVICES of the machine running them narrows.
+pytestmark = pytest.mark.usefixtures("no_cuda_visible_devices")
+
 
 def _parse(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["launch", "--model", "/m", *argv])

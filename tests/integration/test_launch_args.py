@@ -21,6 +21,7 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+@pytest.mark.usefixtures("no_cuda_visible_devices")  # plans --gpus
 def test_gpus_one_per_worker_and_env_passes_through(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
@@ -65,6 +66,7 @@ def test_proxy_flags_reach_the_proxy(tmp_path: Path) -> None:
         build_children(_parse("--prefill-overflow", "-1"), [], tmp_path)
 
 
+@pytest.mark.usefixtures("no_cuda_visible_devices")  # plans --gpus
 def test_too_few_gpus(tmp_path: Path) -> None:
     args = _parse("--gpus", "0")
     with pytest.raises(SystemExit, match="need 2 GPUs"):
@@ -91,12 +93,14 @@ def test_cpu_workers_split_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert {w.env["OMP_NUM_THREADS"] for w in workers} == {"3"}
 
 
+@pytest.mark.usefixtures("no_cuda_visible_devices")  # plans --gpus
 def test_gpu_workers_keep_omp_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     _, workers, _ = build_children(_parse("--gpus", "0,1"), [], tmp_path)
     assert all("OMP_NUM_THREADS" not in w.env for w in workers)
 
 
+@pytest.mark.usefixtures("no_cuda_visible_devices")  # plans --gpus
 def test_one_gpu_pair_over_the_cpu_transport(tmp_path: Path) -> None:
     """``--gpus 0,0 --kv-transport cpu``: P and D share GPU0; their KV goes over ZMQ."""
     _, workers, _ = build_children(_parse("--gpus", "0,0", "--kv-transport", "cpu"), [], tmp_path)
@@ -204,6 +208,7 @@ def test_ports_are_distinct_and_heartbeats_checked(tmp_path: Path) -> None:
             _parse("--heartbeat-interval", bad)
 
 
+@pytest.mark.usefixtures("no_cuda_visible_devices")  # plans --gpus
 def test_workers_sharing_a_gpu_send_kv_over_zmq_by_default(tmp_path: Path) -> None:
     """NCCL takes no two ranks on one GPU: with --gpus 0,0 and the default transport (auto),
     the workers now get the CPU transport instead of failing their first transfer."""
@@ -284,6 +289,7 @@ def test_a_dead_childs_leftovers_are_killed(tmp_path: Path) -> None:
     child.log.close()
 
 
+@pytest.mark.usefixtures("no_cuda_visible_devices")  # plans --gpus
 def test_workers_are_the_default_and_static_roles_stay(tmp_path: Path) -> None:
     """Without --prefill/--decode, launch starts workers the proxy places requests on
     (kv_both, `pdserve worker`); --prefill/--decode keep their static meaning."""

@@ -194,7 +194,9 @@ class Cluster:
             str(checkpoint), "--port", str(free_port()), "--registration-port", str(reg_port),
             "--heartbeat-interval", str(heartbeat_s), *launch_flags, *ENGINE_ARGS])
         # A CPU cluster on any machine: on a GPU machine the launcher's plan would give each
-        # worker a GPU (and refuse more workers than GPUs).
+        # worker a GPU (and refuse more workers than GPUs). Said here, not left to the
+        # per-test fixture that hides the GPUs (tests/conftest.py): session and module
+        # fixtures build their clusters before it runs.
         proxy, workers, url = build_children(args, engine_argv(args), log_dir,
                                              {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         path = {"PYTHONPATH": child_env()["PYTHONPATH"]}  # the launcher's env, this checkout

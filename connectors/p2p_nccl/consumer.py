@@ -36,7 +36,8 @@ from connectors.p2p_nccl.recv_buffer import RecvBuffer
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.errors import KVTransferError
 from engine_core.kv_connector import FinishedTransfers
-from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, scatter_layers, wire_shape
+from engine_core.parallel.kv_layout import HeadSlice
+from engine_core.worker.block_copy import block_ids_tensor, scatter_layers, wire_shape
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_core.codec import MessageCodec
-from engine_core.worker.block_copy import HeadSlice
+from engine_core.parallel.kv_layout import HeadSlice
 
 
 @dataclass

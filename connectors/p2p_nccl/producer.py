@@ -30,7 +30,8 @@ from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.addresses import is_host_port
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import TrustRefusal
-from engine_core.worker.block_copy import HeadSlice, block_ids_tensor, gather_layers, wire_shape
+from engine_core.parallel.kv_layout import HeadSlice
+from engine_core.worker.block_copy import block_ids_tensor, gather_layers, wire_shape
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from connectors.p2p_nccl.messages import make_codec
 from engine_core.config import KVTransferConfig
 from engine_core.doorbell import Doorbell
 from engine_core.errors import KVTransferError
-from engine_core.worker.block_copy import HeadSlice
+from engine_core.parallel.kv_layout import HeadSlice
 
 logger = logging.getLogger(__name__)
 

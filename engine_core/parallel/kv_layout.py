@@ -12,11 +12,32 @@ the connector's (``connectors/p2p_nccl/kv_layout.py``). Pure: no device, socket 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 from engine_core.addresses import is_host_port
 from engine_core.errors import ConfigError, KVTransferError
 
+if TYPE_CHECKING:
+    import torch
+
 MAX_TP_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """KV heads ``[start, start + count)`` of a cache block ``[block_size, heads, head_dim]``.
+    A slice of a block is strided, so it is copied by ``index_select``/``index_copy_`` (on
+    CUDA too) rather than the contiguous chunk kernel; the whole block keeps that kernel."""
+
+    start: int
+    count: int
+
+    def of(self, layers: torch.Tensor) -> torch.Tensor:
+        """The slice of a ``[..., heads, head_dim]`` tensor (a view)."""
+        return layers.narrow(-2, self.start, self.count)
+
+    def is_whole(self, layers: torch.Tensor) -> bool:
+        return self.start == 0 and self.count == layers.shape[-2]
 
 
 def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:

@@ -14,29 +14,11 @@ of each block: the wire buffer then holds only those heads,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine_core.errors import KVTransferError
 from engine_core.kernels import as_int_words
-
-
-@dataclass(frozen=True)
-class HeadSlice:
-    """KV heads ``[start, start + count)`` of a cache block ``[block_size, heads, head_dim]``.
-    A slice of a block is strided, so it is copied by ``index_select``/``index_copy_`` (on
-    CUDA too) rather than the contiguous chunk kernel; the whole block keeps that kernel."""
-
-    start: int
-    count: int
-
-    def of(self, layers: torch.Tensor) -> torch.Tensor:
-        """The slice of a ``[..., heads, head_dim]`` tensor (a view)."""
-        return layers.narrow(-2, self.start, self.count)
-
-    def is_whole(self, layers: torch.Tensor) -> bool:
-        return self.start == 0 and self.count == layers.shape[-2]
+from engine_core.parallel.kv_layout import HeadSlice
 
 
 def stack_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor:

@@ -15,8 +15,7 @@ from connectors.p2p_nccl.kv_layout import HeadRoute, plan_head_routes, route_tra
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from deploy.launch import free_ports
 from engine_core.config import KVTransferConfig
-from engine_core.parallel.kv_layout import KVLayout
-from engine_core.worker.block_copy import HeadSlice
+from engine_core.parallel.kv_layout import HeadSlice, KVLayout
 from engine_core.worker.kv_cache import KVCacheShape, allocate_kv_caches
 from tests.connectors.worker_pair import (
     DST,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.worker.block_copy import HeadSlice
+from engine_core.parallel.kv_layout import HeadSlice
 from tests.connectors.layout_cluster import LayoutCluster
 from tests.connectors.worker_pair import wait_until
 

@@ -13,11 +13,10 @@ from connectors.p2p_nccl.scheduler_side import P2pConnectorScheduler
 from engine_core.config import KVTransferConfig
 from engine_core.doorbell import Doorbell
 from engine_core.kv_connector import FinishedTransfers, RankZeroConnector
-from engine_core.parallel.kv_layout import KVLayout, PeerRanks
+from engine_core.parallel.kv_layout import HeadSlice, KVLayout, PeerRanks
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.outputs import SchedulerOutput
-from engine_core.worker.block_copy import HeadSlice
 from tests.kv_grants import granted_params
 
 BS = 4

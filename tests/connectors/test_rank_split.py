@@ -7,8 +7,7 @@ import pytest
 from connectors.p2p_nccl.kv_layout import plan_head_routes
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
 from connectors.p2p_nccl.rank_split import RouteGrants, split_step
-from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, PeerRanks
-from engine_core.worker.block_copy import HeadSlice
+from engine_core.parallel.kv_layout import HeadSlice, KVLayout, KVLayoutError, PeerRanks
 
 P0 = "p:9000"
 

@@ -26,6 +26,7 @@ from proxy.config import ProxyConfig
 from proxy.dispatcher import Dispatcher
 from proxy.forwarding import LegTimeouts, create_upstream_session
 from proxy.handlers import add_routes
+from proxy.kv_release import KVReleaser
 from proxy.legs import InflightLimiter
 from proxy.metrics import ProxyMetrics
 from proxy.model_cards import ModelCards
@@ -107,6 +108,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         prefill_overflow=config.prefill_overflow, limiter=app[keys.LIMITER],
         placer=app[keys.PLACER], migration_limit=config.migration_limit,
         grants=GrantAuthority(config.cluster_secret),
+        releaser=KVReleaser(config.cluster_secret, config.connect_timeout_s),
         timeouts=LegTimeouts(prefill_s=config.prefill_timeout_s,
                              decode_s=config.decode_timeout_s,
                              connect_s=config.connect_timeout_s,

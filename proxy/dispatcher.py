@@ -23,9 +23,10 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   the client holds (``proxy/migration.py``); one that cannot be ends with an SSE
   ``data: {"error": ...}`` event and ``data: [DONE]``.
 - Cancellation (client gone; the server runs with handler cancellation) closes every leg.
-- KV that P computed for a D that will never pull it is released through D at once
-  (``_release``), not left to P's lease: D refused the request (a 4xx: its engine never
-  took it) after P computed it, or while P still ran it (P's leg is then awaited in the
+- KV that P computed for a D that will never pull it is released at once (``_release``:
+  the proxy tells P's KV control sockets itself, ``proxy/kv_release.py``), not left to P's
+  lease: D refused the request (a 4xx) or failed (unreachable, a 503, a 5xx, no answer in
+  time) after P computed it, or while P still ran it (P's leg is then awaited in the
   background, ``_settle_prefill``, not cut); or a handoff's client left before any D took
   the request (``_settle_decode`` learns which from D's answer). P's own request is the
   client's (``forwarding.producer_body``), validated there as D validates it, so what D
@@ -54,6 +55,7 @@ from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import (
     ConfigError,
+    KVTransferError,
     NoWorkerError,
     UpstreamError,
     UpstreamTimeoutError,
@@ -63,6 +65,7 @@ from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBou
 from proxy import forwarding as fw
 from proxy.client_stream import open_stream
 from proxy.handoff import FirstTokenHandoff
+from proxy.kv_release import KVReleaser, release_notices
 from proxy.legs import (
     HeldKV,
     InflightLimiter,
@@ -95,11 +98,14 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
                  affinity_prefix_chars: int = 256, first_token_from_prefill: bool = True,
                  prefill_overflow: int = 0, write_timeout_s: float = 60.0,
                  limiter: InflightLimiter | None = None, placer: Placer | None = None,
-                 migration_limit: int = 3, grants: GrantAuthority | None = None) -> None:
+                 migration_limit: int = 3, grants: GrantAuthority | None = None,
+                 releaser: KVReleaser | None = None) -> None:
         self.registry = registry
         self.placer = placer
         # Signs each request's transfer grant (P, D, transfer id), attached to both legs.
         self.grants = grants or GrantAuthority(ClusterSecret())
+        # Tells P to drop KV no decode leg will pull (over P's KV control sockets).
+        self.releaser = releaser or KVReleaser(ClusterSecret())
         self.policy = policy
         self.metrics = metrics
         self.session = session
@@ -241,8 +247,7 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
         headers = fw.leg_headers(request.headers, attempt_id)
         grant = self._grant(attempt_id, prefill, decode)
-        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
-                      grant)
+        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), grant)
         p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
         d_leg = Leg(self, decode, "decode")
         timer.prefill_sent = self.clock()
@@ -267,22 +272,34 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
             while not p_task.done():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if d_task is not None and d_task in done and not p_task.done():
-                    d_response = await self._decode_response(d_task, d_leg)
-                    if not 200 <= d_response.status < 300:  # D refused: its answer stands
-                        if took_nothing(d_response.status):
+                    # D refused or failed while P computes: P's leg is settled, not cut.
+                    try:
+                        d_response = await self._decode_response(d_task, d_leg)
+                        if not 200 <= d_response.status < 300:  # its answer stands
                             p_settling = self._spawn(self._settle_prefill(p_task, p_leg, held))
-                        return await self._forward_refusal(d_response, d_leg, attempt_id)
+                            return await self._forward_refusal(d_response, d_leg, attempt_id)
+                    except Retry:
+                        if not p_settling:
+                            p_settling = self._spawn(self._settle_prefill(p_task, p_leg, held))
+                        raise
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
             if isinstance(verdict, web.Response):
                 return verdict
             if d_task is None:
                 d_task = open_decode(verdict)
-            d_response = await self._decode_response(d_task, d_leg, body.get("stream") is True)
-            if not 200 <= d_response.status < 300:
-                if took_nothing(d_response.status):  # P holds KV D will never pull
-                    self._spawn(self._release(held))
-                return await self._forward_refusal(d_response, d_leg, attempt_id)
-            return await self._relay(request, d_response, d_leg, attempt_id, timer)
+            try:
+                d_response = await self._decode_response(d_task, d_leg,
+                                                         body.get("stream") is True)
+                if not 200 <= d_response.status < 300:
+                    if took_nothing(d_response.status):  # P holds KV D will never pull
+                        self._spawn(self._release(held))
+                    return await self._forward_refusal(d_response, d_leg, attempt_id)
+                return await self._relay(request, d_response, d_leg, attempt_id, timer)
+            except Retry:
+                # D failed before it answered (unreachable, asleep, dead, silent): the next
+                # attempt moves the prompt under a new transfer id, so P's is dropped now.
+                self._spawn(self._release(held))
+                raise
         finally:
             d_leg.finish(aborted=True)
             opened = [] if d_task is None else [d_task]
@@ -294,8 +311,9 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
 
     async def _settle_prefill(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: Leg,
                               held: HeldKV) -> None:
-        """P's leg of a request D refused while P still ran it: awaited in the background
-        (its own deadline bounds it) and its KV released once P says it computed it.
+        """P's leg of a request D refused, or failed, while P still ran it: awaited in the
+        background (its own deadline bounds it) and its KV released once P says it computed
+        it (a retry on the same P then finds the prompt in its prefix cache).
 
         Not cancelled: an abort landing after P's save left the KV held for the lease, and
         a release sent for a request P never took would wait in P as a pull of its own."""
@@ -316,32 +334,15 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
             await abort_tasks(p_task)
 
     async def _release(self, held: HeldKV) -> None:
-        """Make P drop KV that no decode leg will pull (its request refused by D, or its
-        client gone before any D took it) now, not when its lease ends: D's release
-        endpoint has its KV connector tell P, as it does for a request it aborts. Best
-        effort: a failure leaves the KV to the lease."""
-        url = held.decode.url + fw.RELEASE_PATH
-        assert held.prefill.zmq_address is not None
-        body = fw.release_body(held.transfer_ids, held.prefill.zmq_address, held.grant,
-                               held.prefill.kv_ranks)
+        """Make P drop KV that no decode leg will pull now, not when its lease ends: the
+        proxy tells each of P's ranks itself (``proxy/kv_release.py``), so it works whatever
+        became of D. Best effort: a failure leaves the KV to the lease."""
         try:
-            response = await fw.open_leg(self.session, url, body, held.headers,
-                                         self.timeouts.release())
-            try:
-                data = await fw.read_body(response, 64 << 10)
-            finally:
-                response.close()
-        except UpstreamError as err:
+            await self.releaser.send(release_notices(held, self.grants))
+        except KVTransferError as err:
             self.metrics.kv_releases.labels("failed").inc()
             logger.warning("KV of %s on %s not released (its lease frees it): %s",
                            held.transfer_ids[0], held.prefill.worker_id, err)
-            return
-        if not 200 <= response.status < 300:
-            self.metrics.kv_releases.labels("failed").inc()
-            logger.warning("KV of %s on %s not released (its lease frees it): %s answered "
-                           "%d: %s", held.transfer_ids[0], held.prefill.worker_id,
-                           held.decode.worker_id, response.status,
-                           data[:300].decode(errors="replace"))
             return
         self.metrics.kv_releases.labels("released").inc()
 

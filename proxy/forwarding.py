@@ -26,8 +26,6 @@ from proxy.prefix_index import chat_text
 FORWARDED_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "User-Agent")
 SSE_CONTENT_TYPE = "text/event-stream"
 CHAT_PATH = "/v1/chat/completions"
-RELEASE_PATH = "/internal/kv/release"  # a decode worker's: P drops KV nobody will pull
-RELEASE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -55,9 +53,6 @@ class LegTimeouts:
         return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s,
                                      sock_read=self.decode_s)
 
-    def release(self) -> aiohttp.ClientTimeout:
-        """A KV release through a decode worker: one short engine request there."""
-        return aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S, sock_connect=self.connect_s)
 
 
 def create_upstream_session(api_key: str | None = None) -> aiohttp.ClientSession:
@@ -156,18 +151,6 @@ def prompt_transfer_ids(path: str, body: dict[str, Any], transfer_id: str) -> li
     if len(prompt) == 1:
         return [transfer_id]
     return [f"{transfer_id}-p{i}" for i in range(len(prompt))]
-
-
-def release_body(transfer_ids: list[str], prefill_kv_address: str, grant: str,
-                 prefill_ranks: PeerRanks | None = None) -> dict[str, Any]:
-    """The body of a decode worker's ``RELEASE_PATH`` (with the transfers' grant, without
-    which the decode worker tells the prefill worker nothing, and P's ranks, each of which
-    holds its heads of the KV)."""
-    body: dict[str, Any] = {"transfer_ids": list(transfer_ids),
-                            "remote_kv_address": prefill_kv_address, "grant": grant}
-    if prefill_ranks is not None:
-        body["remote_ranks"] = prefill_ranks.to_wire()
-    return body
 
 
 def affinity_key(path: str, body: dict[str, Any], num_chars: int) -> str | None:

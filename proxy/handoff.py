@@ -73,9 +73,10 @@ class FirstTokenHandoff:
         failure is retried as in ``_run_pd``; after that the stream is the client's, and a D
         that cannot be reached (or is asleep) is replaced by another decode worker: it never
         got the request, so P's held KV is still there for the next one to pull (a failed
-        pull falls back to computing the prompt there). Anything else ends the stream with
-        an SSE error event (a D's 4xx also releases P's KV). ``model`` and ``key`` route
-        that replacement as the request was routed.
+        pull falls back to computing the prompt there). Anything else continues the stream
+        where its prompt is computed again (``proxy/migration.py``) or ends it with an SSE
+        error event, and P's KV is released then. ``model`` and ``key`` route that
+        replacement as the request was routed.
         """
         prefill, decode = route.prefill, route.decode
         assert prefill is not None and prefill.zmq_address and decode.zmq_address
@@ -95,8 +96,7 @@ class FirstTokenHandoff:
             await abort_tasks(p_task)
         if isinstance(verdict, web.Response):
             return verdict
-        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), headers,
-                      grant)
+        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), grant)
         first = fw.first_token_of(verdict, fw.num_choices(body))
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             # Counted unless this D sends the request round again (unreachable, asleep):
@@ -110,8 +110,9 @@ class FirstTokenHandoff:
                 if took_nothing(response.status):  # P holds KV D will never pull
                     self._spawn(self._release(held))
                 return response
-            except Retry:
+            except Retry:  # tried again under a new transfer id: P's KV is not pulled
                 retried = True
+                self._spawn(self._release(held))
                 raise
             finally:
                 if not retried:
@@ -169,6 +170,9 @@ class FirstTokenHandoff:
                     d_leg.finish(err)
                     if not (err.connect_failed or isinstance(err, UpstreamUnavailableError)) \
                             or attempt + 1 == self.max_attempts:
+                        # Continued where the prompt is computed again (or ended): nobody
+                        # pulls P's KV.
+                        self._spawn(self._release(held))
                         return await self._continue_or_end(stream, decode, err, attempt_id,
                                                            timer)
                     excluded.add(decode.worker_id)
@@ -179,7 +183,8 @@ class FirstTokenHandoff:
                     pool = self.registry.candidates(None, model, excluded)
                     role = ROLE_DECODE
                     others = [w for w in pool if CAP_DECODE in w.capabilities]
-                    if not others:
+                    if not others:  # what serves it now computes the prompt itself
+                        self._spawn(self._release(held))
                         role = ROLE_COLOCATED
                         others = [w for w in pool if CAP_WHOLE in w.capabilities]
                     if not others:
@@ -199,8 +204,8 @@ class FirstTokenHandoff:
                         f"{data[:500].decode(errors='replace')}", kind="status",
                         status=d_response.status)
                     d_leg.finish(err)
-                    if took_nothing(d_response.status):  # P holds KV D will never pull
-                        self._spawn(self._release(held))
+                    self._spawn(self._release(held))  # no decode leg pulls P's KV any more
+                    if took_nothing(d_response.status):
                         return await end_stream(stream, err)
                     return await self._continue_or_end(stream, decode, err, attempt_id, timer)
                 return await self._stream_into(stream, d_response, d_leg, attempt_id, timer, b"")

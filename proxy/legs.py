@@ -55,12 +55,11 @@ class Retry(Exception):
 @dataclass(frozen=True)
 class HeldKV:
     """The KV a prefill worker holds for one attempt: its transfers, the decode worker
-    named to pull them (and through which a release reaches P), the legs' headers."""
+    named to pull them (a release names it: its grant covers the pair)."""
 
     prefill: WorkerState
     decode: WorkerState
     transfer_ids: list[str]
-    headers: dict[str, str]
     grant: str  # the transfers' grant naming prefill and decode
 
 

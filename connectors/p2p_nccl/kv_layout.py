@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.parallel.kv_layout import KVLayout, KVLayoutError, layout_mismatch
-from engine_core.worker.block_copy import HeadSlice
+from engine_core.parallel.kv_layout import (
+    HeadSlice,
+    KVLayout,
+    KVLayoutError,
+    PeerRanks,
+    layout_mismatch,
+)
 
 
 @dataclass(frozen=True)
@@ -94,3 +99,20 @@ def route_transfer_ids(transfer_id: str, routes: list[HeadRoute]) -> list[str]:
     if len(routes) == 1:
         return [transfer_id]
     return [f"{transfer_id}/kv{route.src_rank}-{route.dst_rank}" for route in routes]
+
+
+def rank_pairs(transfer_id: str, producer: PeerRanks | None, producer_address: str,
+               consumer: PeerRanks | None, consumer_address: str) -> list[tuple[str, str, str]]:
+    """Each route of a transfer between two workers as (its transfer id, the producer rank's
+    connector address, the consumer rank's): the pulls, and releases, it moves under. A
+    worker whose ranks are not known is one rank at its address with the other's model shape
+    (both unknown: the one pair of addresses)."""
+    if producer is None and consumer is None:
+        return [(transfer_id, producer_address, consumer_address)]
+    shape = (producer or consumer).layout.model_shape  # type: ignore[union-attr]
+    producer = producer or PeerRanks(KVLayout.of_rank(1, 0, *shape), (producer_address,))
+    consumer = consumer or PeerRanks(KVLayout.of_rank(1, 0, *shape), (consumer_address,))
+    routes = plan_head_routes(producer.layout, consumer.layout)
+    return [(route_id, producer.addresses[route.src_rank], consumer.addresses[route.dst_rank])
+            for route_id, route in zip(route_transfer_ids(transfer_id, routes), routes,
+                                       strict=True)]

@@ -187,18 +187,21 @@ def check_geometry(num_layers: int, num_blocks: int, dtype: str, block_shape: li
 def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: list[int]) -> str | None:
     """Validate a pull request against this producer's cache geometry. A pull may ask for
     fewer KV heads than a block holds (one route between tensor-parallel layouts); that they
-    are the heads its transfer moves is checked when it meets its save."""
-    reason = check_geometry(pull.num_layers, pull.num_blocks, pull.dtype, pull.block_shape)
-    if reason:
-        return reason
-    if pull.first_block < 0:
-        return "negative first_block"
-    block_size, num_heads, head_dim = block_shape
-    asked_size, asked_heads, asked_dim = pull.block_shape
-    if ((pull.num_layers, pull.dtype, asked_size, asked_dim)
-            != (num_layers, dtype, block_size, head_dim) or asked_heads > num_heads):
-        return (f"geometry mismatch: peer has {pull.num_layers} layers {pull.dtype} "
-                f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
+    are the heads its transfer moves is checked when it meets its save. A release
+    (``num_blocks == 0``) moves nothing: its geometry is not read (the proxy's carries none,
+    ``release_request``)."""
+    if pull.num_blocks != 0:
+        reason = check_geometry(pull.num_layers, pull.num_blocks, pull.dtype, pull.block_shape)
+        if reason:
+            return reason
+        if pull.first_block < 0:
+            return "negative first_block"
+        block_size, num_heads, head_dim = block_shape
+        asked_size, asked_heads, asked_dim = pull.block_shape
+        if ((pull.num_layers, pull.dtype, asked_size, asked_dim)
+                != (num_layers, dtype, block_size, head_dim) or asked_heads > num_heads):
+            return (f"geometry mismatch: peer has {pull.num_layers} layers {pull.dtype} "
+                    f"{pull.block_shape}, we have {num_layers} {dtype} {block_shape}")
     if not 0 < len(pull.transfer_id) <= MAX_TRANSFER_ID_CHARS:
         return f"transfer id of {len(pull.transfer_id)} characters"
     if not is_host_port(pull.consumer_address):
@@ -212,6 +215,16 @@ def check_pull(pull: KVPullRequest, num_layers: int, dtype: str, block_shape: li
     if len(pull.grant) > MAX_GRANT_CHARS:
         return f"grant of {len(pull.grant)} characters"
     return None
+
+
+def release_request(transfer_id: str, consumer_address: str, grant: str) -> KVPullRequest:
+    """A release of ``transfer_id`` on behalf of the consumer at ``consumer_address`` (the
+    address its grant names), from a sender that holds no cache: the proxy, once that
+    consumer will never pull (it refused the request, or failed). No geometry: a producer
+    reads none for a release."""
+    return KVPullRequest(transfer_id=transfer_id, consumer_address=consumer_address,
+                         first_block=0, num_blocks=0, num_layers=0, dtype="", block_shape=[],
+                         timeout_s=0.0, grant=grant)
 
 
 def check_header(header: KVSendHeader, pull: KVPullRequest, last_seq: int | None) -> str | None:

@@ -36,7 +36,6 @@ from engine_core.server.drain import drain
 from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S, EdgeAppRunner
 from engine_core.server.json_parser import JsonParser
-from engine_core.server.kv_release import parse_kv_release
 from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.readiness import Readiness
@@ -189,14 +188,6 @@ class _Routes:
         return web.json_response({"ready": not waiting_for, "waiting_for": waiting_for},
                                  status=503 if waiting_for else 200)
 
-    async def release_kv(self, request: web.Request) -> web.Response:
-        """``POST /internal/kv/release`` (decode workers; the proxy's): a prefill worker
-        drops the KV it holds for transfers this worker refused (``OpenAIServing.release_kv``)."""
-        body = await _read_json(request, self.options)
-        release = parse_kv_release(body)
-        await self.serving.release_kv(release)
-        return web.json_response({"released": len(release.transfer_ids)})
-
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": package_version()})
 
@@ -313,8 +304,6 @@ def build_app(client: AsyncEngineClient, tokenizer: TokenizerService, config: En
     app.router.add_get("/ping", routes.health)
     app.router.add_post("/ping", routes.health)
     app.router.add_get("/ready", routes.ready)
-    if config.kv_transfer is not None and config.kv_transfer.is_consumer:
-        app.router.add_post("/internal/kv/release", routes.release_kv)
     app.router.add_get("/version", routes.version)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
@@ -433,8 +422,8 @@ async def serve(config: EngineConfig, options: ServerOptions,
     Shutdown order: draining (``/ready`` 503, new generation requests 503), the startup
     hooks' cleanups (a worker deregisters from its proxy), the requests in flight finish and
     their KV is released (``shutdown_drain_s`` at most), then the listener closes and the
-    engine stops. The listener stays open while draining, so liveness probes and the
-    proxy's KV releases still reach the server.
+    engine stops. The listener stays open while draining, so liveness probes still reach
+    the server.
     """
     started = time.monotonic()
     readiness = readiness or Readiness()

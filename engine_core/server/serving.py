@@ -42,7 +42,6 @@ from engine_core.server.jobs import (
     samples_run,
     without_transfer,
 )
-from engine_core.server.kv_release import RELEASE_TOKEN, KVRelease
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.prompt_logprobs import (
     echo_chunk,
@@ -489,33 +488,6 @@ class OpenAIServing:
                                     self.tokenizer.tokenizer, self._token_texts)
         state.assume_delivered(job.generated_token_ids)
         return "".join(state.text_pieces)
-
-    # ---- KV release (decode worker) -----------------------------------------------------
-
-    async def release_kv(self, release: KVRelease) -> None:
-        """Make a prefill worker drop the KV it holds for transfers that no decode leg will
-        pull (the proxy's call once this worker refused a request P had computed).
-
-        Only the KV connector speaks to P, with this worker's address and cache geometry,
-        so each transfer runs as the smallest consumer request naming it: a one-token
-        prompt leaves nothing to pull, and the connector sends P the release it sends for
-        a prompt found whole in the local cache (connectors/p2p_nccl/scheduler_side.py).
-        It returns once those requests ended, the releases sent. Not a client request: no
-        request metrics."""
-        params = SamplingParams(max_tokens=1)
-        await asyncio.gather(*(self._release_one(transfer_id, release, params)
-                               for transfer_id in release.transfer_ids))
-
-    async def _release_one(self, transfer_id: str, release: KVRelease,
-                           params: SamplingParams) -> None:
-        transfer = KVTransferParams(transfer_id=transfer_id, do_remote_prefill=True,
-                                    remote_kv_address=release.producer_address,
-                                    grant=release.grant, remote_ranks=release.producer_ranks)
-        outputs = self.client.generate(f"kv-release-{uuid.uuid4().hex}", [RELEASE_TOKEN],
-                                       params, transfer)
-        async with contextlib.aclosing(outputs):
-            async for _ in outputs:
-                pass
 
     # ---- first-token handoff (prefill worker) -------------------------------------------
 

@@ -26,18 +26,21 @@ from tests.integration.cluster_harness import (
     Throttle,
     build_tiny_checkpoint,
     check_matches,
+    idle_violations,
     labelled_counter,
     mixed_requests,
     request_successes,
     run_all,
     scrape,
     send_all,
+    wait_idle,
     with_limit,
 )
 
 # Workers' heartbeat interval, the "within one heartbeat" bound: short, yet a few times what
 # a registration plus a first request take on a loaded 2-core machine (about 0.1-0.5 s).
 HEARTBEAT_S = 2.0
+IDLE_S = 15.0  # well under P's 60 s KV lease: only releases free it this soon
 LONG_TOKENS = 180  # streams long enough to be cut mid-way
 EXPIRY_S = 5.0        # proxy --heartbeat-timeout (2.5 heartbeats)
 EXPIRY_SLACK_S = 3.0  # the expiry task's period (<= 1 s) plus a loaded machine
@@ -109,10 +112,6 @@ def test_late_worker_used_within_one_heartbeat_and_dead_decode_dropped(tmp_path:
                             heartbeat_s=HEARTBEAT_S, heartbeat_timeout_s=EXPIRY_S,
                             launch_flags=["--no-first-token-from-prefill"])
     prefill0, decode0, decode1 = cluster.workers
-    # P holds the KV it computed for decode0's last requests until their lease (only a
-    # decode worker can release it, and decode0 is killed): its stop would wait its whole
-    # drain for them.
-    prefill0.argv += ["--shutdown-timeout", "1"]
     reqs = mixed_requests(16)
     try:
         cluster.start([cluster.proxy])
@@ -164,5 +163,9 @@ def test_late_worker_used_within_one_heartbeat_and_dead_decode_dropped(tmp_path:
         check_matches(reqs, run.during, want)
         check_matches(reqs, run_all(cluster.url, reqs), want)
         assert cluster.registered() == {prefill0.http_address, decode1.http_address}
+        # The KV P computed for requests that met the dead decode0 was released by the
+        # proxy: P holds nothing within seconds, well inside its 60 s lease.
+        scraped = wait_idle([prefill0.http_address, decode1.http_address], IDLE_S)
+        assert not idle_violations(scraped), idle_violations(scraped)
     finally:
         cluster.stop()

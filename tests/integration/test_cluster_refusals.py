@@ -4,7 +4,7 @@ A request the cluster refuses must not leave P holding the prompt's KV for a pul
 never comes (until its 60 s lease): P validates the client's own request as D does (the
 proxy sends P the client's fields), so what D refuses P refuses first, computing nothing;
 and what P accepts but D refuses (their configs differ: here D's context is shorter) is
-released through D as soon as D refused. The first-token handoff (the default) likewise,
+released as soon as D refused (the proxy tells P's KV control socket). The first-token handoff (the default) likewise,
 and a client that leaves once it has P's token frees P's KV at once too.
 Besides: a first token that stops the request streams through the handoff as directly, and
 the proxy's model card is the workers'. One cluster serves every test of the module.
@@ -108,8 +108,8 @@ def test_requests_every_worker_refuses_compute_nothing_on_p(cluster: Cluster) ->
 
 def test_what_only_d_refuses_is_released_at_once(cluster: Cluster) -> None:
     """D's context is shorter than P's: P computes these prompts, D refuses them (before,
-    after or, for the handoff, once P's token streamed), and P's KV is released through D
-    within seconds, never waiting for the lease."""
+    after or, for the handoff, once P's token streamed), and P's KV is released within
+    seconds, never waiting for the lease."""
     prefill, _ = _addresses(cluster)
     fits_p_only = {"prompt": PROMPT_IDS, "max_tokens": 100, "ignore_eos": True}
     reqs = [_completion(fits_p_only), _completion({**fits_p_only, "prompt": [PROMPT_IDS] * 2}),

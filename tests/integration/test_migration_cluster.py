@@ -130,9 +130,9 @@ def test_migration_past_a_silent_worker_and_two_proxies(tmp_path: Path) -> None:
         tmp_path / "logs", ckpt, num_prefill=1, num_decode=1,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         launch_flags=["--first-byte-timeout", str(FIRST_BYTE_S)],
-        # Workers register with both proxies; P frees KV no decode worker pulled (the
-        # silent worker's) after a short lease, so the gauges settle within the test.
-        kv_extra={"proxy_addresses": [f"127.0.0.1:{registration_b}"], "get_lease_s": 5,
+        # Workers register with both proxies. The KV P computed for the silent worker is
+        # released by the proxy once that worker failed: P's 60 s lease is not waited for.
+        kv_extra={"proxy_addresses": [f"127.0.0.1:{registration_b}"],
                   "transfer_timeout_s": 5, "orphan_ttl_s": 5})
     proxy_b = cluster.second_proxy(http_b, registration_b)
     url_b = f"http://127.0.0.1:{http_b}"

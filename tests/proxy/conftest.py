@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from connectors.p2p_nccl.handshake import ControlServer
+from connectors.p2p_nccl.messages import KVPullRequest, make_codec
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.messages import Heartbeat
 from engine_core.cluster.trust import ClusterSecret
@@ -25,6 +28,29 @@ MODEL = "tiny"
 # The slow worker's pause between events: its streams outlast what a test does mid-way
 # (remove a worker, read the metrics) by far, and a test still waits only two seconds.
 SLOW_EVENT_S = 0.02
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 now (a tensor-parallel
+    worker's ranks listen on consecutive ports)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        held = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
 
 
 class FakeClock:
@@ -60,13 +86,14 @@ class FakeWorker:
     mode: str = "ok"
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
-    releases: list[dict[str, Any]] = field(default_factory=list)  # /internal/kv/release bodies
+    releases: list[dict[str, Any]] = field(default_factory=list)  # P: releases it got
+    kv_servers: list[ControlServer] = field(default_factory=list)
     authorizations: list[str | None] = field(default_factory=list)  # each call's Authorization
     server: TestServer | None = None
     flood_bytes: int = 32 << 20
     delay_s: float = 0.0  # every answer waits this long first
     card: dict[str, Any] | None = None  # its /v1/models card's extra fields (404 when None)
-    release_status: int = 200  # what its /internal/kv/release answers
+    listens_kv: bool = True  # P: whether its KV control sockets are up
     kv_tp: int | None = None  # registers KV ranks of this tensor-parallel size (None: none)
     kv_dtype: str = "float32"  # its registered cache dtype
 
@@ -176,19 +203,28 @@ class FakeWorker:
         return web.json_response({"object": "list", "data": [
             {"id": MODEL, "object": "model", "owned_by": "pdserve", **self.card}]})
 
-    async def release(self, request: web.Request) -> web.Response:
-        """A decode worker's /internal/kv/release: recorded, answered as a real one does."""
-        body = await request.json()
-        # The proxy's grant for these transfers names their P and this worker (a real
-        # decode worker's connector tells P nothing otherwise); checked, then set aside.
-        grant = body.pop("grant")
-        for transfer_id in body["transfer_ids"]:
-            GrantAuthority(ClusterSecret()).verify(grant, transfer_id=transfer_id,
-                                                   producer=body["remote_kv_address"],
-                                                   consumer=self.zmq_address)
-        self.releases.append({**body, "request_id": request.headers.get("X-Request-Id", "")})
-        return web.json_response({"released": len(body["transfer_ids"])},
-                                 status=self.release_status)
+    def listen_kv(self) -> None:
+        """A prefill worker's KV control sockets (one per rank), which take the proxy's
+        releases as a real P does: sealed with the cluster secret, each under a grant naming
+        this rank and the consumer; recorded in ``releases``."""
+        ranks = self.kv_tp or 1
+        for rank in range(ranks):
+            address = f"127.0.0.1:{self.kv_port + rank}"
+            grants = GrantAuthority(ClusterSecret())
+
+            def on_message(message: Any, frames: Any, address: str = address,
+                           grants: GrantAuthority = grants) -> None:
+                assert isinstance(message, KVPullRequest) and message.num_blocks == 0
+                grants.verify(message.grant, transfer_id=message.transfer_id,
+                              producer=address, consumer=message.consumer_address)
+                self.releases.append({"transfer_id": message.transfer_id,
+                                      "producer": address,
+                                      "consumer": message.consumer_address})
+
+            server = ControlServer(address, make_codec(ClusterSecret()), on_message,
+                                   poll_interval_s=0.01)
+            server.start()
+            self.kv_servers.append(server)
 
     async def _flood(self, response: web.StreamResponse, request_id: str) -> web.StreamResponse:
         """Events of 64 KiB each until ``flood_bytes`` went out, then [DONE]: more than every
@@ -206,15 +242,19 @@ class FakeWorker:
 async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
     """Start fake workers on 127.0.0.1 ephemeral ports; all stop at the test's end."""
     servers: list[TestServer] = []
+    workers: list[FakeWorker] = []
 
     async def factory(role: str, mode: str = "ok", **fields: Any) -> FakeWorker:
-        worker = FakeWorker(role=role, kv_port=20000 + 8 * len(servers), mode=mode, **fields)
+        worker = FakeWorker(role=role, kv_port=free_port_run(fields.get("kv_tp") or 1),
+                            mode=mode, **fields)
+        if role == "P" and worker.listens_kv:
+            worker.listen_kv()
+            workers.append(worker)
         app = web.Application()
         app.router.add_post("/v1/completions", worker.handle)
         app.router.add_post("/v1/chat/completions", worker.handle)
         app.router.add_post("/tokenize", worker.handle)
         app.router.add_post("/detokenize", worker.handle)
-        app.router.add_post("/internal/kv/release", worker.release)
         app.router.add_get("/v1/models", worker.models)
         worker.server = TestServer(app)
         await worker.server.start_server()
@@ -224,6 +264,9 @@ async def make_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
     yield factory
     for server in servers:
         await server.close()
+    for worker in workers:
+        for kv_server in worker.kv_servers:
+            kv_server.stop()
 
 
 @pytest.fixture

@@ -42,5 +42,6 @@ async def test_a_release_names_the_producers_ranks(make_worker, make_proxy, wait
     d = await make_worker("D", "error400", delay_s=0.3, kv_tp=1)
     client = await make_proxy(p, d)
     assert (await client.post("/v1/completions", json=PROMPT)).status == 400
-    await wait_until(lambda: d.releases)
-    assert d.releases[0]["remote_ranks"] == p.heartbeat().kv_ranks.to_wire()
+    await wait_until(lambda: len(p.releases) == 2)  # each P rank holds one head for D
+    assert sorted(r["producer"] for r in p.releases) == list(p.heartbeat().kv_ranks.addresses)
+    assert {r["consumer"] for r in p.releases} == {d.zmq_address}

@@ -2,10 +2,12 @@
 
 D refused the request (a 4xx: its engine never took it, so neither its pull nor its own
 release will come) after P computed the prompt, whichever of the two answered first; or a
-handoff's client left before any D took the request. The proxy then asks the decode worker
-to have its KV connector tell P (``/internal/kv/release``). Nothing is released for a
-transfer P never held (P refused it too) or one a D took (D's own abort frees it): such a
-release would wait in P as a pull of its own until it expires.
+handoff's client left before any D took the request; or D failed (asleep, a 5xx, no answer)
+after P computed the prompt, so the request moves on without that KV. The proxy tells P's KV
+control socket itself (``proxy/kv_release.py``; the fake P checks the envelope and the
+grant as a real one does). Nothing is released for a transfer P never held (P refused it
+too) or one a D took (D's own abort frees it): such a release would wait in P as a pull of
+its own until it expires.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
 STREAM = {**PROMPT, "stream": True}
 
 
-def _release(p, transfer_ids: list[str], request_id: str = "id1") -> dict:
-    return {"transfer_ids": transfer_ids, "remote_kv_address": p.zmq_address,
-            "request_id": request_id}
+def _released(p, d, transfer_ids: list[str]) -> list[dict]:
+    """What P's control socket got: a release of each transfer on behalf of D."""
+    return [{"transfer_id": t, "producer": p.zmq_address, "consumer": d.zmq_address}
+            for t in transfer_ids]
 
 
 async def _background_done(client, wait_until) -> None:
@@ -38,8 +41,8 @@ async def test_d_refusal_after_p_answered_releases_its_kv(make_worker, make_prox
     client = await make_proxy(p, d)
     resp = await client.post("/v1/completions", json=PROMPT)
     assert resp.status == 400 and "D says bad" in (await resp.json())["error"]["message"]
-    await wait_until(lambda: d.releases)
-    assert d.releases == [_release(p, ["id1"])]
+    await wait_until(lambda: p.releases)
+    assert p.releases == _released(p, d, ["id1"])
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_kv_releases_total{result="released"} 1.0' in metrics
 
@@ -56,9 +59,9 @@ async def test_d_refusal_before_p_answered_waits_for_p_then_releases(make_worker
     resp = await client.post("/v1/completions", json={**PROMPT, "prompt": ["a", "b"]})
     assert resp.status == 400
     assert loop.time() - started < 0.8  # not held behind P
-    assert d.releases == []  # P still computes
-    await wait_until(lambda: d.releases, timeout_s=3.0)
-    assert d.releases == [_release(p, ["id1-p0", "id1-p1"])]
+    assert p.releases == []  # P still computes
+    await wait_until(lambda: p.releases, timeout_s=3.0)
+    assert p.releases == _released(p, d, ["id1-p0", "id1-p1"])
     assert p.cancelled == []
     instances = await (await client.get("/instances")).json()
     assert all(w["in_flight"] == 0 for w in instances["workers"])
@@ -74,7 +77,7 @@ async def test_nothing_is_released_for_kv_p_never_held(make_worker, make_proxy,
         resp = await client.post("/v1/completions", json=PROMPT)
         assert resp.status in (400, 502), (p_mode, d_mode)
         await _background_done(client, wait_until)
-        assert d.releases == [], (p_mode, d_mode)
+        assert p.releases == [], (p_mode, d_mode)
 
 
 async def test_an_accepted_request_releases_nothing(make_worker, make_proxy,
@@ -86,7 +89,7 @@ async def test_an_accepted_request_releases_nothing(make_worker, make_proxy,
         assert resp.status == 200
         await resp.read()
     await _background_done(client, wait_until)
-    assert d.releases == []
+    assert p.releases == []
 
 
 async def test_handoff_d_refusal_after_the_first_token_releases(make_worker, make_proxy,
@@ -96,16 +99,16 @@ async def test_handoff_d_refusal_after_the_first_token_releases(make_worker, mak
     resp = await client.post("/v1/completions", json=STREAM)
     assert resp.status == 200
     assert "D says bad" in await resp.text()
-    await wait_until(lambda: d.releases)
-    assert d.releases == [_release(p, ["id1"])]
+    await wait_until(lambda: p.releases)
+    assert p.releases == _released(p, d, ["id1"])
 
 
 @pytest.mark.parametrize("mode,released", [("error400", True), ("ok", False)])
 async def test_handoff_client_gone_before_d_answered(make_worker, make_proxy, wait_until,
                                                      mode: str, released: bool) -> None:
     """The client takes P's token and leaves while D's leg is on its way: D's answer,
-    awaited in the background, says who frees P's KV. A refusal took nothing: released
-    through D. A stream means D's engine took the request: the leg is closed (D aborts
+    awaited in the background, says who frees P's KV. A refusal took nothing: the proxy
+    tells P. A stream means D's engine took the request: the leg is closed (D aborts
     it, and its connector frees or releases the KV), with no release besides."""
     p, d = await make_worker("P"), await make_worker("D", mode, delay_s=0.4)
     client = await make_proxy(p, d, first_token_from_prefill=True)
@@ -119,20 +122,97 @@ async def test_handoff_client_gone_before_d_answered(make_worker, make_proxy, wa
     await wait_until(lambda: all(w.in_flight == 0 for w in registry.workers()),
                      timeout_s=3.0)  # D's leg settled: it answered and was closed
     await _background_done(client, wait_until)
-    assert d.releases == ([_release(p, ["id1"])] if released else [])
+    assert p.releases == (_released(p, d, ["id1"]) if released else [])
 
 
 async def test_a_failed_release_is_counted_and_left_to_the_lease(make_worker, make_proxy,
                                                                  wait_until) -> None:
-    p = await make_worker("P")
-    d = await make_worker("D", "error400", delay_s=0.2, release_status=503)
-    client = await make_proxy(p, d)
+    """P's control socket is not reachable: the release fails within the connect timeout,
+    counted, and the lease is left to free the KV."""
+    p = await make_worker("P", listens_kv=False)
+    d = await make_worker("D", "error400", delay_s=0.2)
+    client = await make_proxy(p, d, connect_timeout_s=0.3)
     resp = await client.post("/v1/completions", json=PROMPT)
     assert resp.status == 400
-    await wait_until(lambda: d.releases)
+    metrics = client.server.app[keys.METRICS]
+    await wait_until(lambda: metrics.kv_releases.labels("failed")._value.get() == 1.0,
+                     timeout_s=5.0)
     await _background_done(client, wait_until)
-    metrics = await (await client.get("/metrics")).text()
-    assert 'pdserve:proxy_kv_releases_total{result="failed"} 1.0' in metrics
+    text = await (await client.get("/metrics")).text()
+    assert 'pdserve:proxy_kv_releases_total{result="released"}' not in text
+
+
+@pytest.mark.parametrize("mode", ["asleep", "error500", "hang"])
+async def test_d_failing_after_p_answered_releases_its_kv(make_worker, make_proxy, wait_until,
+                                                          mode: str) -> None:
+    """D answered 503 (asleep), a 5xx, or nothing before its deadline, after P computed the
+    prompt: the request moves on (here to the only other worker, colocated, which computes
+    the prompt itself), so nobody pulls P's KV and P is told at once."""
+    p, d = await make_worker("P"), await make_worker("D", mode, delay_s=0.3)
+    whole = await make_worker("colocated")
+    client = await make_proxy(p, d, whole, first_byte_timeout_s=1.0)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    await resp.read()
+    assert any(call["path"] == "/v1/completions" for call in whole.received)
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    assert p.releases == _released(p, d, ["id1"])
+
+
+@pytest.mark.parametrize("mode", ["asleep", "error500", "down"])
+async def test_d_failing_before_p_answered_waits_for_p_then_releases(
+        make_worker, make_proxy, wait_until, mode: str) -> None:
+    """D failed (503, 5xx, or its port closed) while P still computed: the request moves on
+    at once, and P's leg is awaited in the background, not cut (cut after P's save, its KV
+    stayed held for the lease), then its KV released."""
+    p = await make_worker("P", delay_s=0.5)
+    d = await make_worker("D", "ok" if mode == "down" else mode)
+    whole = await make_worker("colocated")
+    client = await make_proxy(p, d, whole)
+    if mode == "down":
+        assert d.server is not None
+        await d.server.close()
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status == 200 and (await resp.json())["served_by"] == "colocated"
+    await wait_until(lambda: p.releases, timeout_s=3.0)
+    assert p.releases == _released(p, d, ["id1"])
+    assert p.cancelled == []
+
+
+async def test_handoff_d_failing_releases_unless_another_d_pulls(make_worker, make_proxy,
+                                                                 wait_until) -> None:
+    """After P's token went out, a D that is asleep is replaced by another decode worker,
+    which pulls P's KV: nothing is released. When the replacement fails with a 5xx too, the
+    stream continues where the prompt is computed again, and P is told."""
+    p = await make_worker("P")
+    first, second = await make_worker("D", "asleep"), await make_worker("D", "error500")
+    client = await make_proxy(p, first, second, first_token_from_prefill=True,
+                              routing="round_robin")
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    await resp.read()
+    decoded = [w for w in (first, second) if w.received]
+    assert len(decoded) == 2  # the asleep one, then its replacement
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _background_done(client, wait_until)
+    # One release, on behalf of the D that failed last (the grant names it).
+    assert p.releases == _released(p, second, ["id1"])
+
+
+async def test_a_release_reaches_every_rank_of_each_route(make_worker, make_proxy,
+                                                          wait_until) -> None:
+    """Between tensor-parallel layouts each route is its own transfer: every P rank that
+    holds one is told, under that route's id and a grant naming that rank."""
+    p = await make_worker("P", kv_tp=2)
+    d = await make_worker("D", "error400", delay_s=0.3, kv_tp=2)
+    client = await make_proxy(p, d)
+    assert (await client.post("/v1/completions", json=PROMPT)).status == 400
+    await wait_until(lambda: len(p.releases) == 2)
+    ranks = [f"127.0.0.1:{p.kv_port + r}" for r in range(2)]
+    consumers = [f"127.0.0.1:{d.kv_port + r}" for r in range(2)]
+    assert sorted(p.releases, key=lambda r: r["transfer_id"]) == [
+        {"transfer_id": f"id1/kv{r}-{r}", "producer": ranks[r], "consumer": consumers[r]}
+        for r in range(2)]
 
 
 async def test_background_settles_count_against_max_inflight(make_worker, make_proxy,
@@ -156,5 +236,5 @@ async def test_background_settles_count_against_max_inflight(make_worker, make_p
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_kv_releases_total{result="skipped"} 3.0' in metrics
     await _background_done(client, wait_until)
-    await wait_until(lambda: d.releases, timeout_s=3.0)
+    await wait_until(lambda: p.releases, timeout_s=3.0)
     assert client.server.app[keys.LIMITER].count == 0

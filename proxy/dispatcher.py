@@ -36,7 +36,8 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   client that left does.
 
 First-token handoff (default; ``--no-first-token-from-prefill``): ``proxy/handoff.py``. Legs and their
-book-keeping: ``proxy/legs.py``; the client's open stream: ``proxy/client_stream.py``.
+book-keeping: ``proxy/legs.py``; the client's open stream: ``proxy/client_stream.py``; settles
+and releases in the background: ``proxy/background.py``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -55,7 +55,6 @@ from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import (
     ConfigError,
-    KVTransferError,
     NoWorkerError,
     UpstreamError,
     UpstreamTimeoutError,
@@ -63,9 +62,10 @@ from engine_core.errors import (
 )
 from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
+from proxy.background import BackgroundWork
 from proxy.client_stream import open_stream
 from proxy.handoff import FirstTokenHandoff
-from proxy.kv_release import KVReleaser, release_notices
+from proxy.kv_release import KVReleaser
 from proxy.legs import (
     HeldKV,
     InflightLimiter,
@@ -89,7 +89,7 @@ from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
 logger = logging.getLogger(__name__)
 
 
-class Dispatcher(FirstTokenHandoff, StreamMigration):
+class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration):
     """Routes requests and runs their legs; holds no per-request state between calls."""
 
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
@@ -140,33 +140,6 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
         return self.grants.issue(transfer_id, prefill.zmq_address or prefill.worker_id,
                                  decode.zmq_address or decode.worker_id,
                                  self.timeouts.prefill_s + self.timeouts.decode_s)
-
-    async def aclose(self) -> None:
-        """Cancel the background settles and releases (shutdown, before the session closes)."""
-        tasks = list(self._background)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> bool:
-        """Run ``work`` in the background under a slot of the limiter; False (``work``
-        closed unrun) when every slot is taken: the caller then cuts its leg and leaves P's
-        KV to its lease, so refusals that arrive
-        faster than P computes cannot pile up work beyond --max-inflight."""
-        if not self.limiter.try_acquire():
-            work.close()
-            self.metrics.kv_releases.labels("skipped").inc()
-            return False
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-        return True
-
-    def _background_done(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        self.limiter.release()
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("background work failed", exc_info=task.exception())
 
     async def dispatch(self, request: web.Request, path: str, body: dict[str, Any],
                        transfer_id: str, timer: RequestTimer,
@@ -308,43 +281,6 @@ class Dispatcher(FirstTokenHandoff, StreamMigration):
             else:
                 p_leg.finish(aborted=True)
                 await abort_tasks(p_task, *opened)
-
-    async def _settle_prefill(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: Leg,
-                              held: HeldKV) -> None:
-        """P's leg of a request D refused, or failed, while P still ran it: awaited in the
-        background (its own deadline bounds it) and its KV released once P says it computed
-        it (a retry on the same P then finds the prompt in its prefix cache).
-
-        Not cancelled: an abort landing after P's save left the KV held for the lease, and
-        a release sent for a request P never took would wait in P as a pull of its own."""
-        try:
-            await asyncio.wait({p_task})
-            try:
-                status, _, _ = p_task.result()
-            except UpstreamError as err:
-                p_leg.finish(err)
-                return
-            p_leg.finish(None if status < 500 else UpstreamError(
-                f"prefill worker {p_leg.worker.worker_id} answered {status}", kind="status",
-                status=status))
-            if 200 <= status < 300:
-                await self._release(held)
-        finally:
-            p_leg.finish(aborted=True)
-            await abort_tasks(p_task)
-
-    async def _release(self, held: HeldKV) -> None:
-        """Make P drop KV that no decode leg will pull now, not when its lease ends: the
-        proxy tells each of P's ranks itself (``proxy/kv_release.py``), so it works whatever
-        became of D. Best effort: a failure leaves the KV to the lease."""
-        try:
-            await self.releaser.send(release_notices(held, self.grants))
-        except KVTransferError as err:
-            self.metrics.kv_releases.labels("failed").inc()
-            logger.warning("KV of %s on %s not released (its lease frees it): %s",
-                           held.transfer_ids[0], held.prefill.worker_id, err)
-            return
-        self.metrics.kv_releases.labels("released").inc()
 
     def _prefill_verdict(self, p_task: asyncio.Task[tuple[int, str, bytes]], p_leg: Leg,
                          attempt_id: str, timer: RequestTimer) -> bytes | web.Response:

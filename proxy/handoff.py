@@ -12,7 +12,6 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from aiohttp import web
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_COLOCATED, ROLE_DECODE
@@ -39,29 +38,6 @@ logger = logging.getLogger("proxy.dispatcher")
 
 class FirstTokenHandoff:
     """``Dispatcher``'s handoff path (``_run_pd_handoff``)."""
-
-    async def _settle_decode(self: Dispatcher, d_task: asyncio.Task[aiohttp.ClientResponse], d_leg: Leg,
-                             held: HeldKV) -> None:
-        """D's leg of a handoff whose client left before D answered: whether D took the
-        request decides who frees the KV P holds for it, and D's answer says which. A
-        stream (its engine runs the request) is closed, which aborts it there and D's
-        connector frees or releases the KV; a 4xx took nothing, so P is told directly."""
-        try:
-            await asyncio.wait({d_task})
-            try:
-                response = d_task.result()
-            except UpstreamError as err:
-                d_leg.finish(err)
-                return
-            status = response.status
-            response.close()
-            if took_nothing(status):
-                d_leg.finish()
-                await self._release(held)
-        finally:
-            d_leg.finish(aborted=True)
-            await abort_tasks(d_task)
-
 
     async def _run_pd_handoff(self: Dispatcher, request: web.Request, path: str, body: dict[str, Any],
                               route: Route, attempt_id: str, timer: RequestTimer,

@@ -98,17 +98,20 @@ class BackgroundWork:
         """D's leg of a handoff whose client left before D answered: whether D took the
         request decides who frees the KV P holds for it, and D's answer says which. A
         stream (its engine runs the request) is closed, which aborts it there and D's
-        connector frees or releases the KV; a 4xx took nothing, so P is told directly."""
+        connector frees or releases the KV; a 4xx or 503 took nothing, nor did a D that
+        could not be connected to, so P is told directly."""
         try:
             await asyncio.wait({d_task})
             try:
                 response = d_task.result()
             except UpstreamError as err:
                 d_leg.finish(err)
+                if err.connect_failed:
+                    await self._release(held)
                 return
             status = response.status
             response.close()
-            if took_nothing(status):
+            if took_nothing(status) or status == 503:
                 d_leg.finish()
                 await self._release(held)
         finally:

@@ -94,6 +94,15 @@ def producer_body(body: dict[str, Any], transfer_id: str, decode_kv_address: str
     return out
 
 
+def same_kv_layout(a: PeerRanks | None, b: PeerRanks | None) -> bool:
+    """Whether two decode workers take a prompt's KV in the same routes, so the saves a P
+    made for one serve the other: the same tensor-parallel size and model shape (a worker
+    that registered no ranks is one rank)."""
+    if a is None or b is None:
+        return (1 if a is None else a.layout.tp_size) == (1 if b is None else b.layout.tp_size)
+    return (a.layout.tp_size, a.layout.model_shape) == (b.layout.tp_size, b.layout.model_shape)
+
+
 def layout_refusal(prefill: PeerRanks | None, decode: PeerRanks | None) -> str | None:
     """Why a prefill worker of ranks ``prefill`` cannot fill a decode worker of ranks
     ``decode`` (their registered layouts do not map), or None. A worker that registered no

@@ -8,7 +8,6 @@ them. The client's first token then costs P's prefill and nothing of D. A mixin 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -112,13 +111,20 @@ class FirstTokenHandoff:
             resume.token_ids.extend(first.token_ids[0])  # token: a migration follows it
         excluded = {prefill.worker_id}
         granted = decode
+        released = False  # P's KV: released once, under the grant P saved it for (``held``)
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._spawn(self._release(held))
+
         for attempt in range(self.max_attempts):
             if decode is not granted:  # a replacement decode worker: its own grant
                 grant, granted = self._grant(attempt_id, prefill, decode), decode
             d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
                                             first.token_ids, grant, prefill.kv_ranks)
             d_leg = Leg(self, decode, "decode")
-            held = dataclasses.replace(held, decode=decode, grant=grant)
             d_task = asyncio.create_task(fw.open_leg(
                 self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
             settling = False  # D's leg handed to ``_settle_decode``
@@ -130,7 +136,8 @@ class FirstTokenHandoff:
                         # KV) or not (P must be told) would stay unknown.
                         await asyncio.wait({d_task}, timeout=self.timeouts.first_byte_s)
                     except asyncio.CancelledError:
-                        settling = self._spawn(self._settle_decode(d_task, d_leg, held))
+                        settling = not released and self._spawn(
+                            self._settle_decode(d_task, d_leg, held))
                         raise
                     if not d_task.done():
                         d_task.cancel()
@@ -148,19 +155,21 @@ class FirstTokenHandoff:
                             or attempt + 1 == self.max_attempts:
                         # Continued where the prompt is computed again (or ended): nobody
                         # pulls P's KV.
-                        self._spawn(self._release(held))
+                        release()
                         return await self._continue_or_end(stream, decode, err, attempt_id,
                                                            timer)
                     excluded.add(decode.worker_id)
-                    # Another decode-capable worker (it pulls the KV P holds); only when none
-                    # is left one that serves whole requests, which recomputes the prompt
-                    # (P's hold then lapses with its lease): routing the usual way would skip
-                    # the decode workers, since with P excluded no (P, D) pair remains.
+                    # Another decode-capable worker of the first one's KV layout (it pulls
+                    # the routes P saved); only when none is left one that serves whole
+                    # requests, which recomputes the prompt (P's KV is released): routing
+                    # the usual way would skip the decode workers, since with P excluded no
+                    # (P, D) pair remains.
                     pool = self.registry.candidates(None, model, excluded)
                     role = ROLE_DECODE
-                    others = [w for w in pool if CAP_DECODE in w.capabilities]
+                    others = [w for w in pool if CAP_DECODE in w.capabilities
+                              and fw.same_kv_layout(w.kv_ranks, held.decode.kv_ranks)]
                     if not others:  # what serves it now computes the prompt itself
-                        self._spawn(self._release(held))
+                        release()
                         role = ROLE_COLOCATED
                         others = [w for w in pool if CAP_WHOLE in w.capabilities]
                     if not others:
@@ -180,7 +189,7 @@ class FirstTokenHandoff:
                         f"{data[:500].decode(errors='replace')}", kind="status",
                         status=d_response.status)
                     d_leg.finish(err)
-                    self._spawn(self._release(held))  # no decode leg pulls P's KV any more
+                    release()  # no decode leg pulls P's KV any more
                     if took_nothing(d_response.status):
                         return await end_stream(stream, err)
                     return await self._continue_or_end(stream, decode, err, attempt_id, timer)

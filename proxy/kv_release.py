@@ -10,8 +10,9 @@ left is a no-op, and one that comes before P's save ends the save unsent. Becaus
 D takes part, it reaches P whatever became of D: refused the request, asleep, unreachable,
 dead.
 
-Delivery is what the proxy can know: each message is handed to a connected socket of P
-within ``timeout_s``, or the release failed (P unreachable; its lease frees the KV).
+Delivery is what the proxy can know: each message is handed to a connection to P's rank
+within ``timeout_s`` (all ranks at once), or the release failed (P unreachable; its lease
+frees the KV).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
+import zmq.asyncio
 
 from connectors.p2p_nccl.handshake import tcp_endpoint
 from connectors.p2p_nccl.kv_layout import rank_pairs
@@ -59,47 +61,45 @@ def release_notices(held: HeldKV, grants: GrantAuthority) -> list[ReleaseNotice]
 
 
 class KVReleaser:
-    """Sends release notices to producers' control sockets (a blocking socket per producer
-    and call, on a worker thread: releases are rare, one per failed or refused decode leg)."""
+    """Sends release notices to producers' control sockets: one asyncio ZMQ socket per
+    producer rank and call, all ranks at once under one deadline (releases are rare, one
+    per failed or refused decode leg, and cancelling one stops it at once)."""
 
     def __init__(self, secret: ClusterSecret, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
         self._codec = make_codec(secret, SENDER_ID)
-        self._timeout_ms = max(1, int(timeout_s * 1000))
+        self._timeout_s = timeout_s
 
     async def send(self, notices: Sequence[ReleaseNotice]) -> None:
-        """Hand every notice to its producer; raises KVTransferError naming the first
-        producer that could not be reached in time (the others still got theirs)."""
-        await asyncio.to_thread(self._send_all, list(notices))
-
-    def _send_all(self, notices: list[ReleaseNotice]) -> None:
+        """Hand every notice to its producer within ``timeout_s``; raises KVTransferError
+        naming a producer that could not be reached in time (the others still got theirs)."""
         by_producer: dict[str, list[KVPullRequest]] = {}
         for notice in notices:
             by_producer.setdefault(notice.producer_address, []).append(notice.message)
-        failures = []
-        for address, messages in by_producer.items():
-            try:
-                self._send_to(address, messages)
-            except KVTransferError as exc:
-                failures.append(exc)
-        if failures:
-            raise failures[0]
+        results = await asyncio.gather(
+            *(self._send_to(address, messages) for address, messages in by_producer.items()),
+            return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
-    def _send_to(self, address: str, messages: list[KVPullRequest]) -> None:
-        """One DEALER that queues only on a live connection (``IMMEDIATE``): a send blocks
-        until P accepted the connection or fails at the timeout; closing waits (``LINGER``)
-        for the queued bytes to leave."""
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+    async def _send_to(self, address: str, messages: list[KVPullRequest]) -> None:
+        """One DEALER that queues only on a live connection (``IMMEDIATE``): a send waits
+        until P accepted the connection, or fails at the deadline. Closing does not wait:
+        the context's I/O thread still delivers what was queued (``LINGER``)."""
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
-        sock.setsockopt(zmq.LINGER, self._timeout_ms)
+        sock.setsockopt(zmq.LINGER, int(self._timeout_s * 1000))
         try:
             sock.connect(tcp_endpoint(address))
-            for message in messages:
-                sock.send(self._codec.encode(message))
-        except zmq.Again:
+            await asyncio.wait_for(self._send_each(sock, messages), self._timeout_s)
+        except asyncio.TimeoutError:
             raise KVTransferError(f"prefill worker's KV socket {address} not reachable in "
-                                  f"{self._timeout_ms} ms") from None
+                                  f"{self._timeout_s:g} s") from None
         except zmq.ZMQError as exc:
             raise KVTransferError(f"release to {address} failed: {exc}") from exc
         finally:
             sock.close()
+
+    async def _send_each(self, sock: zmq.asyncio.Socket, messages: list[KVPullRequest]) -> None:
+        for message in messages:
+            await sock.send(self._codec.encode(message))

@@ -113,10 +113,11 @@ class ProxyMetrics:
             "or why the handoff did not apply", ["result"], registry=r)
         self.kv_releases = Counter(
             P + "kv_releases",
-            "Requests to drop KV a prefill worker held for a decode leg that will never pull "
-            "it (D refused the request, or its client left before any D took it), sent "
-            "through the decode worker, by result ('released'; 'failed' or 'skipped' (every "
-            "--max-inflight slot taken, the leg cut): the KV then waits for its lease)",
+            "Releases of KV a prefill worker held for a decode leg that will never pull it "
+            "(D refused or failed, or the client left before any D took the request), sent "
+            "to P's KV control sockets, by result ('released': handed to every rank; "
+            "'failed' (P unreachable) or 'skipped' (every --max-inflight slot taken, the leg "
+            "cut): the KV then waits for its lease)",
             ["result"], registry=r)
         self.layout_refusals = Counter(
             P + "kv_layout_refusals",

@@ -174,7 +174,7 @@ class KVProducer:
         if registration is not None and self._state.config.send_type != "GET":
             pull, arrived = registration
             if pull.num_blocks == 0:
-                self._finish_send(save.request_id)
+                self._end_unsent(save)
                 return
             if not self._range_ok(pull, save):
                 return
@@ -205,7 +205,7 @@ class KVProducer:
     def _start_deferred(self, pending: PendingSave, pull: KVPullRequest, arrived: float) -> None:
         save = pending.save
         if pull.num_blocks == 0:
-            self._finish_send(save.request_id)
+            self._end_unsent(save)
             return
         if not self._range_ok(pull, save):
             return
@@ -356,6 +356,14 @@ class KVProducer:
             else:
                 self._state.counters["sends_failed"] += 1
         self._state.doorbell.ring()
+
+    def _end_unsent(self, save: SaveSpec) -> None:
+        """A release (``num_blocks=0``) ended ``save`` with nothing sent: its blocks go back
+        and its transfer id is tombstoned, so a second release (D's own after the proxy's,
+        or the reverse) is dropped instead of waiting as a pull, and a late pull is told."""
+        with self._state.lock:
+            self._end_save_locked(save.request_id)
+            self._tombstone(save.transfer_id, self._state.clock())
 
     def _finish_send(self, request_id: str) -> None:
         with self._state.lock:

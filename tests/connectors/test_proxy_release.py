@@ -94,3 +94,42 @@ def test_a_release_to_an_unreachable_producer_fails_in_time() -> None:
     notice = ReleaseNotice(f"127.0.0.1:{free_port()}", release_request("A", "127.0.0.1:9", ""))
     with pytest.raises(KVTransferError, match="not reachable"):
         asyncio.run(KVReleaser(ClusterSecret(), timeout_s=0.3).send([notice]))
+
+
+def test_a_second_release_is_dropped_not_kept_as_a_pull(pair: WorkerPair) -> None:
+    """The proxy's release and D's own (D took the request, then was cut) both arrive: the
+    second finds the transfer ended and is dropped, so P is idle at once, not holding a
+    waiting pull for ``orphan_ttl_s``."""
+    pair.compute("A")
+    _release(pair, "A")
+    _release(pair, "A")
+    assert pair.producer_idle()
+    assert pair.producer.stats()["pull_requests_waiting"] == 0
+
+
+def test_a_pull_after_a_release_is_told_at_once(pair: WorkerPair) -> None:
+    """A decode worker that pulls after the proxy released (it was slow, not dead) gets an
+    abort at once instead of waiting for its deadline."""
+    pair.compute("A")
+    _release(pair, "A")
+    assert pair.producer_idle()
+    pair.ask_served("A")
+    assert pair.outcome("A") == "failed"
+    assert pair.consumer is not None
+    assert pair.consumer.stats()["transfers_timed_out"] == 0
+    assert pair.idle()
+
+
+def test_a_release_in_flight_is_cancelled_at_once() -> None:
+    """The proxy shutting down cancels its releases: one waiting for an unreachable P stops
+    then, not at its own deadline (nothing is left running in a thread)."""
+    notice = ReleaseNotice(f"127.0.0.1:{free_port()}", release_request("A", "127.0.0.1:9", ""))
+
+    async def cancel_early() -> None:
+        task = asyncio.create_task(KVReleaser(ClusterSecret(), timeout_s=600.0).send([notice]))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30.0)  # far below the release's 600 s deadline
+
+    asyncio.run(cancel_early())

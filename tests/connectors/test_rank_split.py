@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.p2p_nccl.kv_layout import plan_head_routes
+from connectors.p2p_nccl.kv_layout import plan_head_routes, rank_pairs
 from connectors.p2p_nccl.metadata import LoadSpec, P2pConnectorMetadata, PeerNotice, SaveSpec
 from connectors.p2p_nccl.rank_split import RouteGrants, split_step
 from engine_core.parallel.kv_layout import HeadSlice, KVLayout, KVLayoutError, PeerRanks
@@ -136,3 +136,28 @@ def test_bad_peer_ranks_are_refused_clearly(mutate, reason: str) -> None:
     mutate(wire)
     with pytest.raises(KVLayoutError, match=reason):
         PeerRanks.from_wire(wire)
+
+
+@pytest.mark.parametrize(("p_size", "d_size", "kv_heads"),
+                         [(1, 1, 4), (2, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 2), (4, 1, 2),
+                          (4, 2, 8), (2, None, 4), (None, 2, 4), (None, None, 4)])
+def test_release_pairs_name_what_the_producer_ranks_saved(p_size: int | None,
+                                                          d_size: int | None,
+                                                          kv_heads: int) -> None:
+    """What the proxy releases (``rank_pairs``: route id, producer rank, consumer rank) is
+    exactly what each producer rank saved for the consumer (``split_step``); a side that
+    registered no ranks (None) is one rank at its address."""
+    p_ranks = None if p_size is None else PeerRanks(
+        layout(p_size, kv_heads), tuple(f"q:{8000 + r}" for r in range(p_size)))
+    d_ranks = None if d_size is None else PeerRanks(
+        layout(d_size, kv_heads), tuple(f"d:{7000 + r}" for r in range(d_size)))
+    d0 = "d:7000"
+    step = P2pConnectorMetadata(saves=[SaveSpec("r1", "t1", d0, [3, 4], 20)])
+    own = layout(p_size or 1, kv_heads)
+    shares = split_step(step, own, {} if d_ranks is None else {d0: d_ranks})
+    p_addresses = (p_ranks.addresses if p_ranks is not None else ("q:8000",))
+    saved = {(save.transfer_id, p_addresses[rank], save.peer_address)
+             for rank, share in enumerate(shares.per_rank) for save in share.saves}
+    released = rank_pairs("t1", p_ranks, "q:8000", d_ranks, d0)
+    assert len(released) == len(set(released))
+    assert set(released) == saved

@@ -103,12 +103,12 @@ async def test_handoff_d_refusal_after_the_first_token_releases(make_worker, mak
     assert p.releases == _released(p, d, ["id1"])
 
 
-@pytest.mark.parametrize("mode,released", [("error400", True), ("ok", False)])
+@pytest.mark.parametrize("mode,released", [("error400", True), ("asleep", True), ("ok", False)])
 async def test_handoff_client_gone_before_d_answered(make_worker, make_proxy, wait_until,
                                                      mode: str, released: bool) -> None:
     """The client takes P's token and leaves while D's leg is on its way: D's answer,
-    awaited in the background, says who frees P's KV. A refusal took nothing: the proxy
-    tells P. A stream means D's engine took the request: the leg is closed (D aborts
+    awaited in the background, says who frees P's KV. A refusal (4xx, or 503: asleep) took
+    nothing: the proxy tells P. A stream means D's engine took the request: the leg is closed (D aborts
     it, and its connector frees or releases the KV), with no release besides."""
     p, d = await make_worker("P"), await make_worker("D", mode, delay_s=0.4)
     client = await make_proxy(p, d, first_token_from_prefill=True)
@@ -195,8 +195,46 @@ async def test_handoff_d_failing_releases_unless_another_d_pulls(make_worker, ma
     assert len(decoded) == 2  # the asleep one, then its replacement
     await wait_until(lambda: p.releases, timeout_s=5.0)
     await _background_done(client, wait_until)
-    # One release, on behalf of the D that failed last (the grant names it).
-    assert p.releases == _released(p, second, ["id1"])
+    # One release, under the grant P saved the KV for (naming the first D).
+    assert p.releases == _released(p, first, ["id1"])
+
+
+async def test_handoff_released_once_when_the_fallback_fails_too(
+        make_worker, make_proxy, wait_until, caplog: pytest.LogCaptureFixture) -> None:
+    """The only D is asleep: a colocated worker takes over (P's KV released then), and it
+    fails as well: P is told once, and nothing else is attempted for that KV."""
+    p, d = await make_worker("P"), await make_worker("D", "asleep")
+    whole = await make_worker("colocated", "error500")
+    client = await make_proxy(p, d, whole, first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    await resp.read()
+    assert whole.received
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _background_done(client, wait_until)
+    assert p.releases == _released(p, d, ["id1"])
+    assert "background work failed" not in caplog.text
+
+
+async def test_handoff_replacement_d_has_the_first_ones_layout(make_worker, make_proxy,
+                                                               wait_until) -> None:
+    """P saved its KV in the routes of the first D's layout: a replacement decode worker of
+    another layout could not pull them, so it is passed over for a worker that computes the
+    prompt itself, and P's routes are released as saved (each rank to the first D's)."""
+    p = await make_worker("P", kv_tp=2)
+    first = await make_worker("D", "asleep", kv_tp=2)
+    other_layout = await make_worker("D", kv_tp=1)
+    whole = await make_worker("colocated")
+    client = await make_proxy(p, first, other_layout, whole, first_token_from_prefill=True,
+                              routing="round_robin")
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    await resp.read()
+    assert first.received and whole.received and not other_layout.received
+    await wait_until(lambda: len(p.releases) == 2, timeout_s=5.0)
+    assert sorted(r["transfer_id"] for r in p.releases) == ["id1/kv0-0", "id1/kv1-1"]
+    assert {r["consumer"] for r in p.releases} == {f"127.0.0.1:{first.kv_port + r}"
+                                                   for r in range(2)}
 
 
 async def test_a_release_reaches_every_rank_of_each_route(make_worker, make_proxy,

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from engine_core.errors import KVTransferError, UpstreamError
+from proxy import forwarding as fw
 from proxy.kv_release import release_notices
-from proxy.legs import HeldKV, Leg, abort_tasks, took_nothing
+from proxy.legs import HeldKV, Leg, abort_tasks
 
 if TYPE_CHECKING:
     from proxy.dispatcher import Dispatcher
@@ -95,23 +96,21 @@ class BackgroundWork:
 
     async def _settle_decode(self: Dispatcher, d_task: asyncio.Task[aiohttp.ClientResponse],
                              d_leg: Leg, held: HeldKV) -> None:
-        """D's leg of a handoff whose client left before D answered: whether D took the
-        request decides who frees the KV P holds for it, and D's answer says which. A
-        stream (its engine runs the request) is closed, which aborts it there and D's
-        connector frees or releases the KV; a 4xx or 503 took nothing, nor did a D that
-        could not be connected to, so P is told directly."""
+        """D's leg of a handoff whose client left before D answered, awaited in the
+        background: a stream (D's engine runs the request) is closed, which aborts it there
+        and D's connector frees or releases the KV; any other outcome (a refusal, a 503, a
+        5xx, no connection) leaves P's KV to no one, so P is told directly."""
         try:
             await asyncio.wait({d_task})
             try:
                 response = d_task.result()
             except UpstreamError as err:
                 d_leg.finish(err)
-                if err.connect_failed:
-                    await self._release(held)
+                await self._release(held)
                 return
-            status = response.status
+            streams = 200 <= response.status < 300 and fw.is_event_stream(response)
             response.close()
-            if took_nothing(status) or status == 503:
+            if not streams:
                 d_leg.finish()
                 await self._release(held)
         finally:

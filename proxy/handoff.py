@@ -89,6 +89,9 @@ class FirstTokenHandoff:
                 retried = True
                 self._spawn(self._release(held))
                 raise
+            except asyncio.CancelledError:  # the client left: D's leg is cut with it
+                self._spawn(self._release(held))
+                raise
             finally:
                 if not retried:
                     self.metrics.first_token_handoffs.labels("decode").inc()
@@ -120,10 +123,14 @@ class FirstTokenHandoff:
                 self._spawn(self._release(held))
 
         for attempt in range(self.max_attempts):
-            if decode is not granted:  # a replacement decode worker: its own grant
-                grant, granted = self._grant(attempt_id, prefill, decode), decode
-            d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
-                                            first.token_ids, grant, prefill.kv_ranks)
+            if released:  # a worker that computes the prompt itself: it names no KV
+                d_body = fw.decode_body(body, attempt_id, None,
+                                        generated_token_ids=first.token_ids)
+            else:
+                if decode is not granted:  # a replacement decode worker: its own grant
+                    grant, granted = self._grant(attempt_id, prefill, decode), decode
+                d_body = fw.handoff_decode_body(body, attempt_id, prefill.zmq_address,
+                                                first.token_ids, grant, prefill.kv_ranks)
             d_leg = Leg(self, decode, "decode")
             d_task = asyncio.create_task(fw.open_leg(
                 self.session, decode.url + path, d_body, headers, self.timeouts.decode()))
@@ -145,7 +152,11 @@ class FirstTokenHandoff:
                                                    f"byte for {self.timeouts.first_byte_s:g} s")
                     d_response = d_task.result()
                     if d_response.status == 503 and attempt + 1 < self.max_attempts:
-                        data = await fw.read_body(d_response, self.max_response_bytes)
+                        try:
+                            data = await fw.read_body(d_response, self.max_response_bytes)
+                        except asyncio.CancelledError:  # the client left; D took nothing
+                            release()
+                            raise
                         raise UpstreamUnavailableError(
                             f"decode worker {decode.worker_id} is unavailable: "
                             f"{data[:300].decode(errors='replace')}")
@@ -167,7 +178,8 @@ class FirstTokenHandoff:
                     pool = self.registry.candidates(None, model, excluded)
                     role = ROLE_DECODE
                     others = [w for w in pool if CAP_DECODE in w.capabilities
-                              and fw.same_kv_layout(w.kv_ranks, held.decode.kv_ranks)]
+                              and fw.same_kv_layout(w.kv_ranks, held.decode.kv_ranks)
+                              and fw.layout_refusal(prefill.kv_ranks, w.kv_ranks) is None]
                     if not others:  # what serves it now computes the prompt itself
                         release()
                         role = ROLE_COLOCATED
@@ -180,6 +192,7 @@ class FirstTokenHandoff:
                     self.metrics.retries.labels("handoff_decode").inc()
                     continue
                 if not 200 <= d_response.status < 300 or not fw.is_event_stream(d_response):
+                    release()  # no decode leg pulls P's KV any more
                     try:
                         data = await fw.read_body(d_response, self.max_response_bytes)
                     except UpstreamError as exc:  # the refusal's body itself failed
@@ -189,7 +202,6 @@ class FirstTokenHandoff:
                         f"{data[:500].decode(errors='replace')}", kind="status",
                         status=d_response.status)
                     d_leg.finish(err)
-                    release()  # no decode leg pulls P's KV any more
                     if took_nothing(d_response.status):
                         return await end_stream(stream, err)
                     return await self._continue_or_end(stream, decode, err, attempt_id, timer)

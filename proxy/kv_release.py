@@ -34,6 +34,9 @@ from proxy.legs import HeldKV
 
 SENDER_ID = "proxy"  # the envelopes' sender (P's refusal log names it)
 RELEASE_TIMEOUT_S = 5.0
+# Sockets the releases of one proxy hold open at once (each a file descriptor; a context
+# allows 1,023): a burst of releases to a dead P waits for a socket instead of failing.
+MAX_OPEN_SOCKETS = 64
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,12 @@ class KVReleaser:
     producer rank and call, all ranks at once under one deadline (releases are rare, one
     per failed or refused decode leg, and cancelling one stops it at once)."""
 
-    def __init__(self, secret: ClusterSecret, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+    def __init__(self, secret: ClusterSecret, timeout_s: float = RELEASE_TIMEOUT_S,
+                 max_open_sockets: int = MAX_OPEN_SOCKETS) -> None:
         self._codec = make_codec(secret, SENDER_ID)
         self._timeout_s = timeout_s
+        self._max_open_sockets = max_open_sockets
+        self._sockets: asyncio.Semaphore | None = None  # made in the loop that sends
 
     async def send(self, notices: Sequence[ReleaseNotice]) -> None:
         """Hand every notice to its producer within ``timeout_s``; raises KVTransferError
@@ -86,19 +92,24 @@ class KVReleaser:
         """One DEALER that queues only on a live connection (``IMMEDIATE``): a send waits
         until P accepted the connection, or fails at the deadline. Closing does not wait:
         the context's I/O thread still delivers what was queued (``LINGER``)."""
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.LINGER, int(self._timeout_s * 1000))
-        try:
-            sock.connect(tcp_endpoint(address))
-            await asyncio.wait_for(self._send_each(sock, messages), self._timeout_s)
-        except asyncio.TimeoutError:
-            raise KVTransferError(f"prefill worker's KV socket {address} not reachable in "
-                                  f"{self._timeout_s:g} s") from None
-        except zmq.ZMQError as exc:
-            raise KVTransferError(f"release to {address} failed: {exc}") from exc
-        finally:
-            sock.close()
+        if self._sockets is None:
+            self._sockets = asyncio.Semaphore(self._max_open_sockets)
+        async with self._sockets:
+            sock = None
+            try:
+                sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+                sock.setsockopt(zmq.IMMEDIATE, 1)
+                sock.setsockopt(zmq.LINGER, int(self._timeout_s * 1000))
+                sock.connect(tcp_endpoint(address))
+                await asyncio.wait_for(self._send_each(sock, messages), self._timeout_s)
+            except asyncio.TimeoutError:
+                raise KVTransferError(f"prefill worker's KV socket {address} not reachable "
+                                      f"in {self._timeout_s:g} s") from None
+            except zmq.ZMQError as exc:
+                raise KVTransferError(f"release to {address} failed: {exc}") from exc
+            finally:
+                if sock is not None:
+                    sock.close()
 
     async def _send_each(self, sock: zmq.asyncio.Socket, messages: list[KVPullRequest]) -> None:
         for message in messages:

@@ -103,12 +103,13 @@ async def test_handoff_d_refusal_after_the_first_token_releases(make_worker, mak
     assert p.releases == _released(p, d, ["id1"])
 
 
-@pytest.mark.parametrize("mode,released", [("error400", True), ("asleep", True), ("ok", False)])
+@pytest.mark.parametrize("mode,released", [("error400", True), ("asleep", True),
+                                           ("error500", True), ("ok", False)])
 async def test_handoff_client_gone_before_d_answered(make_worker, make_proxy, wait_until,
                                                      mode: str, released: bool) -> None:
     """The client takes P's token and leaves while D's leg is on its way: D's answer,
-    awaited in the background, says who frees P's KV. A refusal (4xx, or 503: asleep) took
-    nothing: the proxy tells P. A stream means D's engine took the request: the leg is closed (D aborts
+    awaited in the background, says who frees P's KV. Any answer but a stream (a refusal, a
+    503, a 5xx) leaves it to no one: the proxy tells P. A stream means D's engine took the request: the leg is closed (D aborts
     it, and its connector frees or releases the KV), with no release besides."""
     p, d = await make_worker("P"), await make_worker("D", mode, delay_s=0.4)
     client = await make_proxy(p, d, first_token_from_prefill=True)
@@ -210,10 +211,30 @@ async def test_handoff_released_once_when_the_fallback_fails_too(
     assert resp.status == 200
     await resp.read()
     assert whole.received
+    # It computes the prompt itself: its leg names no KV to pull, only P's token.
+    params = whole.received[0]["body"]["kv_transfer_params"]
+    assert "do_remote_prefill" not in params and "grant" not in params, params
+    assert params["generated_token_ids"] == [[42]]
     await wait_until(lambda: p.releases, timeout_s=5.0)
     await _background_done(client, wait_until)
     assert p.releases == _released(p, d, ["id1"])
     assert "background work failed" not in caplog.text
+
+
+async def test_handoff_without_ps_token_client_leaving_releases(make_worker, make_proxy,
+                                                                wait_until) -> None:
+    """A P that answered no first token: D computes it. The client leaves while D's leg
+    waits: the leg is cut, and P's KV released (no decode leg goes on to pull it)."""
+    p = await make_worker("P", "no_first_token")
+    d = await make_worker("D", "hang")
+    client = await make_proxy(p, d, first_token_from_prefill=True)
+    task = asyncio.create_task(client.post("/v1/completions", json=STREAM))
+    await wait_until(lambda: len(d.received) == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    assert p.releases == _released(p, d, ["id1"])
 
 
 async def test_handoff_replacement_d_has_the_first_ones_layout(make_worker, make_proxy,

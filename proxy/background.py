@@ -1,15 +1,19 @@
 """Work that outlives its client request: a leg settled in the background, and the release
 of KV that P holds for a decode leg that will never pull it (``proxy/kv_release.py``).
 
-A mixin of ``Dispatcher``: each piece runs as a background task under a slot of the
-``--max-inflight`` limiter (a leg left running is load on its worker like a client's
-request); with none free the leg is cut and its KV left to P's lease (counted as a
-``skipped`` release). ``aclose`` ends them at shutdown.
+A mixin of ``Dispatcher``. A settle (a leg left running, awaited in the background) holds
+a slot of the ``--max-inflight`` limiter, as it is load on its worker like a client's
+request; with none free the leg is cut and P told at once instead. A release holds no slot
+(it is one small message per P rank, bounded by the releaser's deadline and socket cap), so
+a saturated proxy still frees P's KV; at most ``MAX_PENDING_RELEASES`` wait at once, and one
+past that is dropped (counted as ``skipped``: the lease frees that KV). ``aclose`` ends both
+at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("proxy.dispatcher")
 
+MAX_PENDING_RELEASES = 4096
+
 
 class BackgroundWork:
     """``Dispatcher``'s background settles and KV releases."""
@@ -38,22 +44,34 @@ class BackgroundWork:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _spawn(self: Dispatcher, work: Coroutine[Any, Any, None]) -> bool:
-        """Run ``work`` in the background under a slot of the limiter; False (``work``
-        closed unrun) when every slot is taken: the caller then cuts its leg and leaves P's
-        KV to its lease, so refusals that arrive
-        faster than P computes cannot pile up work beyond --max-inflight."""
+        """Run a settle in the background under a slot of the limiter; False (``work``
+        closed unrun) when every slot is taken: the caller then cuts its leg and releases
+        P's KV itself (``_spawn_release``), so refusals that arrive faster than P computes
+        cannot pile up work beyond --max-inflight."""
         if not self.limiter.try_acquire():
             work.close()
-            self.metrics.kv_releases.labels("skipped").inc()
             return False
         task = asyncio.create_task(work)
         self._background.add(task)
-        task.add_done_callback(self._background_done)
+        task.add_done_callback(functools.partial(self._background_done, slot=True))
         return True
 
-    def _background_done(self: Dispatcher, task: asyncio.Task[None]) -> None:
+    def _spawn_release(self: Dispatcher, held: HeldKV) -> None:
+        """Release ``held`` in the background, holding no limiter slot."""
+        if self._pending_releases >= MAX_PENDING_RELEASES:
+            self.metrics.kv_releases.labels("skipped").inc()
+            return
+        self._pending_releases += 1
+        task = asyncio.create_task(self._release(held))
+        self._background.add(task)
+        task.add_done_callback(functools.partial(self._background_done, slot=False))
+
+    def _background_done(self: Dispatcher, task: asyncio.Task[None], *, slot: bool) -> None:
         self._background.discard(task)
-        self.limiter.release()
+        if slot:
+            self.limiter.release()
+        else:
+            self._pending_releases -= 1
         if not task.cancelled() and task.exception() is not None:
             logger.error("background work failed", exc_info=task.exception())
 
@@ -97,11 +115,17 @@ class BackgroundWork:
     async def _settle_decode(self: Dispatcher, d_task: asyncio.Task[aiohttp.ClientResponse],
                              d_leg: Leg, held: HeldKV) -> None:
         """D's leg of a handoff whose client left before D answered, awaited in the
-        background: a stream (D's engine runs the request) is closed, which aborts it there
-        and D's connector frees or releases the KV; any other outcome (a refusal, a 503, a
-        5xx, no connection) leaves P's KV to no one, so P is told directly."""
+        background (for the first-byte deadline at most): a stream (D's engine runs the
+        request) is closed, which aborts it there and D's connector frees or releases the
+        KV; any other outcome (a refusal, a 503, a 5xx, no connection, no answer in time)
+        leaves P's KV to no one, so P is told directly."""
         try:
-            await asyncio.wait({d_task})
+            await asyncio.wait({d_task}, timeout=self.timeouts.first_byte_s)
+            if not d_task.done():
+                await abort_tasks(d_task)
+                d_leg.finish(aborted=True)
+                await self._release(held)
+                return
             try:
                 response = d_task.result()
             except UpstreamError as err:

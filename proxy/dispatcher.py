@@ -27,8 +27,9 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   the proxy tells P's KV control sockets itself, ``proxy/kv_release.py``), not left to P's
   lease: D refused the request (a 4xx) or failed (unreachable, a 503, a 5xx, no answer in
   time) after P computed it, or while P still ran it (P's leg is then awaited in the
-  background, ``_settle_prefill``, not cut); or a handoff's client left before any D took
-  the request (``_settle_decode`` learns which from D's answer). P's own request is the
+  background, ``_settle_prefill``, not cut); or the client left before any D took the
+  request (P's leg cut; in a handoff ``_settle_decode`` learns from D's answer whether D
+  took it). P's own request is the
   client's (``forwarding.producer_body``), validated there as D validates it, so what D
   refuses P refuses first in the common case, computing nothing.
 - A streaming client that takes no bytes for ``write_timeout_s`` (it stopped reading) has
@@ -76,7 +77,6 @@ from proxy.legs import (
     breakdown_headers,
     proxy_overhead,
     server_timings,
-    took_nothing,
 )
 from proxy.metrics import ProxyMetrics
 from proxy.migration import RESUME, LegWatch, Migrate, Resume, StreamMigration, continuable, within
@@ -123,8 +123,9 @@ class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration):
         # Work that outlives its client request: settling a leg whose outcome decides
         # whether P must drop KV, and the releases themselves (``aclose`` ends them).
         self._background: set[asyncio.Task[None]] = set()
-        # Each background task holds a slot of the client requests' limiter (--max-inflight)
-        # while it runs: a leg left running is load on its worker like a client's request.
+        self._pending_releases = 0  # releases waiting or being sent (``_spawn_release``)
+        # Each settle holds a slot of the client requests' limiter (--max-inflight) while it
+        # runs: a leg left running is load on its worker like a client's request.
         self.limiter = limiter or InflightLimiter(1 << 30)
 
     def _grant(self, transfer_id: str, prefill: WorkerState, decode: WorkerState) -> str:
@@ -240,20 +241,38 @@ class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration):
         # D's leg leaves with P's unless it must carry P's prompt logprobs (after P).
         d_task = None if wants_prompt_logprobs(path, body) else open_decode()
         p_settling = False  # P's leg handed to ``_settle_prefill``
+        handled = False  # P's KV settled or released: done once per attempt
+        d_took = False  # D answered 2xx: its engine runs the request, its connector frees
+
+        def settle() -> None:
+            """D refused or failed while P computes: P's leg is settled, not cut (with no
+            --max-inflight slot free it is cut and P told at once)."""
+            nonlocal p_settling, handled
+            if not handled:
+                handled = True
+                p_settling = self._spawn(self._settle_prefill(p_task, p_leg, held))
+                if not p_settling:
+                    self._spawn_release(held)
+
+        def release() -> None:
+            """No decode leg will pull P's KV (D refused or failed, the client left)."""
+            nonlocal handled
+            if not handled and not d_took:
+                handled = True
+                self._spawn_release(held)
+
         try:
             pending: set[asyncio.Task[Any]] = {p_task} if d_task is None else {p_task, d_task}
             while not p_task.done():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if d_task is not None and d_task in done and not p_task.done():
-                    # D refused or failed while P computes: P's leg is settled, not cut.
                     try:
                         d_response = await self._decode_response(d_task, d_leg)
                         if not 200 <= d_response.status < 300:  # its answer stands
-                            p_settling = self._spawn(self._settle_prefill(p_task, p_leg, held))
+                            settle()
                             return await self._forward_refusal(d_response, d_leg, attempt_id)
                     except Retry:
-                        if not p_settling:
-                            p_settling = self._spawn(self._settle_prefill(p_task, p_leg, held))
+                        settle()
                         raise
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
             if isinstance(verdict, web.Response):
@@ -264,15 +283,20 @@ class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration):
                 d_response = await self._decode_response(d_task, d_leg,
                                                          body.get("stream") is True)
                 if not 200 <= d_response.status < 300:
-                    if took_nothing(d_response.status):  # P holds KV D will never pull
-                        self._spawn(self._release(held))
+                    release()  # before its body is read, which may fail or be cut
                     return await self._forward_refusal(d_response, d_leg, attempt_id)
+                d_took = True
                 return await self._relay(request, d_response, d_leg, attempt_id, timer)
             except Retry:
                 # D failed before it answered (unreachable, asleep, dead, silent): the next
                 # attempt moves the prompt under a new transfer id, so P's is dropped now.
-                self._spawn(self._release(held))
+                release()
                 raise
+        except asyncio.CancelledError:
+            # The client left: P's leg is cut (an abort landing after P's save would leave
+            # the KV held), and a D leg that had not started its request pulls nothing.
+            release()
+            raise
         finally:
             d_leg.finish(aborted=True)
             opened = [] if d_task is None else [d_task]

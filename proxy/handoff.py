@@ -59,6 +59,7 @@ class FirstTokenHandoff:
         p_leg = Leg(self, prefill, "prefill", route.prefill_tokens)
         timer.prefill_sent = self.clock()
         grant = self._grant(attempt_id, prefill, decode)
+        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), grant)
         p_task = asyncio.create_task(self._prefill(
             prefill.url + path, fw.handoff_prefill_body(body, attempt_id, decode.zmq_address,
                                                         grant, decode.kv_ranks),
@@ -66,12 +67,16 @@ class FirstTokenHandoff:
         try:
             await asyncio.wait({p_task})
             verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
+        except asyncio.CancelledError:
+            # The client left while P computed: its leg is cut (an abort landing after its
+            # save would leave the KV held), and P is told.
+            self._spawn_release(held)
+            raise
         finally:
             p_leg.finish(aborted=True)
             await abort_tasks(p_task)
         if isinstance(verdict, web.Response):
             return verdict
-        held = HeldKV(prefill, decode, fw.prompt_transfer_ids(path, body, attempt_id), grant)
         first = fw.first_token_of(verdict, fw.num_choices(body))
         if first is None:  # an older P, or one that sampled nothing: D computes the token
             # Counted unless this D sends the request round again (unreachable, asleep):
@@ -83,14 +88,16 @@ class FirstTokenHandoff:
                                                   prefill_ranks=prefill.kv_ranks),
                     decode, "decode", attempt_id, timer)
                 if took_nothing(response.status):  # P holds KV D will never pull
-                    self._spawn(self._release(held))
+                    self._spawn_release(held)
                 return response
             except Retry:  # tried again under a new transfer id: P's KV is not pulled
                 retried = True
-                self._spawn(self._release(held))
+                self._spawn_release(held)
                 raise
-            except asyncio.CancelledError:  # the client left: D's leg is cut with it
-                self._spawn(self._release(held))
+            except (UpstreamError, asyncio.CancelledError):
+                # D's refusal could not be read, or the client left: D's leg is cut (a
+                # release after D took the request finds the KV gone and does nothing).
+                self._spawn_release(held)
                 raise
             finally:
                 if not retried:
@@ -104,7 +111,7 @@ class FirstTokenHandoff:
             await stream.write(first.events)
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             # The client left before any decode leg went out: nobody will pull P's KV.
-            self._spawn(self._release(held))
+            self._spawn_release(held)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return out
@@ -120,7 +127,7 @@ class FirstTokenHandoff:
             nonlocal released
             if not released:
                 released = True
-                self._spawn(self._release(held))
+                self._spawn_release(held)
 
         for attempt in range(self.max_attempts):
             if released:  # a worker that computes the prompt itself: it names no KV
@@ -145,6 +152,8 @@ class FirstTokenHandoff:
                     except asyncio.CancelledError:
                         settling = not released and self._spawn(
                             self._settle_decode(d_task, d_leg, held))
+                        if not settling:  # no slot: D's leg is cut, and P told at once
+                            release()
                         raise
                     if not d_task.done():
                         d_task.cancel()

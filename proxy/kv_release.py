@@ -74,6 +74,7 @@ class KVReleaser:
         self._timeout_s = timeout_s
         self._max_open_sockets = max_open_sockets
         self._sockets: asyncio.Semaphore | None = None  # made in the loop that sends
+        self.messages_sent = 0  # handed to a connection to their producer rank
 
     async def send(self, notices: Sequence[ReleaseNotice]) -> None:
         """Hand every notice to its producer within ``timeout_s``; raises KVTransferError
@@ -114,3 +115,4 @@ class KVReleaser:
     async def _send_each(self, sock: zmq.asyncio.Socket, messages: list[KVPullRequest]) -> None:
         for message in messages:
             await sock.send(self._codec.encode(message))
+            self.messages_sent += 1

@@ -116,8 +116,8 @@ class ProxyMetrics:
             "Releases of KV a prefill worker held for a decode leg that will never pull it "
             "(D refused or failed, or the client left before any D took the request), sent "
             "to P's KV control sockets, by result ('released': handed to every rank; "
-            "'failed' (P unreachable) or 'skipped' (every --max-inflight slot taken, the leg "
-            "cut): the KV then waits for its lease)",
+            "'failed' (P unreachable) or 'skipped' (too many releases pending): the KV then "
+            "waits for its lease)",
             ["result"], registry=r)
         self.layout_refusals = Counter(
             P + "kv_layout_refusals",

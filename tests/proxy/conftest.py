@@ -70,7 +70,8 @@ class FakeClock:
 class FakeWorker:
     """A small aiohttp app that mimics a pdserve worker of one role.
 
-    ``mode``: ok | error500 | error400 | asleep (a sleeping worker's 503) | hang | empty |
+    ``mode``: ok | error500 | broken500 (its body cut off) | error400 | asleep (a sleeping
+    worker's 503) | hang | empty |
     no_first_token (a P that ignores ``first_token_events``) |
     fail_mid (D: two events then the connection drops) | no_done (D: stream ends without [DONE]) | slow (D: 100 events, one
     every ``SLOW_EVENT_S``: two seconds a stream) | flood (D: ``flood_bytes`` of events as fast as they are taken) |
@@ -142,6 +143,15 @@ class FakeWorker:
             return web.json_response({"error": {"message": f"{self.role} says bad",
                                                 "type": "invalid_request_error", "param": "n",
                                                 "code": None}}, status=400)
+        if self.mode == "broken500":  # a 5xx whose body is cut off mid-way
+            response = web.StreamResponse(status=500,
+                                          headers={"Content-Type": "application/json"})
+            response.content_length = 1000
+            await response.prepare(request)
+            await response.write(b'{"error": {"mess')
+            assert request.transport is not None
+            request.transport.abort()
+            return response
         if self.mode == "empty":
             return web.Response(status=200, body=b"", content_type="application/json")
         # A prefill leg (do_remote_decode) is answered as one JSON body, streamed or not.

@@ -30,9 +30,14 @@ def _released(p, d, transfer_ids: list[str]) -> list[dict]:
             for t in transfer_ids]
 
 
-async def _background_done(client, wait_until) -> None:
+async def _settled(client, wait_until, *producers) -> None:
+    """The proxy's background work done, and every release it sent received by the fake
+    P's control sockets (which record on their own thread): a check of what P got, or did
+    not get, comes after this."""
     dispatcher = client.server.app[keys.DISPATCHER]
-    await wait_until(lambda: not dispatcher._background, timeout_s=5.0)
+    await wait_until(lambda: not dispatcher._background, timeout_s=10.0)
+    await wait_until(lambda: sum(len(w.releases) for w in producers)
+                     == dispatcher.releaser.messages_sent, timeout_s=5.0)
 
 
 async def test_d_refusal_after_p_answered_releases_its_kv(make_worker, make_proxy,
@@ -42,6 +47,7 @@ async def test_d_refusal_after_p_answered_releases_its_kv(make_worker, make_prox
     resp = await client.post("/v1/completions", json=PROMPT)
     assert resp.status == 400 and "D says bad" in (await resp.json())["error"]["message"]
     await wait_until(lambda: p.releases)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
     metrics = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_kv_releases_total{result="released"} 1.0' in metrics
@@ -61,6 +67,7 @@ async def test_d_refusal_before_p_answered_waits_for_p_then_releases(make_worker
     assert loop.time() - started < 0.8  # not held behind P
     assert p.releases == []  # P still computes
     await wait_until(lambda: p.releases, timeout_s=3.0)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1-p0", "id1-p1"])
     assert p.cancelled == []
     instances = await (await client.get("/instances")).json()
@@ -72,11 +79,12 @@ async def test_nothing_is_released_for_kv_p_never_held(make_worker, make_proxy,
     """P refused (so did D, or D accepted): there is nothing to release. D's refusal with
     P failing (5xx) neither: P computed nothing it keeps."""
     for p_mode, d_mode in (("error400", "error400"), ("error400", "ok"), ("error500", "error400")):
-        p, d = await make_worker("P", p_mode), await make_worker("D", d_mode, delay_s=0.1)
+        # D answers first, so P's leg is settled in the background and its answer decides.
+        p, d = await make_worker("P", p_mode, delay_s=0.5), await make_worker("D", d_mode)
         client = await make_proxy(p, d, max_attempts=1)
         resp = await client.post("/v1/completions", json=PROMPT)
         assert resp.status in (400, 502), (p_mode, d_mode)
-        await _background_done(client, wait_until)
+        await _settled(client, wait_until, p)
         assert p.releases == [], (p_mode, d_mode)
 
 
@@ -88,7 +96,7 @@ async def test_an_accepted_request_releases_nothing(make_worker, make_proxy,
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200
         await resp.read()
-    await _background_done(client, wait_until)
+    await _settled(client, wait_until, p)
     assert p.releases == []
 
 
@@ -100,6 +108,7 @@ async def test_handoff_d_refusal_after_the_first_token_releases(make_worker, mak
     assert resp.status == 200
     assert "D says bad" in await resp.text()
     await wait_until(lambda: p.releases)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
 
 
@@ -122,7 +131,7 @@ async def test_handoff_client_gone_before_d_answered(make_worker, make_proxy, wa
     registry = client.server.app[keys.REGISTRY]
     await wait_until(lambda: all(w.in_flight == 0 for w in registry.workers()),
                      timeout_s=3.0)  # D's leg settled: it answered and was closed
-    await _background_done(client, wait_until)
+    await _settled(client, wait_until, p)
     assert p.releases == (_released(p, d, ["id1"]) if released else [])
 
 
@@ -138,7 +147,7 @@ async def test_a_failed_release_is_counted_and_left_to_the_lease(make_worker, ma
     metrics = client.server.app[keys.METRICS]
     await wait_until(lambda: metrics.kv_releases.labels("failed")._value.get() == 1.0,
                      timeout_s=5.0)
-    await _background_done(client, wait_until)
+    await _settled(client, wait_until, p)
     text = await (await client.get("/metrics")).text()
     assert 'pdserve:proxy_kv_releases_total{result="released"}' not in text
 
@@ -157,6 +166,7 @@ async def test_d_failing_after_p_answered_releases_its_kv(make_worker, make_prox
     await resp.read()
     assert any(call["path"] == "/v1/completions" for call in whole.received)
     await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
 
 
@@ -176,8 +186,56 @@ async def test_d_failing_before_p_answered_waits_for_p_then_releases(
     resp = await client.post("/v1/completions", json=PROMPT)
     assert resp.status == 200 and (await resp.json())["served_by"] == "colocated"
     await wait_until(lambda: p.releases, timeout_s=3.0)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
     assert p.cancelled == []
+
+
+async def test_d_5xx_whose_body_breaks_still_releases(make_worker, make_proxy,
+                                                      wait_until) -> None:
+    """D's 500 is cut off mid-body after P answered: P is told before the body is read."""
+    p, d = await make_worker("P"), await make_worker("D", "broken500", delay_s=0.2)
+    client = await make_proxy(p, d, max_attempts=1)
+    resp = await client.post("/v1/completions", json=PROMPT)
+    assert resp.status >= 500
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _settled(client, wait_until, p)
+    assert p.releases == _released(p, d, ["id1"])
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+async def test_client_leaving_while_p_computes_releases(make_worker, make_proxy, wait_until,
+                                                        handoff: bool) -> None:
+    """The client leaves while P computes: P's leg is cut (an abort landing after its save
+    would leave the KV held) and P is told."""
+    p, d = await make_worker("P", delay_s=1.0), await make_worker("D", delay_s=1.0)
+    client = await make_proxy(p, d, first_token_from_prefill=handoff)
+    task = asyncio.create_task(client.post("/v1/completions", json=STREAM))
+    await wait_until(lambda: len(p.received) == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _settled(client, wait_until, p)
+    assert p.releases == _released(p, d, ["id1"])
+    await wait_until(lambda: p.cancelled == ["id1"])
+
+
+async def test_handoff_settle_gives_up_on_a_silent_d(make_worker, make_proxy,
+                                                     wait_until) -> None:
+    """The client took P's token and left; D never answers: the settle waits for the
+    first-byte deadline, not the decode timeout, then cuts D's leg and tells P."""
+    p, d = await make_worker("P"), await make_worker("D", "hang")
+    client = await make_proxy(p, d, first_token_from_prefill=True, first_byte_timeout_s=0.5)
+    resp = await client.post("/v1/completions", json=STREAM)
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    await wait_until(lambda: len(d.received) == 1)
+    resp.close()
+    await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _settled(client, wait_until, p)
+    assert p.releases == _released(p, d, ["id1"])
+    assert d.cancelled == ["id1"]
 
 
 async def test_handoff_d_failing_releases_unless_another_d_pulls(make_worker, make_proxy,
@@ -195,7 +253,7 @@ async def test_handoff_d_failing_releases_unless_another_d_pulls(make_worker, ma
     decoded = [w for w in (first, second) if w.received]
     assert len(decoded) == 2  # the asleep one, then its replacement
     await wait_until(lambda: p.releases, timeout_s=5.0)
-    await _background_done(client, wait_until)
+    await _settled(client, wait_until, p)
     # One release, under the grant P saved the KV for (naming the first D).
     assert p.releases == _released(p, first, ["id1"])
 
@@ -216,7 +274,7 @@ async def test_handoff_released_once_when_the_fallback_fails_too(
     assert "do_remote_prefill" not in params and "grant" not in params, params
     assert params["generated_token_ids"] == [[42]]
     await wait_until(lambda: p.releases, timeout_s=5.0)
-    await _background_done(client, wait_until)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
     assert "background work failed" not in caplog.text
 
@@ -234,6 +292,7 @@ async def test_handoff_without_ps_token_client_leaving_releases(make_worker, mak
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_until(lambda: p.releases, timeout_s=5.0)
+    await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
 
 
@@ -253,6 +312,7 @@ async def test_handoff_replacement_d_has_the_first_ones_layout(make_worker, make
     await resp.read()
     assert first.received and whole.received and not other_layout.received
     await wait_until(lambda: len(p.releases) == 2, timeout_s=5.0)
+    await _settled(client, wait_until, p)
     assert sorted(r["transfer_id"] for r in p.releases) == ["id1/kv0-0", "id1/kv1-1"]
     assert {r["consumer"] for r in p.releases} == {f"127.0.0.1:{first.kv_port + r}"
                                                    for r in range(2)}
@@ -267,6 +327,7 @@ async def test_a_release_reaches_every_rank_of_each_route(make_worker, make_prox
     client = await make_proxy(p, d)
     assert (await client.post("/v1/completions", json=PROMPT)).status == 400
     await wait_until(lambda: len(p.releases) == 2)
+    await _settled(client, wait_until, p)
     ranks = [f"127.0.0.1:{p.kv_port + r}" for r in range(2)]
     consumers = [f"127.0.0.1:{d.kv_port + r}" for r in range(2)]
     assert sorted(p.releases, key=lambda r: r["transfer_id"]) == [
@@ -277,23 +338,23 @@ async def test_a_release_reaches_every_rank_of_each_route(make_worker, make_prox
 async def test_background_settles_count_against_max_inflight(make_worker, make_proxy,
                                                              wait_until) -> None:
     """A P leg left running after D's quick 4xx holds a --max-inflight slot until it ends;
-    with every slot taken the leg is cut instead (its KV left to the lease, counted as
-    skipped), so refusals faster than P computes cannot pile up prefills past the limit."""
+    with every slot taken the leg is cut instead and P told at once (a release holds no
+    slot), so refusals faster than P computes cannot pile up prefills past the limit."""
     p, d = await make_worker("P", delay_s=1.0), await make_worker("D", "error400")
     client = await make_proxy(p, d, max_inflight=2)
-    dispatcher = client.server.app[keys.DISPATCHER]
+    limiter = client.server.app[keys.LIMITER]
     statuses = []
     for _ in range(4):
         resp = await client.post("/v1/completions", json=PROMPT)
         statuses.append(resp.status)
         await resp.read()
-        assert len(dispatcher._background) <= 1  # + this request's own slot = the limit
+        assert limiter.count <= 1  # the one settle's slot; this request's own went back
     assert statuses == [400] * 4
-    assert len(dispatcher._background) == 1  # the first P leg; the later ones were cut
-    assert client.server.app[keys.LIMITER].count == 1
+    assert limiter.count == 1  # the first P leg; the later ones were cut
     assert len(p.cancelled) == 3
+    await _settled(client, wait_until, p)
+    assert sorted(r["transfer_id"] for r in p.releases) == ["id1", "id2", "id3", "id4"]
+    assert limiter.count == 0
     metrics = await (await client.get("/metrics")).text()
-    assert 'pdserve:proxy_kv_releases_total{result="skipped"} 3.0' in metrics
-    await _background_done(client, wait_until)
-    await wait_until(lambda: p.releases, timeout_s=3.0)
-    assert client.server.app[keys.LIMITER].count == 0
+    assert 'pdserve:proxy_kv_releases_total{result="released"} 4.0' in metrics
+    assert 'result="skipped"' not in metrics

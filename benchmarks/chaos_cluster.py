@@ -17,7 +17,7 @@ from pathlib import Path
 
 from deploy.launch import Child, add_launch_arguments, build_children, engine_argv, free_ports
 from deploy.supervisor import stop_all
-from engine_core.server.metrics import CONNECTOR_GAUGES
+from engine_core.server.metrics import CONNECTOR_GAUGES, CONNECTOR_TRANSIENT_GAUGES
 
 ENGINE_IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
                       "vllm:kv_cache_usage_perc")
@@ -61,7 +61,8 @@ def held_kv(scraped: dict[str, float]) -> list[str]:
     """The idle gauges of one worker that do not read 0."""
     names = [*ENGINE_IDLE_GAUGES]
     if any(name.startswith("pdserve:kv_transfer_") for name in scraped):
-        names += [f"pdserve:kv_transfer_{key}" for key in CONNECTOR_GAUGES]
+        names += [f"pdserve:kv_transfer_{key}" for key in CONNECTOR_GAUGES
+                  if key not in CONNECTOR_TRANSIENT_GAUGES]
     return [f"{name}={scraped.get(name)}" for name in names if scraped.get(name) != 0.0]
 
 

@@ -110,12 +110,21 @@ class KVProducer:
         return {"send_buffer_bytes_in_use": float(send_bytes),
                 "sends_in_flight": float(len(self._in_flight)),
                 "sends_pending_pull": float(len(self._pending)),
-                "pull_requests_waiting": float(len(self._registrations))}
+                "pull_requests_waiting": float(self._waiting_pulls_locked()),
+                "releases_waiting": float(len(self._registrations)
+                                          - self._waiting_pulls_locked())}
 
     def idle_locked(self) -> bool:
-        """True when no send, held save, waiting pull or unreported finish is kept."""
-        return not (self._pending or self._in_flight or self._registrations
-                    or self._finished_sending or self._open_saves)
+        """True when no send, held save, waiting pull or unreported finish is kept. A
+        release waiting for its prefill's save holds nothing (no bytes, no blocks, no peer
+        waits on it): it does not count, and expires with ``orphan_ttl_s`` when that
+        prefill never comes (the proxy released a request P never received)."""
+        return not (self._pending or self._in_flight or self._finished_sending
+                    or self._open_saves or self._waiting_pulls_locked())
+
+    def _waiting_pulls_locked(self) -> int:
+        """Pulls (not releases) waiting for their prefill's save (call with the lock held)."""
+        return sum(1 for pull, _ in self._registrations.values() if pull.num_blocks > 0)
 
     def bind_step(self, metadata: P2pConnectorMetadata | None) -> None:
         """Decide, once per save, whether it is pushed layer by layer or deferred."""

@@ -59,8 +59,8 @@ _N_BUCKETS = (1, 2, 5, 10, 20)  # the n request parameter
 FINISHED_REASONS = ("stop", "length", "abort")
 
 # KV connector gauges (``EngineStats.connector`` keys of both halves), exported as
-# ``pdserve:kv_transfer_<key>``. Each reads 0 on an idle worker, so a soak run can assert
-# that no transfer state or buffer byte leaked. Colocated workers have none of them.
+# ``pdserve:kv_transfer_<key>``. Each but ``releases_waiting`` reads 0 on an idle worker, so
+# a soak run can assert that no transfer state or buffer byte leaked. Colocated workers have none of them.
 CONNECTOR_GAUGES = {
     "recv_buffer_bytes_in_use": "Receive-buffer bytes reserved for KV loads in flight (D).",
     "send_buffer_bytes_in_use": "Bytes gathered for KV sends not yet completed (P).",
@@ -71,11 +71,17 @@ CONNECTOR_GAUGES = {
     "sends_in_flight": "KV sends queued or running on a sender thread (P).",
     "sends_pending_pull": "Computed KV held for a decode worker's pull (P).",
     "pull_requests_waiting": "Pull requests that arrived before their request (P).",
+    "releases_waiting": "Releases that arrived before their request (P): they hold no "
+                        "bytes or blocks and expire after orphan_ttl_s.",
     "producer_requests": "Prefill requests whose KV is still to be saved (P).",
     "held_requests": "Finished prefill requests whose blocks are held until sent (P).",
     "rank_reports_pending": "Requests whose transfer another tensor-parallel rank has not "
                             "reported ended yet (TP workers).",
 }
+
+# Connector gauges an idle worker may show above 0: what they count holds nothing and
+# expires by itself.
+CONNECTOR_TRANSIENT_GAUGES = frozenset({"releases_waiting"})
 
 # KV connector counters, exported as ``pdserve:kv_transfer_<key>_total``.
 CONNECTOR_COUNTERS = {

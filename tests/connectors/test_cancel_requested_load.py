@@ -212,6 +212,7 @@ def _finished_send_then_cancel(pair: WorkerPair, gate: threading.Event) -> None:
     assert pair.idle()  # the producer keeps no registration for A
     assert pair.producer.stats()["messages_rejected"] == 0
     assert pair.producer.stats()["pull_requests_waiting"] == 0
+    assert pair.producer.stats()["releases_waiting"] == 0
     assert consumer.stats()["recv_buffer_bytes_in_use"] == 0
     assert pair.transfer("B")[0] == "ok"
     assert pair.idle()
@@ -240,6 +241,6 @@ def test_a_release_between_the_pulls_pop_and_the_send_leaves_nothing_waiting(
     finally:
         producer.producer_side._submit = real_submit
     assert _wait_reported(consumer, "A", 10.0)  # landed (NCCL) or failed (CPU): D is done
-    assert wait_until(lambda: producer.stats()["pull_requests_waiting"] == 0, 5.0), \
-        producer.stats()
+    assert wait_until(lambda: producer.stats()["pull_requests_waiting"] == 0
+                      and producer.stats()["releases_waiting"] == 0, 5.0), producer.stats()
     assert wait_until(pair.idle, 5.0), (producer.stats(), consumer.stats())

@@ -105,7 +105,7 @@ def test_a_second_release_is_dropped_not_kept_as_a_pull(pair: WorkerPair) -> Non
     _release(pair, "A")
     _release(pair, "A")
     assert pair.producer_idle()
-    assert pair.producer.stats()["pull_requests_waiting"] == 0
+    assert pair.producer.stats()["releases_waiting"] == 0
 
 
 def test_a_pull_after_a_release_is_told_at_once(pair: WorkerPair) -> None:
@@ -137,3 +137,13 @@ def test_a_release_in_flight_is_cancelled_at_once() -> None:
     started = time.monotonic()
     asyncio.run(cancel_early())
     assert time.monotonic() - started < 30.0  # far below the release's 60 s deadline
+
+
+def test_a_release_for_a_request_p_never_got_holds_nothing(pair: WorkerPair) -> None:
+    """The client left before P received its leg, and the proxy released anyway: the
+    release waits for a save that never comes. It holds no bytes or blocks, so P reads idle
+    (it may sleep, or stop, at once) and shows it apart; it expires after orphan_ttl_s."""
+    _release(pair, "never-saved")
+    stats = pair.producer.stats()
+    assert stats["releases_waiting"] == 1 and stats["pull_requests_waiting"] == 0
+    assert pair.producer.is_idle()

@@ -81,8 +81,9 @@ class BackgroundWork:
         background (its own deadline bounds it) and its KV released once P says it computed
         it (a retry on the same P then finds the prompt in its prefix cache).
 
-        Not cancelled: an abort landing after P's save left the KV held for the lease, and
-        a release sent for a request P never took would wait in P as a pull of its own."""
+        Not cancelled: an abort landing after P's save would leave the KV held for the
+        lease; and only P's answer says whether P took the request, or failed it (then
+        nothing is sent)."""
         try:
             await asyncio.wait({p_task})
             try:

@@ -24,6 +24,7 @@ from tests.integration.cluster_harness import (
     MODEL,
     Cluster,
     Req,
+    Throttle,
     build_tiny_checkpoint,
     get_json,
     idle_violations,
@@ -156,6 +157,34 @@ def test_a_handoff_client_leaving_after_ps_token_frees_ps_kv(cluster: Cluster) -
         event = json.loads(first.removeprefix(b"data: "))
         assert event["choices"][0]["text"] is not None
     _assert_idle_soon(cluster)
+
+
+async def _leave_after(url: str, body: dict, seconds: float) -> None:
+    async with aiohttp.ClientSession() as session:
+        try:
+            await asyncio.wait_for(session.post(url + "/v1/completions", json=body), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+
+def test_clients_leaving_while_p_computes_leave_p_idle(cluster: Cluster) -> None:
+    """Clients leave while P's engine (throttled) computes their prompts, streamed (the
+    handoff) and not: P's legs are cut and the proxy releases their KV, so P reads idle
+    within seconds however far each prompt got (queued, computing, saved)."""
+    prefill = cluster.worker("prefill0")
+    bodies = [{"model": MODEL, "prompt": PROMPT_IDS[:80 + i], "max_tokens": 8,
+               "stream": i % 2 == 0} for i in range(8)]
+
+    async def leave_all() -> None:
+        await asyncio.gather(*(_leave_after(cluster.url, body, 0.2 + 0.1 * i)
+                               for i, body in enumerate(bodies)))
+
+    with Throttle(cluster, prefill):
+        asyncio.run(leave_all())
+    _assert_idle_soon(cluster)
+    released = labelled_counter(cluster.url.removeprefix("http://"),
+                                "pdserve:proxy_kv_releases")
+    assert released.get("released", 0) >= 1, released
 
 
 def test_the_proxys_model_card_is_the_workers(cluster: Cluster) -> None:

@@ -119,10 +119,15 @@ class WorkerPair:
     def ask(self, transfer_id: str) -> None:
         """The consumer's load of P blocks SRC into D blocks DST: it reserves the bytes and
         sends its pull; returns once the producer holds the pull."""
-        waiting = self.producer.stats()["pull_requests_waiting"]
+        waiting = self._registered()
         self.ask_served(transfer_id)
-        assert wait_until(lambda: self.producer.stats()["pull_requests_waiting"] == waiting + 1,
-                          5.0)
+        assert wait_until(lambda: self._registered() == waiting + 1, 5.0)
+
+    def _registered(self) -> float:
+        """Pulls and releases the producer keeps for prefills not saved yet (a cancel that
+        is still on its way turns a waiting pull into a waiting release: the sum holds)."""
+        stats = self.producer.stats()
+        return stats["pull_requests_waiting"] + stats["releases_waiting"]
 
     def ask_served(self, transfer_id: str) -> None:
         """The consumer's load, as ``ask``, of a transfer the producer already computed (its

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterator
 
@@ -24,7 +25,6 @@ from tests.integration.cluster_harness import (
     MODEL,
     Cluster,
     Req,
-    Throttle,
     build_tiny_checkpoint,
     get_json,
     idle_violations,
@@ -168,23 +168,31 @@ async def _leave_after(url: str, body: dict, seconds: float) -> None:
 
 
 def test_clients_leaving_while_p_computes_leave_p_idle(cluster: Cluster) -> None:
-    """Clients leave while P's engine (throttled) computes their prompts, streamed (the
-    handoff) and not: P's legs are cut and the proxy releases their KV, so P reads idle
-    within seconds however far each prompt got (queued, computing, saved)."""
+    """Clients leave while their prompts wait in P's engine (stopped meanwhile), streamed
+    (the handoff) and not: each P leg is cut and its KV released by the proxy, so P reads
+    idle within seconds once it runs again, whether its save came before the abort or not."""
     prefill = cluster.worker("prefill0")
     bodies = [{"model": MODEL, "prompt": PROMPT_IDS[:80 + i], "max_tokens": 8,
                "stream": i % 2 == 0} for i in range(8)]
 
     async def leave_all() -> None:
-        await asyncio.gather(*(_leave_after(cluster.url, body, 0.2 + 0.1 * i)
-                               for i, body in enumerate(bodies)))
+        await asyncio.gather(*(_leave_after(cluster.url, body, 1.0) for body in bodies))
 
-    with Throttle(cluster, prefill):
+    proxy = cluster.url.removeprefix("http://")
+    before = labelled_counter(proxy, "pdserve:proxy_kv_releases").get("released", 0)
+    cluster.signal_engine(prefill, signal.SIGSTOP)
+    try:
         asyncio.run(leave_all())
+    finally:
+        cluster.signal_engine(prefill, signal.SIGCONT)
     _assert_idle_soon(cluster)
-    released = labelled_counter(cluster.url.removeprefix("http://"),
-                                "pdserve:proxy_kv_releases")
-    assert released.get("released", 0) >= 1, released
+    deadline = time.monotonic() + 10.0  # the releases finish once P's sockets answer
+    while True:
+        released = labelled_counter(proxy, "pdserve:proxy_kv_releases").get("released", 0)
+        if released - before == len(bodies) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert released - before == len(bodies), (before, released)  # each client that left
 
 
 def test_the_proxys_model_card_is_the_workers(cluster: Cluster) -> None:

@@ -65,16 +65,17 @@ class FirstTokenHandoff:
                                                         grant, decode.kv_ranks),
             headers))
         try:
-            await asyncio.wait({p_task})
-            verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
+            try:
+                await asyncio.wait({p_task})
+                verdict = self._prefill_verdict(p_task, p_leg, attempt_id, timer)
+            finally:
+                p_leg.finish(aborted=True)
+                await abort_tasks(p_task)
         except asyncio.CancelledError:
-            # The client left while P computed: its leg is cut (an abort landing after its
-            # save would leave the KV held), and P is told.
+            # The client left while P computed, or just after it answered: its leg is cut
+            # (an abort landing after its save would leave the KV held), and P is told.
             self._spawn_release(held)
             raise
-        finally:
-            p_leg.finish(aborted=True)
-            await abort_tasks(p_task)
         if isinstance(verdict, web.Response):
             return verdict
         first = fw.first_token_of(verdict, fw.num_choices(body))

@@ -96,15 +96,22 @@ class KVProducer:
                 self._state.counters["leases_expired"] += 1
                 self._tombstone(transfer_id, now)
         self._expire_tombstones(now)
+        self._expire_registrations_locked(now)
+        finished, self._finished_sending = self._finished_sending, set()
+        return finished
+
+    def _expire_registrations_locked(self, now: float) -> None:
+        """Drop pulls and releases that waited ``orphan_ttl_s`` for a save (lock held)."""
         for transfer_id, (_, arrived) in list(self._registrations.items()):
             if now - arrived > self._state.config.orphan_ttl_s:
                 del self._registrations[transfer_id]
                 self._state.counters["registrations_expired"] += 1
-        finished, self._finished_sending = self._finished_sending, set()
-        return finished
 
     def gauges_locked(self) -> dict[str, float]:
-        """The producer's gauges (call with the lock held); all 0 when idle."""
+        """The producer's gauges (call with the lock held); all 0 when idle but
+        ``releases_waiting``. Expired registrations go first: an idle engine takes no steps
+        (which expire them too), and its gauges are read all the same."""
+        self._expire_registrations_locked(self._state.clock())
         send_bytes = sum(job.slots.held_bytes for job in self._in_flight.values()
                          if job.slots is not None)
         return {"send_buffer_bytes_in_use": float(send_bytes),
@@ -121,6 +128,18 @@ class KVProducer:
         prefill never comes (the proxy released a request P never received)."""
         return not (self._pending or self._in_flight or self._finished_sending
                     or self._open_saves or self._waiting_pulls_locked())
+
+    def _evict_waiting_release_locked(self) -> bool:
+        """Make room for a pull by dropping the oldest release waiting for its save (call
+        with the lock held); False when none waits. A release holds nothing, a pull is a
+        decode worker waiting: when the registry is full the release goes (its KV, should
+        the save still come, waits for its lease)."""
+        for transfer_id, (waiting, _) in self._registrations.items():
+            if waiting.num_blocks == 0:
+                del self._registrations[transfer_id]
+                self._state.counters["registrations_expired"] += 1
+                return True
+        return False
 
     def _waiting_pulls_locked(self) -> int:
         """Pulls (not releases) waiting for their prefill's save (call with the lock held)."""
@@ -423,7 +442,8 @@ class KVProducer:
         with self._state.lock:
             pending = self._pending.get(pull.transfer_id)
             full = (pending is None and pull.transfer_id not in self._registrations
-                    and len(self._registrations) >= MAX_WAITING_PULLS)
+                    and len(self._registrations) >= MAX_WAITING_PULLS
+                    and not self._evict_waiting_release_locked())
             if pending is not None and pending.ready:
                 del self._pending[pull.transfer_id]
             elif not full:  # its prefill has not reached the save yet: kept until it does

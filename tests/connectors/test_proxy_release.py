@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from connectors.p2p_nccl import producer as producer_module
 from connectors.p2p_nccl.messages import release_request
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.errors import KVTransferError
@@ -147,3 +148,33 @@ def test_a_release_for_a_request_p_never_got_holds_nothing(pair: WorkerPair) -> 
     stats = pair.producer.stats()
     assert stats["releases_waiting"] == 1 and stats["pull_requests_waiting"] == 0
     assert pair.producer.is_idle()
+
+
+def test_waiting_releases_make_room_for_a_pull(pair: WorkerPair,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releases waiting for saves that never come fill the registry P keeps for early
+    pulls: a decode worker's pull then takes the oldest release's place instead of being
+    refused (a release holds nothing; a pull is a decode worker waiting)."""
+    monkeypatch.setattr(producer_module, "MAX_WAITING_PULLS", 2)
+    _release(pair, "never-1")
+    _release(pair, "never-2")
+    pair.ask_served("A")  # its prefill has not reached the save yet: the pull waits
+    assert wait_until(lambda: pair.producer.stats()["pull_requests_waiting"] == 1, 5.0)
+    stats = pair.producer.stats()
+    assert stats["pull_requests_waiting"] == 1 and stats["releases_waiting"] == 1
+    assert stats["messages_rejected"] == 0
+    pair.compute("A")
+    assert pair.outcome("A") == "ok"
+
+
+def test_a_waiting_release_expires_on_an_idle_producer() -> None:
+    """An idle engine takes no steps (which expire what waited ``orphan_ttl_s``): reading
+    the gauges expires a release waiting for a save that never came, so the gauge falls
+    back to 0 as its help says."""
+    pair = WorkerPair(nccl=False, timeout_s=5.0, orphan_ttl_s=0.3)
+    try:
+        _release(pair, "never-saved")
+        assert pair.producer.stats()["releases_waiting"] == 1
+        assert wait_until(lambda: pair.producer.stats()["releases_waiting"] == 0, 5.0)
+    finally:
+        pair.shutdown()

@@ -69,11 +69,13 @@ class WorkerPair:
     def __init__(self, timeout_s: float = 4.0, nccl: bool = True,
                  kv_buffer_size: float | None = None, min_call_bytes: int = 0,
                  layers: int = LAYERS,
-                 block_shape: tuple[int, int, int] = BLOCK_SHAPE) -> None:
+                 block_shape: tuple[int, int, int] = BLOCK_SHAPE,
+                 orphan_ttl_s: float | None = None) -> None:
         self.timeout_s = timeout_s
         self.nccl = nccl
         self.kv_buffer_size = kv_buffer_size
         self.min_call_bytes = min_call_bytes
+        self.orphan_ttl_s = orphan_ttl_s
         self.layers, self.block_shape = layers, block_shape
         self.fabric = Fabric()
         self.p_caches = make_caches(1, layers, block_shape)
@@ -98,7 +100,11 @@ class WorkerPair:
         return FakeNcclTransport(self.fabric, address) if self.nccl else None
 
     def _worker(self, role: str, port: int, transport: Any) -> P2pConnectorWorker:
-        extra = {} if self.kv_buffer_size is None else {"kv_buffer_size": self.kv_buffer_size}
+        extra: dict[str, Any] = {}
+        if self.kv_buffer_size is not None:
+            extra["kv_buffer_size"] = self.kv_buffer_size
+        if self.orphan_ttl_s is not None:
+            extra["orphan_ttl_s"] = self.orphan_ttl_s
         config = KVTransferConfig(kv_role=role, kv_port=port, transfer_timeout_s=self.timeout_s,
                                   min_call_bytes=self.min_call_bytes, **extra)
         return P2pConnectorWorker(config, "cpu", transport=transport)

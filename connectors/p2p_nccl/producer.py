@@ -6,7 +6,8 @@ the pull arrives (GET, or a late pull), under a lease. Transfers move in data ca
 ``layers_per_call`` consecutive layers: after the last layer of a call, ``after_layer``
 gathers the call's layers with one kernel into the job's staging buffer and tells the peer's
 sender thread once; every other layer's hook does nothing. Transfers this producer will never
-send are tombstoned, so a late pull for one is answered with an abort at once.
+send are tombstoned, so a late pull for one is answered with an abort at once (both
+registries: ``early_pulls.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from connectors.p2p_nccl.early_pulls import EarlyPulls, Tombstones
 from connectors.p2p_nccl.messages import (
     KVPullRequest,
     call_ranges,
@@ -60,7 +62,7 @@ class KVProducer:
 
     def __init__(self, state: WorkerState) -> None:
         self._state = state
-        self._registrations: dict[str, tuple[KVPullRequest, float]] = {}
+        self._registrations = EarlyPulls()
         self._pending: dict[str, PendingSave] = {}
         self._in_flight: dict[str, SendJob] = {}
         self._senders: dict[str, PeerSender] = {}
@@ -74,9 +76,8 @@ class KVProducer:
         # A request's KV may go out in several sends (routes between tensor-parallel layouts,
         # each its own heads of the same blocks): its blocks are handed back once all ended.
         self._open_saves: dict[str, int] = {}
-        # Transfers this producer will never send (abandoned, lease expired): a late pull for
-        # one is answered with an abort at once. Bounded; holds no bytes.
-        self._tombstones: dict[str, float] = {}
+        # Transfers this producer will never send: a late pull is answered with an abort.
+        self._tombstones = Tombstones(state.config.orphan_ttl_s)
         # Checks the grant every pull carries (used by the control thread only).
         self._grants = GrantAuthority(state.config.cluster_secret)
 
@@ -94,32 +95,30 @@ class KVProducer:
                 del self._pending[transfer_id]
                 self._end_save_locked(pending.save.request_id)
                 self._state.counters["leases_expired"] += 1
-                self._tombstone(transfer_id, now)
-        self._expire_tombstones(now)
+                self._tombstones.add(transfer_id, now)
+        self._tombstones.expire(now)
         self._expire_registrations_locked(now)
         finished, self._finished_sending = self._finished_sending, set()
         return finished
 
     def _expire_registrations_locked(self, now: float) -> None:
         """Drop pulls and releases that waited ``orphan_ttl_s`` for a save (lock held)."""
-        for transfer_id, (_, arrived) in list(self._registrations.items()):
-            if now - arrived > self._state.config.orphan_ttl_s:
-                del self._registrations[transfer_id]
-                self._state.counters["registrations_expired"] += 1
+        self._state.counters["registrations_expired"] += self._registrations.expire(
+            now, self._state.config.orphan_ttl_s)
 
     def gauges_locked(self) -> dict[str, float]:
         """The producer's gauges (call with the lock held); all 0 when idle but
         ``releases_waiting``. Expired registrations go first: an idle engine takes no steps
         (which expire them too), and its gauges are read all the same."""
         self._expire_registrations_locked(self._state.clock())
+        pulls = self._registrations.waiting_pulls()
         send_bytes = sum(job.slots.held_bytes for job in self._in_flight.values()
                          if job.slots is not None)
         return {"send_buffer_bytes_in_use": float(send_bytes),
                 "sends_in_flight": float(len(self._in_flight)),
                 "sends_pending_pull": float(len(self._pending)),
-                "pull_requests_waiting": float(self._waiting_pulls_locked()),
-                "releases_waiting": float(len(self._registrations)
-                                          - self._waiting_pulls_locked())}
+                "pull_requests_waiting": float(pulls),
+                "releases_waiting": float(len(self._registrations) - pulls)}
 
     def idle_locked(self) -> bool:
         """True when no send, held save, waiting pull or unreported finish is kept. A
@@ -127,23 +126,15 @@ class KVProducer:
         waits on it): it does not count, and expires with ``orphan_ttl_s`` when that
         prefill never comes (the proxy released a request P never received)."""
         return not (self._pending or self._in_flight or self._finished_sending
-                    or self._open_saves or self._waiting_pulls_locked())
+                    or self._open_saves or self._registrations.waiting_pulls())
 
     def _evict_waiting_release_locked(self) -> bool:
-        """Make room for a pull by dropping the oldest release waiting for its save (call
-        with the lock held); False when none waits. A release holds nothing, a pull is a
-        decode worker waiting: when the registry is full the release goes (its KV, should
-        the save still come, waits for its lease)."""
-        for transfer_id, (waiting, _) in self._registrations.items():
-            if waiting.num_blocks == 0:
-                del self._registrations[transfer_id]
-                self._state.counters["registrations_expired"] += 1
-                return True
-        return False
-
-    def _waiting_pulls_locked(self) -> int:
-        """Pulls (not releases) waiting for their prefill's save (call with the lock held)."""
-        return sum(1 for pull, _ in self._registrations.values() if pull.num_blocks > 0)
+        """Make room for a pull by dropping the oldest waiting release (lock held): a
+        release holds nothing, a pull is a decode worker waiting."""
+        evicted = self._registrations.evict_oldest_release()
+        if evicted:
+            self._state.counters["registrations_expired"] += 1
+        return evicted
 
     def bind_step(self, metadata: P2pConnectorMetadata | None) -> None:
         """Decide, once per save, whether it is pushed layer by layer or deferred."""
@@ -333,26 +324,9 @@ class KVProducer:
         with self._state.lock:
             registration = self._registrations.pop(transfer_id, None)
             if registration is None:
-                self._tombstone(transfer_id, self._state.clock())
+                self._tombstones.add(transfer_id, self._state.clock())
         if registration is not None and registration[0].num_blocks > 0:
             self._submit_abort(transfer_id, registration[0].consumer_address, "producer request ended")
-
-    def _tombstone(self, transfer_id: str, now: float) -> None:
-        """Remember a dead transfer id for ``orphan_ttl_s`` (caller holds the lock). Kept in
-        expiry order (re-inserted at the end), so expiring them stops at the first live one."""
-        self._tombstones.pop(transfer_id, None)
-        self._tombstones[transfer_id] = now + self._state.config.orphan_ttl_s
-        while len(self._tombstones) > 65536:
-            del self._tombstones[next(iter(self._tombstones))]
-
-    def _expire_tombstones(self, now: float) -> None:
-        """Drop the expired tombstones, oldest first (caller holds the lock): each step costs
-        the expired ones only, not every transfer sent in the last ``orphan_ttl_s``."""
-        while self._tombstones:
-            transfer_id, expiry = next(iter(self._tombstones.items()))
-            if now <= expiry:
-                return
-            del self._tombstones[transfer_id]
 
     def _on_send_done(self, job: SendJob) -> None:
         with self._state.lock:
@@ -368,7 +342,7 @@ class KVProducer:
             waiting = self._registrations.get(job.transfer_id)
             if waiting is not None and waiting[0].num_blocks == 0:
                 del self._registrations[job.transfer_id]
-            self._tombstone(job.transfer_id, self._state.clock())
+            self._tombstones.add(job.transfer_id, self._state.clock())
             if job.slots is not None:
                 job.slots.clear()
             if job.request_id is not None:
@@ -391,7 +365,7 @@ class KVProducer:
         or the reverse) is dropped instead of waiting as a pull, and a late pull is told."""
         with self._state.lock:
             self._end_save_locked(save.request_id)
-            self._tombstone(save.transfer_id, self._state.clock())
+            self._tombstones.add(save.transfer_id, self._state.clock())
 
     def _finish_send(self, request_id: str) -> None:
         with self._state.lock:

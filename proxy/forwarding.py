@@ -54,7 +54,6 @@ class LegTimeouts:
                                      sock_read=self.decode_s)
 
 
-
 def create_upstream_session(api_key: str | None = None) -> aiohttp.ClientSession:
     """One pooled session for all worker legs (no per-host cap: --max-inflight bounds us).
     With the proxy's ``api_key``, every call to a worker carries it (the cluster's one key;

@@ -23,6 +23,10 @@ class EarlyPulls(dict[str, tuple[KVPullRequest, float]]):
             del self[transfer_id]
         return len(old)
 
+    def has_waiting_pull(self) -> bool:
+        """Whether a pull (not a release) waits: a producer's idleness, asked every step."""
+        return any(pull.num_blocks > 0 for pull, _ in self.values())
+
     def waiting_pulls(self) -> int:
         """Pulls (not releases) waiting."""
         return sum(1 for pull, _ in self.values() if pull.num_blocks > 0)

@@ -110,8 +110,8 @@ def rank_pairs(transfer_id: str, producer: PeerRanks | None, producer_address: s
     if producer is None and consumer is None:
         return [(transfer_id, producer_address, consumer_address)]
     shape = (producer or consumer).layout.model_shape  # type: ignore[union-attr]
-    producer = producer or PeerRanks(KVLayout.of_rank(1, 0, *shape), (producer_address,))
-    consumer = consumer or PeerRanks(KVLayout.of_rank(1, 0, *shape), (consumer_address,))
+    producer = producer or PeerRanks.one_rank(producer_address, shape)
+    consumer = consumer or PeerRanks.one_rank(consumer_address, shape)
     routes = plan_head_routes(producer.layout, consumer.layout)
     return [(route_id, producer.addresses[route.src_rank], consumer.addresses[route.dst_rank])
             for route_id, route in zip(route_transfer_ids(transfer_id, routes), routes,

@@ -126,7 +126,7 @@ class KVProducer:
         waits on it): it does not count, and expires with ``orphan_ttl_s`` when that
         prefill never comes (the proxy released a request P never received)."""
         return not (self._pending or self._in_flight or self._finished_sending
-                    or self._open_saves or self._registrations.waiting_pulls())
+                    or self._open_saves or self._registrations.has_waiting_pull())
 
     def _evict_waiting_release_locked(self) -> bool:
         """Make room for a pull by dropping the oldest waiting release (lock held): a

@@ -72,7 +72,7 @@ def split_step(meta: P2pConnectorMetadata, own: KVLayout, peers: dict[str, PeerR
         peer = peers.get(address)
         if peer is not None:
             return peer
-        return PeerRanks(KVLayout.of_rank(1, 0, *own.model_shape), (address,))
+        return PeerRanks.one_rank(address, own.model_shape)
 
     for load in meta.loads:
         peer = peer_of(load.peer_address)

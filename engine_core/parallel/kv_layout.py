@@ -141,6 +141,12 @@ class PeerRanks:
             raise KVLayoutError(f"peer of tensor-parallel size {self.layout.tp_size} gave "
                                 f"{len(self.addresses)} rank addresses")
 
+    @classmethod
+    def one_rank(cls, address: str, model_shape: tuple[int, int, int, str, int]) -> PeerRanks:
+        """A worker that registered no ranks, as its peers take it: one rank at ``address``
+        of the model shape the other side has."""
+        return cls(KVLayout.of_rank(1, 0, *model_shape), (address,))
+
     @property
     def address(self) -> str:
         """Rank 0's connector address: the worker's KV address (grants and

@@ -40,6 +40,15 @@ async def _settled(client, wait_until, *producers) -> None:
                      == dispatcher.releaser.messages_sent, timeout_s=5.0)
 
 
+async def _stream_and_leave(client, wait_until, worker) -> None:
+    """A streamed request whose client leaves once ``worker`` got its leg."""
+    task = asyncio.create_task(client.post("/v1/completions", json=STREAM))
+    await wait_until(lambda: len(worker.received) == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_d_refusal_after_p_answered_releases_its_kv(make_worker, make_proxy,
                                                           wait_until) -> None:
     p, d = await make_worker("P"), await make_worker("D", "error400", delay_s=0.3)
@@ -210,11 +219,7 @@ async def test_client_leaving_while_p_computes_releases(make_worker, make_proxy,
     would leave the KV held) and P is told."""
     p, d = await make_worker("P", delay_s=1.0), await make_worker("D", delay_s=1.0)
     client = await make_proxy(p, d, first_token_from_prefill=handoff)
-    task = asyncio.create_task(client.post("/v1/completions", json=STREAM))
-    await wait_until(lambda: len(p.received) == 1)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _stream_and_leave(client, wait_until, p)
     await wait_until(lambda: p.releases, timeout_s=5.0)
     await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])
@@ -286,11 +291,7 @@ async def test_handoff_without_ps_token_client_leaving_releases(make_worker, mak
     p = await make_worker("P", "no_first_token")
     d = await make_worker("D", "hang")
     client = await make_proxy(p, d, first_token_from_prefill=True)
-    task = asyncio.create_task(client.post("/v1/completions", json=STREAM))
-    await wait_until(lambda: len(d.received) == 1)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _stream_and_leave(client, wait_until, d)
     await wait_until(lambda: p.releases, timeout_s=5.0)
     await _settled(client, wait_until, p)
     assert p.releases == _released(p, d, ["id1"])

@@ -467,6 +467,7 @@ class EngineCore:
             sleep_level=self.sleep_level,
             num_prefill_tokens_queued=scheduler.queued_prefill_tokens(),
             prefill_tokens_per_s=rates.prefill_tokens_per_s, decode_step_s=rates.decode_step_s,
+            prefill_alone_tokens_per_s=rates.prefill_alone_tokens_per_s,
             decode_base_s=rates.decode_base_s, decode_hidden_s=rates.hidden_s,
             decode_step_target_s=self.config.scheduler.decode_step_target_s or 0.0,
         )

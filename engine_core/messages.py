@@ -136,6 +136,7 @@ class EngineStats:
     num_prefill_tokens_queued: int = 0
     num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
+    prefill_alone_tokens_per_s: float = 0.0  # the rate of steps without decodes
     decode_step_s: float = 0.0
     decode_step_target_s: float = 0.0
     decode_base_s: float = 0.0

@@ -1,22 +1,32 @@
-"""StepRates: the engine's measured prefill rate and decode step time.
+"""StepRates: the engine's measured prefill rates and decode step time.
 
 A step is modelled as ``decode part + max(0, prefill tokens / prefill rate - base)``: the
 decode part is what the step's decode rows cost (its fixed part ``base``, the weights read
 once, plus every stream's context), the prefill rate is the marginal cost of prompt tokens,
 and a prompt chunk's compute hides the weights' read it shares with the decodes (a chunk of
 a few hundred tokens on an 8B model takes longer than that read). With ``base`` unmeasured
-(0) the parts add. Both come from each step's device time
-(``worker/step_clock.py``; a step's host wall time is not its cost under async scheduling)
-as moving averages: a step of decodes alone measures the decode part, a step of prefill
-alone the rate, and a mixed step whose prefill is the larger part measures the rate (when
-it runs well past the fixed part) and, with the fixed part measured, what mixed steps take
-beyond the model (``mixed_excess_s``), which shrinks the part a chunk hides and so the
-next mixed steps' prompt tokens. Without the fixed part measured the parts add and a mixed
-step whose decode part is the larger one measures that part.
+(0) the parts add. All come from each step's device time (``worker/step_clock.py``; a
+step's host wall time is not its cost under async scheduling) as moving averages:
+
+- a step of decodes alone measures the decode part (and, with one or two decodes, its
+  fixed part);
+- a step of prefill alone measures ``prefill_alone_tokens_per_s``: what a worker without
+  decodes computes (whole prompts, batched);
+- a mixed step whose prefill is the larger part measures ``prefill_tokens_per_s``, the
+  marginal rate of prompt tokens beside decodes (when it runs well past the fixed part),
+  and, with the fixed part measured, what mixed steps take beyond the model
+  (``mixed_excess_s``), which shrinks the part a chunk hides and so the next mixed steps'
+  prompt tokens. Without the fixed part measured the parts add and a mixed step whose
+  decode part is the larger one measures that part.
+
+The two prefill rates are kept apart because they differ by far more than noise: a mixed
+step's chunk is small (the step target bounds it), and on an H200 its marginal rate is well
+under half the rate of prompts alone. Each stands in for the other until it is measured.
 
 Two users: the scheduler bounds a mixed step's prompt tokens by the worker's decode-step
 target (``mixed_step_prefill_budget``), and the proxy predicts when a worker finishes a prefill
-from the rates in its heartbeat (``prefill_rate_beside_decodes``).
+from the rates in its heartbeat (``prefill_rate_beside_decodes``; the lane plan of
+``proxy/lanes.py`` runs a prefill lane at the rate of prefill alone).
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ class StepRates:
 
     weight: float = 0.2               # the newest step's share of each average
     min_prefill_tokens: int = 64      # a smaller prefill alone is dominated by fixed costs
-    prefill_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0        # marginal, in mixed steps
+    prefill_alone_tokens_per_s: float = 0.0  # in steps without decodes
     decode_step_s: float = 0.0
     # The decode step's fixed part (the weights read once): steps of at most this many
     # decodes alone measure it (the proxy's lane plan needs how a step grows with its batch).
@@ -52,8 +63,13 @@ class StepRates:
             if num_decodes <= self.base_max_decodes:
                 self.decode_base_s = self._mix(self.decode_base_s, seconds)
             return
-        if num_decodes == 0 or not (self.prefill_tokens_per_s or self.decode_step_s):
-            # Prefill alone, or nothing measured yet (decodes ride along): tokens / seconds.
+        if num_decodes == 0:
+            if self._shows_rate(num_prefill_tokens, seconds):
+                self.prefill_alone_tokens_per_s = self._mix(self.prefill_alone_tokens_per_s,
+                                                            num_prefill_tokens / seconds)
+            return
+        if not (self.prefill_tokens_per_s or self.decode_step_s):
+            # Nothing measured beside decodes yet (they ride along): tokens / seconds.
             if self._shows_rate(num_prefill_tokens, seconds):
                 self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
                                                       num_prefill_tokens / seconds)
@@ -78,6 +94,12 @@ class StepRates:
         decode_s = seconds - predicted_prefill_s
         if decode_s > 0:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
+
+    @property
+    def rate_beside_decodes(self) -> float:
+        """The marginal prefill rate of a mixed step; the rate of prefill alone until a
+        mixed step has measured it (0: neither measured)."""
+        return self.prefill_tokens_per_s or self.prefill_alone_tokens_per_s
 
     @property
     def _fixed_s(self) -> float:
@@ -115,11 +137,11 @@ def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
                               block_size: int) -> int | None:
     """The prompt tokens of a step with decodes under ``target_s``: ``mixed_prefill_tokens``
     in whole blocks, at least one so prefills always progress. None (unbounded) without a
-    target or until the prefill rate is measured (an unbounded step measures it)."""
-    if target_s is None or not rates.prefill_tokens_per_s:
+    target or until a prefill rate is measured (an unbounded step measures it)."""
+    rate = rates.rate_beside_decodes
+    if target_s is None or not rate:
         return None
-    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rates.prefill_tokens_per_s,
-                                      rates.hidden_s))
+    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rate, rates.hidden_s))
     return max(block_size, tokens - tokens % block_size)
 
 

@@ -15,8 +15,9 @@ sustains (``sustainable``, ``max_rate``):
   ``output_tokens`` steps, so a worker holds ``rate * output_tokens * step / (n - k)``
   streams and steps in ``base + per_stream * streams``, within the decode-step limit;
 - ``k = 0``: every worker prefills beside its decodes, its steps running to the target, at
-  ``engine_core.step_rates.prefill_rate_beside_decodes``; ``k > 0``: the prefill lane
-  prefills at full rate;
+  ``engine_core.step_rates.prefill_rate_beside_decodes`` from the marginal rate of mixed
+  steps; ``k > 0``: the prefill lane prefills at the rate of steps without decodes (whole
+  prompts batched: on an H200 over twice the marginal rate of a mixed step's chunks);
 - a prefill queue may be as busy as keeps its tail within the TTFT target
   (``prefill_utilisation_limit``).
 
@@ -85,8 +86,9 @@ class Traffic:
 
 @dataclass(frozen=True)
 class ClusterSpeed:
-    """One worker's speed (the cluster's workers are alike): full prefill rate, decode
-    step ``base_s + per_stream_s * streams``, the engines' decode-step target and the
+    """One worker's speed (the cluster's workers are alike): prefill rate beside decodes
+    (marginal, in mixed steps) and without them (0: taken as the first), decode step
+    ``base_s + per_stream_s * streams``, the engines' decode-step target and the
     decode-step limit the placement holds streams to, and the part of a decode step a
     prompt chunk beside it hides (``engine_core.step_rates.StepRates.hidden_s``)."""
 
@@ -96,6 +98,12 @@ class ClusterSpeed:
     step_target_s: float
     step_limit_s: float
     hidden_s: float = 0.0
+    prefill_alone_tokens_per_s: float = 0.0
+
+    @property
+    def lane_rate(self) -> float:
+        """Prompt tokens/s of a worker in the prefill lane."""
+        return self.prefill_alone_tokens_per_s or self.prefill_tokens_per_s
 
 
 def decode_step(speed: ClusterSpeed, traffic: Traffic, rate: float, decoders: int) -> float:
@@ -127,7 +135,8 @@ def sustainable(speed: ClusterSpeed, traffic: Traffic, config: LaneConfig, ttft_
     Without a prefill lane every worker prefills beside its decodes: its steps run to the
     step target, so each of its streams waits a whole target per token and the decode part
     grows with them. With one, the decode lane steps at its decode part alone and the
-    prefill lane prefills at full rate (what the decode lane computes itself is slack)."""
+    prefill lane prefills at its rate without decodes (what the decode lane computes itself
+    is slack)."""
     if prefill_lane == 0:
         inflow = rate * traffic.output_tokens / workers
         step = speed.base_s + speed.per_stream_s * inflow * speed.step_target_s
@@ -139,7 +148,7 @@ def sustainable(speed: ClusterSpeed, traffic: Traffic, config: LaneConfig, ttft_
     else:
         if decode_step(speed, traffic, rate, workers - prefill_lane) > speed.step_limit_s:
             return False
-        rate_each, servers = speed.prefill_tokens_per_s, prefill_lane
+        rate_each, servers = speed.lane_rate, prefill_lane
     if rate_each <= 0:
         return False
     limit = prefill_utilisation_limit(traffic.prompt_tokens / rate_each, ttft_s, config)
@@ -179,10 +188,13 @@ GROWTH_WEIGHT = 0.2
 
 def measured_speed(workers: Sequence[WorkerSnapshot],
                    step_limit_s: float) -> ClusterSpeed | None:
-    """The cluster's speed from its workers' heartbeats: the mean prefill rate and step
+    """The cluster's speed from its workers' heartbeats: the mean prefill rates and step
     base, the decode step's growth per stream from the decoding workers (their step over
-    their base, per decode); None until each is measured and a worker has a step target."""
-    rates = [w.prefill_tokens_per_s for w in workers if w.prefill_tokens_per_s > 0]
+    their base, per decode); None until each is measured and a worker has a step target.
+    Each prefill rate stands in for the other until a worker measures it (a cluster whose
+    workers never mixed, or never prefilled without decodes)."""
+    alone = [w.prefill_alone_tokens_per_s for w in workers if w.prefill_alone_tokens_per_s > 0]
+    rates = [w.prefill_tokens_per_s for w in workers if w.prefill_tokens_per_s > 0] or alone
     bases = [w.decode_base_s for w in workers if w.decode_base_s > 0]
     targets = [w.decode_step_target_s for w in workers if w.decode_step_target_s > 0]
     if not rates or not bases or not targets:
@@ -195,7 +207,8 @@ def measured_speed(workers: Sequence[WorkerSnapshot],
     growth = sum(max(0.0, w.step_s - (w.decode_base_s or base)) for w in decoding)
     hidden = [w.decode_hidden_s for w in workers if w.decode_base_s > 0]
     return ClusterSpeed(sum(rates) / len(rates), base, growth / streams, min(targets),
-                        step_limit_s, sum(hidden) / len(hidden))
+                        step_limit_s, sum(hidden) / len(hidden),
+                        sum(alone) / len(alone) if alone else 0.0)
 
 
 class LanePlanner:

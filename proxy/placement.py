@@ -11,7 +11,7 @@ launch`` gives every placed worker ``decode_step_target_s``, the TPOT target les
 headroom) bounds each step that carries decodes to that target, taking prompt tokens only
 in the time its decodes leave. A worker that decodes therefore prefills at a capped rate
 (``engine_core.step_rates.prefill_rate_beside_decodes``), and one without decodes at its
-full rate. The policy only has to put each prefill where it finishes first at those rates:
+full rate (its measured rate of steps without decodes, far above a mixed step's chunks'). The policy only has to put each prefill where it finishes first at those rates:
 
 1. D is the decode-capable worker that takes the stream: not over the TPOT target (its
    measured decode step within ``decode_step_limit`` of it), then a significant cached prefix
@@ -111,7 +111,8 @@ class WorkerSnapshot:
     worker_id: str
     capabilities: frozenset[str]
     queued_prefill_tokens: int = 0     # prompt tokens waiting to be computed there
-    prefill_tokens_per_s: float = 0.0  # measured rate; 0: not measured yet
+    prefill_tokens_per_s: float = 0.0  # measured rate beside decodes; 0: not measured yet
+    prefill_alone_tokens_per_s: float = 0.0  # measured rate without decodes; 0: not yet
     decode_batch: int = 0              # requests decoding there
     kv_usage: float = 0.0              # 0..1
     step_s: float = 0.0                # its decode step without prefill; 0: unknown
@@ -140,8 +141,17 @@ class NoPlacementError(Exception):
     """No worker can decode the request."""
 
 
-def _rate(worker: WorkerSnapshot, config: PlacementConfig) -> float:
-    return worker.prefill_tokens_per_s or config.default_prefill_tokens_per_s
+def rate_beside_decodes(worker: WorkerSnapshot, config: PlacementConfig) -> float:
+    """The marginal prompt tokens/s of ``worker``'s mixed steps (each of its two rates
+    stands in for the other until measured; the default until either is)."""
+    return (worker.prefill_tokens_per_s or worker.prefill_alone_tokens_per_s
+            or config.default_prefill_tokens_per_s)
+
+
+def alone_rate(worker: WorkerSnapshot, config: PlacementConfig) -> float:
+    """Prompt tokens/s ``worker`` computes with no decodes."""
+    return (worker.prefill_alone_tokens_per_s or worker.prefill_tokens_per_s
+            or config.default_prefill_tokens_per_s)
 
 
 # A worker whose decodes fill its step target still prefills a block a step: its rate is
@@ -152,9 +162,9 @@ MIN_RATE_SHARE = 0.02
 def effective_rate(worker: WorkerSnapshot, config: PlacementConfig) -> float:
     """Prompt tokens/s ``worker`` computes now: its full rate without decodes, the share
     its decode-step target leaves while it decodes."""
-    rate = _rate(worker, config)
     if worker.decode_batch == 0:
-        return rate
+        return alone_rate(worker, config)
+    rate = rate_beside_decodes(worker, config)
     return max(MIN_RATE_SHARE * rate, prefill_rate_beside_decodes(
         rate, worker.step_s, worker.decode_step_target_s, worker.decode_hidden_s))
 
@@ -231,14 +241,17 @@ def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
 
 
 def with_measured_speeds(workers: Sequence[WorkerSnapshot]) -> list[WorkerSnapshot]:
-    """A worker that has not measured its prefill rate or decode step yet (it just joined,
+    """A worker that has not measured its prefill rates or decode step yet (it just joined,
     or never prefilled or decoded) is taken to be as fast as the fastest that has: an
     unmeasured rate read as the default would send every prefill to the first worker that
     measured one, and an unknown step would read as a worker with room for any batch."""
     rate = max((w.prefill_tokens_per_s for w in workers), default=0.0)
+    alone = max((w.prefill_alone_tokens_per_s for w in workers), default=0.0)
     step = min((w.step_s for w in workers if w.step_s > 0), default=0.0)
-    return [w if (w.prefill_tokens_per_s or not rate) and (w.step_s or not step)
+    return [w if ((w.prefill_tokens_per_s or not rate) and (w.step_s or not step)
+                  and (w.prefill_alone_tokens_per_s or not alone))
             else replace(w, prefill_tokens_per_s=w.prefill_tokens_per_s or rate,
+                         prefill_alone_tokens_per_s=w.prefill_alone_tokens_per_s or alone,
                          step_s=w.step_s or step)
             for w in workers]
 

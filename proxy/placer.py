@@ -60,6 +60,7 @@ class Placer:
             queued_prefill_tokens=max(load.num_prefill_tokens_queued,
                                       worker.pending_prefill_tokens),
             prefill_tokens_per_s=load.prefill_tokens_per_s,
+            prefill_alone_tokens_per_s=load.prefill_alone_tokens_per_s,
             decode_batch=max(load.num_decoding, decoding), kv_usage=load.kv_cache_usage,
             step_s=load.decode_step_s, decode_step_target_s=load.decode_step_target_s,
             decode_base_s=load.decode_base_s, decode_hidden_s=load.decode_hidden_s,

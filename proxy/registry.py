@@ -105,6 +105,7 @@ class WorkerState:
                 "sleeping": self.load.sleeping,
                 "num_prefill_tokens_queued": self.load.num_prefill_tokens_queued,
                 "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
+                "prefill_alone_tokens_per_s": self.load.prefill_alone_tokens_per_s,
                 "decode_step_s": self.load.decode_step_s,
                 "decode_step_target_s": self.load.decode_step_target_s,
                 "decode_base_s": self.load.decode_base_s,

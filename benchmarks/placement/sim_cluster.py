@@ -4,8 +4,9 @@ Each worker is an engine as ``engine_core/sched/scheduler.py`` runs it: a step c
 running decode plus prefill chunks (FCFS) up to ``max_num_batched_tokens``; a step takes
 ``base + per_seq * batch + per_ctx_token * context`` while it decodes, plus the time its
 prefill tokens take at the prefill rate beyond ``base`` (a chunk's compute hides the
-weights' read it shares with the decodes, as ``engine_core/step_rates.py`` models it). With a decode-step target (the adaptive layout's workers, as
-``pdserve launch`` starts them) a step with decodes takes only the prompt tokens the
+weights' read it shares with the decodes, as ``engine_core/step_rates.py`` models it; a
+mixed step's chunk runs at ``chunk_rate_share`` of the rate of prompts alone). With a
+decode-step target (the adaptive layout's workers, as ``pdserve launch`` starts them) a step with decodes takes only the prompt tokens the
 engine's ``mixed_step_prefill_budget`` gives from the worker's measured ``StepRates``. A
 prefill for another worker hands its first token to the client when it ends (the
 first-token handoff) and its KV lands on the decoding worker ``transfer_s`` later. Layouts:
@@ -39,6 +40,9 @@ class GpuModel:
     A mixed step pays the weights' read once (``engine_core/step_rates.py``)."""
 
     prefill_tokens_per_s: float = 41_000.0
+    # A mixed step's prompt tokens run at this share of the rate of prompts alone (its
+    # chunks are small: on two H200s the heartbeats read about 0.4).
+    chunk_rate_share: float = 1.0
     step_base_s: float = 0.0060
     step_per_seq_s: float = 1.0e-5
     step_per_ctx_token_s: float = 6.5e-8
@@ -92,6 +96,7 @@ class _Heartbeat:
     kv_usage: float = 0.0
     base_s: float = 0.0
     hidden_s: float = 0.0
+    prefill_alone_tokens_per_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -128,7 +133,7 @@ class SimWorker:
         self.heartbeat = _Heartbeat(
             self.batch, self.queued_tokens(), self.rates.prefill_tokens_per_s,
             self.rates.decode_step_s, min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens),
-            self.rates.decode_base_s, self.rates.hidden_s)
+            self.rates.decode_base_s, self.rates.hidden_s, self.rates.prefill_alone_tokens_per_s)
 
     def join(self, request: SimRequest, tokens_left: int, now: float) -> None:
         """A request that holds its first token decodes the rest from the next step."""
@@ -169,8 +174,9 @@ class SimWorker:
             budget -= take
         prefill_tokens = sum(take for _, take in chunks)
         context = self.prompt_sum + self.steps * batch - self.joined_sum
+        rate = self.gpu.prefill_tokens_per_s * (self.gpu.chunk_rate_share if batch else 1.0)
         seconds = self.gpu.decode_step_s(batch, context) + max(
-            0.0, prefill_tokens / self.gpu.prefill_tokens_per_s - self.gpu.step_base_s)
+            0.0, prefill_tokens / rate - self.gpu.step_base_s)
         self.rates.observe(seconds, prefill_tokens, batch)
         return seconds, chunks
 
@@ -315,5 +321,6 @@ class SimCluster:
             prefill_tokens_per_s=beat.prefill_tokens_per_s,
             decode_batch=max(beat.num_decoding, worker.legs_decoding),
             kv_usage=beat.kv_usage, step_s=beat.step_s,
-            decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s, decode_hidden_s=beat.hidden_s,
-            num_decoding=beat.num_decoding)
+            decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s,
+            decode_hidden_s=beat.hidden_s, num_decoding=beat.num_decoding,
+            prefill_alone_tokens_per_s=beat.prefill_alone_tokens_per_s)

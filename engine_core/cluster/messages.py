@@ -55,6 +55,8 @@ class WorkerLoad:
     decode_step_target_s: float = 0.0
     decode_base_s: float = 0.0  # the decode step's fixed part: a step of one or two decodes
     decode_hidden_s: float = 0.0  # the part of the decode step a prompt chunk beside it hides
+    # The rate of steps of prompt tokens alone (0: not measured): a prefill lane's rate.
+    prefill_alone_tokens_per_s: float = 0.0
 
 
 @dataclass
@@ -131,9 +133,10 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         raise MessageDecodeError("load counts must be >= 0")
     if not all(0.0 <= value < math.inf for value in (
             load.prefill_tokens_per_s, load.decode_step_s, load.decode_step_target_s,
-            load.decode_base_s, load.decode_hidden_s)):
+            load.decode_base_s, load.decode_hidden_s, load.prefill_alone_tokens_per_s)):
         raise MessageDecodeError("prefill_tokens_per_s, decode_step_s, decode_step_target_s, "
-                                 "decode_base_s and decode_hidden_s must be finite, >= 0")
+                                 "decode_base_s, decode_hidden_s and "
+                                 "prefill_alone_tokens_per_s must be finite, >= 0")
     if not 0.0 <= load.kv_cache_usage <= 1.0:
         raise MessageDecodeError("kv_cache_usage must be within [0, 1]")
     return message

@@ -124,7 +124,8 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
                 sleeping=s.sleep_level > 0, num_prefill_tokens_queued=s.num_prefill_tokens_queued,
                 prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
                 decode_step_target_s=s.decode_step_target_s, num_decoding=s.num_decoding,
-                decode_base_s=s.decode_base_s, decode_hidden_s=s.decode_hidden_s)
+                decode_base_s=s.decode_base_s, decode_hidden_s=s.decode_hidden_s,
+                prefill_alone_tokens_per_s=s.prefill_alone_tokens_per_s)
 
         registrations = [RegistrationClient(
             address, role=role, http_address=f"{host}:{options.port}", model=model,

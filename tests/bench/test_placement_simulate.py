@@ -91,3 +91,21 @@ def test_a_worker_with_a_step_target_bounds_its_mixed_steps_as_the_engine() -> N
     # 3 ms of a 12 ms step at 41k tokens/s: 123 tokens, 112 in whole blocks.
     assert chunk(0.012) == 112
     assert chunk(None) == GPU.max_num_batched_tokens - 1
+
+
+def test_where_mixed_chunks_run_slow_the_plan_opens_a_prefill_lane() -> None:
+    # On H200s a mixed step's prompt tokens run at about 0.4 of the rate of prompts alone.
+    # Planned from each rate where it applies, the cluster keeps one worker free of
+    # streams and holds the tight cell at 14 req/s, where two replicas lose it.
+    gpu = dataclasses.replace(GPU, chunk_rate_share=0.4)
+    config = PlacementConfig(slo_tpot_s=0.015)
+    adaptive, cluster = run_point(lambda _c: SimCluster("adaptive", 2, gpu, config), TIGHT,
+                                  WORKLOAD, 14.0, 10.0, seed=4)
+    replicas, _ = run_point(lambda _c: SimCluster("replicas", 2, gpu), TIGHT, WORKLOAD,
+                            14.0, 10.0, seed=4)
+    assert max(cluster.lane_sizes, key=cluster.lane_sizes.__getitem__) == 1
+    assert adaptive.attainment(TIGHT) >= 0.9 > replicas.attainment(TIGHT)
+    rates = [(w.rates.prefill_tokens_per_s, w.rates.prefill_alone_tokens_per_s)
+             for w in cluster.workers]
+    assert all(alone == GPU.prefill_tokens_per_s for _, alone in rates)
+    assert 0 < max(mixed for mixed, _ in rates) < 0.5 * GPU.prefill_tokens_per_s

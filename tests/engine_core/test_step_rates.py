@@ -19,17 +19,42 @@ from engine_core.step_rates import (
 def test_averages_by_step_kind() -> None:
     rates = StepRates(weight=0.5, min_prefill_tokens=64)
     assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (0.0, 0.0)  # unmeasured
+    assert rates.rate_beside_decodes == 0.0
     rates.observe(0.1, 1000, 4)       # nothing measured yet: decodes ride along
     assert rates.prefill_tokens_per_s == pytest.approx(10_000)
-    rates.observe(0.1, 3000, 0)       # prefill alone
-    assert rates.prefill_tokens_per_s == pytest.approx(20_000)  # halfway to 30k
+    rates.observe(0.1, 3000, 0)       # prefill alone: its own rate
+    assert rates.prefill_alone_tokens_per_s == pytest.approx(30_000)
+    assert rates.prefill_tokens_per_s == pytest.approx(10_000)
     rates.observe(0.01, 0, 8)         # decodes alone
     rates.observe(0.03, 0, 8)
     assert rates.decode_step_s == pytest.approx(0.02)
     rates.observe(0.0, 5000, 0)       # no time measured
     rates.observe(0.01, 32, 0)        # a small prefill alone: fixed costs dominate it
-    assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (pytest.approx(20_000),
-                                                                 pytest.approx(0.02))
+    assert (rates.prefill_alone_tokens_per_s, rates.decode_step_s) == (
+        pytest.approx(30_000), pytest.approx(0.02))
+
+
+def test_steps_without_decodes_keep_their_own_prefill_rate() -> None:
+    rates = StepRates(weight=0.5, min_prefill_tokens=64)
+    rates.observe(0.05, 2000, 0)      # a prompt alone: 40k tokens/s
+    assert (rates.prefill_alone_tokens_per_s, rates.prefill_tokens_per_s) == (40_000, 0.0)
+    # Until a mixed step measures the marginal rate, mixed steps are planned at this one.
+    assert rates.rate_beside_decodes == 40_000
+    assert mixed_step_prefill_budget(0.010, rates, 16) == 400
+    rates.observe(0.004, 0, 2)        # two decodes alone: a 4 ms decode part, all fixed
+    # Mixed steps whose prefill is the larger part measure the marginal rate and leave the
+    # rate of prefill alone: a 256-token chunk beside 2 decodes in 20 ms (the fixed part
+    # hidden) is 12.8k tokens/s.
+    for _ in range(8):
+        rates.observe(0.020, 256, 2)
+    assert rates.prefill_tokens_per_s == pytest.approx(12_800)
+    assert rates.rate_beside_decodes == pytest.approx(12_800)
+    assert rates.prefill_alone_tokens_per_s == 40_000
+    rates.observe(0.006, 300, 0)      # a prompt alone within twice the fixed part
+    assert rates.prefill_alone_tokens_per_s == 40_000
+    rates.observe(0.025, 2000, 0)     # 80k: the average moves halfway
+    assert rates.prefill_alone_tokens_per_s == pytest.approx(60_000)
+    assert rates.prefill_tokens_per_s == pytest.approx(12_800)
 
 
 def test_the_step_base_comes_from_steps_of_one_or_two_decodes_alone() -> None:
@@ -116,7 +141,7 @@ def test_engine_reports_queued_prompt_tokens_and_rates(tiny_checkpoint) -> None:
             break
     stats = engine.get_stats()
     assert stats.num_prefill_tokens_queued == 0
-    assert stats.prefill_tokens_per_s > 0 and stats.decode_step_s > 0
+    assert stats.prefill_alone_tokens_per_s > 0 and stats.decode_step_s > 0
 
 
 def test_step_clock_hands_back_finished_steps_in_order() -> None:
@@ -159,5 +184,5 @@ def test_engine_rates_come_from_the_device_time_of_each_step(tiny_checkpoint,
         if not engine.has_runnable():
             break
     stats = engine.get_stats()
-    assert stats.prefill_tokens_per_s == pytest.approx(640.0)   # 64-token chunks in 100 ms
+    assert stats.prefill_alone_tokens_per_s == pytest.approx(640.0)  # 64-token chunks, 100 ms
     assert stats.decode_step_s == pytest.approx(0.1)

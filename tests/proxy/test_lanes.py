@@ -83,6 +83,21 @@ def test_mixed_steps_that_hide_the_weights_read_favour_every_worker_mixing() -> 
             == max_rate(TIGHT, PROMPT_HEAVY, CONFIG, 1.0, 2, 1))
 
 
+def test_the_prefill_lane_runs_at_the_rate_of_prefill_alone() -> None:
+    # Two H200s at TPOT 10 ms: mixed steps' chunks measure 17k tokens/s at the margin,
+    # prompts alone 45k. Planned at the marginal rate, one prefill lane sustains less than
+    # both workers mixing; at the rate of prefill alone, far more (1P1D's 22 req/s against
+    # two replicas' 14 on those cards).
+    marginal = ClusterSpeed(17_300.0, 0.0045, 0.12e-3, 0.009, 0.009, 0.0045)
+    alone = dataclasses.replace(marginal, prefill_alone_tokens_per_s=45_000.0)
+    assert marginal.lane_rate == 17_300.0 and alone.lane_rate == 45_000.0
+    before = [max_rate(marginal, PROMPT_HEAVY, CONFIG, 1.0, 2, k) for k in range(2)]
+    after = [max_rate(alone, PROMPT_HEAVY, CONFIG, 1.0, 2, k) for k in range(2)]
+    assert before[0] > before[1] and best_lane_size(before, 0, 0.1) == 0
+    assert after[0] == before[0]  # mixing workers keep the marginal rate
+    assert after[1] > 1.5 * after[0] and best_lane_size(after, 0, 0.1) == 1
+
+
 def test_the_plan_changes_only_for_a_clear_gain() -> None:
     assert best_lane_size([10.0, 10.5, 9.0], 0, 0.1) == 0
     assert best_lane_size([10.0, 11.5, 9.0], 0, 0.1) == 1
@@ -106,6 +121,11 @@ def test_speed_comes_from_heartbeats_and_needs_each_part() -> None:
     # Growth from the worker with enough decodes to show it: 3 ms over 20 streams.
     assert speed.per_stream_s == pytest.approx(0.15e-3)
     assert (speed.base_s, speed.step_target_s) == (0.006, 0.009)
+    assert speed.prefill_alone_tokens_per_s == 0.0  # none ran a prompt alone yet
+    assert speed.lane_rate == 41_000.0
+    workers[1] = dataclasses.replace(workers[1], prefill_alone_tokens_per_s=90_000.0)
+    speed = measured_speed(workers, 0.009)
+    assert speed is not None and speed.lane_rate == 90_000.0  # the workers that measured it
     assert measured_speed([snapshot("a", decoding=20, step_s=0.009, base_s=0.0)], 0.009) is None
     assert measured_speed([snapshot("a", decoding=2, step_s=0.0063)], 0.009) is None
 

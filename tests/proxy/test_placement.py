@@ -228,6 +228,22 @@ def test_prefill_only_worker_never_decodes() -> None:
     assert (decision.decode, decision.placement) == ("w", PLACEMENT_LOCAL)
 
 
+def test_a_worker_without_decodes_prefills_at_its_rate_of_prefill_alone() -> None:
+    # Mixed steps measured 16k tokens/s at the margin, prompts alone 48k: an idle worker
+    # is predicted at 48k, a decoding one from the marginal rate (a 24 ms decode part
+    # leaves a quarter of each 32 ms step: 4k); until it has run a prompt alone, at 16k.
+    idle = worker("idle", prefill_tokens_per_s=16_000, prefill_alone_tokens_per_s=48_000)
+    assert effective_rate(idle, CONFIG) == 48_000
+    busy = dataclasses.replace(idle, decode_batch=50, step_s=0.024)
+    assert effective_rate(busy, CONFIG) == pytest.approx(4_000)
+    assert effective_rate(dataclasses.replace(idle, prefill_alone_tokens_per_s=0.0),
+                          CONFIG) == 16_000
+    # The prediction of a prefill moved to the idle worker uses it.
+    decision = place([busy, dataclasses.replace(idle, worker_id="p")], 3200, CONFIG)
+    assert (decision.prefill, decision.reason) == ("p", REASON_SOONER)
+    assert decision.predicted_prefill_s == pytest.approx(3200 / 48_000 + 0.005)
+
+
 def test_unmeasured_rate_uses_the_default() -> None:
     a = WorkerSnapshot("a", ALL)  # no rate measured yet
     decision = place([a], 8192, CONFIG)
@@ -243,6 +259,11 @@ def test_a_worker_that_has_not_measured_is_taken_as_fast_as_the_fastest() -> Non
     decision = place([a, b], 4000, slow_default)
     assert (decision.decode, decision.prefill, decision.reason) == ("a", "b", REASON_SOONER)
     assert decision.predicted_prefill_s == pytest.approx(4000 / 40_000 + 0.005)
+    # Its rate of prefill alone, too: the fastest measured one.
+    a = dataclasses.replace(a, prefill_alone_tokens_per_s=100_000)
+    b = dataclasses.replace(b, prefill_tokens_per_s=40_000)
+    decision = place([a, b], 4000, slow_default)
+    assert decision.predicted_prefill_s == pytest.approx(4000 / 100_000 + 0.005)
 
 
 def test_config_is_checked() -> None:

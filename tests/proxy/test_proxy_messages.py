@@ -29,8 +29,9 @@ def test_a_worker_announces_capabilities_and_placement_load() -> None:
     message = Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
                         capabilities=["prefill", "decode", "whole"],
                         load=WorkerLoad(num_prefill_tokens_queued=4096,
-                                        prefill_tokens_per_s=40_000.0, decode_step_s=0.012,
-                                        decode_step_target_s=0.012))
+                                        prefill_tokens_per_s=17_000.0, decode_step_s=0.012,
+                                        decode_step_target_s=0.012,
+                                        prefill_alone_tokens_per_s=45_000.0))
     assert decode_registration(REGISTRATION_CODEC.encode(message)) == message
 
 
@@ -62,6 +63,8 @@ def test_colocated_needs_no_kv_address() -> None:
                load=WorkerLoad(decode_step_target_s=-0.01)), "decode_step_target_s"),
     (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
                load=WorkerLoad(decode_base_s=float("nan"))), "decode_base_s"),
+    (Heartbeat(role="worker", http_address="h:1", model="m", zmq_address="h:2",
+               load=WorkerLoad(prefill_alone_tokens_per_s=-1.0)), "prefill_alone_tokens_per_s"),
 ])
 def test_invalid_values(message: Heartbeat, match: str) -> None:
     with pytest.raises(MessageDecodeError, match=match):

@@ -5,9 +5,10 @@ already here (PUT, PUT_ASYNC) or into a pending entry that is sent from the held
 the pull arrives (GET, or a late pull), under a lease. Transfers move in data calls of
 ``layers_per_call`` consecutive layers: after the last layer of a call, ``after_layer``
 gathers the call's layers with one kernel into the job's staging buffer and tells the peer's
-sender thread once; every other layer's hook does nothing. Transfers this producer will never
-send are tombstoned, so a late pull for one is answered with an abort at once (both
-registries: ``early_pulls.py``).
+sender thread once; every other layer's hook does nothing (the jobs: ``send_jobs.py``; the
+sender thread per consumer: ``peer_senders.py``). Transfers this producer will never send
+are tombstoned, so a late pull for one is answered with an abort at once (both registries:
+``early_pulls.py``).
 """
 
 from __future__ import annotations
@@ -19,32 +20,23 @@ from typing import Any
 import torch
 
 from connectors.p2p_nccl.early_pulls import EarlyPulls, Tombstones
-from connectors.p2p_nccl.messages import (
-    KVPullRequest,
-    call_ranges,
-    check_pull,
-    layer_nbytes,
-    plan_layers_per_call,
-)
+from connectors.p2p_nccl.messages import KVPullRequest, check_pull, layer_nbytes
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata, SaveSpec
-from connectors.p2p_nccl.sender import CallSlots, PeerSender, SendJob
+from connectors.p2p_nccl.peer_senders import PeerSenders
+from connectors.p2p_nccl.send_jobs import SendJobs
+from connectors.p2p_nccl.sender import SendJob
 from connectors.p2p_nccl.worker_state import WorkerState
 from engine_core.addresses import is_host_port
 from engine_core.cluster.grants import GrantAuthority
 from engine_core.cluster.trust import TrustRefusal
 from engine_core.parallel.kv_layout import HeadSlice
-from engine_core.worker.block_copy import block_ids_tensor, gather_layers, wire_shape
+from engine_core.worker.block_copy import gather_layers
 
 logger = logging.getLogger(__name__)
 
-MAX_ABORT_PEERS = 64  # peers a producer starts a sender for only to answer with an abort
-MAX_KNOWN_CONSUMERS = 4096  # consumer addresses whose process epoch a producer remembers
 # Pulls kept while their prefill has not reached the save (each until orphan_ttl_s): more
 # would be a flood of pulls for transfers this producer never runs, not a race.
 MAX_WAITING_PULLS = 4096
-# A producer's send ends this long before the consumer's deadline that the pull announced,
-# so that its header never reaches a consumer that already gave up (control latency).
-PULL_DEADLINE_MARGIN_S = 0.25
 
 
 @dataclass
@@ -65,10 +57,8 @@ class KVProducer:
         self._registrations = EarlyPulls()
         self._pending: dict[str, PendingSave] = {}
         self._in_flight: dict[str, SendJob] = {}
-        self._senders: dict[str, PeerSender] = {}
-        # Epoch of the consumer process last seen at each address (from its pulls), least
-        # recently heard from first; a new one means that process restarted.
-        self._consumer_epochs: dict[str, str] = {}
+        self._peers = PeerSenders(state, self._on_send_done)
+        self._jobs = SendJobs(state)
         # (job, its block index, the KV heads it moves)
         self._step_push: list[tuple[SendJob, torch.Tensor, HeadSlice | None]] = []
         self._step_deferred: list[str] = []
@@ -83,9 +73,7 @@ class KVProducer:
 
     def stop_senders(self) -> None:
         """Stop every peer sender thread (shutdown)."""
-        for sender in list(self._senders.values()):
-            sender.stop()
-        self._senders.clear()
+        self._peers.stop()
 
     def take_finished_locked(self, now: float) -> set[str]:
         """Expire leases, tombstones and orphan pulls, and hand over the requests whose sends
@@ -197,21 +185,9 @@ class KVProducer:
                 return
             if not self._range_ok(pull, save):
                 return
-            index = block_ids_tensor(save.block_ids[pull.first_block:], self._state.device)
-            num_layers = self._state.require_geometry()[0]
-            layers_per_call = self._layers_per_call(pull)
-            calls = call_ranges(num_layers, layers_per_call)
-            try:
-                staging = torch.empty(wire_shape(num_layers, pull.num_blocks, pull.block_shape),
-                                      dtype=self._state.require_stacked().dtype, device=self._state.device)
-            except RuntimeError as exc:  # allocation failure fails this transfer only
-                job = self._make_job(save, pull, arrived,
-                                     slots=CallSlots(torch.empty(num_layers, 0), calls))
-                job.slots.fail(exc)
-                self._submit(job)
-                return
-            job = self._make_job(save, pull, arrived, slots=CallSlots(staging, calls))
-            self._step_push.append((job, index, save.heads))
+            job, index = self._jobs.pushed(save, pull, arrived)
+            if index is not None:
+                self._step_push.append((job, index, save.heads))
             self._submit(job)
             return
         with self._state.lock:
@@ -228,26 +204,7 @@ class KVProducer:
             return
         if not self._range_ok(pull, save):
             return
-        block_ids = save.block_ids[pull.first_block:]
-        event = pending.ready_event
-        peer = pull.consumer_address
-        block_shape = list(pull.block_shape)
-        index: torch.Tensor | None = None
-
-        def gather_call(first: int, end: int) -> tuple[torch.Tensor, Any]:
-            # The blocks are held by the scheduler until this send reports done. The index is
-            # uploaded inside the gather context, on the stream that gathers: uploaded on the
-            # caller's stream, a gather on the transport's stream could read it unwritten.
-            nonlocal index
-            stacked = self._state.require_stacked()
-            with self._state.transport.gather_context(peer, event):
-                if index is None:
-                    index = block_ids_tensor(block_ids, self._state.device)
-                out = torch.empty(wire_shape(end - first, len(block_ids), block_shape),
-                                  dtype=stacked.dtype, device=self._state.device)
-                return gather_layers(stacked, first, end, index, out=out, heads=save.heads), None
-
-        self._submit(self._make_job(save, pull, arrived, call_source=gather_call))
+        self._submit(self._jobs.deferred(save, pending.ready_event, pull, arrived))
 
     def _range_ok(self, pull: KVPullRequest, save: SaveSpec) -> bool:
         """The pull asks for the save's blocks and, block by block, the KV heads the save
@@ -261,62 +218,14 @@ class KVProducer:
                   f"{len(save.block_ids)} of shape {shape}")
         with self._state.lock:
             self._state.counters["messages_rejected"] += 1
-        self._submit_abort(save.transfer_id, pull.consumer_address, reason)
+        self._peers.submit_abort(save.transfer_id, pull.consumer_address, reason)
         self._finish_send(save.request_id)
         return False
-
-    def _layers_per_call(self, pull: KVPullRequest) -> int:
-        num_layers, _, _, element_size = self._state.require_geometry()
-        per_layer = layer_nbytes(pull.num_blocks, pull.block_shape, element_size)
-        return plan_layers_per_call(num_layers, per_layer, self._state.config.min_call_bytes,
-                                    max_layers=pull.max_layers_per_call)
-
-    def _make_job(self, save: SaveSpec, pull: KVPullRequest, arrived: float,
-                  **source: Any) -> SendJob:
-        """The send of ``save`` that ``pull`` (received at ``arrived``) asked for. Its deadline
-        is also the consumer's, less a margin (the pull says how long it still waits): a
-        header sent after the consumer gave up is refused and, on NCCL, its pair aborted, and
-        the sends of every later transfer on that pair queued behind it (one sender thread a
-        consumer) failed with it."""
-        num_layers, dtype, _, _ = self._state.require_geometry()
-        deadline = min(self._state.clock() + self._state.config.transfer_timeout_s,
-                       arrived + pull.timeout_s - PULL_DEADLINE_MARGIN_S)
-        return SendJob(transfer_id=save.transfer_id, request_id=save.request_id,
-                       peer_address=pull.consumer_address, first_block=pull.first_block,
-                       num_blocks=pull.num_blocks, num_layers=num_layers, dtype=dtype,
-                       block_shape=list(pull.block_shape), deadline=deadline,
-                       layers_per_call=self._layers_per_call(pull),
-                       peer_epoch=pull.consumer_epoch, **source)
 
     def _submit(self, job: SendJob) -> None:
         with self._state.lock:
             self._in_flight[job.transfer_id] = job
-            sender = self._sender_locked(job.peer_address)
-        sender.submit(job)
-
-    def _sender_locked(self, peer_address: str) -> PeerSender:
-        """The peer's sender thread, started on first use (call with the lock held)."""
-        sender = self._senders.get(peer_address)
-        if sender is None:
-            sender = self._senders[peer_address] = PeerSender(
-                peer_address, self._state.own_address, self._state.epoch, self._state.codec, self._state.transport,
-                self._on_send_done, send_timeout_s=min(5.0, self._state.config.transfer_timeout_s),
-                current_epoch=self._current_consumer_epoch)
-            sender.start()
-        return sender
-
-    def _submit_abort(self, transfer_id: str, peer_address: str, reason: str) -> None:
-        job = SendJob(transfer_id=transfer_id, request_id=None, peer_address=peer_address,
-                      first_block=0, num_blocks=0, num_layers=0, dtype="", block_shape=[],
-                      deadline=self._state.clock() + self._state.config.transfer_timeout_s,
-                      abort_reason=reason)
-        with self._state.lock:
-            if peer_address not in self._senders and len(self._senders) >= MAX_ABORT_PEERS:
-                # An abort is a courtesy (the consumer's deadline covers it): pulls naming
-                # ever new addresses must not start a thread and a socket each.
-                self._state.counters["messages_rejected"] += 1
-                return
-            sender = self._sender_locked(peer_address)
+            sender = self._peers.get_locked(job.peer_address)
         sender.submit(job)
 
     def abandon(self, transfer_id: str, peer_address: str) -> None:
@@ -326,7 +235,7 @@ class KVProducer:
             if registration is None:
                 self._tombstones.add(transfer_id, self._state.clock())
         if registration is not None and registration[0].num_blocks > 0:
-            self._submit_abort(transfer_id, registration[0].consumer_address, "producer request ended")
+            self._peers.submit_abort(transfer_id, registration[0].consumer_address, "producer request ended")
 
     def _on_send_done(self, job: SendJob) -> None:
         with self._state.lock:
@@ -391,9 +300,9 @@ class KVProducer:
         if reason is not None:
             self._state.reject("pull request", reason)
             if pull.num_blocks > 0 and is_host_port(pull.consumer_address):
-                self._submit_abort(pull.transfer_id, pull.consumer_address, reason)
+                self._peers.submit_abort(pull.transfer_id, pull.consumer_address, reason)
             return
-        if self._note_consumer_epoch(pull.consumer_address, pull.consumer_epoch):
+        if self._peers.note_epoch(pull.consumer_address, pull.consumer_epoch):
             # Our pair's other rank is gone and the new process has none: drop it now (this also
             # ends a send stalled on it), so the next send re-handshakes with an NcclHello.
             logger.info("kv consumer at %s restarted: dropping its pair", pull.consumer_address)
@@ -409,7 +318,7 @@ class KVProducer:
             return
         if dead:
             if pull.num_blocks > 0:
-                self._submit_abort(pull.transfer_id, pull.consumer_address, "transfer released")
+                self._peers.submit_abort(pull.transfer_id, pull.consumer_address, "transfer released")
             return
         if pull.num_blocks == 0 and self._cancel_waiting_pull(pull):
             return
@@ -427,7 +336,7 @@ class KVProducer:
             self._state.reject("pull request", f"{pull.transfer_id!r:.80}: {MAX_WAITING_PULLS} pulls "
                                          "already wait for their prefill")
             if pull.num_blocks > 0:
-                self._submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
+                self._peers.submit_abort(pull.transfer_id, pull.consumer_address, "producer busy")
             return
         self._start_deferred(pending, pull, self._state.clock())
 
@@ -470,7 +379,7 @@ class KVProducer:
                                          f"{pull.consumer_address}, not "
                                          f"{release.consumer_address!r:.80}")
             return True
-        self._submit_abort(release.transfer_id, release.consumer_address,
+        self._peers.submit_abort(release.transfer_id, release.consumer_address,
                            "pull cancelled by the consumer")
         return True
 
@@ -490,31 +399,7 @@ class KVProducer:
                                          f"{job.peer_address}, not "
                                          f"{release.consumer_address!r:.80}")
             return
-        with self._state.lock:
-            sender = self._senders.get(job.peer_address)
-        if sender is None or not sender.release(job, "transfer released"):
+        if not self._peers.release(job, "transfer released"):
             logger.debug("kv release of %.80r: its send already started", release.transfer_id)
             return
-        self._submit_abort(release.transfer_id, release.consumer_address, "transfer released")
-
-    def _note_consumer_epoch(self, address: str, epoch: str) -> bool:
-        """Remember the epoch of the consumer process at ``address``; True when it replaces
-        another one (the process restarted). Recorded before the caller drops the pair, so a
-        sender that builds a pair after the drop sees the new epoch and skips the old jobs."""
-        if not epoch:
-            return False
-        with self._state.lock:
-            known = self._consumer_epochs.pop(address, None)
-            self._consumer_epochs[address] = epoch
-            while len(self._consumer_epochs) > MAX_KNOWN_CONSUMERS:
-                del self._consumer_epochs[next(iter(self._consumer_epochs))]
-            restarted = known is not None and known != epoch
-            if restarted:
-                self._state.counters["consumer_restarts"] += 1
-        return restarted
-
-    def _current_consumer_epoch(self, address: str) -> str | None:
-        """The epoch of the consumer process last seen at ``address`` (sender threads ask)."""
-        with self._state.lock:
-            return self._consumer_epochs.get(address)
-
+        self._peers.submit_abort(release.transfer_id, release.consumer_address, "transfer released")

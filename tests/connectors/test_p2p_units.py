@@ -380,7 +380,7 @@ def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> 
     """A producer answers a rejected pull with an abort to the address it names; pulls
     naming ever new addresses (all on loopback here) must not start a thread each."""
     from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
-    from connectors.p2p_nccl.producer import MAX_ABORT_PEERS
+    from connectors.p2p_nccl.peer_senders import MAX_ABORT_PEERS
 
     port = free_port()
     worker = P2pConnectorWorker(KVTransferConfig(kv_role="kv_producer", kv_port=port), "cpu")
@@ -398,7 +398,7 @@ def test_rejected_pulls_naming_new_peers_start_a_bounded_number_of_senders() -> 
                 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert worker.stats()["messages_rejected"] == 2 * count - MAX_ABORT_PEERS
-        assert len(worker.producer_side._senders) == MAX_ABORT_PEERS
+        assert len(worker.producer_side._peers) == MAX_ABORT_PEERS
     finally:
         client.close()
         worker.shutdown()

@@ -83,7 +83,7 @@ def test_calls_larger_than_the_slot_fail_at_the_header(nccl: bool) -> None:
     at its deadline (NCCL: the producer's send, never matched, gives up at its own)."""
     pair = WorkerPair(nccl=nccl, kv_buffer_size=BUFFER, min_call_bytes=1 << 30, layers=LAYERS,
                       block_shape=BLOCK_SHAPE, timeout_s=3.0)
-    pair.producer.producer_side._layers_per_call = lambda pull: LAYERS  # type: ignore[method-assign]
+    pair.producer.producer_side._jobs.layers_per_call = lambda pull: LAYERS  # type: ignore[method-assign]
     try:
         assert pair.consumer is not None
         start = time.monotonic()

@@ -510,7 +510,7 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
     import contextlib
 
     from connectors.cpu_transport import CpuTransport
-    from connectors.p2p_nccl import producer
+    from connectors.p2p_nccl import producer, send_jobs
     from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
     from connectors.p2p_nccl.metadata import SaveSpec
 
@@ -532,7 +532,7 @@ def test_deferred_send_uploads_block_ids_on_the_gathering_stream(monkeypatch: py
         uploads.append(transport.inside)
         return block_ids_tensor(block_ids, device)
 
-    monkeypatch.setattr(producer, "block_ids_tensor", recording_upload)
+    monkeypatch.setattr(send_jobs, "block_ids_tensor", recording_upload)
     worker = P2pConnectorWorker(
         KVTransferConfig(kv_role="kv_producer", kv_port=free_port()), "cpu", transport=transport)
     try:

@@ -48,6 +48,7 @@ class BenchConfig:
     triton_pdl: bool = True
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
+    decode_step_target_s: float | None = None
 
 
 class HookedStandIn(NullConnectorWorker):
@@ -66,7 +67,8 @@ def build_engine(model_dir: Path, bench: BenchConfig, enforce_eager: bool = Fals
         cache=CacheConfig(gpu_memory_utilization=bench.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=bench.max_num_seqs,
                                   max_num_batched_tokens=bench.max_num_batched_tokens,
-                                  async_scheduling=bench.async_scheduling),
+                                  async_scheduling=bench.async_scheduling,
+                                  decode_step_target_s=bench.decode_step_target_s),
         device=DeviceConfig(device=bench.device, enforce_eager=enforce_eager,
                             triton_gemv_max_rows=bench.triton_gemv_max_rows,
                             split_k_mlp=bench.split_k_mlp,

@@ -8,8 +8,9 @@ a few hundred tokens on an 8B model takes longer than that read). With ``base`` 
 (0) the parts add. All come from each step's device time (``worker/step_clock.py``; a
 step's host wall time is not its cost under async scheduling) as moving averages:
 
-- a step of decodes alone measures the decode part (and, with one or two decodes, its
-  fixed part);
+- a step of decodes alone measures the decode part (with one or two decodes, its fixed
+  part; with more, its growth per decode row, which predicts the decode part of any batch:
+  ``decode_part_s``);
 - a step of prefill alone measures ``prefill_alone_tokens_per_s``: what a worker without
   decodes computes (whole prompts, batched);
 - a mixed step whose prefill is the larger part measures ``prefill_tokens_per_s``, the
@@ -50,6 +51,10 @@ class StepRates:
     # decodes alone measure it (the proxy's lane plan needs how a step grows with its batch).
     base_max_decodes: int = 2
     decode_base_s: float = 0.0
+    # What each decode row adds to the fixed part, from steps of more decodes alone: the
+    # decode part of a batch that no step of decodes alone has run (a worker that always
+    # has prompt tokens to compute runs none, and its average above goes stale).
+    decode_per_row_s: float = 0.0
     # What mixed steps take beyond the model's prediction (the chunk hides less of the
     # weights' read than modelled, attention over the prompt): budgets plan around it.
     mixed_excess_s: float = 0.0
@@ -62,6 +67,9 @@ class StepRates:
             self.decode_step_s = self._mix(self.decode_step_s, seconds)
             if num_decodes <= self.base_max_decodes:
                 self.decode_base_s = self._mix(self.decode_base_s, seconds)
+            elif self.decode_base_s:
+                self.decode_per_row_s = self._mix(
+                    self.decode_per_row_s, max(0.0, seconds - self.decode_base_s) / num_decodes)
             return
         if num_decodes == 0:
             if self._shows_rate(num_prefill_tokens, seconds):
@@ -94,6 +102,13 @@ class StepRates:
         decode_s = seconds - predicted_prefill_s
         if decode_s > 0:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
+
+    def decode_part_s(self, num_decodes: int) -> float:
+        """The decode part of a step of ``num_decodes`` decodes: the fixed part plus the
+        growth per row once both are measured, else the average of steps of decodes alone."""
+        if self.decode_base_s and self.decode_per_row_s:
+            return self.decode_base_s + self.decode_per_row_s * num_decodes
+        return self.decode_step_s
 
     @property
     def rate_beside_decodes(self) -> float:

@@ -132,7 +132,7 @@ class SimWorker:
     def beat(self) -> None:
         self.heartbeat = _Heartbeat(
             self.batch, self.queued_tokens(), self.rates.prefill_tokens_per_s,
-            self.rates.decode_step_s, min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens),
+            self.rates.decode_part_s(self.batch), min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens),
             self.rates.decode_base_s, self.rates.hidden_s, self.rates.prefill_alone_tokens_per_s)
 
     def join(self, request: SimRequest, tokens_left: int, now: float) -> None:

@@ -69,6 +69,23 @@ def test_the_step_base_comes_from_steps_of_one_or_two_decodes_alone() -> None:
     assert rates.decode_base_s == pytest.approx(0.007)
 
 
+def test_the_decode_part_of_any_batch_comes_from_its_growth_per_row() -> None:
+    rates = StepRates(weight=0.5)
+    rates.observe(0.006, 0, 16)       # no fixed part yet: no growth either
+    assert (rates.decode_per_row_s, rates.decode_part_s(16)) == (0.0, 0.006)
+    rates.observe(0.004, 0, 1)        # the fixed part: 4 ms (and the average 5 ms)
+    rates.observe(0.0056, 0, 16)      # 0.1 ms a row
+    assert rates.decode_per_row_s == pytest.approx(1e-4)
+    # A worker that always has prompts to compute runs no step of decodes alone: its
+    # decode part for 40 rows is predicted, not the stale average of smaller batches.
+    for _ in range(5):
+        rates.observe(0.012, 512, 40)
+    assert rates.decode_per_row_s == pytest.approx(1e-4)
+    assert rates.decode_part_s(40) == pytest.approx(0.008)
+    assert rates.decode_part_s(0) == pytest.approx(0.004)
+    assert rates.decode_step_s == pytest.approx(0.0053)
+
+
 def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_that() -> None:
     # Decode part 9 ms of which 6 ms is the weights' read; 40k prompt tokens/s.
     rates = StepRates(weight=0.5, prefill_tokens_per_s=40_000, decode_step_s=0.009,

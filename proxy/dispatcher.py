@@ -37,14 +37,14 @@ first while D's early refusal is watched; then D's answer is relayed. Failure ru
   client that left does.
 
 First-token handoff (default; ``--no-first-token-from-prefill``): ``proxy/handoff.py``. Legs and their
-book-keeping: ``proxy/legs.py``; the client's open stream: ``proxy/client_stream.py``; settles
-and releases in the background: ``proxy/background.py``.
+book-keeping: ``proxy/legs.py``; the client's open stream: ``proxy/client_stream.py``; a
+worker's answer relayed to the client: ``proxy/relay.py``; settles and releases in the
+background: ``proxy/background.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from typing import Any
@@ -59,12 +59,9 @@ from engine_core.errors import (
     NoWorkerError,
     UpstreamError,
     UpstreamTimeoutError,
-    UpstreamUnavailableError,
 )
-from engine_core.server.streaming import ClientStalledError, SSEStream, WriteBound
 from proxy import forwarding as fw
 from proxy.background import BackgroundWork
-from proxy.client_stream import open_stream
 from proxy.handoff import FirstTokenHandoff
 from proxy.kv_release import KVReleaser
 from proxy.legs import (
@@ -74,8 +71,6 @@ from proxy.legs import (
     RequestTimer,
     Retry,
     abort_tasks,
-    breakdown_headers,
-    proxy_overhead,
     server_timings,
 )
 from proxy.metrics import ProxyMetrics
@@ -84,12 +79,13 @@ from proxy.placer import Placer
 from proxy.prefix_index import PromptShape, prompt_shape
 from proxy.prompt_logprobs import from_prefill_answer, wants_prompt_logprobs, with_prompt_logprobs
 from proxy.registry import Clock, InstanceRegistry, WorkerState
+from proxy.relay import ClientRelay
 from proxy.routing import MODE_PD, Route, RoutingPolicy, plan_route
 
 logger = logging.getLogger(__name__)
 
 
-class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration):
+class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration, ClientRelay):
     """Routes requests and runs their legs; holds no per-request state between calls."""
 
     def __init__(self, *, registry: InstanceRegistry, policy: RoutingPolicy,
@@ -381,99 +377,3 @@ class Dispatcher(BackgroundWork, FirstTokenHandoff, StreamMigration):
             raise Migrate(leg.worker, err, f"{leg.role}_{err.kind}") from None
         finally:
             self.leg_watch.forget(leg.worker.worker_id, lost)
-
-    async def _forward_refusal(self, response: aiohttp.ClientResponse, leg: Leg,
-                               attempt_id: str) -> web.StreamResponse:
-        """Pass a worker's 4xx on unchanged; a 503 (asleep, or not ready) is tried again
-        on another worker; any other 5xx becomes a 502 with an error body."""
-        data = await fw.read_body(response, self.max_response_bytes)
-        if response.status == 503:
-            err = UpstreamUnavailableError(
-                f"{leg.role} worker {leg.worker.worker_id} is unavailable: "
-                f"{data[:300].decode(errors='replace')}")
-            leg.finish(err)
-            raise Retry(leg.worker, err, f"{leg.role}_unavailable")
-        if response.status < 500:
-            leg.finish()
-            return web.Response(status=response.status, body=data,
-                                content_type=response.content_type,
-                                headers={"X-Request-Id": attempt_id})
-        err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} answered "
-                            f"{response.status}: {data[:500].decode(errors='replace')}",
-                            kind="status", status=response.status)
-        leg.finish(err)
-        raise Migrate(leg.worker, err, f"{leg.role}_status")
-
-    async def _relay(self, request: web.Request, response: aiohttp.ClientResponse, leg: Leg,
-                     attempt_id: str, timer: RequestTimer) -> web.StreamResponse:
-        if not fw.is_event_stream(response):
-            try:
-                data = await fw.read_body(response, self.max_response_bytes)
-            except UpstreamError as err:
-                leg.finish(err)
-                raise Migrate(leg.worker, err, f"{leg.role}_{err.kind}") from None
-            timer.first_byte = timer.upstream_done = self.clock()
-            if not data:
-                err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} answered an "
-                                    "empty body", kind="empty")
-                leg.finish(err)
-                raise Migrate(leg.worker, err, f"{leg.role}_empty")
-            leg.finish()
-            headers = {"X-Request-Id": attempt_id, **self._timing_headers(timer)}
-            return await self._send_whole(request, response.status, data,
-                                          response.content_type, headers)
-        first = b""
-        try:
-            first = await self._read_event_chunk(response)
-        except UpstreamError as err:
-            leg.finish(err)
-            raise Migrate(leg.worker, err, f"{leg.role}_{err.kind}") from None
-        if not first:
-            err = UpstreamError(f"{leg.role} worker {leg.worker.worker_id} ended its stream "
-                                "before any event", kind="empty")
-            leg.finish(err)
-            raise Migrate(leg.worker, err, f"{leg.role}_empty")
-        timer.first_byte = self.clock()
-        leg.prefill_done()  # a whole request's first token: its prompt is computed
-        out = web.StreamResponse(status=response.status, headers={
-            "Content-Type": fw.SSE_CONTENT_TYPE, "Cache-Control": "no-cache",
-            "X-Request-Id": attempt_id, **breakdown_headers(timer)})
-        stream = await self._open_stream(request, out)
-        return await self._stream_into(stream, response, leg, attempt_id, timer, first)
-
-    async def _send_whole(self, request: web.Request, status: int, data: bytes,
-                          content_type: str, headers: dict[str, str]) -> web.StreamResponse:
-        """A whole answer written here under the write bound, as streams are (aiohttp's own
-        final write, after the handler returned, waits without limit on a client that does
-        not read, holding the connection and up to --max-response-bytes of body)."""
-        out = web.StreamResponse(status=status, headers=headers)
-        out.content_type = content_type
-        out.content_length = len(data)
-        stream = await self._open_stream(request, out)
-        with contextlib.suppress(ClientStalledError):  # aborted, counted, logged
-            await stream.write(data)
-            await stream.write_eof()
-        return out
-
-    async def _open_stream(self, request: web.Request,
-                           out: web.StreamResponse) -> SSEStream:
-        """``_open_stream`` with this proxy's write bound."""
-        return await open_stream(request, out, WriteBound(self.write_timeout_s,
-                                                           self._on_write_stall))
-
-    def _on_write_stall(self, request: web.Request) -> None:
-        """A streaming client took no bytes for the write bound: count and log it (its
-        connection is aborted, which closes the legs and frees the slot)."""
-        self.metrics.client_write_timeouts.inc()
-        logger.warning("request %s: the client took no bytes for %g s (not reading); its "
-                       "connection is closed and the request aborted",
-                       request.headers.get("X-Request-Id", "-"), self.write_timeout_s)
-
-    def _timing_headers(self, timer: RequestTimer) -> dict[str, str]:
-        headers = breakdown_headers(timer)
-        if timer.prefill_done is not None and timer.prefill_sent is not None:
-            headers["X-Pdserve-Prefill-Ms"] = f"{(timer.prefill_done - timer.prefill_sent) * 1e3:.3f}"
-        overhead = proxy_overhead(timer, self.clock())
-        if overhead is not None:
-            headers["X-Pdserve-Proxy-Overhead-Ms"] = f"{overhead * 1e3:.3f}"
-        return headers

@@ -470,6 +470,7 @@ class EngineCore:
             decode_step_s=rates.decode_part_s(scheduler.num_decoding),
             prefill_alone_tokens_per_s=rates.prefill_alone_tokens_per_s,
             decode_base_s=rates.decode_base_s, decode_hidden_s=rates.hidden_s,
+            decode_per_row_s=rates.decode_per_row_s,
             decode_step_target_s=self.config.scheduler.decode_step_target_s or 0.0,
         )
 

@@ -131,8 +131,9 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     # Placement inputs (engine_core/step_rates.py): prompt tokens still to compute (waiting
     # and partly prefilled requests; not those whose KV comes from a peer), the measured
-    # prefill rate, decode step time and the step's fixed part (0 until measured), the
-    # decode-step target that bounds its mixed steps (0: none).
+    # prefill rates (mixed steps' marginal one, and that of steps without decodes), the
+    # decode part of a step of the current decodes and the step's fixed part (0 until
+    # measured), the decode-step target that bounds its mixed steps (0: none).
     num_prefill_tokens_queued: int = 0
     num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
@@ -141,6 +142,7 @@ class EngineStats:
     decode_step_target_s: float = 0.0
     decode_base_s: float = 0.0
     decode_hidden_s: float = 0.0  # the part of it a prompt chunk beside it hides
+    decode_per_row_s: float = 0.0  # what each decode row adds to the fixed part
 
 
 @dataclass

@@ -84,15 +84,15 @@ class StepRates:
             return
         predicted_prefill_s = (num_prefill_tokens / self.prefill_tokens_per_s
                                if self.prefill_tokens_per_s else None)
-        base = self._fixed_s
-        if predicted_prefill_s is not None and self.decode_step_s:
-            predicted = self.decode_step_s + max(0.0, predicted_prefill_s - base)
+        decode = self.decode_part_s(num_decodes)
+        base = min(self.decode_base_s, decode)
+        if predicted_prefill_s is not None and decode:
+            predicted = decode + max(0.0, predicted_prefill_s - base)
             self.mixed_excess_s = self._mix(self.mixed_excess_s, seconds - predicted)
-        if predicted_prefill_s is None or (self.decode_step_s
-                                           and predicted_prefill_s > self.decode_step_s):
+        if predicted_prefill_s is None or (decode and predicted_prefill_s > decode):
             # The prefill is the larger part: measured, the decode part predicted (its
             # fixed part hidden under the prefill's compute).
-            prefill_s = seconds - (self.decode_step_s - base)
+            prefill_s = seconds - (decode - base)
             if self._shows_rate(num_prefill_tokens, prefill_s):
                 self.prefill_tokens_per_s = self._mix(self.prefill_tokens_per_s,
                                                       num_prefill_tokens / prefill_s)
@@ -104,11 +104,9 @@ class StepRates:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 
     def decode_part_s(self, num_decodes: int) -> float:
-        """The decode part of a step of ``num_decodes`` decodes: the fixed part plus the
-        growth per row once both are measured, else the average of steps of decodes alone."""
-        if self.decode_base_s and self.decode_per_row_s:
-            return self.decode_base_s + self.decode_per_row_s * num_decodes
-        return self.decode_step_s
+        """The decode part of a step of ``num_decodes`` decodes (``decode_part``)."""
+        return decode_part(self.decode_base_s, self.decode_per_row_s, num_decodes,
+                           self.decode_step_s)
 
     @property
     def rate_beside_decodes(self) -> float:
@@ -138,6 +136,15 @@ class StepRates:
         return sample if average == 0.0 else average + self.weight * (sample - average)
 
 
+def decode_part(base_s: float, per_row_s: float, num_decodes: int, average_s: float) -> float:
+    """The decode part of a step of ``num_decodes`` decodes: the fixed part plus the growth
+    per row once both are measured, else ``average_s`` (that of recent steps of decodes
+    alone). The engine plans its steps with it and the proxy a worker's batch."""
+    if base_s and per_row_s:
+        return base_s + per_row_s * num_decodes
+    return average_s
+
+
 def mixed_prefill_tokens(target_s: float, decode_step_s: float, prefill_tokens_per_s: float,
                          hidden_s: float = 0.0) -> float:
     """Prompt tokens a step with decodes can carry and still end within ``target_s``: the
@@ -148,15 +155,17 @@ def mixed_prefill_tokens(target_s: float, decode_step_s: float, prefill_tokens_p
     return (target_s - decode_step_s + min(hidden_s, decode_step_s)) * prefill_tokens_per_s
 
 
-def mixed_step_prefill_budget(target_s: float | None, rates: StepRates,
-                              block_size: int) -> int | None:
-    """The prompt tokens of a step with decodes under ``target_s``: ``mixed_prefill_tokens``
-    in whole blocks, at least one so prefills always progress. None (unbounded) without a
-    target or until a prefill rate is measured (an unbounded step measures it)."""
+def mixed_step_prefill_budget(target_s: float | None, rates: StepRates, block_size: int,
+                              num_decodes: int) -> int | None:
+    """The prompt tokens of a step with ``num_decodes`` decodes under ``target_s``:
+    ``mixed_prefill_tokens`` in whole blocks, at least one so prefills always progress. None
+    (unbounded) without a target or until a prefill rate is measured (an unbounded step
+    measures it)."""
     rate = rates.rate_beside_decodes
     if target_s is None or not rate:
         return None
-    tokens = int(mixed_prefill_tokens(target_s, rates.decode_step_s, rate, rates.hidden_s))
+    tokens = int(mixed_prefill_tokens(target_s, rates.decode_part_s(num_decodes), rate,
+                                      rates.hidden_s))
     return max(block_size, tokens - tokens % block_size)
 
 

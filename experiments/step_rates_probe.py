@@ -29,15 +29,15 @@ from benchmarks.speed.driver import SMOKE_OVERRIDES, BenchConfig, Driver, build_
 
 
 def rates_row(engine) -> dict[str, float]:
-    rates = engine.scheduler.step_rates
-    return {"prefill_tokens_per_s": round(rates.prefill_tokens_per_s),
-            "prefill_alone_tokens_per_s": round(rates.prefill_alone_tokens_per_s),
-            "decode_step_ms": round(rates.decode_step_s * 1e3, 3),
-            "decode_base_ms": round(rates.decode_base_s * 1e3, 3),
-            "hidden_ms": round(rates.hidden_s * 1e3, 3),
-            "decoding": sum(1 for r in engine.scheduler.running
-                            if r.num_computed_tokens >= len(r.prompt_token_ids)),
-            "waiting": len(engine.scheduler.waiting)}
+    """What the worker's heartbeat would carry now (``engine.get_stats()``)."""
+    stats = engine.get_stats()
+    return {"prefill_tokens_per_s": round(stats.prefill_tokens_per_s),
+            "prefill_alone_tokens_per_s": round(stats.prefill_alone_tokens_per_s),
+            "decode_step_ms": round(stats.decode_step_s * 1e3, 3),
+            "decode_base_ms": round(stats.decode_base_s * 1e3, 3),
+            "decode_per_row_us": round(stats.decode_per_row_s * 1e6, 2),
+            "hidden_ms": round(stats.decode_hidden_s * 1e3, 3),
+            "decoding": stats.num_decoding, "waiting": stats.num_waiting}
 
 
 def main() -> None:
@@ -81,11 +81,9 @@ def main() -> None:
     rows = []
     start = time.perf_counter()
     next_arrival, next_print = start, start + 1.0
-    prompt_tokens_done = 0
     while (now := time.perf_counter()) < start + args.seconds:
         while next_arrival <= now:
             driver.add(driver.random_prompt(args.prompt), args.output)
-            prompt_tokens_done += args.prompt
             next_arrival += 1.0 / args.rate
         engine.step()
         if now >= next_print:

@@ -189,8 +189,9 @@ GROWTH_WEIGHT = 0.2
 def measured_speed(workers: Sequence[WorkerSnapshot],
                    step_limit_s: float) -> ClusterSpeed | None:
     """The cluster's speed from its workers' heartbeats: the mean prefill rates and step
-    base, the decode step's growth per stream from the decoding workers (their step over
-    their base, per decode); None until each is measured and a worker has a step target.
+    base, the decode step's growth per stream (the workers' measured growth per decode row;
+    from engines that do not report one, the decoding workers' step over their base, per
+    decode); None until each is measured and a worker has a step target.
     Each prefill rate stands in for the other until a worker measures it (a cluster whose
     workers never mixed, or never prefilled without decodes)."""
     alone = [w.prefill_alone_tokens_per_s for w in workers if w.prefill_alone_tokens_per_s > 0]
@@ -200,13 +201,18 @@ def measured_speed(workers: Sequence[WorkerSnapshot],
     if not rates or not bases or not targets:
         return None
     base = sum(bases) / len(bases)
-    decoding = [w for w in workers if w.num_decoding >= MIN_GROWTH_STREAMS and w.step_s > 0]
-    streams = sum(w.num_decoding for w in decoding)
-    if not streams:
-        return None
-    growth = sum(max(0.0, w.step_s - (w.decode_base_s or base)) for w in decoding)
+    per_row = [w.decode_per_row_s for w in workers if w.decode_per_row_s > 0]
+    if per_row:
+        growth = sum(per_row) / len(per_row)
+    else:
+        decoding = [w for w in workers if w.num_decoding >= MIN_GROWTH_STREAMS and w.step_s > 0]
+        streams = sum(w.num_decoding for w in decoding)
+        if not streams:
+            return None
+        growth = sum(max(0.0, w.step_s - (w.decode_base_s or base))
+                     for w in decoding) / streams
     hidden = [w.decode_hidden_s for w in workers if w.decode_base_s > 0]
-    return ClusterSpeed(sum(rates) / len(rates), base, growth / streams, min(targets),
+    return ClusterSpeed(sum(rates) / len(rates), base, growth, min(targets),
                         step_limit_s, sum(hidden) / len(hidden),
                         sum(alone) / len(alone) if alone else 0.0)
 

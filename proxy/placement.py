@@ -14,7 +14,7 @@ in the time its decodes leave. A worker that decodes therefore prefills at a cap
 full rate (its measured rate of steps without decodes, far above a mixed step's chunks'). The policy only has to put each prefill where it finishes first at those rates:
 
 1. D is the decode-capable worker that takes the stream: not over the TPOT target (its
-   measured decode step within ``decode_step_limit`` of it), then a significant cached prefix
+   decode step, predicted for its batch, within ``decode_step_limit`` of it), then a significant cached prefix
    of this prompt, then the largest decode batch: decodes **pack** onto the workers already
    decoding, which leaves the others free of decodes to prefill at full rate (the cluster
    splits itself into prefill and decode workers as far as the load needs; a worker starts
@@ -120,7 +120,8 @@ class WorkerSnapshot:
     decode_step_target_s: float = 0.0  # the engine's bound on steps with decodes; 0: none
     decode_base_s: float = 0.0         # its decode step's fixed part; 0: not measured
     decode_hidden_s: float = 0.0       # the part of its decode step a prompt chunk hides
-    num_decoding: int = 0              # the decodes its heartbeat counted (step_s's batch)
+    num_decoding: int = 0              # the decodes its heartbeat counted
+    decode_per_row_s: float = 0.0      # what each decode row adds to its fixed part; 0: unknown
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities
@@ -224,11 +225,15 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
 def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
                    prompt_tokens: int, config: PlacementConfig,
                    prefill_lane: frozenset[str] | None = None) -> WorkerSnapshot | None:
-    """The prefill-capable worker other than ``decode`` (in ``prefill_lane`` when a lane
-    plan holds) whose prefill stalls the fewest decodes, then finishes first; None when
-    there is none."""
-    others = [w for w in workers if w.can(CAP_PREFILL) and w.worker_id != decode.worker_id
-              and (prefill_lane is None or w.worker_id in prefill_lane)]
+    """The prefill-capable worker other than ``decode`` whose prefill stalls the fewest
+    decodes, then finishes first; None when there is none. While a lane plan holds, P is a
+    worker of ``prefill_lane`` or one that cannot decode (it takes no streams either way);
+    any other only for a D that cannot serve whole (its KV must come from elsewhere)."""
+    others = [w for w in workers if w.can(CAP_PREFILL) and w.worker_id != decode.worker_id]
+    if prefill_lane is not None:
+        lane = [w for w in others if w.worker_id in prefill_lane
+                or not (w.can(CAP_DECODE) or w.can(CAP_WHOLE))]
+        others = lane if lane or decode.can(CAP_WHOLE) else others
     if not others:
         return None
 

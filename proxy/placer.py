@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_WORKER
 from engine_core.errors import NoWorkerError
+from engine_core.step_rates import decode_part
 from proxy.lanes import LaneConfig, LanePlanner
 from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
@@ -51,20 +52,24 @@ class Placer:
 
     def snapshot(self, worker: WorkerState, shape: PromptShape) -> WorkerSnapshot:
         """One worker as the policy sees it: the heartbeat's numbers, or the proxy's own
-        where they are fresher (prompt tokens it placed and legs in flight)."""
+        where they are fresher (prompt tokens it placed and legs in flight; the decode step
+        of that batch, from the heartbeat's step model)."""
         load = worker.load
         decoding = (worker.parts_in_flight.get(CAP_DECODE, 0)
                     + worker.parts_in_flight.get(CAP_WHOLE, 0))
+        batch = max(load.num_decoding, decoding)
         return WorkerSnapshot(
             worker_id=worker.worker_id, capabilities=worker.capabilities,
             queued_prefill_tokens=max(load.num_prefill_tokens_queued,
                                       worker.pending_prefill_tokens),
             prefill_tokens_per_s=load.prefill_tokens_per_s,
             prefill_alone_tokens_per_s=load.prefill_alone_tokens_per_s,
-            decode_batch=max(load.num_decoding, decoding), kv_usage=load.kv_cache_usage,
-            step_s=load.decode_step_s, decode_step_target_s=load.decode_step_target_s,
+            decode_batch=batch, kv_usage=load.kv_cache_usage,
+            step_s=decode_part(load.decode_base_s, load.decode_per_row_s, batch,
+                               load.decode_step_s),
+            decode_step_target_s=load.decode_step_target_s,
             decode_base_s=load.decode_base_s, decode_hidden_s=load.decode_hidden_s,
-            num_decoding=load.num_decoding,
+            num_decoding=load.num_decoding, decode_per_row_s=load.decode_per_row_s,
             cached_tokens=self.index.cached_tokens(worker.worker_id, shape))
 
     def route(self, registry: InstanceRegistry, model: str | None,

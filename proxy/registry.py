@@ -110,6 +110,7 @@ class WorkerState:
                 "decode_step_target_s": self.load.decode_step_target_s,
                 "decode_base_s": self.load.decode_base_s,
                 "decode_hidden_s": self.load.decode_hidden_s,
+                "decode_per_row_s": self.load.decode_per_row_s,
             },
             "capabilities": sorted(self.capabilities),
             "role_mix": {"in_flight": dict(self.parts_in_flight), "total": dict(self.parts_total)},

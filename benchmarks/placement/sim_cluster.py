@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
-from engine_core.step_rates import StepRates, mixed_step_prefill_budget
+from engine_core.step_rates import StepRates, decode_part, mixed_step_prefill_budget
 from proxy.lanes import LaneConfig, LanePlanner
 from proxy.placement import PlacementConfig, WorkerSnapshot, place
 
@@ -41,7 +41,7 @@ class GpuModel:
 
     prefill_tokens_per_s: float = 41_000.0
     # A mixed step's prompt tokens run at this share of the rate of prompts alone (its
-    # chunks are small: on two H200s the heartbeats read about 0.4).
+    # chunks are small: on H200s at a 9 ms step target, 0.39-0.46).
     chunk_rate_share: float = 1.0
     step_base_s: float = 0.0060
     step_per_seq_s: float = 1.0e-5
@@ -97,6 +97,7 @@ class _Heartbeat:
     base_s: float = 0.0
     hidden_s: float = 0.0
     prefill_alone_tokens_per_s: float = 0.0
+    per_row_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -133,7 +134,8 @@ class SimWorker:
         self.heartbeat = _Heartbeat(
             self.batch, self.queued_tokens(), self.rates.prefill_tokens_per_s,
             self.rates.decode_part_s(self.batch), min(1.0, self.kv_tokens / self.gpu.kv_capacity_tokens),
-            self.rates.decode_base_s, self.rates.hidden_s, self.rates.prefill_alone_tokens_per_s)
+            self.rates.decode_base_s, self.rates.hidden_s, self.rates.prefill_alone_tokens_per_s,
+            self.rates.decode_per_row_s)
 
     def join(self, request: SimRequest, tokens_left: int, now: float) -> None:
         """A request that holds its first token decodes the rest from the next step."""
@@ -160,7 +162,7 @@ class SimWorker:
         batch = self.batch
         budget = self.gpu.max_num_batched_tokens - batch
         capped = mixed_step_prefill_budget(self.step_target_s, self.rates,
-                                           self.gpu.block_size) if batch else None
+                                           self.gpu.block_size, batch) if batch else None
         if capped is not None:
             budget = min(budget, capped)
         chunks = []
@@ -314,13 +316,15 @@ class SimCluster:
     def snapshot(self, worker: SimWorker) -> WorkerSnapshot:
         """What ``proxy/placer.py`` would see of ``worker`` now."""
         beat = worker.heartbeat
+        batch = max(beat.num_decoding, worker.legs_decoding)
         return WorkerSnapshot(
             worker_id=worker.name, capabilities=worker.capabilities,
             queued_prefill_tokens=max(beat.queued_prefill_tokens,
                                       worker.pending_prefill_tokens),
             prefill_tokens_per_s=beat.prefill_tokens_per_s,
-            decode_batch=max(beat.num_decoding, worker.legs_decoding),
-            kv_usage=beat.kv_usage, step_s=beat.step_s,
+            decode_batch=batch, kv_usage=beat.kv_usage,
+            step_s=decode_part(beat.base_s, beat.per_row_s, batch, beat.step_s),
             decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s,
             decode_hidden_s=beat.hidden_s, num_decoding=beat.num_decoding,
-            prefill_alone_tokens_per_s=beat.prefill_alone_tokens_per_s)
+            prefill_alone_tokens_per_s=beat.prefill_alone_tokens_per_s,
+            decode_per_row_s=beat.per_row_s)

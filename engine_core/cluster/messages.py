@@ -45,9 +45,10 @@ class WorkerLoad:
     num_waiting_for_remote_kv: int = 0
     sleeping: bool = False  # sleep mode: asleep workers get no requests until awake
     # Placement inputs (engine_core/step_rates.py): prompt tokens still to compute, the
-    # measured prefill rate (tokens/s) and decode step time (s); 0: not measured yet. The
-    # decode-step target (s) that bounds its steps with decodes (0: none): while it decodes
-    # it prefills at ``step_rates.prefill_rate_beside_decodes``.
+    # measured marginal prefill rate of mixed steps (tokens/s) and the decode part of a step
+    # of its current decodes (s, predicted from steps of decodes alone); 0: not measured
+    # yet. The decode-step target (s) that bounds its steps with decodes (0: none): while it
+    # decodes it prefills at ``step_rates.prefill_rate_beside_decodes``.
     num_prefill_tokens_queued: int = 0
     num_decoding: int = 0  # running requests past their prefill
     prefill_tokens_per_s: float = 0.0
@@ -57,6 +58,9 @@ class WorkerLoad:
     decode_hidden_s: float = 0.0  # the part of the decode step a prompt chunk beside it hides
     # The rate of steps of prompt tokens alone (0: not measured): a prefill lane's rate.
     prefill_alone_tokens_per_s: float = 0.0
+    # What each decode row adds to the fixed part (0: not measured): the proxy predicts the
+    # decode part of the batch it places there (``step_rates.decode_part``).
+    decode_per_row_s: float = 0.0
 
 
 @dataclass
@@ -133,10 +137,11 @@ def validate(message: Heartbeat | Deregister) -> Heartbeat | Deregister:
         raise MessageDecodeError("load counts must be >= 0")
     if not all(0.0 <= value < math.inf for value in (
             load.prefill_tokens_per_s, load.decode_step_s, load.decode_step_target_s,
-            load.decode_base_s, load.decode_hidden_s, load.prefill_alone_tokens_per_s)):
+            load.decode_base_s, load.decode_hidden_s, load.prefill_alone_tokens_per_s,
+            load.decode_per_row_s)):
         raise MessageDecodeError("prefill_tokens_per_s, decode_step_s, decode_step_target_s, "
-                                 "decode_base_s, decode_hidden_s and "
-                                 "prefill_alone_tokens_per_s must be finite, >= 0")
+                                 "decode_base_s, decode_hidden_s, prefill_alone_tokens_per_s "
+                                 "and decode_per_row_s must be finite, >= 0")
     if not 0.0 <= load.kv_cache_usage <= 1.0:
         raise MessageDecodeError("kv_cache_usage must be within [0, 1]")
     return message

@@ -313,10 +313,11 @@ class Scheduler:
     def mixed_prefill_budget(self) -> int | None:
         """This step's prompt tokens under the decode-step target while requests decode
         (``step_rates.mixed_step_prefill_budget``); None: unbounded."""
-        if self.config.decode_step_target_s is None or not any(map(is_decoding, self.running)):
+        decodes = self.num_decoding
+        if self.config.decode_step_target_s is None or not decodes:
             return None
         return mixed_step_prefill_budget(self.config.decode_step_target_s, self.step_rates,
-                                         self.block_size)
+                                         self.block_size, decodes)
 
     def grammar_masks(self, output: SchedulerOutput, request_ids: list[str]) -> StepMasks | None:
         """The matchers whose masks rows ``0..len(request_ids)`` of ``output``'s sampling take

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine_core.addresses import route_source_host
-from engine_core.cluster.messages import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL, ROLE_WORKER
+from engine_core.cluster.messages import (
+    ROLE_COLOCATED,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_WORKER,
+    WorkerLoad,
+)
 from engine_core.cluster.trust import ClusterSecret
 from engine_core.config import EngineConfig, KVTransferConfig, address_list
 from engine_core.errors import ConfigError
@@ -25,6 +31,7 @@ from engine_core.server.readiness import Readiness
 
 if TYPE_CHECKING:
     from engine_core.engine_core import EngineCore
+    from engine_core.messages import EngineStats
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -96,6 +103,21 @@ def worker_kv_config(kv: KVTransferConfig | None, role: str, args: argparse.Name
     return dataclasses.replace(kv, **changes)
 
 
+def worker_load(stats: EngineStats | None) -> WorkerLoad:
+    """The load a heartbeat carries, from the engine's latest stats (empty before any)."""
+    if stats is None:
+        return WorkerLoad()
+    return WorkerLoad(
+        stats.num_running, stats.num_waiting, stats.kv_cache_usage,
+        stats.num_waiting_for_remote_kv, sleeping=stats.sleep_level > 0,
+        num_prefill_tokens_queued=stats.num_prefill_tokens_queued,
+        num_decoding=stats.num_decoding, prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        prefill_alone_tokens_per_s=stats.prefill_alone_tokens_per_s,
+        decode_step_s=stats.decode_step_s, decode_step_target_s=stats.decode_step_target_s,
+        decode_base_s=stats.decode_base_s, decode_hidden_s=stats.decode_hidden_s,
+        decode_per_row_s=stats.decode_per_row_s)
+
+
 def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], model: str,
                    zmq_address: str | None, interval_s: float, secret: ClusterSecret,
                    http_ip: str | None = None, fallback_host: str = "127.0.0.1",
@@ -110,26 +132,15 @@ def heartbeat_hook(role: str, proxy_addresses: list[str] | tuple[str, ...], mode
     """
 
     async def start(client: Any, options: Any) -> Any:
-        from engine_core.cluster.messages import WorkerLoad
         from engine_core.cluster.registration_client import RegistrationClient
         from engine_core.version import package_version
 
         host = http_ip or (options.host if options.host not in ("", "0.0.0.0", "::")
                            else fallback_host)
 
-        def load() -> WorkerLoad:
-            s = client.latest_stats
-            return WorkerLoad() if s is None else WorkerLoad(
-                s.num_running, s.num_waiting, s.kv_cache_usage, s.num_waiting_for_remote_kv,
-                sleeping=s.sleep_level > 0, num_prefill_tokens_queued=s.num_prefill_tokens_queued,
-                prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
-                decode_step_target_s=s.decode_step_target_s, num_decoding=s.num_decoding,
-                decode_base_s=s.decode_base_s, decode_hidden_s=s.decode_hidden_s,
-                prefill_alone_tokens_per_s=s.prefill_alone_tokens_per_s)
-
         registrations = [RegistrationClient(
             address, role=role, http_address=f"{host}:{options.port}", model=model,
-            zmq_address=zmq_address, version=package_version(), load_provider=load,
+            zmq_address=zmq_address, version=package_version(), load_provider=lambda: worker_load(client.latest_stats),
             interval_s=interval_s, secret=secret,
             kv_ranks=client.info.kv_ranks if zmq_address is not None else None)
             for address in proxy_addresses]

@@ -40,7 +40,7 @@ def test_steps_without_decodes_keep_their_own_prefill_rate() -> None:
     assert (rates.prefill_alone_tokens_per_s, rates.prefill_tokens_per_s) == (40_000, 0.0)
     # Until a mixed step measures the marginal rate, mixed steps are planned at this one.
     assert rates.rate_beside_decodes == 40_000
-    assert mixed_step_prefill_budget(0.010, rates, 16) == 400
+    assert mixed_step_prefill_budget(0.010, rates, 16, 8) == 400
     rates.observe(0.004, 0, 2)        # two decodes alone: a 4 ms decode part, all fixed
     # Mixed steps whose prefill is the larger part measure the marginal rate and leave the
     # rate of prefill alone: a 256-token chunk beside 2 decodes in 20 ms (the fixed part
@@ -86,6 +86,23 @@ def test_the_decode_part_of_any_batch_comes_from_its_growth_per_row() -> None:
     assert rates.decode_step_s == pytest.approx(0.0053)
 
 
+def test_mixed_steps_of_a_grown_batch_are_read_with_its_own_decode_part() -> None:
+    # A 4.5 ms fixed part and 0.1 ms a row, learned at 15 streams; then only mixed steps
+    # of 31 decodes and 800 prompt tokens at 40k tokens/s: 7.6 ms of decodes, 20 ms of
+    # prompt of which 4.5 hide the fixed part, 23.1 ms in all.
+    rates = StepRates(weight=0.5)
+    rates.observe(0.0045, 0, 1)
+    rates.observe(0.006, 0, 15)
+    for _ in range(10):
+        rates.observe(0.0231, 800, 31)
+    assert rates.decode_part_s(31) == pytest.approx(0.0076)
+    assert rates.prefill_tokens_per_s == pytest.approx(40_000, rel=1e-3)
+    assert abs(rates.mixed_excess_s) < 1e-5
+    # A 12 ms target at 31 decodes: 12 - 7.6 + 4.5 ms of prompt, 356 tokens (352 in blocks).
+    assert mixed_step_prefill_budget(0.012, rates, 16, 31) == 352
+    assert mixed_step_prefill_budget(0.012, rates, 16, 1) > 352
+
+
 def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_that() -> None:
     # Decode part 9 ms of which 6 ms is the weights' read; 40k prompt tokens/s.
     rates = StepRates(weight=0.5, prefill_tokens_per_s=40_000, decode_step_s=0.009,
@@ -93,7 +110,7 @@ def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_tha
     assert rates.hidden_s == pytest.approx(0.006)
     # A 12 ms target leaves 3 ms beside the decodes, plus the 6 ms a chunk hides: 360.
     assert mixed_prefill_tokens(0.012, 0.009, 40_000, rates.hidden_s) == pytest.approx(360)
-    assert mixed_step_prefill_budget(0.012, rates, 16) == 352
+    assert mixed_step_prefill_budget(0.012, rates, 16, 8) == 352
     # A 360-token mixed step predicted at 12 ms takes 14: the excess shrinks what is hidden,
     # and neither the rate (its chunk is short of twice the fixed part) nor the decode part
     # moves.
@@ -101,7 +118,7 @@ def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_tha
     assert rates.mixed_excess_s == pytest.approx(0.002)
     assert rates.hidden_s == pytest.approx(0.004)
     assert (rates.prefill_tokens_per_s, rates.decode_step_s) == (40_000, 0.009)
-    assert mixed_step_prefill_budget(0.012, rates, 16) == 272
+    assert mixed_step_prefill_budget(0.012, rates, 16, 8) == 272
     # A long chunk measures the rate with the decode part's growth (3 ms) taken out.
     rates.observe(0.053, 2000, 8)
     assert rates.prefill_tokens_per_s == pytest.approx((40_000 + 40_000) / 2)

@@ -220,6 +220,18 @@ def test_placement_keeps_streams_off_the_lane_and_prefills_in_it() -> None:
     # Without a lane (the plan is replicas) every request is served whole, spread out.
     decision = place(workers, 4096, TPOT_10, frozenset())
     assert decision.placement == PLACEMENT_LOCAL and decision.decode == "p"
+    # Under any plan a worker that cannot serve whole gets its prefill from another, and a
+    # worker that cannot decode prefills (it takes no streams either way).
+    split = [snapshot("d", capabilities=frozenset({CAP_DECODE})),
+             snapshot("q", capabilities=frozenset({CAP_PREFILL, CAP_DECODE}), decoding=1,
+                      step_s=0.0065)]
+    decision = place(split, 4096, TPOT_10, frozenset())
+    assert (decision.placement, decision.decode, decision.prefill) == (
+        PLACEMENT_DISAGGREGATED, "d", "q")
+    prefill_only = [snapshot("w", decoding=2, step_s=0.0065),
+                    snapshot("r", capabilities=frozenset({CAP_PREFILL}))]
+    decision = place(prefill_only, 4096, TPOT_10, frozenset())
+    assert (decision.decode, decision.prefill) == ("w", "r")
     # A lane of every decoder still serves: the request decodes somewhere.
     only = [snapshot("p", capabilities=frozenset({CAP_PREFILL, CAP_DECODE}))]
     assert place(only, 4096, TPOT_10, frozenset({"p"})).decode == "p"

@@ -3,6 +3,8 @@ accounting (pure)."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine_core.cluster.messages import CAP_PREFILL, CAP_WHOLE, CAPABILITIES, WorkerLoad
 from proxy.placement import PlacementConfig
 from proxy.placer import Placer
@@ -30,3 +32,21 @@ def test_a_worker_mid_prefill_is_not_decoding() -> None:
     assert snap.decode_batch == 7
     snap = placer.snapshot(state(WorkerLoad(num_decoding=7), {CAP_WHOLE: 9}), PromptShape(10))
     assert snap.decode_batch == 9
+
+
+def test_the_heartbeat_step_model_gives_the_decode_step_of_the_proxy_batch() -> None:
+    # The engine counted no decodes yet (its step: the fixed part), but the proxy sent 20
+    # streams there: the policy sees the decode part of 20 rows.
+    placer = Placer(PlacementConfig())
+    load = WorkerLoad(num_decoding=0, decode_step_s=0.0045, decode_base_s=0.0045,
+                      decode_per_row_s=1e-4, prefill_tokens_per_s=20_000.0,
+                      prefill_alone_tokens_per_s=44_000.0, decode_hidden_s=0.004)
+    snap = placer.snapshot(state(load, {CAP_WHOLE: 20}), PromptShape(10))
+    assert snap.decode_batch == 20
+    assert snap.step_s == pytest.approx(0.0065)
+    assert (snap.prefill_tokens_per_s, snap.prefill_alone_tokens_per_s) == (20_000, 44_000)
+    assert (snap.decode_base_s, snap.decode_per_row_s, snap.decode_hidden_s) == (
+        0.0045, 1e-4, 0.004)
+    # An engine that reports no growth per row: its own decode step stands.
+    load = WorkerLoad(num_decoding=3, decode_step_s=0.007, decode_base_s=0.0045)
+    assert placer.snapshot(state(load, {CAP_WHOLE: 20}), PromptShape(10)).step_s == 0.007

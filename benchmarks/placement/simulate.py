@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks.placement.search import PointResult, RateSearch, SloCell
-from benchmarks.placement.sim_cluster import GpuModel, SimCluster, SimRequest
+from benchmarks.placement.sim_cluster import GPU_MODELS, GpuModel, SimCluster, SimRequest
 from benchmarks.placement.workloads import GPU_WORKLOADS, TPOT_CELLS_MS, Workload
 from proxy.placement import PlacementConfig
 
@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="arrivals per point")
     parser.add_argument("--budget", type=int, default=12, help="points per rate search")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu", choices=sorted(GPU_MODELS), default="h100",
+                        help="the card's model (sim_cluster.GPU_MODELS)")
     args = parser.parse_args(argv)
-    gpu, base = GpuModel(), PlacementConfig()
+    gpu, base = GPU_MODELS[args.gpu], PlacementConfig()
     chosen = layouts(args.workers, gpu, base)
     if args.layouts:
         chosen = {k: v for k, v in chosen.items() if k in args.layouts.split(",")}

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
-from connectors.p2p_nccl.consumer import REQUESTED
 from connectors.p2p_nccl.handshake import ControlClient
+from connectors.p2p_nccl.loads import REQUESTED
 from connectors.p2p_nccl.messages import KVPullRequest, make_codec
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata
 from tests.connectors.kv_harness import free_port

@@ -16,8 +16,8 @@ import msgpack
 import pytest
 
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
-from connectors.p2p_nccl.consumer import RECEIVING
 from connectors.p2p_nccl.handshake import ControlClient
+from connectors.p2p_nccl.loads import RECEIVING
 from connectors.p2p_nccl.messages import (
     WIRE_VERSION,
     KVSendAbort,

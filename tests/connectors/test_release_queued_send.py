@@ -24,8 +24,8 @@ import torch
 
 from connectors.cpu_transport import CpuTransport
 from connectors.p2p_nccl.connector_worker import P2pConnectorWorker
-from connectors.p2p_nccl.consumer import REQUESTED
 from connectors.p2p_nccl.handshake import ControlClient, ControlServer
+from connectors.p2p_nccl.loads import REQUESTED
 from connectors.p2p_nccl.messages import KVSendAbort, KVSendHeader, make_codec
 from connectors.p2p_nccl.metadata import P2pConnectorMetadata
 from connectors.p2p_nccl.sender import PeerSender, SendJob

@@ -51,9 +51,12 @@ class StepRates:
     # decodes alone measure it (the proxy's lane plan needs how a step grows with its batch).
     base_max_decodes: int = 2
     decode_base_s: float = 0.0
-    # What each decode row adds to the fixed part, from steps of more decodes alone: the
-    # decode part of a batch that no step of decodes alone has run (a worker that always
-    # has prompt tokens to compute runs none, and its average above goes stale).
+    decode_base_rows: float = 0.0  # the decode rows of the steps that measured it (1-2)
+    # What each decode row adds, from steps of at least ``min_growth_rows`` decodes alone
+    # over the fixed part's: the decode part of a batch that no step of decodes alone has
+    # run (a worker that always has prompt tokens to compute runs none, and its average
+    # above goes stale).
+    min_growth_rows: int = 4
     decode_per_row_s: float = 0.0
     # What mixed steps take beyond the model's prediction (the chunk hides less of the
     # weights' read than modelled, attention over the prompt): budgets plan around it.
@@ -67,9 +70,11 @@ class StepRates:
             self.decode_step_s = self._mix(self.decode_step_s, seconds)
             if num_decodes <= self.base_max_decodes:
                 self.decode_base_s = self._mix(self.decode_base_s, seconds)
-            elif self.decode_base_s:
+                self.decode_base_rows = self._mix(self.decode_base_rows, float(num_decodes))
+            elif self.decode_base_s and num_decodes >= self.min_growth_rows:
                 self.decode_per_row_s = self._mix(
-                    self.decode_per_row_s, max(0.0, seconds - self.decode_base_s) / num_decodes)
+                    self.decode_per_row_s,
+                    max(0.0, seconds - self.decode_base_s) / (num_decodes - self.decode_base_rows))
             return
         if num_decodes == 0:
             if self._shows_rate(num_prefill_tokens, seconds):
@@ -104,9 +109,14 @@ class StepRates:
             self.decode_step_s = self._mix(self.decode_step_s, decode_s)
 
     def decode_part_s(self, num_decodes: int) -> float:
-        """The decode part of a step of ``num_decodes`` decodes (``decode_part``)."""
-        return decode_part(self.decode_base_s, self.decode_per_row_s, num_decodes,
-                           self.decode_step_s)
+        """The decode part of a step of ``num_decodes`` decodes: the fixed part's step plus
+        the growth of the rows beyond its own once both are measured, else the average of
+        recent steps of decodes alone. The engine plans and reads its mixed steps with it,
+        and its heartbeat reports it for the current batch (``extrapolated_step``)."""
+        if self.decode_base_s and self.decode_per_row_s:
+            return self.decode_base_s + self.decode_per_row_s * (num_decodes
+                                                                 - self.decode_base_rows)
+        return self.decode_step_s
 
     @property
     def rate_beside_decodes(self) -> float:
@@ -136,13 +146,11 @@ class StepRates:
         return sample if average == 0.0 else average + self.weight * (sample - average)
 
 
-def decode_part(base_s: float, per_row_s: float, num_decodes: int, average_s: float) -> float:
-    """The decode part of a step of ``num_decodes`` decodes: the fixed part plus the growth
-    per row once both are measured, else ``average_s`` (that of recent steps of decodes
-    alone). The engine plans its steps with it and the proxy a worker's batch."""
-    if base_s and per_row_s:
-        return base_s + per_row_s * num_decodes
-    return average_s
+def extrapolated_step(step_s: float, per_row_s: float, measured_rows: int, rows: int) -> float:
+    """A worker's decode part at ``rows`` decodes from its heartbeat: the part it reported
+    for its ``measured_rows`` (``StepRates.decode_part_s``) plus the growth of the rows
+    beyond them (the proxy may know of streams the engine has not started yet)."""
+    return step_s + per_row_s * max(0, rows - measured_rows)
 
 
 def mixed_prefill_tokens(target_s: float, decode_step_s: float, prefill_tokens_per_s: float,

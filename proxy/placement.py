@@ -199,10 +199,15 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
                   config: PlacementConfig,
                   prefill_lane: frozenset[str] | None = None) -> WorkerSnapshot:
     """Rule 1: the decode-capable worker that takes the stream (outside ``prefill_lane``
-    while another can take it; spread over the others when a lane plan holds)."""
+    while another can take it; spread over the others when a lane plan holds). A worker
+    that cannot serve whole takes it only when another can prefill for it, or none other
+    can decode it."""
     decoders = [w for w in workers if w.can(CAP_DECODE) or w.can(CAP_WHOLE)]
     if not decoders:
         raise NoPlacementError("no worker can decode this request")
+    prefillers = sum(w.can(CAP_PREFILL) for w in workers)
+    decoders = [w for w in decoders
+                if w.can(CAP_WHOLE) or prefillers > w.can(CAP_PREFILL)] or decoders
     if prefill_lane:
         decoders = [w for w in decoders if w.worker_id not in prefill_lane] or decoders
     roomy = [w for w in decoders if w.kv_usage < config.kv_full] or decoders

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_WHOLE, ROLE_WORKER
 from engine_core.errors import NoWorkerError
-from engine_core.step_rates import decode_part
+from engine_core.step_rates import extrapolated_step
 from proxy.lanes import LaneConfig, LanePlanner
 from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
@@ -65,8 +65,8 @@ class Placer:
             prefill_tokens_per_s=load.prefill_tokens_per_s,
             prefill_alone_tokens_per_s=load.prefill_alone_tokens_per_s,
             decode_batch=batch, kv_usage=load.kv_cache_usage,
-            step_s=decode_part(load.decode_base_s, load.decode_per_row_s, batch,
-                               load.decode_step_s),
+            step_s=extrapolated_step(load.decode_step_s, load.decode_per_row_s,
+                                     load.num_decoding, batch),
             decode_step_target_s=load.decode_step_target_s,
             decode_base_s=load.decode_base_s, decode_hidden_s=load.decode_hidden_s,
             num_decoding=load.num_decoding, decode_per_row_s=load.decode_per_row_s,

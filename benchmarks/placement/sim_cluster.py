@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
-from engine_core.step_rates import StepRates, decode_part, mixed_step_prefill_budget
+from engine_core.step_rates import StepRates, extrapolated_step, mixed_step_prefill_budget
 from proxy.lanes import LaneConfig, LanePlanner
 from proxy.placement import PlacementConfig, WorkerSnapshot, place
 
@@ -335,7 +335,7 @@ class SimCluster:
                                       worker.pending_prefill_tokens),
             prefill_tokens_per_s=beat.prefill_tokens_per_s,
             decode_batch=batch, kv_usage=beat.kv_usage,
-            step_s=decode_part(beat.base_s, beat.per_row_s, batch, beat.step_s),
+            step_s=extrapolated_step(beat.step_s, beat.per_row_s, beat.num_decoding, batch),
             decode_step_target_s=worker.step_target_s or 0.0, decode_base_s=beat.base_s,
             decode_hidden_s=beat.hidden_s, num_decoding=beat.num_decoding,
             prefill_alone_tokens_per_s=beat.prefill_alone_tokens_per_s,

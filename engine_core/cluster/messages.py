@@ -58,8 +58,8 @@ class WorkerLoad:
     decode_hidden_s: float = 0.0  # the part of the decode step a prompt chunk beside it hides
     # The rate of steps of prompt tokens alone (0: not measured): a prefill lane's rate.
     prefill_alone_tokens_per_s: float = 0.0
-    # What each decode row adds to the fixed part (0: not measured): the proxy predicts the
-    # decode part of the batch it places there (``step_rates.decode_part``).
+    # What each decode row adds (0: not measured): the proxy extends ``decode_step_s`` to the
+    # batch it knows of there (``step_rates.extrapolated_step``).
     decode_per_row_s: float = 0.0
 
 

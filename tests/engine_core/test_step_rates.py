@@ -73,34 +73,30 @@ def test_the_decode_part_of_any_batch_comes_from_its_growth_per_row() -> None:
     rates = StepRates(weight=0.5)
     rates.observe(0.006, 0, 16)       # no fixed part yet: no growth either
     assert (rates.decode_per_row_s, rates.decode_part_s(16)) == (0.0, 0.006)
-    rates.observe(0.004, 0, 1)        # the fixed part: 4 ms (and the average 5 ms)
-    rates.observe(0.0056, 0, 16)      # 0.1 ms a row
+    rates.observe(0.004, 0, 1)        # the fixed part: 4 ms at one row
+    rates.observe(0.0055, 0, 16)      # 15 rows more: 0.1 ms a row
     assert rates.decode_per_row_s == pytest.approx(1e-4)
     # A worker that always has prompts to compute runs no step of decodes alone: its
     # decode part for 40 rows is predicted, not the stale average of smaller batches.
     for _ in range(5):
         rates.observe(0.012, 512, 40)
     assert rates.decode_per_row_s == pytest.approx(1e-4)
-    assert rates.decode_part_s(40) == pytest.approx(0.008)
-    assert rates.decode_part_s(0) == pytest.approx(0.004)
-    assert rates.decode_step_s == pytest.approx(0.0053)
+    assert rates.decode_part_s(40) == pytest.approx(0.0079)
+    assert rates.decode_step_s == pytest.approx(0.00525)
 
 
-def test_mixed_steps_of_a_grown_batch_are_read_with_its_own_decode_part() -> None:
-    # A 4.5 ms fixed part and 0.1 ms a row, learned at 15 streams; then only mixed steps
-    # of 31 decodes and 800 prompt tokens at 40k tokens/s: 7.6 ms of decodes, 20 ms of
-    # prompt of which 4.5 hide the fixed part, 23.1 ms in all.
+def test_growth_learned_at_small_batches_predicts_large_ones() -> None:
+    # A true step of 4 ms + 0.1 ms a row. The fixed part comes from steps of one and two
+    # rows (4.15 ms at 1.5 rows on average); steps of three rows teach nothing, of four
+    # the growth over the fixed part's own rows.
     rates = StepRates(weight=0.5)
-    rates.observe(0.0045, 0, 1)
-    rates.observe(0.006, 0, 15)
-    for _ in range(10):
-        rates.observe(0.0231, 800, 31)
-    assert rates.decode_part_s(31) == pytest.approx(0.0076)
-    assert rates.prefill_tokens_per_s == pytest.approx(40_000, rel=1e-3)
-    assert abs(rates.mixed_excess_s) < 1e-5
-    # A 12 ms target at 31 decodes: 12 - 7.6 + 4.5 ms of prompt, 356 tokens (352 in blocks).
-    assert mixed_step_prefill_budget(0.012, rates, 16, 31) == 352
-    assert mixed_step_prefill_budget(0.012, rates, 16, 1) > 352
+    rates.observe(0.0041, 0, 1)
+    rates.observe(0.0042, 0, 2)
+    rates.observe(0.0043, 0, 3)
+    assert rates.decode_per_row_s == 0.0
+    rates.observe(0.0044, 0, 4)
+    assert rates.decode_per_row_s == pytest.approx(1e-4)
+    assert rates.decode_part_s(31) == pytest.approx(0.0071)
 
 
 def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_that() -> None:

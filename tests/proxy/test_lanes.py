@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAPABILITIES
+from engine_core.cluster.messages import CAP_DECODE, CAP_PREFILL, CAP_WHOLE, CAPABILITIES
 from proxy.lanes import (
     ClusterSpeed,
     LaneConfig,
@@ -127,6 +127,10 @@ def test_speed_comes_from_heartbeats_and_needs_each_part() -> None:
     speed = measured_speed(workers, 0.009)
     assert speed is not None and speed.lane_rate == 90_000.0  # the workers that measured it
     assert measured_speed([snapshot("a", decoding=20, step_s=0.009, base_s=0.0)], 0.009) is None
+    # Workers that measured their growth per row give it directly, decoding or not.
+    idle = [dataclasses.replace(snapshot("a"), decode_per_row_s=0.09e-3), snapshot("b")]
+    speed = measured_speed(idle, 0.009)
+    assert speed is not None and speed.per_stream_s == pytest.approx(0.09e-3)
     assert measured_speed([snapshot("a", decoding=2, step_s=0.0063)], 0.009) is None
 
 
@@ -232,6 +236,14 @@ def test_placement_keeps_streams_off_the_lane_and_prefills_in_it() -> None:
                     snapshot("r", capabilities=frozenset({CAP_PREFILL}))]
     decision = place(prefill_only, 4096, TPOT_10, frozenset())
     assert (decision.decode, decision.prefill) == ("w", "r")
+    # With no worker to prefill for it, a decode-only worker takes no stream that a worker
+    # serving whole can take (the plan's spread would pick the emptier one).
+    no_prefill = [snapshot("d", capabilities=frozenset({CAP_DECODE})),
+                  snapshot("e", capabilities=frozenset({CAP_DECODE, CAP_WHOLE}), decoding=3,
+                           step_s=0.0065)]
+    for lane in (None, frozenset()):
+        decision = place(no_prefill, 4096, TPOT_10, lane)
+        assert (decision.placement, decision.decode) == (PLACEMENT_LOCAL, "e")
     # A lane of every decoder still serves: the request decodes somewhere.
     only = [snapshot("p", capabilities=frozenset({CAP_PREFILL, CAP_DECODE}))]
     assert place(only, 4096, TPOT_10, frozenset({"p"})).decode == "p"

@@ -60,13 +60,13 @@ class GpuModel:
 
 
 # Cards the simulator knows. ``h200``: one H200's engine as ``experiments/step_rates_probe.py``
-# read it (2026-11-29: prompts alone 44.7k tokens/s, mixed steps' chunks 0.45 of that at a
-# 9 ms step target, a 4.2 ms fixed part and 90 us a decode row at ~2k of context), and room
+# read it (2026-11-29: prompts alone 44k tokens/s, mixed steps' chunks 0.45 of that at a
+# 9 ms step target, a 4.3 ms fixed part and 120 us a decode row at ~2k of context), and room
 # for about 650k tokens of Qwen3-8B KV.
 GPU_MODELS = {
     "h100": GpuModel(),
-    "h200": GpuModel(prefill_tokens_per_s=44_700.0, chunk_rate_share=0.45, step_base_s=0.0042,
-                     step_per_seq_s=1.0e-5, step_per_ctx_token_s=3.5e-8,
+    "h200": GpuModel(prefill_tokens_per_s=44_000.0, chunk_rate_share=0.45, step_base_s=0.0043,
+                     step_per_seq_s=1.0e-5, step_per_ctx_token_s=5.0e-8,
                      kv_capacity_tokens=650_000),
 }
 

@@ -99,6 +99,23 @@ def test_growth_learned_at_small_batches_predicts_large_ones() -> None:
     assert rates.decode_part_s(31) == pytest.approx(0.0071)
 
 
+def test_mixed_steps_of_a_grown_batch_are_read_with_its_own_decode_part() -> None:
+    # A 4.5 ms step at one row and 0.1 ms a row more, learned at 15 streams; then only
+    # mixed steps of 31 decodes and 800 prompt tokens at 40k tokens/s: 7.5 ms of decodes,
+    # 20 ms of prompt of which 4.5 hide the fixed part, 23 ms in all.
+    rates = StepRates(weight=0.5)
+    rates.observe(0.0045, 0, 1)
+    rates.observe(0.0059, 0, 15)
+    for _ in range(10):
+        rates.observe(0.0230, 800, 31)
+    assert rates.decode_part_s(31) == pytest.approx(0.0075)
+    assert rates.prefill_tokens_per_s == pytest.approx(40_000, rel=1e-3)
+    assert abs(rates.mixed_excess_s) < 1e-5
+    # A 12 ms target at 31 decodes: 12 - 7.5 + 4.5 ms of prompt, 360 tokens (352 in blocks).
+    assert mixed_step_prefill_budget(0.012, rates, 16, 31) == 352
+    assert mixed_step_prefill_budget(0.012, rates, 16, 1) > 352
+
+
 def test_with_the_fixed_part_measured_a_chunk_hides_it_and_overshoots_shrink_that() -> None:
     # Decode part 9 ms of which 6 ms is the weights' read; 40k prompt tokens/s.
     rates = StepRates(weight=0.5, prefill_tokens_per_s=40_000, decode_step_s=0.009,

@@ -24,9 +24,11 @@ def _cpu_tests_start_cpu_processes(request: pytest.FixtureRequest,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A test without the ``gpu`` marker starts its processes with no GPU visible, so the CPU
     suite tests the same CPU clusters on a GPU machine (the launcher would give each worker
-    a GPU). This process's own CUDA state was fixed at collection (``is_available``)."""
+    a GPU), and an engine it builds in this process resolves ``--device auto`` to the CPU
+    (this process's own CUDA state was fixed at collection)."""
     if "gpu" not in request.keywords and torch.cuda.is_available():
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture

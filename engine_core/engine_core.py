@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from engine_core.sched.host_tier import HostTier
 from engine_core.sched.kv_cache_manager import KVCacheManager
 from engine_core.sched.outputs import NewRequestData, SchedulerOutput
 from engine_core.sched.scheduler import Scheduler
+from engine_core.sleep_mode import SleepMode
 from engine_core.step_watch import StepWatch
 from engine_core.worker import cuda_graphs, kv_cache
 from engine_core.worker.block_copy import stack_layers
@@ -49,7 +49,6 @@ from engine_core.worker.cuda_graphs import CaptureStats
 from engine_core.worker.host_kv import HostKVStore
 from engine_core.worker.loader import (
     load_model,
-    load_weights,
     read_model_spec,
     resolve_dtype,
     weights_arena,
@@ -60,12 +59,7 @@ from engine_core.worker.model_runner import LaunchedStep, ModelRunner
 from engine_core.worker.pinned_memory import HostBuffer
 from engine_core.worker.sampler import Sampler
 from engine_core.worker.sleep import (
-    SLEEP_LEVELS,
-    WAKE_UP_TAGS,
-    PhaseClock,
     ReleasedWeights,
-    release_weights,
-    restore_weights,
 )
 from engine_core.worker.step_clock import StepClock
 from engine_core.worker.step_inputs import BatchLimits
@@ -76,7 +70,7 @@ logger = logging.getLogger("pdserve.engine")
 ConnectorPair = tuple[ConnectorScheduler, ConnectorWorker]
 
 
-class EngineCore:
+class EngineCore(SleepMode):
     """A complete engine for one model on one device, or on ``--tensor-parallel-size``
     devices: this process is then rank 0 (scheduler, sampler, outputs) and drives ranks
     1..N-1 (``parallel/rank_worker.py``, which build this same class) step by step."""
@@ -484,100 +478,6 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
-
-    # ---- sleep mode -------------------------------------------------------------------
-
-    @property
-    def sleep_level(self) -> int:
-        """0 awake, else the level the engine sleeps at (until weights and KV cache are
-        both back)."""
-        return self._sleep_level
-
-    def sleep(self, level: int = 1) -> dict[str, float]:
-        """Give back the device memory of the weights (level 1: a host copy is kept; level
-        2: not) and of the KV cache (its contents are dropped: the prefix cache is reset).
-        The CUDA graphs are kept: waking restores both at the same addresses. Only an idle
-        engine sleeps; asleep, it refuses requests until ``wake_up``. Sleeping again is a
-        no-op. Returns the seconds of each phase."""
-        if not self.config.model.enable_sleep_mode:
-            raise InvalidRequestError("sleep mode is off: start the engine with "
-                                      "--enable-sleep-mode")
-        if level not in SLEEP_LEVELS:
-            raise InvalidRequestError(f"sleep level must be one of {SLEEP_LEVELS}, got {level}",
-                                      "level")
-        if self._sleep_level:
-            return {}
-        if self.has_work() or self.has_transfer_state():
-            raise InvalidRequestError("the engine has requests or KV transfers in flight; "
-                                      "sleep when it is idle")
-        assert self.weights_arena is not None and self.kv_arena is not None
-        clock = PhaseClock()
-        free_before = self._free_device_bytes()
-        if self.host_kv is not None:
-            # Host memory keeps its blocks: valid after a level-1 wake-up (the same weights);
-            # a level-2 wake-up reloads the weights and drops them.
-            self.host_kv.drain()
-        self.kv_manager.reset_prefix_cache(keep_host=True)
-        self.connector_worker.release_kv_caches()
-        self.kv_arena.release()
-        self._kv_asleep = True
-        self._sleep_level = level
-        clock.lap("kv_cache_s")
-        self._asleep = release_weights(self.weights_arena, level, self._host_weights)
-        self._host_weights = self._asleep.host or self._host_weights
-        clock.lap("weights_s")
-        freed = (self._free_device_bytes() - free_before) / 2**30
-        logger.info("Sleep level %d took %.2f s (%s): %.2f GiB of device memory freed, "
-                    "%.2f GiB of weights kept in host memory", level, clock.total,
-                    clock.summary(), freed, self._asleep.host_bytes / 2**30)
-        return clock.phases
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, float]:
-        """Weights (host copy, or reloaded) and an empty KV cache back at their addresses;
-        the CUDA graphs replay as they were. ``tags`` (vLLM's): wake only ``weights`` or only
-        ``kv_cache`` (e.g. the weights first, to update them with the cache's memory still
-        free); None wakes both. The engine serves again once both are back. Waking what is
-        awake is a no-op. Returns the seconds of each phase."""
-        wanted = set(WAKE_UP_TAGS if tags is None else tags)
-        if not wanted or not wanted <= set(WAKE_UP_TAGS):
-            raise InvalidRequestError(f"wake_up tags must be among {list(WAKE_UP_TAGS)}, "
-                                      f"got {sorted(wanted)}", "tags")
-        clock = PhaseClock()
-        if "weights" in wanted and self._asleep is not None:
-            assert self.weights_arena is not None
-            restore_weights(self.weights_arena, self._asleep,
-                            lambda: load_weights(self.model, self.config.model, self.spec))
-            self._asleep = None
-            if self._sleep_level == 2 and self.kv_manager.host_tier is not None:
-                # Level 2 reloads the checkpoint, which may have changed meanwhile (vLLM's
-                # weight-update level): KV in host memory was computed with the old weights,
-                # and served it as prefix hits. Level 1 restores the same bytes and keeps it.
-                self.kv_manager.host_tier.clear()
-            clock.lap("weights_s")
-        if "kv_cache" in wanted and self._kv_asleep:
-            assert self.kv_arena is not None
-            self.kv_arena.restore()
-            self.kv_arena.tensor.zero_()
-            self.connector_worker.register_kv_caches(self.kv_caches)
-            if self.kv_arena.device.type == "cuda":
-                torch.cuda.synchronize(self.kv_arena.device)
-            self._kv_asleep = False
-            clock.lap("kv_cache_s")
-        if self._sleep_level and self._asleep is None and not self._kv_asleep:
-            self._sleep_level = 0
-        if clock.phases:
-            logger.info("Wake-up (%s) took %.2f s (%s)", ", ".join(sorted(wanted)),
-                        clock.total, clock.summary())
-        return clock.phases
-
-    def _free_device_bytes(self) -> int:
-        """Free memory on this engine's GPU (0 on CPU): arenas are outside PyTorch's counts."""
-        device = torch.device(self.device)
-        if device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info(device)[0]
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         request = self.scheduler.requests.get(request_id)

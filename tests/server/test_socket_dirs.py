@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from deploy.launch import free_port
+from engine_core import ipc_sockets
 from tests.integration.cluster_harness import alive, child_env
 from tests.server.conftest import kill_with_engines
 from tests.server.test_shutdown import _SCRIPT, _engine_pids
@@ -28,7 +29,7 @@ PREFIX = "pdserve-engine-"
 
 
 def _host_prefix() -> str:
-    from engine_core.engine_client import _host_prefix as host_prefix
+    from engine_core.ipc_sockets import host_prefix
 
     return host_prefix()
 
@@ -64,7 +65,7 @@ def _stale_dir(parent: Path, name: str, age_s: float = 120.0) -> Path:
 
 def test_only_directories_whose_sockets_refuse_connections_are_removed(
         tmpdir_short: Path) -> None:
-    from engine_core.engine_client import remove_stale_socket_dirs
+    from engine_core.ipc_sockets import remove_stale_socket_dirs
 
     host = _host_prefix()
     stale = _stale_dir(tmpdir_short, f"{host}1234-abcd")
@@ -202,16 +203,15 @@ def test_a_temp_dir_too_long_for_unix_sockets_falls_back_to_tmp(
     its sockets fit."""
     import zmq
 
-    from engine_core import engine_client
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    assert not engine_client._socket_path_fits(str(deep))
-    assert engine_client.socket_parent() == engine_client.SHORT_SOCKET_PARENT
-    made = Path(engine_client._make_socket_dir())
+    assert not ipc_sockets.socket_path_fits(str(deep))
+    assert ipc_sockets.socket_parent() == ipc_sockets.SHORT_SOCKET_PARENT
+    made = Path(ipc_sockets.make_socket_dir())
     try:
-        assert made.parent == Path(engine_client.SHORT_SOCKET_PARENT)
+        assert made.parent == Path(ipc_sockets.SHORT_SOCKET_PARENT)
         assert made.name.startswith(f"{_host_prefix()}{os.getpid()}-")
         for name in ("input", "output"):
             path = str(made / name)
@@ -223,34 +223,32 @@ def test_a_temp_dir_too_long_for_unix_sockets_falls_back_to_tmp(
 
     short = tmp_path / "s"
     short.mkdir()
-    if engine_client._socket_path_fits(str(short)):  # pytest's own tmp_path is short enough
+    if ipc_sockets.socket_path_fits(str(short)):  # pytest's own tmp_path is short enough
         monkeypatch.setattr(tempfile, "tempdir", str(short))
-        assert engine_client.socket_parent() == str(short)
+        assert ipc_sockets.socket_parent() == str(short)
 
 
 def test_no_parent_short_enough_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:
-    from engine_core import engine_client
     from engine_core.errors import ConfigError
 
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    monkeypatch.setattr(engine_client, "SHORT_SOCKET_PARENT", str(deep))
+    monkeypatch.setattr(ipc_sockets, "SHORT_SOCKET_PARENT", str(deep))
     with pytest.raises(ConfigError, match="set TMPDIR to a short writable directory"):
-        engine_client.socket_parent()
+        ipc_sockets.socket_parent()
 
 
 def test_long_host_names_keep_distinct_short_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hosts sharing a temp dir must never sweep each other's sockets: a long name is cut,
     and the hash of the whole name keeps names that differ only at the end apart."""
-    from engine_core import engine_client
 
     prefixes = []
     for name in ("a-very-long-statefulset-name.cluster.local-decode-0",
                  "a-very-long-statefulset-name.cluster.local-decode-1", "short-host"):
         monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
-        prefixes.append(engine_client._host_prefix())
+        prefixes.append(ipc_sockets.host_prefix())
     assert len(set(prefixes)) == 3
     assert prefixes[2] == "pdserve-engine-short-host-"
     assert all(len(p) <= len("pdserve-engine-") + 32 + 1 for p in prefixes)

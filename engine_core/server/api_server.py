@@ -32,6 +32,7 @@ from engine_core.grammar.prefetch import GrammarEngineImport
 from engine_core.models.generation_config import GenerationDefaults, load_generation_defaults
 from engine_core.server import protocol
 from engine_core.server.api_key import api_key_middleware
+from engine_core.server.client_request import request_id_of
 from engine_core.server.drain import drain
 from engine_core.server.http_errors import REQUEST_ID_KEY, error_middleware
 from engine_core.server.http_runner import DEFAULT_HEADER_TIMEOUT_S, EdgeAppRunner
@@ -40,7 +41,7 @@ from engine_core.server.loop_watch import LoopWatch
 from engine_core.server.metrics import ServerMetrics
 from engine_core.server.readiness import Readiness
 from engine_core.server.request_body import read_json_body
-from engine_core.server.serving import OpenAIServing, request_id_of
+from engine_core.server.serving import OpenAIServing
 from engine_core.server.tokenization import TokenizerService, preload_hf_tokenizer
 from engine_core.server.tools import ToolCallOptions
 from engine_core.version import package_version

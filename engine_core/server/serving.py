@@ -12,25 +12,25 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from engine_core.engine_client import AsyncEngineClient
-from engine_core.errors import InvalidRequestError, ModelNotFoundError
+from engine_core.errors import ModelNotFoundError
 from engine_core.grammar.prefetch import GrammarEngineImport
 from engine_core.kv_transfer_params import KVTransferParams
-from engine_core.messages import EngineOutput
 from engine_core.models.generation_config import GenerationDefaults
 from engine_core.output_processor import RequestDelta, RequestState, TokenTextCache
 from engine_core.request_limits import check_generated_ids
 from engine_core.sampling_params import SamplingParams, sample_seed
 from engine_core.server import protocol, streaming
+from engine_core.server.chat_serving import ChatCompletions
+from engine_core.server.client_request import check_client_connected
+from engine_core.server.first_token_answers import FirstTokenAnswers
 from engine_core.server.http_errors import REQUEST_ID_KEY
 from engine_core.server.jobs import (
     Job,
@@ -56,9 +56,6 @@ from engine_core.server.responses import (
     ChoiceResult,
     add_kv_transfer_params,
     add_server_timings,
-    chat_chunk,
-    chat_logprobs,
-    chat_role_chunk,
     chunk_sender,
     completion_chunk,
     completion_logprobs,
@@ -69,40 +66,11 @@ from engine_core.server.responses import (
 from engine_core.server.structured_fields import needs_grammar_engine
 from engine_core.server.timings import breakdown
 from engine_core.server.tokenization import TokenizerService
-from engine_core.server.tool_stream import ChatTools
 from engine_core.server.tools import ToolCallOptions
 
 logger = logging.getLogger("pdserve.server")
 
-_MAX_REQUEST_ID_LEN = 256
-
-
-def request_id_of(request: web.Request) -> str:
-    """The client's ``X-Request-Id`` when given (the proxy's transfer id), else a fresh one."""
-    given = request.headers.get("X-Request-Id", "").strip()
-    if not given:
-        return uuid.uuid4().hex
-    if len(given) > _MAX_REQUEST_ID_LEN or not given.isprintable():
-        raise InvalidRequestError("X-Request-Id must be printable and at most "
-                                  f"{_MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
-    return given
-
-
-def _check_client_connected(request: web.Request) -> None:
-    """Refuse to start engine work for a client already gone.
-
-    aiohttp cancels a running handler when its connection closes, which aborts its engine
-    requests; but a connection that closed before the handler started (a proxy that sent
-    a leg and abandoned it at once, say after its prefill worker died) cancels nothing, and
-    a decode request waiting for remote KV writes nothing that would fail: it stayed in
-    the engine, holding blocks, until its load timed out and it was recomputed for nobody."""
-    transport = request.transport
-    if transport is None or transport.is_closing():
-        raise ConnectionResetError("the client closed its connection before the request "
-                                   "started")
-
-
-class OpenAIServing:
+class OpenAIServing(ChatCompletions, FirstTokenAnswers):
     """Turns validated OpenAI requests into engine requests and responses."""
 
     def __init__(self, client: AsyncEngineClient, tokenizer: TokenizerService,
@@ -315,7 +283,7 @@ class OpenAIServing:
         jobs = self._jobs(engine_request_id(request_id), prompts, parsed.sampling_params,
                           parsed.kv_transfer_params, parsed.handoff)
         stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
-        _check_client_connected(request)
+        check_client_connected(request)
         events = self._run_jobs(jobs)
         head = {"id": f"cmpl-{request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
@@ -394,162 +362,3 @@ class OpenAIServing:
         text, prompt = self._token_texts.text, job.prompt_token_ids
         return echo_logprobs(prompt, choice.prompt_logprobs, text,
                              completion_logprobs(choice.logprobs, prompt_chars(prompt, text)))
-
-    # ---- /v1/chat/completions -----------------------------------------------------------
-
-    async def chat(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if needs_grammar_engine(body):
-            await self.grammar.ready()
-        parsed = protocol.parse_chat_request(body, self.generation)
-        model = self.check_model(parsed.model)
-        request_id = request[REQUEST_ID_KEY]
-        params = parsed.sampling_params
-        if parsed.tools is not None:
-            parsed.tools.check_auto(self.tool_calls)
-            if parsed.tools.keeps_special_tokens(self.tool_calls):
-                params = dataclasses.replace(params, skip_special_tokens=False)
-        prompt = await self.tokenizer.call(self.tokenizer.encode_chat, parsed.messages,
-                                           parsed.add_generation_prompt,
-                                           parsed.truncate_prompt_tokens, parsed.template)
-        jobs = self._jobs(engine_request_id(request_id), [prompt], params,
-                          parsed.kv_transfer_params, parsed.handoff)
-        tools = (None if parsed.tools is None or parsed.tools.choice == "none" else
-                 ChatTools(parsed.tools, self.tool_calls, request_id, prompt, len(jobs)))
-        stream = parsed.stream and not prefill_only(parsed.kv_transfer_params, parsed.handoff)
-        _check_client_connected(request)
-        events = self._run_jobs(jobs)
-        head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": model}
-        chunk_head = {**head, "object": "chat.completion.chunk"}
-        headers = {"X-Request-Id": request_id}
-        want_logprobs = parsed.sampling_params.logprobs is not None
-        choices = [ChoiceResult() for _ in jobs]
-        async with contextlib.aclosing(events):
-            if not stream:
-                async for index, delta in events:
-                    choices[index].add(delta)
-                response = {**head, "object": "chat.completion", "choices": [{
-                    "index": i, "message": (tools.message(i, c.text) if tools else
-                                            {"role": "assistant", "content": c.text}),
-                    "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-                    "finish_reason": (tools.finish_reason(i, c.finish_reason) if tools
-                                      else c.finish_reason),
-                    "stop_reason": c.stop_reason}
-                    for i, c in enumerate(choices)], "usage": usage(choices, jobs),
-                    **prompt_logprobs_field(choices[0].prompt_logprobs,
-                                            self._token_texts.text)}
-                if prefill_only(parsed.kv_transfer_params, parsed.handoff):
-                    response.update(for_decode_leg(choices, jobs))
-
-                def first_chunks(deltas: list[RequestDelta]) -> list[dict[str, Any]]:
-                    roles = [chat_role_chunk(chunk_head, i) for i in range(len(deltas))]
-                    if tools is not None:
-                        return [*roles, *(chunk for i, delta in enumerate(deltas)
-                                          for chunk in tools.chunks(chunk_head, i, delta,
-                                                                    want_logprobs))]
-                    return [*roles, *(chat_chunk(chunk_head, i, delta, want_logprobs)
-                                      for i, delta in enumerate(deltas) if worth_a_chunk(delta))]
-
-                return await self._json_answer(request, response, choices, jobs,
-                                               parsed.handoff, headers, first_chunks)
-            first = await anext(events, None)
-            sse = await streaming.start_sse(request, self.write_bound, headers)
-            send = chunk_sender(sse, parsed.continuous_usage, choices, jobs,
-                                parsed.handoff.stream_token_ids)
-            if tools is not None:  # the client has the text of handed-over tokens
-                for index, job in enumerate(jobs):
-                    if job.generated_token_ids:
-                        tools.prime(index, self._handed_text(job))
-            async with stream_ending(sse, request_id):
-                if not parsed.handoff.continues:  # else the client has the role chunk
-                    for index in range(len(jobs)):
-                        await send(chat_role_chunk(chunk_head, index))
-                item = first
-                while item is not None:
-                    index, delta = item
-                    choice = choices[index]
-                    choice.add(delta)
-                    chunks = (tools.chunks(chunk_head, index, delta, want_logprobs) if tools
-                              else [chat_chunk(chunk_head, index, delta, want_logprobs)]
-                              if worth_a_chunk(delta) else [])
-                    if chunks:
-                        if delta.finished:
-                            add_kv_transfer_params(chunks[-1], [choice])
-                            add_server_timings(chunks[-1], [choice])
-                        await send(chunks, index)
-                    item = await anext(events, None)
-                if parsed.include_usage:
-                    await streaming.send_event(sse, {**chunk_head, "choices": [],
-                                                     "usage": usage(choices, jobs)})
-            return sse.response
-
-    def _handed_text(self, job: Job) -> str:
-        """The text a stream already sent for a job's handed-over tokens."""
-        state = RequestState.create(job.request_id, job.prompt_token_ids, job.params,
-                                    self.tokenizer.tokenizer, self._token_texts)
-        state.assume_delivered(job.generated_token_ids)
-        return "".join(state.text_pieces)
-
-    # ---- first-token handoff (prefill worker) -------------------------------------------
-
-    def _first_delta(self, job: Job, choice: ChoiceResult) -> RequestDelta | None:
-        """What a stream would have sent for this answer's first token, had the request
-        gone on: its text with stop-string hold-back applied, not flushed as a finished
-        answer's is. None when nothing was sampled.
-
-        A token that stopped the request (EOS, a ``stop_token_ids`` entry) is processed as
-        the stop it is, so its text is dropped as a direct stream drops it (kept with
-        ``include_stop_str_in_output``); its finish is not sent: the decode worker,
-        continuing after the token, finds that it ends the request and sends the finish
-        (reason and stop reason) as a direct stream's last chunk carries it. A stop string
-        the token completes is handled alike: the text before it (with it, under
-        ``include_stop_str_in_output``) goes now, the finish from the decode worker."""
-        if not choice.token_ids:
-            return None
-        state = RequestState.create(job.request_id, job.prompt_token_ids, job.params,
-                                    self.tokenizer.tokenizer, self._token_texts)
-        # Stopped by the token itself; a stop string is found again by ``process``.
-        stopped = choice.finish_reason == "stop" and not isinstance(choice.stop_reason, str)
-        delta = state.process(EngineOutput(
-            request_id=job.request_id, new_token_ids=choice.token_ids[:1],
-            num_prompt_tokens=choice.num_prompt_tokens, num_cached_tokens=choice.num_cached_tokens,
-            finish_reason="stop" if stopped else None,
-            stop_reason=choice.stop_reason if stopped else None, new_logprobs=[]))
-        if delta is None:
-            return None
-        delta = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None,
-                                    needs_engine_abort=False, timings=None)
-        if job.params.logprobs is not None:
-            delta.logprobs = choice.logprobs[:1]
-        return delta
-
-    async def _json_answer(self, request: web.Request, response: dict[str, Any],
-                           choices: list[ChoiceResult], jobs: list[Job],
-                           handoff: protocol.Handoff, headers: dict[str, str],
-                           first_chunks: Callable[[list[RequestDelta]], list[dict[str, Any]]]
-                           ) -> web.StreamResponse:
-        """A non-streamed answer with its extras: the engine's transfer params, server
-        timings and, for a prefill worker asked for them, ``pdserve_first_token``: each
-        choice's token the decode worker continues after (``token_ids[i]`` for choice i)
-        and the stream events (``first_chunks`` of their deltas) that carry them to the
-        client, which the proxy sends as they are. Written
-        under the write bound as streams are: aiohttp's own final write waits without
-        limit on a client that does not read (n samples with logprobs make MBs)."""
-        add_kv_transfer_params(response, choices)
-        add_server_timings(response, choices)
-        if handoff.first_events:
-            firsts = [self._first_delta(job, choice) for job, choice in zip(jobs, choices,
-                                                                            strict=True)]
-            if all(first is not None for first in firsts):
-                deltas = [first for first in firsts if first is not None]
-                response["pdserve_first_token"] = {
-                    "token_ids": [delta.token_ids for delta in deltas],
-                    "events": first_chunks(deltas)}
-        body = json.dumps(response).encode()
-        out = web.StreamResponse(headers={"Content-Type": "application/json", **headers})
-        out.content_length = len(body)
-        await out.prepare(request)
-        stream = streaming.SSEStream(request, out, self.write_bound)
-        with contextlib.suppress(streaming.ClientStalledError):  # aborted, counted, logged
-            await stream.write(body)
-            await stream.write_eof()
-        return out

@@ -15,7 +15,8 @@ from typing import Any
 PLACEMENTS = re.compile(r'^pdserve:proxy_placements_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
 LOAD_FIELDS = ("num_running", "num_decoding", "num_waiting", "num_waiting_for_remote_kv",
                "num_prefill_tokens_queued", "prefill_tokens_per_s", "prefill_alone_tokens_per_s",
-               "decode_step_s", "decode_base_s", "decode_hidden_s", "kv_cache_usage")
+               "decode_step_s", "decode_base_s", "decode_hidden_s", "decode_per_row_s",
+               "kv_cache_usage")
 
 
 def _get(url: str) -> bytes:

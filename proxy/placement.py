@@ -31,6 +31,8 @@ full rate (its measured rate of steps without decodes, far above a mixed step's 
    decode-step target protects them (a worker started without one). It moves off D when:
    - ``tpot``: it harms D's decodes, fewer of P's, and P meets the TTFT target (or beats D);
    - ``ttft``: D would miss the TTFT target and P finishes sooner;
+   - ``lane``: a lane plan holds, P is in its prefill lane and meets the TTFT target (the
+     decode lane prefills only what the lane cannot take in time);
    - ``sooner``: P finishes sooner than D by more than the transfer's fixed cost.
    Otherwise it stays (``local_first``).
 
@@ -58,8 +60,9 @@ REASON_NO_WHOLE = "decode_only"   # D cannot serve whole requests: it must get t
 REASON_TPOT = "tpot"              # D has no decode-step target: its decodes would stall
 REASON_TTFT = "ttft"              # D would miss the TTFT target, P is sooner
 REASON_SOONER = "sooner"          # P finishes the prefill sooner than D
+REASON_LANE = "lane"              # a lane plan holds: P is in the prefill lane, within TTFT
 REASONS = (REASON_SHORT, REASON_CACHED, REASON_LOCAL, REASON_NO_PREFILL, REASON_NO_WHOLE,
-           REASON_TPOT, REASON_TTFT, REASON_SOONER)
+           REASON_TPOT, REASON_TTFT, REASON_SOONER, REASON_LANE)
 
 
 @dataclass(frozen=True)
@@ -296,6 +299,11 @@ def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int, config: Placeme
     remote_s = prefill_finish_s(prefill, prompt_tokens, config) + config.transfer_overhead_s
     if harm(prefill) < harm(decode) and remote_s <= max(local_s, config.slo_ttft_s):
         return moved(REASON_TPOT)
+    if prefill_lane and prefill.worker_id in prefill_lane and remote_s <= config.slo_ttft_s:
+        # The plan keeps the decode lane's steps to its decodes: a prompt computed there
+        # would run every step to the target (and hold its streams longer), so it goes to
+        # the lane while the lane meets the TTFT target, even when D would finish sooner.
+        return moved(REASON_LANE)
     if remote_s < local_s:
         return moved(REASON_TTFT if local_s > config.slo_ttft_s else REASON_SOONER)
     return local(REASON_LOCAL)

@@ -24,6 +24,7 @@ from proxy.lanes import (
 from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
     PLACEMENT_LOCAL,
+    REASON_LANE,
     PlacementConfig,
     WorkerSnapshot,
     place,
@@ -221,6 +222,15 @@ def test_placement_keeps_streams_off_the_lane_and_prefills_in_it() -> None:
                  snapshot("p", queued=400_000)]
     decision = place(busy_lane, 4096, TPOT_10, frozenset({"p"}))
     assert decision.placement == PLACEMENT_LOCAL and decision.decode == "x"
+    # A decode-lane worker with room to prefill still sends the prompt to the lane while the
+    # lane meets the TTFT target (its steps stay its decodes'); past that, it computes it.
+    light = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=20_000)]
+    decision = place(light, 4096, TPOT_10, frozenset({"p"}))
+    assert (decision.placement, decision.prefill, decision.reason) == (
+        PLACEMENT_DISAGGREGATED, "p", REASON_LANE)
+    late = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=60_000)]
+    decision = place(late, 4096, TPOT_10, frozenset({"p"}))
+    assert (decision.placement, decision.decode) == (PLACEMENT_LOCAL, "x")
     # Without a lane (the plan is replicas) every request is served whole, spread out.
     decision = place(workers, 4096, TPOT_10, frozenset())
     assert decision.placement == PLACEMENT_LOCAL and decision.decode == "p"

@@ -31,9 +31,10 @@ full rate (its measured rate of steps without decodes, far above a mixed step's 
    decode-step target protects them (a worker started without one). It moves off D when:
    - ``tpot``: it harms D's decodes, fewer of P's, and P meets the TTFT target (or beats D);
    - ``ttft``: D would miss the TTFT target and P finishes sooner;
-   - ``lane``: a lane plan holds, P is in its prefill lane and meets the TTFT target (the
-     decode lane prefills only what the lane cannot take in time);
-   - ``sooner``: P finishes sooner than D by more than the transfer's fixed cost.
+   - ``sooner``: P finishes sooner than D by more than the transfer's fixed cost;
+   - ``lane``: D finishes sooner, but a lane plan holds, D is outside its prefill lane, P is
+     in it (or cannot decode) and finishes within ``lane_ttft_share`` of the TTFT target (the
+     decode lane prefills only what the lane cannot take in time).
    Otherwise it stays (``local_first``).
 
 Ties go to the worker listed first: the caller rotates the list to share work evenly.
@@ -88,6 +89,9 @@ class PlacementConfig:
     # worker's steps carry only a block of prompt; below 1 for batches that grow between
     # heartbeats.
     decode_step_limit: float = 0.9
+    # While a lane plan holds, a prompt goes to the prefill lane if the lane is predicted to
+    # finish it within this share of the TTFT target (the rest is the lane queue's tail).
+    lane_ttft_share: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s", "default_prefill_tokens_per_s"):
@@ -97,6 +101,8 @@ class PlacementConfig:
             raise ValueError("short_prompt_tokens must be >= 0")
         if not 0 <= self.transfer_overhead_s < math.inf or not 0 < self.kv_full <= 1:
             raise ValueError("transfer_overhead_s must be >= 0 and kv_full in (0, 1]")
+        if not 0 < self.lane_ttft_share <= 1:
+            raise ValueError("lane_ttft_share must be in (0, 1]")
         if not (0 < self.tpot_headroom <= 1 and 0 < self.decode_step_limit <= 1):
             raise ValueError("tpot_headroom and decode_step_limit must be in (0, 1]")
 
@@ -299,11 +305,15 @@ def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int, config: Placeme
     remote_s = prefill_finish_s(prefill, prompt_tokens, config) + config.transfer_overhead_s
     if harm(prefill) < harm(decode) and remote_s <= max(local_s, config.slo_ttft_s):
         return moved(REASON_TPOT)
-    if prefill_lane and prefill.worker_id in prefill_lane and remote_s <= config.slo_ttft_s:
-        # The plan keeps the decode lane's steps to its decodes: a prompt computed there
-        # would run every step to the target (and hold its streams longer), so it goes to
-        # the lane while the lane meets the TTFT target, even when D would finish sooner.
-        return moved(REASON_LANE)
     if remote_s < local_s:
         return moved(REASON_TTFT if local_s > config.slo_ttft_s else REASON_SOONER)
+    if (prefill_lane and decode.worker_id not in prefill_lane
+            and (prefill.worker_id in prefill_lane
+                 or not (prefill.can(CAP_DECODE) or prefill.can(CAP_WHOLE)))
+            and harm(prefill) <= harm(decode)
+            and remote_s <= config.lane_ttft_share * config.slo_ttft_s):
+        # The plan keeps the decode lane's steps to its decodes: a prompt computed there
+        # would run every step to the target (and hold its streams longer), so it goes to
+        # the lane while the lane is well within the TTFT target, even when D is sooner.
+        return moved(REASON_LANE)
     return local(REASON_LOCAL)

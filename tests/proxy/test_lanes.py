@@ -25,6 +25,8 @@ from proxy.placement import (
     PLACEMENT_DISAGGREGATED,
     PLACEMENT_LOCAL,
     REASON_LANE,
+    REASON_LOCAL,
+    REASON_TTFT,
     PlacementConfig,
     WorkerSnapshot,
     place,
@@ -224,13 +226,24 @@ def test_placement_keeps_streams_off_the_lane_and_prefills_in_it() -> None:
     assert decision.placement == PLACEMENT_LOCAL and decision.decode == "x"
     # A decode-lane worker with room to prefill still sends the prompt to the lane while the
     # lane meets the TTFT target (its steps stay its decodes'); past that, it computes it.
-    light = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=20_000)]
+    # (x: 0.20 s; the lane: 0.35 s, within half the 1 s target.)
+    light = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=10_000)]
     decision = place(light, 4096, TPOT_10, frozenset({"p"}))
     assert (decision.placement, decision.prefill, decision.reason) == (
         PLACEMENT_DISAGGREGATED, "p", REASON_LANE)
-    late = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=60_000)]
+    late = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=30_000)]
     decision = place(late, 4096, TPOT_10, frozenset({"p"}))
-    assert (decision.placement, decision.decode) == (PLACEMENT_LOCAL, "x")
+    assert (decision.placement, decision.decode, decision.reason) == (
+        PLACEMENT_LOCAL, "x", REASON_LOCAL)
+    # Both miss the target: the sooner one, labelled as such.
+    full = [snapshot("x", decoding=30, step_s=0.0088), snapshot("p", queued=30_000)]
+    decision = place(full, 4096, TPOT_10, frozenset({"p"}))
+    assert (decision.placement, decision.prefill, decision.reason) == (
+        PLACEMENT_DISAGGREGATED, "p", REASON_TTFT)
+    # A D inside the lane (no decoder outside it is left) keeps the plain rules.
+    inside = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=10_000)]
+    decision = place(inside, 4096, TPOT_10, frozenset({"p", "x"}))
+    assert decision.reason != REASON_LANE
     # Without a lane (the plan is replicas) every request is served whole, spread out.
     decision = place(workers, 4096, TPOT_10, frozenset())
     assert decision.placement == PLACEMENT_LOCAL and decision.decode == "p"

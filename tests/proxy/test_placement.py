@@ -275,5 +275,8 @@ def test_config_is_checked() -> None:
         PlacementConfig(tpot_headroom=0)
     with pytest.raises(ValueError):
         PlacementConfig(decode_step_limit=1.5)
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="lane_ttft_share"):
+            PlacementConfig(lane_ttft_share=share)
     with pytest.raises(ValueError):
         PlacementConfig(slo_ttft_s=math.nan)

@@ -90,8 +90,9 @@ class PlacementConfig:
     # heartbeats.
     decode_step_limit: float = 0.9
     # While a lane plan holds, a prompt goes to the prefill lane if the lane is predicted to
-    # finish it within this share of the TTFT target (the rest is the lane queue's tail).
-    lane_ttft_share: float = 0.5
+    # finish it within this share of the TTFT target. A prompt the decode lane computes
+    # costs every one of its streams' TPOT, one late in the lane's queue only its own TTFT.
+    lane_ttft_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s", "default_prefill_tokens_per_s"):
@@ -314,6 +315,6 @@ def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int, config: Placeme
             and remote_s <= config.lane_ttft_share * config.slo_ttft_s):
         # The plan keeps the decode lane's steps to its decodes: a prompt computed there
         # would run every step to the target (and hold its streams longer), so it goes to
-        # the lane while the lane is well within the TTFT target, even when D is sooner.
+        # the lane while the lane meets the TTFT target, even when D is sooner.
         return moved(REASON_LANE)
     return local(REASON_LOCAL)

@@ -226,17 +226,17 @@ def test_placement_keeps_streams_off_the_lane_and_prefills_in_it() -> None:
     assert decision.placement == PLACEMENT_LOCAL and decision.decode == "x"
     # A decode-lane worker with room to prefill still sends the prompt to the lane while the
     # lane meets the TTFT target (its steps stay its decodes'); past that, it computes it.
-    # (x: 0.20 s; the lane: 0.35 s, within half the 1 s target.)
-    light = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=10_000)]
+    # (x: 0.20 s; the lane: 0.84 s, within the 1 s target.)
+    light = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=30_000)]
     decision = place(light, 4096, TPOT_10, frozenset({"p"}))
     assert (decision.placement, decision.prefill, decision.reason) == (
         PLACEMENT_DISAGGREGATED, "p", REASON_LANE)
-    late = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=30_000)]
+    late = [snapshot("x", decoding=2, step_s=0.0045), snapshot("p", queued=60_000)]
     decision = place(late, 4096, TPOT_10, frozenset({"p"}))
     assert (decision.placement, decision.decode, decision.reason) == (
         PLACEMENT_LOCAL, "x", REASON_LOCAL)
     # Both miss the target: the sooner one, labelled as such.
-    full = [snapshot("x", decoding=30, step_s=0.0088), snapshot("p", queued=30_000)]
+    full = [snapshot("x", decoding=30, step_s=0.0088), snapshot("p", queued=60_000)]
     decision = place(full, 4096, TPOT_10, frozenset({"p"}))
     assert (decision.placement, decision.prefill, decision.reason) == (
         PLACEMENT_DISAGGREGATED, "p", REASON_TTFT)

@@ -205,6 +205,17 @@ def over_target(worker: WorkerSnapshot, config: PlacementConfig) -> bool:
     return worker.step_s > config.decode_step_limit * config.slo_tpot_s
 
 
+def decodes(worker: WorkerSnapshot) -> bool:
+    """Whether ``worker`` can take a stream (decode one prefilled elsewhere, or serve whole)."""
+    return worker.can(CAP_DECODE) or worker.can(CAP_WHOLE)
+
+
+def in_prefill_lane(worker: WorkerSnapshot, prefill_lane: frozenset[str]) -> bool:
+    """Whether ``worker`` prefills for the lane plan: one of its lane, or one that cannot
+    decode (it takes no streams either way)."""
+    return worker.worker_id in prefill_lane or not decodes(worker)
+
+
 def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
                   config: PlacementConfig,
                   prefill_lane: frozenset[str] | None = None) -> WorkerSnapshot:
@@ -212,7 +223,7 @@ def choose_decode(workers: Sequence[WorkerSnapshot], prompt_tokens: int,
     while another can take it; spread over the others when a lane plan holds). A worker
     that cannot serve whole takes it only when another can prefill for it, or none other
     can decode it."""
-    decoders = [w for w in workers if w.can(CAP_DECODE) or w.can(CAP_WHOLE)]
+    decoders = [w for w in workers if decodes(w)]
     if not decoders:
         raise NoPlacementError("no worker can decode this request")
     prefillers = sum(w.can(CAP_PREFILL) for w in workers)
@@ -246,8 +257,7 @@ def choose_prefill(workers: Sequence[WorkerSnapshot], decode: WorkerSnapshot,
     any other only for a D that cannot serve whole (its KV must come from elsewhere)."""
     others = [w for w in workers if w.can(CAP_PREFILL) and w.worker_id != decode.worker_id]
     if prefill_lane is not None:
-        lane = [w for w in others if w.worker_id in prefill_lane
-                or not (w.can(CAP_DECODE) or w.can(CAP_WHOLE))]
+        lane = [w for w in others if in_prefill_lane(w, prefill_lane)]
         others = lane if lane or decode.can(CAP_WHOLE) else others
     if not others:
         return None
@@ -309,9 +319,7 @@ def place(workers: Sequence[WorkerSnapshot], prompt_tokens: int, config: Placeme
     if remote_s < local_s:
         return moved(REASON_TTFT if local_s > config.slo_ttft_s else REASON_SOONER)
     if (prefill_lane and decode.worker_id not in prefill_lane
-            and (prefill.worker_id in prefill_lane
-                 or not (prefill.can(CAP_DECODE) or prefill.can(CAP_WHOLE)))
-            and harm(prefill) <= harm(decode)
+            and in_prefill_lane(prefill, prefill_lane) and harm(prefill) <= harm(decode)
             and remote_s <= config.lane_ttft_share * config.slo_ttft_s):
         # The plan keeps the decode lane's steps to its decodes: a prompt computed there
         # would run every step to the target (and hold its streams longer), so it goes to

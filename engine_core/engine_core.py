@@ -437,10 +437,10 @@ class EngineCore(SleepMode):
 
     def get_stats(self) -> EngineStats:
         scheduler, rates = self.scheduler, self.scheduler.step_rates
-        counters = scheduler.counters
+        counters, decoding = scheduler.counters, scheduler.num_decoding
         return EngineStats(
             num_running=len(scheduler.running),
-            num_decoding=scheduler.num_decoding,
+            num_decoding=decoding,
             num_waiting=scheduler.num_waiting,
             num_waiting_for_remote_kv=len(scheduler.parked),
             kv_cache_usage=self.kv_manager.usage,
@@ -461,7 +461,7 @@ class EngineCore(SleepMode):
             sleep_level=self.sleep_level,
             num_prefill_tokens_queued=scheduler.queued_prefill_tokens(),
             prefill_tokens_per_s=rates.prefill_tokens_per_s,
-            decode_step_s=rates.decode_part_s(scheduler.num_decoding),
+            decode_step_s=rates.decode_part_s(decoding),
             prefill_alone_tokens_per_s=rates.prefill_alone_tokens_per_s,
             decode_base_s=rates.decode_base_s, decode_hidden_s=rates.hidden_s,
             decode_per_row_s=rates.decode_per_row_s,

@@ -28,12 +28,6 @@ from tests.server.test_shutdown import _SCRIPT, _engine_pids
 PREFIX = "pdserve-engine-"
 
 
-def _host_prefix() -> str:
-    from engine_core.ipc_sockets import host_prefix
-
-    return host_prefix()
-
-
 def _age(path: Path, seconds: float = 120.0) -> None:
     """Make ``path`` look untouched for ``seconds`` (younger ones are never swept)."""
     then = time.time() - seconds
@@ -67,7 +61,7 @@ def test_only_directories_whose_sockets_refuse_connections_are_removed(
         tmpdir_short: Path) -> None:
     from engine_core.ipc_sockets import remove_stale_socket_dirs
 
-    host = _host_prefix()
+    host = ipc_sockets.host_prefix()
     stale = _stale_dir(tmpdir_short, f"{host}1234-abcd")
     live = _stale_dir(tmpdir_short, f"{host}99-live")
     (live / "output").unlink()
@@ -155,7 +149,7 @@ def test_the_next_server_removes_what_a_killed_server_left(tmpdir_short: Path) -
         first.communicate(timeout=30)
         assert _wait_gone(first_engines), "the engine outlived its API process"
         assert first_dir.is_dir(), "SIGKILL left nothing behind? the test proves nothing"
-        assert first_dir.name.startswith(_host_prefix())
+        assert first_dir.name.startswith(ipc_sockets.host_prefix())
         _age(first_dir)  # younger directories are never swept (a server may be starting)
 
         second = _start_server(tmpdir_short)
@@ -168,7 +162,7 @@ def test_the_next_server_removes_what_a_killed_server_left(tmpdir_short: Path) -
         assert second.returncode == 0, output
         assert "removed 1 stale engine socket director" in output, output
         assert _socket_dirs(tmpdir_short) == set()
-        assert second_dir.name.startswith(f"{_host_prefix()}{second.pid}-")  # host, API pid
+        assert second_dir.name.startswith(f"{ipc_sockets.host_prefix()}{second.pid}-")  # host, API pid
     finally:
         _stop([p for p in (first, second) if p is not None], engines)
 
@@ -212,7 +206,7 @@ def test_a_temp_dir_too_long_for_unix_sockets_falls_back_to_tmp(
     made = Path(ipc_sockets.make_socket_dir())
     try:
         assert made.parent == Path(ipc_sockets.SHORT_SOCKET_PARENT)
-        assert made.name.startswith(f"{_host_prefix()}{os.getpid()}-")
+        assert made.name.startswith(f"{ipc_sockets.host_prefix()}{os.getpid()}-")
         for name in ("input", "output"):
             path = str(made / name)
             assert len(path.encode()) <= zmq.IPC_PATH_MAX_LEN
